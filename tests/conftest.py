@@ -1,0 +1,32 @@
+"""Shared test setup: CPU, fp32, deterministic; the Triton interpreter when no GPU is present."""
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+# Triton reads TRITON_INTERPRET when a kernel is defined, so set it before any test imports kernels.py.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    yield
+
+
+def write_jsonl(path: Path, texts, meta_set="RedPajamaCommonCrawl"):
+    """A small SlimPajama-style shard: {"text": ..., "meta": {"redpajama_set_name": ...}} per line."""
+    import json
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for t in texts:
+            f.write(json.dumps({"text": t, "meta": {"redpajama_set_name": meta_set}}) + "\n")
+    return path
