@@ -6,7 +6,7 @@ Ops
   multi_lora            y[t] = B[idx[t]] @ (A[idx[t]] @ x[t]): one LoRA per row (BGMV/SGMV, as punica and vLLM),
                         what continuous depth-wise batching needs (rows sit at different loops). idx = -1: no adapter.
   multi_lora_segments   the same for rows sorted by adapter (prefill).
-  attention_lse         masked attention that also returns the log-sum-exp of each query row.
+  attention_lse         masked attention that also returns the log-sum-exp of each query row (any mask: reference).
   merge_lse             exact merge of two attentions over disjoint key sets into one softmax.
   block_local_attention causal attention inside each block only (double decoder, Block Transformer token decoder).
   gated_swa             PLT's gated sliding-window attention (Algorithm 3 of the PLT paper), prefill form.
@@ -14,37 +14,108 @@ Ops
   dual_attention        one softmax over within-block self keys and earlier-block cross keys (double decoder).
 
 Dispatch: each op runs its Triton kernel when the inputs are CUDA tensors, Triton imports, no input needs a gradient,
-and KERNELS_FALLBACK=1 is not set; otherwise the reference. Training therefore runs through the references (which
-autograd differentiates); inference (generate, serve) runs the kernels.
+and KERNELS_FALLBACK=1 is not set (and the kernel handles the dtype and sizes: fp16/bf16/fp32, head dim <= 256, LoRA
+rank <= 256); otherwise the reference. Training therefore runs through the references (which autograd
+differentiates); inference (generate, serve) runs the kernels. The kernels themselves are public
+(`multi_lora_triton`, `multi_lora_segments_triton`, `block_local_attention_triton`, `gated_swa_triton`,
+`gated_swa_decode_triton`, `dual_attention_triton`), so the tests run them on CPU tensors under TRITON_INTERPRET=1.
+No kernel wrapper synchronizes with the host (no .item()), so they can be captured in CUDA graphs.
+
+How the kernels work (each section says more)
+  * Multi-LoRA: two kernels, as vLLM's lora_shrink / lora_expand. The shrink h = x A^T splits the input dimension
+    over programs and writes fp32 partial sums (deterministic, no atomics); the expand sums the partials and
+    multiplies by B^T. Both grids run over (adapter, row tile, ...): a program loads one adapter's weight tile once
+    and applies it to the rows of its tile that use that adapter, so an adapter's weights are read once per row tile
+    rather than once per row, and programs whose tile has no row of their adapter return at once.
+  * Attention (block-local, gated SWA, dual): a FlashAttention-2 style forward. Online softmax in base 2 with fp32
+    statistics and accumulators; bf16/fp16 tensor-core dots; fp32 inputs use IEEE dots so that fp32 results match
+    the references to ~1e-6. A program owns a tile of (query, head) rows in which the G = H / H_kv query heads that
+    share one K/V head are packed side by side ("GQA packing"): K/V are never copied and each K/V tile is loaded once
+    for the whole group, which also fills the tensor-core tile when there is one query (decode). Key tiles that no
+    row can see are never loaded, and key tiles that every row sees run without a mask.
+  * Head dims that are not powers of two are padded to the next power of two (>= 16) with masked loads.
 
 Run:
     python kernels.py --bench          # time each kernel against its reference and the best stock alternative
-    TRITON_INTERPRET=1 pytest tests/test_kernels.py   # the kernels on CPU tensors, against the references
+    TRITON_INTERPRET=1 python -m pytest -q tests/test_kernels.py   # the kernels on CPU tensors, against the references
 """
 from __future__ import annotations
 
+import argparse
+import functools
 import math
 import os
+import time
 
 import torch
 import torch.nn.functional as F
 
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton: the references still work and use_triton() says False
+    triton = tl = None
+
 NEG_INF = float("-inf")
+LOG2E = 1.4426950408889634  # the kernels work in base 2 (exp2 is one instruction); their lse is converted back
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256  # wider heads would not fit a tile in registers: they run the reference
+MAX_LORA_RANK = 256  # likewise for the LoRA rank
+
+
+def _jit(fn):
+    """triton.jit when Triton is installed (an interpreted function under TRITON_INTERPRET=1), else the bare function."""
+    return triton.jit(fn) if triton is not None else fn
+
+
+def _all_cuda(tensors) -> bool:
+    return all(t.is_cuda for t in tensors)
 
 
 def use_triton(*tensors) -> bool:
     """True when the Triton kernels should run on these inputs (see the module docstring)."""
     if os.environ.get("KERNELS_FALLBACK", "0") == "1":
         return False
-    if not all(t.is_cuda for t in tensors if isinstance(t, torch.Tensor)):
+    tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+    if not _all_cuda(tensors):
         return False
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors if isinstance(t, torch.Tensor)):
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
+    return triton is not None
+
+
+def _kernel_fits(*tensors, head_dim=None, rank=None) -> bool:
+    """The floating inputs share one dtype the kernels handle, and the head dim / LoRA rank fit a tile."""
+    floats = [t for t in tensors if t.is_floating_point()]
+    if not floats or floats[0].dtype not in KERNEL_DTYPES or any(t.dtype != floats[0].dtype for t in floats):
         return False
-    return True
+    return (head_dim is None or head_dim <= MAX_HEAD_DIM) and (rank is None or rank <= MAX_LORA_RANK)
+
+
+def _pow2(n: int, lo: int = 16) -> int:
+    """Smallest power of two >= max(n, lo): Triton tiles are powers of two, and tl.dot needs at least 16."""
+    return max(lo, 1 << max(0, int(n) - 1).bit_length())
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _dot_precision(dtype) -> str:
+    """fp32 inputs: exact IEEE products (CUDA cores); bf16/fp16 ignore the setting and use the tensor cores."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (132 on an H100 SXM); 4 for the CPU interpreter (few programs)."""
+    if device.type != "cuda":
+        return 4
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -67,11 +138,6 @@ def multi_lora_ref(x, A, B, idx):
     return y[:, 0] if squeeze else y
 
 
-def multi_lora(x, A, B, idx):
-    """Dispatch for multi_lora_ref (same contract)."""
-    return multi_lora_ref(x, A, B, idx)
-
-
 def multi_lora_segments_ref(x, A, B, seg_starts, seg_adapters):
     """Reference. x (N, in) with rows sorted by adapter; segment s covers rows seg_starts[s]:seg_starts[s+1] and uses
     adapter seg_adapters[s] (-1 = none); seg_starts (S + 1,) long with seg_starts[-1] = N. -> delta (N, out)."""
@@ -80,8 +146,193 @@ def multi_lora_segments_ref(x, A, B, seg_starts, seg_adapters):
     return multi_lora_ref(x, A, B, idx)
 
 
+# Kernels. Rows are the M = N*T token rows of x viewed as (M, in); row m uses adapter idx[m // T] (BGMV), or the
+# adapter of its segment (SGMV). The shrink writes h (splits, M, r) in fp32; the expand reads it back, rounds it to
+# the input dtype (as the reference's first bmm does) and multiplies by B^T.
+
+
+@_jit
+def _lora_rows(pid_a, pid_m, idx_ptr, seg_ptr, seg_adapter_ptr, M, T,
+               SEGMENTED: tl.constexpr, ZERO_PROGRAM: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The rows that program (pid_a, pid_m) owns -> (adapter, rows (int64), row_ok).
+
+    BGMV: program a owns the rows m of row tile pid_m with idx[m // T] == a. With ZERO_PROGRAM the grid has one
+    program more in front, a = -1, which owns the rows without an adapter (the expand writes their zeros).
+    SGMV: program s owns rows seg_starts[s] + pid_m * BLOCK_M + (0..BLOCK_M-1) that lie inside segment s.
+    """
+    offs = tl.arange(0, BLOCK_M)
+    if SEGMENTED:
+        adapter = tl.load(seg_adapter_ptr + pid_a)
+        seg_end = tl.load(seg_ptr + pid_a + 1)
+        rows = tl.load(seg_ptr + pid_a) + pid_m * BLOCK_M + offs
+        row_ok = rows < seg_end
+    else:
+        if ZERO_PROGRAM:
+            adapter = pid_a - 1
+        else:
+            adapter = pid_a
+        rows = pid_m * BLOCK_M + offs
+        ids = tl.load(idx_ptr + rows // T, mask=rows < M, other=-2)
+        row_ok = (rows < M) & (ids == adapter)
+    return adapter, rows.to(tl.int64), row_ok
+
+
+@_jit
+def _lora_shrink_kernel(x_ptr, a_ptr, h_ptr, idx_ptr, seg_ptr, seg_adapter_ptr,
+                        M, K, R, T, K_PER_SPLIT,
+                        stride_xm, stride_xk, stride_aa, stride_ar, stride_ak, stride_hs, stride_hm,
+                        SEGMENTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                        BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr):
+    """h[split, m, :] = x[m, chunk] @ A[adapter, :, chunk]^T for one (adapter, row tile, input chunk).
+    Grid (n_adapters | segments, row tiles, splits)."""
+    pid_a, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    adapter, rows, row_ok = _lora_rows(pid_a, pid_m, idx_ptr, seg_ptr, seg_adapter_ptr, M, T, SEGMENTED, False,
+                                       BLOCK_M)
+    if (adapter < 0) | (tl.max(row_ok.to(tl.int32), 0) == 0):
+        return  # no row of this tile uses this adapter (or "no adapter": the expand writes those zeros)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = offs_r < R
+    a_base = a_ptr + adapter.to(tl.int64) * stride_aa
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    k_lo = pid_k * K_PER_SPLIT
+    k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < k_hi
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # (BM, BK); other adapters' rows not read
+        a = tl.load(a_base + offs_k[:, None] * stride_ak + offs_r[None, :] * stride_ar,
+                    mask=k_ok[:, None] & r_ok[None, :], other=0.0)  # (BK, BR): a tile of A^T
+        acc = tl.dot(x, a, acc, input_precision=DOT_PREC)
+    tl.store(h_ptr + pid_k * stride_hs + rows[:, None] * stride_hm + offs_r[None, :], acc,
+             mask=row_ok[:, None] & r_ok[None, :])
+
+
+@_jit
+def _lora_expand_kernel(h_ptr, b_ptr, y_ptr, idx_ptr, seg_ptr, seg_adapter_ptr,
+                        M, N_OUT, R, T, SPLIT_K,
+                        stride_hs, stride_hm, stride_ba, stride_bn, stride_br, stride_ym, stride_yn,
+                        SEGMENTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_R: tl.constexpr, DOT_PREC: tl.constexpr):
+    """y[m, n-tile] = round(sum_split h[split, m]) @ B[adapter, n-tile, :]^T, or zeros for rows without an adapter.
+    Grid (1 + n_adapters | segments, row tiles, output tiles)."""
+    pid_a, pid_m, pid_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    adapter, rows, row_ok = _lora_rows(pid_a, pid_m, idx_ptr, seg_ptr, seg_adapter_ptr, M, T, SEGMENTED, True,
+                                       BLOCK_M)
+    if tl.max(row_ok.to(tl.int32), 0) == 0:
+        return
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N_OUT
+    y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :] * stride_yn
+    y_mask = row_ok[:, None] & n_ok[None, :]
+    if adapter < 0:
+        tl.store(y_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=y_ptr.dtype.element_ty), mask=y_mask)
+    else:
+        offs_r = tl.arange(0, BLOCK_R)
+        r_ok = offs_r < R
+        h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for s in range(SPLIT_K):
+            h += tl.load(h_ptr + s * stride_hs + rows[:, None] * stride_hm + offs_r[None, :],
+                         mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+        bt = tl.load(b_ptr + adapter.to(tl.int64) * stride_ba + offs_r[:, None] * stride_br
+                     + offs_n[None, :] * stride_bn, mask=r_ok[:, None] & n_ok[None, :], other=0.0)  # (BR, BN): B^T
+        y = tl.dot(h.to(bt.dtype), bt, input_precision=DOT_PREC)
+        tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+def _check_lora(x, A, B):
+    if x.dim() not in (2, 3) or A.dim() != 3 or B.dim() != 3:
+        raise ValueError(f"multi_lora: x must be (N, in) or (N, T, in), A (n, r, in), B (n, out, r); got "
+                         f"{tuple(x.shape)}, {tuple(A.shape)}, {tuple(B.shape)}")
+    if A.size(0) != B.size(0) or A.size(2) != x.size(-1) or B.size(2) != A.size(1):
+        raise ValueError(f"multi_lora: shapes do not chain: x {tuple(x.shape)}, A {tuple(A.shape)}, "
+                         f"B {tuple(B.shape)}")
+    if A.size(1) > MAX_LORA_RANK:
+        raise ValueError(f"multi_lora kernel: rank {A.size(1)} > {MAX_LORA_RANK}; use multi_lora_ref")
+
+
+def _lora_launch(x2, A, B, idx, seg_starts, seg_adapters, T, split_k, block_m):
+    """Shrink + expand on x2 (M, in). BGMV when seg_starts is None (idx per group of T rows), else SGMV."""
+    segmented = seg_starts is not None
+    M, K = x2.shape
+    n, R, N_OUT = A.size(0), A.size(1), B.size(1)
+    y = torch.empty(M, N_OUT, dtype=x2.dtype, device=x2.device)
+    if M == 0 or N_OUT == 0:
+        return y
+    programs = seg_adapters.numel() if segmented else n
+    fp32 = x2.dtype == torch.float32
+    BLOCK_M = block_m or (16 if M <= 16 else 32 if M <= 32 else 64)
+    BLOCK_R = _pow2(R)
+    BLOCK_K = 32 if fp32 else 64
+    BLOCK_N = 64 if (fp32 or M <= 64) else 128
+    row_tiles = _cdiv(M, BLOCK_M)
+    k_tiles = max(1, _cdiv(K, BLOCK_K))
+    if split_k is None:  # enough programs to fill the GPU when there are few rows (decode); at most 8 partials
+        busy = row_tiles * max(1, min(programs, 8))
+        split_k = max(1, min(8, k_tiles, _num_sms(x2.device) // busy))
+    k_per_split = _cdiv(k_tiles, split_k) * BLOCK_K
+    split_k = max(1, _cdiv(K, k_per_split))
+    h = torch.empty(split_k, M, R, dtype=torch.float32, device=x2.device)
+    if segmented:
+        idx_arg, seg_arg, adp_arg = seg_starts, seg_starts, seg_adapters
+    else:
+        idx_arg, seg_arg, adp_arg = idx, idx, idx
+    prec = _dot_precision(x2.dtype)
+    stages = 2 if fp32 else 3
+    if programs > 0 and R > 0:
+        _lora_shrink_kernel[(programs, row_tiles, split_k)](
+            x2, A, h, idx_arg, seg_arg, adp_arg, M, K, R, T, k_per_split,
+            x2.stride(0), x2.stride(1), A.stride(0), A.stride(1), A.stride(2), h.stride(0), h.stride(1),
+            SEGMENTED=segmented, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, DOT_PREC=prec,
+            num_warps=4, num_stages=stages)
+    else:
+        h.zero_()
+    expand_programs = programs if segmented else programs + 1
+    if expand_programs > 0:
+        _lora_expand_kernel[(expand_programs, row_tiles, _cdiv(N_OUT, BLOCK_N))](
+            h, B, y, idx_arg, seg_arg, adp_arg, M, N_OUT, R, T, split_k,
+            h.stride(0), h.stride(1), B.stride(0), B.stride(1), B.stride(2), y.stride(0), y.stride(1),
+            SEGMENTED=segmented, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R, DOT_PREC=prec,
+            num_warps=4, num_stages=stages)
+    return y
+
+
+def multi_lora_triton(x, A, B, idx, *, split_k=None, block_m=None):
+    """Triton BGMV: same contract as multi_lora_ref. split_k / block_m override the launch heuristics (tests).
+    idx must lie in [-1, n_adapters) (not checked: that would synchronize)."""
+    _check_lora(x, A, B)
+    if idx.shape != (x.size(0),):
+        raise ValueError(f"multi_lora: idx must be ({x.size(0)},), got {tuple(idx.shape)}")
+    squeeze = x.dim() == 2
+    N, T = x.size(0), 1 if squeeze else x.size(1)
+    y = _lora_launch(x.reshape(N * T, x.size(-1)), A, B, idx, None, None, T, split_k, block_m)
+    return y if squeeze else y.view(N, T, -1)
+
+
+def multi_lora_segments_triton(x, A, B, seg_starts, seg_adapters, *, split_k=None, block_m=None):
+    """Triton SGMV: same contract as multi_lora_segments_ref (seg_starts[0] = 0, seg_starts[-1] = N; not checked)."""
+    _check_lora(x, A, B)
+    if x.dim() != 2:
+        raise ValueError(f"multi_lora_segments: x must be (N, in), got {tuple(x.shape)}")
+    if seg_starts.dim() != 1 or seg_adapters.shape != (seg_starts.numel() - 1,):
+        raise ValueError(f"multi_lora_segments: seg_starts (S+1,) and seg_adapters (S,) expected; got "
+                         f"{tuple(seg_starts.shape)}, {tuple(seg_adapters.shape)}")
+    if seg_adapters.numel() == 0 and x.size(0) > 0:
+        raise ValueError("multi_lora_segments: no segments for a non-empty x")
+    return _lora_launch(x, A, B, None, seg_starts, seg_adapters, 1, split_k, block_m)
+
+
+def multi_lora(x, A, B, idx):
+    """Dispatch for multi_lora_ref (same contract)."""
+    if use_triton(x, A, B, idx) and _kernel_fits(x, A, B, rank=A.size(1)):
+        return multi_lora_triton(x, A, B, idx)
+    return multi_lora_ref(x, A, B, idx)
+
+
 def multi_lora_segments(x, A, B, seg_starts, seg_adapters):
     """Dispatch for multi_lora_segments_ref (same contract)."""
+    if use_triton(x, A, B, seg_starts, seg_adapters) and _kernel_fits(x, A, B, rank=A.size(1)):
+        return multi_lora_segments_triton(x, A, B, seg_starts, seg_adapters)
     return multi_lora_segments_ref(x, A, B, seg_starts, seg_adapters)
 
 
@@ -111,6 +362,12 @@ def attention_lse_ref(q, k, v, mask, scale=None):
     return out.to(q.dtype), lse
 
 
+def attention_lse(q, k, v, mask, scale=None):
+    """Dispatch for attention_lse_ref. An arbitrary dense mask has no tile structure for a kernel to exploit, so this
+    is always the reference; the structured masks have kernels (block_local_attention, gated_swa, dual_attention)."""
+    return attention_lse_ref(q, k, v, mask, scale)
+
+
 def merge_lse(o1, l1, o2, l2):
     """Exact softmax over the union of two disjoint key sets: o = e^(l1-l) o1 + e^(l2-l) o2, l = logaddexp(l1, l2).
 
@@ -122,6 +379,132 @@ def merge_lse(o1, l1, o2, l2):
     w2 = torch.exp(l2 - safe).nan_to_num(nan=0.0)[..., None]
     acc = torch.promote_types(o1.dtype, torch.float32)
     return (w1 * o1.to(acc) + w2 * o2.to(acc)).to(o1.dtype), l
+
+
+# Building blocks of the attention kernels. Scores are kept in base 2: s = (q . k) * scale * log2(e), so that
+# softmax uses exp2; m (running max) is in the same units, and lse = (m + log2(l)) * ln(2) at the end.
+
+
+@_jit
+def _query_rows(pid_m, hk, T, G: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The rows of query tile pid_m: BLOCK_M // G queries times the G query heads of K/V head hk (GQA packing).
+    -> t (query index), h (query head), row_ok."""
+    r = tl.arange(0, BLOCK_M)
+    t = pid_m * (BLOCK_M // G) + r // G
+    h = hk * G + r % G
+    return t, h, (r < (BLOCK_M // G) * G) & (t < T)
+
+
+@_jit
+def _row_ptrs(base, t, h, stride_t, stride_h, offs_d, stride_d):
+    return base + t.to(tl.int64)[:, None] * stride_t + h[:, None] * stride_h + offs_d[None, :] * stride_d
+
+
+@_jit
+def _softmax_step(acc, m_i, l_i, s, v, DOT_PREC: tl.constexpr):
+    """One online-softmax update with a score tile s (BM, BN) (base 2, -inf = masked) and its values v (BN, BD)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet: p = 0, never NaN
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
+    return acc, m_new, l_i
+
+
+@_jit
+def _finish(acc, m_i, l_i):
+    """-> out = acc / l (0 on rows with no visible key), lse in natural log (-inf on those rows)."""
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
+    return out, lse
+
+
+@_jit
+def _attend_keys(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, offs_d, d_ok,
+                 row_lo, row_hi, start, stop, n_keys, qk_scale,
+                 MASKED: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Key tiles [start, stop) of one K/V head. Row i sees keys row_lo[i] <= j <= row_hi[i]; the mask is applied
+    only when MASKED (an unmasked range must be visible to every row)."""
+    for n0 in range(start, stop, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        kv_ok = (offs_n < n_keys)[:, None] & d_ok[None, :]
+        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_ok, other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_ok, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+        if MASKED:
+            vis = (offs_n[None, :] >= row_lo[:, None]) & (offs_n[None, :] <= row_hi[:, None])
+            s = tl.where(vis, s, float("-inf"))
+        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, v, DOT_PREC)
+    return acc, m_i, l_i
+
+
+@_jit
+def _attend_interval(q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, offs_d, d_ok,
+                     row_lo, row_hi, row_ok, n_keys, qk_scale,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Attention of a row tile over keys where row i sees the interval row_lo[i] <= j <= row_hi[i] (causal,
+    block-local and sliding-window masks are all of this form). -> acc, m, l of the online softmax.
+
+    Only key tiles inside the union of the rows' intervals are visited, and those inside their intersection (seen
+    by every row) run without a mask: [start, mid_lo) masked, [mid_lo, mid_hi) unmasked, [mid_hi, stop) masked.
+    """
+    lo_any = tl.maximum(tl.min(tl.where(row_ok, row_lo, n_keys), 0), 0)
+    stop = tl.minimum(tl.max(tl.where(row_ok, row_hi, -1), 0) + 1, n_keys)
+    lo_all = tl.max(tl.where(row_ok, row_lo, 0), 0)
+    hi_all = tl.min(tl.where(row_ok, row_hi, n_keys), 0) + 1
+    start = (lo_any // BLOCK_N) * BLOCK_N
+    full_lo = ((lo_all + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+    full_hi = (hi_all // BLOCK_N) * BLOCK_N
+    has_full = full_lo < full_hi
+    mid_lo = tl.where(has_full, full_lo, stop)
+    mid_hi = tl.where(has_full, full_hi, stop)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                                 offs_d, d_ok, row_lo, row_hi, start, mid_lo, n_keys, qk_scale, True, BLOCK_N,
+                                 DOT_PREC)
+    acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                                 offs_d, d_ok, row_lo, row_hi, mid_lo, mid_hi, n_keys, qk_scale, False, BLOCK_N,
+                                 DOT_PREC)
+    acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                                 offs_d, d_ok, row_lo, row_hi, mid_hi, stop, n_keys, qk_scale, True, BLOCK_N,
+                                 DOT_PREC)
+    return acc, m_i, l_i
+
+
+def _check_attention(name, q, k, v):
+    """q (B, H, T, D), k = v shape (B, H_kv, S, D) -> B, H, H_kv, T, D, or a ValueError naming the problem."""
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
+        raise ValueError(f"{name}: q must be (B, H, T, D) and k, v one (B, H_kv, S, D) shape; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    B, H, T, D = q.shape
+    if k.size(0) != B or k.size(3) != D:
+        raise ValueError(f"{name}: batch/head dim of k {tuple(k.shape)} do not match q {tuple(q.shape)}")
+    if k.size(1) == 0 or H % k.size(1) != 0:
+        raise ValueError(f"{name}: {H} query heads is not a multiple of {k.size(1)} K/V heads")
+    if D > MAX_HEAD_DIM:
+        raise ValueError(f"{name} kernel: head dim {D} > {MAX_HEAD_DIM}; use the reference")
+    return B, H, k.size(1), T, D
+
+
+def _attn_config(D, dtype, n_queries, G, block_m=None, block_n=None, two_outputs=False):
+    """Tile sizes and launch options of the attention kernels, chosen for an H100 (BLOCK_M counts (query, head)
+    rows) -> BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages."""
+    if dtype == torch.float32:  # IEEE fp32 dots run on the CUDA cores: small tiles
+        bm, bn, warps, stages = 64, 32, 4, 2
+    elif D <= 64:
+        bm, bn, warps, stages = 128, 64, 4, 3
+    elif D <= 128:  # gated SWA keeps y_local alive through the second pass: a smaller row tile
+        bm, bn, warps, stages = (64, 64, 4, 3) if two_outputs else (128, 64, 8, 3)
+    else:
+        bm, bn, warps, stages = 64, 32, 4, 2
+    bm = min(bm, _pow2(n_queries * G))  # decode / short inputs: no tile of empty rows
+    bm = max(block_m or bm, _pow2(G))  # a whole GQA group fits one tile
+    return bm, block_n or bn, _pow2(D), warps, stages
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -146,8 +529,71 @@ def block_local_attention_ref(q, k, v, blk, scale=None):
     return attention_lse_ref(q, k, v, block_local_mask(blk), scale)
 
 
+# Kernel: with blocks = runs of equal ids, "same block and s <= t" is the interval bstart[t] <= s <= t, where
+# bstart[t] is the first position of t's block. A query tile visits only the key tiles of its own blocks.
+
+
+def _block_starts(blk, T):
+    """blk (B, T) or (T,) -> (B|1, T) int32: the first position of each position's block (run of equal ids)."""
+    b = blk if blk.dim() == 2 else blk[None]
+    new = torch.ones_like(b, dtype=torch.bool)
+    new[:, 1:] = b[:, 1:] != b[:, :-1]
+    pos = torch.arange(T, device=b.device, dtype=torch.int32).expand_as(b)
+    return torch.where(new, pos, 0).cummax(dim=1).values
+
+
+@_jit
+def _block_local_kernel(q_ptr, k_ptr, v_ptr, bstart_ptr, o_ptr, lse_ptr,
+                        stride_qb, stride_qh, stride_qt, stride_qd, stride_kb, stride_kh, stride_kt, stride_kd,
+                        stride_vb, stride_vh, stride_vt, stride_vd, stride_sb,
+                        stride_ob, stride_oh, stride_ot, stride_od, stride_lb, stride_lh,
+                        H_KV, T, D, qk_scale,
+                        G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                        DOT_PREC: tl.constexpr):
+    """Grid (query tiles, B * H_kv)."""
+    pid_m, pid_bk = tl.program_id(0), tl.program_id(1)
+    b, hk = (pid_bk // H_KV).to(tl.int64), pid_bk % H_KV
+    t, h, row_ok = _query_rows(pid_m, hk, T, G, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    q = tl.load(_row_ptrs(q_ptr + b * stride_qb, t, h, stride_qt, stride_qh, offs_d, stride_qd),
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    lo = tl.load(bstart_ptr + b * stride_sb + t, mask=row_ok, other=0)
+    acc, m_i, l_i = _attend_interval(q, k_ptr + b * stride_kb + hk * stride_kh, v_ptr + b * stride_vb + hk * stride_vh,
+                                     stride_kt, stride_kd, stride_vt, stride_vd, offs_d, d_ok, lo, t, row_ok, T,
+                                     qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
+    out, lse = _finish(acc, m_i, l_i)
+    tl.store(_row_ptrs(o_ptr + b * stride_ob, t, h, stride_ot, stride_oh, offs_d, stride_od),
+             out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(lse_ptr + b * stride_lb + h * stride_lh + t, lse, mask=row_ok)
+
+
+def block_local_attention_triton(q, k, v, blk, scale=None, *, block_m=None, block_n=None):
+    """Triton kernel: same contract as block_local_attention_ref (blocks must be runs of equal ids, e.g. non-decreasing
+    ids). block_m / block_n override the tile sizes (tests)."""
+    B, H, H_kv, T, D = _check_attention("block_local_attention", q, k, v)
+    if k.size(2) != T or blk.shape not in ((T,), (B, T)):
+        raise ValueError(f"block_local_attention: k/v need T={T} keys and blk shape ({T},) or ({B}, {T}); got "
+                         f"{tuple(k.shape)}, {tuple(blk.shape)}")
+    out = torch.empty(B, H, T, D, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
+    if B * H * T == 0:
+        return out, lse
+    bstart = _block_starts(blk, T)
+    G = H // H_kv
+    BM, BN, BD, warps, stages = _attn_config(D, q.dtype, T, G, block_m, block_n)
+    scale = scale if scale is not None else 1.0 / math.sqrt(D)
+    _block_local_kernel[(_cdiv(T, BM // G), B * H_kv)](
+        q, k, v, bstart, out, lse, *q.stride(), *k.stride(), *v.stride(), bstart.stride(0) if blk.dim() == 2 else 0,
+        *out.stride(), lse.stride(0), lse.stride(1), H_kv, T, D, scale * LOG2E,
+        G=G, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, DOT_PREC=_dot_precision(q.dtype), num_warps=warps, num_stages=stages)
+    return out, lse
+
+
 def block_local_attention(q, k, v, blk, scale=None):
     """Dispatch for block_local_attention_ref (same contract)."""
+    if use_triton(q, k, v, blk) and _kernel_fits(q, k, v, head_dim=q.size(-1)):
+        return block_local_attention_triton(q, k, v, blk, scale)
     return block_local_attention_ref(q, k, v, blk, scale)
 
 
@@ -184,8 +630,88 @@ def gated_swa_ref(q, k, v, k_shared, v_shared, gate_w, gate_b, window, scale=Non
     return (g * y_local.to(g.dtype) + (1 - g) * y_global.to(g.dtype)).to(q.dtype)
 
 
+# Prefill kernel: one program computes, for its row tile, y_local (interval [t - window + 1, t] over the loop's own
+# K/V), y_global (interval [0, t] over the shared K/V), the gate from the q tile it already holds, and the mix, and
+# writes only the mixed output: no y_local / y_global / gate tensors go through memory.
+
+
+@_jit
+def _gate_mix(q, y_local, y_global, gw_ptr, gb_ptr, h, row_ok, offs_d, d_ok, stride_gwh, stride_gwd, stride_gb):
+    """out = g * y_local + (1 - g) * y_global with g = sigmoid(<q, w_h> + b_h) per row, in fp32."""
+    w = tl.load(gw_ptr + h[:, None] * stride_gwh + offs_d[None, :] * stride_gwd,
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    g = tl.sigmoid(tl.sum(q.to(tl.float32) * w, 1) + tl.load(gb_ptr + h * stride_gb, mask=row_ok, other=0.0))
+    return g[:, None] * y_local + (1.0 - g[:, None]) * y_global
+
+
+@_jit
+def _gated_swa_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, gw_ptr, gb_ptr, o_ptr,
+                      stride_qb, stride_qh, stride_qt, stride_qd, stride_kb, stride_kh, stride_kt, stride_kd,
+                      stride_vb, stride_vh, stride_vt, stride_vd, stride_ksb, stride_ksh, stride_kst, stride_ksd,
+                      stride_vsb, stride_vsh, stride_vst, stride_vsd, stride_gwh, stride_gwd, stride_gb,
+                      stride_ob, stride_oh, stride_ot, stride_od,
+                      H_KV, T, D, WINDOW, qk_scale,
+                      G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                      DOT_PREC: tl.constexpr):
+    """Grid (query tiles, B * H_kv)."""
+    pid_m, pid_bk = tl.program_id(0), tl.program_id(1)
+    b, hk = (pid_bk // H_KV).to(tl.int64), pid_bk % H_KV
+    t, h, row_ok = _query_rows(pid_m, hk, T, G, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    q = tl.load(_row_ptrs(q_ptr + b * stride_qb, t, h, stride_qt, stride_qh, offs_d, stride_qd),
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    acc, m_i, l_i = _attend_interval(q, k_ptr + b * stride_kb + hk * stride_kh, v_ptr + b * stride_vb + hk * stride_vh,
+                                     stride_kt, stride_kd, stride_vt, stride_vd, offs_d, d_ok,
+                                     tl.maximum(t - WINDOW + 1, 0), t, row_ok, T, qk_scale,
+                                     BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
+    y_local, _ = _finish(acc, m_i, l_i)
+    acc, m_i, l_i = _attend_interval(q, ks_ptr + b * stride_ksb + hk * stride_ksh,
+                                     vs_ptr + b * stride_vsb + hk * stride_vsh,
+                                     stride_kst, stride_ksd, stride_vst, stride_vsd, offs_d, d_ok,
+                                     t * 0, t, row_ok, T, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
+    y_global, _ = _finish(acc, m_i, l_i)
+    # the reference rounds both branch outputs to the input dtype before the fp32 mix; do the same
+    y_local = y_local.to(o_ptr.dtype.element_ty).to(tl.float32)
+    y_global = y_global.to(o_ptr.dtype.element_ty).to(tl.float32)
+    out = _gate_mix(q, y_local, y_global, gw_ptr, gb_ptr, h, row_ok, offs_d, d_ok, stride_gwh, stride_gwd, stride_gb)
+    tl.store(_row_ptrs(o_ptr + b * stride_ob, t, h, stride_ot, stride_oh, offs_d, stride_od),
+             out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def _check_gate(name, gate_w, gate_b, H, D, window):
+    if gate_w.shape != (H, D) or gate_b.shape != (H,):
+        raise ValueError(f"{name}: gate_w must be ({H}, {D}) and gate_b ({H},); got {tuple(gate_w.shape)}, "
+                         f"{tuple(gate_b.shape)}")
+    if int(window) < 1:
+        raise ValueError(f"{name}: window must be >= 1, got {window}")
+
+
+def gated_swa_triton(q, k, v, k_shared, v_shared, gate_w, gate_b, window, scale=None, *, block_m=None, block_n=None):
+    """Triton kernel: same contract as gated_swa_ref. block_m / block_n override the tile sizes (tests)."""
+    B, H, H_kv, T, D = _check_attention("gated_swa", q, k, v)
+    if k.size(2) != T or k_shared.shape != k.shape or v_shared.shape != k.shape:
+        raise ValueError(f"gated_swa: k, v, k_shared, v_shared must all be {(B, H_kv, T, D)}; got {tuple(k.shape)}, "
+                         f"{tuple(k_shared.shape)}, {tuple(v_shared.shape)}")
+    _check_gate("gated_swa", gate_w, gate_b, H, D, window)
+    out = torch.empty(B, H, T, D, dtype=q.dtype, device=q.device)
+    if B * H * T == 0:
+        return out
+    G = H // H_kv
+    BM, BN, BD, warps, stages = _attn_config(D, q.dtype, T, G, block_m, block_n, two_outputs=True)
+    scale = scale if scale is not None else 1.0 / math.sqrt(D)
+    _gated_swa_kernel[(_cdiv(T, BM // G), B * H_kv)](
+        q, k, v, k_shared, v_shared, gate_w, gate_b, out, *q.stride(), *k.stride(), *v.stride(), *k_shared.stride(),
+        *v_shared.stride(), *gate_w.stride(), gate_b.stride(0), *out.stride(), H_kv, T, D, int(window), scale * LOG2E,
+        G=G, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, DOT_PREC=_dot_precision(q.dtype), num_warps=warps, num_stages=stages)
+    return out
+
+
 def gated_swa(q, k, v, k_shared, v_shared, gate_w, gate_b, window, scale=None):
     """Dispatch for gated_swa_ref (same contract)."""
+    if use_triton(q, k, v, k_shared, v_shared, gate_w, gate_b) and _kernel_fits(q, k, v, k_shared, v_shared,
+                                                                               head_dim=q.size(-1)):
+        return gated_swa_triton(q, k, v, k_shared, v_shared, gate_w, gate_b, window, scale)
     return gated_swa_ref(q, k, v, k_shared, v_shared, gate_w, gate_b, window, scale)
 
 
@@ -215,8 +741,170 @@ def gated_swa_decode_ref(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos,
     return y.reshape(B, L1, H, D).to(q.dtype)
 
 
+# Decode kernels (flash-decoding). The expensive read is the shared cache, which every loop and every query head
+# of a GQA group shares: one program per (sequence, K/V head, split of the shared keys) holds all L1 * G query rows,
+# so each shared K/V tile is read once. Splitting the shared keys over programs keeps the GPU busy at small batch.
+# Further programs of the same grid attend over each loop's ring buffer. Each program writes (m, l, acc) partials;
+# a second, small kernel merges the splits, adds the gate and mixes.
+
+
+@_jit
+def _gswa_decode_partial_kernel(q_ptr, kr_ptr, vr_ptr, rpos_ptr, ks_ptr, vs_ptr, qpos_ptr, ml_ptr, acc_ptr,
+                                stride_qb, stride_ql, stride_qh, stride_qd,
+                                stride_krb, stride_krl, stride_krh, stride_krw, stride_krd,
+                                stride_vrb, stride_vrl, stride_vrh, stride_vrw, stride_vrd, stride_rb, stride_rw,
+                                stride_ksb, stride_ksh, stride_kss, stride_ksd,
+                                stride_vsb, stride_vsh, stride_vss, stride_vsd, stride_qpos,
+                                H_KV, L1, W, S, D, WINDOW, CHUNK, NSPLIT, qk_scale,
+                                G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Grid (B * H_kv, NSPLIT + L1): part < NSPLIT attends over shared keys [part*CHUNK, (part+1)*CHUNK) with all
+    rows; part = NSPLIT + l attends over loop l's ring with the rows of loop l. Rows r = (loop r // G, head r % G)."""
+    pid, part = tl.program_id(0), tl.program_id(1)
+    b, hk = (pid // H_KV).to(tl.int64), pid % H_KV
+    r = tl.arange(0, BLOCK_M)
+    loop, h = r // G, hk * G + r % G
+    row_ok = r < L1 * G
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    qp = tl.load(qpos_ptr + b * stride_qpos).to(tl.int32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if part < NSPLIT:  # shared (first-loop) keys j <= q_pos of this split
+        keep = row_ok
+        slot = part
+        q = tl.load(_row_ptrs(q_ptr + b * stride_qb, loop, h, stride_ql, stride_qh, offs_d, stride_qd),
+                    mask=keep[:, None] & d_ok[None, :], other=0.0)
+        k_base = ks_ptr + b * stride_ksb + hk * stride_ksh
+        v_base = vs_ptr + b * stride_vsb + hk * stride_vsh
+        stop = tl.minimum(tl.minimum(part * CHUNK + CHUNK, qp + 1), S)
+        for n0 in range(part * CHUNK, stop, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < stop
+            k = tl.load(k_base + offs_n[:, None] * stride_kss + offs_d[None, :] * stride_ksd,
+                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            v = tl.load(v_base + offs_n[:, None] * stride_vss + offs_d[None, :] * stride_vsd,
+                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+            s = tl.where(n_ok[None, :], s, float("-inf"))
+            acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, v, DOT_PREC)
+    else:  # loop lp's ring buffer: slots holding positions q_pos - window < p <= q_pos
+        lp = part - NSPLIT
+        keep = row_ok & (loop == lp)
+        slot = NSPLIT
+        q = tl.load(_row_ptrs(q_ptr + b * stride_qb, loop, h, stride_ql, stride_qh, offs_d, stride_qd),
+                    mask=keep[:, None] & d_ok[None, :], other=0.0)
+        k_base = kr_ptr + b * stride_krb + lp * stride_krl + hk * stride_krh
+        v_base = vr_ptr + b * stride_vrb + lp * stride_vrl + hk * stride_vrh
+        for n0 in range(0, W, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            rp = tl.load(rpos_ptr + b * stride_rb + offs_n * stride_rw, mask=offs_n < W, other=-1).to(tl.int32)
+            n_ok = (rp >= 0) & (rp <= qp) & (rp > qp - WINDOW)
+            k = tl.load(k_base + offs_n[:, None] * stride_krw + offs_d[None, :] * stride_krd,
+                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            v = tl.load(v_base + offs_n[:, None] * stride_vrw + offs_d[None, :] * stride_vrd,
+                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+            s = tl.where(n_ok[None, :], s, float("-inf"))
+            acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, v, DOT_PREC)
+    ws = pid.to(tl.int64) * (NSPLIT + 1) + slot  # workspace: ml (B*H_kv, NSPLIT+1, 2, BM), acc (.., BM, BD)
+    tl.store(ml_ptr + ws * 2 * BLOCK_M + r, m_i, mask=keep)
+    tl.store(ml_ptr + ws * 2 * BLOCK_M + BLOCK_M + r, l_i, mask=keep)
+    tl.store(acc_ptr + ws * BLOCK_M * BLOCK_D + r[:, None] * BLOCK_D + offs_d[None, :], acc, mask=keep[:, None])
+
+
+@_jit
+def _gswa_decode_combine_kernel(q_ptr, gw_ptr, gb_ptr, ml_ptr, acc_ptr, o_ptr,
+                                stride_qb, stride_ql, stride_qh, stride_qd, stride_gwh, stride_gwd, stride_gb,
+                                stride_ob, stride_ol, stride_oh, stride_od, H_KV, L1, D, NSPLIT,
+                                G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Grid (B * H_kv,): merge the shared-key splits (one softmax), normalize the ring part, gate and mix."""
+    pid = tl.program_id(0)
+    b, hk = (pid // H_KV).to(tl.int64), pid % H_KV
+    r = tl.arange(0, BLOCK_M)
+    loop, h = r // G, hk * G + r % G
+    row_ok = r < L1 * G
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    ws0 = pid.to(tl.int64) * (NSPLIT + 1)
+    m_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    for s in range(NSPLIT):
+        m_max = tl.maximum(m_max, tl.load(ml_ptr + (ws0 + s) * 2 * BLOCK_M + r, mask=row_ok, other=float("-inf")))
+    m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
+    l_g = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc_g = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    for s in range(NSPLIT):
+        w = tl.exp2(tl.load(ml_ptr + (ws0 + s) * 2 * BLOCK_M + r, mask=row_ok, other=float("-inf")) - m_use)
+        l_g += w * tl.load(ml_ptr + (ws0 + s) * 2 * BLOCK_M + BLOCK_M + r, mask=row_ok, other=0.0)
+        acc_g += w[:, None] * tl.load(acc_ptr + (ws0 + s) * BLOCK_M * BLOCK_D + r[:, None] * BLOCK_D + offs_d[None, :],
+                                      mask=row_ok[:, None], other=0.0)
+    y_global = acc_g / tl.where(l_g == 0.0, 1.0, l_g)[:, None]
+    l_loc = tl.load(ml_ptr + (ws0 + NSPLIT) * 2 * BLOCK_M + BLOCK_M + r, mask=row_ok, other=0.0)
+    acc_loc = tl.load(acc_ptr + (ws0 + NSPLIT) * BLOCK_M * BLOCK_D + r[:, None] * BLOCK_D + offs_d[None, :],
+                      mask=row_ok[:, None], other=0.0)
+    y_local = acc_loc / tl.where(l_loc == 0.0, 1.0, l_loc)[:, None]
+    y_local = y_local.to(o_ptr.dtype.element_ty).to(tl.float32)  # rounded like the reference's branch outputs
+    y_global = y_global.to(o_ptr.dtype.element_ty).to(tl.float32)
+    q = tl.load(_row_ptrs(q_ptr + b * stride_qb, loop, h, stride_ql, stride_qh, offs_d, stride_qd),
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    out = _gate_mix(q, y_local, y_global, gw_ptr, gb_ptr, h, row_ok, offs_d, d_ok, stride_gwh, stride_gwd, stride_gb)
+    tl.store(_row_ptrs(o_ptr + b * stride_ob, loop, h, stride_ol, stride_oh, offs_d, stride_od),
+             out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def gated_swa_decode_triton(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b, window,
+                            scale=None, *, num_splits=None, block_n=None):
+    """Triton kernels: same contract as gated_swa_decode_ref. num_splits / block_n override the heuristics (tests)."""
+    if q.dim() != 4 or k_ring.dim() != 5 or k_ring.shape != v_ring.shape or k_shared.dim() != 4 \
+            or k_shared.shape != v_shared.shape:
+        raise ValueError(f"gated_swa_decode: q (B, L1, H, D), k_ring = v_ring (B, L1, H_kv, W, D), k_shared = "
+                         f"v_shared (B, H_kv, S, D) expected; got {tuple(q.shape)}, {tuple(k_ring.shape)}, "
+                         f"{tuple(v_ring.shape)}, {tuple(k_shared.shape)}, {tuple(v_shared.shape)}")
+    B, L1, H, D = q.shape
+    H_kv, W, S = k_ring.size(2), k_ring.size(3), k_shared.size(2)
+    if k_ring.shape[:2] != (B, L1) or k_ring.size(4) != D or k_shared.shape[:2] != (B, H_kv) \
+            or k_shared.size(3) != D or ring_pos.shape != (B, W) or q_pos.shape != (B,):
+        raise ValueError(f"gated_swa_decode: inconsistent shapes q {tuple(q.shape)}, k_ring {tuple(k_ring.shape)}, "
+                         f"ring_pos {tuple(ring_pos.shape)}, k_shared {tuple(k_shared.shape)}, q_pos "
+                         f"{tuple(q_pos.shape)}")
+    if H_kv == 0 or H % H_kv != 0:
+        raise ValueError(f"gated_swa_decode: {H} query heads is not a multiple of {H_kv} K/V heads")
+    if D > MAX_HEAD_DIM:
+        raise ValueError(f"gated_swa_decode kernel: head dim {D} > {MAX_HEAD_DIM}; use the reference")
+    _check_gate("gated_swa_decode", gate_w, gate_b, H, D, window)
+    out = torch.empty(B, L1, H, D, dtype=q.dtype, device=q.device)
+    if B * L1 * H == 0:
+        return out
+    G = H // H_kv
+    BM, BD = _pow2(L1 * G), _pow2(D)
+    fp32 = q.dtype == torch.float32
+    BN = block_n or (32 if fp32 else 64)
+    if num_splits is None:  # about two programs per SM for the shared keys, each at least 256 keys long
+        num_splits = max(1, min(_cdiv(S, 256), _cdiv(2 * _num_sms(q.device), B * H_kv)))
+    chunk = max(BN, _cdiv(_cdiv(max(S, 1), num_splits), BN) * BN)
+    num_splits = max(1, _cdiv(S, chunk))
+    ml = torch.empty(B * H_kv, num_splits + 1, 2, BM, dtype=torch.float32, device=q.device)
+    acc = torch.empty(B * H_kv, num_splits + 1, BM, BD, dtype=torch.float32, device=q.device)
+    scale = scale if scale is not None else 1.0 / math.sqrt(D)
+    prec, stages = _dot_precision(q.dtype), (2 if fp32 else 3)
+    _gswa_decode_partial_kernel[(B * H_kv, num_splits + L1)](
+        q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, ml, acc, *q.stride(), *k_ring.stride(),
+        *v_ring.stride(), *ring_pos.stride(), *k_shared.stride(), *v_shared.stride(), q_pos.stride(0),
+        H_kv, L1, W, S, D, int(window), chunk, num_splits, scale * LOG2E,
+        G=G, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, DOT_PREC=prec, num_warps=4, num_stages=stages)
+    _gswa_decode_combine_kernel[(B * H_kv,)](
+        q, gate_w, gate_b, ml, acc, out, *q.stride(), *gate_w.stride(), gate_b.stride(0), *out.stride(),
+        H_kv, L1, D, num_splits, G=G, BLOCK_M=BM, BLOCK_D=BD, num_warps=4)
+    return out
+
+
 def gated_swa_decode(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b, window, scale=None):
     """Dispatch for gated_swa_decode_ref (same contract)."""
+    if use_triton(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b) and \
+            _kernel_fits(q, k_ring, v_ring, k_shared, v_shared, head_dim=q.size(-1)):
+        return gated_swa_decode_triton(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b,
+                                       window, scale)
     return gated_swa_decode_ref(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b, window, scale)
 
 
@@ -248,6 +936,413 @@ def dual_attention_ref(q, q_pos, q_blk, k_s, v_s, s_pos, s_blk, k_c, v_c, c_blk,
     return merge_lse(o1, l1, o2, l2)
 
 
+# Kernel: the paper's "ideal method" (section 3.1, left to future work there). One program walks the self keys, then
+# the cross keys, with ONE running (max, sum, acc): the result is the softmax over the union of both key sets, i.e.
+# exactly the LSE merge of the reference, without a second pass, a second output or the merge. Positions and block
+# ids are arbitrary per key (padding included), so each key tile is classified from the min/max of its ids against
+# the min/max of the row tile's: a tile that no row can see is skipped before its K/V are loaded, a tile that every
+# row sees in full runs without a mask, the rest are masked element-wise.
+
+_BIG = 2 ** 62  # neutral element of the min/max summaries (padding ids are "huge", so never BIG itself)
+
+
+@_jit
+def _dual_attention_kernel(q_ptr, qpos_ptr, qblk_ptr, ks_ptr, vs_ptr, spos_ptr, sblk_ptr, kc_ptr, vc_ptr, cblk_ptr,
+                           o_ptr, lse_ptr,
+                           stride_qb, stride_qh, stride_qt, stride_qd, stride_qpb, stride_qpt, stride_qbb, stride_qbt,
+                           stride_ksb, stride_ksh, stride_kss, stride_ksd, stride_vsb, stride_vsh, stride_vss,
+                           stride_vsd, stride_spb, stride_sps, stride_sbb, stride_sbs,
+                           stride_kcb, stride_kch, stride_kcs, stride_kcd, stride_vcb, stride_vch, stride_vcs,
+                           stride_vcd, stride_cbb, stride_cbs,
+                           stride_ob, stride_oh, stride_ot, stride_od, stride_lb, stride_lh,
+                           H_KV, T, S1, S2, D, qk_scale, BIG,
+                           G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                           DOT_PREC: tl.constexpr):
+    """Grid (query tiles, B * H_kv)."""
+    pid_m, pid_bk = tl.program_id(0), tl.program_id(1)
+    b, hk = (pid_bk // H_KV).to(tl.int64), pid_bk % H_KV
+    t, h, row_ok = _query_rows(pid_m, hk, T, G, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    q = tl.load(_row_ptrs(q_ptr + b * stride_qb, t, h, stride_qt, stride_qh, offs_d, stride_qd),
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    qp = tl.load(qpos_ptr + b * stride_qpb + t * stride_qpt, mask=row_ok, other=0)
+    qb = tl.load(qblk_ptr + b * stride_qbb + t * stride_qbt, mask=row_ok, other=0)
+    qb_lo, qb_hi = tl.min(tl.where(row_ok, qb, BIG), 0), tl.max(tl.where(row_ok, qb, -BIG), 0)
+    qp_lo, qp_hi = tl.min(tl.where(row_ok, qp, BIG), 0), tl.max(tl.where(row_ok, qp, -BIG), 0)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    # self keys: visible iff s_blk == q_blk and s_pos <= q_pos
+    ks_base, vs_base = ks_ptr + b * stride_ksb + hk * stride_ksh, vs_ptr + b * stride_vsb + hk * stride_vsh
+    for n0 in range(0, S1, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < S1
+        sb = tl.load(sblk_ptr + b * stride_sbb + offs_n * stride_sbs, mask=n_ok, other=0)
+        sp = tl.load(spos_ptr + b * stride_spb + offs_n * stride_sps, mask=n_ok, other=0)
+        sb_lo, sb_hi = tl.min(tl.where(n_ok, sb, BIG), 0), tl.max(tl.where(n_ok, sb, -BIG), 0)
+        sp_lo, sp_hi = tl.min(tl.where(n_ok, sp, BIG), 0), tl.max(tl.where(n_ok, sp, -BIG), 0)
+        if (sb_hi >= qb_lo) & (sb_lo <= qb_hi) & (sp_lo <= qp_hi):  # some row may see some key of this tile
+            k = tl.load(ks_base + offs_n[:, None] * stride_kss + offs_d[None, :] * stride_ksd,
+                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            v = tl.load(vs_base + offs_n[:, None] * stride_vss + offs_d[None, :] * stride_vsd,
+                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+            # every row sees every key only if all ids are one block and all key positions <= every query position
+            if (sb_lo != sb_hi) | (qb_lo != qb_hi) | (sb_lo != qb_lo) | (sp_hi > qp_lo) | (n0 + BLOCK_N > S1):
+                vis = (sb[None, :] == qb[:, None]) & (sp[None, :] <= qp[:, None]) & n_ok[None, :]
+                s = tl.where(vis, s, float("-inf"))
+            acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, v, DOT_PREC)
+    # cross keys: visible iff c_blk < q_blk; the same running softmax continues
+    kc_base, vc_base = kc_ptr + b * stride_kcb + hk * stride_kch, vc_ptr + b * stride_vcb + hk * stride_vch
+    for n0 in range(0, S2, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < S2
+        cb = tl.load(cblk_ptr + b * stride_cbb + offs_n * stride_cbs, mask=n_ok, other=0)
+        cb_lo, cb_hi = tl.min(tl.where(n_ok, cb, BIG), 0), tl.max(tl.where(n_ok, cb, -BIG), 0)
+        if cb_lo < qb_hi:
+            k = tl.load(kc_base + offs_n[:, None] * stride_kcs + offs_d[None, :] * stride_kcd,
+                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            v = tl.load(vc_base + offs_n[:, None] * stride_vcs + offs_d[None, :] * stride_vcd,
+                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+            if (cb_hi >= qb_lo) | (n0 + BLOCK_N > S2):
+                vis = (cb[None, :] < qb[:, None]) & n_ok[None, :]
+                s = tl.where(vis, s, float("-inf"))
+            acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, v, DOT_PREC)
+    out, lse = _finish(acc, m_i, l_i)
+    tl.store(_row_ptrs(o_ptr + b * stride_ob, t, h, stride_ot, stride_oh, offs_d, stride_od),
+             out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(lse_ptr + b * stride_lb + h * stride_lh + t, lse, mask=row_ok)
+
+
+def dual_attention_triton(q, q_pos, q_blk, k_s, v_s, s_pos, s_blk, k_c, v_c, c_blk, scale=None, *,
+                          block_m=None, block_n=None):
+    """Triton kernel: same contract as dual_attention_ref. block_m / block_n override the tile sizes (tests)."""
+    B, H, H_kv, T, D = _check_attention("dual_attention (self keys)", q, k_s, v_s)
+    _check_attention("dual_attention (cross keys)", q, k_c, v_c)
+    if k_c.size(1) != H_kv:
+        raise ValueError(f"dual_attention: self and cross keys have {H_kv} and {k_c.size(1)} heads")
+    S1, S2 = k_s.size(2), k_c.size(2)
+    for name, x, n in (("q_pos", q_pos, T), ("q_blk", q_blk, T), ("s_pos", s_pos, S1), ("s_blk", s_blk, S1),
+                       ("c_blk", c_blk, S2)):
+        if x.shape != (B, n) or x.is_floating_point():
+            raise ValueError(f"dual_attention: {name} must be an integer tensor of shape ({B}, {n}), got "
+                             f"{tuple(x.shape)} {x.dtype}")
+    out = torch.empty(B, H, T, D, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
+    if B * H * T == 0:
+        return out, lse
+    G = H // H_kv
+    BM, BN, BD, warps, stages = _attn_config(D, q.dtype, T, G, block_m, block_n)
+    scale = scale if scale is not None else 1.0 / math.sqrt(D)
+    _dual_attention_kernel[(_cdiv(T, BM // G), B * H_kv)](
+        q, q_pos, q_blk, k_s, v_s, s_pos, s_blk, k_c, v_c, c_blk, out, lse,
+        *q.stride(), *q_pos.stride(), *q_blk.stride(), *k_s.stride(), *v_s.stride(), *s_pos.stride(),
+        *s_blk.stride(), *k_c.stride(), *v_c.stride(), *c_blk.stride(), *out.stride(), lse.stride(0), lse.stride(1),
+        H_kv, T, S1, S2, D, scale * LOG2E, _BIG,
+        G=G, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, DOT_PREC=_dot_precision(q.dtype), num_warps=warps, num_stages=stages)
+    return out, lse
+
+
 def dual_attention(q, q_pos, q_blk, k_s, v_s, s_pos, s_blk, k_c, v_c, c_blk, scale=None):
     """Dispatch for dual_attention_ref (same contract)."""
+    if use_triton(q, q_pos, q_blk, k_s, v_s, s_pos, s_blk, k_c, v_c, c_blk) and \
+            _kernel_fits(q, k_s, v_s, k_c, v_c, head_dim=q.size(-1)):
+        return dual_attention_triton(q, q_pos, q_blk, k_s, v_s, s_pos, s_blk, k_c, v_c, c_blk, scale)
     return dual_attention_ref(q, q_pos, q_blk, k_s, v_s, s_pos, s_blk, k_c, v_c, c_blk, scale)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Benchmark: python kernels.py --bench
+
+
+def _timeit(fn, device, warmup=10, iters=50) -> float:
+    """Median time of one fn() call in microseconds, warm-up excluded.
+
+    CUDA: a CUDA event pair around each call, with L2 flushed before each call (in a real forward pass the weights and
+    caches of this layer are not in L2), and torch.cuda.synchronize() before the events are read. CPU: wall clock.
+    """
+    for _ in range(warmup):
+        fn()
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - t0) / iters * 1e6
+    flush = torch.empty(256 * 2 ** 20, dtype=torch.int8, device=device)
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    torch.cuda.synchronize()
+    for i in range(iters):
+        flush.zero_()
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return sorted(s.elapsed_time(e) for s, e in zip(starts, ends))[iters // 2] * 1e3
+
+
+def _report(impl, us, nbytes=None, flops=None, base_us=None):
+    bw = f"{nbytes / us / 1e3:9.1f} GB/s" if nbytes else " " * 14
+    fl = f"{flops / us / 1e6:8.1f} TFLOP/s" if flops else " " * 16
+    rel = f"   kernel is {us / base_us:5.2f}x faster" if base_us and us != base_us else ""
+    print(f"    {impl:44s} {us:11.1f} us  {bw} {fl}{rel}")
+
+
+def _maxerr(a, b):
+    return (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
+
+
+def _flex_lse():
+    """FlexAttention returning (out, lse in natural log), or None when this torch has none."""
+    try:
+        from torch.nn.attention.flex_attention import flex_attention
+    except ImportError:
+        return None
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest
+    except ImportError:
+        AuxRequest = None
+
+    def attn(q, k, v, block_mask, scale=None):
+        gqa = q.size(1) != k.size(1)
+        if AuxRequest is not None:
+            out, aux = flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa,
+                                      return_aux=AuxRequest(lse=True))
+            return out, aux.lse
+        return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa, return_lse=True)
+    return attn
+
+
+def _random_blocks(T, n_blocks, gen, device):
+    """Block ids (T,) of a random partition into n_blocks blocks (split points drawn as the double decoder does)."""
+    splits = torch.randperm(T - 3, generator=gen)[: n_blocks - 1].sort().values + 2
+    return torch.bucketize(torch.arange(T), splits, right=True).to(device)
+
+
+def bench(args):
+    from model import pick_device, pick_dtype
+
+    dev = pick_device(args.device)
+    dtype = pick_dtype(dev, args.dtype)
+    cuda = dev.type == "cuda"
+    gpu = torch.cuda.get_device_name(dev) if cuda else "CPU"
+    print(f"device {gpu}  dtype {dtype}  torch {torch.__version__}  triton {triton.__version__ if triton else None}")
+    if not cuda:
+        print("Triton kernels need CUDA: timing the references and stock alternatives only, at small shapes. "
+              "CPU figures say nothing about the GPU targets; do not record them.")
+    gen = torch.Generator().manual_seed(0)
+    esz = torch.finfo(dtype).bits // 8
+    run_triton = cuda and triton is not None
+    flex = _flex_lse() if cuda else None
+    want = set(args.only.split(",")) if args.only else {"lora", "block", "gswa", "gswa_decode", "dual"}
+
+    def rnd(*shape, s=1.0):
+        return (torch.randn(*shape, generator=gen) * s).to(device=dev, dtype=dtype)
+
+    with torch.no_grad():
+        if "lora" in want:
+            # decode: batch 64 rows at 4 different loops (adapters), r = 64, d = 2048 (the issue's target shape)
+            N, d, r, n = (64, 2048, 64, 4) if cuda else (16, 256, 16, 4)
+            x, W = rnd(N, d), rnd(d, d, s=d ** -0.5)
+            A, Bm = rnd(n, r, d, s=d ** -0.5), rnd(n, d, r, s=r ** -0.5)
+            idx = torch.randint(0, n, (N,), generator=gen).to(dev)
+
+            def loop_over_adapters():
+                y = torch.zeros(N, d, device=dev, dtype=dtype)
+                for a in range(n):
+                    rows = (idx == a).nonzero().squeeze(1)
+                    y.index_copy_(0, rows, (x[rows] @ A[a].T) @ Bm[a].T)
+                return y
+
+            print(f"\nmulti_lora (BGMV, decode)  rows {N}  in = out = {d}  r {r}  adapters {n}  {dtype}")
+            nbytes = esz * (2 * N * d + n * r * 2 * d)
+            flops = 2 * N * r * 2 * d
+            t_k = None
+            if run_triton:
+                t_k = _timeit(lambda: multi_lora_triton(x, A, Bm, idx), dev)
+                print(f"    max |kernel - reference| = {_maxerr(multi_lora_triton(x, A, Bm, idx), multi_lora_ref(x, A, Bm, idx)):.2e}")
+                _report("triton shrink+expand", t_k, nbytes, flops)
+            _report("reference: gather + bmm", _timeit(lambda: multi_lora_ref(x, A, Bm, idx), dev), nbytes, flops, t_k)
+            _report("python loop over adapters", _timeit(loop_over_adapters, dev), nbytes, flops, t_k)
+            t_base = _timeit(lambda: F.linear(x, W), dev)
+            _report(f"base GEMM ({N} x {d} x {d}) it rides on", t_base, esz * (d * d + 2 * N * d), 2 * N * d * d)
+            if t_k:
+                print(f"    LoRA costs {100 * t_k / t_base:.0f}% of the base GEMM")
+
+            # prefill: 4096 rows sorted by adapter into 4 segments (SGMV)
+            N2 = 4096 if cuda else 256
+            x2 = rnd(N2, d)
+            starts = torch.tensor([0, N2 // 8, N2 // 2, 3 * N2 // 4, N2], device=dev)
+            seg_a = torch.tensor([0, 1, 2, 3], device=dev)
+            bounds = starts.tolist()
+            print(f"\nmulti_lora_segments (SGMV, prefill)  rows {N2}  in = out = {d}  r {r}  4 segments  {dtype}")
+            nbytes, flops = esz * (2 * N2 * d + n * r * 2 * d), 2 * N2 * r * 2 * d
+            t_k = None
+            if run_triton:
+                t_k = _timeit(lambda: multi_lora_segments_triton(x2, A, Bm, starts, seg_a), dev)
+                print(f"    max |kernel - reference| = "
+                      f"{_maxerr(multi_lora_segments_triton(x2, A, Bm, starts, seg_a), multi_lora_segments_ref(x2, A, Bm, starts, seg_a)):.2e}")
+                _report("triton shrink+expand (segments)", t_k, nbytes, flops)
+            _report("reference: gather + bmm", _timeit(lambda: multi_lora_segments_ref(x2, A, Bm, starts, seg_a), dev),
+                    nbytes, flops, t_k)
+            _report("loop over segments (slices, 2 matmuls each)", _timeit(
+                lambda: torch.cat([(x2[s:e] @ A[a].T) @ Bm[a].T for a, s, e in zip(range(4), bounds, bounds[1:])]),
+                dev), nbytes, flops, t_k)
+            _report(f"base GEMM ({N2} x {d} x {d})", _timeit(lambda: F.linear(x2, W), dev),
+                    esz * (d * d + 2 * N2 * d), 2 * N2 * d * d)
+
+        Bt, H, Hkv, T, D = (4, 16, 4, 2048, 128) if cuda else (1, 4, 2, 128, 32)
+        scale = 1.0 / math.sqrt(D)
+        blk = _random_blocks(T, 6, gen, dev)
+        blk_b = blk[None].expand(Bt, T).contiguous()
+        pos_b = torch.arange(T, device=dev)[None].expand(Bt, T).contiguous()
+
+        if "block" in want:
+            q, k, v = rnd(Bt, H, T, D), rnd(Bt, Hkv, T, D), rnd(Bt, Hkv, T, D)
+            pairs = int(block_local_mask(blk).sum()) * Bt * H
+            flops, nbytes = 4 * D * pairs, esz * (2 * Bt * H * T * D + 2 * Bt * Hkv * T * D)
+            print(f"\nblock_local_attention  B {Bt}  H {H}/{Hkv}  T {T}  D {D}  6 blocks  {dtype}")
+            t_k = None
+            if run_triton:
+                t_k = _timeit(lambda: block_local_attention_triton(q, k, v, blk_b, scale), dev)
+                o1, l1 = block_local_attention_triton(q, k, v, blk_b, scale)
+                o2, l2 = block_local_attention_ref(q, k, v, blk_b, scale)
+                print(f"    max |kernel - reference| = {_maxerr(o1, o2):.2e} (out)  {_maxerr(l1, l2):.2e} (lse)")
+                _report("triton", t_k, nbytes, flops)
+            _report("reference (dense scores)", _timeit(lambda: block_local_attention_ref(q, k, v, blk_b, scale), dev,
+                                                        3, 10), nbytes, flops, t_k)
+            if flex is not None:
+                from torch.nn.attention.flex_attention import create_block_mask
+                bm = create_block_mask(lambda b, h, i, j: (blk_b[b, i] == blk_b[b, j]) & (j <= i), Bt, None, T, T,
+                                       device=dev)
+                f = torch.compile(flex)
+                _report("FlexAttention (compiled) + block mask", _timeit(lambda: f(q, k, v, bm, scale), dev),
+                        nbytes, flops, t_k)
+            else:
+                mask = block_local_mask(blk_b)
+                _report("SDPA with a dense block mask", _timeit(lambda: F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, scale=scale, enable_gqa=True), dev), nbytes, flops, t_k)
+
+        if "gswa" in want:
+            window = 64
+            q, k, v, ks, vs = (rnd(Bt, H, T, D), rnd(Bt, Hkv, T, D), rnd(Bt, Hkv, T, D), rnd(Bt, Hkv, T, D),
+                               rnd(Bt, Hkv, T, D))
+            gw, gb = rnd(H, D, s=D ** -0.5), rnd(H)
+            pairs = Bt * H * (T * (T + 1) // 2 + int(swa_mask(T, window, dev).sum()))
+            flops, nbytes = 4 * D * pairs, esz * (2 * Bt * H * T * D + 4 * Bt * Hkv * T * D)
+            print(f"\ngated_swa (prefill)  B {Bt}  H {H}/{Hkv}  T {T}  D {D}  window {window}  {dtype}")
+            t_k = None
+            if run_triton:
+                t_k = _timeit(lambda: gated_swa_triton(q, k, v, ks, vs, gw, gb, window), dev)
+                print(f"    max |kernel - reference| = "
+                      f"{_maxerr(gated_swa_triton(q, k, v, ks, vs, gw, gb, window), gated_swa_ref(q, k, v, ks, vs, gw, gb, window)):.2e}")
+                _report("triton (one kernel)", t_k, nbytes, flops)
+            _report("reference (dense scores)", _timeit(lambda: gated_swa_ref(q, k, v, ks, vs, gw, gb, window), dev,
+                                                        3, 10), nbytes, flops, t_k)
+
+            def gate_mix(q, y_loc, y_glob):
+                g = plt_gate(q, gw, gb)[..., None]
+                return (g * y_loc.float() + (1 - g) * y_glob.float()).to(q.dtype)
+
+            if flex is not None:
+                from torch.nn.attention.flex_attention import create_block_mask
+                wm = create_block_mask(lambda b, h, i, j: (j <= i) & (j > i - window), None, None, T, T, device=dev)
+
+                def stock():  # flex for the window, flash SDPA for the causal shared branch, gate and mix
+                    y_loc, _ = flex(q, k, v, wm)
+                    y_glob = F.scaled_dot_product_attention(q, ks, vs, is_causal=True, enable_gqa=True)
+                    return gate_mix(q, y_loc, y_glob)
+                name = "flex(window) + SDPA(causal) + gate, compiled"
+            else:
+                wmask = swa_mask(T, window, dev)
+
+                def stock():
+                    y_loc = F.scaled_dot_product_attention(q, k, v, attn_mask=wmask, enable_gqa=True)
+                    y_glob = F.scaled_dot_product_attention(q, ks, vs, is_causal=True, enable_gqa=True)
+                    return gate_mix(q, y_loc, y_glob)
+                name = "SDPA(window mask) + SDPA(causal) + gate"
+            f = torch.compile(stock) if cuda else stock
+            _report(name, _timeit(f, dev), nbytes, flops, t_k)
+
+        if "gswa_decode" in want:
+            Bd, L1, W, S = (64, 2, 64, 2048) if cuda else (4, 2, 16, 128)
+            q = rnd(Bd, L1, H, D)
+            kr, vr = rnd(Bd, L1, Hkv, W, D), rnd(Bd, L1, Hkv, W, D)
+            ks, vs = rnd(Bd, Hkv, S, D), rnd(Bd, Hkv, S, D)
+            q_pos = torch.full((Bd,), S - 1, device=dev)
+            ring_pos = (torch.arange(S - W, S, device=dev)[None] + torch.zeros(Bd, 1, dtype=torch.long, device=dev))
+            gw, gb = rnd(H, D, s=D ** -0.5), rnd(H)
+            nbytes = esz * (2 * Bd * Hkv * S * D + 2 * Bd * L1 * Hkv * W * D + 2 * Bd * L1 * H * D)
+            args_ = (q, kr, vr, ring_pos, ks, vs, q_pos, gw, gb, W)
+            print(f"\ngated_swa_decode  batch {Bd}  loops {L1}+1  H {H}/{Hkv}  D {D}  window {W}  shared cache {S}  "
+                  f"{dtype}")
+            t_k = None
+            if run_triton:
+                t_k = _timeit(lambda: gated_swa_decode_triton(*args_), dev)
+                print(f"    max |kernel - reference| = "
+                      f"{_maxerr(gated_swa_decode_triton(*args_), gated_swa_decode_ref(*args_)):.2e}")
+                _report("triton (split shared keys + combine)", t_k, nbytes)
+            _report("reference", _timeit(lambda: gated_swa_decode_ref(*args_), dev), nbytes, None, t_k)
+
+            def stock_decode():  # two SDPA calls with masks, then the gate
+                qq = q.reshape(Bd * L1, H, 1, D)
+                ok = (ring_pos <= q_pos[:, None]) & (ring_pos > q_pos[:, None] - W) & (ring_pos >= 0)
+                y_loc = F.scaled_dot_product_attention(qq, kr.flatten(0, 1), vr.flatten(0, 1), enable_gqa=True,
+                                                       attn_mask=ok.repeat_interleave(L1, 0)[:, None, None])
+                glob = (torch.arange(S, device=dev)[None] <= q_pos[:, None])[:, None, None]
+                y_glob = F.scaled_dot_product_attention(q.transpose(1, 2), ks, vs, attn_mask=glob, enable_gqa=True)
+                y_glob = y_glob.transpose(1, 2).reshape(Bd * L1, H, 1, D)
+                g = plt_gate(qq, gw, gb)[..., None]
+                return (g * y_loc.float() + (1 - g) * y_glob.float()).to(q.dtype).reshape(Bd, L1, H, D)
+            f = torch.compile(stock_decode) if cuda else stock_decode
+            _report("2 x SDPA + gate" + (", compiled" if cuda else ""), _timeit(f, dev), nbytes, None, t_k)
+
+        if "dual" in want:
+            q = rnd(Bt, H, T, D)
+            k_s, v_s, k_c, v_c = rnd(Bt, Hkv, T, D), rnd(Bt, Hkv, T, D), rnd(Bt, Hkv, T, D), rnd(Bt, Hkv, T, D)
+            dargs = (q, pos_b, blk_b, k_s, v_s, pos_b, blk_b, k_c, v_c, blk_b, scale)
+            m_self, m_cross = dual_masks(pos_b, blk_b, pos_b, blk_b, blk_b)
+            pairs = int(m_self.sum() + m_cross.sum()) * H
+            flops, nbytes = 4 * D * pairs, esz * (2 * Bt * H * T * D + 4 * Bt * Hkv * T * D)
+            print(f"\ndual_attention  B {Bt}  H {H}/{Hkv}  T {T}  D {D}  6 blocks (self keys {T}, cross keys {T})  "
+                  f"{dtype}")
+            t_k = None
+            if run_triton:
+                t_k = _timeit(lambda: dual_attention_triton(*dargs), dev)
+                o1, l1 = dual_attention_triton(*dargs)
+                o2, l2 = dual_attention_ref(*dargs)
+                print(f"    max |kernel - reference| = {_maxerr(o1, o2):.2e} (out)  {_maxerr(l1, l2):.2e} (lse)")
+                _report("triton (one pass, one softmax)", t_k, nbytes, flops)
+            _report("reference: 2 dense attentions + LSE merge", _timeit(lambda: dual_attention_ref(*dargs), dev, 3, 10),
+                    nbytes, flops, t_k)
+            if flex is not None:
+                from torch.nn.attention.flex_attention import create_block_mask
+                sm = create_block_mask(lambda b, h, i, j: (blk_b[b, j] == blk_b[b, i]) & (pos_b[b, j] <= pos_b[b, i]),
+                                       Bt, None, T, T, device=dev)
+                cm = create_block_mask(lambda b, h, i, j: blk_b[b, j] < blk_b[b, i], Bt, None, T, T, device=dev)
+
+                def two_flex():
+                    o1, l1 = flex(q, k_s, v_s, sm, scale)
+                    o2, l2 = flex(q, k_c, v_c, cm, scale)
+                    return merge_lse(o1, l1.float(), o2, l2.float())
+                _report("2 x FlexAttention + LSE merge, compiled", _timeit(torch.compile(two_flex), dev), nbytes,
+                        flops, t_k)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--bench", action="store_true", help="time each kernel against its reference and stock PyTorch")
+    ap.add_argument("--only", default="", help="comma list of: lora, block, gswa, gswa_decode, dual (default: all)")
+    ap.add_argument("--device", default="auto", help="cpu | cuda | auto")
+    ap.add_argument("--dtype", default="auto", help="bfloat16 | float16 | float32 | auto (bf16 on CUDA)")
+    args = ap.parse_args()
+    if not args.bench:
+        ap.print_help()
+        return
+    bench(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -89,27 +89,21 @@ class Tokenizer:
         self.n_vocab = self.enc.n_vocab
 
     def _init_hf(self, path):
-        try:
-            from tokenizers import Tokenizer as HFTokenizer
-        except ImportError as e:  # optional dependency
-            raise ImportError("tokenizing with a Hugging Face tokenizer.json needs the optional package "
-                              "`tokenizers`: pip install tokenizers") from e
-        f = Path(path) / "tokenizer.json"
-        if not f.exists():
-            raise FileNotFoundError(f"{f} not found: the checkpoint directory has no tokenizer.json")
-        self.hf = HFTokenizer.from_file(str(f))
-        cfg = json.loads((Path(path) / "config.json").read_text()) if (Path(path) / "config.json").exists() else {}
-        self.eot = cfg.get("eos_token_id")
-        if isinstance(self.eot, list):
-            self.eot = self.eot[0]
-        if self.eot is None:
-            raise ValueError(f"{path}/config.json names no eos_token_id to separate documents")
+        # tokenizer.json through the optional `tokenizers` package; the end-of-text id (the document separator) is
+        # the checkpoint's eos_token_id. Texts are encoded with the tokenizer's own special tokens (Llama/Gemma: a BOS
+        # before every document), as the checkpoint saw them in pretraining; a post-processor that appends EOS itself
+        # is undone in encode_batch so that documents are not separated twice.
+        from model import hf_tokenizer
+
+        self.hf, self.eot = hf_tokenizer(path)
         self.n_vocab = self.hf.get_vocab_size(with_added_tokens=True)
+        probe, plain = self.hf.encode("a").ids, self.hf.encode("a", add_special_tokens=False).ids
+        self._adds_eot = probe[-1:] == [self.eot] and plain[-1:] != [self.eot]
 
     @classmethod
     def from_args(cls, vocab_size: int | None, name: str | None) -> "Tokenizer":
         if name and name.startswith("hf:"):
-            return cls({"kind": "hf", "path": name[3:]})
+            return cls(hf_tokenizer_spec(name))
         if name and name != DEFAULT_BASE:
             return cls({"kind": "tiktoken", "name": name, "n": None})
         n = vocab_size or 4096
@@ -117,24 +111,36 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         if hasattr(self, "hf"):
-            return self.hf.encode(text, add_special_tokens=False).ids
+            return self.hf.encode(text).ids
         return self.enc.encode_ordinary(text)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         if hasattr(self, "hf"):
-            return [e.ids for e in self.hf.encode_batch(texts, add_special_tokens=False)]
+            ids = [e.ids for e in self.hf.encode_batch(texts)]
+            return [i[:-1] for i in ids] if self._adds_eot else ids
         return self.enc.encode_ordinary_batch(texts, num_threads=os.cpu_count() or 1)
 
     def decode(self, ids) -> str:
         ids = [int(i) for i in ids]
         if hasattr(self, "hf"):
-            return self.hf.decode(ids)
+            return self.hf.decode(ids, skip_special_tokens=True)
         return self.enc.decode([i for i in ids if i < self.n_vocab], errors="replace")
 
 
+def is_hf_source(src: str) -> bool:
+    """--init-from / --teacher / --tokenizer: 'hf:DIR', or a directory (a Hugging Face checkpoint, auto-detected)."""
+    return src.startswith("hf:") or Path(src).is_dir()
+
+
+def hf_tokenizer_spec(src: str) -> dict:
+    """'hf:DIR' or DIR -> the tokenizer spec of that checkpoint, with an absolute path (so specs compare equal)."""
+    return {"kind": "hf", "path": str(Path(src[3:] if src.startswith("hf:") else src).resolve())}
+
+
 def padded_vocab(n_vocab: int, multiple: int = 64) -> int:
-    """Embedding rows: the tokenizer's vocabulary rounded up to a multiple of 64 (faster matmuls)."""
-    return (n_vocab + multiple - 1) // multiple * multiple
+    """Embedding rows: the tokenizer's vocabulary plus at least one spare row, rounded up to a multiple of 64 (faster
+    matmuls). The last row is never produced by the tokenizer, so architectures may use it as a pad id."""
+    return (n_vocab + multiple) // multiple * multiple
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -396,7 +402,7 @@ def step_generator(seed: int, *parts: int) -> torch.Generator:
 # presets, and optional hooks: extra flags, config overrides from flags, conversion from a vanilla model, batch
 # preparation). Architectures register here as they land.
 
-ARCH_MODULES = ["model"]
+ARCH_MODULES = ["model", "recursive", "block_transformer", "plt", "double_decoder"]
 
 
 def arch_table() -> dict[str, ArchSpec]:
@@ -457,9 +463,9 @@ def load_source_model(src: str, table=None):
 
     -> (model, arch name, tokenizer spec)
     """
-    if src.startswith("hf:") or (Path(src).is_dir() and (Path(src) / "config.json").exists()):
-        path = src[3:] if src.startswith("hf:") else src
-        return GPT.from_pretrained(path), "vanilla", {"kind": "hf", "path": str(Path(path).resolve())}
+    if is_hf_source(src):  # a plain model.GPT (fp32, CPU); conversions start from it like from a vanilla checkpoint
+        model = GPT.from_pretrained(src[3:] if src.startswith("hf:") else src)
+        return model, "vanilla", model.tokenizer_spec
     ck = load_checkpoint(src)
     return model_from_checkpoint(ck, table), ck["arch"], ck["tokenizer"]
 
@@ -531,6 +537,8 @@ def build_parser(table) -> argparse.ArgumentParser:
                     help="divergence between teacher and student")
     ap.add_argument("--kd-weight", type=float, default=1.0, help="weight of the distillation term")
     ap.add_argument("--kd-temperature", type=float, default=1.0, help="softmax temperature of both distributions")
+    ap.add_argument("--loops", type=int, default=None,
+                    help="number of loops of a looped architecture (recursive/relaxed: B, plt: L); default: preset")
     ap.add_argument("--sample-tokens", type=int, default=64, help="tokens of the sample printed at the end")
     for spec in table.values():
         if spec.add_args is not None:
@@ -727,7 +735,7 @@ def train(argv=None):
         if args.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         if not torch.isfinite(total):
-            raise FloatingPointError(f"non-finite loss {total.item()} at step {step}; stopping. The last good "
+            raise FloatingPointError(f"non-finite loss {total.item()} at step {step + 1}; stopping. The last good "
                                      f"checkpoint stays at {args.out_dir / 'ckpt.pt'}")
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -761,8 +769,9 @@ def train(argv=None):
 
 
 def load_source_tokenizer(src):
-    if src.startswith("hf:") or Path(src).is_dir():
-        return {"kind": "hf", "path": str(Path(src[3:] if src.startswith("hf:") else src).resolve())}
+    """The tokenizer spec of --init-from: a Hugging Face checkpoint's tokenizer.json, or a checkpoint's own spec."""
+    if is_hf_source(src):
+        return hf_tokenizer_spec(src)
     return load_checkpoint(src)["tokenizer"]
 
 

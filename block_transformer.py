@@ -1,0 +1,779 @@
+"""
+block_transformer.py -- the Block Transformer: global-to-local language modeling for fast inference.
+
+Paper: "Block Transformer: Global-to-Local Language Modeling for Fast Inference" (Ho, Bae et al., NeurIPS 2024),
+../shared/papers/002_*.txt. Sections 2 (architecture), 2.1 and Appendix E (why it is fast), 3.7 and Appendices G.8 / N
+(uptraining from a vanilla model), F.2 (prefix vs summation token decoders), H (random-length padding).
+
+The model has three parts (section 2):
+
+    tokens (B, T) --embedder--> block embeddings (B, T/L_B, D_blk)          (section 2.2: lookup + concatenate)
+                  --block decoder--> context embeddings (B, T/L_B, D_blk)   (section 2.3: causal over blocks, RoPE
+                                                                             positions = block indices)
+    for every block i at once (blocks folded into the batch dimension):
+        context embedding of block i --projection--> P prefix vectors       (section 2.4)
+        token decoder over [prefix_1..prefix_P, t_0 .. t_{L_B-2}] of block i+1 -> logits of t_0 .. t_{L_B-1}
+
+The block decoder is a stack of model.Block over one position per block, so its KV cache is L_B times shorter than a
+vanilla model's. The token decoder is a stack of model.Block over P + L_B - 1 positions that never sees another block:
+it needs no prefill and its cache is P + L_B - 1 entries, thrown away after every block (Table 1, Appendix E). That is
+where the decode throughput comes from.
+
+Conventions of this file (the official code's, see ../shared/NOTES.md):
+  * forward(idx, targets) -> (logits (B, T, V), loss) with logits[:, t] predicting token t+1, as every model of this
+    repository. The first block has no context embedding before it, so its tokens are never predicted:
+    logits[:, :L_B-1] are zeros and their targets are ignored. T must be a multiple of L_B.
+  * The last row of the vocabulary (vocab_size - 1, which train.py's padded vocabulary never gives a real token) is
+    the pad id. Pads are embedded by the embedder as a fixed zero vector (Appendix H: pads are part of a block's
+    embedding), are masked as keys in the token decoder, carry no loss, and are never predicted (their logit is -inf).
+    Blocks that are entirely padding are skipped in the token decoder.
+  * Random-length padding when packing (Appendix H), in prepare_batch(): per document a random left pad of
+    0..L_B-1 pads, the document with its end-of-text token, then pads up to the block boundary; no block mixes two
+    documents.
+  * Uptraining (convert(), Appendix N / G.8): the lower half of a vanilla model's layers become the block decoder, the
+    upper half the token decoder; the embedder starts as the mean of the block's vanilla token embeddings, the prefix
+    projection as P copies of the identity; embedding, final norm and head go to the token decoder.
+  * Prefix decoding (section 2.4) is the default; `context='summation'` is MEGABYTE's way (Appendix F.2): the context
+    embedding is projected to L_B vectors added to the token decoder's inputs [start, t_0 .. t_{L_B-2}].
+
+Run:
+    python block_transformer.py                              # presets: parameters, KV bytes, vanilla counterparts
+    python train.py --arch block                             # pretrain the tiny preset (~5 min on 2 CPU cores)
+    python train.py --arch vanilla --out-dir out/vanilla && \\
+    python train.py --arch block --init-from out/vanilla/ckpt.pt --out-dir out/block-up   # uptrain (Appendix N)
+    python block_transformer.py --bench                      # decode throughput and KV bytes vs vanilla (GPU sizes)
+    python block_transformer.py --bench --preset tiny --scale 0.125 --batch 8 --device cpu   # the same, small, CPU
+    python -m pytest -q tests/test_block_transformer.py
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from dataclasses import asdict, dataclass, fields, replace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from model import (IGNORE, ArchSpec, Block, GPT, GPTConfig, KVCache, Linear, RotaryEmbedding,
+                   causal_mask_from_positions, count_params, init_weights, kv_bytes, lm_loss, make_norm, pick_device,
+                   pick_dtype, sample_next)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Config
+
+
+# GPTConfig fields that both decoders share (the "style" of the blocks: norm, MLP, RoPE, biases, ...)
+SHARED_FIELDS = ("head_dim", "rope_theta", "rotary_pct", "norm", "norm_eps", "norm_offset", "mlp", "tie_embeddings",
+                 "embed_scale", "parallel_residual", "attn_bias", "mlp_bias")
+# GPTConfig fields that each decoder sets for itself: block_<name> and tok_<name> below
+DECODER_FIELDS = ("n_layer", "n_head", "n_kv_head", "n_embd", "mlp_hidden")
+
+
+@dataclass
+class BlockConfig:
+    vocab_size: int = 4160
+    max_seq_len: int = 256  # in tokens; a multiple of block_len
+    block_len: int = 4  # L_B, tokens per block
+    prefix_len: int = 2  # P, prefix vectors the context embedding is projected into (context='prefix')
+    embedder: str = "lookup"  # 'lookup' (section 2.2) | 'lookup_proj' (concat + Linear, Appendix G.8: uptraining)
+    embed_dim: int | None = None  # lookup_proj: width of each token embedding (None -> block_n_embd)
+    context: str = "prefix"  # 'prefix' (section 2.4) | 'summation' (MEGABYTE, Appendix F.2)
+    # block decoder (global, one position per block)
+    block_n_layer: int = 2
+    block_n_head: int = 4
+    block_n_kv_head: int = 2
+    block_n_embd: int = 128
+    block_mlp_hidden: int = 384
+    # token decoder (local, P + L_B - 1 positions)
+    tok_n_layer: int = 2
+    tok_n_head: int = 4
+    tok_n_kv_head: int = 2
+    tok_n_embd: int = 128
+    tok_mlp_hidden: int = 384
+    # the style of both decoders (see GPTConfig)
+    head_dim: int | None = None
+    rope_theta: float = 10000.0
+    rotary_pct: float = 1.0
+    norm: str = "rms"
+    norm_eps: float = 1e-5
+    norm_offset: float = 0.0
+    mlp: str = "swiglu"
+    tie_embeddings: bool = True  # the token decoder's embedding and head
+    embed_scale: bool = False
+    parallel_residual: bool = False
+    attn_bias: bool = False
+    mlp_bias: bool = False
+    # data
+    pad_id: int | None = None  # None -> vocab_size - 1 (the spare row of train.py's padded vocabulary)
+    eot_id: int | None = None  # the tokenizer's end-of-text id, which separates documents; None: no random padding
+    random_pad: bool = True  # Appendix H: random-length padding of each document in prepare_batch
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self):
+        def need(ok, msg):
+            if not ok:
+                raise ValueError(f"bad BlockConfig: {msg}")
+
+        for name in ("vocab_size", "max_seq_len", "block_len"):
+            need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, f"{name} must be a positive int")
+        need(self.embedder in ("lookup", "lookup_proj"), f"embedder={self.embedder!r} is not 'lookup' or 'lookup_proj'")
+        need(self.context in ("prefix", "summation"), f"context={self.context!r} is not 'prefix' or 'summation'")
+        if self.context == "prefix":
+            need(isinstance(self.prefix_len, int) and self.prefix_len >= 1,
+                 f"prefix_len={self.prefix_len} must be >= 1 for prefix decoding")
+        need(self.max_seq_len % self.block_len == 0,
+             f"sequence length max_seq_len={self.max_seq_len} is not a multiple of block_len L_B={self.block_len} "
+             f"(the training sequence length, --seq-len, must be)")
+        if self.embedder == "lookup":
+            need(self.block_n_embd % self.block_len == 0,
+                 f"block decoder n_embd block_n_embd={self.block_n_embd} is not divisible by block_len "
+                 f"L_B={self.block_len}: the lookup embedder concatenates L_B token embeddings of width n_embd / L_B "
+                 f"(section 2.2); use embedder='lookup_proj' for other widths")
+        need(self.embed_dim is None or self.embed_dim >= 1, f"embed_dim={self.embed_dim} must be positive")
+        need(0 <= self.pad < self.vocab_size, f"pad_id={self.pad_id} is outside the vocabulary of {self.vocab_size}")
+        need(self.eot_id is None or (0 <= self.eot_id < self.vocab_size and self.eot_id != self.pad),
+             f"eot_id={self.eot_id} must be a vocabulary id other than the pad id {self.pad}")
+        for which in ("block", "tok"):
+            try:
+                self.decoder_config(which)
+            except ValueError as e:
+                raise ValueError(f"bad BlockConfig: {'block' if which == 'block' else 'token'} decoder: {e}") from None
+
+    # -- derived sizes -------------------------------------------------------------------------------------------
+
+    @property
+    def pad(self) -> int:
+        return self.vocab_size - 1 if self.pad_id is None else self.pad_id
+
+    @property
+    def n_ctx(self) -> int:
+        """Context slots the context embedding is projected into: P prefix vectors, or L_B summands."""
+        return self.prefix_len if self.context == "prefix" else self.block_len
+
+    @property
+    def local_len(self) -> int:
+        """Positions of the token decoder: [P prefix vectors, t_0..t_{L_B-2}] or [start, t_0..t_{L_B-2}]."""
+        return (self.prefix_len if self.context == "prefix" else 1) + self.block_len - 1
+
+    @property
+    def max_blocks(self) -> int:
+        """Positions of the block decoder: max_seq_len / L_B, plus one for a prompt left-padded to a block boundary."""
+        return self.max_seq_len // self.block_len + 1
+
+    @property
+    def emb_dim(self) -> int:
+        """Width of one token embedding in the embedder."""
+        if self.embedder == "lookup":
+            return self.block_n_embd // self.block_len
+        return self.embed_dim or self.block_n_embd
+
+    def decoder_config(self, which: str) -> GPTConfig:
+        """The GPTConfig of the block decoder ('block') or the token decoder ('tok'), so model.Block is reused."""
+        own = {f: getattr(self, f"{which}_{f}") for f in DECODER_FIELDS}
+        shared = {f: getattr(self, f) for f in SHARED_FIELDS}
+        max_len = self.max_blocks if which == "block" else self.local_len
+        return GPTConfig(**own, **shared, vocab_size=self.vocab_size, max_seq_len=max_len)
+
+    def vanilla_config(self) -> GPTConfig:
+        """The vanilla model with the same non-embedding parameters (Table 3): the two decoders' layers stacked."""
+        if any(getattr(self, f"block_{f}") != getattr(self, f"tok_{f}") for f in DECODER_FIELDS[1:]):
+            raise ValueError("the vanilla counterpart needs decoders of equal width, heads and MLP size")
+        shared = {f: getattr(self, f) for f in SHARED_FIELDS}
+        return GPTConfig(n_layer=self.block_n_layer + self.tok_n_layer, n_head=self.tok_n_head,
+                         n_kv_head=self.tok_n_kv_head, n_embd=self.tok_n_embd, mlp_hidden=self.tok_mlp_hidden,
+                         vocab_size=self.vocab_size, max_seq_len=self.max_seq_len, **shared)
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> "BlockConfig":
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+        return cls(**{**PRESETS[name], **overrides})
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "BlockConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"BlockConfig got unknown fields {sorted(unknown)}")
+        return cls(**d)
+
+
+def _halves(n_layer, n_head, n_kv_head, n_embd, mlp_hidden, **rest) -> dict:
+    """A preset whose block and token decoders each take half the layers of a vanilla model (Table 3)."""
+    d = dict(block_n_layer=n_layer // 2, tok_n_layer=n_layer - n_layer // 2)
+    for k, v in dict(n_head=n_head, n_kv_head=n_kv_head, n_embd=n_embd, mlp_hidden=mlp_hidden).items():
+        d[f"block_{k}"] = d[f"tok_{k}"] = v
+    return {**d, **rest}
+
+
+PRESETS: dict[str, dict] = {
+    # The vanilla presets of model.py split in two (equal non-embedding parameters, equal block / token decoders).
+    "tiny": _halves(4, 4, 2, 128, 384, max_seq_len=256, vocab_size=4160),  # CPU and tests
+    "small": _halves(8, 8, 4, 512, 1536, max_seq_len=1024, vocab_size=16448),
+    "base": _halves(12, 12, 4, 768, 3840, max_seq_len=1024, vocab_size=32832),
+    # The Block Transformer rows of Table 3 (L = 2048, L_B = 4, P = 2, lookup embedder, MHA, Pythia vocabulary), with
+    # this repository's SwiGLU MLP at the parameter count of a 4x GELU MLP. For GPU benchmarks.
+    "t3-5m": _halves(6, 8, 8, 256, 704, max_seq_len=2048, vocab_size=50304),
+    "t3-19m": _halves(6, 8, 8, 512, 1408, max_seq_len=2048, vocab_size=50304),
+    "t3-85m": _halves(12, 12, 12, 768, 2048, max_seq_len=2048, vocab_size=50304),
+    "t3-302m": _halves(24, 16, 16, 1024, 2752, max_seq_len=2048, vocab_size=50304),
+    "t3-805m": _halves(16, 16, 16, 2048, 5504, max_seq_len=2048, vocab_size=50304),
+    "t3-1.2b": _halves(24, 16, 16, 2048, 5504, max_seq_len=2048, vocab_size=50304),
+}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Random-length padding when packing documents (Appendix H)
+
+
+def random_pad_documents(x, y, gen, block_len: int, pad_id: int, eot_id: int):
+    """Re-lay out a batch of packed windows so that no block mixes two documents.
+
+    x, y (B, T) come from train.py as a random window of the token stream (y = x shifted by one), in which documents
+    end with `eot_id`. Each document (its tokens and its end-of-text; the window's first and last pieces are partial
+    documents) becomes [pad * r, document, pad * f] with r uniform in 0..L_B-1 (drawn from `gen`) and f filling the
+    last block. The new sequence is cut back to T + 1 tokens. -> x, y (B, T) with y = IGNORE where the target is a pad.
+    Vectorised: no loop over rows or documents.
+    """
+    B, T = x.shape
+    L = block_len
+    seq = torch.cat([x, y[:, -1:]], dim=1)  # (B, W) the raw window, W = T + 1
+    W = T + 1
+    eot = (seq == eot_id).long()
+    doc = torch.cumsum(eot, dim=1) - eot  # (B, W) document index of each token; an end-of-text closes its document
+    n_tok = torch.zeros(B, W, dtype=torch.long).scatter_add_(1, doc, torch.ones_like(doc))  # (B, W) tokens per doc
+    left = torch.randint(0, L, (B, W), generator=gen) * (n_tok > 0)  # random left pad per document
+    span = left + n_tok
+    span = span + (-span) % L  # right pad to the block boundary
+    start = torch.cumsum(span, dim=1) - span  # where each document's span begins in the new layout
+    first = torch.cumsum(n_tok, dim=1) - n_tok  # where each document begins in the raw window
+    t = torch.arange(W).expand(B, W)
+    new_pos = (start + left - first).gather(1, doc) + t  # (B, W) new position of every raw token
+    out = torch.full((B, int(span.sum(1).max())), pad_id, dtype=seq.dtype)
+    out.scatter_(1, new_pos, seq)
+    out = out[:, :W]
+    x2, y2 = out[:, :-1], out[:, 1:].clone()
+    y2[y2 == pad_id] = IGNORE
+    return x2, y2
+
+
+def prepare_batch(x, y, gen, cfg: BlockConfig):
+    """train.py's hook: random-length padding (Appendix H) when the config knows the end-of-text id."""
+    if cfg.random_pad and cfg.eot_id is not None:
+        x, y = random_pad_documents(x, y, gen, cfg.block_len, cfg.pad, cfg.eot_id)
+    return x, y, {}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Embedder (section 2.2)
+
+
+class Embedder(nn.Module):
+    """L_B tokens -> one block embedding of width D_blk.
+
+    lookup:      a table of width D_blk / L_B; the L_B embeddings are concatenated (section 2.2).
+    lookup_proj: a table of width embed_dim; the L_B embeddings are concatenated and projected to D_blk by a Linear
+                 (Appendix G.8). With embed_dim = D and the projection [I/L_B ... I/L_B] it is the mean of the block's
+                 token embeddings, the uptraining init of Appendix N.
+    The pad id is a fixed zero row (not trained), so pads add nothing to a block embedding.
+    """
+
+    def __init__(self, cfg: BlockConfig):
+        super().__init__()
+        self.block_len, self.pad = cfg.block_len, cfg.pad
+        self.scale = cfg.emb_dim ** 0.5 if cfg.embed_scale else None
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.emb_dim, padding_idx=cfg.pad)
+        self.proj = nn.Linear(cfg.block_len * cfg.emb_dim, cfg.block_n_embd) if cfg.embedder == "lookup_proj" else None
+
+    def forward(self, blocks):  # (B, N, L_B) token ids -> (B, N, D_blk)
+        e = self.tok(blocks)  # (B, N, L_B, E)
+        if self.scale is not None:
+            e = e * torch.tensor(self.scale, dtype=e.dtype)
+        e = e.flatten(-2)  # (B, N, L_B * E): concatenation
+        return self.proj(e) if self.proj is not None else e
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A decoder: a stack of model.Block with its own RoPE table (both the block decoder and the token decoder)
+
+
+class Decoder(nn.Module):
+    """Pre-norm blocks over input embeddings with explicit positions; no embedding, final norm or head.
+
+    forward(x, pos, mask): the parallel (training) pass, causal or under an explicit bool mask (B|1, 1, T, T).
+    forward_cached(x, cache, fresh): a prefill (fresh=True, empty cache) or decode step at positions cache.lengths + i,
+    with model.KVCache (a cache index equals the position, as everywhere in this repository).
+    """
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.config = cfg
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.rope = RotaryEmbedding(cfg.rot_dim, cfg.max_seq_len, cfg.rope_theta)
+
+    def forward(self, x, pos, mask=None):  # x (B, T, C), pos (T,) or (B, T)
+        rope = self.rope(pos)
+        for block in self.blocks:
+            x = block(x, rope, mask=mask)
+        return x
+
+    def new_cache(self, batch: int, max_len: int, dtype, device) -> KVCache:
+        c = self.config
+        return KVCache(c.n_layer, batch, max_len, c.n_kv_head, c.hd, dtype, device)
+
+    def forward_cached(self, x, cache: KVCache, fresh: bool = False):
+        B, T, _ = x.shape
+        q_pos = cache.lengths[:, None] + torch.arange(T, device=x.device)  # (B, T)
+        kv_len = T if fresh else int(cache.lengths.max()) + T
+        if kv_len > cache.max_len:
+            raise ValueError(f"KV cache holds {cache.max_len} positions; this step needs {kv_len}")
+        mask = None if fresh else causal_mask_from_positions(q_pos, kv_len)
+        rope = self.rope(q_pos)
+        for i, block in enumerate(self.blocks):
+            x = block(x, rope, mask=mask, cache=cache.layer(i), q_pos=q_pos)
+        return x
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The model
+
+
+class BlockTransformer(nn.Module):
+    """Embedder -> block decoder (global, over blocks) -> token decoder (local, inside one block).
+
+    forward(idx, targets) trains every block at once: blocks are folded into the batch dimension of the token decoder.
+    generate() is the two-level cached loop of section 2.1: prefill the block decoder over the prompt blocks, then per
+    new block decode L_B tokens with a local cache of P + L_B - 1 entries and feed the finished block back to the block
+    decoder as one decode step.
+    """
+
+    def __init__(self, cfg: BlockConfig):
+        super().__init__()
+        self.config = cfg
+        self.blk_cfg, self.tok_cfg = cfg.decoder_config("block"), cfg.decoder_config("tok")
+        self.embedder = Embedder(cfg)
+        self.block_decoder = Decoder(self.blk_cfg)
+        self.block_norm = make_norm(self.blk_cfg)  # the block decoder's final norm: its output is the context emb.
+        self.ctx_proj = nn.Linear(cfg.block_n_embd, cfg.n_ctx * cfg.tok_n_embd)  # -> P prefix vectors (or L_B)
+        self.token_decoder = Decoder(self.tok_cfg)
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.tok_n_embd)  # the token decoder's own embedding ...
+        self.norm = make_norm(self.tok_cfg)
+        self.lm_head = nn.Linear(cfg.tok_n_embd, cfg.vocab_size, bias=False)  # ... and classifier (section 2.4)
+        init_weights(self, cfg.block_n_layer + cfg.tok_n_layer)
+        with torch.no_grad():
+            self.embedder.tok.weight[cfg.pad].zero_()
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        # first token-decoder output that predicts a token: the last prefix vector (prefix), the start slot (summation)
+        self.off = cfg.local_len - cfg.block_len
+
+    # -- pieces --------------------------------------------------------------------------------------------------
+
+    def tok_embed(self, idx):  # (..., n) -> (..., n, D_tok), the token decoder's embedding
+        x = self.tok_emb(idx)
+        if self.config.embed_scale:
+            x = x * torch.tensor(self.config.tok_n_embd ** 0.5, dtype=x.dtype)
+        return x
+
+    def head(self, h):  # (..., D_tok) -> (..., V); the pad id is never predicted
+        logits = self.lm_head(self.norm(h))
+        logits[..., self.config.pad] = float("-inf")
+        return logits
+
+    def check_blocks(self, T: int) -> int:
+        L = self.config.block_len
+        if T % L:
+            raise ValueError(f"sequence length {T} is not a multiple of block_len L_B={L}")
+        if T // L > self.config.max_blocks:
+            raise ValueError(f"sequence of {T} tokens ({T // L} blocks) exceeds max_seq_len={self.config.max_seq_len}")
+        return T // L
+
+    def context(self, idx):
+        """idx (B, T) -> context embeddings (B, N, D_blk): the one at block i carries blocks 0..i and predicts i+1."""
+        B, T = idx.shape
+        N = self.check_blocks(T)
+        x = self.embedder(idx.view(B, N, self.config.block_len))  # (B, N, D_blk)
+        h = self.block_decoder(x, torch.arange(N, device=idx.device))  # causal over blocks, RoPE position = block index
+        return self.block_norm(h)
+
+    def context_slots(self, ctx):
+        """ctx (M, D_blk) -> (M, n_ctx, D_tok): the P prefix vectors (prefix) or the L_B summands (summation)."""
+        return self.ctx_proj(ctx).view(ctx.size(0), self.config.n_ctx, self.config.tok_n_embd)
+
+    def first_inputs(self, c):
+        """The token decoder's first inputs, before any token of the block: the P prefix vectors [P_1..P_P] (prefix),
+        or the start vector (the pad row of the token embedding) plus the first summand (summation).
+        c (M, n_ctx, D_tok) -> (M, off + 1, D_tok)."""
+        if self.config.context == "prefix":
+            return c
+        return self.tok_embed(torch.full((c.size(0), 1), self.config.pad, device=c.device)) + c[:, :1]
+
+    def token_inputs(self, c, tokens, k0: int = 0):
+        """Inputs for tokens (M, n), the tokens k0 .. k0+n-1 of a block; token k sits at position off + 1 + k and, with
+        summation, gets the summand c[:, k + 1]. -> (M, n, D_tok)"""
+        e = self.tok_embed(tokens)
+        if self.config.context == "summation":
+            e = e + c[:, k0 + 1:k0 + 1 + tokens.size(1)]
+        return e
+
+    def local_logits(self, ctx, blocks, pad_mask: bool = True, return_hidden: bool = False):
+        """The token decoder on M independent blocks at once (blocks folded into the batch dimension).
+
+        ctx (M, D_blk) context embeddings; blocks (M, L_B) the tokens to predict. Output k predicts blocks[:, k] from
+        ctx and blocks[:, :k] only: no row ever sees another row. Pad tokens are masked as keys (pad_mask).
+        -> logits (M, L_B, V) (or the final hidden states (M, L_B, D_tok) with return_hidden).
+        """
+        L, S = self.config.block_len, self.config.local_len
+        c = self.context_slots(ctx)
+        x = torch.cat([self.first_inputs(c), self.token_inputs(c, blocks[:, :L - 1])], dim=1)  # (M, S, D_tok)
+        mask = None  # causal: the flash path on GPU
+        if pad_mask:
+            is_pad = F.pad(blocks[:, :L - 1] == self.config.pad, (self.off + 1, 0), value=False)  # (M, S) by key
+            causal = torch.ones(S, S, dtype=torch.bool, device=x.device).tril()
+            mask = (causal[None] & ~is_pad[:, None, :])[:, None]  # (M, 1, S, S); the first slot is always visible
+        h = self.token_decoder(x, torch.arange(S, device=x.device), mask=mask)
+        h = h[:, self.off:]  # (M, L_B, D_tok): the outputs that predict t_0 .. t_{L_B-1}
+        return h if return_hidden else self.head(h)
+
+    # -- training forward ----------------------------------------------------------------------------------------
+
+    def forward(self, idx, targets=None):
+        """idx (B, T), T a multiple of L_B -> logits (B, T, V), logits[:, t] predicting token t+1, and the loss.
+
+        Row i of the token decoder (i = 0..N-1) takes the context embedding of block i and decodes block i+1 (for
+        i = N-1 that block lies past the window: only its first token, targets[:, -1], is predicted). Tokens of the
+        first block have no context: logits[:, :L_B-1] are zeros and those targets are ignored.
+        """
+        B, T = idx.shape
+        cfg, L = self.config, self.config.block_len
+        ctx = self.context(idx)  # (B, N, D_blk)
+        N = ctx.size(1)
+        nxt = F.pad(idx.view(B, N, L)[:, 1:], (0, 0, 0, 1), value=cfg.pad)  # (B, N, L): row i holds block i+1
+        ctx, nxt = ctx.reshape(B * N, -1), nxt.reshape(B * N, L)
+        is_pad = nxt == cfg.pad
+        if bool(is_pad.any()):  # one host sync; without pads the token decoder runs plain causal attention
+            skip = is_pad.all(-1).view(B, N)
+            skip[:, -1] = False  # the row past the window has pad inputs but a real target
+            keep = (~skip).flatten().nonzero().squeeze(1)  # blocks that are entirely padding are skipped
+            h = ctx.new_zeros(B * N, L, cfg.tok_n_embd)
+            h[keep] = self.local_logits(ctx[keep], nxt[keep], pad_mask=True, return_hidden=True).to(h.dtype)
+        else:
+            h = self.local_logits(ctx, nxt, pad_mask=False, return_hidden=True)  # (B*N, L, D_tok)
+        h = h.view(B, N * L, -1)[:, :T - L + 1]  # hidden state predicting token t sits at t - 1 ...
+        h = F.pad(h, (0, 0, L - 1, 0))  # ... so shift right by L_B - 1: (B, T, D_tok)
+        logits = self.head(h)
+        logits[:, :L - 1] = 0.0  # no context for the first block
+        if targets is None:
+            return logits, None
+        targets = targets.masked_fill(targets == cfg.pad, IGNORE)  # pads carry no loss
+        targets[:, :L - 1] = IGNORE
+        return logits, lm_loss(logits, targets)
+
+    # -- inference (section 2.1, Appendix E) ---------------------------------------------------------------------
+
+    def new_caches(self, batch: int, seq_len: int, dtype=None, device=None) -> tuple[KVCache, KVCache]:
+        """The block decoder's cache over ceil(seq_len / L_B) + 1 block positions (room for a left-padded prompt) and
+        the token decoder's local cache of P + L_B - 1 entries (reset after every block)."""
+        p = self.lm_head.weight
+        dtype, device = dtype or p.dtype, device or p.device
+        n_blocks = -(-seq_len // self.config.block_len) + 1
+        return (self.block_decoder.new_cache(batch, n_blocks, dtype, device),
+                self.token_decoder.new_cache(batch, self.config.local_len, dtype, device))
+
+    @torch.no_grad()
+    def prefill(self, idx, cache: KVCache):
+        """Prompts idx (B, T) -> the context embedding (B, D_blk) that predicts the next block. The prompt is left-
+        padded to a multiple of L_B (the pads are part of the first block's embedding, as in training, Appendix H);
+        only the block decoder runs: the token decoder has no prefill."""
+        B, T = idx.shape
+        L = self.config.block_len
+        idx = F.pad(idx, ((-T) % L, 0), value=self.config.pad)
+        N = idx.size(1) // L
+        cache.reset()
+        h = self.block_decoder.forward_cached(self.embedder(idx.view(B, N, L)), cache, fresh=True)  # (B, N, D_blk)
+        cache.lengths.fill_(N)
+        return self.block_norm(h[:, -1])
+
+    @torch.no_grad()
+    def block_step(self, block, cache: KVCache):
+        """A finished block (B, L_B) -> one block decoder decode step -> the next context embedding (B, D_blk)."""
+        h = self.block_decoder.forward_cached(self.embedder(block[:, None]), cache)  # (B, 1, D_blk)
+        cache.lengths += 1
+        return self.block_norm(h[:, -1])
+
+    @torch.no_grad()
+    def decode_block(self, ctx, local: KVCache, n_tokens=None, temperature=0.0, top_k=None, generator=None):
+        """The token decoder decodes the next block (B, n_tokens <= L_B) from the context embedding ctx (B, D_blk).
+
+        The local cache starts empty (the previous block's entries are forgotten), takes the off + 1 first inputs
+        (the P prefix vectors) in one step, then one token per step: at most P + L_B - 1 entries.
+        """
+        L = self.config.block_len
+        n_tokens = L if n_tokens is None else n_tokens
+        local.reset()
+        c = self.context_slots(ctx)  # (B, n_ctx, D_tok)
+        x = self.first_inputs(c)  # (B, off + 1, D_tok)
+        h = self.token_decoder.forward_cached(x, local, fresh=True)
+        local.lengths.fill_(x.size(1))
+        out = []
+        for k in range(n_tokens):
+            tok = sample_next(self.head(h[:, -1]), temperature, top_k, generator)  # (B,)
+            out.append(tok)
+            if k + 1 < n_tokens:
+                h = self.token_decoder.forward_cached(self.token_inputs(c, tok[:, None], k0=k), local)
+                local.lengths += 1
+        return torch.stack(out, dim=1)
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens: int, temperature: float = 0.0, top_k=None, generator=None):
+        """idx (B, T) -> (B, T + max_new_tokens). temperature 0 is greedy (argmax); else sampled with `generator`."""
+        B, T = idx.shape
+        if T < 1:
+            raise ValueError("generation needs a prompt of at least one token (the first block has no context)")
+        if T + max_new_tokens > self.config.max_seq_len:
+            raise ValueError(f"prompt {T} + {max_new_tokens} new tokens exceeds max_seq_len={self.config.max_seq_len}")
+        if max_new_tokens <= 0:
+            return idx
+        L = self.config.block_len
+        cache, local = self.new_caches(B, T + max_new_tokens)
+        ctx = self.prefill(idx, cache)
+        out, left = [idx], max_new_tokens
+        while left > 0:
+            block = self.decode_block(ctx, local, min(L, left), temperature, top_k, generator)  # (B, <= L)
+            out.append(block)
+            left -= block.size(1)
+            if left > 0:
+                ctx = self.block_step(block, cache)
+        return torch.cat(out, dim=1)
+
+    # -- accounting ----------------------------------------------------------------------------------------------
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        """Parameter count; non-embedding excludes the embedder's table, the token embedding and an untied head."""
+        return count_params(self, (self.embedder.tok, self.tok_emb, self.lm_head) if non_embedding else ())
+
+    def kv_cache_bytes(self, batch: int, seq_len: int, dtype_bytes: int = 2) -> int:
+        """KV bytes of generate() for seq_len tokens: the block decoder over ceil(seq_len / L_B) + 1 block positions
+        (one spare for a left-padded prompt) plus the token decoder's P + L_B - 1 local entries (Table 1)."""
+        b, t = self.blk_cfg, self.tok_cfg
+        n_blocks = -(-seq_len // self.config.block_len) + 1
+        return (kv_bytes(b.n_layer, batch, n_blocks, b.n_kv_head, b.hd, dtype_bytes)
+                + kv_bytes(t.n_layer, batch, self.config.local_len, t.n_kv_head, t.hd, dtype_bytes))
+
+    def flops_per_token(self, seq_len: int, training: bool = True) -> float:
+        """6N per trained token, as GPT.flops_per_token, with each part weighted by how often it runs per token: the
+        embedder projection, block decoder and context projection once per block (1/L_B), the token decoder on
+        local_len positions per block (local_len / L_B), the head once; plus attention over seq_len / L_B blocks and
+        over local_len positions. 1/3 of it for a forward pass alone."""
+        c, L, S = self.config, self.config.block_len, self.config.local_len
+        per_block = count_params(self.block_decoder) + count_params(self.ctx_proj)
+        if self.embedder.proj is not None:
+            per_block += count_params(self.embedder.proj)
+        n = per_block / L + count_params(self.token_decoder) * S / L + c.tok_n_embd * c.vocab_size
+        b, t = self.blk_cfg, self.tok_cfg
+        attn = (12 * b.n_layer * b.n_head * b.hd * (seq_len / L) / L
+                + 12 * t.n_layer * t.n_head * t.hd * S * S / L)
+        f = 6 * n + attn
+        return f if training else f / 3
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Uptraining from a vanilla model (Appendix N, G.8)
+
+
+def from_vanilla(gpt: GPT, block_len: int = 4, prefix_len: int = 2, max_seq_len: int | None = None,
+                 eot_id: int | None = None) -> BlockTransformer:
+    """Initialise a Block Transformer from a vanilla GPT (Appendix N; the official code's "partition" method).
+
+    * lower half of the layers -> block decoder, upper half -> token decoder (same width, heads, MLP);
+    * embedder: lookup_proj with the vanilla table (width D) and the projection [I/L_B ... I/L_B], so a block
+      embedding starts as the mean of the block's vanilla token embeddings;
+    * prefix projection: P copies of the identity (zero bias), so every prefix vector starts as the context embedding;
+    * token decoder: the vanilla embedding, final norm and head.
+    """
+    v = gpt.config
+    if v.n_layer < 2:
+        raise ValueError(f"cannot split a {v.n_layer}-layer vanilla model into a block and a token decoder: "
+                         f"it needs at least 2 layers")
+    max_seq_len = max_seq_len or v.max_seq_len
+    if max_seq_len % block_len:
+        raise ValueError(f"sequence length {max_seq_len} is not a multiple of block_len L_B={block_len}")
+    cfg = BlockConfig(
+        vocab_size=v.vocab_size, max_seq_len=max_seq_len, block_len=block_len, prefix_len=prefix_len,
+        embedder="lookup_proj", embed_dim=v.n_embd, context="prefix", eot_id=eot_id,
+        **{f"block_{f}": getattr(v, f) for f in DECODER_FIELDS if f != "n_layer"}, block_n_layer=v.n_layer // 2,
+        **{f"tok_{f}": getattr(v, f) for f in DECODER_FIELDS if f != "n_layer"}, tok_n_layer=v.n_layer - v.n_layer // 2,
+        **{f: getattr(v, f) for f in SHARED_FIELDS})
+    model = BlockTransformer(cfg)
+    nb, D = cfg.block_n_layer, v.n_embd
+    p = next(gpt.parameters())
+    model.to(device=p.device, dtype=p.dtype)
+    with torch.no_grad():
+        for i, block in enumerate(model.block_decoder.blocks):
+            block.load_state_dict(gpt.blocks[i].state_dict())
+        for i, block in enumerate(model.token_decoder.blocks):
+            block.load_state_dict(gpt.blocks[nb + i].state_dict())
+        model.embedder.tok.weight.copy_(gpt.tok_emb.weight)
+        model.embedder.tok.weight[cfg.pad].zero_()
+        eye = torch.eye(D, dtype=p.dtype, device=p.device)
+        model.embedder.proj.weight.copy_(torch.cat([eye / block_len] * block_len, dim=1))  # (D, L_B * D): the mean
+        model.embedder.proj.bias.zero_()
+        model.ctx_proj.weight.copy_(torch.cat([eye] * prefix_len, dim=0))  # (P * D, D): P copies
+        model.ctx_proj.bias.zero_()
+        model.tok_emb.weight.copy_(gpt.tok_emb.weight)
+        model.norm.load_state_dict(gpt.norm.state_dict())
+        if not cfg.tie_embeddings:
+            model.lm_head.weight.copy_(gpt.lm_head.weight)
+    return model
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# How train.py sees this architecture
+
+
+def add_args(ap: argparse.ArgumentParser):
+    g = ap.add_argument_group("block (Block Transformer)")
+    g.add_argument("--block-len", type=int, default=None, help="block: tokens per block L_B (default: preset, 4)")
+    g.add_argument("--block-prefix-len", type=int, default=None, help="block: prefix length P (default: preset, 2)")
+    g.add_argument("--block-embedder", choices=["lookup", "lookup_proj"], default=None, help="block: embedder")
+    g.add_argument("--block-context", choices=["prefix", "summation"], default=None,
+                   help="block: how the token decoder gets the context embedding (summation = MEGABYTE)")
+    g.add_argument("--block-no-random-pad", action="store_true",
+                   help="block: pack documents without random-length padding (Appendix H)")
+
+
+def tokenizer_of_run(args):
+    """The tokenizer train.py will use for these args (the same choice as train.train), to read its end-of-text id.
+
+    train.py builds the config before it shows architectures the tokenizer, so this mirrors its choice."""
+    import train  # train.py imports this module: import lazily
+
+    if getattr(args, "resume", False):
+        return None  # the config comes from the checkpoint
+    if args.init_from and not args.tokenizer and not args.vocab_size:
+        return train.Tokenizer(train.load_source_tokenizer(args.init_from))
+    return train.Tokenizer.from_args(args.vocab_size, args.tokenizer)
+
+
+def config_overrides(args) -> dict:
+    o = {k: v for k, v in dict(block_len=args.block_len, prefix_len=args.block_prefix_len,
+                               embedder=args.block_embedder, context=args.block_context).items() if v is not None}
+    if args.block_no_random_pad:
+        o["random_pad"] = False
+    tok = tokenizer_of_run(args)
+    if tok is not None:
+        o["eot_id"] = tok.eot
+    return o
+
+
+def convert(args, vanilla: GPT) -> BlockTransformer:
+    """--init-from a vanilla checkpoint (Appendix N)."""
+    tok = tokenizer_of_run(args)
+    if tok is not None and vanilla.config.vocab_size <= tok.n_vocab:
+        raise ValueError(f"the vanilla vocabulary ({vanilla.config.vocab_size} rows) has no spare row above the "
+                         f"tokenizer's {tok.n_vocab} ids for the pad token")
+    return from_vanilla(vanilla, block_len=args.block_len or 4, prefix_len=args.block_prefix_len or 2,
+                        max_seq_len=args.seq_len, eot_id=tok.eot if tok is not None else None)
+
+
+ARCH_SPECS = [ArchSpec("block", BlockConfig, BlockTransformer, PRESETS, add_args=add_args,
+                       config_overrides=config_overrides, convert=convert, prepare_batch=prepare_batch, kd_ok=False)]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Benchmark: decode throughput and KV bytes against vanilla at equal non-embedding parameters
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_generate(model, batch, prompt_len, new_tokens, runs, device, vocab):
+    """Seconds per generate() call (mean of `runs` after one warm-up), random prompts, greedy, no EOS stop."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    idx = torch.randint(0, vocab, (batch, prompt_len), generator=g).to(device)
+    model.generate(idx, new_tokens)  # warm-up
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(runs):
+        model.generate(idx, new_tokens)
+    _sync(device)
+    return (time.perf_counter() - t0) / runs
+
+
+def bench(args):
+    device = pick_device(args.device)
+    dtype = pick_dtype(device, args.dtype)
+    settings = [("prefill-heavy", 2048, 128), ("decode-heavy", 128, 2048)]
+    settings = [(n, max(1, int(p * args.scale)), max(1, int(d * args.scale))) for n, p, d in settings]
+    L = BlockConfig.from_preset(args.preset).block_len
+    longest = max(p + d for _, p, d in settings)
+    cfg = BlockConfig.from_preset(args.preset, max_seq_len=-(-longest // L) * L)
+    torch.manual_seed(0)
+    block = BlockTransformer(cfg).to(device=device, dtype=dtype).eval()
+    vanilla = GPT(cfg.vanilla_config()).to(device=device, dtype=dtype).eval()
+    db = torch.tensor([], dtype=dtype).element_size()
+    print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}) dtype {dtype} "
+          f"preset {args.preset} | non-embedding params: block {block.num_params() / 1e6:.2f}M "
+          f"vanilla {vanilla.num_params() / 1e6:.2f}M | L_B {cfg.block_len} P {cfg.prefix_len} | "
+          f"random weights, random prompts, greedy, 1 warm-up + {args.runs} timed runs")
+    print(f"{'setting':14s} {'prompt':>6s} {'new':>5s} {'batch':>6s} {'model':8s} {'s/call':>9s} {'tok/s':>10s} "
+          f"{'KV MiB':>9s} {'speedup':>8s}")
+    vocab = cfg.vocab_size - 1
+    for name, p, d in settings:
+        for batch in [int(b) for b in args.batch.split(",")]:
+            res = {}
+            for label, model in (("vanilla", vanilla), ("block", block)):
+                try:
+                    with torch.inference_mode():
+                        dt = time_generate(model, batch, p, d, args.runs, device, vocab)
+                except torch.OutOfMemoryError:
+                    print(f"{name:14s} {p:6d} {d:5d} {batch:6d} {label:8s} {'OOM':>9s}")
+                    torch.cuda.empty_cache()
+                    continue
+                res[label] = batch * d / dt
+                kv = model.kv_cache_bytes(batch, p + d, db) / 2 ** 20
+                sp = f"{res[label] / res['vanilla']:7.2f}x" if "vanilla" in res else ""
+                print(f"{name:14s} {p:6d} {d:5d} {batch:6d} {label:8s} {dt:9.4f} {res[label]:10.1f} {kv:9.2f} {sp:>8s}",
+                      flush=True)
+
+
+def describe():
+    for name in PRESETS:
+        cfg = BlockConfig.from_preset(name)
+        with torch.device("meta"):
+            m, v = BlockTransformer(cfg), GPT(cfg.vanilla_config())
+        T = cfg.max_seq_len
+        print(f"{name:8s} block {cfg.block_n_layer}L tok {cfg.tok_n_layer}L d {cfg.tok_n_embd:5d} L_B {cfg.block_len} "
+              f"P {cfg.prefix_len} | non-emb {m.num_params() / 1e6:8.2f}M (vanilla {v.num_params() / 1e6:8.2f}M) | "
+              f"KV bytes @T={T} batch 1: {m.kv_cache_bytes(1, T) / 2 ** 20:8.2f} MiB "
+              f"(vanilla {v.kv_cache_bytes(1, T) / 2 ** 20:8.2f} MiB) | train GFLOP/token "
+              f"{m.flops_per_token(T) / 1e9:6.3f} (vanilla {v.flops_per_token(T) / 1e9:6.3f})")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--bench", action="store_true", help="decode throughput and KV bytes against vanilla")
+    ap.add_argument("--preset", default="t3-85m", help="preset of the benchmark (the vanilla model has equal "
+                                                        "non-embedding parameters)")
+    ap.add_argument("--batch", default="1,32,256", help="comma-separated batch sizes")
+    ap.add_argument("--scale", type=float, default=1.0,
+                    help="multiply the paper's prompt/new lengths (2048/128, 128/2048) by this, e.g. 0.125 on CPU")
+    ap.add_argument("--runs", type=int, default=3, help="timed runs per point (after one warm-up)")
+    ap.add_argument("--device", default="auto", help="cpu | cuda | mps | auto")
+    ap.add_argument("--dtype", default="auto", help="auto (bf16 where supported) | float32 | bfloat16")
+    args = ap.parse_args()
+    if args.bench:
+        bench(args)
+    else:
+        describe()
+
+
+if __name__ == "__main__":
+    main()

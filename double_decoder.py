@@ -1,0 +1,897 @@
+"""
+double_decoder.py -- the block-based double decoder: doubly-causal block attention, trained like a decoder-only model,
+served like an encoder-decoder.
+
+Paper: "Block-Based Double Decoders" (Alexander, Bradley, Harsha, Labovich, 2026), ../shared/papers/004_*.txt.
+Sections 3.1 (architecture), 3.2 / Appendix A.2 (FLOPs), 3.3 / Appendix A.1 (KV cache, time to first token, prefix
+caching), 4 (the prefix-LM phase), Appendix A.4 (hyper-parameters). Official code: ashlab11/block-based-double-decoder.
+
+Two stacks of model.Block share one token embedding (and the tied head):
+
+    tokens x (B, T) --embedding--> (B, T, C)
+        context decoder:    a plain causal decoder (ctx_layers Blocks) -> final norm -> latents h (B, T, C)
+        generation decoder: gen_layers Blocks whose attention is DualAttention -> norm -> head -> logits (B, T, V)
+
+A block partition 0 = b_0 < b_1 < ... < b_K = T splits the sequence into K contiguous blocks (block ids `blk`,
+(T,) long, blk[t] = k for b_k <= t < b_{k+1}). In every generation-decoder layer the query at position t of block k
+attends to ONE softmax over two key sets (section 3.1, Figure 2):
+    within-block keys: that layer's own states at positions s of block k with s <= t      (causal self-attention)
+    cross-block keys:  that layer's k/v projections of the latents h_s of blocks m < k    (full cross-attention)
+Both are computed as attentions that also return their log-sum-exp and are merged exactly,
+    o = e^{l1 - l} o1 + e^{l2 - l} o2,  l = logaddexp(l1, l2),  in fp32                 (kernels.dual_attention)
+which equals one softmax over the concatenated keys [self; cross] with the union mask. Block-0 rows have no cross
+keys (l2 = -inf, weight 0) and are plain causal self-attention: finite, never NaN. Logits[:, t] predict token t+1 and
+every token is a target exactly once per forward, whatever the partition (loss-information density 1, static length).
+
+Choices made here (the paper and the official code leave them open or differ):
+  * Cross K/V projections are SHARED with the self K/V projections by default (the official code's default): a
+    generation layer has exactly the parameters of a vanilla layer, so a double decoder with ctx + gen layers has the
+    parameters of a decoder-only model with ctx + gen layers. `separate_cross_kv=True` (--separate-cross-kv) adds a
+    separate k/v projection for the latents. One q projection serves both key sets.
+  * RoPE with absolute positions on both sides: the query and self keys at their token positions, the cross keys at
+    the positions of their latents, so relative offsets are the same for both key sets.
+  * The generation decoder's input embeddings are the context decoder's (one shared token embedding, as officially).
+  * No attention sink: the official code lets block 0 see latent 0; here block 0 is exactly causal self-attention.
+  * Training runs both decoders once over all T positions. The cross keys are the latents of ALL positions, hidden by
+    the block mask, so one pass per layer computes every block at once (no per-block loop, no dynamic shapes).
+    On CPU (and whenever --dd-attn dense) the attention is kernels.dual_attention's differentiable reference; on CUDA
+    it is FlexAttention (compiled) with two block masks built once per batch and shared by all layers.
+  * Generation. The context is every prompt token but the last; the last prompt token opens the generation block
+    (it plays the part of the official SFT's <assistant> token). This is exactly the training forward with the
+    partition [prompt[:-1] | prompt[-1], response...], and the first response token is predicted after the context
+    decoder's pass and ONE generation-decoder step (time to first token ~ L_ctx / L, section 3.3 item 4).
+    1. the context decoder runs once over the context (prefill, flash/causal SDPA),
+    2. every generation layer projects the latents to its cross K/V once (the cross cache),
+    3. generated tokens join the current block with a growing self-attention cache of that block only.
+    The context decoder is causal, so a shared prompt prefix's context cache can be computed once and reused by every
+    request (DoubleCache.clone, section 3.3 item 3), and the context can be extended incrementally: `rollover=N`
+    folds the current block into the context every N tokens (the context decoder runs over just those N tokens
+    against its own cache, the generation layers append their cross K/V, the block restarts). A bidirectional encoder
+    could do neither. The partition of a rollover run is [prompt[:-1] | N tokens | N tokens | ...].
+  * The objective `prefixlm` (section 4): one split point s per batch; prefix x[:s] is the context, x[s:] one block,
+    loss on the suffix targets only (the others are IGNORE). Same static shapes as `blocks`.
+  * init: GPT-2 init of model.py per stack (residual projections scaled by that stack's depth); no muP (the paper's
+    muP needs per-group learning rates in train.py's optimizer).
+
+Run:
+    python double_decoder.py                                  # presets: parameters, KV bytes, FLOPs vs decoder-only
+    python train.py --arch double                             # pretrain tiny with random block partitions (~5 min)
+    python train.py --arch double --objective prefixlm        # the prefix-LM objective of section 4
+    python double_decoder.py --eval out/double/ckpt.pt out/vanilla/ckpt.pt   # same-split prefix-LM loss vs vanilla
+    python double_decoder.py --sample out/double/ckpt.pt --rollover 16       # generate, folding every 16 tokens
+    python double_decoder.py --bench                          # TTFT, per-token latency, KV bytes vs decoder-only
+    python -m pytest -q tests/test_double_decoder.py
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import kernels
+from model import (IGNORE, ArchSpec, Attention, Block, GPT, GPTConfig, KVCache, Linear, RotaryEmbedding,
+                   apply_rotary, causal_mask_from_positions, count_params, init_weights, kv_bytes, lm_loss, make_norm,
+                   pick_device, pick_dtype, sample_next)
+
+# ----------------------------------------------------------------------------------------------------------------
+# Config
+
+
+@dataclass
+class DoubleConfig(GPTConfig):
+    """GPTConfig (width, heads, MLP, norm, RoPE: the same for both stacks) plus the double-decoder fields.
+
+    n_layer is derived: ctx_layers + gen_layers (the depth of the decoder-only model of the same parameters).
+    """
+
+    n_layer: int | None = None  # = ctx_layers + gen_layers
+    ctx_layers: int = 8  # L_enc of the paper: the context decoder
+    gen_layers: int = 4  # L_dec: the generation decoder (the paper's 2/3 : 1/3 split, section 4)
+    separate_cross_kv: bool = False  # False: cross K/V use the self k/v projections (official default)
+    objective: str = "blocks"  # 'blocks' (random block partitions) | 'prefixlm' (one split, loss on the suffix)
+    min_blocks: int = 3  # blocks per training partition: uniform in [min_blocks, max_blocks]
+    max_blocks: int = 8
+    attn_impl: str = "auto"  # 'auto' (flex on CUDA, else dense) | 'dense' (kernels.dual_attention) | 'flex'
+
+    def __post_init__(self):
+        if self.n_layer is None and isinstance(self.ctx_layers, int) and isinstance(self.gen_layers, int):
+            self.n_layer = self.ctx_layers + self.gen_layers
+        super().__post_init__()
+
+    def validate(self):
+        def need(ok, msg):
+            if not ok:
+                raise ValueError(f"bad DoubleConfig: {msg}")
+
+        for name in ("ctx_layers", "gen_layers", "min_blocks", "max_blocks"):
+            need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, f"{name} must be a positive int")
+        need(self.n_layer == self.ctx_layers + self.gen_layers,
+             f"n_layer={self.n_layer} must equal ctx_layers + gen_layers = {self.ctx_layers + self.gen_layers}")
+        need(self.min_blocks <= self.max_blocks, f"min_blocks={self.min_blocks} > max_blocks={self.max_blocks}")
+        need(self.max_blocks <= self.max_seq_len,
+             f"max_blocks={self.max_blocks} non-empty blocks do not fit in max_seq_len={self.max_seq_len} tokens")
+        need(self.objective in ("blocks", "prefixlm"), f"objective={self.objective!r} is not 'blocks' or 'prefixlm'")
+        need(self.attn_impl in ("auto", "dense", "flex"), f"attn_impl={self.attn_impl!r} is not auto, dense or flex")
+        super().validate()
+
+
+PRESETS: dict[str, dict] = {
+    # CPU and tests. The same width and total depth as model.py's vanilla `tiny` (4 layers), hence the same
+    # parameters (0.8M non-embedding): `--arch vanilla` is its baseline. Four layers admit no 2:1 split; 3 + 1 is the
+    # nearest (use --ctx-layers 4 --gen-layers 2 for the paper's ratio at 1.5x the parameters).
+    "tiny": dict(ctx_layers=3, gen_layers=1, n_head=4, n_kv_head=2, n_embd=128, mlp_hidden=384, max_seq_len=256,
+                 vocab_size=4160),
+    # The paper's depth profile (8 context + 4 generation layers vs 12 decoder layers), head dim 64. ~38M non-emb.
+    "small": dict(ctx_layers=8, gen_layers=4, n_head=8, n_kv_head=4, n_embd=512, mlp_hidden=1536, max_seq_len=1024,
+                  vocab_size=16448),
+    # Parameter-matched to model.py's vanilla `base` (12 layers, d 768): ~125M non-embedding.
+    "base": dict(ctx_layers=8, gen_layers=4, n_head=12, n_kv_head=4, n_embd=768, mlp_hidden=3840, max_seq_len=1024,
+                 vocab_size=32832),
+}
+
+
+def baseline_config(cfg: DoubleConfig) -> GPTConfig:
+    """The decoder-only model of the same parameters: every GPTConfig field of cfg, n_layer = ctx + gen layers."""
+    return GPTConfig(**{f.name: getattr(cfg, f.name) for f in fields(GPTConfig)})
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Block partitions (section 3.1): block ids per position, checked, sampled once per batch
+
+
+def splits_to_blk(splits, T: int, device=None) -> torch.Tensor:
+    """Split points b_1 < ... < b_{K-1} (each in [1, T-1]) -> block ids (T,): blk[t] = #{b_i <= t}.
+
+    This is the official code's `bucketize(arange(T), splits, right=True)`.
+    """
+    splits = torch.as_tensor(splits, dtype=torch.long, device=device).reshape(-1)
+    if splits.numel() and (int(splits.min()) < 1 or int(splits.max()) > T - 1):
+        raise ValueError(f"split points must lie in [1, {T - 1}] for a sequence of {T} tokens; got {splits.tolist()}")
+    if splits.numel() > 1 and bool((splits[1:] <= splits[:-1]).any()):
+        raise ValueError(f"split points must be strictly increasing (no empty block); got {splits.tolist()}")
+    return torch.bucketize(torch.arange(T, device=splits.device), splits, right=True)
+
+
+def check_partition(blk: torch.Tensor, B: int, T: int) -> int:
+    """Validate block ids (T,) or (B, T): integers, start at 0, step by 0 or 1 (contiguous, non-empty blocks).
+
+    -> the largest number of blocks of a row. Raises ValueError naming the problem.
+    """
+    if not isinstance(blk, torch.Tensor) or blk.dtype not in (torch.int32, torch.int64):
+        raise ValueError("blk must be an integer tensor of block ids, (T,) or (B, T)")
+    if blk.dim() not in (1, 2) or blk.size(-1) != T or (blk.dim() == 2 and blk.size(0) not in (1, B)):
+        raise ValueError(f"blk has shape {tuple(blk.shape)}; expected ({T},) or ({B}, {T})")
+    b = blk.reshape(-1, T)
+    if bool((b[:, 0] != 0).any()):
+        raise ValueError("a block partition starts with block 0 at position 0")
+    step = b[:, 1:] - b[:, :-1]
+    if bool(((step != 0) & (step != 1)).any()):
+        raise ValueError("block ids must be non-decreasing by steps of 0 or 1 (contiguous, non-empty blocks)")
+    return int(b[:, -1].max()) + 1
+
+
+def sample_blocks(T: int, gen: torch.Generator, min_blocks: int, max_blocks: int) -> torch.Tensor:
+    """K ~ uniform{min_blocks..max_blocks} (at most T), then K - 1 distinct split points uniform in [1, T-1].
+
+    -> block ids (T,). The official collator draws 2..7 split points uniformly from [2, T-1).
+    """
+    if T < min_blocks:
+        raise ValueError(f"a sequence of {T} tokens cannot be split into min_blocks={min_blocks} non-empty blocks")
+    hi = min(max_blocks, T)
+    K = int(torch.randint(min_blocks, hi + 1, (1,), generator=gen))
+    splits = (torch.randperm(T - 1, generator=gen)[: K - 1] + 1).sort().values
+    return splits_to_blk(splits, T)
+
+
+def prepare_batch(x, y, gen, cfg: DoubleConfig):
+    """train.py hook: one partition per batch from the step's generator -> (x, y, {"blk": (T,) block ids}).
+
+    'blocks':   3-8 uniform blocks; every target counts once (y unchanged).
+    'prefixlm': one split s ~ uniform [1, T-1]; prefix x[:s] is the context, x[s:] one generation block; targets of the
+                prefix positions (y[:, :s], which include the first suffix token) are IGNORE: loss on the suffix only.
+    """
+    T = x.size(1)
+    if cfg.objective == "prefixlm":
+        if T < 2:
+            raise ValueError("the prefix-LM objective needs sequences of at least 2 tokens")
+        s = int(torch.randint(1, T, (1,), generator=gen))
+        blk = (torch.arange(T) >= s).long()
+        y = y.clone()
+        y[:, :s] = IGNORE
+        return x, y, {"blk": blk}
+    return x, y, {"blk": sample_blocks(T, gen, cfg.min_blocks, cfg.max_blocks)}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Dual attention: one softmax over within-block self keys and earlier-block cross keys
+
+
+@dataclass
+class DualIds:
+    """Positions and block ids of queries, self keys and cross keys (B, T*) long, as kernels.dual_masks reads them:
+    self key j visible iff s_blk[j] == q_blk[i] and s_pos[j] <= q_pos[i]; cross key j iff c_blk[j] < q_blk[i]."""
+
+    q_pos: torch.Tensor
+    q_blk: torch.Tensor
+    s_pos: torch.Tensor
+    s_blk: torch.Tensor
+    c_blk: torch.Tensor
+
+
+_FLEX = {}
+
+
+def flex_lse(q, k, v, block_mask):
+    """FlexAttention with its log-sum-exp (natural log, fp32): compiled on CUDA, eager elsewhere (tests).
+
+    q (B, H, T, D), k, v (B, H_kv, S, D) -> out (B, H, T, D), lse (B, H, T). Empty rows: out 0, lse -inf.
+    """
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+
+    fn = flex_attention
+    if q.is_cuda:
+        if "fn" not in _FLEX:
+            _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+        fn = _FLEX["fn"]
+    out, aux = fn(q, k, v, block_mask=block_mask, enable_gqa=q.size(1) != k.size(1), return_aux=AuxRequest(lse=True))
+    return out, aux.lse
+
+
+def flex_block_masks(blk: torch.Tensor, T: int):
+    """blk (T,) or (B, T) on the device -> (self BlockMask, cross BlockMask), built once per batch for all layers.
+
+    self: kv <= q and same block; cross: block(kv) < block(q) -- the official code's masks (without its sink).
+    """
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    b2 = blk if blk.dim() == 2 else blk[None]
+    nb = b2.size(0) if blk.dim() == 2 else None
+
+    def self_mod(b, h, q, kv):
+        return (kv <= q) & (b2[b, kv] == b2[b, q])
+
+    def cross_mod(b, h, q, kv):
+        return b2[b, kv] < b2[b, q]
+
+    return (create_block_mask(self_mod, nb, None, T, T, device=blk.device),
+            create_block_mask(cross_mod, nb, None, T, T, device=blk.device))
+
+
+class DualAttention(Attention):
+    """A generation-decoder layer's attention: model.Attention (q/k/v/o projections, RoPE, GQA) plus the cross keys.
+
+    forward(x, rope, ctx=latents, ids=DualIds)              training: cross K/V projected here from the latents
+    forward(x, rope, ids=DualIds, flex=(self_bm, cross_bm))  training on CUDA: FlexAttention instead of the reference
+    forward(x, rope, ids=DualIds, cache=(self_view, cross_view), step=(self_idx, self_len, cross_len))   cached step
+    """
+
+    def __init__(self, cfg: DoubleConfig):
+        super().__init__(cfg)
+        self.separate = cfg.separate_cross_kv
+        if self.separate:  # --separate-cross-kv: 2 d (H_kv D) more parameters per layer
+            self.ck_proj = Linear(cfg.n_embd, cfg.n_kv_head * cfg.hd, bias=cfg.attn_bias)
+            self.cv_proj = Linear(cfg.n_embd, cfg.n_kv_head * cfg.hd, bias=cfg.attn_bias)
+
+    def project_cross(self, h, rope, lora_idx=None):
+        """Cross keys/values of latents h (B, S, C) at the positions given by rope -> (B, H_kv, S, D) each."""
+        if not self.separate:
+            return self.project_kv(h, rope, lora_idx)
+        k = apply_rotary(self.split_heads(self.ck_proj(h, lora_idx), self.n_kv_head), *rope)
+        v = self.split_heads(self.cv_proj(h, lora_idx), self.n_kv_head)
+        return k, v
+
+    def forward(self, x, rope, lora_idx=None, ids: DualIds | None = None, ctx=None, flex=None, cache=None, step=None):
+        q = self.project_q(x, rope, lora_idx)  # (B, H, T, D)
+        k_s, v_s = self.project_kv(x, rope, lora_idx)  # (B, H_kv, T, D): this block's own states
+        if cache is not None:  # cached step: the new K/V join the block's cache; the cross K/V were cached once
+            self_view, cross_view = cache
+            self_idx, self_len, cross_len = step
+            self_view.write(self_idx, k_s, v_s)
+            k_s, v_s = self_view.read(self_len)  # (B, H_kv, self_len, D)
+            k_c, v_c = cross_view.read(cross_len)  # (B, H_kv, cross_len, D)
+        elif flex is not None:
+            k_c, v_c = self.project_cross(ctx, rope, lora_idx)  # (B, H_kv, T, D): latents of ALL positions
+            o1, l1 = flex_lse(q, k_s, v_s, flex[0])
+            o2, l2 = flex_lse(q, k_c, v_c, flex[1])
+            return self.project_out(kernels.merge_lse(o1, l1, o2, l2)[0], lora_idx)
+        else:
+            k_c, v_c = self.project_cross(ctx, rope, lora_idx)
+        y, _ = kernels.dual_attention(q, ids.q_pos, ids.q_blk, k_s, v_s, ids.s_pos, ids.s_blk, k_c, v_c, ids.c_blk)
+        return self.project_out(y, lora_idx)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Inference caches
+
+
+def _copy_kv(kv: KVCache | None, batch: int | None = None) -> KVCache | None:
+    """A copy of a KVCache, its rows optionally broadcast from 1 to `batch`."""
+    if kv is None:
+        return None
+    L, B, H, S, D = kv.k.shape
+    batch = batch or B
+    if batch != B and B != 1:
+        raise ValueError(f"a cache of {B} rows cannot be cloned to {batch} rows (only a 1-row cache broadcasts)")
+    new = KVCache(L, batch, S, H, D, kv.k.dtype, kv.k.device)
+    new.k.copy_(kv.k.expand(L, batch, H, S, D))
+    new.v.copy_(kv.v.expand(L, batch, H, S, D))
+    new.lengths.copy_(kv.lengths.expand(batch))
+    return new
+
+
+class DoubleCache:
+    """Everything generation keeps (Appendix A.1), all rows at the same positions:
+
+    ctx      KVCache (ctx_layers, B, H_kv, max_context, D): the context decoder's K/V, index = position. Kept only when
+             the context will be extended (rollover, prefix reuse); a one-shot prompt needs none (keep_context=False).
+    cross    KVCache (gen_layers, B, H_kv, max_context, D): each generation layer's K/V of the latents h_0..h_{n-1}.
+    self_kv  KVCache (gen_layers, B, H_kv, max_block, D): the current block's K/V, index = position - ctx_len.
+    tokens   (B, max_block) the current block's tokens (folded into the context by a rollover).
+    ctx_len  n, the context's length = the position where the current block starts; block_len its tokens so far.
+    """
+
+    def __init__(self, cfg: DoubleConfig, batch: int, max_context: int, max_block: int, keep_context: bool, dtype,
+                 device):
+        H, D, S = cfg.n_kv_head, cfg.hd, max(max_context, 1)
+        self.ctx = KVCache(cfg.ctx_layers, batch, S, H, D, dtype, device) if keep_context else None
+        self.cross = KVCache(cfg.gen_layers, batch, S, H, D, dtype, device)
+        self.self_kv = KVCache(cfg.gen_layers, batch, max(max_block, 1), H, D, dtype, device)
+        self.tokens = torch.zeros(batch, max(max_block, 1), dtype=torch.long, device=device)
+        self.ctx_len, self.block_len = 0, 0
+
+    @property
+    def batch(self) -> int:
+        return self.tokens.size(0)
+
+    def clone(self, batch: int | None = None) -> "DoubleCache":
+        """An independent copy (prefix caching: clone the shared prefix's cache per request), rows broadcast from a
+        1-row cache to `batch` rows if given."""
+        new = DoubleCache.__new__(DoubleCache)
+        new.ctx = _copy_kv(self.ctx, batch)
+        new.cross = _copy_kv(self.cross, batch)
+        new.self_kv = _copy_kv(self.self_kv, batch)
+        new.tokens = self.tokens.expand(batch or self.batch, -1).clone()
+        new.ctx_len, new.block_len = self.ctx_len, self.block_len
+        return new
+
+    def reset(self):
+        """Forget the context and the block (the buffers stay allocated; stale entries are never read)."""
+        self.ctx_len, self.block_len = 0, 0
+        for kv in (self.ctx, self.cross, self.self_kv):
+            if kv is not None:
+                kv.reset()
+
+    def nbytes(self) -> int:
+        """Bytes of the generation-time caches (cross + self K/V): what Appendix A.1 counts."""
+        return self.cross.nbytes() + self.self_kv.nbytes()
+
+    def context_nbytes(self) -> int:
+        """Bytes of the context decoder's K/V (0 when not kept)."""
+        return self.ctx.nbytes() if self.ctx is not None else 0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The model
+
+
+class DoubleDecoder(nn.Module):
+    """Block-based double decoder (section 3.1).
+
+    forward(idx, targets=None, blk=None) -> (logits, loss); blk = block ids (T,) or (B, T) (default: the even partition
+    into max_blocks blocks). Inference: new_cache -> [extend_context (shared prefix)] -> prefill -> decode_step, and
+    generate() strings them together.
+    """
+
+    def __init__(self, cfg: DoubleConfig):
+        super().__init__()
+        self.config = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)  # shared by both decoders
+        self.ctx_blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.ctx_layers))
+        self.ctx_norm = make_norm(cfg)  # the latents h are normed (official: encoder_norm)
+        self.gen_blocks = nn.ModuleList(Block(cfg, attn_cls=DualAttention) for _ in range(cfg.gen_layers))
+        self.norm = make_norm(cfg)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.rope = RotaryEmbedding(cfg.rot_dim, cfg.max_seq_len, cfg.rope_theta)
+        init_weights(self.tok_emb, 1)
+        init_weights(self.lm_head, 1)
+        init_weights(self.ctx_blocks, cfg.ctx_layers)  # each residual stream scaled by its own depth
+        init_weights(self.gen_blocks, cfg.gen_layers)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+
+    # -- pieces (the vanilla model's, unchanged) ------------------------------------------------------------------
+
+    embed = GPT.embed  # (B, T) -> (B, T, C)
+    head = GPT.head  # (B, T, C) -> (B, T, V), final norm included
+    check_length = GPT.check_length
+
+    def default_partition(self, T: int, device=None) -> torch.Tensor:
+        """The partition of forward(idx) without blk: min(max_blocks, T) blocks of (nearly) equal length."""
+        K = min(self.config.max_blocks, T)
+        return splits_to_blk([T * i // K for i in range(1, K)], T, device)
+
+    def context(self, x, rope, q_pos=None, cache: KVCache | None = None, fresh=True):
+        """Context decoder: embeddings x (B, T, C) -> latents h (B, T, C), after the context norm.
+
+        No cache: causal over x. With a cache: write K/V at q_pos (B, T); fresh=False attends over the whole cached
+        prefix (incremental extension), as GPT.forward_cached.
+        """
+        mask = None
+        if cache is not None and not fresh:
+            mask = causal_mask_from_positions(q_pos, int(q_pos.max()) + 1)
+        for i, block in enumerate(self.ctx_blocks):
+            if cache is None:
+                x = block(x, rope)
+            else:
+                x = block(x, rope, mask=mask, cache=cache.layer(i), q_pos=q_pos)
+        return self.ctx_norm(x)
+
+    def context_latents(self, idx):
+        """idx (B, T) -> latents h (B, T, C) of the context decoder (no cache)."""
+        return self.context(self.embed(idx), self.rope(torch.arange(idx.size(1), device=idx.device)))
+
+    # -- training forward ----------------------------------------------------------------------------------------
+
+    def forward(self, idx, targets=None, blk=None):
+        """idx (B, T), blk block ids (T,) or (B, T) -> logits (B, T, V) and the mean loss over every target."""
+        B, T = idx.shape
+        self.check_length(T)
+        blk = self.default_partition(T) if blk is None else blk
+        n_blocks = check_partition(blk, B, T)
+        self.metrics = {"blocks": float(n_blocks)}
+        blk = blk.to(idx.device)
+        pos = torch.arange(T, device=idx.device)
+        rope = self.rope(pos)  # absolute positions for queries, self keys and cross keys alike
+        x = self.embed(idx)  # (B, T, C), the input of both decoders
+        h = self.context(x, rope)  # (B, T, C) latents of every position (masked per block below)
+        impl = self.config.attn_impl
+        flex = flex_block_masks(blk, T) if impl == "flex" or (impl == "auto" and idx.is_cuda) else None
+        b2 = blk.expand(B, T)
+        ids = DualIds(pos.expand(B, T), b2, pos.expand(B, T), b2, b2)
+        for block in self.gen_blocks:
+            x = block(x, rope, ids=ids, ctx=h, flex=flex)
+        logits = self.head(x)
+        return logits, (lm_loss(logits, targets) if targets is not None else None)
+
+    # -- inference -----------------------------------------------------------------------------------------------
+
+    def new_cache(self, batch: int, max_context: int, max_block: int, keep_context: bool = False, dtype=None,
+                  device=None) -> DoubleCache:
+        """Caches for up to max_context context positions and a block of up to max_block tokens."""
+        p = self.lm_head.weight
+        return DoubleCache(self.config, batch, max_context, max_block, keep_context, dtype or p.dtype,
+                           device or p.device)
+
+    @torch.no_grad()
+    def extend_context(self, idx, cache: DoubleCache):
+        """Append tokens idx (B, n) to the context: the context decoder runs over them only (incremental, against its
+        own cache), every generation layer appends their cross K/V. Only between blocks (block_len == 0)."""
+        B, n = idx.shape
+        start = cache.ctx_len
+        if n == 0:
+            return
+        if cache.block_len:
+            raise ValueError("the context can only be extended between blocks; this cache holds an open block")
+        if B != cache.batch:
+            raise ValueError(f"{B} rows of tokens for a cache of {cache.batch} rows")
+        if start + n > cache.cross.max_len:
+            raise ValueError(f"the cache holds {cache.cross.max_len} context positions; extending needs {start + n}")
+        self.check_length(start + n)
+        if start > 0 and cache.ctx is None:
+            raise ValueError("this cache was built with keep_context=False: the context decoder's K/V were not kept, "
+                             "so its context cannot be extended (new_cache(..., keep_context=True))")
+        q_pos = (start + torch.arange(n, device=idx.device)).expand(B, n)  # (B, n) absolute positions
+        rope = self.rope(q_pos)
+        h = self.context(self.embed(idx), rope, q_pos, cache.ctx, fresh=start == 0)  # (B, n, C)
+        for i, block in enumerate(self.gen_blocks):
+            k, v = block.attn.project_cross(h, rope)  # once per layer, reused by every later step
+            cache.cross.layer(i).write(q_pos, k, v)
+        cache.ctx_len = start + n
+        for kv in (cache.ctx, cache.cross):
+            if kv is not None:
+                kv.lengths.fill_(cache.ctx_len)
+
+    def gen_step(self, tok, cache: DoubleCache):
+        """Tokens tok (B, n) join the current block -> final hidden states (B, n, C) before the final norm."""
+        B, n = tok.shape
+        S1, S2 = cache.block_len + n, cache.ctx_len
+        if S1 > cache.self_kv.max_len:
+            raise ValueError(f"the block cache holds {cache.self_kv.max_len} tokens; this step needs {S1} "
+                             f"(a larger max_block, or a rollover)")
+        if S2 + S1 > self.config.max_seq_len:
+            raise ValueError(f"position {S2 + S1 - 1} exceeds max_seq_len={self.config.max_seq_len}")
+        dev = tok.device
+        self_idx = (cache.block_len + torch.arange(n, device=dev)).expand(B, n)  # index in the block's cache
+        q_pos = S2 + self_idx  # (B, n) absolute positions
+        ones = torch.ones(B, max(S1, S2, 1), dtype=torch.long, device=dev)
+        if S2 > 0:
+            c_len, c_blk = S2, ones[:, :S2] * 0  # every latent is an earlier block's
+        else:  # no context yet (block 0): one dummy cross key, masked by a block id no query has below it
+            c_len, c_blk = 1, ones[:, :1] * (1 << 30)
+        ids = DualIds(q_pos, ones[:, :n], (S2 + torch.arange(S1, device=dev)).expand(B, S1), ones[:, :S1], c_blk)
+        rope = self.rope(q_pos)
+        x = self.embed(tok)
+        for i, block in enumerate(self.gen_blocks):
+            x = block(x, rope, ids=ids, cache=(cache.self_kv.layer(i), cache.cross.layer(i)),
+                      step=(self_idx, S1, c_len))
+        cache.tokens[:, cache.block_len:S1] = tok
+        cache.block_len = S1
+        cache.self_kv.lengths.fill_(S1)
+        return x
+
+    @torch.no_grad()
+    def fold(self, cache: DoubleCache):
+        """Rollover: the current block's tokens become context (the context decoder is extended over exactly them,
+        the generation layers append their cross K/V) and the next token opens a new, empty block."""
+        tokens = cache.tokens[:, :cache.block_len].clone()
+        cache.block_len = 0
+        cache.self_kv.lengths.zero_()
+        self.extend_context(tokens, cache)
+
+    @torch.no_grad()
+    def prefill(self, idx, cache: DoubleCache):
+        """Prompts idx (B, T) -> logits (B, V) of the first new token. The context grows by idx[:, :-1] (after any
+        prefix already in the cache) and idx[:, -1] opens the generation block."""
+        if idx.size(1) < 1:
+            raise ValueError("every prompt needs at least one token")
+        if cache.block_len:
+            raise ValueError("prefill needs a cache between blocks (block_len == 0): clone the prefix cache first")
+        self.extend_context(idx[:, :-1], cache)
+        return self.head(self.gen_step(idx[:, -1:], cache))[:, 0]
+
+    @torch.no_grad()
+    def decode_step(self, tok, cache: DoubleCache, rollover: int | None = None):
+        """One new token per row tok (B,) -> logits (B, V). With rollover N, a block of N tokens is folded into the
+        context before the next token opens a new block."""
+        if rollover is not None and cache.block_len >= rollover:
+            self.fold(cache)
+        return self.head(self.gen_step(tok[:, None], cache))[:, 0]
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens: int, temperature: float = 0.0, top_k=None, generator=None,
+                 rollover: int | None = None, cache: DoubleCache | None = None):
+        """idx (B, T) -> (B, T + max_new_tokens). temperature 0 is greedy (argmax).
+
+        rollover N: fold the block into the context every N tokens. cache: a cache already holding a shared prefix
+        (from extend_context; it is used in place, clone it to reuse it): idx then continues after that prefix.
+        """
+        B, T = idx.shape
+        if T < 1:
+            raise ValueError("every prompt needs at least one token")
+        if rollover is not None and rollover < 1:
+            raise ValueError(f"rollover must be a positive number of tokens, got {rollover}")
+        if max_new_tokens <= 0:
+            return idx
+        self.check_length((cache.ctx_len if cache is not None else 0) + T + max_new_tokens)
+        if cache is None:
+            grow = max_new_tokens if rollover is not None else 0
+            cache = self.new_cache(B, T - 1 + grow, min(rollover or max_new_tokens, max_new_tokens),
+                                   keep_context=rollover is not None, dtype=self.lm_head.weight.dtype)
+        elif cache.batch != B:
+            raise ValueError(f"the cache has {cache.batch} rows and the prompts {B}: clone it with batch={B}")
+        logits = self.prefill(idx, cache)
+        out = [idx]
+        for i in range(max_new_tokens):
+            tok = sample_next(logits, temperature, top_k, generator)
+            out.append(tok[:, None])
+            if i + 1 < max_new_tokens:
+                logits = self.decode_step(tok, cache, rollover)
+        return torch.cat(out, dim=1)
+
+    # -- accounting ----------------------------------------------------------------------------------------------
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        return count_params(self, (self.tok_emb, self.lm_head) if non_embedding else ())
+
+    def kv_cache_bytes(self, batch: int, seq_len: int, dtype_bytes: int = 2, context_len: int = 0) -> int:
+        """Appendix A.1: 2 b L_dec (T_in + T_out) (H_kv D) bytes, seq_len = T_in + T_out.
+
+        Counted: the generation decoder's cross K/V of the T_in context latents plus its self K/V of the T_out block
+        tokens, L_dec layers; the ratio to a decoder-only model of the same depth is L_dec / L. Not counted: the
+        context decoder's K/V, needed only during the prefill -- unless the context is kept for extension (rollover,
+        prefix reuse): pass context_len to add its L_ctx layers over that many positions.
+        """
+        c = self.config
+        return (kv_bytes(c.gen_layers, batch, seq_len, c.n_kv_head, c.hd, dtype_bytes)
+                + kv_bytes(c.ctx_layers, batch, context_len, c.n_kv_head, c.hd, dtype_bytes))
+
+    def flops_per_token(self, seq_len: int, training: bool = True) -> float:
+        """Appendix A.2 in model.py's 6N + 12 L H D T form: 6 (N + the cross K/V projections applied to the latents,
+        which reuse the self k/v weights when shared) + 12 (L_ctx + L_dec) H D T. As in A.2 the two attentions of a
+        generation layer are counted as one (their masks are disjoint: together they are one causal attention); the
+        dense reference computes both in full. With a 2:1 split, d = H D, 4d MLP: L(76 T d^2 + 12 T^2 d) per sequence.
+        """
+        c = self.config
+        n = self.num_params(non_embedding=True) + c.n_embd * c.vocab_size
+        if not c.separate_cross_kv:
+            n += c.gen_layers * 2 * c.n_embd * c.n_kv_head * c.hd
+        f = 6 * n + 12 * (c.ctx_layers + c.gen_layers) * c.n_head * c.hd * seq_len
+        return f if training else f / 3
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# How train.py sees this architecture
+
+
+def add_args(ap: argparse.ArgumentParser):
+    g = ap.add_argument_group("double (block-based double decoder)")
+    g.add_argument("--objective", choices=["blocks", "prefixlm"], default=None,
+                   help="double: random block partitions (pretraining) or one prefix/suffix split (section 4)")
+    g.add_argument("--ctx-layers", type=int, default=None, help="double: context-decoder layers (default: preset)")
+    g.add_argument("--gen-layers", type=int, default=None, help="double: generation-decoder layers (default: preset)")
+    g.add_argument("--min-blocks", type=int, default=None, help="double: fewest blocks of a training partition (3)")
+    g.add_argument("--max-blocks", type=int, default=None, help="double: most blocks of a training partition (8)")
+    g.add_argument("--separate-cross-kv", action="store_true",
+                   help="double: separate k/v projections for the cross keys (default: shared with the self k/v)")
+    g.add_argument("--dd-attn", choices=["auto", "dense", "flex"], default=None,
+                   help="double: training attention (auto = FlexAttention on CUDA, the dense reference elsewhere)")
+
+
+def config_overrides(args) -> dict:
+    names = {"objective": "objective", "ctx_layers": "ctx_layers", "gen_layers": "gen_layers",
+             "min_blocks": "min_blocks", "max_blocks": "max_blocks", "dd_attn": "attn_impl"}
+    out = {field: getattr(args, a) for a, field in names.items() if getattr(args, a, None) is not None}
+    if getattr(args, "separate_cross_kv", False):
+        out["separate_cross_kv"] = True
+    if "ctx_layers" in out or "gen_layers" in out:
+        out["n_layer"] = None  # derived again from the new depths
+    return out
+
+
+ARCH_SPECS = [ArchSpec("double", DoubleConfig, DoubleDecoder, PRESETS, add_args=add_args,
+                       config_overrides=config_overrides, prepare_batch=prepare_batch)]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Benchmark: time to first token, per-token decode latency and KV bytes against the decoder-only baseline
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time(fn, device, warmup: int, iters: int) -> float:
+    """Median seconds of fn() over `iters` runs after `warmup` untimed runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def _gpt_runs(gpt: GPT, idx, new: int, prefix: int):
+    """Closures for the decoder-only model: prefill, a timed decode of `new` tokens, a prefill after a cached prefix.
+    Caches are allocated once, outside the timers (a server pre-allocates them)."""
+    B, T = idx.shape
+    cache, work = gpt.new_cache(B, T + new), gpt.new_cache(B, T + new)
+    pcache = gpt.new_cache(B, T + new)
+    gpt.prefill(idx[:, :prefix], pcache)  # the shared prefix, once
+
+    def prefill():
+        return gpt.prefill(idx, cache)  # resets the cache first
+
+    def decode():
+        logits = prefill()
+        _sync(idx.device)
+        t0 = time.perf_counter()
+        for _ in range(new):
+            logits = gpt.decode_step(logits.argmax(-1), cache)
+        _sync(idx.device)
+        return time.perf_counter() - t0
+
+    def prefix_prefill():  # copy the prefix's K/V, run the rest of the prompt against them
+        work.k.copy_(pcache.k)
+        work.v.copy_(pcache.v)
+        work.lengths.fill_(prefix)
+        return gpt.head(gpt.forward_cached(idx[:, prefix:], work)[:, -1:])[:, 0]
+
+    return prefill, decode, prefix_prefill, cache.nbytes()
+
+
+def _double_runs(dd: DoubleDecoder, idx, new: int, prefix: int, rollover):
+    B, T = idx.shape
+    keep = rollover is not None
+    max_ctx, max_block = T - 1 + (new if keep else 0), min(rollover or new + 1, new + 1)
+    cache = dd.new_cache(B, max_ctx, max_block, keep_context=keep)
+    pcache = dd.new_cache(B, max_ctx, max_block, keep_context=True)
+    dd.extend_context(idx[:, :prefix], pcache)  # the shared prefix, once
+    work = pcache.clone()
+
+    def prefill():
+        cache.reset()
+        return dd.prefill(idx, cache)
+
+    def decode():
+        logits = prefill()
+        _sync(idx.device)
+        t0 = time.perf_counter()
+        for _ in range(new):
+            logits = dd.decode_step(logits.argmax(-1), cache, rollover)
+        _sync(idx.device)
+        return time.perf_counter() - t0
+
+    def prefix_prefill():  # copy the prefix's caches, extend the context by the rest of the prompt
+        for dst, src in ((work.ctx, pcache.ctx), (work.cross, pcache.cross)):
+            dst.k.copy_(src.k)
+            dst.v.copy_(src.v)
+        work.ctx_len, work.block_len = pcache.ctx_len, 0
+        return dd.prefill(idx[:, prefix:], work)
+
+    return prefill, decode, prefix_prefill, cache.nbytes() + cache.context_nbytes()
+
+
+@torch.no_grad()
+def bench(args):
+    device = pick_device(args.device)
+    dtype = pick_dtype(device, args.dtype)
+    over = dict(max_seq_len=args.prompt_len + args.new_tokens + 1)
+    if args.ctx_layers:
+        over.update(ctx_layers=args.ctx_layers, n_layer=None)
+    if args.gen_layers:
+        over.update(gen_layers=args.gen_layers, n_layer=None)
+    cfg = DoubleConfig(**{**PRESETS[args.preset], **over})
+    torch.manual_seed(0)
+    dd = DoubleDecoder(cfg).to(device=device, dtype=dtype).eval()
+    gpt = GPT(baseline_config(cfg)).to(device=device, dtype=dtype).eval()
+    B, T, N = args.batch, args.prompt_len, args.new_tokens
+    prefix = args.shared_prefix if args.shared_prefix is not None else T // 2
+    if not 1 <= prefix < T:
+        raise ValueError(f"--shared-prefix must be in [1, {T - 1}]")
+    idx = torch.randint(0, cfg.vocab_size - 1, (B, T), device=device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    print(f"device {name} | dtype {dtype} | batch {B} | prompt {T} | new tokens {N} | shared prefix {prefix} | "
+          f"rollover {args.rollover} | warm-up {args.warmup}, median of {args.iters} | random weights")
+    print(f"double  {args.preset}: {cfg.ctx_layers} context + {cfg.gen_layers} generation layers, d {cfg.n_embd}, "
+          f"heads {cfg.n_head}/{cfg.n_kv_head}, head dim {cfg.hd}, non-emb params {dd.num_params() / 1e6:.2f}M")
+    print(f"decoder-only: {gpt.config.n_layer} layers, non-emb params {gpt.num_params() / 1e6:.2f}M")
+    dbytes = torch.finfo(dtype).bits // 8
+    rows = {}
+    for label, runs in (("decoder-only", _gpt_runs(gpt, idx, N, prefix)),
+                        ("double", _double_runs(dd, idx, N, prefix, args.rollover))):
+        prefill, decode, prefix_prefill, alloc = runs
+        model = gpt if label == "decoder-only" else dd
+        ttft = _time(prefill, device, args.warmup, args.iters)
+        ttft_prefix = _time(prefix_prefill, device, args.warmup, args.iters)
+        for _ in range(args.warmup):
+            decode()
+        per_tok = sorted(decode() for _ in range(args.iters))[args.iters // 2] / N
+        kv = model.kv_cache_bytes(B, T + N, dbytes)
+        rows[label] = (ttft, per_tok, kv, ttft_prefix, alloc)
+        print(f"{label:13s} TTFT {ttft * 1e3:8.2f} ms | TTFT after cached prefix {ttft_prefix * 1e3:8.2f} ms | "
+              f"per-token {per_tok * 1e3:7.3f} ms | {B / per_tok:9.0f} tok/s | KV (A.1) {kv / 2**20:8.2f} MiB | "
+              f"allocated caches {alloc / 2**20:8.2f} MiB")
+    g, d = rows["decoder-only"], rows["double"]
+    L = cfg.ctx_layers + cfg.gen_layers
+    print(f"double / decoder-only: TTFT {d[0] / g[0]:.3f} (paper: ~L_ctx/L = {cfg.ctx_layers / L:.3f}) | per-token "
+          f"{d[1] / g[1]:.3f} (paper: ~L_dec/L = {cfg.gen_layers / L:.3f}) | KV bytes {d[2] / g[2]:.3f} "
+          f"(A.1: L_dec/L = {cfg.gen_layers / L:.3f})")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Evaluation against a decoder-only checkpoint: the same windows and split points for every model
+
+
+@torch.no_grad()
+def evaluate(paths, batches: int, batch_size: int, device_flag: str, seed: int):
+    """Validation losses of train.py checkpoints (double or decoder-only) on identical windows:
+    native: each model's own objective (double: random block partitions; decoder-only: causal LM);
+    prefix-LM: one split per batch, loss on the suffix tokens only -- the comparison of section 4 (the double decoder
+    reads the prefix through its context decoder, the decoder-only model reads it causally).
+    """
+    from train import (Tokenizer, TokenData, load_checkpoint, model_from_checkpoint, prepare_corpus,
+                       step_generator)
+
+    device = pick_device(device_flag)
+    cks = [load_checkpoint(p) for p in paths]
+    a = cks[0]["args"]
+    for p, ck in zip(paths, cks):
+        if ck["tokenizer"] != cks[0]["tokenizer"] or ck["args"]["data"] != a["data"]:
+            raise ValueError(f"{p} was trained with another tokenizer or corpus than {paths[0]}")
+    tok = Tokenizer(cks[0]["tokenizer"])
+    exclude = [s for s in a.get("exclude_sets", "").split(",") if s]
+    val = TokenData(prepare_corpus(a["data"], tok, a["cache_dir"], exclude, a.get("val_data"), verbose=False), "val")
+    T = min(ck["config"]["max_seq_len"] for ck in cks)
+    models = [model_from_checkpoint(ck).to(device).eval() for ck in cks]
+    sums = [[0.0, 0, 0.0, 0] for _ in models]  # native CE sum, count, prefix-LM CE sum, count
+    for i in range(batches):
+        gen = step_generator(seed, -2, i)
+        x, y = val.get_batch(batch_size, T, gen)
+        s = int(torch.randint(1, T, (1,), generator=gen))
+        y_pl = y.clone()
+        y_pl[:, :s] = IGNORE
+        blk_pl = (torch.arange(T) >= s).long()
+        blk_native = sample_blocks(T, gen, 3, 8)
+        x, y, y_pl = x.to(device), y.to(device), y_pl.to(device)
+        for m, acc in zip(models, sums):
+            double = isinstance(m, DoubleDecoder)
+            logits = m(x, blk=blk_native)[0] if double else m(x)[0]
+            acc[0] += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum").item()
+            acc[1] += y.numel()
+            logits = m(x, blk=blk_pl)[0] if double else logits
+            acc[2] += F.cross_entropy(logits.float().flatten(0, 1), y_pl.flatten(), ignore_index=IGNORE,
+                                      reduction="sum").item()
+            acc[3] += int((y_pl != IGNORE).sum())
+    print(f"val split of {a['data']} | {batches} batches x {batch_size} x {T} tokens | prefix-LM split uniform in "
+          f"[1, {T - 1}] | device {device}")
+    for p, ck, m, (n_sum, n_cnt, p_sum, p_cnt) in zip(paths, cks, models, sums):
+        print(f"{ck['arch']:8s} {m.num_params() / 1e6:6.2f}M non-emb | native loss {n_sum / n_cnt:.4f} | "
+              f"prefix-LM suffix loss {p_sum / p_cnt:.4f} | {p}")
+
+
+@torch.no_grad()
+def sample_main(args):
+    from train import Tokenizer, load_checkpoint, model_from_checkpoint
+
+    ck = load_checkpoint(args.sample)
+    if ck["arch"] != "double":
+        raise ValueError(f"{args.sample} holds a {ck['arch']} model, not a double decoder")
+    device = pick_device(args.device)
+    model = model_from_checkpoint(ck).to(device).eval()
+    tok = Tokenizer(ck["tokenizer"])
+    idx = torch.tensor([tok.encode(args.prompt)], device=device)
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    n = min(args.new_tokens, model.config.max_seq_len - idx.size(1))
+    out = model.generate(idx, n, temperature=args.temperature, top_k=args.top_k, generator=gen,
+                         rollover=args.rollover)
+    print(tok.decode(out[0].tolist()))
+
+
+def describe():
+    for name, p in PRESETS.items():
+        cfg = DoubleConfig(**p)
+        with torch.device("meta"):
+            dd, gpt = DoubleDecoder(cfg), GPT(baseline_config(cfg))
+        T = cfg.max_seq_len
+        print(f"{name:6s} {cfg.ctx_layers}+{cfg.gen_layers} layers d {cfg.n_embd} heads {cfg.n_head}/{cfg.n_kv_head} | "
+              f"non-emb params {dd.num_params() / 1e6:7.2f}M (decoder-only {gpt.num_params() / 1e6:7.2f}M) | "
+              f"KV bytes/token {dd.kv_cache_bytes(1, 1) / 1024:6.1f} KiB vs {gpt.kv_cache_bytes(1, 1) / 1024:6.1f} | "
+              f"train GFLOP/token @T={T} {dd.flops_per_token(T) / 1e9:6.3f} vs {gpt.flops_per_token(T) / 1e9:6.3f}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--bench", action="store_true", help="TTFT, per-token latency and KV bytes vs decoder-only")
+    ap.add_argument("--eval", nargs="+", metavar="CKPT", help="validation losses of checkpoints (double, vanilla)")
+    ap.add_argument("--sample", metavar="CKPT", help="generate from a double checkpoint")
+    ap.add_argument("--preset", default="small", help="bench preset (tiny, small, base)")
+    ap.add_argument("--ctx-layers", type=int, default=None, help="bench: override the preset's context layers")
+    ap.add_argument("--gen-layers", type=int, default=None, help="bench: override the preset's generation layers")
+    ap.add_argument("--batch", type=int, default=8, help="bench: batch size")
+    ap.add_argument("--prompt-len", type=int, default=512, help="bench: prompt tokens")
+    ap.add_argument("--new-tokens", type=int, default=128, help="bench / sample: generated tokens")
+    ap.add_argument("--shared-prefix", type=int, default=None, help="bench: cached prefix tokens (default prompt/2)")
+    ap.add_argument("--rollover", type=int, default=None, help="fold the block into the context every N tokens")
+    ap.add_argument("--warmup", type=int, default=1, help="bench: untimed runs")
+    ap.add_argument("--iters", type=int, default=5, help="bench: timed runs (median)")
+    ap.add_argument("--batches", type=int, default=20, help="eval: validation batches")
+    ap.add_argument("--batch-size", type=int, default=16, help="eval: sequences per batch")
+    ap.add_argument("--prompt", default="def ", help="sample: prompt text")
+    ap.add_argument("--temperature", type=float, default=0.8, help="sample: temperature (0 = greedy)")
+    ap.add_argument("--top-k", type=int, default=50, help="sample: top-k")
+    ap.add_argument("--seed", type=int, default=1337, help="eval / sample seed")
+    ap.add_argument("--device", default="auto", help="cpu | cuda | mps | auto")
+    ap.add_argument("--dtype", default="auto", help="bench: auto (bf16 where supported) | float32 | bfloat16")
+    args = ap.parse_args()
+    if args.bench:
+        bench(args)
+    elif args.eval:
+        evaluate(args.eval, args.batches, args.batch_size, args.device, args.seed)
+    elif args.sample:
+        sample_main(args)
+    else:
+        describe()
+
+
+if __name__ == "__main__":
+    main()

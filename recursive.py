@@ -1,0 +1,787 @@
+"""
+recursive.py -- Recursive and Relaxed Recursive Transformers: looped layer tying, conversion from a vanilla model,
+per-loop LoRA, early-exit training and confidence-based early exit with per-loop KV caches.
+
+Paper: "Relaxed Recursive Transformers: Effective Parameter Sharing with Layer-wise LoRA" (Bae et al., 2024),
+sections 2.2-2.4, 3.4-3.7, Appendices B, C, E, F, J, K. The LoRA layer and its SVD init live in svd_lora.py.
+
+The model, top to bottom:
+  * Looped layer tying, CYCLE (eq. 2, Appendix B): one block of K = N / B unique layers, looped B times. Loop l runs
+    shared layer k at effective depth l*K + k. Every parameter is tied across loops, the norms included. The config
+    keeps n_layer = N, the effective depth of the vanilla model it stands for; n_loops = B.
+  * Conversion from a vanilla N-layer model (section 2.2, Figure 2, Appendix F): Stepwise keeps the first and the
+    last layer and picks the rest at even intervals ("fixed-ends", Appendix F.1: source layers
+    round(linspace(0, N-1, K)) with Python's round, half to even, as the authors' public MoR code; N=6, B=2 -> layers
+    0, 2, 5); Average averages the tied layers, norm weights included; Lower takes layers 0..K-1; Random is a fresh
+    init that uses no pretrained weight at all (the paper's baseline). Embeddings, final norm and head are copied.
+  * Relaxed (eq. 3): every shared projection carries one LoRA per loop (svd_lora.LoRALinear), ranks per component
+    (q, kv, o, mlp; Table G.1), SVD-initialised from the residuals (eq. 4). All parameters train.
+  * Early-exit training (section 3.7, Appendix J): the shared final norm + head read the hidden state after every
+    loop. `exit_loss='weighted'`: sum_i alpha_i L_i with alpha_i = i / sum_j j; 'aggressive': `exit_coef` on every
+    intermediate loop and 1 on the last; `self_distill`: plus a forward KL from the detached final-loop logits into
+    every intermediate output, with the same coefficient. All of it is returned as the single loss of forward();
+    train.py adds its teacher KD on the final logits. `self.metrics` holds the per-loop CE (and KD) terms.
+  * Inference (section 2.4): a KV cache with one "layer" per (loop, layer) pair, cache layer l*K + k.
+      - `prefill(idx, cache, lengths)` runs all loops over prompts;
+      - `loop_step(x, loops, q_pos, cache, rows)` runs ONE pass of the shared block over rows that may sit at
+        different loops (per-row LoRA index, per-row cache layer, per-row positions): the primitive of continuous
+        depth-wise batching, which serve.py schedules;
+      - `exit_logits(h)` = final norm + head; `exit_confidence` = max softmax probability;
+      - `propagate(h, from_loop, q_pos, cache, rows)`: state propagation for tokens that exit early (CALM,
+        Schuster et al. 2022). Later tokens attend to this token in the deeper loops, so every skipped (l', k) cache
+        layer gets K/V projected from the exit hidden state through layer k's attn_norm and k/v projections (with
+        loop l''s LoRA). Cost per skipped layer: one norm and two projections (k, v) of one token, i.e. about
+        2 * d * H_kv * D_head MACs, no attention and no MLP; for GQA models well under a fifth of a layer.
+      - `decode_step` and `generate` use exactly these methods. A token exits at the first loop whose max softmax
+        probability reaches `exit_threshold` (None = never; any value > 1 also never exits). Prompt tokens never
+        exit early.
+
+Run:
+    python train.py --arch recursive --init-from out/vanilla/ckpt.pt --loops 2 --init stepwise
+    python train.py --arch relaxed --init-from out/vanilla/ckpt.pt --loops 2 --init average --lora-rank 16
+    python train.py --arch relaxed --init-from out/vanilla/ckpt.pt --exit-loss aggressive --exit-coef 0.1 --self-distill
+    python recursive.py --oracle --ckpt out/relaxed/ckpt.pt          # exit trajectories on validation text
+    python recursive.py --params --preset tiny                      # parameter counts: vanilla, recursive, relaxed
+    python recursive.py --generate --ckpt out/relaxed/ckpt.pt --exit-threshold 0.9
+    python recursive.py --bench --preset small                      # decode speed (a GPU; the lead runs it)
+    python -m pytest -q tests/test_recursive.py tests/test_svd_lora.py
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from model import (GPT, IGNORE, PRESETS, ArchSpec, Block, GPTConfig, KVCache, RotaryEmbedding,
+                   causal_mask_from_positions, count_params, distill_loss, init_weights, kv_bytes, lm_loss,
+                   make_norm, pick_device, pick_dtype, sample_next)
+from svd_lora import COMPONENTS, LoRALinear, add_lora, init_lora, lora_params, max_ranks
+
+INITS = ("stepwise", "average", "lower", "random")
+EXIT_LOSSES = ("none", "weighted", "aggressive")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Config
+
+
+@dataclass
+class RecursiveConfig(GPTConfig):
+    """GPTConfig plus looping, LoRA and early-exit fields. n_layer is the effective depth N; K = N / n_loops."""
+
+    n_loops: int = 2  # B: how many times the shared block runs
+    lora_rank_q: int = 0  # LoRA rank per component (Table G.1); 0 = no LoRA there. All 0 = Recursive Transformer
+    lora_rank_kv: int = 0
+    lora_rank_o: int = 0
+    lora_rank_mlp: int = 0
+    lora_bias: bool = False  # per-loop bias delta on the LoRA layers (set by conversion of sources with biases)
+    exit_loss: str = "none"  # 'none' | 'weighted' | 'aggressive' (section 3.7)
+    exit_coef: float = 0.1  # coefficient of each intermediate loop for 'aggressive'
+    self_distill: bool = False  # KD from the detached final-loop logits into the intermediate ones
+    exit_threshold: float | None = None  # default confidence threshold of generate(); None = no early exit
+
+    def validate(self):
+        super().validate()
+
+        def need(ok, msg):
+            if not ok:
+                raise ValueError(f"bad RecursiveConfig: {msg}")
+
+        need(isinstance(self.n_loops, int) and self.n_loops >= 1, f"n_loops={self.n_loops} must be a positive int")
+        need(self.n_layer % self.n_loops == 0, f"n_layer={self.n_layer} is not divisible by n_loops={self.n_loops} "
+                                               f"(the shared block needs K = n_layer / n_loops layers)")
+        top = max_ranks(self)
+        for c in COMPONENTS:
+            r = getattr(self, f"lora_rank_{c}")
+            need(isinstance(r, int) and r >= 0, f"lora_rank_{c}={r} must be an int >= 0")
+            need(r <= top[c], f"lora_rank_{c}={r} exceeds min(out, in) = {top[c]} of the {c} projections "
+                              f"(full rank); use --lora-rank-{c} {top[c]} or less")
+        need(self.exit_loss in EXIT_LOSSES, f"exit_loss={self.exit_loss!r} is not one of {EXIT_LOSSES}")
+        need(self.exit_coef >= 0, f"exit_coef={self.exit_coef} must be >= 0")
+        need(not self.self_distill or self.exit_loss != "none",
+             "self_distill needs an exit loss (weighted or aggressive) to weight the intermediate terms")
+        need(self.exit_threshold is None or self.exit_threshold > 0, f"exit_threshold={self.exit_threshold} must "
+                                                                     f"be > 0 (or None: no early exit)")
+
+    @property
+    def n_shared(self) -> int:  # K
+        return self.n_layer // self.n_loops
+
+    @property
+    def lora_ranks(self) -> dict[str, int]:
+        return {c: getattr(self, f"lora_rank_{c}") for c in COMPONENTS}
+
+    @property
+    def relaxed(self) -> bool:
+        return any(r > 0 for r in self.lora_ranks.values())
+
+
+def _relaxed_preset(p: dict, rank: int) -> dict:
+    top = max_ranks(GPTConfig(**p))
+    return {**p, "n_loops": 2, **{f"lora_rank_{c}": min(rank, top[c]) for c in COMPONENTS}}
+
+
+RECURSIVE_PRESETS = {name: {**p, "n_loops": 2} for name, p in PRESETS.items()}
+# Default ranks: about a quarter of d_model (the paper's main Gemma setting is 512 of 2048), capped at full rank.
+RELAXED_RANK = {"tiny": 16, "small": 64, "base": 128, "gemma-2b": 512, "tinyllama-1.1b": 512, "pythia-1b": 512}
+RELAXED_PRESETS = {name: _relaxed_preset(p, RELAXED_RANK.get(name, 64)) for name, p in PRESETS.items()}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Which vanilla layers the shared layers come from (Figure 2, Appendix F)
+
+
+def stepwise_layers(N: int, K: int) -> list[int]:
+    """Fixed-ends Stepwise: round(linspace(0, N-1, K)), Python round (half to even). N=6, K=3 -> [0, 2, 5]."""
+    if K == 1:
+        return [0]
+    return [round(k * (N - 1) / (K - 1)) for k in range(K)]
+
+
+def tying_sources(N: int, K: int, init: str) -> list[list[int]]:
+    """For each shared layer k, the vanilla layers it is made of (averaged when more than one)."""
+    B = N // K
+    if init == "stepwise":
+        return [[i] for i in stepwise_layers(N, K)]
+    if init == "lower":
+        return [[k] for k in range(K)]
+    if init == "average":
+        return [[l * K + k for l in range(B)] for k in range(K)]
+    raise ValueError(f"unknown tying init {init!r}; choose one of {INITS}")
+
+
+def exit_coefficients(kind: str, n_loops: int, coef: float) -> list[float]:
+    """Loss coefficient of each loop's output (section 3.7): weighted alpha_i = i / sum_j j; aggressive coef, ..., 1."""
+    if kind == "weighted":
+        total = n_loops * (n_loops + 1) / 2
+        return [(i + 1) / total for i in range(n_loops)]
+    if kind == "aggressive":
+        return [coef] * (n_loops - 1) + [1.0]
+    return [0.0] * (n_loops - 1) + [1.0]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The model
+
+
+class RecursiveGPT(nn.Module):
+    """K shared blocks looped n_loops times (CYCLE); with LoRA ranks > 0, the Relaxed Recursive Transformer.
+
+    forward(idx, targets) -> (final logits, loss incl. the early-exit terms). Inference: new_cache -> prefill ->
+    decode_step (or loop_step / exit_logits / propagate for a scheduler) -> generate.
+    """
+
+    def __init__(self, cfg: RecursiveConfig):
+        super().__init__()
+        self.config = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_shared))
+        if cfg.relaxed:
+            for block in self.blocks:
+                add_lora(block, cfg.n_loops, cfg.lora_ranks, cfg.lora_bias)
+        self.norm = make_norm(cfg)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.rope = RotaryEmbedding(cfg.rot_dim, cfg.max_seq_len, cfg.rope_theta)
+        init_weights(self, cfg.n_layer)  # residual scaling by the effective depth N
+        for m in self.modules():
+            if isinstance(m, LoRALinear):
+                m.reset_lora()
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        self.metrics = {}
+
+    # -- pieces --------------------------------------------------------------------------------------------------
+
+    def embed(self, idx):  # (B, T) -> (B, T, C)
+        x = self.tok_emb(idx)
+        if self.config.embed_scale:
+            x = x * torch.tensor(self.config.n_embd ** 0.5, dtype=x.dtype)
+        return x
+
+    def head(self, h):  # (B, T, C) -> (B, T, V): the shared final norm + head, after any loop
+        return self.lm_head(self.norm(h))
+
+    def check_length(self, n: int):
+        if n > self.config.max_seq_len:
+            raise ValueError(f"sequence of {n} tokens exceeds max_seq_len={self.config.max_seq_len}")
+
+    def run_loop(self, x, loop, rope, cache=None, rows=None, **attn_kwargs):
+        """One pass of the K shared layers at loop `loop` (an int, or a LongTensor (B,) with one loop per row).
+
+        The loop index selects the LoRA of every projection and, with a cache, the cache layer loop*K + k.
+        """
+        K = self.config.n_shared
+        for k, block in enumerate(self.blocks):
+            c = None if cache is None else cache.layer(loop * K + k, rows)
+            x = block(x, rope, lora_idx=loop, cache=c, **attn_kwargs)
+        return x
+
+    # -- training forward ----------------------------------------------------------------------------------------
+
+    def loop_hidden(self, idx, all_loops=True) -> list[torch.Tensor]:
+        """idx (B, T) -> hidden states (B, T, C) after every loop (or only the last), before the final norm."""
+        B, T = idx.shape
+        self.check_length(T)
+        rope = self.rope(torch.arange(T, device=idx.device))
+        x, out = self.embed(idx), []
+        for l in range(self.config.n_loops):
+            x = self.run_loop(x, l, rope)
+            if all_loops or l == self.config.n_loops - 1:
+                out.append(x)
+        return out
+
+    def loop_logits(self, idx) -> list[torch.Tensor]:
+        """idx (B, T) -> logits (B, T, V) of every loop (static exiting at each depth; the oracle mode uses it)."""
+        return [self.head(h) for h in self.loop_hidden(idx)]
+
+    def forward(self, idx, targets=None):
+        """idx (B, T) -> final-loop logits (B, T, V) and, with targets, the loss (section 3.7 terms included)."""
+        cfg = self.config
+        early = targets is not None and cfg.exit_loss != "none" and cfg.n_loops > 1
+        hs = self.loop_hidden(idx, all_loops=early)
+        logits = self.head(hs[-1])
+        if targets is None:
+            return logits, None
+        if not early:
+            return logits, lm_loss(logits, targets)
+        all_logits = [self.head(h) for h in hs[:-1]] + [logits]
+        return logits, self.exit_objective(all_logits, targets)
+
+    def exit_objective(self, all_logits, targets):
+        """sum_i c_i (CE_i [+ KD(final.detach() -> i) for i < B]) with the coefficients of exit_coefficients()."""
+        cfg = self.config
+        coefs = exit_coefficients(cfg.exit_loss, cfg.n_loops, cfg.exit_coef)
+        mask = (targets != IGNORE).float() if cfg.self_distill else None
+        loss, metrics = 0.0, {}
+        for i, (c, lg) in enumerate(zip(coefs, all_logits)):
+            ce = lm_loss(lg, targets)
+            term = ce
+            metrics[f"loss_l{i + 1}"] = ce.detach()
+            if cfg.self_distill and i < len(all_logits) - 1:
+                kd = distill_loss(lg, all_logits[-1], "fkl", mask=mask)  # the teacher is detached inside
+                metrics[f"kd_l{i + 1}"] = kd.detach()
+                term = term + kd
+            loss = loss + c * term
+        if self.training:  # 0-d tensors: formatted like floats by train.py, no device sync per step
+            self.metrics = metrics
+        return loss
+
+    # -- inference -----------------------------------------------------------------------------------------------
+
+    def new_cache(self, batch: int, max_len: int | None = None, dtype=None, device=None) -> KVCache:
+        """One cache layer per (loop, shared layer): n_layer = B*K of them; cache layer l*K + k."""
+        cfg, p = self.config, self.lm_head.weight
+        max_len = max_len or cfg.max_seq_len
+        self.check_length(max_len)
+        return KVCache(cfg.n_layer, batch, max_len, cfg.n_kv_head, cfg.hd, dtype or p.dtype, device or p.device)
+
+    @torch.no_grad()
+    def prefill(self, idx, cache: KVCache, lengths=None):
+        """Prompts idx (B, T), right-padded, true lengths (B,) (default T) -> logits (B, V) of each row's last prompt
+        token. Every prompt token runs all loops (no early exit) and fills every cache layer. The cache must be
+        empty; afterwards cache.lengths == lengths."""
+        B, T = idx.shape
+        lengths = torch.full((B,), T, device=idx.device) if lengths is None else lengths.to(idx.device)
+        if int(lengths.min()) < 1:
+            raise ValueError("every prompt needs at least one token")
+        if T > cache.max_len:
+            raise ValueError(f"KV cache holds {cache.max_len} positions; the prompts need {T}")
+        cache.reset()
+        q_pos = torch.arange(T, device=idx.device)[None].expand(B, T)
+        rope = self.rope(q_pos)
+        x = self.embed(idx)
+        for l in range(self.config.n_loops):  # fresh prefill: causal attention over x itself, K/V written
+            x = self.run_loop(x, l, rope, cache=cache, q_pos=q_pos)
+        cache.lengths.copy_(lengths)
+        last = x[torch.arange(B, device=idx.device), lengths - 1]  # (B, C)
+        return self.head(last[:, None])[:, 0]
+
+    def loop_step(self, x, loops, q_pos, cache: KVCache, rows=None, kv_len: int | None = None):
+        """ONE pass of the shared block over tokens that may sit at different loops.
+
+        x (b, T, C) hidden states (embeddings for loop 0); loops: an int, or a LongTensor (b,) with one loop per
+        row; q_pos (b, T) absolute positions; rows (b,) the cache rows of x (default all rows of the cache);
+        kv_len: keys to read (default max(q_pos) + 1). Writes K/V of cache layers loops*K + k at q_pos, attends
+        causally over each row's cache prefix, returns h (b, T, C). cache.lengths is not touched.
+        """
+        kv_len = int(q_pos.max()) + 1 if kv_len is None else kv_len
+        if kv_len > cache.max_len:
+            raise ValueError(f"KV cache holds {cache.max_len} positions; this step needs {kv_len}")
+        mask = causal_mask_from_positions(q_pos, kv_len)
+        return self.run_loop(x, loops, self.rope(q_pos), cache=cache, rows=rows, mask=mask, q_pos=q_pos)
+
+    def exit_logits(self, h):
+        """h (b, T, C) after any loop -> logits (b, T, V) through the shared final norm and head."""
+        return self.head(h)
+
+    @staticmethod
+    def exit_confidence(logits):
+        """Max softmax probability (..., V) -> (...), in fp32: the early-exit score."""
+        return F.softmax(logits.float(), dim=-1).amax(-1)
+
+    def propagate(self, h, from_loop, q_pos, cache: KVCache, rows=None):
+        """State propagation for exited tokens (CALM): fill every deeper cache layer (l' > from_loop, k) with K/V
+        projected from the exit hidden state h (b, T, C) through layer k's attn_norm and k/v projections, with loop
+        l''s LoRA. from_loop: an int or a LongTensor (b,); q_pos (b, T); rows (b,) cache rows (default all)."""
+        cfg = self.config
+        K = cfg.n_shared
+        rows = cache.all_rows if rows is None else rows
+        for lp in range(1, cfg.n_loops):
+            if isinstance(from_loop, torch.Tensor):
+                sel = (from_loop < lp).nonzero().squeeze(1)
+                if sel.numel() == 0:
+                    continue
+                hh, rr, pos = h[sel], rows[sel], q_pos[sel]
+            elif from_loop < lp:
+                hh, rr, pos = h, rows, q_pos
+            else:
+                continue
+            rope = self.rope(pos)
+            for k, block in enumerate(self.blocks):
+                kk, vv = block.attn.project_kv(block.attn_norm(hh), rope, lora_idx=lp)
+                cache.layer(lp * K + k, rr).write(pos, kk, vv)
+
+    @torch.no_grad()
+    def decode_step(self, tok, cache: KVCache, exit_threshold: float | None = None, return_exits=False):
+        """One new token per row tok (B,) at position cache.lengths -> logits (B, V) [, exit loop (B,)].
+
+        Without a threshold every row runs all loops. With one, after each loop the rows whose max softmax
+        probability reaches it exit: their logits are that loop's, their deeper cache layers are filled by
+        `propagate`, and the remaining rows go on (a subset of rows, one loop index for all: plain matmuls).
+        """
+        cfg = self.config
+        B, L = tok.size(0), cfg.n_loops
+        q_pos = cache.lengths[:, None]  # (B, 1)
+        kv_len = int(cache.lengths.max()) + 1
+        x = self.embed(tok[:, None])
+        exits = torch.full((B,), L - 1, dtype=torch.long, device=tok.device)
+        if exit_threshold is None:
+            for l in range(L):
+                x = self.loop_step(x, l, q_pos, cache, kv_len=kv_len)
+            logits = self.exit_logits(x)[:, 0]
+        else:
+            logits = torch.empty(B, cfg.vocab_size, dtype=self.lm_head.weight.dtype, device=tok.device)
+            rows = None  # None = all rows of the cache (views, no gathers); else the active rows
+            active = cache.all_rows
+            for l in range(L):
+                x = self.loop_step(x, l, q_pos[active], cache, rows=rows, kv_len=kv_len)
+                lg = self.exit_logits(x)[:, 0]
+                if l == L - 1:
+                    logits[active] = lg.to(logits.dtype)
+                    exits[active] = l
+                    break
+                done = self.exit_confidence(lg) >= exit_threshold  # (b,)
+                if not bool(done.any()):
+                    continue
+                d, keep = done.nonzero().squeeze(1), (~done).nonzero().squeeze(1)
+                logits[active[d]] = lg[d].to(logits.dtype)
+                exits[active[d]] = l
+                self.propagate(x[d], l, q_pos[active[d]], cache, rows=active[d])
+                if keep.numel() == 0:
+                    break
+                active, x = active[keep], x[keep]
+                rows = active
+        cache.lengths += 1
+        return (logits, exits) if return_exits else logits
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens: int, temperature: float = 0.0, top_k=None, generator=None,
+                 exit_threshold: float | None = None, return_exits=False):
+        """idx (B, T) -> (B, T + max_new_tokens) [, exits (B, max_new_tokens)]. temperature 0 is greedy.
+
+        exit_threshold (default: config.exit_threshold; None = never exit) turns on confidence-based early exit.
+        exits[:, i] is the loop whose logits produced new token i (the first comes from the prefill: the last loop);
+        it is also the exit loop of the token fed at position T - 1 + i.
+        """
+        thr = self.config.exit_threshold if exit_threshold is None else exit_threshold
+        B, T = idx.shape
+        self.check_length(T + max_new_tokens)
+        cache = self.new_cache(B, T + max_new_tokens)
+        logits = self.prefill(idx, cache)
+        out = [idx]
+        exits = [torch.full((B,), self.config.n_loops - 1, dtype=torch.long, device=idx.device)]
+        for i in range(max_new_tokens):
+            tok = sample_next(logits, temperature, top_k, generator)
+            out.append(tok[:, None])
+            if i + 1 < max_new_tokens:
+                logits, e = self.decode_step(tok, cache, thr, return_exits=True)
+                exits.append(e)
+        tokens = torch.cat(out, dim=1)
+        return (tokens, torch.stack(exits[:max_new_tokens], 1)) if return_exits else tokens
+
+    # -- accounting ----------------------------------------------------------------------------------------------
+
+    def lora_param_count(self) -> int:
+        return sum(p.numel() for n, p in self.named_parameters() if ".lora_" in n)
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        """Unique parameters (shared layers once, LoRA included); non-embedding excludes embedding and untied head."""
+        return count_params(self, (self.tok_emb, self.lm_head) if non_embedding else ())
+
+    def kv_cache_bytes(self, batch: int, seq_len: int, dtype_bytes: int = 2) -> int:
+        """Each loop keeps its own K/V: B*K = N cache layers, as many as the vanilla model (sharing saves weights,
+        not cache)."""
+        c = self.config
+        return kv_bytes(c.n_layer, batch, seq_len, c.n_kv_head, c.hd, dtype_bytes)
+
+    def flops_per_token(self, seq_len: int, training: bool = True) -> float:
+        """6 N_eff + 12 L H D T (PaLM), N_eff = matmul parameters a token passes through: the shared block B times,
+        each LoRA once (its own loop), the head (plus B-1 intermediate heads when training with exit losses)."""
+        c = self.config
+        lora = self.lora_param_count()
+        shared = count_params(self.blocks) - lora
+        heads = 1 + ((c.n_loops - 1) if training and c.exit_loss != "none" else 0)
+        n = c.n_loops * shared + lora + heads * c.n_embd * c.vocab_size
+        f = 6 * n + 12 * c.n_layer * c.n_head * c.hd * seq_len
+        return f if training else f / 3
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Conversion from a vanilla model (section 2.2, Figure 2, Appendix C)
+
+SHAPE_FIELDS = [f.name for f in fields(GPTConfig) if f.name != "max_seq_len"]
+
+
+@torch.no_grad()
+def from_vanilla(src: GPT, n_loops: int = 2, init: str = "stepwise", lora_init: str = "svd", log=print,
+                 generator=None, **overrides) -> RecursiveGPT:
+    """Convert a vanilla GPT of N layers into a (Relaxed) Recursive Transformer with B = n_loops loops.
+
+    init: 'stepwise' | 'average' | 'lower' | 'random' (the tied layers); lora_init: 'svd' (eq. 4) | 'zero'.
+    overrides: RecursiveConfig fields (LoRA ranks, exit losses, max_seq_len >= the source's); GPTConfig shape
+    fields must equal the source's. A source with LayerNorm or linear biases gets per-loop bias deltas on the LoRA
+    layers so that eq. 4 stays exact (svd_lora.py). Returns the model on the source's device and dtype.
+    """
+    if not isinstance(src, GPT) or type(src.config) is not GPTConfig:
+        raise ValueError(f"conversion starts from a vanilla model.GPT, got a {type(src).__name__} with a "
+                         f"{type(src.config).__name__}")
+    if init not in INITS:
+        raise ValueError(f"unknown init {init!r}; choose one of {INITS}")
+    base = asdict(src.config)
+    for name in SHAPE_FIELDS:
+        if name in overrides and overrides[name] != base[name]:
+            raise ValueError(f"shape mismatch: the vanilla source has {name}={base[name]!r}, the target asks for "
+                             f"{overrides[name]!r}")
+    if overrides.get("max_seq_len", base["max_seq_len"]) < base["max_seq_len"]:
+        overrides["max_seq_len"] = base["max_seq_len"]
+    cfg_dict = {**base, "n_loops": n_loops, **overrides}
+    probe = RecursiveConfig(**cfg_dict)  # validates divisibility and ranks
+    has_bias = probe.norm == "layer" or probe.attn_bias or probe.mlp_bias
+    cfg = RecursiveConfig(**{**cfg_dict, "lora_bias": probe.relaxed and has_bias})
+    N, K, B = cfg.n_layer, cfg.n_shared, cfg.n_loops
+    p = src.lm_head.weight
+    model = RecursiveGPT(cfg).to(device=p.device, dtype=p.dtype)
+    kind = "relaxed" if cfg.relaxed else "recursive"
+    if init == "random":
+        log(f"convert: {kind} N={N} B={B} K={K}, init random: a fresh model, no pretrained weight used")
+        return model
+
+    model.tok_emb.load_state_dict(src.tok_emb.state_dict())
+    model.norm.load_state_dict(src.norm.state_dict())
+    if not cfg.tie_embeddings:
+        model.lm_head.load_state_dict(src.lm_head.state_dict())
+    sources = tying_sources(N, K, init)
+    for k, block in enumerate(model.blocks):
+        sds = [src.blocks[i].state_dict() for i in sources[k]]
+        sd = {n: torch.stack([s[n].float() for s in sds]).mean(0).to(sds[0][n].dtype) for n in sds[0]}
+        missing, unexpected = block.load_state_dict(sd, strict=False)
+        assert not unexpected and all(".lora_" in m for m in missing), (missing, unexpected)
+    log(f"convert: {kind} N={N} B={B} K={K}, init {init}: shared layer k <- vanilla layers "
+        f"{[s if len(s) > 1 else s[0] for s in sources]}")
+    if cfg.relaxed:
+        total = {}
+        for k, block in enumerate(model.blocks):
+            st = init_lora(block, [src.blocks[l * K + k] for l in range(B)], lora_init, generator=generator)
+            total = {n: total.get(n, 0) + v for n, v in st.items()}
+        log(f"convert: LoRA ranks {cfg.lora_ranks}, init {lora_init}: {total['svd']} residuals by torch.linalg.svd "
+            f"(float64), {total['lowrank']} by torch.svd_lowrank, {total['zero_residual']} exactly zero (standard "
+            f"init), {total['standard']} standard init by request"
+            + (f"; per-loop bias deltas (the source has biases)" if cfg.lora_bias else ""))
+    return model
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# How train.py sees the two architectures
+
+
+def add_args(ap: argparse.ArgumentParser):
+    """Flags of recursive and relaxed (added once; both specs share them). --loops is train.py's."""
+    if "--lora-rank" in ap._option_string_actions:
+        return
+    g = ap.add_argument_group("recursive / relaxed")
+    g.add_argument("--init", default=None, choices=INITS,
+                   help="tying of looped layers when converting (--init-from): default stepwise for recursive, "
+                        "average for relaxed (the paper's best); random = fresh init")
+    g.add_argument("--lora-rank", type=int, default=None, help="relaxed: LoRA rank of every component (default: preset)")
+    for c in COMPONENTS:
+        g.add_argument(f"--lora-rank-{c}", type=int, default=None, help=f"relaxed: LoRA rank of the {c} projections")
+    g.add_argument("--lora-init", default=None, choices=["svd", "zero"],
+                   help="relaxed conversion: truncated-SVD init (eq. 4, default) or standard zero init")
+    g.add_argument("--exit-loss", default=None, choices=EXIT_LOSSES, help="early-exit training loss (section 3.7)")
+    g.add_argument("--exit-coef", type=float, default=None, help="intermediate-loop coefficient of --exit-loss "
+                                                                 "aggressive (default 0.1)")
+    g.add_argument("--self-distill", action="store_true", default=None,
+                   help="KD from the detached final-loop logits into the intermediate ones")
+    g.add_argument("--exit-threshold", type=float, default=None,
+                   help="confidence threshold for early exit in generate (default: none)")
+
+
+def config_overrides(args, relaxed: bool) -> dict:
+    """RecursiveConfig fields set by the flags (only those given)."""
+    o = {}
+    if getattr(args, "loops", None) is not None:
+        o["n_loops"] = args.loops
+    ranks = {c: getattr(args, f"lora_rank_{c}", None) for c in COMPONENTS}
+    base = getattr(args, "lora_rank", None)
+    if relaxed:
+        for c, r in ranks.items():
+            r = base if r is None else r
+            if r is not None:
+                o[f"lora_rank_{c}"] = r
+    elif base or any(ranks.values()) or getattr(args, "lora_init", None):
+        raise ValueError("--lora-rank* and --lora-init are flags of --arch relaxed, not recursive")
+    for name in ("exit_loss", "exit_coef", "self_distill", "exit_threshold"):
+        if getattr(args, name, None) is not None:
+            o[name] = getattr(args, name)
+    if getattr(args, "init", None) not in (None, "random") and not getattr(args, "init_from", None):
+        raise ValueError(f"--init {args.init} converts a vanilla model: it needs --init-from a vanilla checkpoint")
+    return o
+
+
+def convert(args, vanilla: GPT, relaxed: bool) -> RecursiveGPT:
+    """train.py --init-from: the vanilla source + the flags (and the preset's default ranks) -> converted model."""
+    o = config_overrides(args, relaxed)
+    preset = (RELAXED_PRESETS if relaxed else RECURSIVE_PRESETS).get(args.preset, RECURSIVE_PRESETS["tiny"])
+    o.setdefault("n_loops", preset["n_loops"])
+    if relaxed:  # ranks not given: the preset's rank, capped at this source's full rank
+        top = max_ranks(vanilla.config)
+        for c in COMPONENTS:
+            o.setdefault(f"lora_rank_{c}", min(preset.get(f"lora_rank_{c}", 0), top[c]))
+    o["max_seq_len"] = max(getattr(args, "seq_len", 0) or 0, vanilla.config.max_seq_len)
+    init = args.init or ("average" if relaxed else "stepwise")
+    n_loops = o.pop("n_loops")
+    return from_vanilla(vanilla, n_loops=n_loops, init=init, lora_init=args.lora_init or "svd", **o)
+
+
+def _spec(name, presets, relaxed):
+    return ArchSpec(name, RecursiveConfig, RecursiveGPT, presets, add_args=add_args,
+                    config_overrides=lambda args: config_overrides(args, relaxed),
+                    convert=lambda args, src: convert(args, src, relaxed))
+
+
+ARCH_SPECS = [_spec("recursive", RECURSIVE_PRESETS, False), _spec("relaxed", RELAXED_PRESETS, True)]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Command line: --oracle, --params, --generate, --bench
+
+
+def _load(path, device):
+    import train
+
+    ck = train.load_checkpoint(path)
+    model = train.model_from_checkpoint(ck)
+    return ck, model.to(device).eval(), train.Tokenizer(ck["tokenizer"])
+
+
+@torch.no_grad()
+def oracle(args):
+    """Exit trajectories on validation text (section 3.8, Appendix K): the oracle exit loop of a token is the
+    earliest loop whose argmax equals the final loop's. Loops are printed 1-based (loop 1 .. B)."""
+    import train
+
+    device = pick_device(args.device)
+    ck, model, tok = _load(args.ckpt, device)
+    if not isinstance(model, RecursiveGPT):
+        raise SystemExit(f"error: {args.ckpt} holds a {ck['arch']} model, not recursive/relaxed")
+    cargs = ck.get("args", {})
+    data = args.data or cargs.get("data", "stdlib")
+    cache = train.prepare_corpus(data, tok, args.cache_dir or cargs.get("cache_dir", "data_cache"),
+                                 [s for s in cargs.get("exclude_sets", "").split(",") if s], cargs.get("val_data"))
+    val = train.TokenData(cache, "val")
+    L = model.config.n_loops
+    seq = min(args.seq_len, model.config.max_seq_len)
+    hist = torch.zeros(L, dtype=torch.long)
+    ce, acc, n_tok = torch.zeros(L), torch.zeros(L), 0
+    thresholds = [0.5, 0.7, 0.8, 0.9, 0.95]
+    conf_exit = {t: [torch.zeros(L, dtype=torch.long), 0] for t in thresholds}
+    first = None
+    for i in range(args.batches):
+        x, y = val.get_batch(args.batch_size, seq, train.step_generator(args.seed, -1, i, 0))
+        x, y = x.to(device), y.to(device)
+        logits = torch.stack(model.loop_logits(x)).float()  # (L, B, T, V)
+        pred = logits.argmax(-1)  # (L, B, T)
+        agree = pred == pred[-1:]
+        exit_loop = agree.int().argmax(0)  # first loop that agrees with the final one (the last always does)
+        hist += torch.bincount(exit_loop.flatten().cpu(), minlength=L)
+        for l in range(L):
+            ce[l] += F.cross_entropy(logits[l].flatten(0, 1), y.flatten(), reduction="sum").cpu()
+            acc[l] += (pred[l] == y).sum().cpu()
+        conf = F.softmax(logits, -1).amax(-1)  # (L, B, T)
+        for t in thresholds:  # confidence exit on full-depth hidden states (no state propagation, an estimate)
+            ok = conf >= t
+            ok[-1] = True
+            e = ok.int().argmax(0)
+            conf_exit[t][0] += torch.bincount(e.flatten().cpu(), minlength=L)
+            conf_exit[t][1] += int((pred.gather(0, e[None])[0] == pred[-1]).sum())
+        n_tok += y.numel()
+        if first is None:
+            first = (x[0].tolist(), exit_loop[0].tolist())
+    print(f"{args.ckpt}: {ck['arch']} B={L} K={model.config.n_shared}, {n_tok:,} validation tokens of {data}")
+    ids, ex = first
+    shown = " ".join(f"{tok.decode([t])!r}:{e + 1}" for t, e in zip(ids[:args.show], ex[:args.show]))
+    print(f"per-token oracle exit loops (first {min(args.show, len(ids))} tokens of the first window, token:loop):")
+    print(shown)
+    print("oracle exit histogram:")
+    for l in range(L):
+        print(f"  loop {l + 1}: {int(hist[l]):9d}  {hist[l] / n_tok:7.2%}  " + "#" * int(50 * hist[l] / n_tok))
+    print(f"share of tokens that exit early (before loop {L}): {hist[:-1].sum() / n_tok:.2%}; mean exit loop "
+          f"{((torch.arange(L) + 1) * hist).sum() / n_tok:.3f}")
+    print("static exit at each loop (all tokens leave there): loss / accuracy")
+    for l in range(L):
+        print(f"  loop {l + 1}: loss {ce[l] / n_tok:.4f}  acc {acc[l] / n_tok:.2%}")
+    print("confidence exit (max softmax >= t, on full-depth states, no propagation): mean loop, early share, "
+          "agreement with the final loop")
+    for t, (h, agree_n) in conf_exit.items():
+        print(f"  t={t:.2f}: mean loop {((torch.arange(L) + 1) * h).sum() / n_tok:.3f}  early "
+              f"{h[:-1].sum() / n_tok:6.2%}  agree {agree_n / n_tok:6.2%}")
+    return hist
+
+
+def params_table(args):
+    """Parameter counts of a preset: vanilla, recursive (B loops), relaxed at several ranks (meta device)."""
+    preset = args.preset
+    base = dict(PRESETS[preset])
+    B = args.loops or 2
+    with torch.device("meta"):
+        van = GPT(GPTConfig(**base))
+        rows = [("vanilla", van, "-")]
+        rows.append((f"recursive B={B}", RecursiveGPT(RecursiveConfig(**base, n_loops=B)), "-"))
+        top = max_ranks(GPTConfig(**base))
+        for r in [int(v) for v in args.ranks.split(",")]:
+            ranks = {f"lora_rank_{c}": min(r, top[c]) for c in COMPONENTS}
+            rows.append((f"relaxed B={B} r={r}", RecursiveGPT(RecursiveConfig(**base, n_loops=B, **ranks)),
+                         ",".join(f"{c}{min(r, top[c])}" for c in COMPONENTS)))
+    print(f"preset {preset}: N={base['n_layer']} d={base['n_embd']} heads {base['n_head']}/{base['n_kv_head']} "
+          f"mlp {base['mlp_hidden']} vocab {base['vocab_size']}")
+    print(f"{'model':22s} {'ranks':22s} {'non-emb':>10s} {'total':>10s} {'vs vanilla':>10s} {'GFLOP/tok fwd':>14s}")
+    v = van.num_params()
+    for name, m, ranks in rows:
+        print(f"{name:22s} {ranks:22s} {m.num_params() / 1e6:9.3f}M {m.num_params(False) / 1e6:9.3f}M "
+              f"{m.num_params() / v:10.3f} {m.flops_per_token(base['max_seq_len'], training=False) / 1e9:14.4f}")
+
+
+@torch.no_grad()
+def generate_cli(args):
+    device = pick_device(args.device)
+    ck, model, tok = _load(args.ckpt, device)
+    idx = torch.tensor([tok.encode(args.prompt)], device=device)
+    n = min(args.max_new_tokens, model.config.max_seq_len - idx.size(1))
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    out, exits = model.generate(idx, n, temperature=args.temperature, top_k=50, generator=gen,
+                                exit_threshold=args.exit_threshold, return_exits=True)
+    print(tok.decode(out[0].tolist()))
+    L = model.config.n_loops
+    h = torch.bincount(exits.flatten().cpu(), minlength=L)
+    print(f"exit loops of the {n} new tokens (1-based): " + ", ".join(f"loop {l + 1}: {int(h[l])}" for l in range(L)))
+
+
+def bench(args):
+    """Decode speed with random weights and random prompts: vanilla vs recursive vs relaxed, all loops vs per-row
+    mixed loops (the depth-wise batching primitive) vs early exit. Warm-up excluded, CUDA synchronised."""
+    device = pick_device(args.device)
+    dtype = pick_dtype(device, args.dtype)
+    base = dict(PRESETS[args.preset])
+    B, L = args.batch, args.loops or 2
+    top = max_ranks(GPTConfig(**base))
+    ranks = {f"lora_rank_{c}": min(args.bench_rank, top[c]) for c in COMPONENTS}
+    models = {"vanilla": GPT(GPTConfig(**base)), f"recursive B={L}": RecursiveGPT(RecursiveConfig(**base, n_loops=L)),
+              f"relaxed B={L} r={args.bench_rank}": RecursiveGPT(RecursiveConfig(**base, n_loops=L, **ranks))}
+    sync = (lambda: torch.cuda.synchronize()) if device.type == "cuda" else (lambda: None)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, base["vocab_size"], (B, args.prompt_len), generator=g).to(device)
+    print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}) dtype {dtype} "
+          f"preset {args.preset} batch {B} prompt {args.prompt_len} new {args.new_tokens}; 1 warm-up, "
+          f"{args.repeats} timed runs")
+
+    def timed(fn):
+        fn()
+        sync()
+        t = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            t.append(time.perf_counter() - t0)
+        return sorted(t)[len(t) // 2]
+
+    for name, m in models.items():
+        m.to(device=device, dtype=dtype).eval()
+        dt = timed(lambda: m.generate(prompt, args.new_tokens))
+        print(f"{name:28s} generate: {B * args.new_tokens / dt:10.0f} tok/s ({dt * 1e3:.1f} ms)")
+        if isinstance(m, RecursiveGPT):
+            cache = m.new_cache(B, args.prompt_len + 1)
+            m.prefill(prompt, cache)
+            x = torch.randn(B, 1, base["n_embd"], device=device, dtype=dtype)
+            q_pos = cache.lengths[:, None].clone()
+            mixed = torch.arange(B, device=device) % L
+            with torch.no_grad():
+                t_one = timed(lambda: m.loop_step(x, 0, q_pos, cache))
+                t_mix = timed(lambda: m.loop_step(x, mixed, q_pos, cache))
+            print(f"{'':28s} loop_step one loop {t_one * 1e3:.3f} ms, per-row mixed loops {t_mix * 1e3:.3f} ms")
+            for thr in args.thresholds:
+                dt = timed(lambda: m.generate(prompt, args.new_tokens, exit_threshold=thr))
+                print(f"{'':28s} generate exit>={thr}: {B * args.new_tokens / dt:10.0f} tok/s (random weights: "
+                      f"exits depend on the random confidences)")
+        m.cpu()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    mode = ap.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--oracle", action="store_true", help="oracle exit trajectories on validation text")
+    mode.add_argument("--params", action="store_true", help="parameter counts for a preset")
+    mode.add_argument("--generate", action="store_true", help="generate from a checkpoint, with early exit")
+    mode.add_argument("--bench", action="store_true", help="decode benchmark with random weights")
+    ap.add_argument("--ckpt", default="out/relaxed/ckpt.pt", help="checkpoint of a recursive/relaxed model")
+    ap.add_argument("--data", default=None, help="corpus for --oracle (default: the checkpoint's)")
+    ap.add_argument("--cache-dir", default=None, help="token cache directory (default: the checkpoint's)")
+    ap.add_argument("--batches", type=int, default=8, help="--oracle: validation batches")
+    ap.add_argument("--batch-size", type=int, default=8, help="--oracle: sequences per batch")
+    ap.add_argument("--seq-len", type=int, default=256, help="--oracle: tokens per sequence")
+    ap.add_argument("--show", type=int, default=48, help="--oracle: tokens whose exit loop is printed")
+    ap.add_argument("--preset", default="tiny", help="--params / --bench: model preset")
+    ap.add_argument("--loops", type=int, default=None, help="--params / --bench: B (default 2)")
+    ap.add_argument("--ranks", default="8,16,32,64", help="--params: LoRA ranks to list")
+    ap.add_argument("--prompt", default="def ", help="--generate: prompt")
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="--generate: new tokens")
+    ap.add_argument("--temperature", type=float, default=0.0, help="--generate: 0 = greedy")
+    ap.add_argument("--exit-threshold", type=float, default=None, help="--generate: early-exit confidence threshold")
+    ap.add_argument("--batch", type=int, default=16, help="--bench: batch size")
+    ap.add_argument("--prompt-len", type=int, default=128, help="--bench: prompt tokens")
+    ap.add_argument("--new-tokens", type=int, default=128, help="--bench: generated tokens")
+    ap.add_argument("--bench-rank", type=int, default=64, help="--bench: LoRA rank of the relaxed model")
+    ap.add_argument("--thresholds", type=float, nargs="*", default=[0.5], help="--bench: early-exit thresholds")
+    ap.add_argument("--repeats", type=int, default=5, help="--bench: timed runs (median reported)")
+    ap.add_argument("--device", default="auto", help="cpu | cuda | mps | auto")
+    ap.add_argument("--dtype", default="auto", help="--bench: auto | float32 | bfloat16")
+    ap.add_argument("--seed", type=int, default=1337)
+    args = ap.parse_args()
+    if args.oracle:
+        oracle(args)
+    elif args.params:
+        params_table(args)
+    elif args.generate:
+        generate_cli(args)
+    else:
+        bench(args)
+
+
+if __name__ == "__main__":
+    main()

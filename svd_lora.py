@@ -1,0 +1,381 @@
+"""
+svd_lora.py -- layer-wise LoRA for the Relaxed Recursive Transformer and its truncated-SVD initialisation.
+
+Paper: "Relaxed Recursive Transformers" (Bae et al., 2024), section 2.3, eq. 3-5, Appendix C, Table G.1.
+
+A Recursive Transformer (recursive.py) loops one block of K shared layers B times. The Relaxed variant gives every
+shared linear layer one small LoRA per loop, so loop l computes
+
+    h = W' x + B_l A_l x                                    (eq. 3; A_l (r, in), B_l (out, r); scale exactly 1)
+
+and all parameters train, the shared W' included. What this file provides:
+
+  * `LoRALinear`: a `model.Linear` holding the shared W' plus the stacked per-loop A (n_loops, r, in) and
+    B (n_loops, out, r). Its forward takes `lora_idx` = None (no LoRA), an int (the whole batch sits at one loop:
+    two plain matmuls) or a LongTensor (B,) with one loop per row (continuous depth-wise batching, section 2.4:
+    `kernels.multi_lora`, which gathers each row's A and B; no Python loop over rows).
+  * `add_lora(block, ...)`: swaps the q, k, v, o, gate, up, down projections of a `model.Block` for LoRALinear,
+    with a rank per component (q, kv, o, mlp) as in Table G.1; rank 0 leaves a component without LoRA.
+  * `init_lora(shared_block, source_blocks, mode)`: the initialisation of eq. 4. For loop l the residual between
+    the vanilla layer it stands for and the shared layer is factorised by a truncated SVD,
+
+        U_r, S_r, V_r = TruncatedSVD(W_l - W', r),     B_l = U_r S_r,   A_l = V_r^T,
+
+    so at full rank the relaxed model reproduces the vanilla model exactly (eq. 5). Where the residual is exactly
+    zero (loop 1 of Stepwise or Lower: the shared layer *is* that vanilla layer) the standard LoRA init is used
+    instead: A Gaussian, B zero (Appendix C). mode='zero' forces the standard init everywhere.
+
+Eq. 4 on the *effective* linear map. The paper ties the norms too, so the input a shared projection sees is normed
+with the shared scale s', while the vanilla layer normed it with its own s_l. For the projections that read a normed
+input (q, k, v after attn_norm; gate, up after mlp_norm) the map to approximate is therefore
+
+    W_l diag(s_l) n(x) = (W' + R_l) diag(s') n(x)   =>   R_l = W_l diag(s_l / s') - W'
+
+(s = weight, or offset + weight with Gemma's norm_offset = 1). This is eq. 4 exactly when the tied norms equal the
+vanilla ones (Stepwise, Lower, or any model whose norm weights agree) and the only choice that makes the full-rank
+relaxed model reproduce the vanilla one when they differ (Average averages the norms). o_proj and down_proj read no
+norm and use W_l itself. With LayerNorm shifts beta or linear biases (GPT-NeoX/Pythia layouts) the constant part of
+the map differs as well; `LoRALinear` then carries a per-loop bias delta (out floats per loop) set in closed form,
+
+    db_l = (W_l beta_l + b_l) - (W' + B_l A_l) beta' - b'
+
+which is exact at any rank for the constant term. It exists only when the source has such biases.
+
+Guard: a shared norm scale |s'_j| below 1e-3 * mean|s'| cannot carry channel j (its input is ~0 in every loop).
+Those channels fall back to the plain eq. 4 column (ratio 1) with a warning; reproduction is then not exact.
+
+SVD: torch.linalg.svd in float64 when the matrix is small (min(out, in) <= 1024) or the rank is a large share of it;
+else torch.svd_lowrank (randomized, q = r + 16, 4 power iterations) in float32. `init_lora` returns counts of both,
+and recursive.py logs them.
+
+Run:
+    python svd_lora.py --ckpt out/vanilla/ckpt.pt --loops 2 --init average   # residual energy captured per rank
+    python -m pytest -q tests/test_svd_lora.py
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import warnings
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import kernels
+from model import Block, Linear, RMSNorm
+
+# ----------------------------------------------------------------------------------------------------------------
+# Which projections exist, which rank component each belongs to, and which norm feeds it
+
+COMPONENTS = {  # rank component (Table G.1) -> projections of model.Block it covers
+    "q": ("attn.q_proj",),
+    "kv": ("attn.k_proj", "attn.v_proj"),
+    "o": ("attn.o_proj",),
+    "mlp": ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
+}
+NORM_OF = {  # projections whose input is a normed hidden state, and that norm
+    "attn.q_proj": "attn_norm", "attn.k_proj": "attn_norm", "attn.v_proj": "attn_norm",
+    "mlp.gate_proj": "mlp_norm", "mlp.up_proj": "mlp_norm",
+}
+
+
+def component_shapes(cfg) -> dict[str, list[tuple[int, int]]]:
+    """(out, in) of every projection of one block, per rank component."""
+    d, hd, h = cfg.n_embd, cfg.hd, cfg.mlp_hidden
+    return {
+        "q": [(cfg.n_head * hd, d)],
+        "kv": [(cfg.n_kv_head * hd, d)] * 2,
+        "o": [(d, cfg.n_head * hd)],
+        "mlp": [(h, d)] * (2 if cfg.mlp != "gelu" else 1) + [(d, h)],
+    }
+
+
+def max_ranks(cfg) -> dict[str, int]:
+    """Largest useful rank per component: min(out, in) of its matrices (a full-rank LoRA)."""
+    return {c: min(min(s) for s in shapes) for c, shapes in component_shapes(cfg).items()}
+
+
+def lora_params(cfg, ranks: dict[str, int], n_loops: int, bias_delta: bool = False) -> int:
+    """Parameters of the LoRA modules of one shared block: n_loops * r * (in + out) per projection."""
+    n = 0
+    for c, shapes in component_shapes(cfg).items():
+        if ranks.get(c, 0) > 0:
+            n += sum(n_loops * (ranks[c] * (o + i) + (o if bias_delta else 0)) for o, i in shapes)
+    return n
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The layer
+
+
+class LoRALinear(Linear):
+    """Shared weight W' (and bias b') plus one LoRA per loop: y = W' x + b' + B_l (A_l x) [+ db_l].
+
+    lora_A (n_loops, r, in), lora_B (n_loops, out, r), lora_bias (n_loops, out) or None. No alpha / r factor: the
+    effective scale is 1, so an SVD-initialised delta equals the truncated residual exactly (the pitfall of
+    PEFT-style alpha/r != 1 is a start delta that is a multiple of the residual).
+    """
+
+    def __init__(self, in_features, out_features, bias=False, n_loops=2, rank=8, bias_delta=False):
+        super().__init__(in_features, out_features, bias=bias)
+        if rank < 1:
+            raise ValueError(f"LoRALinear rank must be >= 1 (use a plain Linear for rank 0), got {rank}")
+        if rank > min(in_features, out_features):
+            raise ValueError(f"LoRA rank {rank} exceeds min(out, in) = {min(in_features, out_features)} of a "
+                             f"{out_features}x{in_features} matrix")
+        self.n_loops, self.rank = n_loops, rank
+        self.lora_A = nn.Parameter(torch.empty(n_loops, rank, in_features))
+        self.lora_B = nn.Parameter(torch.empty(n_loops, out_features, rank))
+        self.lora_bias = nn.Parameter(torch.empty(n_loops, out_features)) if bias_delta else None
+        self.reset_lora()
+
+    @torch.no_grad()
+    def reset_lora(self, loops=None, generator=None):
+        """Standard LoRA init (Hu et al.; Appendix C): A ~ N(0, 1/in), B = 0, bias delta 0 -> zero delta."""
+        loops = range(self.n_loops) if loops is None else loops
+        for l in loops:
+            a = torch.randn(self.lora_A.shape[1:], generator=generator, dtype=torch.float32)
+            self.lora_A[l].copy_(a / math.sqrt(self.in_features))
+            self.lora_B[l].zero_()
+            if self.lora_bias is not None:
+                self.lora_bias[l].zero_()
+
+    def delta_weight(self, loop: int) -> torch.Tensor:
+        """B_l A_l (out, in): what loop `loop` adds to the shared weight."""
+        return self.lora_B[loop] @ self.lora_A[loop]
+
+    def forward(self, x, lora_idx=None):
+        y = F.linear(x, self.weight, self.bias)
+        if lora_idx is None:
+            return y
+        if not isinstance(lora_idx, torch.Tensor):  # one loop for the whole batch: two thin matmuls
+            y = y + F.linear(F.linear(x, self.lora_A[lora_idx]), self.lora_B[lora_idx])
+            return y if self.lora_bias is None else y + self.lora_bias[lora_idx]
+        # one loop per row (B,): gather each row's A and B (kernels.multi_lora: BGMV on GPU, bmm reference)
+        y = y + kernels.multi_lora(x, self.lora_A, self.lora_B, lora_idx).to(y.dtype)
+        if self.lora_bias is not None:
+            db = self.lora_bias[lora_idx.clamp(min=0)] * (lora_idx >= 0).to(y.dtype)[:, None]  # (B, out)
+            y = y + db.view(db.size(0), *([1] * (x.dim() - 2)), db.size(1)).to(y.dtype)
+        return y
+
+    def extra_repr(self):
+        return (f"{super().extra_repr()}, n_loops={self.n_loops}, rank={self.rank}, "
+                f"bias_delta={self.lora_bias is not None}")
+
+
+def _get(module: nn.Module, path: str):
+    for part in path.split("."):
+        module = getattr(module, part)
+    return module
+
+
+def _set(module: nn.Module, path: str, value: nn.Module):
+    parent, _, name = path.rpartition(".")
+    setattr(_get(module, parent) if parent else module, name, value)
+
+
+def add_lora(block: Block, n_loops: int, ranks: dict[str, int], bias_delta: bool = False) -> Block:
+    """Replace the projections of `block` by LoRALinear with the rank of their component (0 = leave as is).
+
+    The shared weights are kept (copied into the new modules); the LoRA starts at the standard init.
+    """
+    for comp, paths in COMPONENTS.items():
+        r = ranks.get(comp, 0)
+        if r <= 0:
+            continue
+        for path in paths:
+            if path == "mlp.gate_proj" and not hasattr(block.mlp, "gate_proj"):
+                continue  # the plain GELU MLP (NeoX) has no gate
+            old = _get(block, path)
+            new = LoRALinear(old.in_features, old.out_features, bias=old.bias is not None, n_loops=n_loops, rank=r,
+                             bias_delta=bias_delta).to(device=old.weight.device, dtype=old.weight.dtype)
+            with torch.no_grad():
+                new.weight.copy_(old.weight)
+                if old.bias is not None:
+                    new.bias.copy_(old.bias)
+            _set(block, path, new)
+    return block
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Truncated SVD (eq. 4)
+
+
+def svd_method(shape, r: int) -> str:
+    """'svd' (exact, float64) when min(out, in) <= 1024 or r >= min(out, in) / 4, else 'lowrank' (randomized)."""
+    m = min(shape)
+    return "svd" if (m <= 1024 or 4 * r >= m) else "lowrank"
+
+
+def truncated_svd(R: torch.Tensor, r: int, method: str = "auto") -> tuple[torch.Tensor, torch.Tensor, str]:
+    """R (out, in) -> B = U_r S_r (out, r), A = V_r^T (r, in), and the method used ('svd' | 'lowrank').
+
+    'auto': the exact torch.linalg.svd (float64) when min(out, in) <= 1024 or r >= min(out, in) / 4, else the
+    randomized torch.svd_lowrank (float32, q = r + 16 oversampling, 4 power iterations), far cheaper when r is much
+    smaller than the matrix.
+    """
+    m = min(R.shape)
+    if r > m:
+        raise ValueError(f"rank {r} exceeds min(out, in) = {m} of a {R.shape[0]}x{R.shape[1]} residual")
+    if method == "auto":
+        method = svd_method(R.shape, r)
+    if method == "svd":
+        U, S, Vh = torch.linalg.svd(R.double(), full_matrices=False)
+        return U[:, :r] * S[:r], Vh[:r], "svd"
+    if method == "lowrank":
+        U, S, V = torch.svd_lowrank(R.float(), q=min(r + 16, m), niter=4)
+        return (U[:, :r] * S[:r]).double(), V[:, :r].T.double(), "lowrank"
+    raise ValueError(f"unknown SVD method {method!r}; choose auto, svd or lowrank")
+
+
+def norm_affine(norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The elementwise affine part of a norm: y = n(x) * scale + shift -> (scale (C,), shift (C,) or None), float64."""
+    if isinstance(norm, RMSNorm):
+        return (norm.offset + norm.weight.double()), None
+    if isinstance(norm, nn.LayerNorm):
+        if norm.weight is None:
+            raise ValueError("LayerNorm without an elementwise affine is not supported")
+        return norm.weight.double(), (norm.bias.double() if norm.bias is not None else None)
+    raise ValueError(f"unsupported norm {type(norm).__name__}")
+
+
+def scale_ratio(s_src: torch.Tensor, s_shared: torch.Tensor, rel_tol: float = 1e-3):
+    """s_src / s_shared, with ratio 1 (plain eq. 4) on channels whose shared scale is ~0. -> (ratio, n_fallback)."""
+    tiny = s_shared.abs() < rel_tol * s_shared.abs().mean().clamp(min=1e-30)
+    ratio = torch.where(tiny, torch.ones_like(s_src), s_src / torch.where(tiny, torch.ones_like(s_shared), s_shared))
+    return ratio, int(tiny.sum())
+
+
+@torch.no_grad()
+def init_lora(shared: Block, sources: list[Block], mode: str = "svd", method: str = "auto", generator=None) -> dict:
+    """Initialise every LoRA of the shared block `shared` from `sources[l]`, the vanilla block loop l stands for.
+
+    mode 'svd' (eq. 4 on the effective linear map, see the module docstring) or 'zero' (standard init everywhere,
+    so the relaxed model starts as the plain recursive one). Returns counts: {'svd', 'lowrank', 'zero_residual',
+    'standard', 'norm_fallback'}.
+    """
+    if mode not in ("svd", "zero"):
+        raise ValueError(f"unknown LoRA init {mode!r}; choose svd or zero")
+    stats = dict(svd=0, lowrank=0, zero_residual=0, standard=0, norm_fallback=0)
+    for path in [p for paths in COMPONENTS.values() for p in paths]:
+        if path == "mlp.gate_proj" and not hasattr(shared.mlp, "gate_proj"):
+            continue
+        lin = _get(shared, path)
+        if not isinstance(lin, LoRALinear):
+            continue  # rank 0 for this component
+        if len(sources) != lin.n_loops:
+            raise ValueError(f"{len(sources)} source blocks for {lin.n_loops} loops")
+        W_sh = lin.weight.double()
+        b_sh = lin.bias.double() if lin.bias is not None else 0.0
+        shift_sh = None
+        if path in NORM_OF:
+            s_sh, shift_sh = norm_affine(_get(shared, NORM_OF[path]))
+        for l, src_block in enumerate(sources):
+            if mode == "zero":
+                lin.reset_lora([l], generator)
+                stats["standard"] += 1
+                continue
+            src = _get(src_block, path)
+            W = src.weight.double()
+            const = src.bias.double() if src.bias is not None else torch.zeros_like(W[:, 0])  # constant term
+            if path in NORM_OF:
+                s_src, shift_src = norm_affine(_get(src_block, NORM_OF[path]))
+                ratio, n_bad = scale_ratio(s_src, s_sh)
+                stats["norm_fallback"] += n_bad
+                if shift_src is not None:
+                    const = const + W @ shift_src
+                W = W * ratio[None, :]  # W_l diag(s_l / s')
+            R = W - W_sh
+            if not torch.any(R != 0):  # the shared layer is this vanilla layer: standard init (Appendix C)
+                lin.reset_lora([l], generator)
+                stats["zero_residual"] += 1
+                Bm = torch.zeros_like(R[:, :lin.rank])
+                Am = lin.lora_A[l].double()
+            else:
+                Bm, Am, used = truncated_svd(R, lin.rank, method)
+                stats[used] += 1
+                lin.lora_A[l].copy_(Am)
+                lin.lora_B[l].copy_(Bm)
+            if lin.lora_bias is not None:
+                db = const - b_sh
+                if shift_sh is not None:
+                    db = db - (W_sh + Bm @ Am) @ shift_sh
+                lin.lora_bias[l].copy_(db)
+    if stats["norm_fallback"]:
+        warnings.warn(f"{stats['norm_fallback']} channel(s) of a shared norm scale are ~0: their columns use the "
+                      f"plain eq. 4 residual W_l - W' and the relaxed model does not reproduce the vanilla one exactly",
+                      stacklevel=2)
+    return stats
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A look at the residuals: how much of ||W_l - W'||^2 a rank-r LoRA captures
+
+
+@torch.no_grad()
+def residual_energy(src_blocks: list[Block], K: int, init: str, ranks=(8, 16, 32, 64, 128)) -> dict:
+    """Fraction of the squared Frobenius norm of each residual (plain eq. 4) captured by its top-r singular values,
+    averaged per component. `src_blocks` are the N vanilla blocks, K the shared depth, init a tying strategy."""
+    from recursive import tying_sources  # local import: recursive.py imports this file
+
+    N = len(src_blocks)
+    B = N // K
+    shared = {}
+    for k in range(K):
+        srcs = tying_sources(N, K, init)[k]
+        shared[k] = {p: torch.stack([_get(src_blocks[i], p).weight.double() for i in srcs]).mean(0)
+                     for paths in COMPONENTS.values() for p in paths if _has(src_blocks[0], p)}
+    out = {}
+    for comp, paths in COMPONENTS.items():
+        fr = {r: [] for r in ranks}
+        for p in paths:
+            if not _has(src_blocks[0], p):
+                continue
+            for l in range(B):
+                for k in range(K):
+                    R = _get(src_blocks[l * K + k], p).weight.double() - shared[k][p]
+                    S2 = torch.linalg.svdvals(R) ** 2
+                    if S2.sum() == 0:
+                        continue
+                    for r in ranks:
+                        fr[r].append(float(S2[:r].sum() / S2.sum()))
+        out[comp] = {r: (sum(v) / len(v) if v else float("nan")) for r, v in fr.items()}
+    return out
+
+
+def _has(block, path):
+    try:
+        _get(block, path)
+        return True
+    except AttributeError:
+        return False
+
+
+def main():
+    ap = argparse.ArgumentParser(description="Residual energy captured by a rank-r truncated SVD (eq. 4).")
+    ap.add_argument("--ckpt", required=True, help="a vanilla checkpoint written by train.py")
+    ap.add_argument("--loops", type=int, default=2, help="number of loops B")
+    ap.add_argument("--init", default="average", choices=["stepwise", "average", "lower"], help="tying strategy")
+    ap.add_argument("--ranks", default="4,8,16,32,64,128", help="comma-separated ranks")
+    args = ap.parse_args()
+    import train
+
+    ck = train.load_checkpoint(args.ckpt)
+    if ck["arch"] != "vanilla":
+        raise SystemExit(f"error: {args.ckpt} holds a {ck['arch']} model, not a vanilla one")
+    model = train.model_from_checkpoint(ck)
+    N = model.config.n_layer
+    if N % args.loops:
+        raise SystemExit(f"error: n_layer={N} is not divisible by --loops {args.loops}")
+    ranks = [int(r) for r in args.ranks.split(",")]
+    res = residual_energy(list(model.blocks), N // args.loops, args.init, ranks)
+    print(f"{args.ckpt}: N={N}, B={args.loops}, init={args.init}; share of ||W_l - W'||_F^2 in the top-r singular "
+          f"values (mean over loops and layers; exactly-zero residuals skipped)")
+    print("component " + "".join(f"{'r=' + str(r):>9s}" for r in ranks))
+    for comp, fr in res.items():
+        print(f"{comp:9s} " + "".join(f"{fr[r]:9.3f}" for r in ranks))
+
+
+if __name__ == "__main__":
+    main()

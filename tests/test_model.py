@@ -1,0 +1,207 @@
+"""The vanilla decoder and the shared building blocks of model.py."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model import (GPT, IGNORE, GPTConfig, KVCache, RMSNorm, apply_rotary, attend, causal_mask_from_positions,
+                   distill_loss, lm_loss, sample_next)
+
+
+def tiny(**kw):
+    base = dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, mlp_hidden=48, vocab_size=97, max_seq_len=64)
+    return GPTConfig(**{**base, **kw})
+
+
+def test_causality():
+    """A change at position t never changes the outputs before t."""
+    m = GPT(tiny()).eval()
+    idx = torch.randint(0, 97, (2, 20))
+    t = 11
+    idx2 = idx.clone()
+    idx2[:, t] = (idx2[:, t] + 1) % 97
+    a, _ = m(idx)
+    b, _ = m(idx2)
+    assert torch.allclose(a[:, :t], b[:, :t], atol=1e-6, rtol=0)
+    assert not torch.allclose(a[:, t:], b[:, t:], atol=1e-4)
+
+
+@pytest.mark.parametrize("n_kv_head", [4, 2, 1], ids=["MHA", "GQA", "MQA"])
+def test_cached_decoding_equals_full_forward_ragged(n_kv_head):
+    """Prefill of right-padded prompts of different lengths, then decode steps with every row at its own position,
+    gives the full forward's logits (fp32, tight tolerance)."""
+    m = GPT(tiny(n_kv_head=n_kv_head)).eval()
+    B, T = 4, 24
+    idx = torch.randint(0, 97, (B, T))
+    full, _ = m(idx)
+    lens = torch.tensor([3, 7, 12, 1])
+    cache = m.new_cache(B, 32)
+    prompt = idx[:, :12].clone()
+    prompt[torch.arange(12)[None, :] >= lens[:, None]] = 0  # garbage in the pads must not matter
+    logits = m.prefill(prompt, cache, lens)
+    rows = torch.arange(B)
+    torch.testing.assert_close(logits, full[rows, lens - 1], atol=2e-5, rtol=0)
+    for _ in range(10):
+        pos = cache.lengths.clone()
+        logits = m.decode_step(idx[rows, pos], cache)
+        torch.testing.assert_close(logits, full[rows, pos], atol=2e-5, rtol=0)
+    assert torch.equal(cache.lengths, lens + 10)
+
+
+def test_chunked_prefill_equals_full_forward():
+    """forward_cached over a second chunk attends to the first chunk through the cache."""
+    m = GPT(tiny()).eval()
+    idx = torch.randint(0, 97, (2, 16))
+    full, _ = m(idx)
+    cache = m.new_cache(2, 16)
+    m.prefill(idx[:, :9], cache)
+    with torch.no_grad():
+        h = m.forward_cached(idx[:, 9:], cache)
+    torch.testing.assert_close(m.head(h), full[:, 9:], atol=2e-5, rtol=0)
+
+
+def test_greedy_generation_matches_argmax_and_is_deterministic():
+    m = GPT(tiny()).eval()
+    idx = torch.randint(0, 97, (3, 5))
+    out = m.generate(idx, 12)
+    assert out.shape == (3, 17) and torch.equal(out[:, :5], idx)
+    assert torch.equal(out, m.generate(idx, 12))
+    logits, _ = m(out)
+    assert torch.equal(logits[:, 4:-1].argmax(-1), out[:, 5:])
+
+
+def test_seeded_sampling_is_reproducible():
+    m = GPT(tiny()).eval()
+    idx = torch.randint(0, 97, (2, 4))
+    run = lambda seed: m.generate(idx, 20, temperature=1.0, top_k=20, generator=torch.Generator().manual_seed(seed))
+    assert torch.equal(run(1), run(1))
+    assert not torch.equal(run(1), run(2))
+
+
+def test_sample_next_top_k_and_temperature():
+    logits = torch.tensor([[0.0, 5.0, 1.0, -2.0]])
+    assert sample_next(logits).item() == 1
+    g = torch.Generator().manual_seed(0)
+    draws = torch.stack([sample_next(logits, 1.0, top_k=2, generator=g) for _ in range(200)])
+    assert set(draws.flatten().tolist()) <= {1, 2}
+    assert (draws == 2).any()  # temperature 1 does sample the second-best token sometimes
+
+
+def test_rope_relative():
+    """Rotary embedding makes q·k depend on the position offset only."""
+    m = GPT(tiny())
+    q, k = torch.randn(1, 1, 1, 8), torch.randn(1, 1, 1, 8)
+
+    def dot(i, j):
+        cq, sq = m.rope(torch.tensor([i]))
+        ck, sk = m.rope(torch.tensor([j]))
+        return (apply_rotary(q, cq, sq) * apply_rotary(k, ck, sk)).sum()
+
+    torch.testing.assert_close(dot(7, 3), dot(20, 16))
+    assert not torch.allclose(dot(7, 3), dot(7, 4))
+
+
+def test_partial_rotary_leaves_tail_untouched():
+    cfg = tiny(rotary_pct=0.5)
+    m = GPT(cfg)
+    x = torch.randn(1, 4, 3, cfg.hd)
+    cos, sin = m.rope(torch.tensor([1, 2, 3]))
+    y = apply_rotary(x, cos, sin)
+    assert torch.equal(y[..., cfg.rot_dim:], x[..., cfg.rot_dim:])
+    assert not torch.allclose(y[..., :cfg.rot_dim], x[..., :cfg.rot_dim])
+
+
+def test_attend_gqa_equals_repeated_heads():
+    q, k, v = torch.randn(2, 8, 5, 16), torch.randn(2, 2, 5, 16), torch.randn(2, 2, 5, 16)
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), is_causal=True)
+    torch.testing.assert_close(attend(q, k, v, is_causal=True), ref)
+    mask = causal_mask_from_positions(torch.arange(5)[None].expand(2, 5), 5)
+    torch.testing.assert_close(attend(q, k, v, mask=mask), ref)
+
+
+def test_rmsnorm_offset():
+    x = torch.randn(3, 8)
+    n = RMSNorm(8, offset=1.0)
+    assert torch.all(n.weight == 0)  # (1 + w) with w = 0 is the identity scale
+    torch.testing.assert_close(n(x), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+
+
+def test_kv_cache_per_row_layers_and_rows():
+    c = KVCache(n_layer=3, batch=4, max_len=6, n_kv_head=2, head_dim=5)
+    k, v = torch.randn(2, 2, 1, 5), torch.randn(2, 2, 1, 5)
+    rows, layers, pos = torch.tensor([3, 1]), torch.tensor([2, 0]), torch.tensor([[4], [1]])
+    view = c.layer(layers, rows)
+    view.write(pos, k, v)
+    assert torch.equal(c.k[2, 3, :, 4], k[0, :, 0]) and torch.equal(c.v[0, 1, :, 1], v[1, :, 0])
+    assert (c.k != 0).sum() == k.numel()  # nothing else was written
+    rk, rv = view.read(5)
+    assert rk.shape == (2, 2, 5, 5) and torch.equal(rk[0, :, 4], k[0, :, 0]) and torch.equal(rv[1, :, 1], v[1, :, 0])
+
+
+def test_param_counts_and_kv_bytes():
+    cfg = tiny(tie_embeddings=False)
+    m = GPT(cfg)
+    d, hd = cfg.n_embd, cfg.hd
+    per_layer = d * cfg.n_head * hd * 2 + d * cfg.n_kv_head * hd * 2 + 3 * d * cfg.mlp_hidden + 2 * d
+    assert m.num_params() == cfg.n_layer * per_layer + d  # + final norm
+    assert m.num_params(non_embedding=False) == m.num_params() + 2 * cfg.vocab_size * d
+    tied = GPT(tiny())
+    assert tied.num_params(non_embedding=False) == tied.num_params() + cfg.vocab_size * d
+    cache = tied.new_cache(3, 40, dtype=torch.bfloat16)
+    assert tied.kv_cache_bytes(3, 40, dtype_bytes=2) == cache.nbytes()
+
+
+def test_loss_ignores_pad_targets():
+    logits = torch.randn(2, 5, 11)
+    y = torch.randint(0, 11, (2, 5))
+    y2 = y.clone()
+    y2[:, 3:] = IGNORE
+    ref = F.cross_entropy(logits[:, :3].reshape(-1, 11), y[:, :3].reshape(-1))
+    torch.testing.assert_close(lm_loss(logits, y2), ref)
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="n_kv_head"):
+        tiny(n_head=4, n_kv_head=3)
+    with pytest.raises(ValueError, match="divisible"):
+        tiny(n_embd=30, n_head=4)
+    with pytest.raises(ValueError, match="mlp"):
+        tiny(mlp="relu")
+    with pytest.raises(ValueError, match="unknown preset"):
+        GPTConfig.from_preset("huge")
+    m = GPT(tiny())
+    with pytest.raises(ValueError, match="max_seq_len"):
+        m(torch.zeros(1, 65, dtype=torch.long))
+    with pytest.raises(ValueError, match="max_seq_len"):
+        m.generate(torch.zeros(1, 60, dtype=torch.long), 10)
+
+
+# ---- distillation divergences against hand-computed values ----------------------------------------------------
+
+
+def _probs(logits):
+    return [math.exp(x) / sum(math.exp(y) for y in logits) for x in logits]
+
+
+@pytest.mark.parametrize("kind", ["fkl", "rkl", "jsd", "tvd"])
+def test_divergences_by_hand(kind):
+    s_logits, t_logits = [0.3, -1.2, 2.0], [1.0, 0.5, -0.5]
+    q, p = _probs(s_logits), _probs(t_logits)  # student q, teacher p
+    kl = lambda a, b: sum(x * math.log(x / y) for x, y in zip(a, b))  # noqa: E731
+    m = [(x + y) / 2 for x, y in zip(p, q)]
+    expected = {"fkl": kl(p, q), "rkl": kl(q, p), "jsd": 0.5 * kl(p, m) + 0.5 * kl(q, m),
+                "tvd": 0.5 * sum(abs(x - y) for x, y in zip(p, q))}[kind]
+    got = distill_loss(torch.tensor([[s_logits]]), torch.tensor([[t_logits]]), kind)
+    assert abs(got.item() - expected) < 1e-6
+    same = distill_loss(torch.tensor([[t_logits]]), torch.tensor([[t_logits]]), kind)
+    assert abs(same.item()) < 1e-7
+
+
+def test_divergence_mask_and_unknown():
+    s, t = torch.randn(2, 3, 7), torch.randn(2, 3, 7)
+    mask = torch.tensor([[1.0, 0.0, 1.0], [0.0, 0.0, 1.0]])
+    full = distill_loss(s[mask.bool()], t[mask.bool()], "fkl")
+    torch.testing.assert_close(distill_loss(s, t, "fkl", mask=mask), full)
+    with pytest.raises(ValueError, match="unknown divergence"):
+        distill_loss(s, t, "kl2")

@@ -1,0 +1,309 @@
+"""Tests of plt.py (Parallel Loop Transformer): staggered cached decoding equals the training forward, L=1 is the
+vanilla model, the shift breaks same-position dependence, the window and the caches hold what is documented."""
+import pytest
+import torch
+
+from model import GPT, GPTConfig
+from plt import PLT, PLTAttention, PLTConfig, VARIANTS, config_overrides, shift_right, variant_fields
+
+SHAPE = dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, mlp_hidden=64, vocab_size=61, max_seq_len=32)
+W = 4  # a small window, so that prompts of 2 and 7 tokens are shorter and longer than it and decoding wraps the ring
+T = 13
+# (clp, kv_share, gswa): the rows of Table 2 beyond vanilla, plus LoopCoder's sequential kv_share (+ gswa)
+SWITCHES = {"loop": (False, False, False), "clp": (True, False, False), "kv_share": (True, True, False),
+            "plt": (True, True, True), "seq_share": (False, True, False), "seq_gswa": (False, True, True)}
+
+
+def randomize(model, std=0.25):
+    """Weights far from the init (sharp attention, gates away from 0.5), so a wrong mask or order shows."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0.0, std)
+    return model.eval()
+
+
+def make(n_loops=2, variant="plt", window=W, **kw):
+    clp, kv_share, gswa = SWITCHES[variant]
+    cfg = PLTConfig(**{**SHAPE, **kw}, n_loops=n_loops, window=window, clp=clp, kv_share=kv_share, gswa=gswa)
+    return randomize(PLT(cfg))
+
+
+def decode_errors(model, idx, prompt_len, lengths=None, static=False):
+    """Teacher-forced: prefill idx[:, :prompt_len] then feed the true next tokens; max |logits - forward logits|."""
+    full, _ = model(idx)
+    B, n = idx.shape
+    cache = model.new_cache(B, n, static=static)
+    rows = torch.arange(B)
+    lengths = torch.full((B,), prompt_len) if lengths is None else lengths
+    logits = model.prefill(idx[:, :prompt_len], cache, lengths)
+    errs = [(logits - full[rows, lengths - 1]).abs().max()]
+    for s in range(n - int(lengths.max())):
+        pos = lengths + s
+        logits = model.decode_step(idx[rows, pos], cache)
+        errs.append((logits - full[rows, pos]).abs().max())
+    return torch.stack(errs), cache
+
+
+# -- cached staggered decoding == training forward ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", list(SWITCHES))
+@pytest.mark.parametrize("n_loops", [2, 3])
+@pytest.mark.parametrize("prompt_len", [2, 7])
+def test_decode_matches_forward(variant, n_loops, prompt_len):
+    model = make(n_loops, variant)
+    idx = torch.randint(SHAPE["vocab_size"], (2, T))
+    errs, cache = decode_errors(model, idx, prompt_len)
+    assert errs.max() < 2e-5, errs
+    assert int(cache.lengths[0]) == T
+    assert full_logit_scale(model, idx) > 1.0  # the logits are far from 0: the tolerance above is tight
+
+
+def full_logit_scale(model, idx):
+    return model(idx)[0].std().item()
+
+
+@pytest.mark.parametrize("variant", ["plt", "clp", "loop"])
+def test_decode_ragged_prompts(variant):
+    """Right-padded prompts of different lengths (one shorter, one longer than w) decode like their own forward."""
+    model = make(3, variant)
+    idx = torch.randint(SHAPE["vocab_size"], (2, T))
+    lengths = torch.tensor([3, 8])
+    errs, _ = decode_errors(model, idx, 8, lengths)
+    assert errs.max() < 2e-5, errs
+
+
+def test_decode_static_cache():
+    """The fixed-shape mode for torch.compile attends over the whole (masked) cache: same logits."""
+    model = make(2, "plt")
+    idx = torch.randint(SHAPE["vocab_size"], (2, T))
+    errs, _ = decode_errors(model, idx, 5, static=True)
+    assert errs.max() < 2e-5, errs
+
+
+def test_clp_decodes_in_one_forward_per_token():
+    """CLP runs each layer once per decode step (on L rows); the sequential baseline runs it L times."""
+    idx = torch.randint(SHAPE["vocab_size"], (2, 6))
+    for variant, calls in (("plt", 1), ("loop", 3)):
+        model = make(3, variant)
+        cache = model.new_cache(2, 8)
+        model.prefill(idx, cache)
+        seen = []
+        hook = model.blocks[0].register_forward_hook(lambda m, a, o: seen.append(a[0].shape))
+        model.decode_step(idx[:, -1], cache)
+        hook.remove()
+        assert len(seen) == calls
+        assert seen[0] == ((2, 3, SHAPE["n_embd"]) if calls == 1 else (2, 1, SHAPE["n_embd"]))
+
+
+# -- L = 1 is the vanilla model ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", ["loop", "plt"])
+def test_one_loop_equals_vanilla(variant):
+    gpt = randomize(GPT(GPTConfig(**SHAPE)))
+    clp, kv_share, gswa = SWITCHES[variant]
+    model = PLT.from_vanilla(gpt, n_loops=1, window=W, clp=clp, kv_share=kv_share, gswa=gswa).eval()
+    assert model.num_params() == gpt.num_params()  # no gate with one loop
+    idx = torch.randint(SHAPE["vocab_size"], (3, 10))
+    y = torch.randint(SHAPE["vocab_size"], (3, 10))
+    (a, la), (b, lb) = gpt(idx, y), model(idx, y)
+    torch.testing.assert_close(b, a, rtol=0, atol=1e-6)
+    torch.testing.assert_close(lb, la, rtol=0, atol=1e-6)
+    assert torch.equal(model.generate(idx[:, :4], 8), gpt.generate(idx[:, :4], 8))
+    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    assert torch.equal(model.generate(idx[:, :4], 8, 1.0, 20, g1), gpt.generate(idx[:, :4], 8, 1.0, 20, g2))
+    assert model.kv_cache_bytes(3, 100) == gpt.kv_cache_bytes(3, 100)
+
+
+def test_from_vanilla_with_loops():
+    """Conversion copies every weight; the only new parameters are the gates, which start at g = 0.5."""
+    gpt = randomize(GPT(GPTConfig(**SHAPE)))
+    model = PLT.from_vanilla(gpt, n_loops=2, window=W)
+    for name, p in gpt.state_dict().items():
+        assert torch.equal(model.state_dict()[name], p), name
+    extra = set(model.state_dict()) - set(gpt.state_dict())
+    assert extra == {f"blocks.{j}.attn.{g}" for j in range(SHAPE["n_layer"]) for g in ("gate_w", "gate_b")}
+    model.train()
+    model(torch.randint(SHAPE["vocab_size"], (2, 8)))
+    assert abs(float(model.metrics["gate_local"]) - 0.5) < 1e-6
+
+
+# -- the shift removes same-position dependence ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", ["clp", "kv_share", "plt", "loop"])
+def test_shift_breaks_same_position_dependence(variant):
+    """d H^(2)_i / d H^(1)_j is zero for j >= i with CLP (only earlier positions feed loop 2), nonzero at j = i
+    without it. Built from the model's own pieces, checked against forward first."""
+    model = make(2, variant)
+    idx = torch.randint(SHAPE["vocab_size"], (1, 9))
+    n = idx.size(1)
+    rope = model.rope(torch.arange(n))
+    e = model.embed(idx)
+    kv1 = []
+    h1 = model.run_loop(e, rope, keep=kv1)
+    shared = kv1 if model.config.kv_share else None
+    h1_leaf = h1.detach().requires_grad_(True)  # K_share stays fixed: it is loop 1's internals, not H^(1)
+    h2 = model.run_loop(model.loop_input(e, h1_leaf), rope, shared)
+    torch.testing.assert_close(model.head(h2), model(idx)[0], rtol=0, atol=1e-5)
+    i = 5
+    (grad,) = torch.autograd.grad(h2[0, i].sum(), h1_leaf)
+    per_pos = grad[0].abs().sum(-1)  # (n,)
+    if variant == "loop":
+        assert per_pos[i] > 1e-3
+    else:
+        assert torch.all(per_pos[i:] == 0)
+        assert per_pos[i - 1] > 1e-3
+
+
+def test_shift_right():
+    h = torch.arange(12.0).view(1, 4, 3)
+    assert torch.equal(shift_right(h), torch.cat([torch.zeros(1, 1, 3), h[:, :3]], dim=1))
+
+
+# -- the window ------------------------------------------------------------------------------------------------------
+
+
+def test_gswa_window_is_w_keys_including_current():
+    """In a G-SWA loop, y_i depends on the loop's own input at j iff i - w < j <= i (shared K/V held fixed)."""
+    cfg = PLTConfig(**SHAPE, n_loops=2, window=W)
+    attn = randomize(PLTAttention(cfg))
+    from model import RotaryEmbedding
+
+    n = 11
+    rope = RotaryEmbedding(cfg.rot_dim, n)(torch.arange(n))
+    x = torch.randn(1, n, SHAPE["n_embd"])
+    shared = (torch.randn(1, 2, n, cfg.hd), torch.randn(1, 2, n, cfg.hd))
+    y = attn(x, rope, shared=shared)
+    for j in range(n):
+        x2 = x.clone()
+        x2[0, j] += 1.0
+        changed = (attn(x2, rope, shared=shared) - y).abs().amax(-1)[0] > 1e-6  # (n,)
+        expect = torch.tensor([(i - W < j <= i) for i in range(n)])
+        assert torch.equal(changed, expect), (j, changed)
+
+
+def test_ring_holds_last_w_positions():
+    """After prefill and decoding, each ring holds exactly positions max(0, n-w)..n-1 (slot = position % w), and
+    their K/V are the loop's own K/V of the training forward at those positions."""
+    model = make(3, "plt")
+    idx = torch.randint(SHAPE["vocab_size"], (2, T))
+    lengths = torch.tensor([2, 7])
+    for steps in (0, 1, 5):
+        cache = model.new_cache(2, T)
+        model.prefill(idx[:, :7], cache, lengths)
+        rows = torch.arange(2)
+        for s in range(steps):
+            model.decode_step(idx[rows, lengths + s], cache)
+        _, kvs = model.hidden_states(idx, keep_kv=True)
+        for b in range(2):
+            n = int(lengths[b]) + steps
+            held = sorted(p for p in cache.ring.pos[b].tolist() if p >= 0)
+            assert held == list(range(max(0, n - W), n))
+            for p in held:
+                for loop in (1, 2):
+                    for j in range(SHAPE["n_layer"]):
+                        k, v = kvs[loop][j]
+                        torch.testing.assert_close(cache.ring.k[j, b, loop - 1, :, p % W], k[b, :, p], atol=2e-5,
+                                                   rtol=0)
+                        torch.testing.assert_close(cache.ring.v[j, b, loop - 1, :, p % W], v[b, :, p], atol=2e-5,
+                                                   rtol=0)
+
+
+# -- KV cache bytes (Table 1) ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", ["vanilla"] + list(VARIANTS)[1:])
+@pytest.mark.parametrize("n_loops", [2, 3])
+@pytest.mark.parametrize("seq_len", [3, 20])
+def test_kv_cache_bytes(variant, n_loops, seq_len):
+    cfg = PLTConfig(**SHAPE, window=W, **variant_fields(variant, None if variant == "vanilla" else n_loops))
+    model = PLT(cfg)
+    B, N, d = 3, SHAPE["n_layer"], SHAPE["n_kv_head"] * cfg.hd
+    nd = 2 * B * N * seq_len * d  # K and V of one full cache, in elements
+    L = cfg.n_loops
+    expect = {"vanilla": nd, "loop": L * nd, "clp": L * nd, "kv_share": nd,
+              "plt": nd + 2 * B * N * (L - 1) * min(W, seq_len) * d}[variant]
+    assert model.kv_cache_bytes(B, seq_len, dtype_bytes=4) == 4 * expect
+    assert model.new_cache(B, seq_len).nbytes() == 4 * expect  # fp32 tensors actually allocated
+    bf16 = model.new_cache(B, seq_len, dtype=torch.bfloat16)
+    assert bf16.nbytes() == model.kv_cache_bytes(B, seq_len) == 2 * expect
+
+
+# -- errors ----------------------------------------------------------------------------------------------------------
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="window"):
+        PLTConfig(**SHAPE, window=0)
+    with pytest.raises(ValueError, match="n_loops"):
+        PLTConfig(**SHAPE, n_loops=0)
+    with pytest.raises(ValueError, match="gswa=True needs kv_share"):
+        PLTConfig(**SHAPE, kv_share=False, gswa=True)
+    with pytest.raises(ValueError, match="unknown PLT variant"):
+        variant_fields("nope")
+    with pytest.raises(ValueError, match="vanilla"):
+        variant_fields("vanilla", 2)
+    with pytest.raises(ValueError, match="bad GPTConfig"):
+        PLTConfig(**{**SHAPE, "n_kv_head": 3})
+
+
+def test_runtime_errors():
+    model = make(2, "plt")
+    idx = torch.randint(SHAPE["vocab_size"], (2, 6))
+    cache = model.new_cache(2, 6)
+    with pytest.raises(ValueError, match="does not fit"):
+        model.prefill(torch.randint(SHAPE["vocab_size"], (2, 7)), cache)
+    with pytest.raises(ValueError, match="lengths"):
+        model.prefill(idx, cache, torch.tensor([0, 6]))
+    model.prefill(idx, cache)
+    with pytest.raises(ValueError, match="cache holds 6 positions"):
+        model.decode_step(idx[:, 0], cache)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        model(torch.randint(SHAPE["vocab_size"], (1, SHAPE["max_seq_len"] + 1)))
+
+
+# -- generate and train.py -------------------------------------------------------------------------------------------
+
+
+def test_generate_greedy_and_seeded():
+    model = make(2, "plt")
+    idx = torch.randint(SHAPE["vocab_size"], (2, 5))
+    out = model.generate(idx, 6)
+    assert out.shape == (2, 11) and torch.equal(out[:, :5], idx)
+    for t in range(5, 11):  # greedy: each token is the argmax of the full forward over what came before
+        assert torch.equal(out[:, t], model(out[:, :t])[0][:, -1].argmax(-1))
+    g1, g2 = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    a, b = model.generate(idx, 6, 1.0, 10, g1), model.generate(idx, 6, 1.0, 10, g2)
+    assert torch.equal(a, b)
+
+
+def test_flag_overrides():
+    class A:
+        loops, plt_variant, plt_window = 3, "kv_share", 16
+
+    assert config_overrides(A) == dict(n_loops=3, clp=True, kv_share=True, gswa=False, window=16)
+    A.plt_variant, A.loops, A.plt_window = None, None, None
+    assert config_overrides(A) == dict(clp=True, kv_share=True, gswa=True)
+
+
+@pytest.mark.parametrize("variant", ["plt", "loop"])
+def test_train_runs(tmp_path, variant):
+    import train
+    from conftest import write_jsonl
+
+    texts = [f"def f{i}(x):\n    return x * {i} + {i % 7}\n" * 3 for i in range(40)]
+    data = write_jsonl(tmp_path / "corpus.jsonl", texts)
+    out = train.train(["--arch", "plt", "--plt-variant", variant, "--loops", "2", "--plt-window", "8",
+                       "--data", str(data), "--cache-dir", str(tmp_path / "cache"), "--out-dir", str(tmp_path / "out"),
+                       "--max-iters", "3", "--batch-size", "2", "--seq-len", "32", "--eval-iters", "1",
+                       "--sample-tokens", "8", "--device", "cpu", "--vocab-size", "300"])
+    assert out["loss"] is not None and torch.isfinite(torch.tensor(out["loss"]))
+    ck = train.load_checkpoint(tmp_path / "out" / "ckpt.pt")
+    model = train.model_from_checkpoint(ck)
+    assert isinstance(model, PLT) and model.config.n_loops == 2 and model.config.window == 8
+    assert model.config.clp == (variant == "plt") and model.config.gswa == (variant == "plt")

@@ -1,0 +1,378 @@
+"""recursive.py: tying and conversion, exactness of the relaxed model at full rank, per-row loops, early exit with
+state propagation, the early-exit training objective, train.py integration and the oracle mode."""
+import argparse
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import write_jsonl
+from model import GPT, GPTConfig, KVCache, distill_loss, lm_loss
+from recursive import (ARCH_SPECS, RecursiveConfig, RecursiveGPT, exit_coefficients, from_vanilla, oracle,
+                       params_table, stepwise_layers, tying_sources)
+from svd_lora import LoRALinear, lora_params, max_ranks
+
+SMALL = dict(n_layer=6, n_head=4, n_kv_head=2, n_embd=32, mlp_hidden=48, vocab_size=96, max_seq_len=48)
+LAYOUTS = {
+    "llama": dict(),
+    "gemma": dict(norm_offset=1.0, mlp="geglu", embed_scale=True),
+    "neox": dict(norm="layer", attn_bias=True, mlp_bias=True, parallel_residual=True, rotary_pct=0.5, mlp="gelu",
+                 tie_embeddings=False),
+}
+quiet = dict(log=lambda s: None)
+
+
+def vanilla(layout="llama", seed=0, **kw):
+    """A vanilla model with random non-unit positive norm scales and random biases (not the trivial init)."""
+    torch.manual_seed(seed)
+    cfg = GPTConfig(**{**SMALL, **LAYOUTS[layout], **kw})
+    m = GPT(cfg).eval()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.uniform_(0.5, 1.5) if cfg.norm_offset == 0 else p.uniform_(-0.5, 0.5)  # scale in [0.5, 1.5]
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+    return m
+
+
+def full_ranks(cfg):
+    return {f"lora_rank_{c}": r for c, r in max_ranks(cfg).items()}
+
+
+def ranks(r):
+    return {f"lora_rank_{c}": r for c in ("q", "kv", "o", "mlp")}
+
+
+def clone_cache(c: KVCache) -> KVCache:
+    new = KVCache(c.k.size(0), c.k.size(1), c.max_len, c.k.size(2), c.k.size(4), c.k.dtype, c.k.device)
+    new.k.copy_(c.k), new.v.copy_(c.v), new.lengths.copy_(c.lengths)
+    return new
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tying strategies and conversion
+
+
+def test_stepwise_keeps_first_and_last_layer():
+    assert stepwise_layers(6, 3) == [0, 2, 5]  # linspace 0, 2.5, 5 with Python round (half to even)
+    assert stepwise_layers(6, 2) == [0, 5]
+    assert stepwise_layers(18, 9) == [0, 2, 4, 6, 8, 11, 13, 15, 17]  # Gemma 2B, B=2
+    assert stepwise_layers(22, 11)[0] == 0 and stepwise_layers(22, 11)[-1] == 21
+    assert stepwise_layers(4, 1) == [0]
+    assert tying_sources(6, 3, "lower") == [[0], [1], [2]]
+    assert tying_sources(6, 2, "average") == [[0, 2, 4], [1, 3, 5]]
+
+
+@pytest.mark.parametrize("init", ["stepwise", "average", "lower"])
+def test_conversion_copies_the_right_layers(init):
+    van = vanilla("neox")
+    m = from_vanilla(van, n_loops=2, init=init, **quiet)
+    src = {"stepwise": [[0], [2], [5]], "lower": [[0], [1], [2]], "average": [[0, 3], [1, 4], [2, 5]]}[init]
+    for k, block in enumerate(m.blocks):
+        for name, p in block.state_dict().items():  # every weight, norms (weight and bias) included
+            want = torch.stack([van.blocks[i].state_dict()[name] for i in src[k]]).mean(0)
+            torch.testing.assert_close(p, want, rtol=0, atol=1e-7, msg=f"{init} layer {k} {name}")
+    for mod in ("tok_emb", "norm", "lm_head"):
+        for name, p in getattr(m, mod).state_dict().items():
+            assert torch.equal(p, getattr(van, mod).state_dict()[name])
+    assert len(m.blocks) == 3 and m.config.n_layer == 6 and m.num_params() < van.num_params()
+
+
+def test_random_init_uses_no_pretrained_weight():
+    van = vanilla()
+    m = from_vanilla(van, n_loops=2, init="random", **quiet)
+    assert not torch.equal(m.tok_emb.weight, van.tok_emb.weight)
+    assert not torch.equal(m.blocks[0].attn.q_proj.weight, van.blocks[0].attn.q_proj.weight)
+
+
+def test_one_loop_without_lora_reproduces_vanilla_exactly():
+    van = vanilla("gemma")
+    m = from_vanilla(van, n_loops=1, init="lower", **quiet).eval()
+    idx = torch.randint(0, 96, (2, 17))
+    assert torch.equal(m(idx)[0], van(idx)[0])
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("init", ["stepwise", "average", "lower"])
+def test_relaxed_full_rank_svd_reproduces_vanilla(layout, init):
+    van = vanilla(layout)
+    m = from_vanilla(van, n_loops=2, init=init, **full_ranks(van.config), **quiet).eval()
+    assert m.config.lora_bias == (layout == "neox")  # bias deltas only for sources with biases
+    idx = torch.randint(0, 96, (2, 24))
+    ref = van(idx)[0]
+    torch.testing.assert_close(m(idx)[0], ref, rtol=0, atol=2e-5)
+    # and the plain recursive model (or a low rank) does not: the test is not vacuous
+    rec = from_vanilla(van, n_loops=2, init=init, **quiet).eval()
+    assert (rec(idx)[0] - ref).abs().max() > 1e-2
+
+
+def test_rank_zero_and_zero_init_equal_the_recursive_model():
+    van = vanilla("neox")
+    rec = from_vanilla(van, n_loops=3, init="average", **quiet).eval()
+    r0 = from_vanilla(van, n_loops=3, init="average", **ranks(0), **quiet).eval()
+    z = from_vanilla(van, n_loops=3, init="average", lora_init="zero", **ranks(4), **quiet).eval()
+    svd = from_vanilla(van, n_loops=3, init="average", **ranks(4), **quiet).eval()
+    idx = torch.randint(0, 96, (2, 16))
+    assert r0.state_dict().keys() == rec.state_dict().keys()
+    assert torch.equal(r0(idx)[0], rec(idx)[0])
+    torch.testing.assert_close(z(idx)[0], rec(idx)[0], rtol=0, atol=1e-5)
+    assert (svd(idx)[0] - rec(idx)[0]).abs().max() > 1e-3
+
+
+def test_conversion_errors():
+    van = vanilla()
+    with pytest.raises(ValueError, match="not divisible by n_loops=4"):
+        from_vanilla(van, n_loops=4, **quiet)
+    with pytest.raises(ValueError, match="shape mismatch: .* n_embd=32"):
+        from_vanilla(van, n_loops=2, n_embd=64, **quiet)
+    with pytest.raises(ValueError, match="lora_rank_kv=17 exceeds"):
+        from_vanilla(van, n_loops=2, lora_rank_kv=17, **quiet)
+    with pytest.raises(ValueError, match="unknown init"):
+        from_vanilla(van, n_loops=2, init="upper", **quiet)
+    rec = from_vanilla(van, n_loops=2, **quiet)
+    with pytest.raises(ValueError, match="vanilla model.GPT"):  # a checkpoint of another architecture
+        from_vanilla(rec, n_loops=2, **quiet)
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="n_layer=6 is not divisible by n_loops=4"):
+        RecursiveConfig(**SMALL, n_loops=4)
+    with pytest.raises(ValueError, match="lora_rank_q=33 exceeds min"):
+        RecursiveConfig(**SMALL, lora_rank_q=33)
+    with pytest.raises(ValueError, match="lora_rank_mlp=-1"):
+        RecursiveConfig(**SMALL, lora_rank_mlp=-1)
+    with pytest.raises(ValueError, match="self_distill needs an exit loss"):
+        RecursiveConfig(**SMALL, self_distill=True)
+    with pytest.raises(ValueError, match="exit_loss"):
+        RecursiveConfig(**SMALL, exit_loss="sum")
+    cfg = RecursiveConfig(**SMALL, n_loops=3, **ranks(4))
+    assert RecursiveConfig.from_dict(cfg.__dict__) == cfg and cfg.n_shared == 2 and cfg.relaxed
+
+
+def test_parameter_counts():
+    van = vanilla()
+    rec = RecursiveGPT(RecursiveConfig(**SMALL, n_loops=2))
+    rel = RecursiveGPT(RecursiveConfig(**SMALL, n_loops=2, **ranks(4)))
+    per_layer = sum(p.numel() for p in van.blocks[0].parameters())
+    assert rec.num_params() == van.num_params() - 3 * per_layer
+    assert rel.num_params() == rec.num_params() + 3 * lora_params(rel.config, rel.config.lora_ranks, 2)
+    assert rec.kv_cache_bytes(2, 10) == van.kv_cache_bytes(2, 10)  # one cache layer per effective layer
+    assert rec.flops_per_token(16) == pytest.approx(van.flops_per_token(16))  # same compute, half the weights
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Inference: per-row loops, cached decoding, early exit with state propagation
+
+
+def relaxed_model(layout="neox", n_loops=3, r=4, seed=0):
+    van = vanilla(layout, seed=seed)
+    return from_vanilla(van, n_loops=n_loops, init="average", **ranks(r), **quiet).eval()
+
+
+def test_per_row_loops_equal_running_each_loop_separately():
+    m = relaxed_model("neox")  # bias deltas too
+    torch.manual_seed(1)
+    lengths = torch.tensor([5, 3, 7, 4])
+    prompts = torch.randint(0, 96, (4, 7))
+    cache = m.new_cache(4, 12)
+    m.prefill(prompts, cache, lengths)
+    x = torch.randn(4, 1, 32)
+    loops = torch.tensor([2, 0, 1, 2])
+    q_pos = cache.lengths[:, None].clone()
+    with torch.no_grad():
+        c_mixed = clone_cache(cache)
+        h_mixed = m.loop_step(x, loops, q_pos, c_mixed)
+        c_sep = clone_cache(cache)
+        h_sep = torch.cat([m.loop_step(x[r:r + 1], int(loops[r]), q_pos[r:r + 1], c_sep, rows=torch.tensor([r]))
+                           for r in range(4)])
+        torch.testing.assert_close(h_mixed, h_sep, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(c_mixed.k, c_sep.k, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(c_mixed.v, c_sep.v, rtol=1e-5, atol=1e-6)
+        for l in range(3):  # the whole batch at one loop (plain matmuls, a cache view) agrees row by row
+            h_l = m.loop_step(x, l, q_pos, clone_cache(cache))
+            torch.testing.assert_close(h_mixed[loops == l], h_l[loops == l], rtol=1e-5, atol=1e-5)
+        # state propagation with per-row exit loops equals the per-row calls
+        frm = torch.tensor([0, 1, 2, 0])
+        c_a, c_b = clone_cache(cache), clone_cache(cache)
+        m.propagate(h_mixed, frm, q_pos, c_a)
+        for r in range(4):
+            m.propagate(h_mixed[r:r + 1], int(frm[r]), q_pos[r:r + 1], c_b, rows=torch.tensor([r]))
+        torch.testing.assert_close(c_a.k, c_b.k, rtol=1e-5, atol=1e-6)
+        assert not torch.equal(c_a.k, cache.k)
+
+
+def test_cached_generation_equals_full_forward_and_no_exit_threshold():
+    m = relaxed_model("llama")
+    idx = torch.randint(0, 96, (3, 6))
+    out = m.generate(idx, 12)
+    full = m(out)[0].argmax(-1)  # greedy: every new token is the argmax of the full forward
+    assert torch.equal(full[:, 5:-1], out[:, 6:])
+    out2, exits = m.generate(idx, 12, exit_threshold=1.01, return_exits=True)  # threshold > 1: never exits
+    assert torch.equal(out, out2) and torch.all(exits == 2)
+
+
+def forward_with_exits(m, idx, exit_loops):
+    """Full (uncached) recomputation applying given exit decisions: a token with exit loop e keeps its hidden state
+    h^e for all deeper loops, and every deeper layer sees h^e as its input (so its K/V come from attn_norm(h^e)).
+    -> final logits (B, T, V) and the K/V of every (loop, layer)."""
+    T = idx.size(1)
+    rope = m.rope(torch.arange(T))
+    x, ks, vs = m.embed(idx), [], []
+    for l in range(m.config.n_loops):
+        frozen = (exit_loops < l)[..., None]
+        x0 = x
+        for block in m.blocks:
+            k, v = block.attn.project_kv(block.attn_norm(x), rope, lora_idx=l)
+            ks.append(k), vs.append(v)
+            x = torch.where(frozen, x0, block(x, rope, lora_idx=l))
+    return m.head(x), torch.stack(ks), torch.stack(vs)
+
+
+@torch.no_grad()
+def test_early_exit_decoding_equals_recomputation_with_the_same_exits():
+    m = relaxed_model("llama", n_loops=3)
+    with torch.no_grad():  # a sharper head, so that confidences spread over (0, 1)
+        m.lm_head.weight.mul_(40.0)
+    torch.manual_seed(3)
+    B, T, n = 4, 5, 14
+    idx = torch.randint(0, 96, (B, T))
+    # threshold: the median confidence of the intermediate loops on a run without exits
+    ref_tokens = m.generate(idx, n)
+    conf = torch.stack([m.exit_confidence(lg) for lg in m.loop_logits(ref_tokens)[:-1]])
+    thr = float(conf.median())
+    cache = m.new_cache(B, T + n)
+    logits = [m.prefill(idx, cache)]
+    toks, exits = [logits[0].argmax(-1)], [torch.full((B,), 2)]
+    for _ in range(n - 1):
+        lg, e = m.decode_step(toks[-1], cache, exit_threshold=thr, return_exits=True)
+        logits.append(lg), toks.append(lg.argmax(-1)), exits.append(e)
+    exits = torch.stack(exits, 1)  # exit loop of the token fed at positions T-1 .. T+n-2
+    assert (exits == 0).any() and (exits == 1).any() and (exits == 2).any(), exits  # a real mix of exits
+    seq = torch.cat([idx, torch.stack(toks[:-1], 1)], 1)  # every token that was fed
+    exit_loops = torch.cat([torch.full((B, T - 1), 2), exits], 1)
+    ref_logits, ref_k, ref_v = forward_with_exits(m, seq, exit_loops)
+    torch.testing.assert_close(torch.stack(logits, 1), ref_logits[:, T - 1:], rtol=1e-4, atol=1e-4)
+    S = seq.size(1)
+    torch.testing.assert_close(cache.k[:, :, :, :S], ref_k, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(cache.v[:, :, :, :S], ref_v, rtol=1e-4, atol=1e-5)
+    # the deeper-loop entries of exited tokens were filled (not left at zero)
+    K = m.config.n_shared
+    for b, p in (exit_loops < 2).nonzero().tolist():
+        for lp in range(int(exit_loops[b, p]) + 1, 3):
+            assert cache.k[lp * K:(lp + 1) * K, b, :, p].abs().sum() > 0
+    # and generate() takes the same path
+    out, ex = m.generate(idx, n, exit_threshold=thr, return_exits=True)
+    assert torch.equal(out[:, T:], torch.stack(toks, 1)) and torch.equal(ex, exits)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Early-exit training objective (section 3.7)
+
+
+@pytest.mark.parametrize("kind,sd", [("weighted", False), ("aggressive", False), ("aggressive", True),
+                                     ("weighted", True)])
+def test_exit_losses(kind, sd):
+    m = relaxed_model("llama", n_loops=3)
+    m.config.exit_loss, m.config.self_distill, m.config.exit_coef = kind, sd, 0.1
+    m.train()
+    idx, tgt = torch.randint(0, 96, (2, 10)), torch.randint(0, 96, (2, 10))
+    tgt[0, :3] = -100
+    logits, loss = m(idx, tgt)
+    per_loop = m.loop_logits(idx)
+    torch.testing.assert_close(logits, per_loop[-1])
+    coefs = [1 / 6, 2 / 6, 3 / 6] if kind == "weighted" else [0.1, 0.1, 1.0]
+    assert exit_coefficients(kind, 3, 0.1) == pytest.approx(coefs)
+    mask = (tgt != -100).float()
+    want = sum(c * (lm_loss(lg, tgt) + (distill_loss(lg, per_loop[-1], "fkl", mask=mask) if sd and i < 2 else 0))
+               for i, (c, lg) in enumerate(zip(coefs, per_loop)))
+    torch.testing.assert_close(loss, want)
+    assert set(m.metrics) == {"loss_l1", "loss_l2", "loss_l3"} | ({"kd_l1", "kd_l2"} if sd else set())
+    torch.testing.assert_close(m.metrics["loss_l1"], lm_loss(per_loop[0], tgt))
+    loss.backward()
+    assert all(p.grad is not None for p in m.parameters())
+    if sd:  # the KD teacher is detached: the final logits get no gradient from the KD terms
+        assert "kd_l1" in m.metrics and float(f"{m.metrics['kd_l1']:.4f}") >= 0
+
+
+def test_no_exit_loss_is_plain_cross_entropy():
+    m = relaxed_model("llama", n_loops=3)
+    idx, tgt = torch.randint(0, 96, (2, 10)), torch.randint(0, 96, (2, 10))
+    logits, loss = m(idx, tgt)
+    torch.testing.assert_close(loss, lm_loss(logits, tgt))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# train.py integration and the command-line modes
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("rec")
+    words = "def class return import self value index loop layer shared token cache exit".split()
+    g = torch.Generator().manual_seed(0)
+    docs = [" ".join(words[int(i)] for i in torch.randint(0, len(words), (80,), generator=g)) for _ in range(70)]
+    data = write_jsonl(d / "corpus.jsonl", docs)
+    common = ["--data", str(data), "--cache-dir", str(d / "cache"), "--vocab-size", "300", "--seq-len", "32",
+              "--batch-size", "4", "--eval-iters", "1", "--sample-tokens", "4", "--device", "cpu",
+              "--dtype", "float32"]
+    import train
+
+    train.train(["--arch", "vanilla", "--max-iters", "3", "--out-dir", str(d / "vanilla"), *common])
+    return d, common
+
+
+def test_train_converts_and_uptrains_relaxed(corpus):
+    import train
+
+    d, common = corpus
+    van_ckpt = str(d / "vanilla" / "ckpt.pt")
+    res = train.train(["--arch", "relaxed", "--init-from", van_ckpt, "--loops", "2", "--init", "average",
+                       "--lora-rank", "8", "--lora-rank-kv", "4", "--max-iters", "3", "--out-dir", str(d / "relaxed"),
+                       "--teacher", van_ckpt, "--kd", "fkl", "--exit-loss", "aggressive", "--self-distill", *common])
+    assert res["loss"] is not None
+    ck = train.load_checkpoint(d / "relaxed" / "ckpt.pt")
+    assert ck["arch"] == "relaxed"
+    cfg = ck["config"]
+    assert (cfg["n_loops"], cfg["lora_rank_q"], cfg["lora_rank_kv"], cfg["exit_loss"], cfg["self_distill"]) == \
+           (2, 8, 4, "aggressive", True)
+    model = train.model_from_checkpoint(ck)
+    assert isinstance(model, RecursiveGPT) and isinstance(model.blocks[0].attn.q_proj, LoRALinear)
+    # the oracle mode reads it back and reports a histogram over all validation tokens
+    args = argparse.Namespace(ckpt=str(d / "relaxed" / "ckpt.pt"), device="cpu", data=None, cache_dir=None,
+                              batches=1, batch_size=2, seq_len=32, show=8, seed=0)
+    hist = oracle(args)
+    assert hist.sum() == 2 * 32 and hist.numel() == 2
+
+
+def test_train_recursive_conversion_and_errors(corpus):
+    import train
+
+    d, common = corpus
+    van_ckpt = str(d / "vanilla" / "ckpt.pt")
+    train.train(["--arch", "recursive", "--init-from", van_ckpt, "--init", "stepwise", "--max-iters", "1",
+                 "--out-dir", str(d / "recursive"), *common])
+    ck = train.load_checkpoint(d / "recursive" / "ckpt.pt")
+    assert ck["arch"] == "recursive" and ck["config"]["lora_rank_q"] == 0 and ck["config"]["n_loops"] == 2
+    rec_ckpt = str(d / "recursive" / "ckpt.pt")
+    with pytest.raises(ValueError, match="from a recursive checkpoint"):  # another architecture's checkpoint
+        train.train(["--arch", "relaxed", "--init-from", rec_ckpt, "--max-iters", "1", *common,
+                     "--out-dir", str(d / "x")])
+    with pytest.raises(ValueError, match="not divisible by n_loops=3"):  # 4 vanilla layers, 3 loops
+        train.train(["--arch", "recursive", "--init-from", van_ckpt, "--loops", "3", "--max-iters", "1", *common,
+                     "--out-dir", str(d / "x")])
+    with pytest.raises(ValueError, match="needs --init-from"):
+        train.train(["--arch", "recursive", "--init", "average", "--max-iters", "1", *common,
+                     "--out-dir", str(d / "x")])
+    with pytest.raises(ValueError, match="flags of --arch relaxed"):
+        train.train(["--arch", "recursive", "--lora-rank", "4", "--max-iters", "1", *common,
+                     "--out-dir", str(d / "x")])
+
+
+def test_arch_specs_and_params_table(capsys):
+    assert [s.name for s in ARCH_SPECS] == ["recursive", "relaxed"]
+    rel = ARCH_SPECS[1].make_config("tiny")
+    assert rel.relaxed and rel.n_loops == 2 and ARCH_SPECS[0].make_config("tiny").relaxed is False
+    params_table(argparse.Namespace(preset="tiny", loops=2, ranks="8,64"))
+    out = capsys.readouterr().out
+    assert "vanilla" in out and "recursive B=2" in out and "relaxed B=2 r=64" in out
