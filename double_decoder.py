@@ -26,16 +26,23 @@ every token is a target exactly once per forward, whatever the partition (loss-i
 Choices made here (the paper and the official code leave them open or differ):
   * Cross K/V projections are SHARED with the self K/V projections by default (the official code's default): a
     generation layer has exactly the parameters of a vanilla layer, so a double decoder with ctx + gen layers has the
-    parameters of a decoder-only model with ctx + gen layers. `separate_cross_kv=True` (--separate-cross-kv) adds a
-    separate k/v projection for the latents. One q projection serves both key sets.
+    parameters of a decoder-only model with ctx + gen layers (plus the d gains of the context decoder's final norm).
+    `separate_cross_kv=True` (--separate-cross-kv) adds a separate k/v projection for the latents. One q projection
+    serves both key sets.
   * RoPE with absolute positions on both sides: the query and self keys at their token positions, the cross keys at
     the positions of their latents, so relative offsets are the same for both key sets.
   * The generation decoder's input embeddings are the context decoder's (one shared token embedding, as officially).
   * No attention sink: the official code lets block 0 see latent 0; here block 0 is exactly causal self-attention.
   * Training runs both decoders once over all T positions. The cross keys are the latents of ALL positions, hidden by
     the block mask, so one pass per layer computes every block at once (no per-block loop, no dynamic shapes).
-    On CPU (and whenever --dd-attn dense) the attention is kernels.dual_attention's differentiable reference; on CUDA
-    it is FlexAttention (compiled) with two block masks built once per batch and shared by all layers.
+    Which attention runs (all compute the same single softmax):
+      - training with gradients: on CUDA FlexAttention (compiled; two attentions with LSE, two block masks built once
+        per batch and shared by all layers, merged by kernels.merge_lse); elsewhere, and with --dd-attn dense,
+        kernels.dual_attention, whose dispatch falls back to the differentiable reference (attention_lse_ref twice +
+        merge_lse in fp32) whenever a gradient is needed;
+      - inference (the no-grad forward, prefill, decode_step, generate): kernels.dual_attention, i.e. the fused
+        single-softmax dual-key Triton kernel on CUDA (the paper's "ideal method", section 3.1) and the reference on
+        CPU. tests/test_double_decoder.py checks that the kernel path equals the LSE-merge path (TRITON_INTERPRET=1).
   * Generation. The context is every prompt token but the last; the last prompt token opens the generation block
     (it plays the part of the official SFT's <assistant> token). This is exactly the training forward with the
     partition [prompt[:-1] | prompt[-1], response...], and the first response token is predicted after the context
@@ -57,10 +64,18 @@ Run:
     python double_decoder.py                                  # presets: parameters, KV bytes, FLOPs vs decoder-only
     python train.py --arch double                             # pretrain tiny with random block partitions (~5 min)
     python train.py --arch double --objective prefixlm        # the prefix-LM objective of section 4
-    python double_decoder.py --eval out/double/ckpt.pt out/vanilla/ckpt.pt   # same-split prefix-LM loss vs vanilla
     python double_decoder.py --sample out/double/ckpt.pt --rollover 16       # generate, folding every 16 tokens
-    python double_decoder.py --bench                          # TTFT, per-token latency, KV bytes vs decoder-only
     python -m pytest -q tests/test_double_decoder.py
+  Validation loss vs the decoder-only model of the same parameters (tiny: 3 + 1 layers vs vanilla's 4, 0.79M
+  non-embedding each) and the same tokens (100 steps x 16 x 256), ~90 s per run on 2 quiet cores:
+    python train.py --arch vanilla --max-iters 100 --out-dir out/dd_cmp/vanilla
+    python train.py --arch double --max-iters 100 --out-dir out/dd_cmp/double
+    python double_decoder.py --eval out/dd_cmp/double/ckpt.pt out/dd_cmp/vanilla/ckpt.pt  # same windows and splits
+  Serving: TTFT, TTFT after a cached shared prefix, per-token decode latency and KV bytes vs decoder-only of the same
+  parameters (random weights; preset small = 8 + 4 layers vs 12; CPU defaults batch 1, prompt 128, 32 new tokens):
+    python double_decoder.py --bench --threads 1              # CPU, ~10 s (one thread: stable timings)
+    python double_decoder.py --bench --threads 1 --rollover 16   # with incremental context extension every 16 tokens
+    python double_decoder.py --bench --device cuda            # GPU: batch 8, prompt 512, 128 new tokens, bf16
 """
 from __future__ import annotations
 
@@ -449,8 +464,11 @@ class DoubleDecoder(nn.Module):
         rope = self.rope(pos)  # absolute positions for queries, self keys and cross keys alike
         x = self.embed(idx)  # (B, T, C), the input of both decoders
         h = self.context(x, rope)  # (B, T, C) latents of every position (masked per block below)
+        # 'auto': training with gradients on CUDA runs FlexAttention; the no-grad forward (eval, scoring) runs
+        # kernels.dual_attention, i.e. the single-softmax Triton kernel on CUDA, and the reference elsewhere.
         impl = self.config.attn_impl
-        flex = flex_block_masks(blk, T) if impl == "flex" or (impl == "auto" and idx.is_cuda) else None
+        use_flex = impl == "flex" or (impl == "auto" and idx.is_cuda and torch.is_grad_enabled())
+        flex = flex_block_masks(blk, T) if use_flex else None
         b2 = blk.expand(B, T)
         ids = DualIds(pos.expand(B, T), b2, pos.expand(B, T), b2, b2)
         for block in self.gen_blocks:
@@ -643,8 +661,12 @@ def config_overrides(args) -> dict:
     return out
 
 
+# A tiny training step (batch 16 x 256, forward + backward) costs ~1.24x the vanilla tiny step on CPU (the dense
+# reference computes the generation layer's two T x T attentions in full): 300 / 1.24 ~ 240 steps keep the default
+# run at vanilla's ~4 minutes of steps (~5 minutes with tokenization and evaluations) on 2 quiet cores.
 ARCH_SPECS = [ArchSpec("double", DoubleConfig, DoubleDecoder, PRESETS, add_args=add_args,
-                       config_overrides=config_overrides, prepare_batch=prepare_batch)]
+                       config_overrides=config_overrides, prepare_batch=prepare_batch,
+                       train_defaults={"max_iters": 240})]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -735,6 +757,12 @@ def _double_runs(dd: DoubleDecoder, idx, new: int, prefix: int, rollover):
 def bench(args):
     device = pick_device(args.device)
     dtype = pick_dtype(device, args.dtype)
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
+    small = device.type == "cpu"  # small sizes on CPU, serving-like sizes on a GPU
+    for name, cpu, gpu in (("batch", 1, 8), ("prompt_len", 128, 512), ("new_tokens", 32, 128), ("iters", 3, 5)):
+        if getattr(args, name, None) is None:
+            setattr(args, name, cpu if small else gpu)
     over = dict(max_seq_len=args.prompt_len + args.new_tokens + 1)
     if args.ctx_layers:
         over.update(ctx_layers=args.ctx_layers, n_layer=None)
@@ -751,7 +779,8 @@ def bench(args):
     idx = torch.randint(0, cfg.vocab_size - 1, (B, T), device=device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     print(f"device {name} | dtype {dtype} | batch {B} | prompt {T} | new tokens {N} | shared prefix {prefix} | "
-          f"rollover {args.rollover} | warm-up {args.warmup}, median of {args.iters} | random weights")
+          f"rollover {args.rollover} | warm-up {args.warmup}, median of {args.iters} | random weights | "
+          f"CPU threads {torch.get_num_threads()}")
     print(f"double  {args.preset}: {cfg.ctx_layers} context + {cfg.gen_layers} generation layers, d {cfg.n_embd}, "
           f"heads {cfg.n_head}/{cfg.n_kv_head}, head dim {cfg.hd}, non-emb params {dd.num_params() / 1e6:.2f}M")
     print(f"decoder-only: {gpt.config.n_layer} layers, non-emb params {gpt.num_params() / 1e6:.2f}M")
@@ -773,6 +802,8 @@ def bench(args):
               f"allocated caches {alloc / 2**20:8.2f} MiB")
     g, d = rows["decoder-only"], rows["double"]
     L = cfg.ctx_layers + cfg.gen_layers
+    print("paper (section 3.3, Appendix A.1), at a 2/3 : 1/3 split: KV memory and per-token decode cost ~1/3 of the "
+          "decoder-only model's, time to first token ~2/3")
     print(f"double / decoder-only: TTFT {d[0] / g[0]:.3f} (paper: ~L_ctx/L = {cfg.ctx_layers / L:.3f}) | per-token "
           f"{d[1] / g[1]:.3f} (paper: ~L_dec/L = {cfg.gen_layers / L:.3f}) | KV bytes {d[2] / g[2]:.3f} "
           f"(A.1: L_dec/L = {cfg.gen_layers / L:.3f})")
@@ -801,7 +832,7 @@ def evaluate(paths, batches: int, batch_size: int, device_flag: str, seed: int):
     tok = Tokenizer(cks[0]["tokenizer"])
     exclude = [s for s in a.get("exclude_sets", "").split(",") if s]
     val = TokenData(prepare_corpus(a["data"], tok, a["cache_dir"], exclude, a.get("val_data"), verbose=False), "val")
-    T = min(ck["config"]["max_seq_len"] for ck in cks)
+    T = min(min(ck["config"]["max_seq_len"], ck["args"].get("seq_len") or 10 ** 9) for ck in cks)  # trained length
     models = [model_from_checkpoint(ck).to(device).eval() for ck in cks]
     sums = [[0.0, 0, 0.0, 0] for _ in models]  # native CE sum, count, prefix-LM CE sum, count
     for i in range(batches):
@@ -841,7 +872,7 @@ def sample_main(args):
     tok = Tokenizer(ck["tokenizer"])
     idx = torch.tensor([tok.encode(args.prompt)], device=device)
     gen = torch.Generator(device=device).manual_seed(args.seed)
-    n = min(args.new_tokens, model.config.max_seq_len - idx.size(1))
+    n = min(args.new_tokens or 128, model.config.max_seq_len - idx.size(1))
     out = model.generate(idx, n, temperature=args.temperature, top_k=args.top_k, generator=gen,
                          rollover=args.rollover)
     print(tok.decode(out[0].tolist()))
@@ -867,19 +898,21 @@ def main():
     ap.add_argument("--preset", default="small", help="bench preset (tiny, small, base)")
     ap.add_argument("--ctx-layers", type=int, default=None, help="bench: override the preset's context layers")
     ap.add_argument("--gen-layers", type=int, default=None, help="bench: override the preset's generation layers")
-    ap.add_argument("--batch", type=int, default=8, help="bench: batch size")
-    ap.add_argument("--prompt-len", type=int, default=512, help="bench: prompt tokens")
-    ap.add_argument("--new-tokens", type=int, default=128, help="bench / sample: generated tokens")
+    ap.add_argument("--batch", type=int, default=None, help="bench: batch size (default: 1 on CPU, 8 on a GPU)")
+    ap.add_argument("--prompt-len", type=int, default=None, help="bench: prompt tokens (default: 128 CPU, 512 GPU)")
+    ap.add_argument("--new-tokens", type=int, default=None,
+                    help="bench / sample: generated tokens (bench default: 32 on CPU, 128 on a GPU; sample: 128)")
     ap.add_argument("--shared-prefix", type=int, default=None, help="bench: cached prefix tokens (default prompt/2)")
     ap.add_argument("--rollover", type=int, default=None, help="fold the block into the context every N tokens")
     ap.add_argument("--warmup", type=int, default=1, help="bench: untimed runs")
-    ap.add_argument("--iters", type=int, default=5, help="bench: timed runs (median)")
+    ap.add_argument("--iters", type=int, default=None, help="bench: timed runs, median (default: 3 CPU, 5 GPU)")
     ap.add_argument("--batches", type=int, default=20, help="eval: validation batches")
     ap.add_argument("--batch-size", type=int, default=16, help="eval: sequences per batch")
     ap.add_argument("--prompt", default="def ", help="sample: prompt text")
     ap.add_argument("--temperature", type=float, default=0.8, help="sample: temperature (0 = greedy)")
     ap.add_argument("--top-k", type=int, default=50, help="sample: top-k")
     ap.add_argument("--seed", type=int, default=1337, help="eval / sample seed")
+    ap.add_argument("--threads", type=int, default=None, help="bench: torch CPU threads (default: torch's)")
     ap.add_argument("--device", default="auto", help="cpu | cuda | mps | auto")
     ap.add_argument("--dtype", default="auto", help="bench: auto (bf16 where supported) | float32 | bfloat16")
     args = ap.parse_args()

@@ -13,10 +13,13 @@ Ops
   gated_swa_decode      the same for one query per row against a ring-buffer window and the shared first-loop cache.
   dual_attention        one softmax over within-block self keys and earlier-block cross keys (double decoder).
 
-Dispatch: each op runs its Triton kernel when the inputs are CUDA tensors, Triton imports, no input needs a gradient,
-and KERNELS_FALLBACK=1 is not set (and the kernel handles the dtype and sizes: fp16/bf16/fp32, head dim <= 256, LoRA
-rank <= 256); otherwise the reference. Training therefore runs through the references (which autograd
-differentiates); inference (generate, serve) runs the kernels. The kernels themselves are public
+Dispatch: each op runs its Triton kernel when the inputs are CUDA tensors, Triton imports, no input needs a gradient
+(grad mode on and some input has requires_grad), and KERNELS_FALLBACK=1 is not set (and the kernel handles the dtype
+and sizes: fp16/bf16/fp32, head dim <= 256, LoRA rank <= 256); otherwise the reference.
+Gradients: the kernels are forward-only (no autograd.Function). Training therefore runs through the references, which
+autograd differentiates: a training forward has parameters that require grad (LoRA A/B, the gate, the projections
+feeding q/k/v), so the dispatch picks the reference by itself. Inference (generate, serve) runs the kernels, as long
+as it runs under torch.no_grad() / torch.inference_mode(). The kernels themselves are public
 (`multi_lora_triton`, `multi_lora_segments_triton`, `block_local_attention_triton`, `gated_swa_triton`,
 `gated_swa_decode_triton`, `dual_attention_triton`), so the tests run them on CPU tensors under TRITON_INTERPRET=1.
 No kernel wrapper synchronizes with the host (no .item()), so they can be captured in CUDA graphs.
@@ -37,6 +40,8 @@ How the kernels work (each section says more)
 
 Run:
     python kernels.py --bench          # time each kernel against its reference and the best stock alternative
+                                       # (CUDA: bf16, warm-up 10, median of 50; CPU: references only, tiny shapes)
+    python kernels.py --bench --only dual --dtype float16 --iters 100   # one section, another dtype
     TRITON_INTERPRET=1 python -m pytest -q tests/test_kernels.py   # the kernels on CPU tensors, against the references
 """
 from __future__ import annotations
@@ -64,7 +69,8 @@ MAX_LORA_RANK = 256  # likewise for the LoRA rank
 
 
 def _jit(fn):
-    """triton.jit when Triton is installed (an interpreted function under TRITON_INTERPRET=1), else the bare function."""
+    """triton.jit when Triton is installed (an interpreted function under TRITON_INTERPRET=1), else the bare
+    function."""
     return triton.jit(fn) if triton is not None else fn
 
 
@@ -305,6 +311,7 @@ def multi_lora_triton(x, A, B, idx, *, split_k=None, block_m=None):
         raise ValueError(f"multi_lora: idx must be ({x.size(0)},), got {tuple(idx.shape)}")
     squeeze = x.dim() == 2
     N, T = x.size(0), 1 if squeeze else x.size(1)
+    idx = idx.contiguous()  # the kernels index idx as a flat array (a strided view would read the wrong rows)
     y = _lora_launch(x.reshape(N * T, x.size(-1)), A, B, idx, None, None, T, split_k, block_m)
     return y if squeeze else y.view(N, T, -1)
 
@@ -319,7 +326,8 @@ def multi_lora_segments_triton(x, A, B, seg_starts, seg_adapters, *, split_k=Non
                          f"{tuple(seg_starts.shape)}, {tuple(seg_adapters.shape)}")
     if seg_adapters.numel() == 0 and x.size(0) > 0:
         raise ValueError("multi_lora_segments: no segments for a non-empty x")
-    return _lora_launch(x, A, B, None, seg_starts, seg_adapters, 1, split_k, block_m)
+    # the kernels index the segment tables as flat arrays
+    return _lora_launch(x, A, B, None, seg_starts.contiguous(), seg_adapters.contiguous(), 1, split_k, block_m)
 
 
 def multi_lora(x, A, B, idx):
@@ -348,8 +356,8 @@ def _expand_kv(k, n_head):
 def attention_lse_ref(q, k, v, mask, scale=None):
     """Reference. q (B, H, T, D); k, v (B, H_kv, S, D); mask bool broadcastable to (B, H, T, S), True = visible.
 
-    -> out (B, H, T, D) in q's dtype, lse (B, H, T) in fp32 (fp64 for fp64 inputs; natural log). A row with no visible key gets out = 0 and
-    lse = -inf (never NaN), so that merge_lse gives it no weight.
+    -> out (B, H, T, D) in q's dtype, lse (B, H, T) in fp32 (fp64 for fp64 inputs; natural log). A row with no
+    visible key gets out = 0 and lse = -inf (never NaN), so that merge_lse gives it no weight.
     """
     scale = scale if scale is not None else 1.0 / math.sqrt(q.size(-1))
     k, v = _expand_kv(k, q.size(1)), _expand_kv(v, q.size(1))
@@ -1058,17 +1066,22 @@ def dual_attention(q, q_pos, q_blk, k_s, v_s, s_pos, s_blk, k_c, v_c, c_blk, sca
 
 
 def _timeit(fn, device, warmup=10, iters=50) -> float:
-    """Median time of one fn() call in microseconds, warm-up excluded.
+    """Median time of one fn() call in microseconds, warm-up excluded (the warm-up also covers torch.compile and the
+    Triton JIT).
 
     CUDA: a CUDA event pair around each call, with L2 flushed before each call (in a real forward pass the weights and
-    caches of this layer are not in L2), and torch.cuda.synchronize() before the events are read. CPU: wall clock.
+    caches of this layer are not in L2), and torch.cuda.synchronize() before the events are read. Other devices: mean
+    wall clock over the iterations, synchronized (MPS) before the clock is read.
     """
     for _ in range(warmup):
         fn()
     if device.type != "cuda":
+        sync = torch.mps.synchronize if device.type == "mps" else (lambda: None)
+        sync()
         t0 = time.perf_counter()
         for _ in range(iters):
             fn()
+        sync()
         return (time.perf_counter() - t0) / iters * 1e6
     flush = torch.empty(256 * 2 ** 20, dtype=torch.int8, device=device)
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
@@ -1105,8 +1118,10 @@ def _flex_lse():
     except ImportError:
         AuxRequest = None
 
-    def attn(q, k, v, block_mask, scale=None):
+    def attn(q, k, v, block_mask, scale=None, lse=True):
         gqa = q.size(1) != k.size(1)
+        if not lse:
+            return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa), None
         if AuxRequest is not None:
             out, aux = flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa,
                                       return_aux=AuxRequest(lse=True))
@@ -1137,6 +1152,12 @@ def bench(args):
     run_triton = cuda and triton is not None
     flex = _flex_lse() if cuda else None
     want = set(args.only.split(",")) if args.only else {"lora", "block", "gswa", "gswa_decode", "dual"}
+    warmup = args.warmup if args.warmup is not None else (10 if cuda else 1)
+    iters = args.iters if args.iters is not None else (50 if cuda else 3)
+    print(f"warm-up {warmup} calls, then the median (CUDA events) / mean (CPU clock) of {iters} timed calls")
+
+    def timeit(fn, heavy=False):  # heavy: the dense references (T x T scores), fewer calls
+        return _timeit(fn, dev, min(warmup, 3) if heavy else warmup, min(iters, 10) if heavy else iters)
 
     def rnd(*shape, s=1.0):
         return (torch.randn(*shape, generator=gen) * s).to(device=dev, dtype=dtype)
@@ -1161,12 +1182,13 @@ def bench(args):
             flops = 2 * N * r * 2 * d
             t_k = None
             if run_triton:
-                t_k = _timeit(lambda: multi_lora_triton(x, A, Bm, idx), dev)
-                print(f"    max |kernel - reference| = {_maxerr(multi_lora_triton(x, A, Bm, idx), multi_lora_ref(x, A, Bm, idx)):.2e}")
+                t_k = timeit(lambda: multi_lora_triton(x, A, Bm, idx))
+                err = _maxerr(multi_lora_triton(x, A, Bm, idx), multi_lora_ref(x, A, Bm, idx))
+                print(f"    max |kernel - reference| = {err:.2e}")
                 _report("triton shrink+expand", t_k, nbytes, flops)
-            _report("reference: gather + bmm", _timeit(lambda: multi_lora_ref(x, A, Bm, idx), dev), nbytes, flops, t_k)
-            _report("python loop over adapters", _timeit(loop_over_adapters, dev), nbytes, flops, t_k)
-            t_base = _timeit(lambda: F.linear(x, W), dev)
+            _report("reference: gather + bmm", timeit(lambda: multi_lora_ref(x, A, Bm, idx)), nbytes, flops, t_k)
+            _report("python loop over adapters", timeit(loop_over_adapters), nbytes, flops, t_k)
+            t_base = timeit(lambda: F.linear(x, W))
             _report(f"base GEMM ({N} x {d} x {d}) it rides on", t_base, esz * (d * d + 2 * N * d), 2 * N * d * d)
             if t_k:
                 print(f"    LoRA costs {100 * t_k / t_base:.0f}% of the base GEMM")
@@ -1181,16 +1203,17 @@ def bench(args):
             nbytes, flops = esz * (2 * N2 * d + n * r * 2 * d), 2 * N2 * r * 2 * d
             t_k = None
             if run_triton:
-                t_k = _timeit(lambda: multi_lora_segments_triton(x2, A, Bm, starts, seg_a), dev)
-                print(f"    max |kernel - reference| = "
-                      f"{_maxerr(multi_lora_segments_triton(x2, A, Bm, starts, seg_a), multi_lora_segments_ref(x2, A, Bm, starts, seg_a)):.2e}")
+                t_k = timeit(lambda: multi_lora_segments_triton(x2, A, Bm, starts, seg_a))
+                err = _maxerr(multi_lora_segments_triton(x2, A, Bm, starts, seg_a),
+                              multi_lora_segments_ref(x2, A, Bm, starts, seg_a))
+                print(f"    max |kernel - reference| = {err:.2e}")
                 _report("triton shrink+expand (segments)", t_k, nbytes, flops)
-            _report("reference: gather + bmm", _timeit(lambda: multi_lora_segments_ref(x2, A, Bm, starts, seg_a), dev),
+            _report("reference: gather + bmm", timeit(lambda: multi_lora_segments_ref(x2, A, Bm, starts, seg_a)),
                     nbytes, flops, t_k)
-            _report("loop over segments (slices, 2 matmuls each)", _timeit(
-                lambda: torch.cat([(x2[s:e] @ A[a].T) @ Bm[a].T for a, s, e in zip(range(4), bounds, bounds[1:])]),
-                dev), nbytes, flops, t_k)
-            _report(f"base GEMM ({N2} x {d} x {d})", _timeit(lambda: F.linear(x2, W), dev),
+            _report("loop over segments (slices, 2 matmuls each)", timeit(
+                lambda: torch.cat([(x2[s:e] @ A[a].T) @ Bm[a].T for a, s, e in zip(range(4), bounds, bounds[1:])])),
+                nbytes, flops, t_k)
+            _report(f"base GEMM ({N2} x {d} x {d})", timeit(lambda: F.linear(x2, W)),
                     esz * (d * d + 2 * N2 * d), 2 * N2 * d * d)
 
         Bt, H, Hkv, T, D = (4, 16, 4, 2048, 128) if cuda else (1, 4, 2, 128, 32)
@@ -1206,24 +1229,24 @@ def bench(args):
             print(f"\nblock_local_attention  B {Bt}  H {H}/{Hkv}  T {T}  D {D}  6 blocks  {dtype}")
             t_k = None
             if run_triton:
-                t_k = _timeit(lambda: block_local_attention_triton(q, k, v, blk_b, scale), dev)
+                t_k = timeit(lambda: block_local_attention_triton(q, k, v, blk_b, scale))
                 o1, l1 = block_local_attention_triton(q, k, v, blk_b, scale)
                 o2, l2 = block_local_attention_ref(q, k, v, blk_b, scale)
                 print(f"    max |kernel - reference| = {_maxerr(o1, o2):.2e} (out)  {_maxerr(l1, l2):.2e} (lse)")
                 _report("triton", t_k, nbytes, flops)
-            _report("reference (dense scores)", _timeit(lambda: block_local_attention_ref(q, k, v, blk_b, scale), dev,
-                                                        3, 10), nbytes, flops, t_k)
+            _report("reference (dense scores)", timeit(lambda: block_local_attention_ref(q, k, v, blk_b, scale),
+                                                       heavy=True), nbytes, flops, t_k)
             if flex is not None:
                 from torch.nn.attention.flex_attention import create_block_mask
                 bm = create_block_mask(lambda b, h, i, j: (blk_b[b, i] == blk_b[b, j]) & (j <= i), Bt, None, T, T,
                                        device=dev)
-                f = torch.compile(flex)
-                _report("FlexAttention (compiled) + block mask", _timeit(lambda: f(q, k, v, bm, scale), dev),
+                f = torch.compile(flex)  # with the LSE, as the kernel returns it
+                _report("FlexAttention (compiled) + block mask", timeit(lambda: f(q, k, v, bm, scale)),
                         nbytes, flops, t_k)
             else:
                 mask = block_local_mask(blk_b)
-                _report("SDPA with a dense block mask", _timeit(lambda: F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=mask, scale=scale, enable_gqa=True), dev), nbytes, flops, t_k)
+                _report("SDPA with a dense block mask", timeit(lambda: F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)), nbytes, flops, t_k)
 
         if "gswa" in want:
             window = 64
@@ -1235,12 +1258,13 @@ def bench(args):
             print(f"\ngated_swa (prefill)  B {Bt}  H {H}/{Hkv}  T {T}  D {D}  window {window}  {dtype}")
             t_k = None
             if run_triton:
-                t_k = _timeit(lambda: gated_swa_triton(q, k, v, ks, vs, gw, gb, window), dev)
-                print(f"    max |kernel - reference| = "
-                      f"{_maxerr(gated_swa_triton(q, k, v, ks, vs, gw, gb, window), gated_swa_ref(q, k, v, ks, vs, gw, gb, window)):.2e}")
+                t_k = timeit(lambda: gated_swa_triton(q, k, v, ks, vs, gw, gb, window))
+                err = _maxerr(gated_swa_triton(q, k, v, ks, vs, gw, gb, window),
+                              gated_swa_ref(q, k, v, ks, vs, gw, gb, window))
+                print(f"    max |kernel - reference| = {err:.2e}")
                 _report("triton (one kernel)", t_k, nbytes, flops)
-            _report("reference (dense scores)", _timeit(lambda: gated_swa_ref(q, k, v, ks, vs, gw, gb, window), dev,
-                                                        3, 10), nbytes, flops, t_k)
+            _report("reference (dense scores)", timeit(lambda: gated_swa_ref(q, k, v, ks, vs, gw, gb, window),
+                                                       heavy=True), nbytes, flops, t_k)
 
             def gate_mix(q, y_loc, y_glob):
                 g = plt_gate(q, gw, gb)[..., None]
@@ -1251,7 +1275,7 @@ def bench(args):
                 wm = create_block_mask(lambda b, h, i, j: (j <= i) & (j > i - window), None, None, T, T, device=dev)
 
                 def stock():  # flex for the window, flash SDPA for the causal shared branch, gate and mix
-                    y_loc, _ = flex(q, k, v, wm)
+                    y_loc, _ = flex(q, k, v, wm, lse=False)
                     y_glob = F.scaled_dot_product_attention(q, ks, vs, is_causal=True, enable_gqa=True)
                     return gate_mix(q, y_loc, y_glob)
                 name = "flex(window) + SDPA(causal) + gate, compiled"
@@ -1264,7 +1288,7 @@ def bench(args):
                     return gate_mix(q, y_loc, y_glob)
                 name = "SDPA(window mask) + SDPA(causal) + gate"
             f = torch.compile(stock) if cuda else stock
-            _report(name, _timeit(f, dev), nbytes, flops, t_k)
+            _report(name, timeit(f), nbytes, flops, t_k)
 
         if "gswa_decode" in want:
             Bd, L1, W, S = (64, 2, 64, 2048) if cuda else (4, 2, 16, 128)
@@ -1280,11 +1304,11 @@ def bench(args):
                   f"{dtype}")
             t_k = None
             if run_triton:
-                t_k = _timeit(lambda: gated_swa_decode_triton(*args_), dev)
+                t_k = timeit(lambda: gated_swa_decode_triton(*args_))
                 print(f"    max |kernel - reference| = "
                       f"{_maxerr(gated_swa_decode_triton(*args_), gated_swa_decode_ref(*args_)):.2e}")
                 _report("triton (split shared keys + combine)", t_k, nbytes)
-            _report("reference", _timeit(lambda: gated_swa_decode_ref(*args_), dev), nbytes, None, t_k)
+            _report("reference", timeit(lambda: gated_swa_decode_ref(*args_)), nbytes, None, t_k)
 
             def stock_decode():  # two SDPA calls with masks, then the gate
                 qq = q.reshape(Bd * L1, H, 1, D)
@@ -1297,38 +1321,41 @@ def bench(args):
                 g = plt_gate(qq, gw, gb)[..., None]
                 return (g * y_loc.float() + (1 - g) * y_glob.float()).to(q.dtype).reshape(Bd, L1, H, D)
             f = torch.compile(stock_decode) if cuda else stock_decode
-            _report("2 x SDPA + gate" + (", compiled" if cuda else ""), _timeit(f, dev), nbytes, None, t_k)
+            _report("2 x SDPA + gate" + (", compiled" if cuda else ""), timeit(f), nbytes, None, t_k)
 
-        if "dual" in want:
+        if "dual" in want:  # the double decoder's setting: 4-8 blocks (a random partition, as in training)
             q = rnd(Bt, H, T, D)
             k_s, v_s, k_c, v_c = rnd(Bt, Hkv, T, D), rnd(Bt, Hkv, T, D), rnd(Bt, Hkv, T, D), rnd(Bt, Hkv, T, D)
-            dargs = (q, pos_b, blk_b, k_s, v_s, pos_b, blk_b, k_c, v_c, blk_b, scale)
-            m_self, m_cross = dual_masks(pos_b, blk_b, pos_b, blk_b, blk_b)
-            pairs = int(m_self.sum() + m_cross.sum()) * H
-            flops, nbytes = 4 * D * pairs, esz * (2 * Bt * H * T * D + 4 * Bt * Hkv * T * D)
-            print(f"\ndual_attention  B {Bt}  H {H}/{Hkv}  T {T}  D {D}  6 blocks (self keys {T}, cross keys {T})  "
-                  f"{dtype}")
-            t_k = None
-            if run_triton:
-                t_k = _timeit(lambda: dual_attention_triton(*dargs), dev)
-                o1, l1 = dual_attention_triton(*dargs)
-                o2, l2 = dual_attention_ref(*dargs)
-                print(f"    max |kernel - reference| = {_maxerr(o1, o2):.2e} (out)  {_maxerr(l1, l2):.2e} (lse)")
-                _report("triton (one pass, one softmax)", t_k, nbytes, flops)
-            _report("reference: 2 dense attentions + LSE merge", _timeit(lambda: dual_attention_ref(*dargs), dev, 3, 10),
-                    nbytes, flops, t_k)
-            if flex is not None:
-                from torch.nn.attention.flex_attention import create_block_mask
-                sm = create_block_mask(lambda b, h, i, j: (blk_b[b, j] == blk_b[b, i]) & (pos_b[b, j] <= pos_b[b, i]),
-                                       Bt, None, T, T, device=dev)
-                cm = create_block_mask(lambda b, h, i, j: blk_b[b, j] < blk_b[b, i], Bt, None, T, T, device=dev)
+            for n_blocks in ((4, 8) if cuda else (4,)):
+                blk_d = _random_blocks(T, n_blocks, gen, dev)[None].expand(Bt, T).contiguous()
+                dargs = (q, pos_b, blk_d, k_s, v_s, pos_b, blk_d, k_c, v_c, blk_d, scale)
+                m_self, m_cross = dual_masks(pos_b, blk_d, pos_b, blk_d, blk_d)
+                pairs = int(m_self.sum() + m_cross.sum()) * H
+                flops, nbytes = 4 * D * pairs, esz * (2 * Bt * H * T * D + 4 * Bt * Hkv * T * D)
+                print(f"\ndual_attention  B {Bt}  H {H}/{Hkv}  T {T}  D {D}  {n_blocks} blocks (self keys {T}, cross "
+                      f"keys {T})  {dtype}")
+                t_k = None
+                if run_triton:
+                    t_k = timeit(lambda: dual_attention_triton(*dargs))
+                    o1, l1 = dual_attention_triton(*dargs)
+                    o2, l2 = dual_attention_ref(*dargs)
+                    print(f"    max |kernel - reference| = {_maxerr(o1, o2):.2e} (out)  {_maxerr(l1, l2):.2e} (lse)")
+                    _report("triton (one pass, one softmax)", t_k, nbytes, flops)
+                _report("reference: 2 dense attentions + LSE merge",
+                        timeit(lambda: dual_attention_ref(*dargs), heavy=True), nbytes, flops, t_k)
+                if flex is not None:
+                    from torch.nn.attention.flex_attention import create_block_mask
+                    sm = create_block_mask(
+                        lambda b, h, i, j: (blk_d[b, j] == blk_d[b, i]) & (pos_b[b, j] <= pos_b[b, i]), Bt, None, T, T,
+                        device=dev)
+                    cm = create_block_mask(lambda b, h, i, j: blk_d[b, j] < blk_d[b, i], Bt, None, T, T, device=dev)
 
-                def two_flex():
-                    o1, l1 = flex(q, k_s, v_s, sm, scale)
-                    o2, l2 = flex(q, k_c, v_c, cm, scale)
-                    return merge_lse(o1, l1.float(), o2, l2.float())
-                _report("2 x FlexAttention + LSE merge, compiled", _timeit(torch.compile(two_flex), dev), nbytes,
-                        flops, t_k)
+                    def two_flex():
+                        o1, l1 = flex(q, k_s, v_s, sm, scale)
+                        o2, l2 = flex(q, k_c, v_c, cm, scale)
+                        return merge_lse(o1, l1.float(), o2, l2.float())
+                    _report("2 x FlexAttention + LSE merge, compiled", timeit(torch.compile(two_flex)), nbytes,
+                            flops, t_k)
 
 
 def main():
@@ -1337,6 +1364,8 @@ def main():
     ap.add_argument("--only", default="", help="comma list of: lora, block, gswa, gswa_decode, dual (default: all)")
     ap.add_argument("--device", default="auto", help="cpu | cuda | auto")
     ap.add_argument("--dtype", default="auto", help="bfloat16 | float16 | float32 | auto (bf16 on CUDA)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed calls first (default: 10 on CUDA, 1 on CPU)")
+    ap.add_argument("--iters", type=int, default=None, help="timed calls (default: 50 on CUDA, 3 on CPU)")
     args = ap.parse_args()
     if not args.bench:
         ap.print_help()

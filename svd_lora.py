@@ -12,8 +12,10 @@ and all parameters train, the shared W' included. What this file provides:
 
   * `LoRALinear`: a `model.Linear` holding the shared W' plus the stacked per-loop A (n_loops, r, in) and
     B (n_loops, out, r). Its forward takes `lora_idx` = None (no LoRA), an int (the whole batch sits at one loop:
-    two plain matmuls) or a LongTensor (B,) with one loop per row (continuous depth-wise batching, section 2.4:
-    `kernels.multi_lora`, which gathers each row's A and B; no Python loop over rows).
+    two plain matmuls) or a LongTensor (B,) with one loop per row, broadcast over the row's T tokens (continuous
+    depth-wise batching, section 2.4), or (B, T) with one loop per token; -1 = no adapter. The per-row form runs
+    `kernels.multi_lora`: the Triton BGMV kernel on CUDA at inference, the gather + bmm reference on CPU or when
+    training; never a Python loop over rows.
   * `add_lora(block, ...)`: swaps the q, k, v, o, gate, up, down projections of a `model.Block` for LoRALinear,
     with a rank per component (q, kv, o, mlp) as in Table G.1; rank 0 leaves a component without LoRA.
   * `init_lora(shared_block, source_blocks, mode)`: the initialisation of eq. 4. For loop l the residual between
@@ -149,15 +151,34 @@ class LoRALinear(Linear):
         y = F.linear(x, self.weight, self.bias)
         if lora_idx is None:
             return y
+        if isinstance(lora_idx, torch.Tensor) and lora_idx.dim() == 0:
+            lora_idx = int(lora_idx)
         if not isinstance(lora_idx, torch.Tensor):  # one loop for the whole batch: two thin matmuls
             y = y + F.linear(F.linear(x, self.lora_A[lora_idx]), self.lora_B[lora_idx])
             return y if self.lora_bias is None else y + self.lora_bias[lora_idx]
-        # one loop per row (B,): gather each row's A and B (kernels.multi_lora: BGMV on GPU, bmm reference)
-        y = y + kernels.multi_lora(x, self.lora_A, self.lora_B, lora_idx).to(y.dtype)
-        if self.lora_bias is not None:
-            db = self.lora_bias[lora_idx.clamp(min=0)] * (lora_idx >= 0).to(y.dtype)[:, None]  # (B, out)
-            y = y + db.view(db.size(0), *([1] * (x.dim() - 2)), db.size(1)).to(y.dtype)
-        return y
+        return y + self.per_row_delta(x, lora_idx).to(y.dtype)
+
+    def per_row_delta(self, x, lora_idx):
+        """The LoRA delta with one loop per row, -1 = none: x (N, in) or (N, T, in) and lora_idx (N,) (one loop for
+        all T tokens of a row), or x (N, T, in) and lora_idx (N, T) (one loop per token). -> (N, [T,] out).
+
+        Through kernels.multi_lora: the Triton BGMV kernel on CUDA at inference, else the reference that gathers
+        each row's A and B and runs two batched matmuls. Never a Python loop over rows."""
+        lead, n_in = x.shape[:-1], x.size(-1)
+        if lora_idx.dim() == 1 and lora_idx.size(0) == x.size(0):  # per row: the kernel broadcasts over T itself
+            delta = kernels.multi_lora(x.reshape(x.size(0), -1, n_in), self.lora_A, self.lora_B, lora_idx)
+            idx_shape = (x.size(0),) + (1,) * (x.dim() - 2)
+        elif lora_idx.shape == lead:  # per token: flatten to (N*T, in) rows
+            delta = kernels.multi_lora(x.reshape(-1, n_in), self.lora_A, self.lora_B, lora_idx.reshape(-1))
+            idx_shape = tuple(lead)
+        else:
+            raise ValueError(f"LoRALinear: lora_idx of shape {tuple(lora_idx.shape)} fits neither the rows "
+                             f"({x.size(0)},) nor the tokens {tuple(lead)} of x {tuple(x.shape)}")
+        delta = delta.reshape(*lead, self.out_features)
+        if self.lora_bias is not None:  # per-loop bias delta, zero where the index is -1
+            db = self.lora_bias[lora_idx.clamp(min=0)] * (lora_idx >= 0).to(delta.dtype)[..., None]
+            delta = delta + db.reshape(*idx_shape, self.out_features)
+        return delta
 
     def extra_repr(self):
         return (f"{super().extra_repr()}, n_loops={self.n_loops}, rank={self.rank}, "

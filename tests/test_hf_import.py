@@ -310,3 +310,54 @@ def test_model_py_hf_prints_greedy_continuation(tmp_path, monkeypatch, capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     assert "2 layers" in lines[0]
     assert lines[-1] == tok.decode(expect, skip_special_tokens=True) and lines[-1].startswith(prompt)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# End to end with the recursive issue: an imported model, converted by full-rank SVD relaxation, still reproduces
+# transformers (real layouts: Llama biases and GQA, Gemma's (1 + w) norms and MQA, NeoX LayerNorm shifts and biases)
+
+
+@pytest.mark.parametrize("case", ["llama-gqa-bias", "gemma-mqa", "neox-parallel"])
+def test_full_rank_relaxed_conversion_of_an_import_matches_transformers(tmp_path, case):
+    import recursive
+    from svd_lora import max_ranks
+
+    ref = hf_model(case, num_hidden_layers=4)  # 4 layers, B = 2 loops of K = 2 shared layers
+    ours = GPT.from_pretrained(save(ref, tmp_path))
+    full = {f"lora_rank_{c}": r for c, r in max_ranks(ours.config).items()}
+    idx = torch.randint(0, V, (2, 19))
+    with torch.no_grad():
+        expect = ref(idx).logits
+    for init in ("stepwise", "average", "lower"):
+        rel = recursive.from_vanilla(ours, n_loops=2, init=init, **full, log=lambda s: None).eval()
+        assert len(rel.blocks) == 2 and rel.config.lora_bias == (case != "gemma-mqa")  # biases: per-loop deltas
+        with torch.no_grad():
+            got, _ = rel(idx)
+        torch.testing.assert_close(got, expect, atol=1e-4, rtol=1e-4, msg=f"{case} {init}")
+        rec = recursive.from_vanilla(ours, n_loops=2, init=init, log=lambda s: None).eval()  # no LoRA: differs
+        assert (rec(idx)[0] - expect).abs().max() > 1e-2, init
+    prompt = idx[:, :5]  # greedy generation with per-loop KV caches equals transformers' (last init)
+    gen = ref.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False,
+                       eos_token_id=None)
+    assert torch.equal(rel.generate(prompt, 8), gen)
+
+
+@pytest.mark.parametrize("arch,extra", [("recursive", ["--loops", "2", "--init", "stepwise"]),
+                                        ("relaxed", ["--loops", "2", "--init", "average", "--lora-rank", "4"]),
+                                        ("block", [])])
+def test_train_converts_an_hf_checkpoint(tmp_path, arch, extra):
+    """`train.py --arch X --init-from hf:DIR` converts an imported model (issue 9: every conversion, not only vanilla)."""
+    d = tmp_path / "hf"
+    hf_dir_with_tokenizer(d)
+    corpus = write_jsonl(tmp_path / "data" / "corpus.jsonl", texts(70))
+    out = tmp_path / "out"
+    res = train.train(["--arch", arch, "--init-from", f"hf:{d}", "--out-dir", str(out), "--data", str(corpus),
+                       "--cache-dir", str(tmp_path / "cache"), "--max-iters", "1", "--batch-size", "2",
+                       "--seq-len", "16", "--eval-iters", "1", "--device", "cpu", "--dtype", "float32",
+                       "--sample-tokens", "4", "--lr", "0"] + extra)  # lr 0: the weights stay the converted ones
+    assert res["best_val_loss"] < 20  # finite
+    ck = train.load_checkpoint(out / "ckpt.pt")
+    assert ck["arch"] == arch and ck["tokenizer"] == {"kind": "hf", "path": str(d.resolve())}
+    model = train.model_from_checkpoint(ck)
+    imported = GPT.from_pretrained(d)
+    assert torch.equal(model.tok_emb.weight, imported.tok_emb.weight)  # copied by the conversion  # the imported vocabulary, not the run's default tokenizer

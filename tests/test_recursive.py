@@ -215,10 +215,11 @@ def test_cached_generation_equals_full_forward_and_no_exit_threshold():
 def forward_with_exits(m, idx, exit_loops):
     """Full (uncached) recomputation applying given exit decisions: a token with exit loop e keeps its hidden state
     h^e for all deeper loops, and every deeper layer sees h^e as its input (so its K/V come from attn_norm(h^e)).
-    -> final logits (B, T, V) and the K/V of every (loop, layer)."""
+    -> logits after every loop (L, B, T, V) (the last = the logits the tokens exit with) and the K/V of every
+    (loop, layer)."""
     T = idx.size(1)
     rope = m.rope(torch.arange(T))
-    x, ks, vs = m.embed(idx), [], []
+    x, ks, vs, per_loop = m.embed(idx), [], [], []
     for l in range(m.config.n_loops):
         frozen = (exit_loops < l)[..., None]
         x0 = x
@@ -226,44 +227,103 @@ def forward_with_exits(m, idx, exit_loops):
             k, v = block.attn.project_kv(block.attn_norm(x), rope, lora_idx=l)
             ks.append(k), vs.append(v)
             x = torch.where(frozen, x0, block(x, rope, lora_idx=l))
-    return m.head(x), torch.stack(ks), torch.stack(vs)
+        per_loop.append(m.head(x))
+    return torch.stack(per_loop), torch.stack(ks), torch.stack(vs)
+
+
+class PlannedExits:
+    """A stand-in for RecursiveGPT.exit_confidence that makes decode_step's exits follow a plan (B, steps): at loop l
+    of step s it returns 1.0 for the active rows whose planned exit loop is l, else 0.0. decode_step still makes
+    every decision itself (confidence >= threshold, then propagation); the plan only fixes which rows exit, so the
+    test always sees every exit loop. It also checks that decode_step asks about exactly the still-active rows."""
+
+    def __init__(self, plan, n_loops):
+        self.plan, self.L = plan, n_loops
+        self.reset()
+
+    def reset(self):
+        self.s, self.l = 0, 0
+
+    def __call__(self, logits):
+        col = self.plan[:, self.s]
+        active = (col >= self.l).nonzero().squeeze(1)  # rows still running at loop l (decode_step keeps row order)
+        assert logits.size(0) == active.numel(), (self.s, self.l)
+        conf = (col[active] == self.l).float()
+        self.l += 1
+        if self.l > self.L - 2 or not bool((col >= self.l).any()):  # no call at this loop: next step
+            self.s, self.l = self.s + 1, 0
+        return conf
+
+
+def decode_with_exits(m, idx, n, thr, pick):
+    """Prefill + (n - 1) decode steps with early exit -> (logits (B, n, V), tokens (B, n), exits (B, n)); exits[:, i]
+    is the exit loop of the token fed at position T - 1 + i (the prompt's last token runs all loops)."""
+    B, T = idx.shape
+    cache = m.new_cache(B, T + n)
+    logits = [m.prefill(idx, cache)]
+    toks, exits = [pick(logits[0])], [torch.full((B,), m.config.n_loops - 1)]
+    for _ in range(n - 1):
+        lg, e = m.decode_step(toks[-1], cache, exit_threshold=thr, return_exits=True)
+        logits.append(lg), toks.append(pick(lg)), exits.append(e)
+    return torch.stack(logits, 1), torch.stack(toks, 1), torch.stack(exits, 1), cache
+
+
+def check_against_recomputation(m, idx, logits, toks, exits, cache):
+    """Cached decoding with exits == a full recomputation with the same exits (logits and every K/V entry), and the
+    deeper-loop entries of exited tokens were filled by state propagation (not left at zero). -> per-loop logits."""
+    B, T = idx.shape
+    L, K = m.config.n_loops, m.config.n_shared
+    seq = torch.cat([idx, toks[:, :-1]], 1)  # every token that was fed
+    exit_loops = torch.cat([torch.full((B, T - 1), L - 1), exits], 1)
+    per_loop, ref_k, ref_v = forward_with_exits(m, seq, exit_loops)
+    torch.testing.assert_close(logits, per_loop[-1][:, T - 1:], rtol=1e-4, atol=1e-4)
+    S = seq.size(1)
+    torch.testing.assert_close(cache.k[:, :, :, :S], ref_k, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(cache.v[:, :, :, :S], ref_v, rtol=1e-4, atol=1e-5)
+    exited = (exit_loops < L - 1).nonzero().tolist()
+    for b, p in exited:
+        for lp in range(int(exit_loops[b, p]) + 1, L):
+            assert cache.k[lp * K:(lp + 1) * K, b, :, p].abs().amin(-1).gt(0).all()
+            assert cache.v[lp * K:(lp + 1) * K, b, :, p].abs().amin(-1).gt(0).all()
+    return per_loop, exit_loops
 
 
 @torch.no_grad()
 def test_early_exit_decoding_equals_recomputation_with_the_same_exits():
     m = relaxed_model("llama", n_loops=3)
-    with torch.no_grad():  # a sharper head, so that confidences spread over (0, 1)
-        m.lm_head.weight.mul_(40.0)
     torch.manual_seed(3)
-    B, T, n = 4, 5, 14
+    B, T, n = 4, 5, 10
     idx = torch.randint(0, 96, (B, T))
-    # threshold: the median confidence of the intermediate loops on a run without exits
-    ref_tokens = m.generate(idx, n)
-    conf = torch.stack([m.exit_confidence(lg) for lg in m.loop_logits(ref_tokens)[:-1]])
-    thr = float(conf.median())
-    cache = m.new_cache(B, T + n)
-    logits = [m.prefill(idx, cache)]
-    toks, exits = [logits[0].argmax(-1)], [torch.full((B,), 2)]
-    for _ in range(n - 1):
-        lg, e = m.decode_step(toks[-1], cache, exit_threshold=thr, return_exits=True)
-        logits.append(lg), toks.append(lg.argmax(-1)), exits.append(e)
-    exits = torch.stack(exits, 1)  # exit loop of the token fed at positions T-1 .. T+n-2
-    assert (exits == 0).any() and (exits == 1).any() and (exits == 2).any(), exits  # a real mix of exits
-    seq = torch.cat([idx, torch.stack(toks[:-1], 1)], 1)  # every token that was fed
-    exit_loops = torch.cat([torch.full((B, T - 1), 2), exits], 1)
-    ref_logits, ref_k, ref_v = forward_with_exits(m, seq, exit_loops)
-    torch.testing.assert_close(torch.stack(logits, 1), ref_logits[:, T - 1:], rtol=1e-4, atol=1e-4)
-    S = seq.size(1)
-    torch.testing.assert_close(cache.k[:, :, :, :S], ref_k, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(cache.v[:, :, :, :S], ref_v, rtol=1e-4, atol=1e-5)
-    # the deeper-loop entries of exited tokens were filled (not left at zero)
-    K = m.config.n_shared
-    for b, p in (exit_loops < 2).nonzero().tolist():
-        for lp in range(int(exit_loops[b, p]) + 1, 3):
-            assert cache.k[lp * K:(lp + 1) * K, b, :, p].abs().sum() > 0
-    # and generate() takes the same path
-    out, ex = m.generate(idx, n, exit_threshold=thr, return_exits=True)
-    assert torch.equal(out[:, T:], torch.stack(toks, 1)) and torch.equal(ex, exits)
+    # 1) a fixed exit plan covering every exit loop, every row and mixed loops within one step
+    plan = torch.tensor([[0, 1, 2, 0, 1, 2, 0, 0, 2],
+                         [1, 0, 0, 2, 2, 1, 1, 0, 1],
+                         [2, 2, 1, 1, 0, 0, 2, 0, 0],
+                         [0, 1, 2, 2, 1, 0, 0, 0, 2]])  # (B, n - 1); column 7: every row exits at loop 0
+    stub = PlannedExits(plan, 3)
+    m.exit_confidence = stub  # instance attribute: decode_step calls self.exit_confidence
+    logits, toks, exits, cache = decode_with_exits(m, idx, n, 0.5, lambda lg: lg.argmax(-1))
+    assert torch.equal(exits[:, 1:], plan) and stub.s == n - 1  # the plan was followed, one step per decode
+    check_against_recomputation(m, idx, logits, toks, exits, cache)
+    # generate() takes the same path (same exits, same tokens)
+    stub.reset()
+    out, ex = m.generate(idx, n, exit_threshold=0.5, return_exits=True)
+    assert torch.equal(out[:, T:], toks) and torch.equal(ex, exits)
+    del m.exit_confidence
+    # 2) the real rule: max softmax probability >= threshold. Sampled tokens (seeded) keep the text varied.
+    m.lm_head.weight.mul_(10.0)  # a sharper head, so that confidences spread over (0, 1)
+    # threshold: the median first-loop confidence on random text, so that about half of the tokens exit at loop 1
+    # (with ~36 sampled tokens, all-or-none has a chance of about 2^-35; the fixed plan above covers every loop)
+    thr = float(m.exit_confidence(m.loop_logits(torch.randint(0, 96, (4, 16)))[0]).median())
+    g = torch.Generator().manual_seed(0)
+    logits, toks, exits, cache = decode_with_exits(
+        m, idx, n, thr, lambda lg: torch.multinomial(torch.softmax(lg, -1), 1, generator=g)[:, 0])
+    per_loop, exit_loops = check_against_recomputation(m, idx, logits, toks, exits, cache)
+    conf = m.exit_confidence(per_loop)[:, :, T:]  # (L, B, n - 1): confidence after each loop, decoded tokens
+    e = exit_loops[:, T:]  # (the prompt's last token, at T - 1, never exits)
+    for l in range(2):  # exit at the first loop whose confidence reaches thr (margin for float noise)
+        assert torch.all(conf[l][e == l] >= thr - 1e-4)
+        assert torch.all(conf[l][e > l] < thr + 1e-4)
+    assert (e < 2).any() and (e == 2).any(), e  # some tokens exit early, some run all loops
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -295,11 +355,14 @@ def test_exit_losses(kind, sd):
         assert "kd_l1" in m.metrics and float(f"{m.metrics['kd_l1']:.4f}") >= 0
 
 
-def test_no_exit_loss_is_plain_cross_entropy():
+def test_no_exit_loss_and_eval_mode_are_plain_cross_entropy():
     m = relaxed_model("llama", n_loops=3)
     idx, tgt = torch.randint(0, 96, (2, 10)), torch.randint(0, 96, (2, 10))
     logits, loss = m(idx, tgt)
     torch.testing.assert_close(loss, lm_loss(logits, tgt))
+    m.config.exit_loss = "aggressive"  # eval mode: the final loop's CE, comparable across exit-loss settings
+    torch.testing.assert_close(m.eval()(idx, tgt)[1], loss)
+    assert not torch.allclose(m.train()(idx, tgt)[1], loss)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -174,6 +174,47 @@ def test_add_lora_ranks_per_component_and_gelu_mlp():
     assert max_ranks(cfg) == {"q": 16, "kv": 8, "o": 16, "mlp": 16}
 
 
+def test_per_token_index_and_bad_index_shape():
+    lin = lora_layer()
+    x = torch.randn(3, 4, 12)
+    idx = torch.tensor([[0, 1, 2, -1], [2, 2, 0, 1], [-1, -1, 1, 0]])  # (N, T): one loop per token
+    y = lin(x, idx)
+    for r in range(3):
+        for t in range(4):
+            l = int(idx[r, t])
+            torch.testing.assert_close(y[r, t], lin(x[r, t][None], None if l < 0 else l)[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lin(x, torch.tensor(2)), lin(x, 2))  # a 0-d tensor is one loop for all rows
+    with pytest.raises(ValueError, match="fits neither the rows"):
+        lin(x, torch.tensor([0, 1]))
+
+
+def test_per_row_path_runs_multi_lora_and_equals_the_triton_kernel(monkeypatch):
+    """LoRALinear's per-row path goes through kernels.multi_lora; with the Triton kernel in its place (run by the
+    Triton interpreter on CPU, TRITON_INTERPRET=1 from conftest.py) the output equals running each loop separately."""
+    if kernels.triton is None:
+        pytest.skip("Triton is not installed; the reference path is tested by test_per_row_index_equals_int_index_per_row")
+    lin = lora_layer(din=24, dout=20, rank=5)
+    x = torch.randn(4, 3, 24)
+    idx = torch.tensor([2, 0, -1, 1])
+    calls = []
+
+    def triton_multi_lora(x_, A, B, i):
+        calls.append((tuple(x_.shape), tuple(i.shape)))
+        return kernels.multi_lora_triton(x_, A, B, i)
+
+    with torch.no_grad():
+        ref = torch.cat([lin(x[r:r + 1], None if l < 0 else l) for r, l in enumerate(idx.tolist())])
+        ref_delta = kernels.multi_lora_ref(x, lin.lora_A, lin.lora_B, idx)
+        monkeypatch.setattr(kernels, "multi_lora", triton_multi_lora)
+        y = lin(x, idx)
+        y2 = lin(x[:, 0], idx)  # (N, in): one token per row (decode)
+    assert calls == [((4, 3, 24), (4,)), ((4, 1, 24), (4,))]  # idx stays per row: the kernel broadcasts over T
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y2, ref[:, 0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kernels.multi_lora_triton(x, lin.lora_A.detach(), lin.lora_B.detach(), idx), ref_delta,
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_multi_lora_dispatch_matches_reference_on_cpu():
     x, A, B = torch.randn(4, 3, 8), torch.randn(3, 2, 8), torch.randn(3, 5, 2)
     idx = torch.tensor([0, 2, -1, 1])

@@ -1,0 +1,966 @@
+"""
+serve.py -- a small serving loop: continuous depth-wise batching with early exit for Recursive Transformers, the
+vanilla baselines on the same requests, and a side-by-side throughput demo of every architecture of this repository.
+
+Paper: "Relaxed Recursive Transformers" (Bae et al., 2024), ../shared/papers/001_*.txt, section 2.4 (Continuous
+Depth-wise Batching and Early-Exiting, Figure 3), section 3.8 and Appendix K (Tables K.1-K.4). The paper only
+*simulates* the throughput of depth-wise batching from measured per-token times and oracle exit trajectories; here the
+schedule runs for real, with confidence-based exits and state propagation.
+
+Pieces, simplest first:
+  * Requests: prompt token ids + max_new_tokens + an arrival time. Synthetic (all at once, or Poisson at --rate,
+    seeded; lengths uniform in "a:b" ranges), windows of the validation corpus (train.prepare_corpus/TokenData), or a
+    JSONL file of {"prompt": str | "prompt_ids": [...], "max_new_tokens": n[, "arrival": s]}. A bad request (empty
+    prompt, ids outside the vocabulary, prompt + max_new_tokens longer than the context, max_new_tokens <= 0, a bad
+    JSONL line) gets an error of its own; the others are served.
+  * Sampling: greedy, or sampled with ONE seeded torch.Generator per request (`request_generator(seed, rid)`), so the
+    output of a request does not depend on the schedule, and equals model.generate(prompt, n, generator=that one).
+  * Servers, all with a fixed number of batch slots and a pre-allocated KV cache with one row per slot:
+      - StaticServer (vanilla, static batching): waits until the batch is empty, takes up to `slots` arrived
+        requests, prefills them together and decodes (GPT.decode_step) until the longest is done.
+      - ContinuousServer (vanilla, continuous sequence-wise batching, Orca/vLLM): every step is ONE GPT.decode_step
+        over all slots (per-row KVCache lengths = positions); a finished request frees its slot at once and the next
+        arrived request is prefilled into it. Idle slots run along with a dummy token (static batch shape).
+      - DepthWiseServer (recursive / relaxed, continuous depth-wise batching, Figure 3): each slot holds a request's
+        position, current loop and hidden state; its per-loop KV caches are the slot's row of one KVCache with
+        B*K layers (cache layer loop*K + k). A step runs the shared block ONCE over all active slots, each at its own
+        loop (RecursiveGPT.loop_step: per-row LoRA index through kernels.multi_lora, per-row cache writes at
+        (loop, slot, position), per-row attention lengths from the positional mask). Afterwards a row exits when it
+        is at the last loop or, with a threshold, when its max softmax probability (exit_confidence of the shared
+        norm + head) reaches it; an early exit fills the deeper loops' caches of that token by state propagation
+        (RecursiveGPT.propagate). An exited row emits its token and starts the next token at loop 0 in the same slot;
+        a finished request frees the slot, refilled at once by the queue. Other rows just move to the next loop.
+        With threshold None it is "depth-wise batching without early exit".
+    Prefill of newly admitted requests is a SEPARATE batched pass (the model's own prefill on a temporary cache of
+    the admitted group, right-padded, copied into the slots' rows); it is not chunked, so a long prompt stalls the
+    decode steps of that iteration (its time shows up in the other requests' per-token latency).
+  * Metrics: generated tok/s (all generated tokens / wall time from the first arrival to the last token), time to
+    first token (from arrival), per-token latency p50/p99 (gaps between a request's tokens), mean exit loop
+    (1-based), slot occupancy (active slots / slots per decode step) and, on CUDA, achieved memory bandwidth
+    (parameter bytes + KV bytes read per decode step) / step time against the device's peak.
+  * --compare-archs: vanilla, recursive, relaxed, block, plt, double at matched non-embedding parameters (built from
+    one model.py preset, see `arch_models`), static batching with each architecture's own generate(): time to first
+    token (= generate(prompt, 1)), per-token decode latency and decode tok/s (the rest of generate(prompt, n)), KV
+    bytes per sequence (kv_cache_bytes), in a prefill-heavy and a decode-heavy setting and over a batch sweep.
+  * --bench-decode: vanilla decode at a fixed batch on a static cache (attention over the whole pre-allocated cache,
+    as gpt-fast), optionally torch.compile(mode="reduce-overhead") (CUDA graphs): tok/s and bandwidth vs peak.
+
+Costs to know when reading the numbers: a step whose rows sit at different loops gathers each row's cache layer
+(LayerCache.read), a copy a paged/ragged attention kernel would avoid; state propagation costs one norm and the k/v
+projections per skipped layer; the head runs on every active row each step when early exit is on (the confidence).
+
+Run:
+    python serve.py                                   # CPU demo, tiny random models: serving table + arch table
+    python serve.py --json                            # the same, one JSON line at the end
+    python serve.py --compare-archs --no-serve        # only the architecture table
+    python serve.py --arrival poisson --rate 50 --requests 200
+    python serve.py --ckpt out/relaxed/ckpt.pt --vanilla-ckpt out/vanilla/ckpt.pt --prompts corpus --exit-threshold 0.9
+    python serve.py --requests-file reqs.jsonl --ckpt out/relaxed/ckpt.pt
+    # GPU (bf16 chosen automatically):
+    python serve.py --preset small --requests 2000 --slots 64 --prompt-len 64:256 --gen-len 64:512 \\
+        --batch-memory-mb 2048 --no-compare                       # depth-wise vs continuous at equal batch memory
+    python serve.py --bench-decode --preset tinyllama-1.1b --batch 1 --compile     # batch-1 bandwidth vs peak
+    python -m pytest -q tests/test_serve.py
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from model import (GPT, PRESETS, GPTConfig, KVCache, causal_mask_from_positions, pick_device, pick_dtype,
+                   sample_next)
+from recursive import RELAXED_RANK, RecursiveConfig, RecursiveGPT, from_vanilla
+
+try:
+    from tqdm import tqdm
+except ImportError:  # pragma: no cover - tqdm is in requirements.txt
+    tqdm = None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Requests
+
+
+@dataclass
+class Request:
+    rid: int
+    prompt: list  # token ids
+    max_new_tokens: int
+    arrival: float = 0.0  # seconds after the start (clock='wall') or decode steps (clock='step')
+    error: str | None = None
+    invalid: str | None = None  # a reason found while reading the request (bad JSONL line)
+    finished: bool = False
+    output: list = field(default_factory=list)  # generated ids
+    exits: list = field(default_factory=list)  # 0-based loop that produced each generated token (None: vanilla)
+    t_arrive: float | None = None  # wall times (perf_counter)
+    t_first: float | None = None
+    t_done: float | None = None
+    token_times: list = field(default_factory=list)
+    gen: torch.Generator | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.error is not None or self.finished
+
+    def fresh(self) -> "Request":
+        """The same request, not yet served (prompt, length, arrival and any reading error kept)."""
+        return Request(self.rid, list(self.prompt) if isinstance(self.prompt, list) else self.prompt,
+                       self.max_new_tokens, self.arrival, invalid=self.invalid)
+
+
+def request_generator(seed: int, rid: int, device="cpu") -> torch.Generator:
+    """The sampling generator of request rid: outputs do not depend on the schedule."""
+    return torch.Generator(device=device).manual_seed(seed * 1_000_003 + rid)
+
+
+def check_request(r: Request, vocab_size: int, max_seq_len: int) -> str | None:
+    """A clear reason why this request cannot be served, or None."""
+    if r.invalid:
+        return r.invalid
+    if not isinstance(r.max_new_tokens, int) or isinstance(r.max_new_tokens, bool) or r.max_new_tokens <= 0:
+        return f"max_new_tokens={r.max_new_tokens!r} must be a positive integer"
+    if not isinstance(r.prompt, list) or not r.prompt:
+        return "empty prompt: a request needs at least one prompt token"
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in r.prompt):
+        return "prompt ids must be integers"
+    bad = [t for t in r.prompt if not 0 <= t < vocab_size]
+    if bad:
+        return f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
+    if len(r.prompt) >= max_seq_len:
+        return f"prompt of {len(r.prompt)} tokens is longer than the context ({max_seq_len} positions, one kept " \
+               f"for a new token)"
+    if len(r.prompt) + r.max_new_tokens > max_seq_len:
+        return (f"prompt of {len(r.prompt)} tokens + max_new_tokens={r.max_new_tokens} exceeds the context of "
+                f"{max_seq_len} positions")
+    return None
+
+
+def parse_range(spec: str) -> tuple[int, int]:
+    """'a:b' -> (a, b) (uniform integers, both included); 'a' -> (a, a)."""
+    lo, _, hi = str(spec).partition(":")
+    lo, hi = int(lo), int(hi or lo)
+    if lo > hi:
+        raise ValueError(f"bad range {spec!r}: {lo} > {hi}")
+    return lo, hi
+
+
+def arrival_times(n: int, process: str, rate: float, gen: torch.Generator) -> list[float]:
+    """'all': everything at 0; 'poisson': exponential gaps of mean 1/rate."""
+    if process == "all":
+        return [0.0] * n
+    if process == "poisson":
+        if rate <= 0:
+            raise ValueError(f"--rate must be > 0 for Poisson arrivals, got {rate}")
+        gaps = -torch.log1p(-torch.rand(n, generator=gen, dtype=torch.float64)) / rate
+        return torch.cumsum(gaps, 0).tolist()
+    raise ValueError(f"unknown arrival process {process!r}; choose all or poisson")
+
+
+def synthetic_requests(n, vocab_size, prompt_len="8:48", gen_len="8:64", arrival="all", rate=10.0, seed=0):
+    """n requests with random token ids (never the last vocabulary row, which some archs use as a pad)."""
+    g = torch.Generator().manual_seed(seed)
+    (p0, p1), (g0, g1) = parse_range(prompt_len), parse_range(gen_len)
+    times = arrival_times(n, arrival, rate, g)
+    out = []
+    for i in range(n):
+        T = int(torch.randint(p0, p1 + 1, (1,), generator=g))
+        G = int(torch.randint(g0, g1 + 1, (1,), generator=g))
+        out.append(Request(i, torch.randint(0, vocab_size - 1, (T,), generator=g).tolist(), G, times[i]))
+    return out
+
+
+def corpus_requests(n, tok, data="stdlib", cache_dir="data_cache", prompt_len="8:48", gen_len="8:64", arrival="all",
+                    rate=10.0, seed=0):
+    """Prompts are windows of the validation split of train.py's corpus (tokenized once, cached)."""
+    import train
+
+    cache = train.prepare_corpus(data, tok, cache_dir)
+    val = train.TokenData(cache, "val")
+    reqs = synthetic_requests(n, 2, prompt_len, gen_len, arrival, rate, seed)  # lengths and arrivals
+    x, _ = val.get_batch(n, parse_range(prompt_len)[1], train.step_generator(seed, -7))
+    for r in reqs:
+        r.prompt = x[r.rid, :len(r.prompt)].tolist()
+    return reqs
+
+
+def jsonl_requests(path, tok=None, default_gen=32, arrival="all", rate=10.0, seed=0):
+    """{"prompt": str | "prompt_ids": [...], "max_new_tokens": n, "arrival": s (optional)} per line. A line that
+    cannot be read becomes a request with an error (served as an error, never silently dropped)."""
+    lines = [ln for ln in open(path, encoding="utf-8").read().splitlines() if ln.strip()]
+    times = arrival_times(len(lines), arrival, rate, torch.Generator().manual_seed(seed))
+    reqs = []
+    for i, ln in enumerate(lines):
+        r = Request(i, [], default_gen, times[i])
+        try:
+            d = json.loads(ln)
+            if not isinstance(d, dict):
+                raise ValueError("not a JSON object")
+            if "prompt_ids" in d:
+                r.prompt = d["prompt_ids"]
+            elif "prompt" in d:
+                if tok is None:
+                    raise ValueError("a text prompt needs a tokenizer")
+                r.prompt = tok.encode(str(d["prompt"]))
+            else:
+                raise ValueError("no 'prompt' or 'prompt_ids'")
+            r.max_new_tokens = d.get("max_new_tokens", default_gen)
+            r.arrival = float(d.get("arrival", r.arrival))
+        except (ValueError, TypeError) as e:
+            r.invalid = f"bad request line {i + 1} of {path}: {e}"
+        reqs.append(r)
+    return reqs
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Bytes moved per decode step (the memory roofline)
+
+PEAK_BW = [("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12), ("A100-SXM4-40GB", 1.555e12),
+           ("A100-PCIE-40GB", 1.555e12), ("A100", 2.039e12), ("L40S", 0.864e12), ("A10G", 0.6e12),
+           ("4090", 1.008e12)]
+
+
+def peak_bandwidth(device: torch.device) -> float | None:
+    """HBM peak (bytes/s) of known CUDA devices, None elsewhere."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BW if k in name), None)
+
+
+def param_bytes(modules) -> int:
+    seen, n = set(), 0
+    for m in modules:
+        for p in m.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                n += p.numel() * p.element_size()
+    return n
+
+
+def kv_token_bytes(cfg, elem: int) -> int:
+    """K and V of one token in one layer."""
+    return 2 * cfg.n_kv_head * cfg.hd * elem
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Servers
+
+
+class Server:
+    """The loop shared by every server: arrivals -> admission (validation, batched prefill) -> decode steps.
+
+    Subclasses give free_slots(), admit(requests) and step(); emit() records a token. clock='wall' reads arrivals as
+    seconds (sleeping while nothing has arrived); clock='step' reads them as decode steps (deterministic schedules
+    for tests).
+    """
+
+    name = "server"
+
+    def __init__(self, model, slots: int, temperature=0.0, top_k=None, seed=0, eos_id=None):
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
+        self.model, self.slots = model, slots
+        self.temperature, self.top_k, self.seed, self.eos_id = temperature, top_k, seed, eos_id
+        p = model.lm_head.weight
+        self.device, self.dtype = p.device, p.dtype
+        self.cfg = model.config
+
+    # -- bookkeeping ---------------------------------------------------------------------------------------------
+
+    def sample(self, logits, reqs) -> list[int]:
+        """logits (b, V) -> one token per request (greedy in one argmax; sampled with each request's generator)."""
+        if self.temperature <= 0:
+            return logits.argmax(-1).tolist()
+        return [int(sample_next(logits[i:i + 1], self.temperature, self.top_k, r.gen)[0]) for i, r in enumerate(reqs)]
+
+    def emit(self, r: Request, tok: int, exit_loop: int) -> bool:
+        """Record a generated token; True when the request is finished."""
+        now = time.perf_counter()
+        r.output.append(tok)
+        r.exits.append(exit_loop)
+        r.token_times.append(now)
+        if r.t_first is None:
+            r.t_first = now
+        if len(r.output) >= r.max_new_tokens or (self.eos_id is not None and tok == self.eos_id):
+            r.finished, r.t_done = True, now
+            self.n_done += 1
+            return True
+        return False
+
+    def batched_prefill(self, reqs, max_len=None):
+        """Right-pad the prompts -> (logits (b, V), temporary cache, lengths (b,)) from the model's own prefill."""
+        T = max(len(r.prompt) for r in reqs)
+        idx = torch.zeros(len(reqs), T, dtype=torch.long)
+        for i, r in enumerate(reqs):
+            idx[i, :len(r.prompt)] = torch.tensor(r.prompt)
+        lengths = torch.tensor([len(r.prompt) for r in reqs], device=self.device)
+        tmp = self.model.new_cache(len(reqs), max_len or T)
+        logits = self.model.prefill(idx.to(self.device), tmp, lengths)
+        return logits, tmp, lengths
+
+    def record_step(self, seconds, active, nbytes):
+        self.n_steps += 1
+        self.step_time += seconds
+        self.occupancy += active / self.slots
+        self.bytes += nbytes
+
+    # -- the loop ------------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def run(self, requests, clock="wall", progress=False) -> list[Request]:
+        """Serve fresh copies of `requests`; returns them with outputs, exits, times and errors."""
+        reqs = sorted((r.fresh() for r in requests), key=lambda r: (r.arrival, r.rid))
+        for r in reqs:
+            r.gen = request_generator(self.seed, r.rid, self.device) if self.temperature > 0 else None
+        self.n_done, self.n_steps, self.step_time, self.occupancy, self.bytes = 0, 0, 0.0, 0.0, 0
+        self.reset()
+        bar = tqdm(total=len(reqs), desc=self.name, leave=False, file=sys.stderr) if progress and tqdm else None
+        head = seen = 0  # next request to admit / to stamp with its arrival time
+        tick, t0 = 0.0, time.perf_counter()
+        self.t_start = t0
+        now = (lambda: time.perf_counter() - t0) if clock == "wall" else (lambda: tick)
+        while head < len(reqs) or self.busy():
+            t = now()
+            while seen < len(reqs) and reqs[seen].arrival <= t:
+                reqs[seen].t_arrive = t0 + reqs[seen].arrival if clock == "wall" else time.perf_counter()
+                seen += 1
+            admit = []
+            while head < seen and len(admit) < self.free_slots():
+                r = reqs[head]
+                head += 1
+                r.error = check_request(r, self.cfg.vocab_size, self.cfg.max_seq_len)
+                if r.error:
+                    r.t_done = time.perf_counter()
+                    self.n_done += 1
+                else:
+                    admit.append(r)
+            if admit:
+                self.admit(admit)
+            if self.busy():
+                self.step()
+                tick += 1
+            elif head < len(reqs) and head == seen:  # idle until the next arrival
+                if clock == "wall":
+                    time.sleep(max(0.0, min(reqs[head].arrival - now(), 0.05)))
+                else:
+                    tick = max(tick, reqs[head].arrival)
+            if bar is not None and bar.n != self.n_done:
+                bar.update(self.n_done - bar.n)
+        _sync(self.device)
+        self.t_end = time.perf_counter()
+        if bar is not None:
+            bar.close()
+        return sorted(reqs, key=lambda r: r.rid)
+
+
+class ContinuousServer(Server):
+    """Vanilla GPT, continuous sequence-wise batching: one GPT.decode_step over all slots per step."""
+
+    name = "vanilla continuous"
+
+    def reset(self):
+        self.cache = self.model.new_cache(self.slots)
+        self.req = [None] * self.slots
+        self.tok = torch.zeros(self.slots, dtype=torch.long, device=self.device)
+        self.step_params = param_bytes([self.model.blocks, self.model.norm, self.model.lm_head])
+        self.kv_tok = kv_token_bytes(self.cfg, self.cache.k.element_size()) * self.cfg.n_layer
+
+    def free_slots(self):
+        return sum(r is None for r in self.req)
+
+    def busy(self):
+        return any(r is not None for r in self.req)
+
+    def admit(self, reqs):
+        logits, tmp, lengths = self.batched_prefill(reqs)
+        toks = self.sample(logits, reqs)
+        free = [s for s, r in enumerate(self.req) if r is None]
+        T = tmp.max_len
+        for i, (r, t) in enumerate(zip(reqs, toks)):
+            if self.emit(r, t, None):
+                continue
+            s = free.pop(0)
+            self.cache.k[:, s, :, :T] = tmp.k[:, i]
+            self.cache.v[:, s, :, :T] = tmp.v[:, i]
+            self.cache.lengths[s] = lengths[i]
+            self.req[s], self.tok[s] = r, t
+
+    def step(self):
+        t0 = time.perf_counter()
+        idle = [s for s, r in enumerate(self.req) if r is None]
+        if idle:  # idle rows decode a dummy token at position 0 of their own row (overwritten on admission)
+            self.cache.lengths[idle] = 0
+            self.tok[idle] = 0
+        kv_len = int(self.cache.lengths.max()) + 1
+        logits = self.model.decode_step(self.tok, self.cache)
+        active = [s for s, r in enumerate(self.req) if r is not None]
+        toks = self.sample(logits[active], [self.req[s] for s in active])
+        for s, t in zip(active, toks):
+            if self.emit(self.req[s], t, None):
+                self.req[s] = None
+            else:
+                self.tok[s] = t
+        _sync(self.device)
+        self.record_step(time.perf_counter() - t0, len(active),
+                         self.step_params + self.slots * kv_len * self.kv_tok)
+
+
+class StaticServer(ContinuousServer):
+    """Vanilla GPT, static batching: a new batch starts only when the whole previous batch is done."""
+
+    name = "vanilla static"
+
+    def free_slots(self):
+        return 0 if self.busy() else self.slots
+
+    def admit(self, reqs):  # the batch's own cache, sized to its longest request (the model's prefill path)
+        need = max(len(r.prompt) + r.max_new_tokens for r in reqs)
+        logits, self.cache, _ = self.batched_prefill(reqs, need)
+        self.req = list(reqs)
+        toks = self.sample(logits, reqs)
+        self.tok = torch.tensor(toks, device=self.device)
+        for r, t in zip(reqs, toks):
+            self.emit(r, t, None)
+
+    def busy(self):
+        return any(r is not None and not r.done for r in self.req)
+
+    def step(self):  # every row of the batch decodes, finished ones included (the waste of static batching)
+        t0 = time.perf_counter()
+        kv_len = int(self.cache.lengths.max()) + 1
+        logits = self.model.decode_step(self.tok, self.cache)
+        live = [i for i, r in enumerate(self.req) if not r.done]
+        new = self.sample(logits[live], [self.req[i] for i in live])
+        for i, t in zip(live, new):
+            self.emit(self.req[i], t, None)
+        done = [i for i, r in enumerate(self.req) if r.done]
+        self.cache.lengths[done] -= 1  # finished rows hold their position (and rewrite it): no cache overflow
+        self.tok[live] = torch.tensor(new, device=self.device, dtype=self.tok.dtype)  # done rows: any token
+        _sync(self.device)
+        self.record_step(time.perf_counter() - t0, len(live),
+                         self.step_params + len(self.req) * kv_len * self.kv_tok)
+
+    def reset(self):
+        super().reset()
+        self.req = []
+
+
+class DepthWiseServer(Server):
+    """Recursive / relaxed model, continuous depth-wise batching (Figure 3) with optional confidence early exit."""
+
+    def __init__(self, model: RecursiveGPT, slots, exit_threshold=None, **kw):
+        super().__init__(model, slots, **kw)
+        self.threshold = exit_threshold
+        self.name = "depth-wise" + (f" exit>={exit_threshold:.3g}" if exit_threshold is not None else " no exit")
+
+    def reset(self):
+        cfg = self.cfg
+        self.cache = self.model.new_cache(self.slots)
+        self.req = [None] * self.slots
+        self.pos = torch.zeros(self.slots, dtype=torch.long, device=self.device)  # position of the token in flight
+        self.loop = torch.zeros(self.slots, dtype=torch.long, device=self.device)  # its current loop
+        self.h = torch.zeros(self.slots, 1, cfg.n_embd, dtype=self.dtype, device=self.device)  # its hidden state
+        self.block_bytes = param_bytes([self.model.blocks])
+        self.head_bytes = param_bytes([self.model.norm, self.model.lm_head])
+        self.kv_tok = kv_token_bytes(cfg, self.cache.k.element_size()) * cfg.n_shared
+
+    def free_slots(self):
+        return sum(r is None for r in self.req)
+
+    def busy(self):
+        return any(r is not None for r in self.req)
+
+    def start_token(self, s, tok):
+        """Slot s begins the next token: depth 1 (loop 0) with the token's embedding."""
+        self.loop[s] = 0
+        self.h[s] = self.model.embed(torch.tensor([[tok]], device=self.device))[0]
+
+    def admit(self, reqs):
+        logits, tmp, lengths = self.batched_prefill(reqs)
+        toks = self.sample(logits, reqs)
+        free = [s for s, r in enumerate(self.req) if r is None]
+        T = tmp.max_len
+        for i, (r, t) in enumerate(zip(reqs, toks)):
+            if self.emit(r, t, self.cfg.n_loops - 1):  # prompt tokens never exit early: the prefill runs all loops
+                continue
+            s = free.pop(0)
+            self.cache.k[:, s, :, :T] = tmp.k[:, i]
+            self.cache.v[:, s, :, :T] = tmp.v[:, i]
+            self.req[s] = r
+            self.pos[s] = lengths[i]
+            self.start_token(s, t)
+
+    def step(self):
+        t0 = time.perf_counter()
+        m, L = self.model, self.cfg.n_loops
+        slots = [s for s, r in enumerate(self.req) if r is not None]
+        active = torch.tensor(slots, device=self.device)
+        loops, q_pos = self.loop[active], self.pos[active][:, None]  # (b,), (b, 1)
+        loop_list = loops.tolist()
+        kv_len = int(q_pos.max()) + 1
+        # ONE pass of the shared block over every active slot, each at its own loop. Uniform loops and all slots
+        # active: plain matmuls and cache views; else per-row LoRA (multi_lora) and per-row cache layers (gathers).
+        same = loop_list.count(loop_list[0]) == len(loop_list)
+        h = m.loop_step(self.h[active], loop_list[0] if same else loops, q_pos, self.cache,
+                        rows=None if len(slots) == self.slots else active, kv_len=kv_len)
+        final = [l == L - 1 for l in loop_list]
+        if self.threshold is None:  # only rows at the last loop need the head
+            check = [i for i, f in enumerate(final) if f]
+            exit_rows = check
+            logits = m.exit_logits(h[check])[:, 0] if check else None
+        else:  # every row: the confidence decides
+            check = list(range(len(slots)))
+            logits = m.exit_logits(h)[:, 0]
+            conf = m.exit_confidence(logits).tolist()
+            exit_rows = [i for i in check if final[i] or conf[i] >= self.threshold]
+            logits = logits[exit_rows]
+        early = [i for i in exit_rows if not final[i]]
+        if early:  # state propagation: the exited tokens' K/V for the loops they skip
+            e = torch.tensor(early, device=self.device)
+            m.propagate(h[e], loops[e], q_pos[e], self.cache, rows=active[e])
+        toks = self.sample(logits, [self.req[slots[i]] for i in exit_rows]) if exit_rows else []
+        exited = set(exit_rows)
+        stay = [i for i in range(len(slots)) if i not in exited]
+        if stay:  # the others move one loop deeper
+            st = torch.tensor(stay, device=self.device)
+            self.h[active[st]] = h[st]
+            self.loop[active[st]] += 1
+        for i, t in zip(exit_rows, toks):
+            s = slots[i]
+            if self.emit(self.req[s], t, loop_list[i]):
+                self.req[s] = None  # free: the queue refills it before the next step
+            else:
+                self.pos[s] += 1
+                self.start_token(s, t)
+        _sync(self.device)
+        nbytes = self.block_bytes + (self.head_bytes if check else 0) + len(slots) * kv_len * self.kv_tok
+        self.record_step(time.perf_counter() - t0, len(slots), nbytes)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sequential reference (one request at a time, the model's own generate) and the early-exit calibration
+
+
+@torch.no_grad()
+def sequential_generate(model, r: Request, temperature=0.0, top_k=None, seed=0, exit_threshold=None):
+    """What a request should produce: model.generate on it alone (recursive: with the same exit rule)."""
+    p = model.lm_head.weight
+    idx = torch.tensor([r.prompt], device=p.device)
+    gen = request_generator(seed, r.rid, p.device) if temperature > 0 else None
+    if isinstance(model, RecursiveGPT):
+        out, exits = model.generate(idx, r.max_new_tokens, temperature, top_k, gen, exit_threshold=exit_threshold,
+                                    return_exits=True)
+        return out[0, len(r.prompt):].tolist(), exits[0].tolist()
+    return model.generate(idx, r.max_new_tokens, temperature, top_k, gen)[0, len(r.prompt):].tolist(), None
+
+
+@torch.no_grad()
+def calibrate_threshold(model: RecursiveGPT, reqs, exit_rate=0.5, n=8) -> float:
+    """A confidence threshold at which about `exit_rate` of the tokens leave after the first loop, measured on the
+    prompts of the first n valid requests (loop-0 states do not depend on deeper loops, so this is what decoding
+    sees at loop 0). Random weights give flat softmaxes: a fixed 0.9 would never exit."""
+    cfg = model.config
+    confs = []
+    for r in reqs:
+        if check_request(r, cfg.vocab_size, cfg.max_seq_len) is None:
+            idx = torch.tensor([r.prompt], device=model.lm_head.weight.device)
+            confs.append(model.exit_confidence(model.loop_logits(idx)[0][0]).float().cpu())
+            if len(confs) == n:
+                break
+    if not confs:
+        raise ValueError("no valid request to calibrate the exit threshold on")
+    return float(torch.quantile(torch.cat(confs), 1.0 - exit_rate))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Metrics
+
+
+def _pct(xs, q):
+    if not xs:
+        return float("nan")
+    t = torch.tensor(xs, dtype=torch.float64)
+    return float(torch.quantile(t, q))
+
+
+def summarize(server: Server, reqs, peak_bw=None) -> dict:
+    ok = [r for r in reqs if r.error is None]
+    n_tok = sum(len(r.output) for r in ok)
+    wall = server.t_end - min((r.t_arrive for r in reqs if r.t_arrive), default=server.t_start)
+    ttft = [r.t_first - r.t_arrive for r in ok if r.t_first is not None]
+    gaps = [b - a for r in ok for a, b in zip(r.token_times, r.token_times[1:])]
+    exits = [e + 1 for r in ok for e in r.exits[1:] if e is not None]  # decode tokens (the first comes from the prefill)
+    d = dict(system=server.name, slots=server.slots, requests=len(reqs), errors=len(reqs) - len(ok),
+             tokens=n_tok, wall_s=wall, tok_per_s=n_tok / wall if wall > 0 else float("nan"),
+             ttft_ms_p50=1e3 * _pct(ttft, 0.5), ttft_ms_p99=1e3 * _pct(ttft, 0.99),
+             tpot_ms_p50=1e3 * _pct(gaps, 0.5), tpot_ms_p99=1e3 * _pct(gaps, 0.99),
+             mean_exit_loop=sum(exits) / len(exits) if exits else float("nan"),
+             occupancy=server.occupancy / max(server.n_steps, 1), steps=server.n_steps,
+             step_ms=1e3 * server.step_time / max(server.n_steps, 1))
+    if server.device.type == "cuda" and server.step_time > 0:
+        d["bandwidth_GBs"] = server.bytes / server.step_time / 1e9
+        if peak_bw:
+            d["bandwidth_pct_peak"] = 100 * server.bytes / server.step_time / peak_bw
+    return d
+
+
+def print_table(rows: list[dict], cols: list[tuple[str, str, str]], title: str):
+    """cols: (key, header, format)."""
+    print(f"\n{title}")
+    widths = [max(len(h), 10) for _, h, _ in cols]
+    widths[0] = max(widths[0], max((len(str(r.get(cols[0][0], ""))) for r in rows), default=0))
+    print("  ".join(h.rjust(w) if i else h.ljust(w) for i, ((_, h, _), w) in enumerate(zip(cols, widths))))
+    for r in rows:
+        cells = []
+        for i, ((k, _, f), w) in enumerate(zip(cols, widths)):
+            v = r.get(k)
+            s = "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, f)
+            cells.append(s.rjust(w) if i else s.ljust(w))
+        print("  ".join(cells))
+
+
+SERVE_COLS = [("system", "system", ""), ("slots", "slots", "d"), ("errors", "errors", "d"), ("tokens", "tokens", "d"),
+              ("tok_per_s", "tok/s", ".1f"), ("ttft_ms_p50", "TTFT p50 ms", ".1f"), ("ttft_ms_p99", "TTFT p99 ms", ".1f"),
+              ("tpot_ms_p50", "tok lat p50", ".2f"), ("tpot_ms_p99", "tok lat p99", ".2f"),
+              ("mean_exit_loop", "exit loop", ".2f"), ("occupancy", "occupancy", ".2f"), ("steps", "steps", "d"),
+              ("step_ms", "step ms", ".2f"), ("bandwidth_GBs", "GB/s", ".0f"), ("bandwidth_pct_peak", "% peak", ".1f")]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Models of the serving comparison
+
+
+def build_serving_models(args, device, dtype):
+    """-> (vanilla GPT, recursive/relaxed model). Checkpoints by path, or random weights: a vanilla preset and its
+    Average + SVD relaxed conversion (B = --loops, ranks of the relaxed preset unless --lora-rank)."""
+    import train
+
+    vanilla = rec = None
+    if args.vanilla_ckpt:
+        vanilla = train.model_from_checkpoint(train.load_checkpoint(args.vanilla_ckpt))
+        if type(vanilla) is not GPT:
+            raise SystemExit(f"error: {args.vanilla_ckpt} is not a vanilla checkpoint")
+    if args.ckpt:
+        rec = train.model_from_checkpoint(train.load_checkpoint(args.ckpt))
+        if not isinstance(rec, RecursiveGPT):
+            raise SystemExit(f"error: {args.ckpt} is not a recursive/relaxed checkpoint")
+    if vanilla is None:
+        base = dict(PRESETS[args.preset])
+        if rec is not None:  # a vanilla model of the recursive one's shape (random weights)
+            base = {k: getattr(rec.config, k) for k in base}
+        torch.manual_seed(args.seed)
+        vanilla = GPT(GPTConfig(**base))
+    if rec is None:
+        rank = args.lora_rank if args.lora_rank is not None else RELAXED_RANK.get(args.preset, 16)
+        ranks = {f"lora_rank_{c}": rank for c in ("q", "kv", "o", "mlp")} if rank > 0 else {}
+        rec = from_vanilla(vanilla, n_loops=args.loops, init="average", lora_init="svd", log=lambda *_: None,
+                           **ranks)
+    return vanilla.to(device=device, dtype=dtype).eval(), rec.to(device=device, dtype=dtype).eval()
+
+
+def slots_for_memory(model, budget_mb, max_len, elem) -> int:
+    """Slots that fit in budget_mb of parameters + KV cache (one full-context row per slot)."""
+    per_slot = model.kv_cache_bytes(1, max_len, elem)
+    left = budget_mb * 2 ** 20 - param_bytes([model])
+    if left < per_slot:
+        raise SystemExit(f"error: --batch-memory-mb {budget_mb} does not hold the parameters and one slot of "
+                         f"{type(model).__name__}")
+    return int(left // per_slot)
+
+
+def enable_compile(model, device):
+    """--compile: torch.compile each block (dynamic shapes: the batch and kv_len change every step). Off on CPU."""
+    if device.type == "cpu":
+        print("--compile ignored on CPU")
+        return
+    for block in model.blocks:
+        block.compile(dynamic=True)
+
+
+def serve_compare(args, device, dtype, requests=None) -> list[dict]:
+    vanilla, rec = build_serving_models(args, device, dtype)
+    elem = torch.empty((), dtype=dtype).element_size()
+    if args.compile:
+        enable_compile(vanilla, device)
+        enable_compile(rec, device)
+    tok = None
+    if requests is None:
+        if args.requests_file or args.prompts == "corpus":
+            import train
+            tok = train.Tokenizer.from_args(None if vanilla.config.vocab_size >= 100256 else 4096, None)
+        if args.requests_file:
+            requests = jsonl_requests(args.requests_file, tok, parse_range(args.gen_len)[1], args.arrival, args.rate,
+                                      args.seed)
+        elif args.prompts == "corpus":
+            requests = corpus_requests(args.requests, tok, args.data, args.cache_dir, args.prompt_len, args.gen_len,
+                                       args.arrival, args.rate, args.seed)
+        else:
+            requests = synthetic_requests(args.requests, vanilla.config.vocab_size, args.prompt_len, args.gen_len,
+                                          args.arrival, args.rate, args.seed)
+    thr = args.exit_threshold
+    if thr == "auto":
+        thr = calibrate_threshold(rec, requests, args.exit_rate)
+        how = f"auto: ~{args.exit_rate:.0%} of prompt tokens confident enough after loop 1"
+    else:
+        thr, how = float(thr), "given"
+    slots = {"vanilla": args.slots, "rec": args.slots}
+    if args.batch_memory_mb:
+        slots = {"vanilla": slots_for_memory(vanilla, args.batch_memory_mb, vanilla.config.max_seq_len, elem),
+                 "rec": slots_for_memory(rec, args.batch_memory_mb, rec.config.max_seq_len, elem)}
+    kw = dict(temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+    servers = [StaticServer(vanilla, slots["vanilla"], **kw), ContinuousServer(vanilla, slots["vanilla"], **kw),
+               DepthWiseServer(rec, slots["rec"], None, **kw), DepthWiseServer(rec, slots["rec"], thr, **kw)]
+    rc = rec.config
+    print(f"device {device} dtype {dtype} | vanilla {vanilla.config.n_layer} layers, {vanilla.num_params() / 1e6:.2f}M "
+          f"non-emb params | {'relaxed' if rc.relaxed else 'recursive'} B={rc.n_loops} K={rc.n_shared} "
+          f"ranks {rc.lora_ranks}, {rec.num_params() / 1e6:.2f}M | {len(requests)} requests, arrivals "
+          f"{args.arrival}{f' at {args.rate}/s' if args.arrival == 'poisson' else ''} | exit threshold {thr:.4g} "
+          f"({how})" + (f" | batch memory {args.batch_memory_mb} MiB -> slots {slots}" if args.batch_memory_mb else ""))
+    peak = args.peak_bw * 1e9 if args.peak_bw else peak_bandwidth(device)
+    rows = []
+    for srv in servers:
+        if args.warmup:  # untimed: allocator, cuBLAS, compile
+            srv.run(requests[:args.warmup], clock="step")
+        reqs = srv.run(requests, clock="wall", progress=not args.json)
+        rows.append(summarize(srv, reqs, peak))
+    print_table(rows, SERVE_COLS, "serving: the same requests through every system (tok lat = per-token latency ms, "
+                                  "exit loop 1-based)")
+    if peak:
+        print(f"peak memory bandwidth {peak / 1e9:.0f} GB/s; GB/s = (parameter + KV bytes read) / decode step time")
+    base = rows[1]["tok_per_s"]
+    print("throughput vs vanilla continuous: " + ", ".join(f"{r['system']} x{r['tok_per_s'] / base:.2f}" for r in rows))
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# --compare-archs: every architecture at matched non-embedding parameters
+
+
+def arch_models(preset: str, loops=2, rank=8, max_seq_len=None):
+    """One model.py preset -> {name: model} at matched non-embedding parameters (random weights):
+    vanilla N layers; recursive K = N shared layers looped twice (2N effective); relaxed the same + LoRA rank `rank`
+    (a few % more); block: N/2 block-decoder + N/2 token-decoder layers (L_B = 4, P = 2); plt: the N-layer stack
+    looped twice (CLP + KV sharing + G-SWA); double: round(2N/3) context + the rest generation layers."""
+    import block_transformer as bt
+    import double_decoder as dd
+    import plt
+
+    base = dict(PRESETS[preset])
+    if max_seq_len:
+        base["max_seq_len"] = max_seq_len
+    N = base["n_layer"]
+    gpt_fields = {k: v for k, v in base.items()}
+    out = {"vanilla": GPT(GPTConfig(**gpt_fields))}
+    out["recursive"] = RecursiveGPT(RecursiveConfig(**{**gpt_fields, "n_layer": loops * N}, n_loops=loops))
+    ranks = {f"lora_rank_{c}": rank for c in ("q", "kv", "o", "mlp")}
+    out["relaxed"] = RecursiveGPT(RecursiveConfig(**{**gpt_fields, "n_layer": loops * N}, n_loops=loops, **ranks))
+    halves = bt._halves(**{k: base[k] for k in ("n_layer", "n_head", "n_kv_head", "n_embd", "mlp_hidden")},
+                        max_seq_len=base["max_seq_len"] - base["max_seq_len"] % 4, vocab_size=base["vocab_size"])
+    out["block"] = bt.BlockTransformer(bt.BlockConfig(**halves))
+    out["plt"] = plt.PLT(plt.PLTConfig(**gpt_fields, n_loops=loops, window=min(64, base["max_seq_len"])))
+    ctx = min(max(round(2 * N / 3), 1), N - 1) if N > 1 else 1
+    dfields = {k: v for k, v in gpt_fields.items() if k != "n_layer"}
+    out["double"] = dd.DoubleDecoder(dd.DoubleConfig(**dfields, ctx_layers=ctx, gen_layers=max(N - ctx, 1)))
+    return out
+
+
+@torch.no_grad()
+def time_generate(model, idx, n, device, repeats) -> float:
+    model.generate(idx, n)  # warm-up
+    ts = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        model.generate(idx, n)
+        _sync(device)
+        ts.append(time.perf_counter() - t0)
+    return sorted(ts)[len(ts) // 2]
+
+
+def compare_archs(args, device, dtype) -> list[dict]:
+    torch.manual_seed(args.seed)
+    models = arch_models(args.arch_preset, args.loops, args.arch_rank)
+    elem = torch.empty((), dtype=dtype).element_size()
+    pg = lambda spec: tuple(int(v) for v in spec.split("/"))  # noqa: E731  'prompt/new'
+    settings = [("prefill-heavy", *pg(args.prefill_heavy)), ("decode-heavy", *pg(args.decode_heavy))]
+    batches = [int(b) for b in args.batch_sweep.split(",")]
+    print(f"\ncompare-archs: preset {args.arch_preset}, device {device}, dtype {dtype}, static batching with each "
+          f"model's own generate(); median of {args.repeats} runs after 1 warm-up; random weights and prompts")
+    print("  non-embedding params: " + ", ".join(f"{k} {m.num_params() / 1e6:.3f}M" for k, m in models.items()))
+    g = torch.Generator().manual_seed(args.seed)
+    rows = []
+    jobs = [(s, P, G, B, name) for s, P, G in settings for B in batches for name in models]
+    bar = tqdm(jobs, desc="compare-archs", leave=False, file=sys.stderr) if tqdm and not args.json else jobs
+    for setting, P, G, B, name in bar:
+        m = models[name].to(device=device, dtype=dtype).eval()
+        V = m.config.vocab_size
+        idx = torch.randint(0, V - 1, (B, P), generator=g).to(device)
+        t1 = time_generate(m, idx, 1, device, args.repeats)  # prefill + first token
+        tn = time_generate(m, idx, G, device, args.repeats)
+        dec = tn - t1 if tn > t1 else float("nan")  # timing noise on a loaded machine: no figure
+        rows.append(dict(setting=f"{setting} {P}/{G}", batch=B, arch=name, params_M=m.num_params() / 1e6,
+                         ttft_ms=1e3 * t1, tok_lat_ms=1e3 * dec / (G - 1), decode_tok_s=B * (G - 1) / dec,
+                         total_tok_s=B * G / tn, kv_KiB_per_seq=m.kv_cache_bytes(1, P + G, elem) / 1024))
+    cols = [("setting", "setting", ""), ("batch", "batch", "d"), ("arch", "arch", ""), ("params_M", "params M", ".3f"),
+            ("ttft_ms", "TTFT ms", ".2f"), ("tok_lat_ms", "tok lat ms", ".3f"), ("decode_tok_s", "decode tok/s", ".0f"),
+            ("total_tok_s", "total tok/s", ".0f"), ("kv_KiB_per_seq", "KV KiB/seq", ".1f")]
+    print_table(rows, cols, "architectures side by side (tok lat = decode latency per token)")
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# --bench-decode: vanilla decode on a static cache, optionally compiled (gpt-fast style)
+
+
+class StaticDecoder(nn.Module):
+    """GPT decode with a static cache: attention over all max_len positions with the positional mask, so every
+    step has the same shapes (torch.compile mode='reduce-overhead' captures it as a CUDA graph). The cache tensors
+    are buffers of this module (mutated in place)."""
+
+    def __init__(self, model: GPT, cache: KVCache):
+        super().__init__()
+        self.model = model
+        self.register_buffer("k", cache.k, persistent=False)
+        self.register_buffer("v", cache.v, persistent=False)
+        self.cache = cache
+
+    def forward(self, tok, q_pos):  # tok (B,), q_pos (B, 1) -> logits (B, V)
+        m, cache = self.model, self.cache
+        mask = causal_mask_from_positions(q_pos, cache.max_len)
+        rope = m.rope(q_pos)
+        x = m.embed(tok[:, None])
+        for i, block in enumerate(m.blocks):
+            x = block(x, rope, mask=mask, cache=cache.layer(i), q_pos=q_pos)
+        return m.head(x)[:, 0]
+
+
+@torch.no_grad()
+def bench_decode(args, device, dtype) -> dict:
+    torch.manual_seed(args.seed)
+    with torch.device(device):
+        model = GPT(GPTConfig(**PRESETS[args.preset])).to(dtype=dtype).eval()
+    B, P, S = args.batch, args.bench_prompt, args.bench_steps
+    max_len = P + S + 8
+    cache = model.new_cache(B, max_len)
+    step = StaticDecoder(model, cache)
+    if args.compile and device.type != "cpu":
+        step = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+    idx = torch.randint(0, model.config.vocab_size - 1, (B, P), device=device)
+    logits = model.prefill(idx, cache)
+    tok = logits.argmax(-1)
+    pos = cache.lengths[:, None].clone()
+    for _ in range(3):  # warm-up (compilation, graph capture), not timed
+        tok = step(tok, pos).argmax(-1)
+        pos = pos + 1
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(S):
+        tok = step(tok, pos).argmax(-1)
+        pos = pos + 1
+    _sync(device)
+    dt = (time.perf_counter() - t0) / S
+    c = model.config
+    nbytes = param_bytes([model.blocks, model.norm, model.lm_head]) + B * c.n_layer * max_len * kv_token_bytes(
+        c, cache.k.element_size())
+    peak = args.peak_bw * 1e9 if args.peak_bw else peak_bandwidth(device)
+    d = dict(preset=args.preset, device=str(device), gpu=torch.cuda.get_device_name(device) if device.type == "cuda"
+             else "cpu", dtype=str(dtype), batch=B, compile=bool(args.compile and device.type != "cpu"),
+             step_ms=dt * 1e3, tok_per_s=B / dt, bytes_per_step=nbytes, bandwidth_GBs=nbytes / dt / 1e9,
+             pct_peak=100 * nbytes / dt / peak if peak else None)
+    print(f"bench-decode: {d['gpu']} {dtype} preset {args.preset} batch {B}, prompt {P}, {S} timed steps after 3 "
+          f"warm-up, compile={d['compile']}: {d['step_ms']:.3f} ms/step, {d['tok_per_s']:.1f} tok/s, "
+          f"{nbytes / 1e6:.1f} MB/step -> {d['bandwidth_GBs']:.0f} GB/s"
+          + (f" = {d['pct_peak']:.1f}% of {peak / 1e9:.0f} GB/s peak" if peak else ""))
+    return d
+
+
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def build_parser():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    g = ap.add_argument_group("models")
+    g.add_argument("--preset", default="tiny", help="model.py preset of the random-weight models (default tiny)")
+    g.add_argument("--ckpt", default=None, help="recursive/relaxed checkpoint (train.py) for the depth-wise server")
+    g.add_argument("--vanilla-ckpt", default=None, help="vanilla checkpoint for the vanilla baselines")
+    g.add_argument("--loops", type=int, default=2, help="B of the random-weight recursive models")
+    g.add_argument("--lora-rank", type=int, default=None, help="LoRA rank of the random relaxed model (0 = recursive)")
+    g.add_argument("--device", default="auto", help="auto (cuda > mps > cpu) | cpu | cuda | mps")
+    g.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16")
+    g.add_argument("--compile", action="store_true", help="torch.compile the decode step (ignored on CPU)")
+    g = ap.add_argument_group("requests")
+    g.add_argument("--requests", type=int, default=32, help="synthetic / corpus requests")
+    g.add_argument("--prompts", default="synthetic", choices=["synthetic", "corpus"], help="prompt token source")
+    g.add_argument("--requests-file", default=None, help="JSONL requests (overrides --prompts)")
+    g.add_argument("--data", default="stdlib", help="--prompts corpus: train.py corpus")
+    g.add_argument("--cache-dir", default="data_cache", help="--prompts corpus: token cache directory")
+    g.add_argument("--prompt-len", default="8:48", help="prompt lengths, 'a:b' uniform or 'a'")
+    g.add_argument("--gen-len", default="8:32", help="max_new_tokens, 'a:b' uniform or 'a'")
+    g.add_argument("--arrival", default="all", choices=["all", "poisson"], help="arrival process")
+    g.add_argument("--rate", type=float, default=20.0, help="Poisson arrival rate (requests/s)")
+    g = ap.add_argument_group("serving")
+    g.add_argument("--slots", type=int, default=16, help="batch slots of every server")
+    g.add_argument("--batch-memory-mb", type=float, default=None,
+                   help="instead of --slots: slots that fit this many MiB of parameters + full-context KV")
+    g.add_argument("--exit-threshold", default="auto", help="confidence threshold, or 'auto' (calibrated)")
+    g.add_argument("--exit-rate", type=float, default=0.5, help="--exit-threshold auto: target share exiting at loop 1")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--warmup", type=int, default=4, help="untimed warm-up requests per system")
+    g.add_argument("--peak-bw", type=float, default=None, help="device peak bandwidth in GB/s (default: known GPUs)")
+    g = ap.add_argument_group("modes")
+    g.add_argument("--no-serve", action="store_true", help="skip the serving comparison")
+    g.add_argument("--compare-archs", action="store_true", default=None,
+                   help="run the architecture table (default: on for a plain run)")
+    g.add_argument("--no-compare", action="store_true", help="skip the architecture table")
+    g.add_argument("--arch-preset", default="tiny", help="--compare-archs: model.py preset to match")
+    g.add_argument("--arch-rank", type=int, default=8, help="--compare-archs: LoRA rank of relaxed")
+    g.add_argument("--prefill-heavy", default="160/8", help="--compare-archs: prompt/new tokens")
+    g.add_argument("--decode-heavy", default="16/48", help="--compare-archs: prompt/new tokens")
+    g.add_argument("--batch-sweep", default="1,8", help="--compare-archs: batch sizes")
+    g.add_argument("--repeats", type=int, default=2, help="--compare-archs: timed runs (median)")
+    g.add_argument("--bench-decode", action="store_true", help="vanilla static-cache decode benchmark only")
+    g.add_argument("--batch", type=int, default=1, help="--bench-decode batch")
+    g.add_argument("--bench-prompt", type=int, default=128, help="--bench-decode prompt length")
+    g.add_argument("--bench-steps", type=int, default=200, help="--bench-decode timed steps")
+    g.add_argument("--json", action="store_true", help="print one JSON line with every result at the end")
+    g.add_argument("--seed", type=int, default=1337)
+    return ap
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    if args.exit_threshold != "auto":
+        try:
+            float(args.exit_threshold)
+        except ValueError:
+            raise SystemExit(f"error: --exit-threshold must be a number or 'auto', got {args.exit_threshold!r}")
+    device = pick_device(args.device)
+    dtype = pick_dtype(device, args.dtype)
+    out = {}
+    if args.bench_decode:
+        out["bench_decode"] = bench_decode(args, device, dtype)
+    else:
+        if not args.no_serve:
+            out["serve"] = serve_compare(args, device, dtype)
+        if not args.no_compare and (args.compare_archs or args.compare_archs is None):
+            out["compare_archs"] = compare_archs(args, device, dtype)
+    if args.json:
+        print(json.dumps(out))
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,369 @@
+"""block_transformer.py: cached generation == parallel forward, locality, random-length padding, uptraining init,
+config errors, KV accounting, train.py integration (from scratch and --init-from vanilla) and the bench."""
+import argparse
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import block_transformer as bt
+from block_transformer import BlockConfig, BlockTransformer, from_vanilla, random_pad_documents
+from conftest import write_jsonl
+from model import GPT, GPTConfig, IGNORE, lm_loss
+
+V = 67  # vocabulary of the unit tests; the pad id is V - 1
+
+
+def tiny_cfg(**kw) -> BlockConfig:
+    d = dict(vocab_size=V, max_seq_len=32, block_len=4, prefix_len=2, block_n_layer=2, tok_n_layer=2,
+             block_n_embd=32, tok_n_embd=32, block_n_head=4, block_n_kv_head=2, tok_n_head=4, tok_n_kv_head=2,
+             block_mlp_hidden=48, tok_mlp_hidden=48)
+    d.update(kw)
+    return BlockConfig(**d)
+
+
+def tiny_model(**kw) -> BlockTransformer:
+    m = BlockTransformer(tiny_cfg(**kw)).eval()
+    with torch.no_grad():  # larger weights than the 0.02 init: sharper, more varied logits (no argmax near-ties)
+        for p in m.parameters():
+            if p.dim() >= 2:
+                p.mul_(5.0)
+    return m
+
+
+def real_tokens(*shape):
+    return torch.randint(0, V - 1, shape)  # never the pad id
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Cached generation == the parallel (training) forward
+
+
+VARIANTS = [(dict(), 5), (dict(), 8), (dict(context="summation"), 6), (dict(embedder="lookup_proj", embed_dim=12), 7),
+            (dict(prefix_len=3), 5), (dict(block_len=2, max_seq_len=30), 5)]
+
+
+@pytest.mark.parametrize("kw,prompt_len", VARIANTS, ids=["prefix", "prefix-aligned", "summation", "lookup_proj", "P3",
+                                                          "LB2"])
+def test_greedy_generation_equals_argmax_of_forward(kw, prompt_len):
+    m = tiny_model(**kw)
+    L = m.config.block_len
+    idx = real_tokens(3, prompt_len)
+    n_new = m.config.max_seq_len - prompt_len - 4 - (-prompt_len) % L
+    out = m.generate(idx, n_new)  # batched: 3 prompts at once
+    assert out.shape == (3, prompt_len + n_new) and torch.equal(out[:, :prompt_len], idx)
+    # The training forward on the generated sequence, left-padded as generate() pads the prompt.
+    lp = (-prompt_len) % L
+    seq = F.pad(out, (lp, (-(lp + out.size(1))) % L), value=m.config.pad)
+    logits, _ = m(seq)
+    pred = logits.argmax(-1)[:, lp + prompt_len - 1: lp + out.size(1) - 1]  # logits[:, t] predicts t + 1
+    assert torch.equal(pred, out[:, prompt_len:])
+    # rows are independent: one row alone gives the same continuation
+    assert torch.equal(m.generate(idx[1:2], n_new), out[1:2])
+
+
+def test_sampled_generation_is_seeded_and_draws_from_the_model():
+    m = tiny_model()
+    idx = real_tokens(2, 6)
+    gen = lambda s: torch.Generator().manual_seed(s)  # noqa: E731
+    a = m.generate(idx, 16, temperature=1.0, top_k=5, generator=gen(1))
+    b = m.generate(idx, 16, temperature=1.0, top_k=5, generator=gen(1))
+    c = m.generate(idx, 16, temperature=1.0, top_k=5, generator=gen(2))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert not torch.equal(a, m.generate(idx, 16))  # not greedy
+    # every sampled token is among the top 5 of the parallel model's logits at its position
+    seq = F.pad(a, (2, 0), value=m.config.pad)
+    logits, _ = m(seq)
+    top5 = logits.topk(5, dim=-1).indices[:, 2 + 5: 2 + a.size(1) - 1]  # (B, 16, 5)
+    assert (top5 == a[:, 6:, None]).any(-1).all()
+
+
+def test_generation_caches_are_small_and_kv_bytes_match_them():
+    m = tiny_model()
+    blk, loc = m.new_caches(batch=3, seq_len=32, dtype=torch.bfloat16)
+    assert loc.max_len == m.config.prefix_len + m.config.block_len - 1  # P + L_B - 1 <= P + L_B entries
+    assert blk.max_len == 32 // 4 + 1  # block positions (+1 for a left-padded prompt)
+    assert m.kv_cache_bytes(3, 32, dtype_bytes=2) == blk.nbytes() + loc.nbytes()
+    v = GPT(m.config.vanilla_config())
+    assert m.kv_cache_bytes(3, 32) < v.kv_cache_bytes(3, 32) / 2
+    # the token decoder's local cache never grows past P + L_B - 1 while generating (it is reset every block)
+    seen = []
+    orig = m.decode_block
+
+    def spy(ctx, local, *a, **k):
+        out = orig(ctx, local, *a, **k)
+        seen.append((local.max_len, int(local.lengths.max())))
+        return out
+
+    m.decode_block = spy
+    m.generate(real_tokens(2, 3), 20)
+    assert len(seen) == 5 and all(n <= cap == 5 for cap, n in seen)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Locality
+
+
+def test_logits_do_not_depend_on_later_tokens():
+    m = tiny_model()
+    idx = real_tokens(2, 32)
+    logits, _ = m(idx)
+    for t in (5, 14, 31):
+        idx2 = idx.clone()
+        idx2[:, t:] = real_tokens(2, 32 - t)
+        logits2, _ = m(idx2)
+        torch.testing.assert_close(logits2[:, :t], logits[:, :t], rtol=0, atol=1e-5)
+        assert not torch.allclose(logits2[:, t:], logits[:, t:])
+
+
+def test_with_fixed_context_a_block_never_sees_other_blocks():
+    m = tiny_model()
+    L, N = 4, 8
+    idx = real_tokens(2, 32)
+    ctx = m.context(idx)
+    m.context = lambda _idx: ctx  # hold every context embedding fixed
+    logits, _ = m(idx)
+    for j in (1, 4, 7):  # block j is decoded from ctx of block j-1: logits at [j*L - 1, (j+1)*L - 1)
+        idx2 = real_tokens(2, 32)
+        idx2[:, j * L:(j + 1) * L] = idx[:, j * L:(j + 1) * L]  # every other block changes
+        logits2, _ = m(idx2)
+        sl = slice(j * L - 1, (j + 1) * L - 1)
+        torch.testing.assert_close(logits2[:, sl], logits[:, sl], rtol=0, atol=1e-5)
+        assert not torch.allclose(logits2, logits)
+    # the same through local_logits: rows folded into the batch dimension are independent
+    c, blocks = torch.randn(5, 32), real_tokens(5, L)
+    out = m.local_logits(c, blocks)
+    c2, blocks2 = torch.randn(5, 32), real_tokens(5, L)
+    c2[2], blocks2[2] = c[2], blocks[2]
+    torch.testing.assert_close(m.local_logits(c2, blocks2)[2], out[2], rtol=0, atol=1e-5)
+
+
+def test_blocks_are_folded_into_the_batch_dimension():
+    m = tiny_model()
+    calls = []
+    m.token_decoder.register_forward_hook(lambda mod, args, out: calls.append(args[0].shape))
+    pos = []
+    m.block_decoder.rope.register_forward_hook(lambda mod, args, out: pos.append(args[0]))
+    m(real_tokens(3, 32))
+    assert calls == [torch.Size([3 * 8, m.config.local_len, 32])]  # one call over all 24 blocks
+    assert len(pos) == 1 and torch.equal(pos[0].flatten(), torch.arange(8))  # RoPE positions = block indices
+    # generation: the prefill is at blocks 0..N-1 (prompt left-padded to 2 blocks), each decode step at the next
+    pos.clear()
+    m.generate(real_tokens(1, 6), 10)
+    assert [p.flatten().tolist() for p in pos] == [[0, 1], [2], [3]]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Random-length padding (Appendix H)
+
+
+def packed_window(B=4, W=97, eot=0, gen=None):
+    """Rows of a token stream where every token of document d is the id d + 1 and documents end with eot."""
+    rows = []
+    for b in range(B):
+        toks, d = [], 0
+        while len(toks) < W:
+            n = int(torch.randint(1, 12, (1,), generator=gen))
+            toks += [d % 60 + 1] * n + [eot]
+            d += 1
+        rows.append(toks[:W])
+    seq = torch.tensor(rows)
+    return seq[:, :-1], seq[:, 1:]
+
+
+def test_random_padding_never_mixes_documents():
+    g = torch.Generator().manual_seed(0)
+    pad, eot, L = V - 1, 0, 4
+    x, y = packed_window(gen=g)
+    x2, y2 = random_pad_documents(x, y, g, L, pad, eot)
+    assert x2.shape == x.shape and y2.shape == y.shape
+    full = torch.cat([x2, torch.where(y2[:, -1:] == IGNORE, pad, y2[:, -1:])], 1)
+    assert torch.equal(torch.where(y2 == IGNORE, pad, y2), full[:, 1:])  # y is x shifted by one
+    assert ((y2 == IGNORE) == (full[:, 1:] == pad)).all()  # every pad target is ignored, nothing else
+    lefts = set()
+    for b in range(x.size(0)):
+        real = full[b][full[b] != pad]
+        seq = torch.cat([x[b], y[b, -1:]])
+        assert torch.equal(real, seq[:real.numel()])  # order kept, nothing lost but the tail
+        for blk in x2[b].view(-1, L).tolist():
+            toks = [t for t in blk if t != pad]
+            docs = {t for t in toks if t != eot}
+            assert len(docs) <= 1, f"block {blk} mixes documents"
+            assert eot not in toks[:-1], f"block {blk} continues after an end of text"
+            where = [i for i, t in enumerate(blk) if t != pad]
+            assert where == list(range(where[0], where[0] + len(where))) if where else True  # pads only at the edges
+            if where and where[0] > 0:
+                lefts.add(where[0])
+    assert lefts >= {1, 2, 3}  # random left pads of 1..L_B-1 occur (0 too, but it is not visible as a pad)
+
+
+def test_prepare_batch_needs_the_end_of_text_id():
+    x, y = packed_window(B=2, W=33, eot=5)
+    g = torch.Generator().manual_seed(0)
+    x1, y1, kw = bt.prepare_batch(x, y, g, tiny_cfg())  # no eot_id: unchanged
+    assert kw == {} and x1 is x and y1 is y
+    x2, y2, _ = bt.prepare_batch(x, y, g, tiny_cfg(eot_id=5))
+    assert (x2 == V - 1).any() and (y2 == IGNORE).any()
+    x3, _, _ = bt.prepare_batch(x, y, g, tiny_cfg(eot_id=5, random_pad=False))
+    assert x3 is x
+
+
+def test_pad_targets_carry_no_loss_and_padding_blocks_are_skipped():
+    m = tiny_model()
+    pad, L = m.config.pad, 4
+    idx, tgt = real_tokens(2, 32), real_tokens(2, 32)
+    idx[0, 8:16] = pad  # two blocks of padding (blocks 2 and 3) in row 0
+    idx[1, 20:22] = pad  # a partly padded block in row 1
+    tgt[0, 7:15] = pad
+    logits, loss = m(idx, tgt)
+    masked = tgt.masked_fill(tgt == pad, IGNORE)
+    masked[:, :L - 1] = IGNORE  # the first block has no context embedding: never predicted
+    torch.testing.assert_close(loss, lm_loss(logits, masked))
+    assert torch.isfinite(loss)
+    # the pad logit is never predicted, and the loss does not change whatever the model says at pad targets
+    assert (logits[:, L - 1:, pad] == float("-inf")).all()
+    # blocks that are entirely padding never reach the token decoder
+    rows = []
+    m.token_decoder.register_forward_hook(lambda mod, args, out: rows.append(args[0].size(0)))
+    m(idx)
+    assert rows == [2 * 8 - 2]
+    # the kept rows get exactly what the token decoder gives them without skipping
+    ctx = m.context(idx).reshape(16, -1)
+    nxt = F.pad(idx.view(2, 8, L)[:, 1:], (0, 0, 0, 1), value=pad).reshape(16, L)
+    ref = m.local_logits(ctx, nxt).view(2, 8 * L, -1)[:, :32 - L + 1]
+    torch.testing.assert_close(logits[1, L - 1:], ref[1], rtol=0, atol=1e-5)
+    torch.testing.assert_close(logits[0, L - 1:L - 1 + 4], ref[0, :4], rtol=0, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Uptraining from a vanilla model (Appendix N)
+
+
+def test_uptraining_init_matches_its_definition():
+    v = GPT(GPTConfig(n_layer=4, n_head=4, n_kv_head=2, n_embd=32, mlp_hidden=48, vocab_size=V, max_seq_len=32))
+    m = from_vanilla(v, block_len=4, prefix_len=3).eval()
+    c = m.config
+    assert (c.block_n_layer, c.tok_n_layer, c.embedder, c.context) == (2, 2, "lookup_proj", "prefix")
+    # lower half -> block decoder, upper half -> token decoder
+    for i in range(2):
+        for (k, a), b in zip(m.block_decoder.blocks[i].state_dict().items(), v.blocks[i].state_dict().values()):
+            assert torch.equal(a, b), k
+        for (k, a), b in zip(m.token_decoder.blocks[i].state_dict().items(), v.blocks[2 + i].state_dict().values()):
+            assert torch.equal(a, b), k
+    # embedder: the mean of the block's vanilla token embeddings
+    blocks = real_tokens(2, 5, 4)
+    torch.testing.assert_close(m.embedder(blocks), v.tok_emb(blocks).mean(2), rtol=1e-5, atol=1e-6)
+    # prefix projection: every prefix slot equals the context embedding
+    ctx = m.context(real_tokens(2, 16)).reshape(8, -1)
+    slots = m.context_slots(ctx)
+    assert slots.shape == (8, 3, 32)
+    torch.testing.assert_close(slots, ctx[:, None].expand(8, 3, 32), rtol=0, atol=1e-6)
+    # the token decoder's embedding, final norm and head are the vanilla ones
+    assert torch.equal(m.tok_emb.weight, v.tok_emb.weight) and torch.equal(m.lm_head.weight, v.lm_head.weight)
+    assert torch.equal(m.norm.weight, v.norm.weight)
+    # and it runs: generation still equals the forward
+    out = m.generate(real_tokens(2, 4), 12)
+    assert torch.equal(m(out)[0].argmax(-1)[:, 3:15], out[:, 4:])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Config and input errors
+
+
+def test_config_errors_are_clear():
+    with pytest.raises(ValueError, match=r"block_n_embd=34 is not divisible by block_len L_B=4"):
+        tiny_cfg(block_n_embd=34)
+    with pytest.raises(ValueError, match=r"max_seq_len=30 is not a multiple of block_len L_B=4"):
+        tiny_cfg(max_seq_len=30)
+    with pytest.raises(ValueError, match="context='cross' is not"):
+        tiny_cfg(context="cross")
+    with pytest.raises(ValueError, match="eot_id=66 must be a vocabulary id other than the pad id"):
+        tiny_cfg(eot_id=66)
+    with pytest.raises(ValueError, match="token decoder: bad GPTConfig: n_embd=32 is not divisible by n_head=5"):
+        tiny_cfg(tok_n_head=5, tok_n_kv_head=5)
+    with pytest.raises(ValueError, match="unknown preset"):
+        BlockConfig.from_preset("huge")
+    m = tiny_model()
+    with pytest.raises(ValueError, match="sequence length 10 is not a multiple of block_len L_B=4"):
+        m(real_tokens(1, 10))
+    with pytest.raises(ValueError, match="exceeds max_seq_len=32"):
+        m.generate(real_tokens(1, 30), 8)
+    v = GPT(GPTConfig(n_layer=1, n_embd=32, mlp_hidden=48, vocab_size=V, max_seq_len=32))
+    with pytest.raises(ValueError, match="needs at least 2 layers"):
+        from_vanilla(v)
+    v = GPT(GPTConfig(n_layer=2, n_embd=32, mlp_hidden=48, vocab_size=V, max_seq_len=32))
+    with pytest.raises(ValueError, match="sequence length 30 is not a multiple of block_len L_B=4"):
+        from_vanilla(v, max_seq_len=30)
+
+
+def test_presets_have_equal_decoders_and_match_vanilla_parameters():
+    for name in ("tiny", "small", "t3-85m"):  # the others only scale these up (meta-device builds cost time)
+        c = BlockConfig.from_preset(name)
+        assert c.block_len == 4 and c.prefix_len == 2 and c.embedder == "lookup"
+        assert all(getattr(c, f"block_{f}") == getattr(c, f"tok_{f}") for f in bt.DECODER_FIELDS)
+        with torch.device("meta"):
+            m, v = BlockTransformer(c), GPT(c.vanilla_config())
+        # equal decoders; the vanilla model of Table 3 stacks both: equal but for the prefix projection
+        extra = c.block_n_embd * c.prefix_len * c.tok_n_embd + c.prefix_len * c.tok_n_embd
+        assert m.num_params() - v.num_params() == extra + c.block_n_embd, name  # + the block decoder's final norm
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# train.py: from scratch and uptrained from a vanilla checkpoint; the bench
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("block")
+    words = "def class return import self value index block token prefix context decoder cache".split()
+    g = torch.Generator().manual_seed(0)
+    docs = [" ".join(words[int(i)] for i in torch.randint(0, len(words), (int(n),), generator=g))
+            for n in torch.randint(5, 60, (80,), generator=g)]
+    data = write_jsonl(d / "corpus.jsonl", docs)
+    common = ["--data", str(data), "--cache-dir", str(d / "cache"), "--vocab-size", "300", "--seq-len", "32",
+              "--batch-size", "4", "--eval-iters", "1", "--sample-tokens", "6", "--device", "cpu",
+              "--dtype", "float32", "--max-iters", "2"]
+    import train
+
+    train.train(["--arch", "vanilla", "--out-dir", str(d / "vanilla"), *common])
+    return d, common
+
+
+def test_train_block_from_scratch_and_uptrained(corpus):
+    import train
+
+    d, common = corpus
+    res = train.train(["--arch", "block", "--out-dir", str(d / "scratch"), *common])
+    assert res["loss"] is not None
+    ck = train.load_checkpoint(d / "scratch" / "ckpt.pt")
+    cfg = ck["config"]
+    # the tokenizer's end-of-text id (300) reached the config, so prepare_batch pads documents; pad = spare last row
+    assert ck["arch"] == "block" and cfg["eot_id"] == 300 and cfg["vocab_size"] == train.padded_vocab(301)
+    assert BlockConfig.from_dict(cfg).pad == cfg["vocab_size"] - 1 > 300
+    assert isinstance(train.model_from_checkpoint(ck), BlockTransformer)
+
+    van = str(d / "vanilla" / "ckpt.pt")
+    res = train.train(["--arch", "block", "--init-from", van, "--out-dir", str(d / "up"), "--block-prefix-len", "3",
+                       *common])
+    assert res["loss"] is not None
+    ck = train.load_checkpoint(d / "up" / "ckpt.pt")
+    cfg = ck["config"]
+    assert (cfg["embedder"], cfg["prefix_len"], cfg["block_n_layer"], cfg["tok_n_layer"], cfg["eot_id"]) == \
+           ("lookup_proj", 3, 2, 2, 300)
+    with pytest.raises(ValueError, match="uptraining from a vanilla model"):
+        train.train(["--arch", "block", "--init-from", van, "--block-context", "summation",
+                     "--out-dir", str(d / "x"), *common])
+    with pytest.raises(ValueError, match="not a multiple of block_len"):
+        train.train(["--arch", "block", "--out-dir", str(d / "x"), *common, "--seq-len", "30"])
+
+
+def test_bench_runs_both_models_in_both_settings(capsys):
+    args = argparse.Namespace(preset="tiny", batch="2", scale=1 / 128, runs=1, device="cpu", dtype="float32")
+    bt.bench(args)
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.split()[:1] in
+            (["prefill-heavy"], ["decode-heavy"])]
+    assert [(r[0], r[1], r[2], r[4]) for r in rows] == [
+        ("prefill-heavy", "16", "1", "vanilla"), ("prefill-heavy", "16", "1", "block"),
+        ("decode-heavy", "1", "16", "vanilla"), ("decode-heavy", "1", "16", "block")]
+    kv = {(r[0], r[4]): float(r[7]) for r in rows}
+    assert kv[("decode-heavy", "block")] < kv[("decode-heavy", "vanilla")]

@@ -1,0 +1,183 @@
+"""serve.py: depth-wise batching (with and without early exit) and the vanilla baselines give exactly what each
+request gets when generated alone; no request lost or duplicated; bad requests fail alone; seeded sampling."""
+import json
+
+import pytest
+import torch
+
+import serve
+from model import GPT, GPTConfig, KVCache
+from recursive import RecursiveGPT, from_vanilla
+
+CFG = dict(n_layer=2, n_head=2, n_kv_head=1, n_embd=32, mlp_hidden=64, vocab_size=96, max_seq_len=64)
+
+
+def _models():
+    torch.manual_seed(0)
+    van = GPT(GPTConfig(**CFG))
+    with torch.no_grad():  # sharper softmaxes: wide gaps between the top logits (no argmax near-ties)
+        van.tok_emb.weight.mul_(40.0)
+    rel = from_vanilla(van, n_loops=2, init="average", lora_init="svd", log=lambda *_: None,
+                       lora_rank_q=4, lora_rank_kv=4, lora_rank_o=4, lora_rank_mlp=4)
+    return van.eval(), rel.eval()
+
+
+VAN, REL = _models()
+
+
+def _requests(n, seed, gen="1:8", rate=0.5):
+    # arrivals in decode steps (clock='step'): Poisson with gaps of mean 1/rate steps
+    return serve.synthetic_requests(n, CFG["vocab_size"], "1:12", gen, "poisson", rate, seed)
+
+
+def test_relaxed_model_has_nonzero_lora():
+    lora_B = [p for n, p in REL.named_parameters() if n.endswith("lora_B")]
+    assert lora_B and all(p.abs().sum() > 0 for p in lora_B)
+
+
+def test_depthwise_no_exit_equals_sequential():
+    reqs = _requests(52, seed=1)
+    seen, orig = [], REL.loop_step
+
+    def spy(x, loops, *a, **k):  # records whether a step had rows at different loops (per-row LoRA and cache)
+        seen.append(isinstance(loops, torch.Tensor))
+        return orig(x, loops, *a, **k)
+
+    REL.loop_step = spy
+    try:
+        out = serve.DepthWiseServer(REL, slots=6, exit_threshold=None).run(reqs, clock="step")
+    finally:
+        del REL.loop_step
+    assert sum(seen) > 10, "the schedule never mixed loops within a step"
+    for r in out:
+        assert r.error is None
+        ref, ref_exits = serve.sequential_generate(REL, r)
+        assert r.output == ref, r.rid
+        assert r.exits == [REL.config.n_loops - 1] * len(ref)
+
+
+def test_depthwise_early_exit_equals_sequential_with_same_rule():
+    reqs = _requests(50, seed=2)
+    thr = serve.calibrate_threshold(REL, reqs, exit_rate=0.5)
+    out = serve.DepthWiseServer(REL, slots=5, exit_threshold=thr).run(reqs, clock="step")
+    n_early = 0
+    for r in out:
+        ref, ref_exits = serve.sequential_generate(REL, r, exit_threshold=thr)
+        assert r.output == ref, r.rid
+        assert r.exits == ref_exits, r.rid
+        n_early += sum(e < REL.config.n_loops - 1 for e in r.exits)
+    assert n_early > 20  # exits really happened
+
+
+def test_depthwise_early_exit_differs_from_no_exit_path():
+    # the exit rule matters: with a threshold the outputs/exits are not those of the full-depth path
+    reqs = _requests(20, seed=3)
+    thr = serve.calibrate_threshold(REL, reqs, exit_rate=0.7)
+    a = serve.DepthWiseServer(REL, slots=4, exit_threshold=thr).run(reqs, clock="step")
+    b = serve.DepthWiseServer(REL, slots=4).run(reqs, clock="step")
+    assert [r.exits for r in a] != [r.exits for r in b]
+
+
+def test_vanilla_continuous_and_static_equal_sequential():
+    reqs = _requests(50, seed=4, gen="1:6")
+    for cls in (serve.ContinuousServer, serve.StaticServer):
+        out = cls(VAN, slots=7).run(reqs, clock="step")
+        for r in out:
+            assert r.error is None
+            assert r.output == serve.sequential_generate(VAN, r)[0], (cls.__name__, r.rid)
+
+
+def test_500_requests_none_lost_or_duplicated():
+    reqs = _requests(500, seed=5, gen="1:2", rate=8.0)
+    bad = {7: dict(prompt=[]), 99: dict(max_new_tokens=0), 250: dict(prompt=[1, 2, CFG["vocab_size"]]),
+           401: dict(prompt=list(range(CFG["max_seq_len"])))}
+    for rid, change in bad.items():
+        for k, v in change.items():
+            setattr(reqs[rid], k, v)
+    thr = serve.calibrate_threshold(REL, reqs, 0.5)
+    out = serve.DepthWiseServer(REL, slots=16, exit_threshold=thr).run(reqs, clock="step")
+    assert sorted(r.rid for r in out) == list(range(500))
+    for r in out:
+        if r.rid in bad:
+            assert r.error and not r.output
+        else:
+            assert r.error is None and len(r.output) == r.max_new_tokens and r.t_done is not None
+
+
+def test_bad_requests_get_their_own_error():
+    reqs = _requests(12, seed=6)
+    reqs[1].prompt = []
+    reqs[3].prompt = [5, -1, 2]
+    reqs[4].prompt = [5, CFG["vocab_size"] + 3]
+    reqs[6].prompt = list(range(CFG["max_seq_len"] + 1))
+    reqs[8].max_new_tokens = 0
+    reqs[9].max_new_tokens = -2
+    reqs[10].prompt, reqs[10].max_new_tokens = [1] * 40, 30  # fits alone, not with its output
+    expect = {1: "empty prompt", 3: "outside the vocabulary", 4: "outside the vocabulary", 6: "longer than the context",
+              8: "max_new_tokens", 9: "max_new_tokens", 10: "exceeds the context"}
+    for srv in (serve.DepthWiseServer(REL, 4), serve.ContinuousServer(VAN, 4), serve.StaticServer(VAN, 4)):
+        out = srv.run(reqs, clock="step")
+        for r in out:
+            if r.rid in expect:
+                assert r.error and expect[r.rid] in r.error, (r.rid, r.error)
+                assert r.output == []
+            else:
+                assert r.error is None and r.output == serve.sequential_generate(srv.model, r)[0]
+
+
+def test_jsonl_requests(tmp_path):
+    f = tmp_path / "r.jsonl"
+    f.write_text("\n".join([json.dumps({"prompt_ids": [1, 2, 3], "max_new_tokens": 4}),
+                            "{not json",
+                            json.dumps({"max_new_tokens": 2}),
+                            json.dumps({"prompt_ids": [4, 5], "max_new_tokens": 3, "arrival": 2})]))
+    reqs = serve.jsonl_requests(f)
+    out = serve.ContinuousServer(VAN, 2).run(reqs, clock="step")
+    assert [r.error is None for r in out] == [True, False, False, True]
+    assert "line 2" in out[1].error and "prompt" in out[2].error
+    assert out[0].output == serve.sequential_generate(VAN, out[0])[0] and len(out[3].output) == 3
+
+
+def test_same_seed_same_sampled_outputs():
+    reqs = _requests(16, seed=7, gen="2:6")
+    kw = dict(temperature=8.0, top_k=20)
+    a = serve.DepthWiseServer(REL, 4, seed=11, **kw).run(reqs, clock="step")
+    b = serve.DepthWiseServer(REL, 3, seed=11, **kw).run(reqs, clock="step")  # another schedule
+    c = serve.DepthWiseServer(REL, 4, seed=12, **kw).run(reqs, clock="step")
+    assert [r.output for r in a] == [r.output for r in b]
+    assert [r.output for r in a] != [r.output for r in c]
+    for r in a[:6]:  # and each equals the request generated alone with its own generator
+        assert r.output == serve.sequential_generate(REL, r, temperature=8.0, top_k=20, seed=11)[0]
+    v = serve.ContinuousServer(VAN, 4, seed=11, **kw).run(reqs, clock="step")
+    for r in v[:6]:
+        assert r.output == serve.sequential_generate(VAN, r, temperature=8.0, top_k=20, seed=11)[0]
+
+
+def test_static_decoder_equals_decode_step():
+    torch.manual_seed(1)
+    idx = torch.randint(0, CFG["vocab_size"], (2, 5))
+    ref = VAN.generate(idx, 6)
+    cache = VAN.new_cache(2, 16)
+    step = serve.StaticDecoder(VAN, cache)
+    with torch.no_grad():
+        tok = VAN.prefill(idx, cache).argmax(-1)
+        pos, out = cache.lengths[:, None].clone(), [tok]
+        for _ in range(5):
+            tok = step(tok, pos).argmax(-1)
+            pos = pos + 1
+            out.append(tok)
+    assert torch.equal(torch.stack(out, 1), ref[:, 5:])
+
+
+def test_metrics_and_bad_args():
+    reqs = _requests(10, seed=8)
+    srv = serve.DepthWiseServer(REL, 4, exit_threshold=serve.calibrate_threshold(REL, reqs))
+    d = serve.summarize(srv, srv.run(reqs, clock="step"))
+    assert d["tokens"] == sum(r.max_new_tokens for r in reqs) and d["tok_per_s"] > 0
+    assert 1.0 <= d["mean_exit_loop"] <= 2.0 and 0 < d["occupancy"] <= 1.0
+    with pytest.raises(ValueError, match="slots"):
+        serve.DepthWiseServer(REL, 0)
+    with pytest.raises(ValueError, match="range"):
+        serve.parse_range("9:3")
+    with pytest.raises(ValueError, match="rate"):
+        serve.arrival_times(3, "poisson", 0.0, torch.Generator())
