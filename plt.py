@@ -84,7 +84,7 @@ import torch.nn.functional as F
 
 from kernels import gated_swa, gated_swa_decode, plt_gate
 from model import (GPT, ArchSpec, Attention, Block, GPTConfig, KVCache, attend, causal_mask_from_positions,
-                   init_weights, kv_bytes, lm_loss, pick_device, pick_dtype, sample_next)
+                   init_weights, kv_bytes, lm_loss, pick_device, pick_dtype)
 
 # ----------------------------------------------------------------------------------------------------------------
 # Config
@@ -547,20 +547,7 @@ class PLT(GPT):
         cache.lengths += 1
         return self.head(x[:, -1:])[:, 0]
 
-    @torch.no_grad()
-    def generate(self, idx, max_new_tokens: int, temperature: float = 0.0, top_k=None, generator=None):
-        """idx (B, T) -> (B, T + max_new_tokens). temperature 0 is greedy (argmax)."""
-        B, T = idx.shape
-        self.check_length(T + max_new_tokens)
-        cache = self.new_cache(B, T + max_new_tokens)
-        logits = self.prefill(idx, cache)
-        out = [idx]
-        for i in range(max_new_tokens):
-            tok = sample_next(logits, temperature, top_k, generator)
-            out.append(tok[:, None])
-            if i + 1 < max_new_tokens:
-                logits = self.decode_step(tok, cache)
-        return torch.cat(out, dim=1)
+    # generate() is model.GPT's: prefill, then decode_step per token, both overridden above.
 
     # -- accounting ----------------------------------------------------------------------------------------------
 
