@@ -279,6 +279,12 @@ class Server:
 
     # -- bookkeeping ---------------------------------------------------------------------------------------------
 
+    def place(self, s, tmp, i):
+        """Copy row i of a prefill cache `tmp` (all layers, its max_len positions) into slot s of self.cache."""
+        T = tmp.max_len
+        self.cache.k[:, s, :, :T] = tmp.k[:, i]
+        self.cache.v[:, s, :, :T] = tmp.v[:, i]
+
     def sample(self, logits, reqs) -> list[int]:
         """logits (b, V) -> one token per request (greedy in one argmax; sampled with each request's generator)."""
         if self.temperature <= 0:
@@ -387,13 +393,11 @@ class ContinuousServer(Server):
         logits, tmp, lengths = self.batched_prefill(reqs)
         toks = self.sample(logits, reqs)
         free = [s for s, r in enumerate(self.req) if r is None]
-        T = tmp.max_len
         for i, (r, t) in enumerate(zip(reqs, toks)):
             if self.emit(r, t, None):
                 continue
             s = free.pop(0)
-            self.cache.k[:, s, :, :T] = tmp.k[:, i]
-            self.cache.v[:, s, :, :T] = tmp.v[:, i]
+            self.place(s, tmp, i)
             self.cache.lengths[s] = lengths[i]
             self.req[s], self.tok[s] = r, t
 
@@ -491,13 +495,11 @@ class DepthWiseServer(Server):
         logits, tmp, lengths = self.batched_prefill(reqs)
         toks = self.sample(logits, reqs)
         free = [s for s, r in enumerate(self.req) if r is None]
-        T = tmp.max_len
         for i, (r, t) in enumerate(zip(reqs, toks)):
             if self.emit(r, t, self.cfg.n_loops - 1):  # prompt tokens never exit early: the prefill runs all loops
                 continue
             s = free.pop(0)
-            self.cache.k[:, s, :, :T] = tmp.k[:, i]
-            self.cache.v[:, s, :, :T] = tmp.v[:, i]
+            self.place(s, tmp, i)
             self.req[s] = r
             self.pos[s] = lengths[i]
             self.start_token(s, t)
