@@ -5,15 +5,17 @@ A Llama/Gemma-style decoder, written to be read top to bottom:
 
     RMSNorm / LayerNorm -> rotary embedding from explicit positions -> GQA attention through
     scaled_dot_product_attention (explicit mask, optional pre-allocated KV cache) -> gated MLP
-    (SwiGLU or GeGLU) -> Block -> KVCache -> GPT (forward, prefill, decode_step, generate).
+    (SwiGLU or GeGLU) -> Block -> KVCache -> run_cached (the one cached layer stack) -> GPT (forward, prefill,
+    decode_step, generate).
 
 The other architectures of this repository (recursive.py, block_transformer.py, plt.py, double_decoder.py) do not
-re-write any of this math. They import `Block`, `Attention`, `MLP`, `RMSNorm`, `RotaryEmbedding`, `KVCache`, `attend`
-and `sample_next`, and pass what is special about them as arguments: RoPE positions that are block indices or
-offsets, a LoRA index per row (`lora_idx`, used by svd_lora.py), an explicit attention mask, a cache layer.
+re-write any of this math. They import `Block`, `Attention`, `MLP`, `RMSNorm`, `RotaryEmbedding`, `KVCache`,
+`run_cached`, `attend` and `sample_next`, subclass `GPT` for its embedding, head and generate loop, and pass what is
+special about them as arguments: RoPE positions that are block indices or offsets, a LoRA index per row (`lora_idx`,
+used by svd_lora.py), an explicit attention mask, a cache layer.
 
 Switches on `GPTConfig` also cover the three pretrained families of the papers (Llama/TinyLlama, Gemma, GPT-NeoX/
-Pythia), so that `GPT.from_pretrained(dir)` can load a local Hugging Face checkpoint:
+Pythia), so that hf.py can load a local Hugging Face checkpoint into GPT:
   * norm='rms' | 'layer' (LayerNorm with bias, NeoX), norm_offset=1.0 for Gemma's (1 + w) scale;
   * mlp='swiglu' | 'geglu' (tanh GELU, Gemma) | 'gelu' (plain 4x MLP, NeoX);
   * embed_scale (Gemma multiplies embeddings by sqrt(d)); head_dim different from n_embd / n_head;
@@ -27,16 +29,15 @@ Conventions (shared by every file):
 Run:
     python model.py                       # print the presets: parameters, KV bytes, FLOPs per token
     python model.py --preset small        # one preset
-    python model.py --hf DIR --prompt "The capital of France is"   # greedy continuation of a local HF checkpoint
 """
 from __future__ import annotations
 
 import argparse
-import json
 import math
-from dataclasses import asdict, dataclass, field, fields, replace
+import time
+from dataclasses import dataclass, field, fields
+from functools import partial
 from typing import Callable
-from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -47,6 +48,12 @@ IGNORE = -100  # target id that carries no loss (pads, prompt tokens of a prefix
 
 # ----------------------------------------------------------------------------------------------------------------
 # Config
+
+
+def check(ok: bool, msg: str, what: str = "config"):
+    """The one validation helper of every config and argument check: ValueError("bad <what>: <msg>") unless ok."""
+    if not ok:
+        raise ValueError(f"bad {what}: {msg}")
 
 
 @dataclass
@@ -74,11 +81,12 @@ class GPTConfig:
     def __post_init__(self):
         self.validate()
 
-    def validate(self):
-        def need(ok, msg):
-            if not ok:
-                raise ValueError(f"bad GPTConfig: {msg}")
+    def need(self, ok: bool, msg: str):
+        """A failed check of this config: ValueError("bad <ConfigClass>: msg")."""
+        check(ok, msg, type(self).__name__)
 
+    def validate(self):
+        need = partial(check, what="GPTConfig")  # the shape fields: "bad GPTConfig" in every subclass too
         for name in ("n_layer", "n_head", "n_kv_head", "n_embd", "mlp_hidden", "vocab_size", "max_seq_len"):
             need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, f"{name} must be a positive int")
         need(self.n_head % self.n_kv_head == 0, f"n_head={self.n_head} is not a multiple of n_kv_head={self.n_kv_head}")
@@ -148,14 +156,40 @@ def pick_device(flag: str = "auto") -> torch.device:
 
 def pick_dtype(device: torch.device, flag: str = "auto") -> torch.dtype:
     """bf16 where the device supports it (CUDA with bf16, MPS), else fp32; or the named dtype."""
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
     if flag != "auto":
-        return {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-                "float16": torch.float16, "fp16": torch.float16}[flag]
+        check(flag in names, f"unknown dtype {flag!r}; choose auto or one of {sorted(names)}", "--dtype")
+        return names[flag]
     if device.type == "cuda" and torch.cuda.is_bf16_supported():
         return torch.bfloat16
     if device.type == "mps":
         return torch.bfloat16
     return torch.float32
+
+
+def sync(device):
+    """Wait for the device's queued work (CUDA is asynchronous; the CPU is not): call before reading a clock."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def timeit(fn, device, warmup: int = 1, repeats: int = 5) -> list[float]:
+    """Seconds per call of fn() for `repeats` timed calls after `warmup` untimed ones, the device synchronised around
+    each call. The one timing helper of the benchmarks (they report the median and the spread of this list)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return times
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -381,14 +415,23 @@ class KVCache:
     Attention never sees this class, only a `LayerCache` view from `cache.layer(i, rows)` with two methods,
     write(pos, k, v) and read(kv_len). Other files give their own caches (ring buffers, per-block caches) the same
     two methods.
+
+    static=True: a decode step attends over all max_len positions (the positional mask hides the unfilled ones)
+    instead of the filled prefix, so every step has the same shapes and reads no length back to the host: what
+    torch.compile / CUDA graphs need (gpt-fast's static cache). The results are the same.
     """
 
-    def __init__(self, n_layer, batch, max_len, n_kv_head, head_dim, dtype=torch.float32, device="cpu"):
+    def __init__(self, n_layer, batch, max_len, n_kv_head, head_dim, dtype=torch.float32, device="cpu", static=False):
         shape = (n_layer, batch, n_kv_head, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self.all_rows = torch.arange(batch, device=device)
+        self.static = static
+
+    @property
+    def batch(self) -> int:
+        return self.k.size(1)
 
     @property
     def max_len(self) -> int:
@@ -404,6 +447,18 @@ class KVCache:
             self.lengths.zero_()
         else:
             self.lengths[rows] = 0
+
+    def copy_rows(self, src: "KVCache", src_rows, dst_rows):
+        """Rows src_rows of `src` (every layer, its max_len positions, and their lengths) -> rows dst_rows of this
+        cache: a prefill cache into serving slots, or one shared prefix into every row (src_rows = [0, 0, ...])."""
+        S = src.max_len
+        if S > self.max_len or src.k.shape[::2] != self.k.shape[::2]:  # (layers, heads, head dim) must agree
+            raise ValueError(f"cannot copy cache rows of shape {tuple(src.k.shape)} into {tuple(self.k.shape)}")
+        src_rows = torch.as_tensor(src_rows, device=self.k.device)
+        dst_rows = torch.as_tensor(dst_rows, device=self.k.device)
+        self.k[:, dst_rows, :, :S] = src.k[:, src_rows]
+        self.v[:, dst_rows, :, :S] = src.v[:, src_rows]
+        self.lengths[dst_rows] = src.lengths[src_rows]
 
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
@@ -434,6 +489,30 @@ class LayerCache:
             return c.k[self.layer, :, :, :kv_len], c.v[self.layer, :, :, :kv_len]
         layer = self.layer if isinstance(self.layer, torch.Tensor) else torch.full_like(self.rows, self.layer)
         return c.k[layer, self.rows, :, :kv_len], c.v[layer, self.rows, :, :kv_len]
+
+
+def run_cached(blocks, rope: RotaryEmbedding, x, cache: KVCache, fresh: bool = False, layers=None):
+    """The cached layer stack: inputs x (B, T, C) at positions cache.lengths + (0..T-1) through `blocks`, each block
+    writing its K/V into its cache layer (layers[i], default i) -> hidden states (B, T, C). cache.lengths is left to
+    the caller. Every decoder of this repository runs its cached steps through here (GPT, the Block Transformer's two
+    decoders, the double decoder's context decoder).
+
+    fresh=True is the prefill of an empty cache: attention runs causally over x itself (the flash path on GPU) and
+    nothing is read back. Otherwise every query attends over the cache prefix under the positional causal mask: the
+    filled prefix [0, max(lengths) + T), or all max_len positions for a static cache (no host sync, fixed shapes).
+    """
+    B, T, _ = x.shape
+    q_pos = cache.lengths[:, None] + torch.arange(T, device=x.device)  # (B, T)
+    mask = None
+    if not fresh:
+        kv_len = cache.max_len if cache.static else int(cache.lengths.max()) + T
+        if kv_len > cache.max_len:
+            raise ValueError(f"KV cache holds {cache.max_len} positions; this step needs {kv_len}")
+        mask = causal_mask_from_positions(q_pos, kv_len)  # (B, 1, T, kv_len)
+    cos_sin = rope(q_pos)
+    for i, block in enumerate(blocks):
+        x = block(x, cos_sin, mask=mask, cache=cache.layer(i if layers is None else layers[i]), q_pos=q_pos)
+    return x
 
 
 def kv_bytes(n_layer, batch, seq_len, n_kv_head, head_dim, dtype_bytes=2) -> int:
@@ -586,29 +665,17 @@ class GPT(nn.Module):
 
     # -- inference -----------------------------------------------------------------------------------------------
 
-    def new_cache(self, batch: int, max_len: int | None = None, dtype=None, device=None) -> KVCache:
+    def new_cache(self, batch: int, max_len: int | None = None, dtype=None, device=None, static=False) -> KVCache:
         cfg, p = self.config, self.lm_head.weight
         max_len = max_len or cfg.max_seq_len
         self.check_length(max_len)
-        return KVCache(cfg.n_layer, batch, max_len, cfg.n_kv_head, cfg.hd, dtype or p.dtype, device or p.device)
+        return KVCache(cfg.n_layer, batch, max_len, cfg.n_kv_head, cfg.hd, dtype or p.dtype, device or p.device,
+                       static)
 
     def forward_cached(self, idx, cache: KVCache, fresh: bool = False):
-        """Run tokens idx (B, T) at positions cache.lengths + (0..T-1) through the stack, writing K/V.
-
-        Returns the final hidden states (B, T, C) before the final norm. fresh=True is the prefill of an empty cache:
-        attention runs causally over the new tokens (flash on GPU) instead of reading the cache back.
-        """
-        B, T = idx.shape
-        q_pos = cache.lengths[:, None] + torch.arange(T, device=idx.device)  # (B, T)
-        kv_len = T if fresh else int(cache.lengths.max()) + T
-        if kv_len > cache.max_len:
-            raise ValueError(f"KV cache holds {cache.max_len} positions; this step needs {kv_len}")
-        mask = None if fresh else causal_mask_from_positions(q_pos, kv_len)
-        rope = self.rope(q_pos)
-        x = self.embed(idx)
-        for i, block in enumerate(self.blocks):
-            x = block(x, rope, mask=mask, cache=cache.layer(i), q_pos=q_pos)
-        return x
+        """Tokens idx (B, T) at positions cache.lengths + (0..T-1) -> final hidden states (B, T, C), before the final
+        norm; K/V written (run_cached). fresh=True: the prefill of an empty cache."""
+        return run_cached(self.blocks, self.rope, self.embed(idx), cache, fresh)
 
     @torch.no_grad()
     def prefill(self, idx, cache: KVCache, lengths=None):
@@ -618,6 +685,8 @@ class GPT(nn.Module):
         lengths = torch.full((B,), T, device=idx.device) if lengths is None else lengths.to(idx.device)
         if int(lengths.min()) < 1:
             raise ValueError("every prompt needs at least one token")
+        if T > cache.max_len:
+            raise ValueError(f"KV cache holds {cache.max_len} positions; the prompts need {T}")
         cache.reset()
         h = self.forward_cached(idx, cache, fresh=True)  # pads write K/V past each row's length: masked later
         cache.lengths.copy_(lengths)
@@ -631,19 +700,31 @@ class GPT(nn.Module):
         cache.lengths += 1
         return self.head(h)[:, 0]
 
+    def generation_cache(self, batch: int, prompt_len: int, max_new_tokens: int, **step_kwargs):
+        """The cache generate() allocates (an architecture with another cache overrides this)."""
+        return self.new_cache(batch, prompt_len + max_new_tokens)
+
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens: int, temperature: float = 0.0, top_k=None, generator=None):
-        """idx (B, T) -> (B, T + max_new_tokens). temperature 0 is greedy (argmax)."""
+    def generate(self, idx, max_new_tokens: int, temperature: float = 0.0, top_k=None, generator=None, cache=None,
+                 **step_kwargs):
+        """idx (B, T) -> (B, T + max_new_tokens): prefill, then one decode_step per new token. temperature 0 is
+        greedy (argmax); else sampled with `generator`. The one generate loop of this repository: every architecture
+        overrides new_cache/generation_cache, prefill and decode_step, and `step_kwargs` reach every decode_step
+        (e.g. recursive.py's exit_threshold, double_decoder.py's rollover). `cache`: a cache to use instead of a new
+        one (e.g. one holding a shared prefix)."""
         B, T = idx.shape
         self.check_length(T + max_new_tokens)
-        cache = self.new_cache(B, T + max_new_tokens)
+        if max_new_tokens <= 0:
+            return idx
+        if cache is None:
+            cache = self.generation_cache(B, T, max_new_tokens, **step_kwargs)
         logits = self.prefill(idx, cache)
         out = [idx]
         for i in range(max_new_tokens):
             tok = sample_next(logits, temperature, top_k, generator)
             out.append(tok[:, None])
             if i + 1 < max_new_tokens:
-                logits = self.decode_step(tok, cache)
+                logits = self.decode_step(tok, cache, **step_kwargs)
         return torch.cat(out, dim=1)
 
     # -- accounting ----------------------------------------------------------------------------------------------
@@ -663,14 +744,6 @@ class GPT(nn.Module):
         n = self.num_params(non_embedding=True) + c.n_embd * c.vocab_size
         f = 6 * n + 12 * c.n_layer * c.n_head * c.hd * seq_len
         return f if training else f / 3
-
-    # -- pretrained checkpoints ----------------------------------------------------------------------------------
-
-    @classmethod
-    def from_pretrained(cls, path, dtype=torch.float32, device="cpu") -> "GPT":
-        """Load a local Hugging Face checkpoint directory (config.json + *.safetensors): Llama/TinyLlama/SmolLM, Gemma or
-        GPT-NeoX/Pythia. See the section "Pretrained checkpoints" below (`load_hf_model`)."""
-        return load_hf_model(path, dtype=dtype, device=device)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -708,306 +781,6 @@ ARCH_SPECS = [ArchSpec("vanilla", GPTConfig, GPT, PRESETS)]
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Pretrained checkpoints: a local Hugging Face directory -> GPT
-#
-# nanoGPT's `from_pretrained('gpt2')` for the three base-model families the papers convert (Gemma 2B, TinyLlama 1.1B,
-# Pythia 1B). Nothing is downloaded: the directory is what `huggingface-cli download` or `save_pretrained` leaves on
-# disk, config.json plus model.safetensors (or the shards listed in model.safetensors.index.json). Three steps:
-#   1. config.json -> GPTConfig (`hf_config_to_gpt`). Every family is a handful of switches on GPTConfig; anything the
-#      blocks above cannot reproduce exactly (rope scaling, another activation, Gemma 2, ...) is a ValueError that
-#      names it, never a silently different model;
-#   2. a plan (`hf_tensor_plan`): every tensor the checkpoint must hold, its shape, and where it goes in GPT's state
-#      dict. Only GPT-NeoX needs a real conversion: its fused query_key_value interleaves [q, k, v] per head;
-#   3. the safetensors are checked against the plan (a missing, unknown or misshapen tensor is a ValueError naming
-#      the tensor and its file) and loaded one tensor at a time into a GPT built on the meta device, so the weights
-#      are held once. The rotary tables are computed, never read. The "rotate half" RoPE layout of the blocks above
-#      is the one of Llama/NeoX in transformers, so q_proj/k_proj load without a permutation.
-# The model remembers which tokenizer it needs: `model.tokenizer_spec = {"kind": "hf", "path": DIR}` (train.py
-# tokenizes with DIR/tokenizer.json through the optional `tokenizers` package).
-
-HF_FAMILIES = ("llama", "gemma", "gpt_neox")
-_REQUIRED = object()
-
-
-def _hf_get(hf: dict, key: str, default=_REQUIRED, where="config.json"):
-    if key in hf and hf[key] is not None:
-        return hf[key]
-    if default is _REQUIRED:
-        raise ValueError(f"{where} has no {key!r}")
-    return default
-
-
-def _hf_rope(hf: dict, where: str, neox: bool) -> tuple[float, float]:
-    """-> (rope_theta, rotary fraction). transformers < 5 writes rope_theta + rope_scaling (NeoX: rotary_emb_base +
-    rotary_pct); transformers 5 writes one `rope_parameters` dict. Only plain RoPE is supported: scaled variants
-    (linear, dynamic, yarn, llama3, longrope) change the frequencies and are refused."""
-    rp = hf.get("rope_parameters") or {}
-    if not isinstance(rp, dict) or any(isinstance(v, dict) for v in rp.values()):
-        raise ValueError(f"{where}: per-layer-type rope_parameters {rp!r} are not supported")
-    scaling = hf.get("rope_scaling") or {}
-    for src in (rp, scaling):
-        kind = src.get("rope_type", src.get("type", "default"))
-        if kind != "default":
-            raise ValueError(f"{where}: rope type {kind!r} (RoPE scaling) is not supported; only the default RoPE is")
-    theta = rp.get("rope_theta", hf.get("rope_theta", hf.get("rotary_emb_base", 10000.0)))
-    # transformers' Llama and Gemma rotate the whole head whatever partial_rotary_factor says; NeoX reads it
-    # (default 0.25, Pythia's value)
-    pct = rp.get("partial_rotary_factor", hf.get("partial_rotary_factor", hf.get("rotary_pct", 0.25))) if neox else 1.0
-    return float(theta), float(pct)
-
-
-def hf_config_to_gpt(hf: dict, where: str = "config.json") -> tuple[str, GPTConfig]:
-    """A Hugging Face config.json (as a dict) -> (family, GPTConfig). Defaults of absent optional keys are those of
-    transformers' config classes; the sizes must be present."""
-    family = hf.get("model_type")
-    if family not in HF_FAMILIES:
-        hint = " (Gemma 2/3 add logit soft-capping, sliding-window layers and extra norms)" \
-            if str(family).startswith("gemma") else ""
-        raise ValueError(f"{where}: model_type {family!r} is not supported{hint}; supported: {', '.join(HF_FAMILIES)}")
-    if hf.get("quantization_config"):
-        raise ValueError(f"{where}: quantized checkpoints ({hf['quantization_config'].get('quant_method', '?')}) "
-                         f"are not supported; use the unquantized weights")
-    get = lambda key, default=_REQUIRED: _hf_get(hf, key, default, where)  # noqa: E731
-    d, n_head = get("hidden_size"), get("num_attention_heads")
-    common = dict(n_layer=get("num_hidden_layers"), n_head=n_head, n_embd=d, mlp_hidden=get("intermediate_size"),
-                  vocab_size=get("vocab_size"))
-    theta, pct = _hf_rope(hf, where, neox=family == "gpt_neox")
-    if family == "gpt_neox":
-        act = get("hidden_act", "gelu")
-        if act != "gelu":
-            raise ValueError(f"{where}: GPT-NeoX hidden_act {act!r} is not supported; only 'gelu' (exact, Pythia)")
-        cfg = dict(common, n_kv_head=n_head, max_seq_len=get("max_position_embeddings", 2048), rope_theta=theta,
-                   rotary_pct=pct, norm="layer", norm_eps=float(get("layer_norm_eps", 1e-5)), mlp="gelu",
-                   tie_embeddings=bool(get("tie_word_embeddings", False)),
-                   parallel_residual=bool(get("use_parallel_residual", True)),
-                   attn_bias=bool(get("attention_bias", True)), mlp_bias=True)
-    else:
-        head_dim = get("head_dim", 256 if family == "gemma" else d // n_head)
-        if family == "llama":
-            act = get("hidden_act", "silu")
-            if act != "silu":
-                raise ValueError(f"{where}: Llama hidden_act {act!r} is not supported; only 'silu' (SwiGLU)")
-            extra = dict(mlp="swiglu", tie_embeddings=bool(get("tie_word_embeddings", False)),
-                         max_seq_len=get("max_position_embeddings", 2048), mlp_bias=bool(get("mlp_bias", False)))
-        else:  # gemma: GeGLU, RMSNorm scale (1 + w), embeddings * sqrt(d)
-            act = hf.get("hidden_activation") or get("hidden_act", "gelu_pytorch_tanh")
-            if act not in ("gelu", "gelu_pytorch_tanh"):  # transformers reads Gemma's legacy 'gelu' as tanh-GELU
-                raise ValueError(f"{where}: Gemma activation {act!r} is not supported; only 'gelu_pytorch_tanh'")
-            if hf.get("use_bidirectional_attention"):
-                raise ValueError(f"{where}: use_bidirectional_attention=true (an encoder) is not supported")
-            extra = dict(mlp="geglu", norm_offset=1.0, embed_scale=True,
-                         tie_embeddings=bool(get("tie_word_embeddings", True)),
-                         max_seq_len=get("max_position_embeddings", 8192))
-        cfg = dict(common, **extra, n_kv_head=get("num_key_value_heads", n_head),
-                   head_dim=None if head_dim * n_head == d else head_dim, rope_theta=theta, norm="rms",
-                   norm_eps=float(get("rms_norm_eps", 1e-6)), attn_bias=bool(get("attention_bias", False)))
-    try:
-        return family, GPTConfig(**cfg)
-    except ValueError as e:
-        raise ValueError(f"{where}: {e}") from e
-
-
-def _split_neox_qkv(t: torch.Tensor, prefix: str, kind: str, n_head: int, hd: int) -> dict:
-    """NeoX's query_key_value (3 H D, ...) stacks, per head, [q_h, k_h, v_h] (D rows each), not [q, k, v]."""
-    q, k, v = t.view(n_head, 3 * hd, *t.shape[1:]).split(hd, dim=1)  # each (H, D, ...)
-    return {f"{prefix}{name}_proj.{kind}": x.reshape(n_head * hd, *t.shape[1:]) for name, x in zip("qkv", (q, k, v))}
-
-
-def hf_tensor_plan(family: str, c: GPTConfig) -> dict[str, tuple[tuple, Callable]]:
-    """Every tensor the checkpoint must hold: HF name -> (shape, fn(tensor) -> {GPT state-dict name: tensor})."""
-    d, hd, H, Hkv, m, V = c.n_embd, c.hd, c.n_head, c.n_kv_head, c.mlp_hidden, c.vocab_size
-    plan = {}
-
-    def put(name, shape, ours):
-        plan[name] = (tuple(shape), lambda t: {ours: t})
-
-    def linear(name, n_out, n_in, ours, bias):
-        put(f"{name}.weight", (n_out, n_in), f"{ours}.weight")
-        if bias:
-            put(f"{name}.bias", (n_out,), f"{ours}.bias")
-
-    def norm(name, ours):
-        put(f"{name}.weight", (d,), f"{ours}.weight")
-        if c.norm == "layer":  # LayerNorm has a bias
-            put(f"{name}.bias", (d,), f"{ours}.bias")
-
-    if family == "gpt_neox":
-        put("gpt_neox.embed_in.weight", (V, d), "tok_emb.weight")
-        norm("gpt_neox.final_layer_norm", "norm")
-        head = "embed_out.weight"
-        for i in range(c.n_layer):
-            s, o = f"gpt_neox.layers.{i}.", f"blocks.{i}."
-            norm(s + "input_layernorm", o + "attn_norm")
-            norm(s + "post_attention_layernorm", o + "mlp_norm")
-            for kind, shape in [("weight", (3 * H * hd, d))] + ([("bias", (3 * H * hd,))] if c.attn_bias else []):
-                plan[f"{s}attention.query_key_value.{kind}"] = (
-                    shape, lambda t, o=o, kind=kind: _split_neox_qkv(t, o + "attn.", kind, H, hd))
-            linear(s + "attention.dense", d, H * hd, o + "attn.o_proj", c.attn_bias)
-            linear(s + "mlp.dense_h_to_4h", m, d, o + "mlp.up_proj", c.mlp_bias)
-            linear(s + "mlp.dense_4h_to_h", d, m, o + "mlp.down_proj", c.mlp_bias)
-    else:  # llama, gemma
-        put("model.embed_tokens.weight", (V, d), "tok_emb.weight")
-        norm("model.norm", "norm")
-        head = "lm_head.weight"
-        for i in range(c.n_layer):
-            s, o = f"model.layers.{i}.", f"blocks.{i}."
-            norm(s + "input_layernorm", o + "attn_norm")
-            norm(s + "post_attention_layernorm", o + "mlp_norm")
-            for name, n_out in (("q", H * hd), ("k", Hkv * hd), ("v", Hkv * hd)):
-                linear(f"{s}self_attn.{name}_proj", n_out, d, f"{o}attn.{name}_proj", c.attn_bias)
-            linear(s + "self_attn.o_proj", d, H * hd, o + "attn.o_proj", c.attn_bias)
-            linear(s + "mlp.gate_proj", m, d, o + "mlp.gate_proj", c.mlp_bias)
-            linear(s + "mlp.up_proj", m, d, o + "mlp.up_proj", c.mlp_bias)
-            linear(s + "mlp.down_proj", d, m, o + "mlp.down_proj", c.mlp_bias)
-    if not c.tie_embeddings:
-        put(head, (V, d), "lm_head.weight")
-    return plan
-
-
-# Non-weights that older checkpoints carry: rotary tables and NeoX's causal-mask buffers. Skipped.
-_HF_IGNORED = (".rotary_emb.inv_freq", ".attention.bias", ".attention.masked_bias")
-# Another name a checkpoint may give a tensor (transformers 5 loads NeoX's embed_out into lm_head)
-_HF_ALIASES = {"gpt_neox": {"lm_head.weight": "embed_out.weight"}}
-
-
-def hf_weight_files(path: Path) -> list[Path]:
-    """The safetensors files of a checkpoint directory: the shards of model.safetensors.index.json (each must
-    exist), else model.safetensors, else every *.safetensors."""
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text()).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ValueError(f"{index} has no weight_map")
-        files = sorted(set(weight_map.values()))
-        missing = [f for f in files if not (path / f).is_file()]
-        if missing:
-            raise ValueError(f"{index} lists shard(s) {missing} that are missing from {path}")
-        return [path / f for f in files]
-    if (path / "model.safetensors").is_file():
-        return [path / "model.safetensors"]
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        bins = sorted(p.name for p in path.glob("*.bin"))
-        hint = (f" (it holds {bins}: re-save them as safetensors, e.g. with transformers: "
-                f"AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(DIR))") if bins else ""
-        raise ValueError(f"no *.safetensors weights in {path}{hint}")
-    return files
-
-
-def load_hf_model(path, dtype=torch.float32, device="cpu") -> "GPT":
-    """Load a local Hugging Face checkpoint (llama, gemma or gpt_neox) into GPT; see the section comment above."""
-    path = Path(str(path)[3:] if str(path).startswith("hf:") else path)
-    if not path.is_dir():
-        raise ValueError(f"{path} is not a directory: a Hugging Face checkpoint is a directory with config.json and "
-                         f"*.safetensors")
-    if not (path / "config.json").is_file():
-        raise ValueError(f"{path} has no config.json: not a Hugging Face checkpoint directory")
-    try:
-        from safetensors import safe_open
-    except ImportError as e:
-        raise ImportError("loading a Hugging Face checkpoint needs the package `safetensors`: "
-                          "pip install safetensors") from e
-    hf = json.loads((path / "config.json").read_text())
-    family, cfg = hf_config_to_gpt(hf, where=str(path / "config.json"))
-    plan = hf_tensor_plan(family, cfg)
-    aliases = _HF_ALIASES.get(family, {})
-
-    # where each tensor lives, checked against the plan before anything is read
-    handles, where = {}, {}
-    for f in hf_weight_files(path):
-        handles[f] = safe_open(str(f), framework="pt", device="cpu")
-        for key in handles[f].keys():
-            name = aliases.get(key, key)
-            if name in where:
-                raise ValueError(f"tensor {key!r} is in both {where[name][0].name} and {f.name}")
-            where[name] = (f, key)
-    tied_head = "lm_head.weight" if family != "gpt_neox" else "embed_out.weight"
-    unknown = sorted(n for n in where if n not in plan and not n.endswith(_HF_IGNORED)
-                     and not (cfg.tie_embeddings and n == tied_head))
-    if unknown:
-        raise ValueError(f"{path}: unknown tensor(s) for a {family} model: "
-                         + ", ".join(f"{n} ({where[n][0].name})" for n in unknown[:8])
-                         + (f" and {len(unknown) - 8} more" if len(unknown) > 8 else ""))
-    missing = [n for n in plan if n not in where]
-    if missing:
-        raise ValueError(f"{path}: missing tensor(s) " + ", ".join(missing[:8])
-                         + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
-    for name, (shape, _) in plan.items():
-        f, key = where[name]
-        got = tuple(handles[f].get_slice(key).get_shape())
-        if got != shape:
-            raise ValueError(f"tensor {key} in {f.name} has shape {got}, but config.json implies {shape}")
-
-    with torch.device("meta"):  # no memory, no random init: every parameter is assigned below
-        model = GPT(cfg)
-    sd = {}
-    for name, (_, fn) in plan.items():
-        f, key = where[name]
-        sd.update(fn(handles[f].get_tensor(key).to(device=device, dtype=dtype)))
-    if cfg.tie_embeddings and tied_head in where:  # a tied checkpoint that stores its head too: it must be the same
-        f, key = where[tied_head]
-        if not torch.equal(handles[f].get_tensor(key).to(device=device, dtype=dtype), sd["tok_emb.weight"]):
-            raise ValueError(f"config.json says tie_word_embeddings, but {key} in {f.name} differs from the embedding")
-    expected = set(model.state_dict()) - ({"lm_head.weight"} if cfg.tie_embeddings else set())
-    assert set(sd) == expected, f"plan and model disagree: {sorted(set(sd) ^ expected)}"
-    model.load_state_dict(sd, strict=False, assign=True)
-    if cfg.tie_embeddings:
-        model.lm_head.weight = model.tok_emb.weight
-    model.rope = RotaryEmbedding(cfg.rot_dim, cfg.max_seq_len, cfg.rope_theta).to(device)  # fp32 tables
-    model.tokenizer_spec = {"kind": "hf", "path": str(path.resolve())}
-    return model
-
-
-def hf_tokenizer(path):
-    """-> (tokenizers.Tokenizer of DIR/tokenizer.json, end-of-text id). `tokenizers` is an optional dependency.
-
-    The end-of-text id is config.json's eos_token_id (the first one, if a list), else generation_config.json's, else
-    the id of tokenizer_config.json's eos_token.
-    """
-    try:
-        from tokenizers import Tokenizer as HFTokenizer
-    except ImportError as e:
-        raise ImportError("tokenizing with a Hugging Face tokenizer.json needs the optional package `tokenizers`: "
-                          "pip install tokenizers") from e
-    path = Path(path)
-    f = path / "tokenizer.json"
-    if not f.is_file():
-        raise FileNotFoundError(f"{f} not found: the checkpoint directory has no tokenizer.json (a tokenizer.model "
-                                f"alone is not supported; save the fast tokenizer with transformers)")
-    tok = HFTokenizer.from_file(str(f))
-    eos = None
-    for name in ("config.json", "generation_config.json"):
-        if eos is None and (path / name).is_file():
-            eos = json.loads((path / name).read_text()).get("eos_token_id")
-            eos = eos[0] if isinstance(eos, list) and eos else eos
-    if eos is None and (path / "tokenizer_config.json").is_file():
-        t = json.loads((path / "tokenizer_config.json").read_text()).get("eos_token")
-        eos = tok.token_to_id(t.get("content") if isinstance(t, dict) else t) if t else None
-    if eos is None:
-        raise ValueError(f"{path}: no eos_token_id in config.json, generation_config.json or tokenizer_config.json; "
-                         f"it is needed to separate documents")
-    return tok, int(eos)
-
-
-def hf_main(args):
-    """python model.py --hf DIR --prompt "...": load a checkpoint and print a greedy continuation (a sanity check)."""
-    device = pick_device(args.device)
-    dtype = pick_dtype(device, args.dtype)
-    model = GPT.from_pretrained(args.hf, dtype=dtype, device=device).eval()
-    tok, eos = hf_tokenizer(model.tokenizer_spec["path"])
-    c = model.config
-    print(f"{args.hf}: {c.n_layer} layers, d {c.n_embd}, heads {c.n_head}/{c.n_kv_head}, vocab {c.vocab_size}, "
-          f"{model.num_params(False) / 1e6:.1f}M parameters | {device} {dtype}")
-    ids = tok.encode(args.prompt).ids  # with the tokenizer's special tokens (Llama/Gemma: BOS), as transformers does
-    n = min(args.max_new_tokens, c.max_seq_len - len(ids))
-    out = model.generate(torch.tensor([ids], device=device), n)[0].tolist()
-    new = out[len(ids):]
-    if eos in new:
-        new = new[:new.index(eos)]
-    print(tok.decode(ids + new, skip_special_tokens=True))
-
-
-# ----------------------------------------------------------------------------------------------------------------
 
 
 def _describe(name: str, cfg: GPTConfig):
@@ -1022,15 +795,7 @@ def _describe(name: str, cfg: GPTConfig):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--preset", default=None, help="print one preset (default: all)")
-    ap.add_argument("--hf", default=None, help="local Hugging Face checkpoint directory to load and run")
-    ap.add_argument("--prompt", default="The capital of France is", help="prompt for --hf")
-    ap.add_argument("--max-new-tokens", type=int, default=20, help="tokens to generate for --hf")
-    ap.add_argument("--device", default="auto", help="cpu | cuda | mps | auto")
-    ap.add_argument("--dtype", default="float32", help="float32 | bfloat16 | auto")
     args = ap.parse_args()
-    if args.hf:
-        hf_main(args)
-        return
     for name in [args.preset] if args.preset else PRESETS:
         _describe(name, GPTConfig.from_preset(name))
 

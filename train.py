@@ -49,7 +49,8 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from model import ArchSpec, GPT, distill_loss, peak_flops, pick_device, pick_dtype
+from hf import from_pretrained
+from model import ArchSpec, distill_loss, peak_flops, pick_device, pick_dtype
 
 # ----------------------------------------------------------------------------------------------------------------
 # Tokenizer
@@ -93,7 +94,7 @@ class Tokenizer:
         # the checkpoint's eos_token_id. Texts are encoded with the tokenizer's own special tokens (Llama/Gemma: a BOS
         # before every document), as the checkpoint saw them in pretraining; a post-processor that appends EOS itself
         # is undone in encode_batch so that documents are not separated twice.
-        from model import hf_tokenizer
+        from hf import hf_tokenizer
 
         self.hf, self.eot = hf_tokenizer(path)
         self.n_vocab = self.hf.get_vocab_size(with_added_tokens=True)
@@ -464,7 +465,7 @@ def load_source_model(src: str, table=None):
     -> (model, arch name, tokenizer spec)
     """
     if is_hf_source(src):  # a plain model.GPT (fp32, CPU); conversions start from it like from a vanilla checkpoint
-        model = GPT.from_pretrained(src[3:] if src.startswith("hf:") else src)
+        model = from_pretrained(src[3:] if src.startswith("hf:") else src)
         return model, "vanilla", model.tokenizer_spec
     ck = load_checkpoint(src)
     return model_from_checkpoint(ck, table), ck["arch"], ck["tokenizer"]

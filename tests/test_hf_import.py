@@ -1,10 +1,10 @@
-"""GPT.from_pretrained (model.py, "Pretrained checkpoints") against transformers' own Llama, Gemma and GPT-NeoX.
+"""hf.from_pretrained (hf.py) against transformers' own Llama, Gemma and GPT-NeoX.
 
 Each family is built tiny and random with transformers (odd sizes, GQA/MQA, head_dim != d / n_head, partial rotary,
-both NeoX residual layouts), saved with save_pretrained, loaded with GPT.from_pretrained, and compared in fp32: logits
+both NeoX residual layouts), saved with save_pretrained, loaded with hf.from_pretrained, and compared in fp32: logits
 on random ids, and greedy generation (our prefill + cached decode vs transformers' generate). Then the bad
 directories, the checkpoint's tokenizer.json in train.py, `train.py --init-from hf:DIR --teacher DIR`, and
-`python model.py --hf DIR`. transformers and tokenizers are dev-only dependencies (requirements-dev.txt).
+`python hf.py DIR`. transformers and tokenizers are dev-only dependencies (requirements-dev.txt).
 """
 import json
 import sys
@@ -17,10 +17,9 @@ from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizer
 from transformers import (GemmaConfig, GemmaForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig,
                           LlamaForCausalLM)
 
-import model as M
+import hf
 import train
 from conftest import write_jsonl
-from model import GPT
 
 V = 131  # an odd vocabulary
 COMMON = dict(vocab_size=V, max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -98,7 +97,7 @@ def edit_config(path, **changes):
 @pytest.mark.parametrize("case", list(CASES))
 def test_logits_and_greedy_generation_match_transformers(tmp_path, case):
     ref = hf_model(case)
-    ours = GPT.from_pretrained(save(ref, tmp_path))
+    ours = hf.from_pretrained(save(ref, tmp_path))
     c = ours.config
     assert (c.vocab_size, c.n_layer, c.max_seq_len) == (V, ref.config.num_hidden_layers, 64)
     assert ours.tokenizer_spec == {"kind": "hf", "path": str(tmp_path.resolve())}
@@ -116,7 +115,7 @@ def test_transformers4_config_keys(tmp_path, case, old_keys):
     ref = hf_model(case)
     save(ref, tmp_path)
     edit_config(tmp_path, **old_keys)
-    assert_matches(GPT.from_pretrained(f"hf:{tmp_path}"), ref, seq=9)
+    assert_matches(hf.from_pretrained(f"hf:{tmp_path}"), ref, seq=9)
 
 
 def test_sharded_checkpoint(tmp_path):
@@ -125,15 +124,15 @@ def test_sharded_checkpoint(tmp_path):
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 2
-    assert_matches(GPT.from_pretrained(tmp_path), ref, seq=9)
+    assert_matches(hf.from_pretrained(tmp_path), ref, seq=9)
     (tmp_path / shards[1]).unlink()
     with pytest.raises(ValueError, match=shards[1]):
-        GPT.from_pretrained(tmp_path)
+        hf.from_pretrained(tmp_path)
 
 
 def test_bfloat16_load(tmp_path):
     ref = hf_model("gemma-mqa")
-    ours = GPT.from_pretrained(save(ref, tmp_path), dtype=torch.bfloat16)
+    ours = hf.from_pretrained(save(ref, tmp_path), dtype=torch.bfloat16)
     assert ours.tok_emb.weight.dtype == torch.bfloat16
     assert torch.equal(ours.blocks[1].attn.k_proj.weight, ref.model.layers[1].self_attn.k_proj.weight.bfloat16())
     idx = torch.randint(0, V, (1, 9))
@@ -147,13 +146,13 @@ def test_bfloat16_load(tmp_path):
 
 def test_no_directory_no_config_no_weights(tmp_path):
     with pytest.raises(ValueError, match="not a directory"):
-        GPT.from_pretrained(tmp_path / "nope")
+        hf.from_pretrained(tmp_path / "nope")
     with pytest.raises(ValueError, match="no config.json"):
-        GPT.from_pretrained(tmp_path)
+        hf.from_pretrained(tmp_path)
     save(hf_model("llama-tied-headdim"), tmp_path)
     (tmp_path / "model.safetensors").rename(tmp_path / "pytorch_model.bin")
     with pytest.raises(ValueError, match="no \\*.safetensors.*pytorch_model.bin"):
-        GPT.from_pretrained(tmp_path)
+        hf.from_pretrained(tmp_path)
 
 
 @pytest.mark.parametrize("changes,match", [
@@ -171,22 +170,22 @@ def test_unsupported_configs(tmp_path, changes, match):
     save(hf_model("llama-gqa-bias"), tmp_path)
     edit_config(tmp_path, **changes)
     with pytest.raises(ValueError, match=match):
-        GPT.from_pretrained(tmp_path)
+        hf.from_pretrained(tmp_path)
 
 
 def test_neox_and_gemma_options_that_are_refused(tmp_path):
     save(hf_model("neox-parallel"), tmp_path)
     edit_config(tmp_path, hidden_act="gelu_new")
     with pytest.raises(ValueError, match="GPT-NeoX hidden_act 'gelu_new'"):
-        GPT.from_pretrained(tmp_path)
+        hf.from_pretrained(tmp_path)
     edit_config(tmp_path, hidden_act="gelu", rope_parameters={"rope_type": "default", "rope_theta": 1e4,
                                                                "partial_rotary_factor": 0.1})
     with pytest.raises(ValueError, match="rotary dims 1 .* must be even"):
-        GPT.from_pretrained(tmp_path)
+        hf.from_pretrained(tmp_path)
     save(hf_model("gemma-mqa"), tmp_path)
     edit_config(tmp_path, hidden_act="silu")
     with pytest.raises(ValueError, match="Gemma activation 'silu'"):
-        GPT.from_pretrained(tmp_path)
+        hf.from_pretrained(tmp_path)
 
 
 def test_shape_mismatch_names_the_tensor(tmp_path):
@@ -194,7 +193,7 @@ def test_shape_mismatch_names_the_tensor(tmp_path):
     edit_config(tmp_path, intermediate_size=84)
     with pytest.raises(ValueError, match=r"model.layers.0.mlp.gate_proj.weight in model.safetensors has shape "
                                          r"\(83, 60\), but config.json implies \(84, 60\)"):
-        GPT.from_pretrained(tmp_path)
+        hf.from_pretrained(tmp_path)
 
 
 def test_missing_and_unknown_tensors(tmp_path):
@@ -205,19 +204,19 @@ def test_missing_and_unknown_tensors(tmp_path):
     del missing["gpt_neox.layers.1.attention.query_key_value.bias"]
     save_file(missing, f)
     with pytest.raises(ValueError, match="missing tensor.*gpt_neox.layers.1.attention.query_key_value.bias"):
-        GPT.from_pretrained(tmp_path)
+        hf.from_pretrained(tmp_path)
     save_file({**sd, "gpt_neox.layers.0.attention.extra.weight": torch.zeros(3)}, f)
     with pytest.raises(ValueError, match=r"unknown tensor.*gpt_neox.layers.0.attention.extra.weight "
                                          r"\(model.safetensors\)"):
-        GPT.from_pretrained(tmp_path)
+        hf.from_pretrained(tmp_path)
     # buffers of older checkpoints are not weights: skipped
     save_file({**sd, "gpt_neox.layers.0.attention.rotary_emb.inv_freq": torch.zeros(2),
                "gpt_neox.layers.0.attention.bias": torch.zeros(1, 1, 4, 4)}, f)
-    GPT.from_pretrained(tmp_path)
+    hf.from_pretrained(tmp_path)
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The checkpoint's tokenizer, train.py --init-from hf:DIR / --teacher DIR, model.py --hf DIR
+# The checkpoint's tokenizer, train.py --init-from hf:DIR / --teacher DIR, hf.py DIR
 
 WORDS = ("the quick brown fox jumps over a lazy dog while small models learn to read and write python code "
          "def return import class for in if else print value list").split()
@@ -281,7 +280,7 @@ def test_train_finetunes_an_hf_checkpoint_with_itself_as_teacher(tmp_path):
                                 "--sample-tokens", "4"])
     assert res["loss"] == res["loss"] and res["best_val_loss"] < 20  # finite
     ck = train.load_checkpoint(out / "ckpt.pt")
-    imported = GPT.from_pretrained(d)
+    imported = hf.from_pretrained(d)
     assert ck["arch"] == "vanilla" and ck["step"] == 2
     assert ck["tokenizer"] == {"kind": "hf", "path": str(d.resolve())}
     assert ck["config"] == asdict(imported.config)
@@ -296,7 +295,7 @@ def test_train_finetunes_an_hf_checkpoint_with_itself_as_teacher(tmp_path):
         train.train(common + ["--vocab-size", "256", "--teacher", f"hf:{d}", "--out-dir", str(tmp_path / "o2")])
 
 
-def test_model_py_hf_prints_greedy_continuation(tmp_path, monkeypatch, capsys):
+def test_hf_py_prints_greedy_continuation(tmp_path, monkeypatch, capsys):
     ref, tok = hf_dir_with_tokenizer(tmp_path)
     prompt = "the quick brown"
     ids = torch.tensor([tok.encode(prompt).ids])
@@ -304,9 +303,9 @@ def test_model_py_hf_prints_greedy_continuation(tmp_path, monkeypatch, capsys):
                           eos_token_id=None)[0].tolist()
     if 2 in expect[ids.size(1):]:
         expect = expect[:expect.index(2, ids.size(1))]
-    monkeypatch.setattr(sys, "argv", ["model.py", "--hf", str(tmp_path), "--prompt", prompt, "--max-new-tokens",
+    monkeypatch.setattr(sys, "argv", ["hf.py", str(tmp_path), "--prompt", prompt, "--max-new-tokens",
                                       "6", "--device", "cpu"])
-    M.main()
+    hf.main()
     lines = capsys.readouterr().out.strip().splitlines()
     assert "2 layers" in lines[0]
     assert lines[-1] == tok.decode(expect, skip_special_tokens=True) and lines[-1].startswith(prompt)
@@ -323,7 +322,7 @@ def test_full_rank_relaxed_conversion_of_an_import_matches_transformers(tmp_path
     from svd_lora import max_ranks
 
     ref = hf_model(case, num_hidden_layers=4)  # 4 layers, B = 2 loops of K = 2 shared layers
-    ours = GPT.from_pretrained(save(ref, tmp_path))
+    ours = hf.from_pretrained(save(ref, tmp_path))
     full = {f"lora_rank_{c}": r for c, r in max_ranks(ours.config).items()}
     idx = torch.randint(0, V, (2, 19))
     with torch.no_grad():
@@ -359,5 +358,5 @@ def test_train_converts_an_hf_checkpoint(tmp_path, arch, extra):
     ck = train.load_checkpoint(out / "ckpt.pt")
     assert ck["arch"] == arch and ck["tokenizer"] == {"kind": "hf", "path": str(d.resolve())}
     model = train.model_from_checkpoint(ck)
-    imported = GPT.from_pretrained(d)
+    imported = hf.from_pretrained(d)
     assert torch.equal(model.tok_emb.weight, imported.tok_emb.weight)  # copied by the conversion  # the imported vocabulary, not the run's default tokenizer

@@ -1,0 +1,326 @@
+"""
+hf.py -- load a local Hugging Face checkpoint (Llama / TinyLlama / SmolLM, Gemma, GPT-NeoX / Pythia) into model.GPT.
+
+nanoGPT's `from_pretrained('gpt2')` for the three base-model families the papers convert (Gemma 2B, TinyLlama 1.1B,
+Pythia 1B). Nothing is downloaded: the directory is what `huggingface-cli download` or `save_pretrained` leaves on
+disk, config.json plus model.safetensors (or the shards listed in model.safetensors.index.json). Three steps:
+  1. config.json -> GPTConfig (`hf_config_to_gpt`). Every family is a handful of switches on GPTConfig; anything the
+     blocks of model.py cannot reproduce exactly (rope scaling, another activation, Gemma 2, ...) is a ValueError that
+     names it, never a silently different model;
+  2. a plan (`hf_tensor_plan`): every tensor the checkpoint must hold, its shape, and where it goes in GPT's state
+     dict. Only GPT-NeoX needs a real conversion: its fused query_key_value interleaves [q, k, v] per head;
+  3. the safetensors are checked against the plan (a missing, unknown or misshapen tensor is a ValueError naming
+     the tensor and its file) and loaded one tensor at a time into a GPT built on the meta device, so the weights
+     are held once. The rotary tables are computed, never read. The "rotate half" RoPE layout of model.py is the one
+     of Llama/NeoX in transformers, so q_proj/k_proj load without a permutation.
+The model remembers which tokenizer it needs: `model.tokenizer_spec = {"kind": "hf", "path": DIR}` (train.py
+tokenizes with DIR/tokenizer.json through the optional `tokenizers` package, `hf_tokenizer`).
+
+Run:
+    python hf.py DIR --prompt "The capital of France is"     # greedy continuation: a sanity check of the import
+    python train.py --arch vanilla --init-from hf:DIR ...    # fine-tune / convert / distill from it (README)
+    python -m pytest -q tests/test_hf_import.py              # against transformers' own models
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from model import GPT, GPTConfig, RotaryEmbedding, pick_device, pick_dtype
+
+HF_FAMILIES = ("llama", "gemma", "gpt_neox")
+_REQUIRED = object()
+
+
+def _hf_get(hf: dict, key: str, default=_REQUIRED, where="config.json"):
+    if key in hf and hf[key] is not None:
+        return hf[key]
+    if default is _REQUIRED:
+        raise ValueError(f"{where} has no {key!r}")
+    return default
+
+
+def _hf_rope(hf: dict, where: str, neox: bool) -> tuple[float, float]:
+    """-> (rope_theta, rotary fraction). transformers < 5 writes rope_theta + rope_scaling (NeoX: rotary_emb_base +
+    rotary_pct); transformers 5 writes one `rope_parameters` dict. Only plain RoPE is supported: scaled variants
+    (linear, dynamic, yarn, llama3, longrope) change the frequencies and are refused."""
+    rp = hf.get("rope_parameters") or {}
+    if not isinstance(rp, dict) or any(isinstance(v, dict) for v in rp.values()):
+        raise ValueError(f"{where}: per-layer-type rope_parameters {rp!r} are not supported")
+    scaling = hf.get("rope_scaling") or {}
+    for src in (rp, scaling):
+        kind = src.get("rope_type", src.get("type", "default"))
+        if kind != "default":
+            raise ValueError(f"{where}: rope type {kind!r} (RoPE scaling) is not supported; only the default RoPE is")
+    theta = rp.get("rope_theta", hf.get("rope_theta", hf.get("rotary_emb_base", 10000.0)))
+    # transformers' Llama and Gemma rotate the whole head whatever partial_rotary_factor says; NeoX reads it
+    # (default 0.25, Pythia's value)
+    pct = rp.get("partial_rotary_factor", hf.get("partial_rotary_factor", hf.get("rotary_pct", 0.25))) if neox else 1.0
+    return float(theta), float(pct)
+
+
+def hf_config_to_gpt(hf: dict, where: str = "config.json") -> tuple[str, GPTConfig]:
+    """A Hugging Face config.json (as a dict) -> (family, GPTConfig). Defaults of absent optional keys are those of
+    transformers' config classes; the sizes must be present."""
+    family = hf.get("model_type")
+    if family not in HF_FAMILIES:
+        hint = " (Gemma 2/3 add logit soft-capping, sliding-window layers and extra norms)" \
+            if str(family).startswith("gemma") else ""
+        raise ValueError(f"{where}: model_type {family!r} is not supported{hint}; supported: {', '.join(HF_FAMILIES)}")
+    if hf.get("quantization_config"):
+        raise ValueError(f"{where}: quantized checkpoints ({hf['quantization_config'].get('quant_method', '?')}) "
+                         f"are not supported; use the unquantized weights")
+    get = lambda key, default=_REQUIRED: _hf_get(hf, key, default, where)  # noqa: E731
+    d, n_head = get("hidden_size"), get("num_attention_heads")
+    common = dict(n_layer=get("num_hidden_layers"), n_head=n_head, n_embd=d, mlp_hidden=get("intermediate_size"),
+                  vocab_size=get("vocab_size"))
+    theta, pct = _hf_rope(hf, where, neox=family == "gpt_neox")
+    if family == "gpt_neox":
+        act = get("hidden_act", "gelu")
+        if act != "gelu":
+            raise ValueError(f"{where}: GPT-NeoX hidden_act {act!r} is not supported; only 'gelu' (exact, Pythia)")
+        cfg = dict(common, n_kv_head=n_head, max_seq_len=get("max_position_embeddings", 2048), rope_theta=theta,
+                   rotary_pct=pct, norm="layer", norm_eps=float(get("layer_norm_eps", 1e-5)), mlp="gelu",
+                   tie_embeddings=bool(get("tie_word_embeddings", False)),
+                   parallel_residual=bool(get("use_parallel_residual", True)),
+                   attn_bias=bool(get("attention_bias", True)), mlp_bias=True)
+    else:
+        head_dim = get("head_dim", 256 if family == "gemma" else d // n_head)
+        if family == "llama":
+            act = get("hidden_act", "silu")
+            if act != "silu":
+                raise ValueError(f"{where}: Llama hidden_act {act!r} is not supported; only 'silu' (SwiGLU)")
+            extra = dict(mlp="swiglu", tie_embeddings=bool(get("tie_word_embeddings", False)),
+                         max_seq_len=get("max_position_embeddings", 2048), mlp_bias=bool(get("mlp_bias", False)))
+        else:  # gemma: GeGLU, RMSNorm scale (1 + w), embeddings * sqrt(d)
+            act = hf.get("hidden_activation") or get("hidden_act", "gelu_pytorch_tanh")
+            if act not in ("gelu", "gelu_pytorch_tanh"):  # transformers reads Gemma's legacy 'gelu' as tanh-GELU
+                raise ValueError(f"{where}: Gemma activation {act!r} is not supported; only 'gelu_pytorch_tanh'")
+            if hf.get("use_bidirectional_attention"):
+                raise ValueError(f"{where}: use_bidirectional_attention=true (an encoder) is not supported")
+            extra = dict(mlp="geglu", norm_offset=1.0, embed_scale=True,
+                         tie_embeddings=bool(get("tie_word_embeddings", True)),
+                         max_seq_len=get("max_position_embeddings", 8192))
+        cfg = dict(common, **extra, n_kv_head=get("num_key_value_heads", n_head),
+                   head_dim=None if head_dim * n_head == d else head_dim, rope_theta=theta, norm="rms",
+                   norm_eps=float(get("rms_norm_eps", 1e-6)), attn_bias=bool(get("attention_bias", False)))
+    try:
+        return family, GPTConfig(**cfg)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from e
+
+
+def _split_neox_qkv(t: torch.Tensor, prefix: str, kind: str, n_head: int, hd: int) -> dict:
+    """NeoX's query_key_value (3 H D, ...) stacks, per head, [q_h, k_h, v_h] (D rows each), not [q, k, v]."""
+    q, k, v = t.view(n_head, 3 * hd, *t.shape[1:]).split(hd, dim=1)  # each (H, D, ...)
+    return {f"{prefix}{name}_proj.{kind}": x.reshape(n_head * hd, *t.shape[1:]) for name, x in zip("qkv", (q, k, v))}
+
+
+def hf_tensor_plan(family: str, c: GPTConfig) -> dict[str, tuple[tuple, Callable]]:
+    """Every tensor the checkpoint must hold: HF name -> (shape, fn(tensor) -> {GPT state-dict name: tensor})."""
+    d, hd, H, Hkv, m, V = c.n_embd, c.hd, c.n_head, c.n_kv_head, c.mlp_hidden, c.vocab_size
+    plan = {}
+
+    def put(name, shape, ours):
+        plan[name] = (tuple(shape), lambda t: {ours: t})
+
+    def linear(name, n_out, n_in, ours, bias):
+        put(f"{name}.weight", (n_out, n_in), f"{ours}.weight")
+        if bias:
+            put(f"{name}.bias", (n_out,), f"{ours}.bias")
+
+    def norm(name, ours):
+        put(f"{name}.weight", (d,), f"{ours}.weight")
+        if c.norm == "layer":  # LayerNorm has a bias
+            put(f"{name}.bias", (d,), f"{ours}.bias")
+
+    if family == "gpt_neox":
+        put("gpt_neox.embed_in.weight", (V, d), "tok_emb.weight")
+        norm("gpt_neox.final_layer_norm", "norm")
+        head = "embed_out.weight"
+        for i in range(c.n_layer):
+            s, o = f"gpt_neox.layers.{i}.", f"blocks.{i}."
+            norm(s + "input_layernorm", o + "attn_norm")
+            norm(s + "post_attention_layernorm", o + "mlp_norm")
+            for kind, shape in [("weight", (3 * H * hd, d))] + ([("bias", (3 * H * hd,))] if c.attn_bias else []):
+                plan[f"{s}attention.query_key_value.{kind}"] = (
+                    shape, lambda t, o=o, kind=kind: _split_neox_qkv(t, o + "attn.", kind, H, hd))
+            linear(s + "attention.dense", d, H * hd, o + "attn.o_proj", c.attn_bias)
+            linear(s + "mlp.dense_h_to_4h", m, d, o + "mlp.up_proj", c.mlp_bias)
+            linear(s + "mlp.dense_4h_to_h", d, m, o + "mlp.down_proj", c.mlp_bias)
+    else:  # llama, gemma
+        put("model.embed_tokens.weight", (V, d), "tok_emb.weight")
+        norm("model.norm", "norm")
+        head = "lm_head.weight"
+        for i in range(c.n_layer):
+            s, o = f"model.layers.{i}.", f"blocks.{i}."
+            norm(s + "input_layernorm", o + "attn_norm")
+            norm(s + "post_attention_layernorm", o + "mlp_norm")
+            for name, n_out in (("q", H * hd), ("k", Hkv * hd), ("v", Hkv * hd)):
+                linear(f"{s}self_attn.{name}_proj", n_out, d, f"{o}attn.{name}_proj", c.attn_bias)
+            linear(s + "self_attn.o_proj", d, H * hd, o + "attn.o_proj", c.attn_bias)
+            linear(s + "mlp.gate_proj", m, d, o + "mlp.gate_proj", c.mlp_bias)
+            linear(s + "mlp.up_proj", m, d, o + "mlp.up_proj", c.mlp_bias)
+            linear(s + "mlp.down_proj", d, m, o + "mlp.down_proj", c.mlp_bias)
+    if not c.tie_embeddings:
+        put(head, (V, d), "lm_head.weight")
+    return plan
+
+
+# Non-weights that older checkpoints carry: rotary tables and NeoX's causal-mask buffers. Skipped.
+_HF_IGNORED = (".rotary_emb.inv_freq", ".attention.bias", ".attention.masked_bias")
+# Another name a checkpoint may give a tensor (transformers 5 loads NeoX's embed_out into lm_head)
+_HF_ALIASES = {"gpt_neox": {"lm_head.weight": "embed_out.weight"}}
+
+
+def hf_weight_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint directory: the shards of model.safetensors.index.json (each must
+    exist), else model.safetensors, else every *.safetensors."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index} has no weight_map")
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not (path / f).is_file()]
+        if missing:
+            raise ValueError(f"{index} lists shard(s) {missing} that are missing from {path}")
+        return [path / f for f in files]
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        bins = sorted(p.name for p in path.glob("*.bin"))
+        hint = (f" (it holds {bins}: re-save them as safetensors, e.g. with transformers: "
+                f"AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(DIR))") if bins else ""
+        raise ValueError(f"no *.safetensors weights in {path}{hint}")
+    return files
+
+
+def from_pretrained(path, dtype=torch.float32, device="cpu") -> GPT:
+    """Load a local Hugging Face checkpoint directory (or 'hf:DIR') of the llama, gemma or gpt_neox family into
+    model.GPT (the three steps of the module docstring)."""
+    path = Path(str(path)[3:] if str(path).startswith("hf:") else path)
+    if not path.is_dir():
+        raise ValueError(f"{path} is not a directory: a Hugging Face checkpoint is a directory with config.json and "
+                         f"*.safetensors")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path} has no config.json: not a Hugging Face checkpoint directory")
+    try:
+        from safetensors import safe_open
+    except ImportError as e:
+        raise ImportError("loading a Hugging Face checkpoint needs the package `safetensors`: "
+                          "pip install safetensors") from e
+    hf = json.loads((path / "config.json").read_text())
+    family, cfg = hf_config_to_gpt(hf, where=str(path / "config.json"))
+    plan = hf_tensor_plan(family, cfg)
+    aliases = _HF_ALIASES.get(family, {})
+
+    # where each tensor lives, checked against the plan before anything is read
+    handles, where = {}, {}
+    for f in hf_weight_files(path):
+        handles[f] = safe_open(str(f), framework="pt", device="cpu")
+        for key in handles[f].keys():
+            name = aliases.get(key, key)
+            if name in where:
+                raise ValueError(f"tensor {key!r} is in both {where[name][0].name} and {f.name}")
+            where[name] = (f, key)
+    tied_head = "lm_head.weight" if family != "gpt_neox" else "embed_out.weight"
+    unknown = sorted(n for n in where if n not in plan and not n.endswith(_HF_IGNORED)
+                     and not (cfg.tie_embeddings and n == tied_head))
+    if unknown:
+        raise ValueError(f"{path}: unknown tensor(s) for a {family} model: "
+                         + ", ".join(f"{n} ({where[n][0].name})" for n in unknown[:8])
+                         + (f" and {len(unknown) - 8} more" if len(unknown) > 8 else ""))
+    missing = [n for n in plan if n not in where]
+    if missing:
+        raise ValueError(f"{path}: missing tensor(s) " + ", ".join(missing[:8])
+                         + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+    for name, (shape, _) in plan.items():
+        f, key = where[name]
+        got = tuple(handles[f].get_slice(key).get_shape())
+        if got != shape:
+            raise ValueError(f"tensor {key} in {f.name} has shape {got}, but config.json implies {shape}")
+
+    with torch.device("meta"):  # no memory, no random init: every parameter is assigned below
+        model = GPT(cfg)
+    sd = {}
+    for name, (_, fn) in plan.items():
+        f, key = where[name]
+        sd.update(fn(handles[f].get_tensor(key).to(device=device, dtype=dtype)))
+    if cfg.tie_embeddings and tied_head in where:  # a tied checkpoint that stores its head too: it must be the same
+        f, key = where[tied_head]
+        if not torch.equal(handles[f].get_tensor(key).to(device=device, dtype=dtype), sd["tok_emb.weight"]):
+            raise ValueError(f"config.json says tie_word_embeddings, but {key} in {f.name} differs from the embedding")
+    expected = set(model.state_dict()) - ({"lm_head.weight"} if cfg.tie_embeddings else set())
+    assert set(sd) == expected, f"plan and model disagree: {sorted(set(sd) ^ expected)}"
+    model.load_state_dict(sd, strict=False, assign=True)
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.tok_emb.weight
+    model.rope = RotaryEmbedding(cfg.rot_dim, cfg.max_seq_len, cfg.rope_theta).to(device)  # fp32 tables
+    model.tokenizer_spec = {"kind": "hf", "path": str(path.resolve())}
+    return model
+
+
+def hf_tokenizer(path):
+    """-> (tokenizers.Tokenizer of DIR/tokenizer.json, end-of-text id). `tokenizers` is an optional dependency.
+
+    The end-of-text id is config.json's eos_token_id (the first one, if a list), else generation_config.json's, else
+    the id of tokenizer_config.json's eos_token.
+    """
+    try:
+        from tokenizers import Tokenizer as HFTokenizer
+    except ImportError as e:
+        raise ImportError("tokenizing with a Hugging Face tokenizer.json needs the optional package `tokenizers`: "
+                          "pip install tokenizers") from e
+    path = Path(path)
+    f = path / "tokenizer.json"
+    if not f.is_file():
+        raise FileNotFoundError(f"{f} not found: the checkpoint directory has no tokenizer.json (a tokenizer.model "
+                                f"alone is not supported; save the fast tokenizer with transformers)")
+    tok = HFTokenizer.from_file(str(f))
+    eos = None
+    for name in ("config.json", "generation_config.json"):
+        if eos is None and (path / name).is_file():
+            eos = json.loads((path / name).read_text()).get("eos_token_id")
+            eos = eos[0] if isinstance(eos, list) and eos else eos
+    if eos is None and (path / "tokenizer_config.json").is_file():
+        t = json.loads((path / "tokenizer_config.json").read_text()).get("eos_token")
+        eos = tok.token_to_id(t.get("content") if isinstance(t, dict) else t) if t else None
+    if eos is None:
+        raise ValueError(f"{path}: no eos_token_id in config.json, generation_config.json or tokenizer_config.json; "
+                         f"it is needed to separate documents")
+    return tok, int(eos)
+
+
+def main():
+    """python hf.py DIR --prompt "...": load a checkpoint and print a greedy continuation (a sanity check)."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("dir", help="local Hugging Face checkpoint directory")
+    ap.add_argument("--prompt", default="The capital of France is", help="prompt text")
+    ap.add_argument("--max-new-tokens", type=int, default=20, help="tokens to generate")
+    ap.add_argument("--device", default="auto", help="cpu | cuda | mps | auto")
+    ap.add_argument("--dtype", default="float32", help="float32 | bfloat16 | auto")
+    args = ap.parse_args()
+    device = pick_device(args.device)
+    dtype = pick_dtype(device, args.dtype)
+    model = from_pretrained(args.dir, dtype=dtype, device=device).eval()
+    tok, eos = hf_tokenizer(model.tokenizer_spec["path"])
+    c = model.config
+    print(f"{args.dir}: {c.n_layer} layers, d {c.n_embd}, heads {c.n_head}/{c.n_kv_head}, vocab {c.vocab_size}, "
+          f"{model.num_params(False) / 1e6:.1f}M parameters | {device} {dtype}")
+    ids = tok.encode(args.prompt).ids  # with the tokenizer's special tokens (Llama/Gemma: BOS), as transformers does
+    n = min(args.max_new_tokens, c.max_seq_len - len(ids))
+    out = model.generate(torch.tensor([ids], device=device), n)[0].tolist()
+    new = out[len(ids):]
+    if eos in new:
+        new = new[:new.index(eos)]
+    print(tok.decode(ids + new, skip_special_tokens=True))
+
+
+if __name__ == "__main__":
+    main()
