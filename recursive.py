@@ -51,8 +51,6 @@ Run:
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import time
 from dataclasses import asdict, dataclass, fields
 
@@ -60,10 +58,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import (GPT, IGNORE, PRESETS, ArchSpec, Block, GPTConfig, KVCache, RotaryEmbedding,
-                   causal_mask_from_positions, count_params, distill_loss, init_weights, kv_bytes, lm_loss,
-                   make_norm, pick_device, pick_dtype, sample_next)
-from svd_lora import COMPONENTS, LoRALinear, add_lora, init_lora, lora_params, max_ranks
+from model import (GPT, IGNORE, PRESETS, ArchSpec, Block, GPTConfig, KVCache, causal_mask_from_positions, count_params, distill_loss, kv_bytes, lm_loss,
+                   pick_device, pick_dtype)
+from svd_lora import COMPONENTS, LoRALinear, add_lora, init_lora, max_ranks
 
 INITS = ("stepwise", "average", "lower", "random")
 EXIT_LOSSES = ("none", "weighted", "aggressive")
@@ -172,46 +169,36 @@ def exit_coefficients(kind: str, n_loops: int, coef: float) -> list[float]:
 # The model
 
 
-class RecursiveGPT(nn.Module):
+class RecursiveCache(KVCache):
+    """model.KVCache with one layer per (loop, shared layer), cache layer l*K + k, and the exit loop of every decoded
+    token of each row (`exit_log`, one (B,) tensor per decode step), which generate(return_exits=True) reads."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.exit_log: list[torch.Tensor] = []
+
+
+class RecursiveGPT(GPT):
     """K shared blocks looped n_loops times (CYCLE); with LoRA ranks > 0, the Relaxed Recursive Transformer.
 
-    forward(idx, targets) -> (final logits, loss incl. the early-exit terms). Inference: new_cache -> prefill ->
-    decode_step (or loop_step / exit_logits / propagate for a scheduler) -> generate.
+    model.GPT with other layers: its embedding, final norm + head (shared by every loop's exit) and generate loop are
+    the vanilla model's. forward(idx, targets) -> (final logits, loss incl. the early-exit terms). Inference:
+    new_cache -> prefill -> decode_step (or loop_step / exit_logits / propagate for a scheduler) -> generate.
     """
 
     def __init__(self, cfg: RecursiveConfig):
-        super().__init__()
-        self.config = cfg
-        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_shared))
-        if cfg.relaxed:
-            for block in self.blocks:
-                add_lora(block, cfg.n_loops, cfg.lora_ranks, cfg.lora_bias)
-        self.norm = make_norm(cfg)
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        self.rope = RotaryEmbedding(cfg.rot_dim, cfg.max_seq_len, cfg.rope_theta)
-        init_weights(self, cfg.n_layer)  # residual scaling by the effective depth N
+        super().__init__(cfg)  # init_weights scales the residual projections by the effective depth N
         for m in self.modules():
             if isinstance(m, LoRALinear):
                 m.reset_lora()
-        if cfg.tie_embeddings:
-            self.lm_head.weight = self.tok_emb.weight
         self.metrics = {}
 
-    # -- pieces --------------------------------------------------------------------------------------------------
-
-    def embed(self, idx):  # (B, T) -> (B, T, C)
-        x = self.tok_emb(idx)
-        if self.config.embed_scale:
-            x = x * torch.tensor(self.config.n_embd ** 0.5, dtype=x.dtype)
-        return x
-
-    def head(self, h):  # (B, T, C) -> (B, T, V): the shared final norm + head, after any loop
-        return self.lm_head(self.norm(h))
-
-    def check_length(self, n: int):
-        if n > self.config.max_seq_len:
-            raise ValueError(f"sequence of {n} tokens exceeds max_seq_len={self.config.max_seq_len}")
+    def make_blocks(self, cfg: RecursiveConfig) -> nn.ModuleList:
+        blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_shared))
+        if cfg.relaxed:
+            for block in blocks:
+                add_lora(block, cfg.n_loops, cfg.lora_ranks, cfg.lora_bias)
+        return blocks
 
     def run_loop(self, x, loop, rope, cache=None, rows=None, **attn_kwargs):
         """One pass of the K shared layers at loop `loop` (an int, or a LongTensor (B,) with one loop per row).
@@ -278,12 +265,13 @@ class RecursiveGPT(nn.Module):
 
     # -- inference -----------------------------------------------------------------------------------------------
 
-    def new_cache(self, batch: int, max_len: int | None = None, dtype=None, device=None) -> KVCache:
+    def new_cache(self, batch: int, max_len: int | None = None, dtype=None, device=None, static=False):
         """One cache layer per (loop, shared layer): n_layer = B*K of them; cache layer l*K + k."""
         cfg, p = self.config, self.lm_head.weight
         max_len = max_len or cfg.max_seq_len
         self.check_length(max_len)
-        return KVCache(cfg.n_layer, batch, max_len, cfg.n_kv_head, cfg.hd, dtype or p.dtype, device or p.device)
+        return RecursiveCache(cfg.n_layer, batch, max_len, cfg.n_kv_head, cfg.hd, dtype or p.dtype,
+                              device or p.device, static)
 
     @torch.no_grad()
     def prefill(self, idx, cache: KVCache, lengths=None):
@@ -352,17 +340,18 @@ class RecursiveGPT(nn.Module):
                 cache.layer(lp * K + k, rr).write(pos, kk, vv)
 
     @torch.no_grad()
-    def decode_step(self, tok, cache: KVCache, exit_threshold: float | None = None, return_exits=False):
+    def decode_step(self, tok, cache: RecursiveCache, exit_threshold: float | None = None, return_exits=False):
         """One new token per row tok (B,) at position cache.lengths -> logits (B, V) [, exit loop (B,)].
 
         Without a threshold every row runs all loops. With one, after each loop the rows whose max softmax
         probability reaches it exit: their logits are that loop's, their deeper cache layers are filled by
         `propagate`, and the remaining rows go on (a subset of rows, one loop index for all: plain matmuls).
+        The exit loops are also appended to cache.exit_log.
         """
         cfg = self.config
         B, L = tok.size(0), cfg.n_loops
         q_pos = cache.lengths[:, None]  # (B, 1)
-        kv_len = int(cache.lengths.max()) + 1
+        kv_len = cache.max_len if cache.static else int(cache.lengths.max()) + 1
         x = self.embed(tok[:, None])
         exits = torch.full((B,), L - 1, dtype=torch.long, device=tok.device)
         if exit_threshold is None:
@@ -392,12 +381,14 @@ class RecursiveGPT(nn.Module):
                 active, x = active[keep], x[keep]
                 rows = active
         cache.lengths += 1
+        if isinstance(cache, RecursiveCache):
+            cache.exit_log.append(exits)
         return (logits, exits) if return_exits else logits
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens: int, temperature: float = 0.0, top_k=None, generator=None,
                  exit_threshold: float | None = None, return_exits=False):
-        """idx (B, T) -> (B, T + max_new_tokens) [, exits (B, max_new_tokens)]. temperature 0 is greedy.
+        """model.GPT.generate with early exit: idx (B, T) -> (B, T + max_new_tokens) [, exits (B, max_new_tokens)].
 
         exit_threshold (default: config.exit_threshold; None = never exit) turns on confidence-based early exit.
         exits[:, i] is the loop whose logits produced new token i (the first comes from the prefill: the last loop);
@@ -406,18 +397,13 @@ class RecursiveGPT(nn.Module):
         thr = self.config.exit_threshold if exit_threshold is None else exit_threshold
         B, T = idx.shape
         self.check_length(T + max_new_tokens)
-        cache = self.new_cache(B, T + max_new_tokens)
-        logits = self.prefill(idx, cache)
-        out = [idx]
-        exits = [torch.full((B,), self.config.n_loops - 1, dtype=torch.long, device=idx.device)]
-        for i in range(max_new_tokens):
-            tok = sample_next(logits, temperature, top_k, generator)
-            out.append(tok[:, None])
-            if i + 1 < max_new_tokens:
-                logits, e = self.decode_step(tok, cache, thr, return_exits=True)
-                exits.append(e)
-        tokens = torch.cat(out, dim=1)
-        return (tokens, torch.stack(exits[:max_new_tokens], 1)) if return_exits else tokens
+        cache = self.new_cache(B, T + max(max_new_tokens, 0))
+        tokens = super().generate(idx, max_new_tokens, temperature, top_k, generator, cache=cache,
+                                  exit_threshold=thr)
+        if not return_exits:
+            return tokens
+        first = torch.full((B,), self.config.n_loops - 1, dtype=torch.long, device=idx.device)
+        return tokens, torch.stack(([first] + cache.exit_log)[:max_new_tokens], 1)
 
     # -- accounting ----------------------------------------------------------------------------------------------
 
@@ -507,7 +493,7 @@ def from_vanilla(src: GPT, n_loops: int = 2, init: str = "stepwise", lora_init: 
         log(f"convert: LoRA ranks {cfg.lora_ranks}, init {lora_init}: {total['svd']} residuals by torch.linalg.svd "
             f"(float64), {total['lowrank']} by torch.svd_lowrank, {total['zero_residual']} exactly zero (standard "
             f"init), {total['standard']} standard init by request"
-            + (f"; per-loop bias deltas (the source has biases)" if cfg.lora_bias else ""))
+            + ("; per-loop bias deltas (the source has biases)" if cfg.lora_bias else ""))
     return model
 
 

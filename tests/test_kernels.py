@@ -537,16 +537,3 @@ def test_module_docstring_states_gradient_choice():
     """The gradient choice is stated: training goes through the references (dispatch checks requires_grad)."""
     doc = " ".join(K.__doc__.split())
     assert "needs a gradient" in doc and "Training therefore runs through the references" in doc
-
-
-def test_bench_runs_on_cpu(capsys):
-    """`python kernels.py --bench` on a CPU machine: says the Triton timing needs CUDA and times the references and
-    stock alternatives at small sizes (a smoke test of every section's CPU code path; no speed is asserted)."""
-    import argparse
-
-    K.bench(argparse.Namespace(device="cpu", dtype="float32", only="", warmup=0, iters=1))
-    out = capsys.readouterr().out
-    assert "Triton kernels need CUDA" in out
-    for section in ("multi_lora (BGMV", "multi_lora_segments", "block_local_attention", "gated_swa (prefill)",
-                    "gated_swa_decode", "dual_attention"):
-        assert section in out

@@ -1,0 +1,524 @@
+"""
+bench.py -- the speed claims of the four papers, measured on the machine you have, plus the peer comparisons.
+
+Every benchmark here follows the same protocol, because the machines this repository is developed on are small and
+shared: the systems being compared are built once, then timed in INTERLEAVED rounds in one process (round r times
+system A, then B, then C...), warm-up excluded, and each figure is the median over the rounds with the spread
+(min..max) beside it. A ratio is only ever computed between systems timed in the same run. Each benchmark prints
+the device, the sizes, the dtype, the batch, the ratio and the paper's figure beside it.
+
+Sizes. On a CPU, a model whose weights fit in the caches is bound by per-operator overhead, not by memory, and none
+of the papers' memory-bound arguments apply to it. The default sizes here are therefore the ~100-150M `base`
+presets (hundreds of MB of weights, far more than the caches): decoding them one token at a time is memory-bound
+on a CPU as on a GPU. (`--preset tiny` is for a quick check.)
+
+Run:
+    python bench.py decode                       # vanilla decode: tok/s, bandwidth vs this machine's, vs transformers
+    python bench.py decode --dtype bfloat16 --batch 1,8
+    python bench.py train --nanogpt DIR          # training tok/s vs nanoGPT's model.py (a checkout you provide)
+    python bench.py kernels                      # (CUDA) every Triton kernel vs its reference and stock PyTorch
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import kernels as K
+from model import GPT, GPTConfig, pick_device, pick_dtype, sync, timeit
+
+# ----------------------------------------------------------------------------------------------------------------
+# Protocol: interleaved rounds, median and spread
+
+
+def rounds(systems: dict, repeats: int, warmup: int = 1) -> dict[str, list[float]]:
+    """systems: name -> fn() (one timed unit of work). Each fn is warmed up, then the systems are timed in turn,
+    `repeats` rounds -> name -> list of seconds (one per round)."""
+    for fn in systems.values():
+        for _ in range(warmup):
+            fn()
+    out = {name: [] for name in systems}
+    for _ in range(repeats):
+        for name, fn in systems.items():
+            t0 = time.perf_counter()
+            fn()
+            out[name].append(time.perf_counter() - t0)
+    return out
+
+
+def med(xs) -> float:
+    return statistics.median(xs)
+
+
+def spread(xs, scale=1.0, fmt=".1f") -> str:
+    """'median (min..max)' of a list, each multiplied by scale."""
+    return f"{med(xs) * scale:{fmt}} ({min(xs) * scale:{fmt}}..{max(xs) * scale:{fmt}})"
+
+
+def header(title: str, device, dtype, extra: str = ""):
+    cpu = f"cpu, {torch.get_num_threads()} threads" if device.type == "cpu" else torch.cuda.get_device_name(device)
+    print(f"\n== {title} | device {cpu} | dtype {dtype} | torch {torch.__version__}" + (f" | {extra}" if extra else ""))
+
+
+def read_bandwidth(device, nbytes=2 ** 30, repeats=5) -> float:
+    """Bytes/s of a large streaming read on this device (a sum over `nbytes` of fp32, far larger than any cache):
+    the memory-bound ceiling a decode step can approach."""
+    x = torch.ones(nbytes // 4, device=device)
+    ts = timeit(lambda: x.sum(), device, warmup=2, repeats=repeats)
+    return nbytes / min(ts)
+
+
+def param_bytes(model) -> int:
+    """Bytes of the unique parameters a forward reads (tied weights once)."""
+    seen = {}
+    for p in model.parameters():
+        seen[id(p)] = p.numel() * p.element_size()
+    return sum(seen.values())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Vanilla decode: this repository vs transformers' LlamaForCausalLM.generate, and vs the machine's bandwidth
+
+
+def hf_llama(cfg: GPTConfig, dtype):
+    """transformers' LlamaForCausalLM with the same dims as a vanilla GPTConfig (random weights), or None when
+    transformers is not installed (it is a dev dependency)."""
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError:
+        return None
+    hc = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd, intermediate_size=cfg.mlp_hidden,
+                     num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head,
+                     head_dim=cfg.hd, max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
+                     tie_word_embeddings=cfg.tie_embeddings, rope_theta=cfg.rope_theta)
+    return LlamaForCausalLM(hc).to(dtype).eval()
+
+
+@torch.no_grad()
+def bench_decode(args):
+    device = pick_device(args.device)
+    cfg = GPTConfig.from_preset(args.preset)
+    P, N = args.prompt_len, args.new_tokens
+    bw = read_bandwidth(device)
+    for dtype in [pick_dtype(device, d) for d in args.dtype.split(",")]:
+        torch.manual_seed(0)
+        ours = GPT(cfg).to(device=device, dtype=dtype).eval()
+        hf = hf_llama(cfg, dtype) if args.hf else None
+        if hf is not None:
+            hf.to(device)
+        wbytes = param_bytes(ours)
+        header("vanilla decode", device, dtype, f"preset {args.preset}: {cfg.n_layer} layers, d {cfg.n_embd}, "
+               f"{wbytes / 1e6:.0f} MB of weights | prompt {P}, {N} new tokens, greedy | median (min..max) of "
+               f"{args.repeats} interleaved rounds after 1 warm-up")
+        print(f"   read bandwidth of this machine (1 GiB streaming sum): {bw / 1e9:.1f} GB/s -> a batch-1 decode "
+              f"step cannot take less than {wbytes / bw * 1e3:.1f} ms ({bw / wbytes:.1f} tok/s)")
+        for B in [int(b) for b in args.batch.split(",")]:
+            idx = torch.randint(0, cfg.vocab_size - 1, (B, P), device=device)
+            systems = {"ours: GPT.generate": lambda: ours.generate(idx, N)}
+            if hf is not None:
+                systems["transformers: LlamaForCausalLM.generate"] = lambda: hf.generate(
+                    idx, max_new_tokens=N, min_new_tokens=N, do_sample=False, pad_token_id=0)
+            pre = rounds({"prefill": lambda: ours.generate(idx, 1)}, args.repeats)["prefill"]
+            res = rounds(systems, args.repeats)
+            t_dec = [t - med(pre) for t in res["ours: GPT.generate"]]  # the decode steps alone
+            print(f"   batch {B}: ours {spread([B * N / t for t in res['ours: GPT.generate']])} tok/s end to end; "
+                  f"decode alone {med(t_dec) / (N - 1) * 1e3:.2f} ms/step = "
+                  f"{B * (N - 1) / med(t_dec):.1f} tok/s, {wbytes / (med(t_dec) / (N - 1)) / 1e9:.1f} GB/s of "
+                  f"weights = {wbytes / (med(t_dec) / (N - 1)) / bw:.0%} of the measured bandwidth")
+            if hf is not None:
+                name = "transformers: LlamaForCausalLM.generate"
+                ratio = [a / b for a, b in zip(res[name], res["ours: GPT.generate"])]
+                print(f"            transformers {spread([B * N / t for t in res[name]])} tok/s end to end -> "
+                      f"ours / transformers = {spread(ratio, fmt='.2f')}x (per-round ratios)")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Training speed: this repository's GPT vs nanoGPT's model.py at the same shape, batch and sequence length
+
+
+def nanogpt_model(path: str, cfg: GPTConfig, seq_len: int):
+    """nanoGPT's GPT (from the model.py of a nanoGPT checkout at `path`; nothing of it is copied here) at the shape of
+    cfg: same layers, width, heads, vocabulary and context; its own MLP (4d GELU) and LayerNorm."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("nanogpt_model", f"{path}/model.py")  # not our `model` module
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    conf = mod.GPTConfig(block_size=seq_len, vocab_size=cfg.vocab_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
+                         n_embd=cfg.n_embd, dropout=0.0, bias=False)
+    return mod.GPT(conf)
+
+
+def bench_train(args):
+    device = pick_device(args.device)
+    cfg = GPTConfig.from_preset(args.preset, max_seq_len=args.seq_len)
+    B, T = args.train_batch, args.seq_len
+    torch.manual_seed(0)
+    models = {"ours": GPT(cfg).to(device)}
+    if args.nanogpt:
+        models["nanoGPT"] = nanogpt_model(args.nanogpt, cfg, T).to(device)
+    x = torch.randint(0, cfg.vocab_size - 1, (B, T), device=device)
+    y = torch.randint(0, cfg.vocab_size - 1, (B, T), device=device)
+    steps = {}
+    for name, m in models.items():
+        fused = device.type == "cuda" or (name == "ours" and args.fused_adamw)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=fused) if fused else torch.optim.AdamW(m.parameters())
+
+        def step(m=m, opt=opt):
+            _, loss = m(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sync(device)
+        steps[name] = step
+    n_params = {k: sum(p.numel() for p in m.parameters()) for k, m in models.items()}
+    header("training step", device, torch.float32, f"preset {args.preset} shape (layers {cfg.n_layer}, d "
+           f"{cfg.n_embd}, heads {cfg.n_head}) batch {B} x {T} | params " + ", ".join(
+               f"{k} {v / 1e6:.2f}M" for k, v in n_params.items()))
+    res = rounds(steps, args.repeats, warmup=2)
+    for name, ts in res.items():
+        print(f"   {name:8s} {spread([B * T / t for t in ts], fmt='.0f')} tok/s")
+    if "nanoGPT" in res:
+        ratio = [b / a for a, b in zip(res["ours"], res["nanoGPT"])]
+        print(f"   ours / nanoGPT = {spread(ratio, fmt='.2f')}x tokens/s (per-round ratios)")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Kernels: python bench.py kernels (CUDA; each Triton kernel of kernels.py vs its reference and stock PyTorch)
+
+
+def kernel_us(fn, device, warmup=10, iters=50) -> float:
+    """Median time of one fn() call in microseconds, warm-up excluded (the warm-up also covers torch.compile and the
+    Triton JIT).
+
+    CUDA: a CUDA event pair around each call, with L2 flushed before each call (in a real forward pass the weights and
+    caches of this layer are not in L2), and torch.cuda.synchronize() before the events are read. Other devices:
+    model.timeit's wall clock.
+    """
+    if device.type != "cuda":
+        return med(timeit(fn, device, warmup, iters)) * 1e6
+    for _ in range(warmup):
+        fn()
+    flush = torch.empty(256 * 2 ** 20, dtype=torch.int8, device=device)
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    torch.cuda.synchronize()
+    for i in range(iters):
+        flush.zero_()
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return sorted(s.elapsed_time(e) for s, e in zip(starts, ends))[iters // 2] * 1e3
+
+
+def _report(impl, us, nbytes=None, flops=None, base_us=None):
+    bw = f"{nbytes / us / 1e3:9.1f} GB/s" if nbytes else " " * 14
+    fl = f"{flops / us / 1e6:8.1f} TFLOP/s" if flops else " " * 16
+    rel = f"   kernel is {us / base_us:5.2f}x faster" if base_us and us != base_us else ""
+    print(f"    {impl:44s} {us:11.1f} us  {bw} {fl}{rel}")
+
+
+def _maxerr(a, b):
+    return (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
+
+
+def _flex_lse():
+    """FlexAttention returning (out, lse in natural log), or None when this torch has none."""
+    try:
+        from torch.nn.attention.flex_attention import flex_attention
+    except ImportError:
+        return None
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest
+    except ImportError:
+        AuxRequest = None
+
+    def attn(q, k, v, block_mask, scale=None, lse=True):
+        gqa = q.size(1) != k.size(1)
+        if not lse:
+            return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa), None
+        if AuxRequest is not None:
+            out, aux = flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa,
+                                      return_aux=AuxRequest(lse=True))
+            return out, aux.lse
+        return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa, return_lse=True)
+    return attn
+
+
+def _random_blocks(T, n_blocks, gen, device):
+    """Block ids (T,) of a random partition into n_blocks blocks (split points drawn as the double decoder does)."""
+    splits = torch.randperm(T - 3, generator=gen)[: n_blocks - 1].sort().values + 2
+    return torch.bucketize(torch.arange(T), splits, right=True).to(device)
+
+
+def bench_kernels(args):
+    dev = pick_device(args.device)
+    dtype = pick_dtype(dev, args.dtype)
+    cuda = dev.type == "cuda"
+    gpu = torch.cuda.get_device_name(dev) if cuda else "CPU"
+    print(f"device {gpu}  dtype {dtype}  torch {torch.__version__}  triton {K.triton.__version__ if K.triton else None}")
+    if not cuda:
+        print("Triton kernels need CUDA: timing the references and stock alternatives only, at small shapes. "
+              "CPU figures say nothing about the GPU targets; do not record them.")
+    gen = torch.Generator().manual_seed(0)
+    esz = torch.finfo(dtype).bits // 8
+    run_triton = cuda and K.triton is not None
+    flex = _flex_lse() if cuda else None
+    want = set(args.only.split(",")) if args.only else {"lora", "block", "gswa", "gswa_decode", "dual"}
+    warmup = args.warmup if args.warmup is not None else (10 if cuda else 1)
+    iters = args.iters if args.iters is not None else (50 if cuda else 3)
+    print(f"warm-up {warmup} calls, then the median (CUDA events) / mean (CPU clock) of {iters} timed calls")
+
+    def ktime(fn, heavy=False):  # heavy: the dense references (T x T scores), fewer calls
+        return kernel_us(fn, dev, min(warmup, 3) if heavy else warmup, min(iters, 10) if heavy else iters)
+
+    def rnd(*shape, s=1.0):
+        return (torch.randn(*shape, generator=gen) * s).to(device=dev, dtype=dtype)
+
+    with torch.no_grad():
+        if "lora" in want:
+            # decode: batch 64 rows at 4 different loops (adapters), r = 64, d = 2048 (the issue's target shape)
+            N, d, r, n = (64, 2048, 64, 4) if cuda else (16, 256, 16, 4)
+            x, W = rnd(N, d), rnd(d, d, s=d ** -0.5)
+            A, Bm = rnd(n, r, d, s=d ** -0.5), rnd(n, d, r, s=r ** -0.5)
+            idx = torch.randint(0, n, (N,), generator=gen).to(dev)
+
+            def loop_over_adapters():
+                y = torch.zeros(N, d, device=dev, dtype=dtype)
+                for a in range(n):
+                    rows = (idx == a).nonzero().squeeze(1)
+                    y.index_copy_(0, rows, (x[rows] @ A[a].T) @ Bm[a].T)
+                return y
+
+            print(f"\nmulti_lora (BGMV, decode)  rows {N}  in = out = {d}  r {r}  adapters {n}  {dtype}")
+            nbytes = esz * (2 * N * d + n * r * 2 * d)
+            flops = 2 * N * r * 2 * d
+            t_k = None
+            if run_triton:
+                t_k = ktime(lambda: K.multi_lora_triton(x, A, Bm, idx))
+                err = _maxerr(K.multi_lora_triton(x, A, Bm, idx), K.multi_lora_ref(x, A, Bm, idx))
+                print(f"    max |kernel - reference| = {err:.2e}")
+                _report("triton shrink+expand", t_k, nbytes, flops)
+            _report("reference: gather + bmm", ktime(lambda: K.multi_lora_ref(x, A, Bm, idx)), nbytes, flops, t_k)
+            _report("python loop over adapters", ktime(loop_over_adapters), nbytes, flops, t_k)
+            t_base = ktime(lambda: F.linear(x, W))
+            _report(f"base GEMM ({N} x {d} x {d}) it rides on", t_base, esz * (d * d + 2 * N * d), 2 * N * d * d)
+            if t_k:
+                print(f"    LoRA costs {100 * t_k / t_base:.0f}% of the base GEMM")
+
+            # prefill: 4096 rows sorted by adapter into 4 segments (SGMV)
+            N2 = 4096 if cuda else 256
+            x2 = rnd(N2, d)
+            starts = torch.tensor([0, N2 // 8, N2 // 2, 3 * N2 // 4, N2], device=dev)
+            seg_a = torch.tensor([0, 1, 2, 3], device=dev)
+            bounds = starts.tolist()
+            print(f"\nmulti_lora_segments (SGMV, prefill)  rows {N2}  in = out = {d}  r {r}  4 segments  {dtype}")
+            nbytes, flops = esz * (2 * N2 * d + n * r * 2 * d), 2 * N2 * r * 2 * d
+            t_k = None
+            if run_triton:
+                t_k = ktime(lambda: K.multi_lora_segments_triton(x2, A, Bm, starts, seg_a))
+                err = _maxerr(K.multi_lora_segments_triton(x2, A, Bm, starts, seg_a),
+                              K.multi_lora_segments_ref(x2, A, Bm, starts, seg_a))
+                print(f"    max |kernel - reference| = {err:.2e}")
+                _report("triton shrink+expand (segments)", t_k, nbytes, flops)
+            _report("reference: gather + bmm", ktime(lambda: K.multi_lora_segments_ref(x2, A, Bm, starts, seg_a)),
+                    nbytes, flops, t_k)
+            _report("loop over segments (slices, 2 matmuls each)", ktime(
+                lambda: torch.cat([(x2[s:e] @ A[a].T) @ Bm[a].T for a, s, e in zip(range(4), bounds, bounds[1:])])),
+                nbytes, flops, t_k)
+            _report(f"base GEMM ({N2} x {d} x {d})", ktime(lambda: F.linear(x2, W)),
+                    esz * (d * d + 2 * N2 * d), 2 * N2 * d * d)
+
+        Bt, H, Hkv, T, D = (4, 16, 4, 2048, 128) if cuda else (1, 4, 2, 128, 32)
+        scale = 1.0 / math.sqrt(D)
+        blk = _random_blocks(T, 6, gen, dev)
+        blk_b = blk[None].expand(Bt, T).contiguous()
+        pos_b = torch.arange(T, device=dev)[None].expand(Bt, T).contiguous()
+
+        if "block" in want:
+            q, k, v = rnd(Bt, H, T, D), rnd(Bt, Hkv, T, D), rnd(Bt, Hkv, T, D)
+            pairs = int(K.block_local_mask(blk).sum()) * Bt * H
+            flops, nbytes = 4 * D * pairs, esz * (2 * Bt * H * T * D + 2 * Bt * Hkv * T * D)
+            print(f"\nblock_local_attention  B {Bt}  H {H}/{Hkv}  T {T}  D {D}  6 blocks  {dtype}")
+            t_k = None
+            if run_triton:
+                t_k = ktime(lambda: K.block_local_attention_triton(q, k, v, blk_b, scale))
+                o1, l1 = K.block_local_attention_triton(q, k, v, blk_b, scale)
+                o2, l2 = K.block_local_attention_ref(q, k, v, blk_b, scale)
+                print(f"    max |kernel - reference| = {_maxerr(o1, o2):.2e} (out)  {_maxerr(l1, l2):.2e} (lse)")
+                _report("triton", t_k, nbytes, flops)
+            _report("reference (dense scores)", ktime(lambda: K.block_local_attention_ref(q, k, v, blk_b, scale),
+                                                       heavy=True), nbytes, flops, t_k)
+            if flex is not None:
+                from torch.nn.attention.flex_attention import create_block_mask
+                bm = create_block_mask(lambda b, h, i, j: (blk_b[b, i] == blk_b[b, j]) & (j <= i), Bt, None, T, T,
+                                       device=dev)
+                f = torch.compile(flex)  # with the LSE, as the kernel returns it
+                _report("FlexAttention (compiled) + block mask", ktime(lambda: f(q, k, v, bm, scale)),
+                        nbytes, flops, t_k)
+            else:
+                mask = K.block_local_mask(blk_b)
+                _report("SDPA with a dense block mask", ktime(lambda: F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)), nbytes, flops, t_k)
+
+        if "gswa" in want:
+            window = 64
+            q, k, v, ks, vs = (rnd(Bt, H, T, D), rnd(Bt, Hkv, T, D), rnd(Bt, Hkv, T, D), rnd(Bt, Hkv, T, D),
+                               rnd(Bt, Hkv, T, D))
+            gw, gb = rnd(H, D, s=D ** -0.5), rnd(H)
+            pairs = Bt * H * (T * (T + 1) // 2 + int(K.swa_mask(T, window, dev).sum()))
+            flops, nbytes = 4 * D * pairs, esz * (2 * Bt * H * T * D + 4 * Bt * Hkv * T * D)
+            print(f"\ngated_swa (prefill)  B {Bt}  H {H}/{Hkv}  T {T}  D {D}  window {window}  {dtype}")
+            t_k = None
+            if run_triton:
+                t_k = ktime(lambda: K.gated_swa_triton(q, k, v, ks, vs, gw, gb, window))
+                err = _maxerr(K.gated_swa_triton(q, k, v, ks, vs, gw, gb, window),
+                              K.gated_swa_ref(q, k, v, ks, vs, gw, gb, window))
+                print(f"    max |kernel - reference| = {err:.2e}")
+                _report("triton (one kernel)", t_k, nbytes, flops)
+            _report("reference (dense scores)", ktime(lambda: K.gated_swa_ref(q, k, v, ks, vs, gw, gb, window),
+                                                       heavy=True), nbytes, flops, t_k)
+
+            def gate_mix(q, y_loc, y_glob):
+                g = K.plt_gate(q, gw, gb)[..., None]
+                return (g * y_loc.float() + (1 - g) * y_glob.float()).to(q.dtype)
+
+            if flex is not None:
+                from torch.nn.attention.flex_attention import create_block_mask
+                wm = create_block_mask(lambda b, h, i, j: (j <= i) & (j > i - window), None, None, T, T, device=dev)
+
+                def stock():  # flex for the window, flash SDPA for the causal shared branch, gate and mix
+                    y_loc, _ = flex(q, k, v, wm, lse=False)
+                    y_glob = F.scaled_dot_product_attention(q, ks, vs, is_causal=True, enable_gqa=True)
+                    return gate_mix(q, y_loc, y_glob)
+                name = "flex(window) + SDPA(causal) + gate, compiled"
+            else:
+                wmask = K.swa_mask(T, window, dev)
+
+                def stock():
+                    y_loc = F.scaled_dot_product_attention(q, k, v, attn_mask=wmask, enable_gqa=True)
+                    y_glob = F.scaled_dot_product_attention(q, ks, vs, is_causal=True, enable_gqa=True)
+                    return gate_mix(q, y_loc, y_glob)
+                name = "SDPA(window mask) + SDPA(causal) + gate"
+            f = torch.compile(stock) if cuda else stock
+            _report(name, ktime(f), nbytes, flops, t_k)
+
+        if "gswa_decode" in want:
+            Bd, L1, W, S = (64, 2, 64, 2048) if cuda else (4, 2, 16, 128)
+            q = rnd(Bd, L1, H, D)
+            kr, vr = rnd(Bd, L1, Hkv, W, D), rnd(Bd, L1, Hkv, W, D)
+            ks, vs = rnd(Bd, Hkv, S, D), rnd(Bd, Hkv, S, D)
+            q_pos = torch.full((Bd,), S - 1, device=dev)
+            ring_pos = (torch.arange(S - W, S, device=dev)[None] + torch.zeros(Bd, 1, dtype=torch.long, device=dev))
+            gw, gb = rnd(H, D, s=D ** -0.5), rnd(H)
+            nbytes = esz * (2 * Bd * Hkv * S * D + 2 * Bd * L1 * Hkv * W * D + 2 * Bd * L1 * H * D)
+            args_ = (q, kr, vr, ring_pos, ks, vs, q_pos, gw, gb, W)
+            print(f"\ngated_swa_decode  batch {Bd}  loops {L1}+1  H {H}/{Hkv}  D {D}  window {W}  shared cache {S}  "
+                  f"{dtype}")
+            t_k = None
+            if run_triton:
+                t_k = ktime(lambda: K.gated_swa_decode_triton(*args_))
+                print(f"    max |kernel - reference| = "
+                      f"{_maxerr(K.gated_swa_decode_triton(*args_), K.gated_swa_decode_ref(*args_)):.2e}")
+                _report("triton (split shared keys + combine)", t_k, nbytes)
+            _report("reference", ktime(lambda: K.gated_swa_decode_ref(*args_)), nbytes, None, t_k)
+
+            def stock_decode():  # two SDPA calls with masks, then the gate
+                qq = q.reshape(Bd * L1, H, 1, D)
+                ok = (ring_pos <= q_pos[:, None]) & (ring_pos > q_pos[:, None] - W) & (ring_pos >= 0)
+                y_loc = F.scaled_dot_product_attention(qq, kr.flatten(0, 1), vr.flatten(0, 1), enable_gqa=True,
+                                                       attn_mask=ok.repeat_interleave(L1, 0)[:, None, None])
+                glob = (torch.arange(S, device=dev)[None] <= q_pos[:, None])[:, None, None]
+                y_glob = F.scaled_dot_product_attention(q.transpose(1, 2), ks, vs, attn_mask=glob, enable_gqa=True)
+                y_glob = y_glob.transpose(1, 2).reshape(Bd * L1, H, 1, D)
+                g = K.plt_gate(qq, gw, gb)[..., None]
+                return (g * y_loc.float() + (1 - g) * y_glob.float()).to(q.dtype).reshape(Bd, L1, H, D)
+            f = torch.compile(stock_decode) if cuda else stock_decode
+            _report("2 x SDPA + gate" + (", compiled" if cuda else ""), ktime(f), nbytes, None, t_k)
+
+        if "dual" in want:  # the double decoder's setting: 4-8 blocks (a random partition, as in training)
+            q = rnd(Bt, H, T, D)
+            k_s, v_s, k_c, v_c = rnd(Bt, Hkv, T, D), rnd(Bt, Hkv, T, D), rnd(Bt, Hkv, T, D), rnd(Bt, Hkv, T, D)
+            for n_blocks in ((4, 8) if cuda else (4,)):
+                blk_d = _random_blocks(T, n_blocks, gen, dev)[None].expand(Bt, T).contiguous()
+                dargs = (q, pos_b, blk_d, k_s, v_s, pos_b, blk_d, k_c, v_c, blk_d, scale)
+                m_self, m_cross = K.dual_masks(pos_b, blk_d, pos_b, blk_d, blk_d)
+                pairs = int(m_self.sum() + m_cross.sum()) * H
+                flops, nbytes = 4 * D * pairs, esz * (2 * Bt * H * T * D + 4 * Bt * Hkv * T * D)
+                print(f"\ndual_attention  B {Bt}  H {H}/{Hkv}  T {T}  D {D}  {n_blocks} blocks (self keys {T}, cross "
+                      f"keys {T})  {dtype}")
+                t_k = None
+                if run_triton:
+                    t_k = ktime(lambda: K.dual_attention_triton(*dargs))
+                    o1, l1 = K.dual_attention_triton(*dargs)
+                    o2, l2 = K.dual_attention_ref(*dargs)
+                    print(f"    max |kernel - reference| = {_maxerr(o1, o2):.2e} (out)  {_maxerr(l1, l2):.2e} (lse)")
+                    _report("triton (one pass, one softmax)", t_k, nbytes, flops)
+                _report("reference: 2 dense attentions + LSE merge",
+                        ktime(lambda: K.dual_attention_ref(*dargs), heavy=True), nbytes, flops, t_k)
+                if flex is not None:
+                    from torch.nn.attention.flex_attention import create_block_mask
+                    sm = create_block_mask(
+                        lambda b, h, i, j: (blk_d[b, j] == blk_d[b, i]) & (pos_b[b, j] <= pos_b[b, i]), Bt, None, T, T,
+                        device=dev)
+                    cm = create_block_mask(lambda b, h, i, j: blk_d[b, j] < blk_d[b, i], Bt, None, T, T, device=dev)
+
+                    def two_flex():
+                        o1, l1 = flex(q, k_s, v_s, sm, scale)
+                        o2, l2 = flex(q, k_c, v_c, cm, scale)
+                        return K.merge_lse(o1, l1.float(), o2, l2.float())
+                    _report("2 x FlexAttention + LSE merge, compiled", ktime(torch.compile(two_flex)), nbytes,
+                            flops, t_k)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    sub = ap.add_subparsers(dest="what", required=True)
+
+    def common(p, preset="base"):
+        p.add_argument("--device", default="auto", help="cpu | cuda | mps | auto")
+        p.add_argument("--preset", default=preset, help=f"model.py preset (default {preset})")
+        p.add_argument("--repeats", type=int, default=5, help="interleaved timed rounds (median and min..max)")
+        p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+
+    p = sub.add_parser("decode", help="vanilla decode vs the machine's bandwidth and transformers' generate")
+    common(p)
+    p.add_argument("--dtype", default="float32,bfloat16", help="comma list of dtypes")
+    p.add_argument("--batch", default="1", help="comma list of batch sizes")
+    p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens")
+    p.add_argument("--new-tokens", type=int, default=64, help="generated tokens per run")
+    p.add_argument("--no-hf", dest="hf", action="store_false", help="skip the transformers comparison")
+    p.set_defaults(fn=bench_decode)
+
+    p = sub.add_parser("train", help="training tok/s vs nanoGPT's model.py at the same shape")
+    common(p, "small")
+    p.add_argument("--nanogpt", default=None, help="a nanoGPT checkout (its model.py is imported from there)")
+    p.add_argument("--train-batch", type=int, default=8, help="sequences per step")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
+    p.add_argument("--no-fused-adamw", dest="fused_adamw", action="store_false", help="plain AdamW for ours on CPU")
+    p.set_defaults(fn=bench_train)
+
+    p = sub.add_parser("kernels", help="(CUDA) Triton kernels vs their references and stock PyTorch")
+    p.add_argument("--only", default="", help="comma list of: lora, block, gswa, gswa_decode, dual (default: all)")
+    p.add_argument("--device", default="auto", help="cpu | cuda | auto")
+    p.add_argument("--dtype", default="auto", help="bfloat16 | float16 | float32 | auto (bf16 on CUDA)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed calls first (default: 10 on CUDA, 1 on CPU)")
+    p.add_argument("--iters", type=int, default=None, help="timed calls (default: 50 on CUDA, 3 on CPU)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    p.set_defaults(fn=bench_kernels)
+
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.fn(args)
+
+
+if __name__ == "__main__":
+    main()
