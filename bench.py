@@ -16,6 +16,8 @@ Run:
     python bench.py decode                       # vanilla decode: tok/s, bandwidth vs this machine's, vs transformers
     python bench.py decode --dtype bfloat16 --batch 1,8
     python bench.py train --nanogpt DIR          # training tok/s vs nanoGPT's model.py (a checkout you provide)
+    python bench.py exits --ckpt out/relaxed/ckpt.pt   # early exit on validation text: per loop, oracle, threshold curve
+    python bench.py energy --ckpt out/vanilla/ckpt.pt  # residual energy a rank-r SVD captures (relaxed conversion)
     python bench.py kernels                      # (CUDA) every Triton kernel vs its reference and stock PyTorch
 """
 from __future__ import annotations
@@ -184,6 +186,91 @@ def bench_train(args):
     if "nanoGPT" in res:
         ratio = [b / a for a, b in zip(res["ours"], res["nanoGPT"])]
         print(f"   ours / nanoGPT = {spread(ratio, fmt='.2f')}x tokens/s (per-round ratios)")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Checkpoint evaluations: the validation windows of a run, early exit (recursive), residual energy (svd_lora)
+
+
+def load_run(path, device):
+    """A train.py checkpoint -> (checkpoint dict, model in eval mode on device, tokenizer)."""
+    import train
+
+    ck = train.load_checkpoint(path)
+    return ck, train.model_from_checkpoint(ck).to(device).eval(), train.Tokenizer(ck["tokenizer"])
+
+
+def val_windows(ck, tok, n_batches, batch, seq_len, seed, device):
+    """The validation windows of the checkpoint's corpus (its run arguments; the token cache is reused), drawn from
+    seeded generators: every checkpoint of the same corpus and tokenizer sees the same windows."""
+    import train
+
+    a = ck.get("args", {})
+    cache = train.prepare_corpus(a.get("data", "stdlib"), tok, a.get("cache_dir", "data_cache"),
+                                 [s for s in a.get("exclude_sets", "").split(",") if s], a.get("val_data"),
+                                 verbose=False)
+    val = train.TokenData(cache, "val")
+    for i in range(n_batches):
+        x, y = val.get_batch(batch, seq_len, train.step_generator(seed, -1, i, 0))
+        yield x.to(device), y.to(device)
+
+
+@torch.no_grad()
+def bench_exits(args):
+    """Early exit of a recursive/relaxed checkpoint on validation text: static exit per loop, the oracle, and the
+    confidence-exit trade-off curve with state propagation (recursive.exit_analysis), summed over the windows."""
+    import recursive
+
+    device = pick_device(args.device)
+    ck, model, tok = load_run(args.ckpt, device)
+    if not isinstance(model, recursive.RecursiveGPT):
+        raise ValueError(f"{args.ckpt} holds a {ck['arch']} model, not a recursive/relaxed one")
+    L = model.config.n_loops
+    seq = min(args.seq_len, model.config.max_seq_len)
+    thresholds = [float(t) for t in args.thresholds.split(",")]
+    parts = [recursive.exit_analysis(model, x, y, thresholds)
+             for x, y in val_windows(ck, tok, args.batches, args.batch_size, seq, args.seed, device)]
+    n = sum(p["tokens"] for p in parts)
+    avg = lambda get: sum(get(p) * p["tokens"] for p in parts) / n  # noqa: E731  token-weighted mean
+    print(f"{args.ckpt}: {ck['arch']} B={L} K={model.config.n_shared} step {ck['step']} | {n:,} validation tokens "
+          f"({args.batches} x {args.batch_size} windows of {seq}, seed {args.seed})")
+    print("static exit (every token leaves after loop l):")
+    for l in range(L):
+        print(f"  loop {l + 1}: loss {avg(lambda p: p['loop_loss'][l]):.4f}  acc {avg(lambda p: p['loop_acc'][l]):.2%}")
+    oracle = sum(p["oracle"] for p in parts).double() / n
+    print("oracle exit (earliest loop whose argmax equals the final loop's): "
+          + "  ".join(f"loop {l + 1} {oracle[l]:.1%}" for l in range(L))
+          + f"  -> mean loop {float((oracle * torch.arange(1, L + 1)).sum()):.3f}")
+    print("confidence exit (max softmax >= t; real cached decoding with state propagation, teacher-forced):")
+    print(f"  {'t':>6s}  " + "  ".join(f"{'exit@' + str(l + 1):>8s}" for l in range(L))
+          + f"  {'mean loop':>9s}  {'loss':>7s}  {'vs final':>8s}  {'agree':>7s}")
+    final = avg(lambda p: p["loop_loss"][-1])
+    for i, t in enumerate(thresholds):
+        share = [avg(lambda p: p["curve"][i]["share"][l]) for l in range(L)]
+        loss = avg(lambda p: p["curve"][i]["loss"])
+        print(f"  {t:6.3f}  " + "  ".join(f"{s:8.1%}" for s in share)
+              + f"  {avg(lambda p: p['curve'][i]['mean_loop']):9.3f}  {loss:7.4f}  {loss - final:+8.4f}  "
+              f"{avg(lambda p: p['curve'][i]['agree']):7.1%}")
+
+
+def bench_energy(args):
+    """Share of the residual energy ||W_l - W'||^2 a rank-r truncated SVD captures (svd_lora.residual_energy)."""
+    import recursive
+    from svd_lora import residual_energy
+
+    ck, model, _ = load_run(args.ckpt, "cpu")
+    if ck["arch"] != "vanilla":
+        raise ValueError(f"{args.ckpt} holds a {ck['arch']} model, not a vanilla one")
+    N = model.config.n_layer
+    if N % args.loops:
+        raise ValueError(f"n_layer={N} is not divisible by --loops {args.loops}")
+    ranks = [int(r) for r in args.ranks.split(",")]
+    res = residual_energy(list(model.blocks), recursive.tying_sources(N, N // args.loops, args.init), ranks)
+    print(f"{args.ckpt}: N={N}, B={args.loops}, init={args.init}; share of ||W_l - W'||_F^2 in the top-r singular "
+          f"values (mean over loops and layers; exactly-zero residuals skipped)")
+    print("component " + "".join(f"{'r=' + str(r):>9s}" for r in ranks))
+    for comp, fr in res.items():
+        print(f"{comp:9s} " + "".join(f"{fr[r]:9.3f}" for r in ranks))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -504,6 +591,25 @@ def main(argv=None):
     p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
     p.add_argument("--no-fused-adamw", dest="fused_adamw", action="store_false", help="plain AdamW for ours on CPU")
     p.set_defaults(fn=bench_train)
+
+    p = sub.add_parser("exits", help="early exit of a recursive/relaxed checkpoint: per loop, oracle, threshold curve")
+    p.add_argument("--ckpt", required=True, help="a recursive/relaxed checkpoint written by train.py")
+    p.add_argument("--thresholds", default="0.3,0.5,0.7,0.8,0.9,0.95", help="comma list of confidence thresholds")
+    p.add_argument("--batches", type=int, default=4, help="validation batches")
+    p.add_argument("--batch-size", type=int, default=8, help="windows per batch")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per window")
+    p.add_argument("--seed", type=int, default=1337, help="seeds the windows")
+    p.add_argument("--device", default="auto", help="cpu | cuda | mps | auto")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    p.set_defaults(fn=bench_exits)
+
+    p = sub.add_parser("energy", help="residual energy a rank-r SVD captures when relaxing a vanilla checkpoint")
+    p.add_argument("--ckpt", required=True, help="a vanilla checkpoint written by train.py")
+    p.add_argument("--loops", type=int, default=2, help="number of loops B")
+    p.add_argument("--init", default="average", choices=["stepwise", "average", "lower"], help="tying strategy")
+    p.add_argument("--ranks", default="4,8,16,32,64,128", help="comma-separated ranks")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    p.set_defaults(fn=bench_energy)
 
     p = sub.add_parser("kernels", help="(CUDA) Triton kernels vs their references and stock PyTorch")
     p.add_argument("--only", default="", help="comma list of: lora, block, gswa, gswa_decode, dual (default: all)")

@@ -22,7 +22,7 @@ The model, top to bottom:
     every intermediate output, with the same coefficient. All of it is returned as the single loss of forward() in
     training mode; train.py adds its teacher KD on the final logits. `self.metrics` holds the per-loop CE (and KD)
     terms. In eval mode forward() returns the final loop's cross-entropy (train.py's val loss compares across
-    settings); `python recursive.py --oracle` prints the validation loss of every loop.
+    settings); `exit_analysis` (`python bench.py exits`) gives the validation loss of every loop.
   * Inference (section 2.4): a KV cache with one "layer" per (loop, layer) pair, cache layer l*K + k.
       - `prefill(idx, cache, lengths)` runs all loops over prompts;
       - `loop_step(x, loops, q_pos, cache, rows)` runs ONE pass of the shared block over rows that may sit at
@@ -34,32 +34,34 @@ The model, top to bottom:
         layer gets K/V projected from the exit hidden state through layer k's attn_norm and k/v projections (with
         loop l''s LoRA). Cost per skipped layer: one norm and two projections (k, v) of one token, i.e. about
         2 * d * H_kv * D_head MACs, no attention and no MLP; for GQA models well under a fifth of a layer.
-      - `decode_step` and `generate` use exactly these methods. A token exits at the first loop whose max softmax
-        probability reaches `exit_threshold` (None = never; any value > 1 also never exits). Prompt tokens never
-        exit early.
+      - `decode_step` and `generate` (model.GPT's loop) use exactly these methods. A token exits at the first loop
+        whose max softmax probability reaches `exit_threshold` (None = never; any value > 1 also never exits). Prompt
+        tokens never exit early.
+  * Early exit on text (section 3.8, Appendix K): `exit_analysis` measures the static loss of every loop, the oracle
+    exit loop (the earliest loop whose argmax equals the final one), and the confidence-exit trade-off a serving user
+    picks a threshold from (threshold -> share of tokens exiting at each loop -> loss of the emitted tokens), with
+    the real cached decoding and state propagation.
 
 Run:
     python train.py --arch recursive --init-from out/vanilla/ckpt.pt --loops 2 --init stepwise
     python train.py --arch relaxed --init-from out/vanilla/ckpt.pt --loops 2 --init average --lora-rank 16
-    python train.py --arch relaxed --init-from out/vanilla/ckpt.pt --exit-loss aggressive --exit-coef 0.1 --self-distill
-    python recursive.py --oracle --ckpt out/relaxed/ckpt.pt          # exit trajectories on validation text
-    python recursive.py --params --preset tiny                      # parameter counts: vanilla, recursive, relaxed
-    python recursive.py --generate --ckpt out/relaxed/ckpt.pt --exit-threshold 0.9
-    python recursive.py --bench --preset small                      # decode speed (a GPU; the lead runs it)
+    python train.py --arch relaxed --init-from out/relaxed/ckpt.pt --exit-loss aggressive --exit-coef 0.1 \
+        --self-distill --out-dir out/relaxed-exit                   # early-exit post-training (Appendix J)
+    python bench.py exits --ckpt out/relaxed-exit/ckpt.pt           # per-loop losses, oracle, threshold curve
+    python recursive.py --preset tiny                               # parameter counts: vanilla, recursive, relaxed
+    python serve.py --ckpt out/relaxed-exit/ckpt.pt                 # depth-wise batching with early exit
     python -m pytest -q tests/test_recursive.py tests/test_svd_lora.py
 """
 from __future__ import annotations
 
 import argparse
-import time
 from dataclasses import asdict, dataclass, fields
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import (GPT, IGNORE, PRESETS, ArchSpec, Block, GPTConfig, KVCache, causal_mask_from_positions, count_params, distill_loss, kv_bytes, lm_loss,
-                   pick_device, pick_dtype)
+from model import (GPT, IGNORE, PRESETS, ArchSpec, Block, GPTConfig, KVCache, causal_mask_from_positions, count_params, distill_loss, kv_bytes, lm_loss)
 from svd_lora import COMPONENTS, LoRALinear, add_lora, init_lora, max_ranks
 
 INITS = ("stepwise", "average", "lower", "random")
@@ -226,14 +228,14 @@ class RecursiveGPT(GPT):
         return out
 
     def loop_logits(self, idx) -> list[torch.Tensor]:
-        """idx (B, T) -> logits (B, T, V) of every loop (static exiting at each depth; the oracle mode uses it)."""
+        """idx (B, T) -> logits (B, T, V) of every loop (static exiting at each depth; exit_analysis uses it)."""
         return [self.head(h) for h in self.loop_hidden(idx)]
 
     def forward(self, idx, targets=None):
         """idx (B, T) -> final-loop logits (B, T, V) and, with targets, the loss (section 3.7 terms included)."""
         cfg = self.config
         # the early-exit objective is a training loss; in eval mode the loss is the final loop's cross-entropy, so
-        # that validation losses compare across exit-loss settings (per-loop losses: `loop_logits`, --oracle)
+        # that validation losses compare across exit-loss settings (per-loop losses: `loop_logits`, `exit_analysis`)
         early = targets is not None and cfg.exit_loss != "none" and cfg.n_loops > 1 and self.training
         hs = self.loop_hidden(idx, all_loops=early)
         logits = self.head(hs[-1])
@@ -498,6 +500,53 @@ def from_vanilla(src: GPT, n_loops: int = 2, init: str = "stepwise", lora_init: 
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Early exit on real text (section 3.8, Appendix K): static exits, the oracle, and the confidence-exit trade-off
+
+
+@torch.no_grad()
+def exit_analysis(model: RecursiveGPT, x, y, thresholds=(0.5, 0.7, 0.8, 0.9, 0.95)) -> dict:
+    """What early exit does on text: windows x (B, T) and their next tokens y (B, T).
+
+    -> dict with
+      loop_loss, loop_acc   cross-entropy / accuracy if EVERY token left after loop l (static exit), per loop;
+      oracle                (L,) counts: the earliest loop whose argmax equals the final loop's (section 3.8's oracle
+                            exit; a lower bound on what any exit rule can save without changing the greedy output);
+      curve                 per confidence threshold t: `share` (L,) of the tokens that exit at each loop, `loss` of
+                            the logits actually emitted, `agree` = share of emitted argmaxes equal to the final loop's,
+                            `mean_loop` (1-based).
+    The curve runs the real cached decoding (decode_step with the threshold: confidence exits with state propagation,
+    the code that generate() and serve.py run), teacher-forced on the windows: position 0 is a one-token prompt
+    (prefill, all loops, not scored), every later position a decode step; all statistics cover positions 1..T-1. So a token's loss is that of the loop it exited at, and later tokens
+    attend to the propagated K/V of exited ones. Threshold 0 exits everything after loop 1 and reproduces loop_loss[0];
+    a threshold above 1 never exits and reproduces the final loop's loss (tests check both).
+    """
+    B, T = x.shape
+    L = model.config.n_loops
+    y = y[:, 1:]  # position 0 is the one-token prompt of the decoding below: it is scored nowhere
+    logits = torch.stack(model.loop_logits(x))[:, :, 1:].float()  # (L, B, T-1, V): static exit at every loop
+    pred = logits.argmax(-1)  # (L, B, T-1)
+    ce = lambda lg: F.cross_entropy(lg.reshape(-1, lg.size(-1)).float(), y.reshape(-1)).item()  # noqa: E731
+    out = {"tokens": y.numel(), "loop_loss": [ce(logits[l]) for l in range(L)],
+           "loop_acc": [(pred[l] == y).float().mean().item() for l in range(L)],
+           "oracle": torch.bincount((pred == pred[-1:]).int().argmax(0).flatten().cpu(), minlength=L), "curve": []}
+    for thr in thresholds:
+        cache = model.new_cache(B, T)
+        model.prefill(x[:, :1], cache)
+        emitted, exits = [], []
+        for t in range(1, T):
+            lg, e = model.decode_step(x[:, t], cache, thr, return_exits=True)
+            emitted.append(lg)
+            exits.append(e)
+        lg, e = torch.stack(emitted, 1).float(), torch.stack(exits, 1)  # (B, T-1, V), (B, T-1)
+        share = torch.bincount(e.flatten().cpu(), minlength=L).double() / e.numel()
+        out["curve"].append({"threshold": thr, "share": share.tolist(), "loss": ce(lg),
+                             "agree": (lg.argmax(-1) == pred[-1]).float().mean().item(),
+                             "mean_loop": float((share * torch.arange(1, L + 1)).sum())})
+    return out
+
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # How train.py sees the two architectures
 
 
@@ -576,79 +625,7 @@ ARCH_SPECS = [_spec("recursive", RECURSIVE_PRESETS, False), _spec("relaxed", REL
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Command line: --oracle, --params, --generate, --bench
-
-
-def _load(path, device):
-    import train
-
-    ck = train.load_checkpoint(path)
-    model = train.model_from_checkpoint(ck)
-    return ck, model.to(device).eval(), train.Tokenizer(ck["tokenizer"])
-
-
-@torch.no_grad()
-def oracle(args):
-    """Exit trajectories on validation text (section 3.8, Appendix K): the oracle exit loop of a token is the
-    earliest loop whose argmax equals the final loop's. Loops are printed 1-based (loop 1 .. B)."""
-    import train
-
-    device = pick_device(args.device)
-    ck, model, tok = _load(args.ckpt, device)
-    if ck["arch"] not in ("recursive", "relaxed"):  # (not isinstance: run as a script, this file is __main__)
-        raise SystemExit(f"error: {args.ckpt} holds a {ck['arch']} model, not recursive/relaxed")
-    cargs = ck.get("args", {})
-    data = args.data or cargs.get("data", "stdlib")
-    cache = train.prepare_corpus(data, tok, args.cache_dir or cargs.get("cache_dir", "data_cache"),
-                                 [s for s in cargs.get("exclude_sets", "").split(",") if s], cargs.get("val_data"))
-    val = train.TokenData(cache, "val")
-    L = model.config.n_loops
-    seq = min(args.seq_len, model.config.max_seq_len)
-    hist = torch.zeros(L, dtype=torch.long)
-    ce, acc, n_tok = torch.zeros(L), torch.zeros(L), 0
-    thresholds = [0.5, 0.7, 0.8, 0.9, 0.95]
-    conf_exit = {t: [torch.zeros(L, dtype=torch.long), 0] for t in thresholds}
-    first = None
-    for i in range(args.batches):
-        x, y = val.get_batch(args.batch_size, seq, train.step_generator(args.seed, -1, i, 0))
-        x, y = x.to(device), y.to(device)
-        logits = torch.stack(model.loop_logits(x)).float()  # (L, B, T, V)
-        pred = logits.argmax(-1)  # (L, B, T)
-        agree = pred == pred[-1:]
-        exit_loop = agree.int().argmax(0)  # first loop that agrees with the final one (the last always does)
-        hist += torch.bincount(exit_loop.flatten().cpu(), minlength=L)
-        for l in range(L):
-            ce[l] += F.cross_entropy(logits[l].flatten(0, 1), y.flatten(), reduction="sum").cpu()
-            acc[l] += (pred[l] == y).sum().cpu()
-        conf = F.softmax(logits, -1).amax(-1)  # (L, B, T)
-        for t in thresholds:  # confidence exit on full-depth hidden states (no state propagation, an estimate)
-            ok = conf >= t
-            ok[-1] = True
-            e = ok.int().argmax(0)
-            conf_exit[t][0] += torch.bincount(e.flatten().cpu(), minlength=L)
-            conf_exit[t][1] += int((pred.gather(0, e[None])[0] == pred[-1]).sum())
-        n_tok += y.numel()
-        if first is None:
-            first = (x[0].tolist(), exit_loop[0].tolist())
-    print(f"{args.ckpt}: {ck['arch']} B={L} K={model.config.n_shared}, {n_tok:,} validation tokens of {data}")
-    ids, ex = first
-    shown = " ".join(f"{tok.decode([t])!r}:{e + 1}" for t, e in zip(ids[:args.show], ex[:args.show]))
-    print(f"per-token oracle exit loops (first {min(args.show, len(ids))} tokens of the first window, token:loop):")
-    print(shown)
-    print("oracle exit histogram:")
-    for l in range(L):
-        print(f"  loop {l + 1}: {int(hist[l]):9d}  {hist[l] / n_tok:7.2%}  " + "#" * int(50 * hist[l] / n_tok))
-    print(f"share of tokens that exit early (before loop {L}): {hist[:-1].sum() / n_tok:.2%}; mean exit loop "
-          f"{((torch.arange(L) + 1) * hist).sum() / n_tok:.3f}")
-    print("static exit at each loop (all tokens leave there): loss / accuracy")
-    for l in range(L):
-        print(f"  loop {l + 1}: loss {ce[l] / n_tok:.4f}  acc {acc[l] / n_tok:.2%}")
-    print("confidence exit (max softmax >= t, on full-depth states, no propagation): mean loop, early share, "
-          "agreement with the final loop")
-    for t, (h, agree_n) in conf_exit.items():
-        print(f"  t={t:.2f}: mean loop {((torch.arange(L) + 1) * h).sum() / n_tok:.3f}  early "
-              f"{h[:-1].sum() / n_tok:6.2%}  agree {agree_n / n_tok:6.2%}")
-    return hist
+# Command line: parameter counts (checkpoints are evaluated by `python bench.py exits`, served by serve.py)
 
 
 def params_table(args):
@@ -674,110 +651,12 @@ def params_table(args):
               f"{m.num_params() / v:10.3f} {m.flops_per_token(base['max_seq_len'], training=False) / 1e9:14.4f}")
 
 
-@torch.no_grad()
-def generate_cli(args):
-    device = pick_device(args.device)
-    ck, model, tok = _load(args.ckpt, device)
-    idx = torch.tensor([tok.encode(args.prompt)], device=device)
-    n = min(args.max_new_tokens, model.config.max_seq_len - idx.size(1))
-    gen = torch.Generator(device=device).manual_seed(args.seed)
-    out, exits = model.generate(idx, n, temperature=args.temperature, top_k=50, generator=gen,
-                                exit_threshold=args.exit_threshold, return_exits=True)
-    print(tok.decode(out[0].tolist()))
-    L = model.config.n_loops
-    h = torch.bincount(exits.flatten().cpu(), minlength=L)
-    print(f"exit loops of the {n} new tokens (1-based): " + ", ".join(f"loop {l + 1}: {int(h[l])}" for l in range(L)))
-
-
-def bench(args):
-    """Decode speed with random weights and random prompts: vanilla vs recursive vs relaxed, all loops vs per-row
-    mixed loops (the depth-wise batching primitive) vs early exit. Warm-up excluded, CUDA synchronised."""
-    device = pick_device(args.device)
-    dtype = pick_dtype(device, args.dtype)
-    base = dict(PRESETS[args.preset])
-    B, L = args.batch, args.loops or 2
-    top = max_ranks(GPTConfig(**base))
-    ranks = {f"lora_rank_{c}": min(args.bench_rank, top[c]) for c in COMPONENTS}
-    models = {"vanilla": GPT(GPTConfig(**base)), f"recursive B={L}": RecursiveGPT(RecursiveConfig(**base, n_loops=L)),
-              f"relaxed B={L} r={args.bench_rank}": RecursiveGPT(RecursiveConfig(**base, n_loops=L, **ranks))}
-    sync = (lambda: torch.cuda.synchronize()) if device.type == "cuda" else (lambda: None)
-    g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, base["vocab_size"], (B, args.prompt_len), generator=g).to(device)
-    print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}) dtype {dtype} "
-          f"preset {args.preset} batch {B} prompt {args.prompt_len} new {args.new_tokens}; 1 warm-up, "
-          f"{args.repeats} timed runs")
-
-    def timed(fn):
-        fn()
-        sync()
-        t = []
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            t.append(time.perf_counter() - t0)
-        return sorted(t)[len(t) // 2]
-
-    for name, m in models.items():
-        m.to(device=device, dtype=dtype).eval()
-        dt = timed(lambda: m.generate(prompt, args.new_tokens))
-        print(f"{name:28s} generate: {B * args.new_tokens / dt:10.0f} tok/s ({dt * 1e3:.1f} ms)")
-        if isinstance(m, RecursiveGPT):
-            cache = m.new_cache(B, args.prompt_len + 1)
-            m.prefill(prompt, cache)
-            x = torch.randn(B, 1, base["n_embd"], device=device, dtype=dtype)
-            q_pos = cache.lengths[:, None].clone()
-            mixed = torch.arange(B, device=device) % L
-            with torch.no_grad():
-                t_one = timed(lambda: m.loop_step(x, 0, q_pos, cache))
-                t_mix = timed(lambda: m.loop_step(x, mixed, q_pos, cache))
-            print(f"{'':28s} loop_step one loop {t_one * 1e3:.3f} ms, per-row mixed loops {t_mix * 1e3:.3f} ms")
-            for thr in args.thresholds:
-                dt = timed(lambda: m.generate(prompt, args.new_tokens, exit_threshold=thr))
-                print(f"{'':28s} generate exit>={thr}: {B * args.new_tokens / dt:10.0f} tok/s (random weights: "
-                      f"exits depend on the random confidences)")
-        m.cpu()
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    mode = ap.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--oracle", action="store_true", help="oracle exit trajectories on validation text")
-    mode.add_argument("--params", action="store_true", help="parameter counts for a preset")
-    mode.add_argument("--generate", action="store_true", help="generate from a checkpoint, with early exit")
-    mode.add_argument("--bench", action="store_true", help="decode benchmark with random weights")
-    ap.add_argument("--ckpt", default="out/relaxed/ckpt.pt", help="checkpoint of a recursive/relaxed model")
-    ap.add_argument("--data", default=None, help="corpus for --oracle (default: the checkpoint's)")
-    ap.add_argument("--cache-dir", default=None, help="token cache directory (default: the checkpoint's)")
-    ap.add_argument("--batches", type=int, default=8, help="--oracle: validation batches")
-    ap.add_argument("--batch-size", type=int, default=8, help="--oracle: sequences per batch")
-    ap.add_argument("--seq-len", type=int, default=256, help="--oracle: tokens per sequence")
-    ap.add_argument("--show", type=int, default=48, help="--oracle: tokens whose exit loop is printed")
-    ap.add_argument("--preset", default="tiny", help="--params / --bench: model preset")
-    ap.add_argument("--loops", type=int, default=None, help="--params / --bench: B (default 2)")
-    ap.add_argument("--ranks", default="8,16,32,64", help="--params: LoRA ranks to list")
-    ap.add_argument("--prompt", default="def ", help="--generate: prompt")
-    ap.add_argument("--max-new-tokens", type=int, default=64, help="--generate: new tokens")
-    ap.add_argument("--temperature", type=float, default=0.0, help="--generate: 0 = greedy")
-    ap.add_argument("--exit-threshold", type=float, default=None, help="--generate: early-exit confidence threshold")
-    ap.add_argument("--batch", type=int, default=16, help="--bench: batch size")
-    ap.add_argument("--prompt-len", type=int, default=128, help="--bench: prompt tokens")
-    ap.add_argument("--new-tokens", type=int, default=128, help="--bench: generated tokens")
-    ap.add_argument("--bench-rank", type=int, default=64, help="--bench: LoRA rank of the relaxed model")
-    ap.add_argument("--thresholds", type=float, nargs="*", default=[0.5], help="--bench: early-exit thresholds")
-    ap.add_argument("--repeats", type=int, default=5, help="--bench: timed runs (median reported)")
-    ap.add_argument("--device", default="auto", help="cpu | cuda | mps | auto")
-    ap.add_argument("--dtype", default="auto", help="--bench: auto | float32 | bfloat16")
-    ap.add_argument("--seed", type=int, default=1337)
-    args = ap.parse_args()
-    if args.oracle:
-        oracle(args)
-    elif args.params:
-        params_table(args)
-    elif args.generate:
-        generate_cli(args)
-    else:
-        bench(args)
+    ap.add_argument("--preset", default="tiny", help="model preset")
+    ap.add_argument("--loops", type=int, default=None, help="B (default 2)")
+    ap.add_argument("--ranks", default="8,16,32,64", help="LoRA ranks to list")
+    params_table(ap.parse_args())
 
 
 if __name__ == "__main__":

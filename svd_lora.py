@@ -51,12 +51,11 @@ else torch.svd_lowrank (randomized, q = r + 16, 4 power iterations) in float32. 
 and recursive.py logs them.
 
 Run:
-    python svd_lora.py --ckpt out/vanilla/ckpt.pt --loops 2 --init average   # residual energy captured per rank
+    python bench.py energy --ckpt out/vanilla/ckpt.pt --loops 2 --init average   # residual energy captured per rank
     python -m pytest -q tests/test_svd_lora.py
 """
 from __future__ import annotations
 
-import argparse
 import math
 import warnings
 
@@ -335,16 +334,14 @@ def init_lora(shared: Block, sources: list[Block], mode: str = "svd", method: st
 
 
 @torch.no_grad()
-def residual_energy(src_blocks: list[Block], K: int, init: str, ranks=(8, 16, 32, 64, 128)) -> dict:
+def residual_energy(src_blocks: list[Block], sources: list[list[int]], ranks=(8, 16, 32, 64, 128)) -> dict:
     """Fraction of the squared Frobenius norm of each residual (plain eq. 4) captured by its top-r singular values,
-    averaged per component. `src_blocks` are the N vanilla blocks, K the shared depth, init a tying strategy."""
-    from recursive import tying_sources  # local import: recursive.py imports this file
-
-    N = len(src_blocks)
+    averaged per component. `src_blocks` are the N vanilla blocks; sources[k] the vanilla layers shared layer k is
+    made of (recursive.tying_sources), K = len(sources) the shared depth."""
+    N, K = len(src_blocks), len(sources)
     B = N // K
     shared = {}
-    for k in range(K):
-        srcs = tying_sources(N, K, init)[k]
+    for k, srcs in enumerate(sources):
         shared[k] = {p: torch.stack([_get(src_blocks[i], p).weight.double() for i in srcs]).mean(0)
                      for paths in COMPONENTS.values() for p in paths if _has(src_blocks[0], p)}
     out = {}
@@ -371,32 +368,3 @@ def _has(block, path):
         return True
     except AttributeError:
         return False
-
-
-def main():
-    ap = argparse.ArgumentParser(description="Residual energy captured by a rank-r truncated SVD (eq. 4).")
-    ap.add_argument("--ckpt", required=True, help="a vanilla checkpoint written by train.py")
-    ap.add_argument("--loops", type=int, default=2, help="number of loops B")
-    ap.add_argument("--init", default="average", choices=["stepwise", "average", "lower"], help="tying strategy")
-    ap.add_argument("--ranks", default="4,8,16,32,64,128", help="comma-separated ranks")
-    args = ap.parse_args()
-    import train
-
-    ck = train.load_checkpoint(args.ckpt)
-    if ck["arch"] != "vanilla":
-        raise SystemExit(f"error: {args.ckpt} holds a {ck['arch']} model, not a vanilla one")
-    model = train.model_from_checkpoint(ck)
-    N = model.config.n_layer
-    if N % args.loops:
-        raise SystemExit(f"error: n_layer={N} is not divisible by --loops {args.loops}")
-    ranks = [int(r) for r in args.ranks.split(",")]
-    res = residual_energy(list(model.blocks), N // args.loops, args.init, ranks)
-    print(f"{args.ckpt}: N={N}, B={args.loops}, init={args.init}; share of ||W_l - W'||_F^2 in the top-r singular "
-          f"values (mean over loops and layers; exactly-zero residuals skipped)")
-    print("component " + "".join(f"{'r=' + str(r):>9s}" for r in ranks))
-    for comp, fr in res.items():
-        print(f"{comp:9s} " + "".join(f"{fr[r]:9.3f}" for r in ranks))
-
-
-if __name__ == "__main__":
-    main()

@@ -8,7 +8,7 @@ import torch
 
 from conftest import write_jsonl
 from model import GPT, GPTConfig, KVCache, distill_loss, lm_loss
-from recursive import (ARCH_SPECS, RecursiveConfig, RecursiveGPT, exit_coefficients, from_vanilla, oracle,
+from recursive import (ARCH_SPECS, RecursiveConfig, RecursiveGPT, exit_analysis, exit_coefficients, from_vanilla,
                        params_table, stepwise_layers, tying_sources)
 from svd_lora import LoRALinear, lora_params, max_ranks
 
@@ -355,6 +355,24 @@ def test_exit_losses(kind, sd):
         assert "kd_l1" in m.metrics and float(f"{m.metrics['kd_l1']:.4f}") >= 0
 
 
+def test_exit_analysis_endpoints_equal_static_exits():
+    """The threshold curve runs real cached decoding with exits and state propagation. Threshold 0 exits every token
+    after loop 1, whose states never depend on deeper loops: its loss is the static loop-1 loss. A threshold above 1
+    never exits: the final loop's loss. In between, the shares add up to 1 and the loss lies between the two here."""
+    torch.manual_seed(0)
+    van = GPT(GPTConfig(n_layer=4, n_head=2, n_kv_head=1, n_embd=32, mlp_hidden=48, vocab_size=64, max_seq_len=24))
+    m = from_vanilla(van, n_loops=2, init="average", lora_rank_q=4, lora_rank_kv=4, lora_rank_o=4, lora_rank_mlp=4,
+                     log=lambda *a: None).eval()
+    x, y = torch.randint(0, 64, (3, 20)), torch.randint(0, 64, (3, 20))
+    mid_t = float(m.exit_confidence(m.loop_logits(x)[0]).median())  # about half the tokens are that confident
+    res = exit_analysis(m, x, y, thresholds=(0.0, mid_t, 2.0))
+    zero, mid, never = res["curve"]
+    assert zero["share"] == [1.0, 0.0] and never["share"] == [0.0, 1.0] and abs(sum(mid["share"]) - 1) < 1e-9
+    assert 0 < mid["share"][0] < 1  # the middle threshold really splits the tokens
+    assert abs(zero["loss"] - res["loop_loss"][0]) < 1e-4 and abs(never["loss"] - res["loop_loss"][1]) < 1e-4
+    assert never["agree"] == 1.0 and res["oracle"].sum() == res["tokens"] == 3 * 19
+
+
 def test_no_exit_loss_and_eval_mode_are_plain_cross_entropy():
     m = relaxed_model("llama", n_loops=3)
     idx, tgt = torch.randint(0, 96, (2, 10)), torch.randint(0, 96, (2, 10))
@@ -385,7 +403,7 @@ def corpus(tmp_path_factory):
     return d, common
 
 
-def test_train_converts_and_uptrains_relaxed(corpus):
+def test_train_converts_and_uptrains_relaxed(corpus, capsys):
     import train
 
     d, common = corpus
@@ -401,11 +419,13 @@ def test_train_converts_and_uptrains_relaxed(corpus):
            (2, 8, 4, "aggressive", True)
     model = train.model_from_checkpoint(ck)
     assert isinstance(model, RecursiveGPT) and isinstance(model.blocks[0].attn.q_proj, LoRALinear)
-    # the oracle mode reads it back and reports a histogram over all validation tokens
-    args = argparse.Namespace(ckpt=str(d / "relaxed" / "ckpt.pt"), device="cpu", data=None, cache_dir=None,
-                              batches=1, batch_size=2, seq_len=32, show=8, seed=0)
-    hist = oracle(args)
-    assert hist.sum() == 2 * 32 and hist.numel() == 2
+    # `python bench.py exits` reads it back: per-loop losses, the oracle and the threshold curve on validation text
+    import bench
+
+    bench.main(["exits", "--ckpt", str(d / "relaxed" / "ckpt.pt"), "--device", "cpu", "--batches", "1",
+                "--batch-size", "2", "--seq-len", "32", "--thresholds", "0.5,2"])
+    out = capsys.readouterr().out
+    assert "62 validation tokens" in out and "oracle exit" in out and "loop 2: loss" in out
 
 
 def test_train_recursive_conversion_and_errors(corpus):

@@ -4,6 +4,7 @@ import torch
 
 import kernels
 from model import GPT, Block, GPTConfig, Linear
+from recursive import tying_sources
 from svd_lora import (LoRALinear, add_lora, init_lora, lora_params, max_ranks, norm_affine, residual_energy,
                       svd_method, truncated_svd)
 
@@ -224,6 +225,6 @@ def test_multi_lora_dispatch_matches_reference_on_cpu():
 def test_residual_energy_reports_full_capture_at_full_rank():
     cfg = GPTConfig(n_layer=4, n_head=2, n_kv_head=1, n_embd=16, mlp_hidden=24)
     van = GPT(cfg)
-    res = residual_energy(list(van.blocks), 2, "average", ranks=(1, 16))
+    res = residual_energy(list(van.blocks), tying_sources(4, 2, "average"), ranks=(1, 16))
     for comp, fr in res.items():
         assert 0 < fr[1] < 1 and abs(fr[16] - 1) < 1e-9, comp
