@@ -5,6 +5,7 @@ and a Triton kernel for each (speed on a GPU), behind one dispatch function per 
 Ops
   multi_lora            y[t] = B[idx[t]] @ (A[idx[t]] @ x[t]): one LoRA per row (BGMV/SGMV, as punica and vLLM),
                         what continuous depth-wise batching needs (rows sit at different loops). idx = -1: no adapter.
+                        Without a GPU: all adapters stacked into one masked LoRA (multi_lora_stacked).
   multi_lora_segments   the same for rows sorted by adapter (prefill).
   attention_lse         masked attention that also returns the log-sum-exp of each query row (any mask: reference).
   merge_lse             exact merge of two attentions over disjoint key sets into one softmax.
@@ -325,10 +326,34 @@ def multi_lora_segments_triton(x, A, B, seg_starts, seg_adapters, *, split_k=Non
     return _lora_launch(x, A, B, None, seg_starts.contiguous(), seg_adapters.contiguous(), 1, split_k, block_m)
 
 
+def multi_lora_stacked(x, A, B, idx):
+    """Same contract as multi_lora_ref, computed as ONE LoRA of rank n*r over all adapters stacked, with each row's
+    hidden units of the other adapters zeroed: h = x [A_0; ..; A_n-1]^T (N, T, n r), y = (h * mask) [B_0 .. B_n-1]^T.
+
+    This is the paper's own way of batching rows at different loops ("we merge multiple LoRAs into a single, large
+    LoRA module", Appendix K): every adapter's weights are read once per call and nothing is gathered per row, at n
+    times the (small) LoRA FLOPs. Without a GPU kernel it is the fast path: the gather of the reference copies r x in
+    + out x r weights PER ROW. Equal to the reference up to summation order (the masked terms are exact zeros).
+    """
+    n, r, d_in = A.shape
+    squeeze = x.dim() == 2
+    if squeeze:
+        x = x[:, None]
+    h = x @ A.reshape(n * r, d_in).t().to(x.dtype)  # (N, T, n r)
+    keep = (torch.arange(n, device=x.device)[None, :] == idx[:, None]).to(h.dtype)  # (N, n); idx -1 keeps nothing
+    h = h * keep.repeat_interleave(r, dim=1)[:, None, :]
+    y = h @ B.permute(1, 0, 2).reshape(B.size(1), n * r).t().to(h.dtype)  # (N, T, out)
+    return y[:, 0] if squeeze else y
+
+
 def multi_lora(x, A, B, idx):
-    """Dispatch for multi_lora_ref (same contract)."""
+    """Dispatch (same contract as multi_lora_ref): the Triton kernel on CUDA at inference, else multi_lora_stacked
+    when it reads less than the reference would gather (a few adapters; always the case for the loops of a
+    recursive model), else the reference."""
     if use_triton(x, A, B, idx) and _kernel_fits(x, A, B, rank=A.size(1)):
         return multi_lora_triton(x, A, B, idx)
+    if A.size(0) <= x.size(0):  # the reference gathers one adapter per row: stacking reads fewer weights
+        return multi_lora_stacked(x, A, B, idx)
     return multi_lora_ref(x, A, B, idx)
 
 

@@ -64,7 +64,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import kernels
-from model import Block, Linear, RMSNorm
+from model import Block, Linear, RMSNorm, linear
 
 # ----------------------------------------------------------------------------------------------------------------
 # Which projections exist, which rank component each belongs to, and which norm feeds it
@@ -147,7 +147,7 @@ class LoRALinear(Linear):
         return self.lora_B[loop] @ self.lora_A[loop]
 
     def forward(self, x, lora_idx=None):
-        y = F.linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias)
         if lora_idx is None:
             return y
         if isinstance(lora_idx, torch.Tensor) and lora_idx.dim() == 0:

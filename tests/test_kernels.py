@@ -461,7 +461,7 @@ def op_cases():
     dec = (qd, kr, torch.randn_like(kr), torch.tensor([[4, 5, 2, 3]]), torch.randn(1, 1, 6, 8),
            torch.randn(1, 1, 6, 8), torch.tensor([5]), gsw[5], gsw[6], 4)
     return [
-        (K.multi_lora, K.multi_lora_ref, "multi_lora_triton", (x, A, B, idx)),
+        (K.multi_lora, K.multi_lora_stacked, "multi_lora_triton", (x, A, B, idx)),  # its CPU path (== the reference)
         (K.multi_lora_segments, K.multi_lora_segments_ref, "multi_lora_segments_triton", (x, A, B, st, sa)),
         (K.block_local_attention, K.block_local_attention_ref, "block_local_attention_triton", (q, k, v, blk)),
         (K.gated_swa, K.gated_swa_ref, "gated_swa_triton", (*gsw, 3)),
@@ -537,3 +537,18 @@ def test_module_docstring_states_gradient_choice():
     """The gradient choice is stated: training goes through the references (dispatch checks requires_grad)."""
     doc = " ".join(K.__doc__.split())
     assert "needs a gradient" in doc and "Training therefore runs through the references" in doc
+
+
+@pytest.mark.parametrize("shape", [(7, 12), (5, 3, 12)])
+def test_multi_lora_stacked_equals_reference_values_and_gradients(shape):
+    """The CPU path of multi_lora (all adapters stacked, other adapters' hidden units masked) == the gather reference,
+    rows without an adapter (-1) included, in values and in every gradient."""
+    x = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+    A = torch.randn(3, 4, 12, dtype=torch.float64, requires_grad=True)
+    B = torch.randn(3, 9, 4, dtype=torch.float64, requires_grad=True)
+    idx = torch.tensor([0, 2, -1, 1, 2, 0, -1][:shape[0]])
+    y1, y2 = K.multi_lora_stacked(x, A, B, idx), K.multi_lora_ref(x, A, B, idx)
+    close(y1, y2, rtol=1e-12, atol=1e-12)
+    g = torch.randn_like(y1)
+    close(torch.autograd.grad(y1, (x, A, B), g), torch.autograd.grad(y2, (x, A, B), g), rtol=1e-12, atol=1e-12)
+    assert torch.all(y1[idx == -1] == 0)
