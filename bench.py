@@ -109,11 +109,13 @@ def bench_decode(args):
     for dtype in [pick_dtype(device, d) for d in args.dtype.split(",")]:
         torch.manual_seed(0)
         ours = GPT(cfg).to(device=device, dtype=dtype).eval()
+        if args.compile:
+            ours.compile_decode()
         hf = hf_llama(cfg, dtype) if args.hf else None
         if hf is not None:
             hf.to(device)
         wbytes = param_bytes(ours)
-        header("vanilla decode", device, dtype, f"preset {args.preset}: {cfg.n_layer} layers, d {cfg.n_embd}, "
+        header("vanilla decode", device, dtype, f"compiled decode step {args.compile} | preset {args.preset}: {cfg.n_layer} layers, d {cfg.n_embd}, "
                f"{wbytes / 1e6:.0f} MB of weights | prompt {P}, {N} new tokens, greedy | median (min..max) of "
                f"{args.repeats} interleaved rounds after 1 warm-up")
         print(f"   read bandwidth of this machine (1 GiB streaming sum): {bw / 1e9:.1f} GB/s -> a batch-1 decode "
@@ -164,20 +166,24 @@ def bench_train(args):
         models["nanoGPT"] = nanogpt_model(args.nanogpt, cfg, T).to(device)
     x = torch.randint(0, cfg.vocab_size - 1, (B, T), device=device)
     y = torch.randint(0, cfg.vocab_size - 1, (B, T), device=device)
+    dtype = pick_dtype(device, args.dtype)  # bf16: autocast for both models, fp32 weights and optimizer
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     steps = {}
     for name, m in models.items():
         fused = device.type == "cuda" or (name == "ours" and args.fused_adamw)
         opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=fused) if fused else torch.optim.AdamW(m.parameters())
+        fwd = torch.compile(m) if args.compile else m  # both models alike
 
-        def step(m=m, opt=opt):
-            _, loss = m(x, y)
+        def step(fwd=fwd, opt=opt):
+            with autocast:
+                _, loss = fwd(x, y)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             sync(device)
         steps[name] = step
     n_params = {k: sum(p.numel() for p in m.parameters()) for k, m in models.items()}
-    header("training step", device, torch.float32, f"preset {args.preset} shape (layers {cfg.n_layer}, d "
+    header("training step", device, dtype, f"compile {args.compile} | preset {args.preset} shape (layers {cfg.n_layer}, d "
            f"{cfg.n_embd}, heads {cfg.n_head}) batch {B} x {T} | params " + ", ".join(
                f"{k} {v / 1e6:.2f}M" for k, v in n_params.items()))
     res = rounds(steps, args.repeats, warmup=2)
@@ -582,6 +588,7 @@ def main(argv=None):
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens")
     p.add_argument("--new-tokens", type=int, default=64, help="generated tokens per run")
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip the transformers comparison")
+    p.add_argument("--compile", action="store_true", help="ours: GPT.compile_decode() (static cache, compiled step)")
     p.set_defaults(fn=bench_decode)
 
     p = sub.add_parser("train", help="training tok/s vs nanoGPT's model.py at the same shape")
@@ -590,6 +597,8 @@ def main(argv=None):
     p.add_argument("--train-batch", type=int, default=8, help="sequences per step")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
     p.add_argument("--no-fused-adamw", dest="fused_adamw", action="store_false", help="plain AdamW for ours on CPU")
+    p.add_argument("--compile", action="store_true", help="torch.compile both models (the warm-up covers it)")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 (autocast, both models)")
     p.set_defaults(fn=bench_train)
 
     p = sub.add_parser("exits", help="early exit of a recursive/relaxed checkpoint: per loop, oracle, threshold curve")

@@ -204,10 +204,9 @@ class RMSNorm(nn.Module):
         self.eps, self.offset = eps, offset
         self.weight = nn.Parameter(torch.full((dim,), 1.0 - offset))
 
-    def forward(self, x):
-        x32 = x.float()
-        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * (self.offset + self.weight.float())).to(x.dtype)
+    def forward(self, x):  # x * rsqrt(mean(x^2) + eps) * (offset + w), in one fused call
+        w = self.weight.float() if self.offset == 0 else self.offset + self.weight.float()
+        return F.rms_norm(x.float(), (x.size(-1),), w, self.eps).to(x.dtype)
 
 
 def make_norm(cfg: GPTConfig, dim: int | None = None) -> nn.Module:
@@ -686,12 +685,14 @@ class GPT(nn.Module):
 
     # -- inference -----------------------------------------------------------------------------------------------
 
-    def new_cache(self, batch: int, max_len: int | None = None, dtype=None, device=None, static=False) -> KVCache:
+    static_cache = False  # set by compile_decode(): new caches are static (fixed shapes for the compiled step)
+
+    def new_cache(self, batch: int, max_len: int | None = None, dtype=None, device=None, static=None) -> KVCache:
         cfg, p = self.config, self.lm_head.weight
         max_len = max_len or cfg.max_seq_len
         self.check_length(max_len)
         return KVCache(cfg.n_layer, batch, max_len, cfg.n_kv_head, cfg.hd, dtype or p.dtype, device or p.device,
-                       static)
+                       self.static_cache if static is None else static)
 
     def forward_cached(self, idx, cache: KVCache, fresh: bool = False):
         """Tokens idx (B, T) at positions cache.lengths + (0..T-1) -> final hidden states (B, T, C), before the final
@@ -720,6 +721,14 @@ class GPT(nn.Module):
         h = self.forward_cached(tok[:, None], cache)
         cache.lengths += 1
         return self.head(h)[:, 0]
+
+    def compile_decode(self, mode: str | None = None):
+        """torch.compile the decode step (gpt-fast's recipe): from now on new caches are static, so every step has
+        the same shapes and compiles once; mode='reduce-overhead' adds CUDA graphs on a GPU. The prefill stays eager
+        (its shapes change with every prompt). `python bench.py decode --compile` measures what it buys."""
+        self.static_cache = True
+        self.decode_step = torch.compile(self.decode_step, mode=mode, fullgraph=True, dynamic=False)
+        return self
 
     def generation_cache(self, batch: int, prompt_len: int, max_new_tokens: int, **step_kwargs):
         """The cache generate() allocates (an architecture with another cache overrides this)."""
