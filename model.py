@@ -263,19 +263,26 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def linear(x, weight, bias=None):
-    """F.linear, with a matrix-vector product for a single row at inference.
+    """F.linear, with the products a CPU reads weights fastest with at inference (no gradient).
 
-    Decoding one sequence multiplies ONE row by every weight matrix: the step is bound by reading the weights. On
-    CPU, torch.mv reads bf16 weights at the machine's full memory bandwidth while F.linear's bf16 GEMM path (oneDNN)
-    reaches about half of it (`python bench.py decode` measures both); fp32 gains a few percent. Same math,
-    different summation order: results agree to rounding. Several rows (or training) take F.linear unchanged.
+    Decoding multiplies a few rows by every weight matrix: the step is bound by reading the weights. On this
+    repository's CPUs (x86 with AVX-512 bf16 / AMX; `python bench.py decode` measures it), per 255 MB of weights:
+      * one row: torch.mv reads at the full memory bandwidth, in fp32 and bf16; F.linear's bf16 path reaches ~half;
+      * 2-64 rows of bf16: torch.mm(W, x^T) costs the same as one row at the full bandwidth, while F.linear (x W^T)
+        costs ~1.6x that; fp32 F.linear is flat up to 3 rows and then ~2x (no better product exists there).
+    Same math, another summation order: results agree to rounding. Training (or more rows) takes F.linear unchanged.
     """
-    if x.numel() == x.size(-1) and x.dtype in (torch.float32, torch.bfloat16) and not torch.is_grad_enabled() \
-            and x.device.type == "cpu":
-        y = torch.mv(weight, x.reshape(-1))
+    if x.device.type == "cpu" and not torch.is_grad_enabled() and x.dtype in (torch.float32, torch.bfloat16):
+        rows = x.numel() // x.size(-1)
+        if rows == 1:
+            y = torch.mv(weight, x.reshape(-1))
+        elif 2 <= rows <= 64 and x.dtype == torch.bfloat16:
+            y = torch.mm(weight, x.reshape(rows, -1).t().contiguous()).t()  # (rows, out), a transposed view
+        else:
+            return F.linear(x, weight, bias)
         if bias is not None:
             y = y + bias
-        return y.view(*x.shape[:-1], weight.size(0))
+        return y.reshape(*x.shape[:-1], weight.size(0))
     return F.linear(x, weight, bias)
 
 

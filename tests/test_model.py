@@ -219,3 +219,23 @@ def test_static_cache_and_compiled_decode_equal_eager_generation():
     m.compile_decode()
     assert m.static_cache and hasattr(m.decode_step, "_torchdynamo_orig_callable")
     assert torch.equal(m.generate(idx, 9), ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 5, 64, 65])
+def test_linear_inference_paths_equal_f_linear(dtype, rows):
+    """model.linear's inference products (mv for one row, mm(W, x^T) for 2-64 bf16 rows) == F.linear: to fp32
+    rounding in fp32, within bf16 rounding (1e-2 relative) in bf16; with gradients it is F.linear itself."""
+    from model import linear
+
+    torch.manual_seed(0)
+    w, b = torch.randn(37, 24, dtype=dtype), torch.randn(37, dtype=dtype)
+    x = torch.randn(rows, 1, 24, dtype=dtype)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=2e-2)
+    with torch.no_grad():
+        for bias in (None, b):
+            y = linear(x, w, bias)
+            assert y.shape == (rows, 1, 37) and y.dtype == dtype
+            torch.testing.assert_close(y.float(), F.linear(x, w, bias).float(), **tol)
+    xg = x.clone().requires_grad_(True)
+    assert torch.equal(linear(xg, w, b), F.linear(xg, w, b))
