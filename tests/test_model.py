@@ -239,3 +239,17 @@ def test_linear_inference_paths_equal_f_linear(dtype, rows):
             torch.testing.assert_close(y.float(), F.linear(x, w, bias).float(), **tol)
     xg = x.clone().requires_grad_(True)
     assert torch.equal(linear(xg, w, b), F.linear(xg, w, b))
+
+
+def test_attend_under_cpu_bf16_autocast_training_runs_in_fp32():
+    """CPU training under bf16 autocast: the attention runs in fp32 (its bf16 CPU backward is slower) and returns
+    bf16, exactly the fp32 attention rounded; gradients flow to fp32 inputs."""
+    q = torch.randn(2, 4, 9, 8, requires_grad=True)
+    k, v = torch.randn(2, 2, 9, 8), torch.randn(2, 2, 9, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), is_causal=True)
+    ref = F.scaled_dot_product_attention(q.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float(),
+                                         is_causal=True, enable_gqa=True)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, ref.bfloat16())
+    y.float().sum().backward()
+    assert q.grad is not None and q.grad.abs().sum() > 0
