@@ -320,25 +320,17 @@ def _maxerr(a, b):
 
 
 def _flex_lse():
-    """FlexAttention returning (out, lse in natural log), or None when this torch has none."""
+    """(q, k, v, block_mask, scale=None, lse=True) -> (out, lse or None) through kernels.flex_attention_lse, or None
+    when this torch has no FlexAttention."""
     try:
         from torch.nn.attention.flex_attention import flex_attention
     except ImportError:
         return None
-    try:
-        from torch.nn.attention.flex_attention import AuxRequest
-    except ImportError:
-        AuxRequest = None
 
     def attn(q, k, v, block_mask, scale=None, lse=True):
-        gqa = q.size(1) != k.size(1)
-        if not lse:
-            return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa), None
-        if AuxRequest is not None:
-            out, aux = flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa,
-                                      return_aux=AuxRequest(lse=True))
-            return out, aux.lse
-        return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa, return_lse=True)
+        if lse:
+            return K.flex_attention_lse(q, k, v, block_mask, scale)
+        return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.size(1) != k.size(1)), None
     return attn
 
 

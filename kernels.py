@@ -8,6 +8,7 @@ Ops
                         Without a GPU: all adapters stacked into one masked LoRA (multi_lora_stacked).
   multi_lora_segments   the same for rows sorted by adapter (prefill).
   attention_lse         masked attention that also returns the log-sum-exp of each query row (any mask: reference).
+  flex_attention_lse    FlexAttention (any block mask) that also returns the log-sum-exp, for merge_lse.
   merge_lse             exact merge of two attentions over disjoint key sets into one softmax.
   block_local_attention causal attention inside each block only (double decoder, Block Transformer token decoder).
   gated_swa             PLT's gated sliding-window attention (Algorithm 3 of the PLT paper), prefill form.
@@ -394,6 +395,25 @@ def attention_lse(q, k, v, mask, scale=None):
     """Dispatch for attention_lse_ref. An arbitrary dense mask has no tile structure for a kernel to exploit, so this
     is always the reference; the structured masks have kernels (block_local_attention, gated_swa, dual_attention)."""
     return attention_lse_ref(q, k, v, mask, scale)
+
+
+_FLEX = {}
+
+
+def flex_attention_lse(q, k, v, block_mask, scale=None):
+    """FlexAttention with its log-sum-exp (natural log, fp32): compiled on CUDA, eager elsewhere (CPU correctness
+    never depends on torch.compile). q (B, H, T, D), k, v (B, H_kv, S, D), a BlockMask built once per batch ->
+    out (B, H, T, D), lse (B, H, T). A row with no visible key: out 0, lse -inf. Differentiable."""
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+
+    fn = flex_attention
+    if q.is_cuda:
+        if "fn" not in _FLEX:
+            _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+        fn = _FLEX["fn"]
+    out, aux = fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.size(1) != k.size(1),
+                  return_aux=AuxRequest(lse=True))
+    return out, aux.lse
 
 
 def merge_lse(o1, l1, o2, l2):

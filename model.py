@@ -829,13 +829,22 @@ ARCH_SPECS = [ArchSpec("vanilla", GPTConfig, GPT, PRESETS)]
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _describe(name: str, cfg: GPTConfig):
-    with torch.device("meta"):
-        m = GPT(cfg)
-    print(f"{name:16s} layers {cfg.n_layer:3d}  d {cfg.n_embd:5d}  heads {cfg.n_head:3d}/{cfg.n_kv_head:<3d}  "
-          f"non-emb params {m.num_params() / 1e6:8.2f}M  total {m.num_params(False) / 1e6:8.2f}M  "
-          f"KV bytes/token {m.kv_cache_bytes(1, 1) / 1024:7.1f} KiB (bf16)  "
-          f"train GFLOP/token @T={cfg.max_seq_len} {m.flops_per_token(cfg.max_seq_len) / 1e9:6.2f}")
+def describe(name: str, model: nn.Module, baseline: nn.Module | None = None, seq_len: int | None = None):
+    """One line per preset (every architecture file's `main()` prints its presets with it): non-embedding
+    parameters, KV cache bytes of one sequence of seq_len tokens in bf16, training GFLOP per token -- and the same
+    for a baseline model (e.g. the vanilla model of the same parameters) in brackets. Build the models on the meta
+    device: nothing is allocated."""
+    T = seq_len or model.config.max_seq_len
+
+    def fmt(m):
+        return (m.num_params() / 1e6, m.kv_cache_bytes(1, T) / 2 ** 20, m.flops_per_token(T) / 1e9)
+
+    p, kv, fl = fmt(model)
+    line = f"{name:22s} non-emb params {p:8.2f}M  KV @T={T} {kv:8.2f} MiB  train GFLOP/token {fl:7.3f}"
+    if baseline is not None:
+        bp, bkv, bfl = fmt(baseline)
+        line += f"   (baseline {bp:.2f}M, {bkv:.2f} MiB, {bfl:.3f})"
+    print(line)
 
 
 def main():
@@ -843,7 +852,8 @@ def main():
     ap.add_argument("--preset", default=None, help="print one preset (default: all)")
     args = ap.parse_args()
     for name in [args.preset] if args.preset else PRESETS:
-        _describe(name, GPTConfig.from_preset(name))
+        with torch.device("meta"):
+            describe(name, GPT(GPTConfig.from_preset(name)))
 
 
 if __name__ == "__main__":
