@@ -75,7 +75,7 @@ import torch
 import torch.nn as nn
 
 from model import (GPT, PRESETS, GPTConfig, KVCache, causal_mask_from_positions, pick_device, pick_dtype,
-                   sample_next)
+                   sample_next, sync)
 from recursive import RELAXED_RANK, RecursiveConfig, RecursiveGPT, from_vanilla
 
 try:
@@ -249,11 +249,6 @@ def kv_token_bytes(cfg, elem: int) -> int:
     return 2 * cfg.n_kv_head * cfg.hd * elem
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Servers
 
@@ -278,12 +273,6 @@ class Server:
         self.cfg = model.config
 
     # -- bookkeeping ---------------------------------------------------------------------------------------------
-
-    def place(self, s, tmp, i):
-        """Copy row i of a prefill cache `tmp` (all layers, its max_len positions) into slot s of self.cache."""
-        T = tmp.max_len
-        self.cache.k[:, s, :, :T] = tmp.k[:, i]
-        self.cache.v[:, s, :, :T] = tmp.v[:, i]
 
     def sample(self, logits, reqs) -> list[int]:
         """logits (b, V) -> one token per request (greedy in one argmax; sampled with each request's generator)."""
@@ -364,7 +353,7 @@ class Server:
                     tick = max(tick, reqs[head].arrival)
             if bar is not None and bar.n != self.n_done:
                 bar.update(self.n_done - bar.n)
-        _sync(self.device)
+        sync(self.device)
         self.t_end = time.perf_counter()
         if bar is not None:
             bar.close()
@@ -390,35 +379,34 @@ class ContinuousServer(Server):
         return any(r is not None for r in self.req)
 
     def admit(self, reqs):
-        logits, tmp, lengths = self.batched_prefill(reqs)
+        logits, tmp, _ = self.batched_prefill(reqs)
         toks = self.sample(logits, reqs)
         free = [s for s, r in enumerate(self.req) if r is None]
+        keep, slots = [], []
         for i, (r, t) in enumerate(zip(reqs, toks)):
-            if self.emit(r, t, None):
-                continue
-            s = free.pop(0)
-            self.place(s, tmp, i)
-            self.cache.lengths[s] = lengths[i]
-            self.req[s], self.tok[s] = r, t
+            if not self.emit(r, t, None):  # a request of one token is done after its prefill
+                keep.append(i)
+                slots.append(free.pop(0))
+                self.req[slots[-1]] = r
+        if keep:
+            self.cache.copy_rows(tmp, keep, slots)  # K/V and lengths of the prompts, all layers, one copy
+            self.tok[slots] = torch.tensor([toks[i] for i in keep], device=self.device)
 
     def step(self):
         t0 = time.perf_counter()
-        idle = [s for s, r in enumerate(self.req) if r is None]
-        if idle:  # idle rows decode a dummy token at position 0 of their own row (overwritten on admission)
-            self.cache.lengths[idle] = 0
-            self.tok[idle] = 0
+        slots = [s for s, r in enumerate(self.req) if r is not None]
+        idle = torch.tensor([s for s, r in enumerate(self.req) if r is None], dtype=torch.long, device=self.device)
+        self.cache.lengths[idle] = 0  # idle rows decode a dummy token at position 0 of their own row
+        self.tok[idle] = 0
         kv_len = int(self.cache.lengths.max()) + 1
-        logits = self.model.decode_step(self.tok, self.cache)
-        active = [s for s, r in enumerate(self.req) if r is not None]
-        toks = self.sample(logits[active], [self.req[s] for s in active])
-        for s, t in zip(active, toks):
+        logits = self.model.decode_step(self.tok, self.cache)  # (slots, V): one step over every slot
+        toks = self.sample(logits[slots], [self.req[s] for s in slots])
+        self.tok[slots] = torch.tensor(toks, device=self.device)
+        for s, t in zip(slots, toks):
             if self.emit(self.req[s], t, None):
                 self.req[s] = None
-            else:
-                self.tok[s] = t
-        _sync(self.device)
-        self.record_step(time.perf_counter() - t0, len(active),
-                         self.step_params + self.slots * kv_len * self.kv_tok)
+        sync(self.device)
+        self.record_step(time.perf_counter() - t0, len(slots), self.step_params + self.slots * kv_len * self.kv_tok)
 
 
 class StaticServer(ContinuousServer):
@@ -452,7 +440,7 @@ class StaticServer(ContinuousServer):
         done = [i for i, r in enumerate(self.req) if r.done]
         self.cache.lengths[done] -= 1  # finished rows hold their position (and rewrite it): no cache overflow
         self.tok[live] = torch.tensor(new, device=self.device, dtype=self.tok.dtype)  # done rows: any token
-        _sync(self.device)
+        sync(self.device)
         self.record_step(time.perf_counter() - t0, len(live),
                          self.step_params + len(self.req) * kv_len * self.kv_tok)
 
@@ -462,7 +450,14 @@ class StaticServer(ContinuousServer):
 
 
 class DepthWiseServer(Server):
-    """Recursive / relaxed model, continuous depth-wise batching (Figure 3) with optional confidence early exit."""
+    """Recursive / relaxed model, continuous depth-wise batching (Figure 3) with optional confidence early exit.
+
+    The state of every slot lives in tensors -- position, loop and hidden state of the token in flight -- and a step
+    updates all of them at once: one pass of the shared block over the active slots (each at its own loop), one
+    head over them, one exit decision, one state propagation for the early exits (a few projections per skipped
+    loop, all exiting rows together), one embedding of the next tokens, three masked writes. The only per-row Python
+    is the bookkeeping of emitted tokens (list appends), after ONE transfer of (exit, token, loop) to the host.
+    """
 
     def __init__(self, model: RecursiveGPT, slots, exit_threshold=None, **kw):
         super().__init__(model, slots, **kw)
@@ -473,6 +468,7 @@ class DepthWiseServer(Server):
         cfg = self.cfg
         self.cache = self.model.new_cache(self.slots)
         self.req = [None] * self.slots
+        self.all_slots = torch.arange(self.slots, device=self.device)
         self.pos = torch.zeros(self.slots, dtype=torch.long, device=self.device)  # position of the token in flight
         self.loop = torch.zeros(self.slots, dtype=torch.long, device=self.device)  # its current loop
         self.h = torch.zeros(self.slots, 1, cfg.n_embd, dtype=self.dtype, device=self.device)  # its hidden state
@@ -486,69 +482,63 @@ class DepthWiseServer(Server):
     def busy(self):
         return any(r is not None for r in self.req)
 
-    def start_token(self, s, tok):
-        """Slot s begins the next token: depth 1 (loop 0) with the token's embedding."""
-        self.loop[s] = 0
-        self.h[s] = self.model.embed(torch.tensor([[tok]], device=self.device))[0]
+    def start(self, slots, toks):
+        """Slots (list) begin their next token toks (b,) tensor: loop 0, hidden state = the token's embedding."""
+        idx = torch.tensor(slots, device=self.device)
+        self.loop[idx] = 0
+        self.h[idx] = self.model.embed(toks[:, None]).to(self.dtype)
 
     def admit(self, reqs):
         logits, tmp, lengths = self.batched_prefill(reqs)
         toks = self.sample(logits, reqs)
         free = [s for s, r in enumerate(self.req) if r is None]
-        for i, (r, t) in enumerate(zip(reqs, toks)):
-            if self.emit(r, t, self.cfg.n_loops - 1):  # prompt tokens never exit early: the prefill runs all loops
-                continue
-            s = free.pop(0)
-            self.place(s, tmp, i)
-            self.req[s] = r
-            self.pos[s] = lengths[i]
-            self.start_token(s, t)
+        keep, slots = [], []
+        for i, (r, t) in enumerate(zip(reqs, toks)):  # prompt tokens never exit early: the prefill runs all loops
+            if not self.emit(r, t, self.cfg.n_loops - 1):
+                keep.append(i)
+                slots.append(free.pop(0))
+                self.req[slots[-1]] = r
+        if keep:
+            self.cache.copy_rows(tmp, keep, slots)
+            self.pos[slots] = lengths[keep]
+            self.start(slots, torch.tensor([toks[i] for i in keep], device=self.device))
 
     def step(self):
         t0 = time.perf_counter()
         m, L = self.model, self.cfg.n_loops
         slots = [s for s, r in enumerate(self.req) if r is not None]
-        active = torch.tensor(slots, device=self.device)
-        loops, q_pos = self.loop[active], self.pos[active][:, None]  # (b,), (b, 1)
-        loop_list = loops.tolist()
-        kv_len = int(q_pos.max()) + 1
-        # ONE pass of the shared block over every active slot, each at its own loop. Uniform loops and all slots
-        # active: plain matmuls and cache views; else per-row LoRA (multi_lora) and per-row cache layers (gathers).
-        same = loop_list.count(loop_list[0]) == len(loop_list)
-        h = m.loop_step(self.h[active], loop_list[0] if same else loops, q_pos, self.cache,
-                        rows=None if len(slots) == self.slots else active, kv_len=kv_len)
-        final = [l == L - 1 for l in loop_list]
-        if self.threshold is None:  # only rows at the last loop need the head
-            check = [i for i, f in enumerate(final) if f]
-            exit_rows = check
-            logits = m.exit_logits(h[check])[:, 0] if check else None
-        else:  # every row: the confidence decides
-            check = list(range(len(slots)))
-            logits = m.exit_logits(h)[:, 0]
-            conf = m.exit_confidence(logits).tolist()
-            exit_rows = [i for i in check if final[i] or conf[i] >= self.threshold]
-            logits = logits[exit_rows]
-        early = [i for i in exit_rows if not final[i]]
-        if early:  # state propagation: the exited tokens' K/V for the loops they skip
-            e = torch.tensor(early, device=self.device)
-            m.propagate(h[e], loops[e], q_pos[e], self.cache, rows=active[e])
-        toks = self.sample(logits, [self.req[slots[i]] for i in exit_rows]) if exit_rows else []
-        exited = set(exit_rows)
-        stay = [i for i in range(len(slots)) if i not in exited]
-        if stay:  # the others move one loop deeper
-            st = torch.tensor(stay, device=self.device)
-            self.h[active[st]] = h[st]
-            self.loop[active[st]] += 1
-        for i, t in zip(exit_rows, toks):
-            s = slots[i]
-            if self.emit(self.req[s], t, loop_list[i]):
-                self.req[s] = None  # free: the queue refills it before the next step
-            else:
-                self.pos[s] += 1
-                self.start_token(s, t)
-        _sync(self.device)
-        nbytes = self.block_bytes + (self.head_bytes if check else 0) + len(slots) * kv_len * self.kv_tok
-        self.record_step(time.perf_counter() - t0, len(slots), nbytes)
+        full = len(slots) == self.slots
+        active = self.all_slots if full else torch.tensor(slots, device=self.device)
+        loops, pos = self.loop[active], self.pos[active]  # (b,), (b,)
+        kv_len = int(pos.max()) + 1
+        # ONE pass of the shared block over every active slot, each at its own loop: per-row LoRA
+        # (kernels.multi_lora) and per-row cache layers (loop * K + k); all rows at one loop: plain matmuls.
+        uniform = bool((loops == loops[0]).all())
+        h = m.loop_step(self.h[active], int(loops[0]) if uniform else loops, pos[:, None], self.cache,
+                        rows=None if full else active, kv_len=kv_len)  # (b, 1, C)
+        logits = m.exit_logits(h)[:, 0]  # (b, V): rows at the last loop need it, the confidence needs it for all
+        leave = loops == L - 1
+        if self.threshold is not None:
+            leave = leave | (m.exit_confidence(logits) >= self.threshold)
+        early = (leave & (loops < L - 1)).nonzero().squeeze(1)
+        if early.numel():  # state propagation: the exited tokens' K/V for the loops they skip, all rows at once
+            m.propagate(h[early], loops[early], pos[early, None], self.cache, rows=active[early])
+        if self.temperature <= 0:
+            toks = logits.argmax(-1)  # (b,)
+        else:  # sampled: each request's own generator (reproducible whatever the schedule), exiting rows only
+            toks = torch.zeros(len(slots), dtype=torch.long, device=self.device)
+            for i in leave.nonzero().squeeze(1).tolist():
+                toks[i] = sample_next(logits[i:i + 1], self.temperature, self.top_k, self.req[slots[i]].gen)[0]
+        # every slot's next state at once: exiting rows start their next token at loop 0, the others go deeper
+        self.h[active] = torch.where(leave[:, None, None], m.embed(toks[:, None]).to(self.dtype), h)
+        self.loop[active] = torch.where(leave, torch.zeros_like(loops), loops + 1)
+        self.pos[active] = pos + leave.long()
+        for i, (out, tok, loop) in enumerate(torch.stack([leave.long(), toks, loops]).t().tolist()):
+            if out and self.emit(self.req[slots[i]], tok, loop):
+                self.req[slots[i]] = None  # free: the queue refills it before the next step
+        sync(self.device)
+        self.record_step(time.perf_counter() - t0, len(slots),
+                         self.block_bytes + self.head_bytes + len(slots) * kv_len * self.kv_tok)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -783,10 +773,10 @@ def time_generate(model, idx, n, device, repeats) -> float:
     model.generate(idx, n)  # warm-up
     ts = []
     for _ in range(repeats):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         model.generate(idx, n)
-        _sync(device)
+        sync(device)
         ts.append(time.perf_counter() - t0)
     return sorted(ts)[len(ts) // 2]
 
@@ -866,12 +856,12 @@ def bench_decode(args, device, dtype) -> dict:
     for _ in range(3):  # warm-up (compilation, graph capture), not timed
         tok = step(tok, pos).argmax(-1)
         pos = pos + 1
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     for _ in range(S):
         tok = step(tok, pos).argmax(-1)
         pos = pos + 1
-    _sync(device)
+    sync(device)
     dt = (time.perf_counter() - t0) / S
     c = model.config
     nbytes = param_bytes([model.blocks, model.norm, model.lm_head]) + B * c.n_layer * max_len * kv_token_bytes(
