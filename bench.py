@@ -74,11 +74,12 @@ def read_bandwidth(device, nbytes=2 ** 30, repeats=5) -> float:
     return nbytes / min(ts)
 
 
-def param_bytes(model) -> int:
-    """Bytes of the unique parameters a forward reads (tied weights once)."""
+def param_bytes(*modules) -> int:
+    """Bytes of the unique parameters of the modules (tied weights once)."""
     seen = {}
-    for p in model.parameters():
-        seen[id(p)] = p.numel() * p.element_size()
+    for m in modules:
+        for p in m.parameters():
+            seen[id(p)] = p.numel() * p.element_size()
     return sum(seen.values())
 
 
@@ -192,6 +193,84 @@ def bench_train(args):
     if "nanoGPT" in res:
         ratio = [b / a for a, b in zip(res["ours"], res["nanoGPT"])]
         print(f"   ours / nanoGPT = {spread(ratio, fmt='.2f')}x tokens/s (per-round ratios)")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The architectures against vanilla: per-token decode latency and time to first token, each model's own generate()
+
+
+@torch.no_grad()
+def generation_times(models: dict, idx, new_tokens: int, repeats: int) -> dict[str, dict[str, list[float]]]:
+    """models: name -> model. Each round times, for every model in turn, generate(idx, 1) (the prefill and the first
+    token: TTFT) and generate(idx, new_tokens) -> name -> {"ttft": [s], "token": [s per decode step]}, one entry per
+    round. The decode time of a round is the difference of its two runs."""
+    systems = {}
+    for name, m in models.items():
+        systems[name + "/1"] = lambda m=m: m.generate(idx, 1)
+        systems[name + "/n"] = lambda m=m: m.generate(idx, new_tokens)
+    res = rounds(systems, repeats)
+    return {name: {"ttft": res[name + "/1"],
+                   "token": [(tn - t1) / (new_tokens - 1) for t1, tn in zip(res[name + "/1"], res[name + "/n"])]}
+            for name in models}
+
+
+def ratio(a, b, fmt=".2f") -> str:
+    """Per-round ratios of two lists of times, as 'median (min..max)'."""
+    return spread([x / y for x, y in zip(a, b)], fmt=fmt)
+
+
+@torch.no_grad()
+def bench_plt(args):
+    """Table 3 of the PLT paper on this machine: per-token decode latency of PLT-2 against the vanilla model of the
+    same parameters (the N-layer stack run once) and against the sequential loop-2 baseline, at several batches."""
+    import plt
+
+    device = pick_device(args.device)
+    base = dict(plt.PRESETS[args.preset], max_seq_len=args.prompt_len + args.new_tokens + 8)
+    variants = {"vanilla": "vanilla", "loop-2": "loop", "PLT-2": "plt"}
+    for dtype in [pick_dtype(device, d) for d in args.dtype.split(",")]:
+        torch.manual_seed(0)
+        models = {name: plt.PLT(plt.PLTConfig(**{**base, **plt.variant_fields(v)})).to(device, dtype).eval()
+                  for name, v in variants.items()}
+        p = models["PLT-2"]
+        header("PLT decode latency", device, dtype, f"preset {args.preset}: {base['n_layer']} layers x L=2, d "
+               f"{base['n_embd']}, {param_bytes(p) / 1e6:.0f} MB of weights, window {p.config.window} | prompt "
+               f"{args.prompt_len}, {args.new_tokens} new tokens | median (min..max) of {args.repeats} rounds")
+        for B in [int(b) for b in args.batch.split(",")]:
+            idx = torch.randint(0, base["vocab_size"] - 1, (B, args.prompt_len), device=device)
+            t = generation_times(models, idx, args.new_tokens, args.repeats)
+            print(f"   batch {B:3d}: ms/token " + ", ".join(f"{n} {spread(t[n]['token'], 1e3, '.2f')}" for n in t))
+            print(f"              PLT-2 / vanilla {ratio(t['PLT-2']['token'], t['vanilla']['token'])} (paper: "
+                  f"1.02 at batch 4, 1.04-1.06 at 32-64) | PLT-2 / loop-2 "
+                  f"{ratio(t['PLT-2']['token'], t['loop-2']['token'])} (paper: 0.63 at batch 4, 0.53 at 32-64)")
+
+
+@torch.no_grad()
+def bench_double(args):
+    """The double decoder's serving claim (section 3.3): per-token latency and time to first token against the
+    decoder-only model of the same parameters (ctx + gen layers)."""
+    import double_decoder as dd
+
+    device = pick_device(args.device)
+    cfg = dd.DoubleConfig(**{**dd.PRESETS[args.preset], "max_seq_len": args.prompt_len + args.new_tokens + 8})
+    for dtype in [pick_dtype(device, d) for d in args.dtype.split(",")]:
+        torch.manual_seed(0)
+        models = {"decoder-only": GPT(dd.baseline_config(cfg)).to(device, dtype).eval(),
+                  "double": dd.DoubleDecoder(cfg).to(device, dtype).eval()}
+        header("double decoder latency", device, dtype, f"preset {args.preset}: {cfg.ctx_layers} + "
+               f"{cfg.gen_layers} layers vs {cfg.n_layer}, d {cfg.n_embd}, {param_bytes(models['double']) / 1e6:.0f} "
+               f"MB of weights | prompt {args.prompt_len}, {args.new_tokens} new tokens | median (min..max) of "
+               f"{args.repeats} rounds")
+        dm = models["double"]
+        floor = param_bytes(dm.gen_blocks, dm.norm, dm.lm_head) / param_bytes(models["decoder-only"])
+        for B in [int(b) for b in args.batch.split(",")]:
+            idx = torch.randint(0, cfg.vocab_size - 1, (B, args.prompt_len), device=device)
+            t = generation_times(models, idx, args.new_tokens, args.repeats)
+            d, v = t["double"], t["decoder-only"]
+            print(f"   batch {B:3d}: ms/token double {spread(d['token'], 1e3, '.2f')}, decoder-only "
+                  f"{spread(v['token'], 1e3, '.2f')} -> ratio {ratio(d['token'], v['token'])} (paper ~0.33; the "
+                  f"weight bytes a step reads give {floor:.2f}) | TTFT ms double {spread(d['ttft'], 1e3)}, "
+                  f"decoder-only {spread(v['ttft'], 1e3)} -> ratio {ratio(d['ttft'], v['ttft'])}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -592,6 +671,22 @@ def main(argv=None):
     p.add_argument("--compile", action="store_true", help="torch.compile both models (the warm-up covers it)")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 (autocast, both models)")
     p.set_defaults(fn=bench_train)
+
+    p = sub.add_parser("plt", help="PLT-2 vs vanilla vs loop-2 per-token decode latency (Table 3)")
+    common(p)
+    p.add_argument("--dtype", default="float32,bfloat16", help="comma list of dtypes")
+    p.add_argument("--batch", default="1,4,16", help="comma list of batch sizes")
+    p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens")
+    p.add_argument("--new-tokens", type=int, default=32, help="generated tokens per run")
+    p.set_defaults(fn=bench_plt)
+
+    p = sub.add_parser("double", help="double decoder vs decoder-only: per-token latency and TTFT")
+    common(p)
+    p.add_argument("--dtype", default="float32,bfloat16", help="comma list of dtypes")
+    p.add_argument("--batch", default="1,8", help="comma list of batch sizes")
+    p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens")
+    p.add_argument("--new-tokens", type=int, default=32, help="generated tokens per run")
+    p.set_defaults(fn=bench_double)
 
     p = sub.add_parser("exits", help="early exit of a recursive/relaxed checkpoint: per loop, oracle, threshold curve")
     p.add_argument("--ckpt", required=True, help="a recursive/relaxed checkpoint written by train.py")
