@@ -84,10 +84,13 @@ import torch.nn.functional as F
 
 from kernels import gated_swa, gated_swa_decode, plt_gate
 from model import (GPT, ArchSpec, Attention, Block, GPTConfig, KVCache, attend, causal_mask_from_positions,
-                   init_weights, kv_bytes, lm_loss, pick_device, pick_dtype)
+                   init_weights, kv_bytes, lm_loss, make_norm, pick_device, pick_dtype)
 
 # ----------------------------------------------------------------------------------------------------------------
 # Config
+
+
+LOOP_INPUT_NORMS = ("none", "shared", "per_loop")
 
 
 @dataclass
@@ -97,6 +100,10 @@ class PLTConfig(GPTConfig):
     clp: bool = True  # cross-loop parallelism: loop l >= 2 reads E + shift_right(H^(l-1)) instead of H^(l-1)
     kv_share: bool = True  # loops >= 2 attend over loop 1's K/V (K_share, V_share) instead of their own
     gswa: bool = True  # loops >= 2 add a gated sliding window over their own K/V (needs kv_share)
+    # CLP loop input (a deviation, see the module docstring): "none" is the paper's raw sum E + shift_right(H);
+    # "shared" normalises both summands with learned norms, n_E(E) + n_H(shift_right(H)), one pair for every loop
+    # >= 2; "per_loop" gives each loop >= 2 its own pair. Used only where E is added (clp with n_loops > 1).
+    loop_input_norm: str = "shared"
 
     def validate(self):
         super().validate()
@@ -109,6 +116,8 @@ class PLTConfig(GPTConfig):
         need(isinstance(self.window, int) and self.window >= 1, f"window={self.window!r} must be an int >= 1")
         for name in ("clp", "kv_share", "gswa"):
             need(isinstance(getattr(self, name), bool), f"{name}={getattr(self, name)!r} must be True or False")
+        need(self.loop_input_norm in LOOP_INPUT_NORMS,
+             f"loop_input_norm={self.loop_input_norm!r} must be one of {LOOP_INPUT_NORMS}")
         need(not (self.gswa and not self.kv_share),
              "gswa=True needs kv_share=True: G-SWA (Algorithm 3) mixes a window over a loop's own K/V with global "
              "attention over the first loop's shared K/V; without kv_share there is no shared K/V to mix with")
@@ -125,6 +134,12 @@ class PLTConfig(GPTConfig):
     @property
     def parallel(self) -> bool:  # CLP decoding: one forward of L rows per token
         return self.clp and self.n_loops > 1
+
+    @property
+    def n_loop_norm_pairs(self) -> int:  # (n_E, n_H) pairs of the CLP loop input
+        if not self.parallel or self.loop_input_norm == "none":
+            return 0
+        return 1 if self.loop_input_norm == "shared" else self.n_loops - 1
 
 
 # The rows of Table 2 (section 3.1). `n_loops` is set only by vanilla; the others keep the preset's / --loops' L.
@@ -411,6 +426,9 @@ class PLT(GPT):
     def __init__(self, cfg: PLTConfig):
         super().__init__(cfg)
         self.blocks = nn.ModuleList(Block(cfg, attn_cls=PLTAttention) for _ in range(cfg.n_layer))
+        # the loop-input norms (n_E, n_H) of loop_input_norm; they start at weight 1: E and H^(l-1) at unit rms each
+        self.loop_norms = nn.ModuleList(nn.ModuleList([make_norm(cfg), make_norm(cfg)])
+                                        for _ in range(cfg.n_loop_norm_pairs))
         init_weights(self, cfg.n_layer)  # the GPT-2 init again, now over these blocks (the gates stay at g = 0.5)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
@@ -418,9 +436,20 @@ class PLT(GPT):
 
     # -- training forward (Algorithm 2) --------------------------------------------------------------------------
 
-    def loop_input(self, e, h):
-        """Input of loop l >= 2 from the embeddings e and H^(l-1) (B, T, C): E + shift_right(H) with CLP, else H."""
-        return e + shift_right(h) if self.config.clp else h
+    def loop_input(self, e, h, loop):
+        """Input of loop `loop` (0-based, >= 1) from the embeddings e and H^(loop) of the loop before, (B, T, C):
+        clp_input(E, shift_right(H)) with CLP, else H itself (the sequential looped transformer)."""
+        return self.clp_input(e, shift_right(h), loop) if self.config.clp else h
+
+    def clp_input(self, e, h_prev, loop):
+        """e (B, T, C) embeddings at positions i, h_prev (B, T, C) the previous loop's hidden state at positions i - 1
+        -> the input of loop `loop` (0-based, >= 1) at i: e + h_prev (the paper), or n_E(e) + n_H(h_prev).
+
+        Training (shift_right) and decode_step (the cached h^(l)_(i-1)) both call this, so they compute the same."""
+        if not self.loop_norms:
+            return e + h_prev
+        norm_e, norm_h = self.loop_norms[0 if len(self.loop_norms) == 1 else loop - 1]
+        return norm_e(e) + norm_h(h_prev)
 
     def run_loop(self, x, rope, shared=None, keep=None):
         """One pass of the N-layer stack over a whole sequence x (B, T, C) -> H (B, T, C), before the final norm.
@@ -443,7 +472,7 @@ class PLT(GPT):
         hs = [self.run_loop(e, rope, keep=kvs[0])]  # loop 1 is the plain model on E; it yields K_share, V_share
         shared = kvs[0] if cfg.shares_kv else None
         for loop in range(1, cfg.n_loops):
-            hs.append(self.run_loop(self.loop_input(e, hs[-1]), rope, shared, keep=kvs[loop]))
+            hs.append(self.run_loop(self.loop_input(e, hs[-1], loop), rope, shared, keep=kvs[loop]))
         return hs, kvs
 
     def forward(self, idx, targets=None):
@@ -534,8 +563,8 @@ class PLT(GPT):
         st = self._step(cache)
         rope = self.rope(st.q_pos[:, None])  # (B, 1, 1, rot): all rows of a sequence share the position
         e = self.embed(tok[:, None])  # (B, 1, C)
-        if cache.parallel:
-            x = e + F.pad(cache.hidden, (0, 0, 1, 0))  # (B, L, C); row 0 gets e_i alone
+        if cache.parallel:  # (B, L, C): row 0 gets e_i alone, row l the input of loop l+1 from h^(l)_(i-1)
+            x = torch.cat([e] + [self.clp_input(e, cache.hidden[:, l - 1:l], l) for l in range(1, cache.n_loops)], 1)
             for j, block in enumerate(self.blocks):
                 x = block(x, rope, mode="clp_step", step=st, layer=j)
             cache.hidden.copy_(x[:, :-1])  # h^(1..L-1)_i for the next step
@@ -582,7 +611,7 @@ class PLT(GPT):
         p = gpt.lm_head.weight
         model = cls(cfg).to(device=p.device, dtype=p.dtype)
         missing, unexpected = model.load_state_dict(gpt.state_dict(), strict=False)
-        if unexpected or any(not k.endswith(("gate_w", "gate_b")) for k in missing):
+        if unexpected or any(not (k.endswith(("gate_w", "gate_b")) or k.startswith("loop_norms.")) for k in missing):
             raise ValueError(f"vanilla weights do not fit the PLT: missing {missing}, unexpected {unexpected}")
         return model
 
@@ -596,12 +625,17 @@ def add_args(ap: argparse.ArgumentParser):
     g.add_argument("--plt-variant", default=None, choices=list(VARIANTS),
                    help="row of Table 2: vanilla (L=1) | loop (sequential) | clp | kv_share | plt (default: plt)")
     g.add_argument("--plt-window", type=int, default=None, help="G-SWA window w in keys, current included (64)")
+    g.add_argument("--plt-loop-norm", default=None, choices=LOOP_INPUT_NORMS,
+                   help="CLP loop input: none = the paper's E + shift_right(H); shared / per_loop = learned norms on "
+                        "both summands (default shared; see plt.py)")
 
 
 def config_overrides(args) -> dict:
     out = variant_fields(args.plt_variant or "plt", getattr(args, "loops", None))
     if args.plt_window is not None:
         out["window"] = args.plt_window
+    if getattr(args, "plt_loop_norm", None) is not None:
+        out["loop_input_norm"] = args.plt_loop_norm
     return out
 
 

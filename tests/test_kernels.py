@@ -275,6 +275,24 @@ def test_gated_swa_triton(H, Hkv, T, window):
     close(tri(K.gated_swa_triton, *args, window, scale=0.2), K.gated_swa_ref(*args, window, scale=0.2))
 
 
+@pytest.mark.parametrize("H,Hkv,T,window", [(4, 2, 23, 5), (4, 1, 19, 40), (3, 3, 40, 1), (2, 2, 1, 4)])
+def test_gated_swa_sdpa_matches_reference(H, Hkv, T, window):
+    """The training path (SDPA branches + gate) == gated_swa_ref in fp32: the output and the gradient of every input
+    (q, own k/v, shared k/v, gate_w, gate_b), with a non-default scale once."""
+    for scale in (None, 0.2):
+        args = [a.requires_grad_(True) for a in gswa_inputs(2, H, Hkv, T, 16)]
+        ref = K.gated_swa_ref(*args, window, scale)
+        fast = K.gated_swa_sdpa(*args, window, scale)
+        close(fast, ref)
+        grad_out = torch.randn_like(ref)
+        # a softmax over one key has no gradient w.r.t. that key: own k with window 1 (or T = 1), shared k with T = 1
+        no_grad = {i for i, single in ((1, min(window, T) == 1), (3, T == 1)) if single}
+        grads = zip(torch.autograd.grad(fast, args, grad_out), torch.autograd.grad(ref, args, grad_out))
+        for i, (gf, gr) in enumerate(grads):
+            close(gf, gr)
+            assert (gr.abs().sum() > 0) == (i not in no_grad), i
+
+
 def test_gated_swa_bad_input():
     q, k, v, ks, vs, gw, gb = gswa_inputs(1, 2, 2, 4, 8)
     with pytest.raises(ValueError, match="window"):
@@ -464,7 +482,7 @@ def op_cases():
         (K.multi_lora, K.multi_lora_stacked, "multi_lora_triton", (x, A, B, idx)),  # its CPU path (== the reference)
         (K.multi_lora_segments, K.multi_lora_segments_ref, "multi_lora_segments_triton", (x, A, B, st, sa)),
         (K.block_local_attention, K.block_local_attention_ref, "block_local_attention_triton", (q, k, v, blk)),
-        (K.gated_swa, K.gated_swa_ref, "gated_swa_triton", (*gsw, 3)),
+        (K.gated_swa, K.gated_swa_sdpa, "gated_swa_triton", (*gsw, 3)),  # its non-Triton path (== the reference)
         (K.gated_swa_decode, K.gated_swa_decode_ref, "gated_swa_decode_triton", dec),
         (K.dual_attention, K.dual_attention_ref, "dual_attention_triton", dual_inputs(1, 2, 1, [2, 4], 8)),
     ]

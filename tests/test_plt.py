@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from model import GPT, GPTConfig
-from plt import PLT, PLTAttention, PLTConfig, VARIANTS, config_overrides, shift_right, variant_fields
+from plt import (LOOP_INPUT_NORMS, PLT, PLTAttention, PLTConfig, VARIANTS, config_overrides, shift_right,
+                 variant_fields)
 
 SHAPE = dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, mlp_hidden=64, vocab_size=61, max_seq_len=32)
 W = 4  # a small window, so that prompts of 2 and 7 tokens are shorter and longer than it and decoding wraps the ring
@@ -53,8 +54,9 @@ def decode_errors(model, idx, prompt_len, lengths=None, static=False):
 @pytest.mark.parametrize("variant", list(SWITCHES))
 @pytest.mark.parametrize("n_loops", [2, 3])
 @pytest.mark.parametrize("prompt_len", [2, 7])
-def test_decode_matches_forward(variant, n_loops, prompt_len):
-    model = make(n_loops, variant)
+@pytest.mark.parametrize("norm", LOOP_INPUT_NORMS)
+def test_decode_matches_forward(variant, n_loops, prompt_len, norm):
+    model = make(n_loops, variant, loop_input_norm=norm)
     idx = torch.randint(SHAPE["vocab_size"], (2, T))
     errs, cache = decode_errors(model, idx, prompt_len)
     assert errs.max() < 2e-5, errs
@@ -174,7 +176,8 @@ def test_from_vanilla_with_loops():
     for name, p in gpt.state_dict().items():
         assert torch.equal(model.state_dict()[name], p), name
     extra = set(model.state_dict()) - set(gpt.state_dict())
-    assert extra == {f"blocks.{j}.attn.{g}" for j in range(SHAPE["n_layer"]) for g in ("gate_w", "gate_b")}
+    assert extra == ({f"blocks.{j}.attn.{g}" for j in range(SHAPE["n_layer"]) for g in ("gate_w", "gate_b")} |
+                     {"loop_norms.0.0.weight", "loop_norms.0.1.weight"})  # the loop-input norms (n_E, n_H), at 1
     model.train()
     model(torch.randint(SHAPE["vocab_size"], (2, 8)))
     assert abs(float(model.metrics["gate_local"]) - 0.5) < 1e-6
@@ -184,10 +187,11 @@ def test_from_vanilla_with_loops():
 
 
 @pytest.mark.parametrize("variant", ["clp", "kv_share", "plt", "loop"])
-def test_shift_breaks_same_position_dependence(variant):
+@pytest.mark.parametrize("norm", ["none", "shared"])
+def test_shift_breaks_same_position_dependence(variant, norm):
     """d H^(2)_i / d H^(1)_j is zero for j >= i with CLP (only earlier positions feed loop 2), nonzero at j = i
     without it. Built from the model's own pieces, checked against forward first."""
-    model = make(2, variant)
+    model = make(2, variant, loop_input_norm=norm)
     idx = torch.randint(SHAPE["vocab_size"], (1, 9))
     n = idx.size(1)
     rope = model.rope(torch.arange(n))
@@ -196,7 +200,7 @@ def test_shift_breaks_same_position_dependence(variant):
     h1 = model.run_loop(e, rope, keep=kv1)
     shared = kv1 if model.config.kv_share else None
     h1_leaf = h1.detach().requires_grad_(True)  # K_share stays fixed: it is loop 1's internals, not H^(1)
-    h2 = model.run_loop(model.loop_input(e, h1_leaf), rope, shared)
+    h2 = model.run_loop(model.loop_input(e, h1_leaf, 1), rope, shared)
     torch.testing.assert_close(model.head(h2), model(idx)[0], rtol=0, atol=1e-5)
     i = 5
     (grad,) = torch.autograd.grad(h2[0, i].sum(), h1_leaf)
@@ -206,6 +210,29 @@ def test_shift_breaks_same_position_dependence(variant):
     else:
         assert torch.all(per_pos[i:] == 0)
         assert per_pos[i - 1] > 1e-3
+
+
+@pytest.mark.parametrize("variant,norm,n_loops,pairs", [
+    ("clp", "none", 3, 0), ("clp", "shared", 3, 1), ("plt", "per_loop", 3, 2), ("clp", "per_loop", 2, 1),
+    ("loop", "shared", 3, 0),  # no CLP: loop l >= 2 reads H alone, nothing to normalise
+])
+def test_loop_input_norms(variant, norm, n_loops, pairs):
+    """loop_input_norm builds the documented (n_E, n_H) pairs; each pair gets a gradient (per_loop: loop l uses pair
+    l - 2); and with the norms the loop input no longer depends on the scale of H, which is the point of them."""
+    model = make(n_loops, variant, loop_input_norm=norm)
+    assert len(model.loop_norms) == pairs
+    idx = torch.randint(SHAPE["vocab_size"], (2, 9))
+    model(idx)[0].square().mean().backward()
+    for pair in model.loop_norms:
+        for norm_ in pair:
+            assert norm_.weight.grad.abs().sum() > 0
+    e, h = torch.randn(2, 9, SHAPE["n_embd"]) * 0.02, torch.randn(2, 9, SHAPE["n_embd"])
+    for loop in range(1, n_loops):
+        a, b = model.loop_input(e, h, loop), model.loop_input(e, 50 * h, loop)
+        if pairs:  # the same input at any scale of H (up to the norm's eps)
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
+        elif variant != "loop":  # the paper's raw sum: H^(l-1) at 50x swamps E
+            torch.testing.assert_close(b - a, 49 * shift_right(h))
 
 
 def test_shift_right():
@@ -355,3 +382,67 @@ def test_train_runs(tmp_path, variant):
     model = train.model_from_checkpoint(ck)
     assert isinstance(model, PLT) and model.config.n_loops == 2 and model.config.window == 8
     assert model.config.clp == (variant == "plt") and model.config.gswa == (variant == "plt")
+
+
+# -- training: the CLP loop input keeps token i visible at position i --------------------------------------------
+
+
+def train_markov(norm, seed, steps=60, V=256, T=32, lr=2e-2):
+    """Train a 2-loop CLP model (no kv_share, so token i reaches loop 2 at position i only through E_i in the loop
+    input) on sequences where token t+1 = perm[token t] with probability 1/2, else uniform. -> model, a held-out
+    batch, its val loss, the loss floor (the task's entropy) and the uniform loss."""
+    import math
+
+    from train import lr_at, make_optimizer
+
+    torch.manual_seed(seed)
+    model = PLT(PLTConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, mlp_hidden=192, vocab_size=V, max_seq_len=T,
+                          n_loops=2, clp=True, kv_share=False, gswa=False, loop_input_norm=norm))
+    gen = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(V, generator=gen)
+
+    def batch():
+        xs = [torch.randint(V, (16, 1), generator=gen)]
+        for _ in range(T):
+            noise = torch.rand(16, 1, generator=gen) < 0.5
+            xs.append(torch.where(noise, torch.randint(V, (16, 1), generator=gen), perm[xs[-1]]))
+        return torch.cat(xs, 1)
+
+    opt = make_optimizer(model, lr, 0.1, torch.device("cpu"))
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, lr, steps // 10, steps, lr / 10)
+        seq = batch()
+        model(seq[:, :-1], seq[:, 1:])[1].backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+    seq = batch()
+    with torch.no_grad():
+        val = model(seq[:, :-1], seq[:, 1:])[1].item()
+    floor = -(0.5 + 0.5 / V) * math.log(0.5 + 0.5 / V) - 0.5 * (V - 1) / V * math.log(0.5 / V)
+    return model, seq[:, :-1], val, floor, math.log(V)
+
+
+@pytest.mark.parametrize("norm", ["shared", "none"])
+def test_clp_training_uses_the_current_token(norm):
+    """After a short training run the CLP model's logits at position i depend on token i: its loss gets most of the
+    way from uniform to the task's floor, and replacing token i moves the logits at i more than replacing any
+    earlier token does (the task is first-order Markov). With loop_input_norm="none" (the paper's raw sum) the same
+    run fails on both counts: the residual stream H^(1) outgrows E (rms ratio 8-300 in these runs), E_i is a small
+    part of loop 2's input, and the logits at i follow the earlier tokens instead (plt.py's docstring has the same
+    failure at the real corpus' scale)."""
+    model, x, val, floor, uniform = train_markov(norm, seed=0)
+    i = 20
+    with torch.no_grad():
+        base = model(x)[0][:, i]
+
+        def moved(j):  # mean L2 change of the logits at i when token j is replaced
+            x2 = x.clone()
+            x2[:, j] = (x2[:, j] + 1) % model.config.vocab_size
+            return (model(x2)[0][:, i] - base).norm(dim=-1).mean()
+
+        own, others = moved(i), max(moved(j) for j in range(i))
+    works = norm != "none"
+    assert (val < (floor + uniform) / 2) == works, (val, floor, uniform)
+    assert (own > 3 * others) == works, (own, others)
