@@ -51,6 +51,7 @@ import math
 import os
 
 import torch
+import torch.nn.functional as F
 
 try:
     import triton
