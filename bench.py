@@ -432,7 +432,7 @@ def bench_kernels(args):
     esz = torch.finfo(dtype).bits // 8
     run_triton = cuda and K.triton is not None
     flex = _flex_lse() if cuda else None
-    want = set(args.only.split(",")) if args.only else {"lora", "block", "gswa", "gswa_decode", "dual"}
+    want = set(args.only.split(",")) if args.only else {"lora", "gswa", "gswa_decode", "dual"}
     warmup = args.warmup if args.warmup is not None else (10 if cuda else 1)
     iters = args.iters if args.iters is not None else (50 if cuda else 3)
     print(f"warm-up {warmup} calls, then the median (CUDA events) / mean (CPU clock) of {iters} timed calls")
@@ -468,66 +468,17 @@ def bench_kernels(args):
                 print(f"    max |kernel - reference| = {err:.2e}")
                 _report("triton shrink+expand", t_k, nbytes, flops)
             _report("reference: gather + bmm", ktime(lambda: K.multi_lora_ref(x, A, Bm, idx)), nbytes, flops, t_k)
+            _report("stacked adapters, masked (the CPU path)", ktime(lambda: K.multi_lora_stacked(x, A, Bm, idx)),
+                    nbytes, flops, t_k)
             _report("python loop over adapters", ktime(loop_over_adapters), nbytes, flops, t_k)
             t_base = ktime(lambda: F.linear(x, W))
             _report(f"base GEMM ({N} x {d} x {d}) it rides on", t_base, esz * (d * d + 2 * N * d), 2 * N * d * d)
             if t_k:
                 print(f"    LoRA costs {100 * t_k / t_base:.0f}% of the base GEMM")
 
-            # prefill: 4096 rows sorted by adapter into 4 segments (SGMV)
-            N2 = 4096 if cuda else 256
-            x2 = rnd(N2, d)
-            starts = torch.tensor([0, N2 // 8, N2 // 2, 3 * N2 // 4, N2], device=dev)
-            seg_a = torch.tensor([0, 1, 2, 3], device=dev)
-            bounds = starts.tolist()
-            print(f"\nmulti_lora_segments (SGMV, prefill)  rows {N2}  in = out = {d}  r {r}  4 segments  {dtype}")
-            nbytes, flops = esz * (2 * N2 * d + n * r * 2 * d), 2 * N2 * r * 2 * d
-            t_k = None
-            if run_triton:
-                t_k = ktime(lambda: K.multi_lora_segments_triton(x2, A, Bm, starts, seg_a))
-                err = _maxerr(K.multi_lora_segments_triton(x2, A, Bm, starts, seg_a),
-                              K.multi_lora_segments_ref(x2, A, Bm, starts, seg_a))
-                print(f"    max |kernel - reference| = {err:.2e}")
-                _report("triton shrink+expand (segments)", t_k, nbytes, flops)
-            _report("reference: gather + bmm", ktime(lambda: K.multi_lora_segments_ref(x2, A, Bm, starts, seg_a)),
-                    nbytes, flops, t_k)
-            _report("loop over segments (slices, 2 matmuls each)", ktime(
-                lambda: torch.cat([(x2[s:e] @ A[a].T) @ Bm[a].T for a, s, e in zip(range(4), bounds, bounds[1:])])),
-                nbytes, flops, t_k)
-            _report(f"base GEMM ({N2} x {d} x {d})", ktime(lambda: F.linear(x2, W)),
-                    esz * (d * d + 2 * N2 * d), 2 * N2 * d * d)
-
         Bt, H, Hkv, T, D = (4, 16, 4, 2048, 128) if cuda else (1, 4, 2, 128, 32)
         scale = 1.0 / math.sqrt(D)
-        blk = _random_blocks(T, 6, gen, dev)
-        blk_b = blk[None].expand(Bt, T).contiguous()
         pos_b = torch.arange(T, device=dev)[None].expand(Bt, T).contiguous()
-
-        if "block" in want:
-            q, k, v = rnd(Bt, H, T, D), rnd(Bt, Hkv, T, D), rnd(Bt, Hkv, T, D)
-            pairs = int(K.block_local_mask(blk).sum()) * Bt * H
-            flops, nbytes = 4 * D * pairs, esz * (2 * Bt * H * T * D + 2 * Bt * Hkv * T * D)
-            print(f"\nblock_local_attention  B {Bt}  H {H}/{Hkv}  T {T}  D {D}  6 blocks  {dtype}")
-            t_k = None
-            if run_triton:
-                t_k = ktime(lambda: K.block_local_attention_triton(q, k, v, blk_b, scale))
-                o1, l1 = K.block_local_attention_triton(q, k, v, blk_b, scale)
-                o2, l2 = K.block_local_attention_ref(q, k, v, blk_b, scale)
-                print(f"    max |kernel - reference| = {_maxerr(o1, o2):.2e} (out)  {_maxerr(l1, l2):.2e} (lse)")
-                _report("triton", t_k, nbytes, flops)
-            _report("reference (dense scores)", ktime(lambda: K.block_local_attention_ref(q, k, v, blk_b, scale),
-                                                       heavy=True), nbytes, flops, t_k)
-            if flex is not None:
-                from torch.nn.attention.flex_attention import create_block_mask
-                bm = create_block_mask(lambda b, h, i, j: (blk_b[b, i] == blk_b[b, j]) & (j <= i), Bt, None, T, T,
-                                       device=dev)
-                f = torch.compile(flex)  # with the LSE, as the kernel returns it
-                _report("FlexAttention (compiled) + block mask", ktime(lambda: f(q, k, v, bm, scale)),
-                        nbytes, flops, t_k)
-            else:
-                mask = K.block_local_mask(blk_b)
-                _report("SDPA with a dense block mask", ktime(lambda: F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)), nbytes, flops, t_k)
 
         if "gswa" in want:
             window = 64
@@ -708,7 +659,7 @@ def main(argv=None):
     p.set_defaults(fn=bench_energy)
 
     p = sub.add_parser("kernels", help="(CUDA) Triton kernels vs their references and stock PyTorch")
-    p.add_argument("--only", default="", help="comma list of: lora, block, gswa, gswa_decode, dual (default: all)")
+    p.add_argument("--only", default="", help="comma list of: lora, gswa, gswa_decode, dual (default: all)")
     p.add_argument("--device", default="auto", help="cpu | cuda | auto")
     p.add_argument("--dtype", default="auto", help="bfloat16 | float16 | float32 | auto (bf16 on CUDA)")
     p.add_argument("--warmup", type=int, default=None, help="untimed calls first (default: 10 on CUDA, 1 on CPU)")

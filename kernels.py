@@ -2,18 +2,20 @@
 kernels.py -- the special operators of this repository: a plain PyTorch reference for each (the math, readable first),
 and a Triton kernel for each (speed on a GPU), behind one dispatch function per op.
 
-Ops
-  multi_lora            y[t] = B[idx[t]] @ (A[idx[t]] @ x[t]): one LoRA per row (BGMV/SGMV, as punica and vLLM),
-                        what continuous depth-wise batching needs (rows sit at different loops). idx = -1: no adapter.
-                        Without a GPU: all adapters stacked into one masked LoRA (multi_lora_stacked).
-  multi_lora_segments   the same for rows sorted by adapter (prefill).
+Ops, and the model path that calls each
+  multi_lora            y[t] = B[idx[t]] @ (A[idx[t]] @ x[t]): one LoRA per row (BGMV, as punica and vLLM): what
+                        continuous depth-wise batching needs, rows sitting at different loops (svd_lora.LoRALinear
+                        with a per-row loop index, serve.py's depth-wise server). idx = -1: no adapter. Without a GPU:
+                        all adapters stacked into one masked LoRA (multi_lora_stacked).
   attention_lse         masked attention that also returns the log-sum-exp of each query row (any mask: reference).
-  flex_attention_lse    FlexAttention (any block mask) that also returns the log-sum-exp, for merge_lse.
-  merge_lse             exact merge of two attentions over disjoint key sets into one softmax.
-  block_local_attention causal attention inside each block only (double decoder, Block Transformer token decoder).
-  gated_swa             PLT's gated sliding-window attention (Algorithm 3 of the PLT paper), prefill form.
-  gated_swa_decode      the same for one query per row against a ring-buffer window and the shared first-loop cache.
-  dual_attention        one softmax over within-block self keys and earlier-block cross keys (double decoder).
+  flex_attention_lse    FlexAttention (any block mask) that also returns the log-sum-exp (double decoder training).
+  merge_lse             exact merge of two attentions over disjoint key sets into one softmax (double decoder).
+  gated_swa             PLT's gated sliding-window attention (Algorithm 3 of the PLT paper), prefill / training form
+                        (plt.PLTAttention over a whole sequence); on CPU and in training, gated_swa_sdpa.
+  gated_swa_decode      the same for one query per row against a ring-buffer window and the shared first-loop cache
+                        (plt.PLTAttention's decode step).
+  dual_attention        one softmax over within-block self keys and earlier-block cross keys (double decoder
+                        inference, the paper's "ideal method").
 
 Dispatch: each op runs its Triton kernel when the inputs are CUDA tensors, Triton imports, no input needs a gradient
 (grad mode on and some input has requires_grad), and KERNELS_FALLBACK=1 is not set (and the kernel handles the dtype
@@ -22,8 +24,8 @@ Gradients: the kernels are forward-only (no autograd.Function). Training therefo
 autograd differentiates: a training forward has parameters that require grad (LoRA A/B, the gate, the projections
 feeding q/k/v), so the dispatch picks the reference by itself. Inference (generate, serve) runs the kernels, as long
 as it runs under torch.no_grad() / torch.inference_mode(). The kernels themselves are public
-(`multi_lora_triton`, `multi_lora_segments_triton`, `block_local_attention_triton`, `gated_swa_triton`,
-`gated_swa_decode_triton`, `dual_attention_triton`), so the tests run them on CPU tensors under TRITON_INTERPRET=1.
+(`multi_lora_triton`, `gated_swa_triton`, `gated_swa_decode_triton`, `dual_attention_triton`), so the tests run
+them on CPU tensors under TRITON_INTERPRET=1.
 No kernel wrapper synchronizes with the host (no .item()), so they can be captured in CUDA graphs.
 
 How the kernels work (each section says more)
@@ -32,7 +34,7 @@ How the kernels work (each section says more)
     multiplies by B^T. Both grids run over (adapter, row tile, ...): a program loads one adapter's weight tile once
     and applies it to the rows of its tile that use that adapter, so an adapter's weights are read once per row tile
     rather than once per row, and programs whose tile has no row of their adapter return at once.
-  * Attention (block-local, gated SWA, dual): a FlashAttention-2 style forward. Online softmax in base 2 with fp32
+  * Attention (gated SWA, dual): a FlashAttention-2 style forward. Online softmax in base 2 with fp32
     statistics and accumulators; bf16/fp16 tensor-core dots; fp32 inputs use IEEE dots so that fp32 results match
     the references to ~1e-6. A program owns a tile of (query, head) rows in which the G = H / H_kv query heads that
     share one K/V head are packed side by side ("GQA packing"): K/V are never copied and each K/V tile is loaded once
@@ -142,56 +144,37 @@ def multi_lora_ref(x, A, B, idx):
     return y[:, 0] if squeeze else y
 
 
-def multi_lora_segments_ref(x, A, B, seg_starts, seg_adapters):
-    """Reference. x (N, in) with rows sorted by adapter; segment s covers rows seg_starts[s]:seg_starts[s+1] and uses
-    adapter seg_adapters[s] (-1 = none); seg_starts (S + 1,) long with seg_starts[-1] = N. -> delta (N, out)."""
-    lengths = seg_starts[1:] - seg_starts[:-1]
-    idx = torch.repeat_interleave(seg_adapters, lengths, output_size=x.size(0))
-    return multi_lora_ref(x, A, B, idx)
-
-
-# Kernels. Rows are the M = N*T token rows of x viewed as (M, in); row m uses adapter idx[m // T] (BGMV), or the
-# adapter of its segment (SGMV). The shrink writes h (splits, M, r) in fp32; the expand reads it back, rounds it to
-# the input dtype (as the reference's first bmm does) and multiplies by B^T.
+# Kernels. Rows are the M = N*T token rows of x viewed as (M, in); row m uses adapter idx[m // T] (BGMV). The shrink
+# writes h (splits, M, r) in fp32; the expand reads it back, rounds it to the input dtype (as the reference's first
+# bmm does) and multiplies by B^T.
 
 
 @_jit
-def _lora_rows(pid_a, pid_m, idx_ptr, seg_ptr, seg_adapter_ptr, M, T,
-               SEGMENTED: tl.constexpr, ZERO_PROGRAM: tl.constexpr, BLOCK_M: tl.constexpr):
-    """The rows that program (pid_a, pid_m) owns -> (adapter, rows (int64), row_ok).
-
-    BGMV: program a owns the rows m of row tile pid_m with idx[m // T] == a. With ZERO_PROGRAM the grid has one
-    program more in front, a = -1, which owns the rows without an adapter (the expand writes their zeros).
-    SGMV: program s owns rows seg_starts[s] + pid_m * BLOCK_M + (0..BLOCK_M-1) that lie inside segment s.
-    """
+def _lora_rows(pid_a, pid_m, idx_ptr, M, T, ZERO_PROGRAM: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The rows that program (pid_a, pid_m) owns -> (adapter, rows (int64), row_ok): program a owns the rows m of
+    row tile pid_m with idx[m // T] == a. With ZERO_PROGRAM the grid has one program more in front, a = -1, which
+    owns the rows without an adapter (the expand writes their zeros)."""
     offs = tl.arange(0, BLOCK_M)
-    if SEGMENTED:
-        adapter = tl.load(seg_adapter_ptr + pid_a)
-        seg_end = tl.load(seg_ptr + pid_a + 1)
-        rows = tl.load(seg_ptr + pid_a) + pid_m * BLOCK_M + offs
-        row_ok = rows < seg_end
+    if ZERO_PROGRAM:
+        adapter = pid_a - 1
     else:
-        if ZERO_PROGRAM:
-            adapter = pid_a - 1
-        else:
-            adapter = pid_a
-        rows = pid_m * BLOCK_M + offs
-        ids = tl.load(idx_ptr + rows // T, mask=rows < M, other=-2)
-        row_ok = (rows < M) & (ids == adapter)
+        adapter = pid_a
+    rows = pid_m * BLOCK_M + offs
+    ids = tl.load(idx_ptr + rows // T, mask=rows < M, other=-2)
+    row_ok = (rows < M) & (ids == adapter)
     return adapter, rows.to(tl.int64), row_ok
 
 
 @_jit
-def _lora_shrink_kernel(x_ptr, a_ptr, h_ptr, idx_ptr, seg_ptr, seg_adapter_ptr,
+def _lora_shrink_kernel(x_ptr, a_ptr, h_ptr, idx_ptr,
                         M, K, R, T, K_PER_SPLIT,
                         stride_xm, stride_xk, stride_aa, stride_ar, stride_ak, stride_hs, stride_hm,
-                        SEGMENTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                        BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                        DOT_PREC: tl.constexpr):
     """h[split, m, :] = x[m, chunk] @ A[adapter, :, chunk]^T for one (adapter, row tile, input chunk).
-    Grid (n_adapters | segments, row tiles, splits)."""
+    Grid (n_adapters, row tiles, splits)."""
     pid_a, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    adapter, rows, row_ok = _lora_rows(pid_a, pid_m, idx_ptr, seg_ptr, seg_adapter_ptr, M, T, SEGMENTED, False,
-                                       BLOCK_M)
+    adapter, rows, row_ok = _lora_rows(pid_a, pid_m, idx_ptr, M, T, False, BLOCK_M)
     if (adapter < 0) | (tl.max(row_ok.to(tl.int32), 0) == 0):
         return  # no row of this tile uses this adapter (or "no adapter": the expand writes those zeros)
     offs_r = tl.arange(0, BLOCK_R)
@@ -213,16 +196,15 @@ def _lora_shrink_kernel(x_ptr, a_ptr, h_ptr, idx_ptr, seg_ptr, seg_adapter_ptr,
 
 
 @_jit
-def _lora_expand_kernel(h_ptr, b_ptr, y_ptr, idx_ptr, seg_ptr, seg_adapter_ptr,
+def _lora_expand_kernel(h_ptr, b_ptr, y_ptr, idx_ptr,
                         M, N_OUT, R, T, SPLIT_K,
                         stride_hs, stride_hm, stride_ba, stride_bn, stride_br, stride_ym, stride_yn,
-                        SEGMENTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_R: tl.constexpr, DOT_PREC: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                        DOT_PREC: tl.constexpr):
     """y[m, n-tile] = round(sum_split h[split, m]) @ B[adapter, n-tile, :]^T, or zeros for rows without an adapter.
-    Grid (1 + n_adapters | segments, row tiles, output tiles)."""
+    Grid (1 + n_adapters, row tiles, output tiles)."""
     pid_a, pid_m, pid_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    adapter, rows, row_ok = _lora_rows(pid_a, pid_m, idx_ptr, seg_ptr, seg_adapter_ptr, M, T, SEGMENTED, True,
-                                       BLOCK_M)
+    adapter, rows, row_ok = _lora_rows(pid_a, pid_m, idx_ptr, M, T, True, BLOCK_M)
     if tl.max(row_ok.to(tl.int32), 0) == 0:
         return
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -255,15 +237,14 @@ def _check_lora(x, A, B):
         raise ValueError(f"multi_lora kernel: rank {A.size(1)} > {MAX_LORA_RANK}; use multi_lora_ref")
 
 
-def _lora_launch(x2, A, B, idx, seg_starts, seg_adapters, T, split_k, block_m):
-    """Shrink + expand on x2 (M, in). BGMV when seg_starts is None (idx per group of T rows), else SGMV."""
-    segmented = seg_starts is not None
+def _lora_launch(x2, A, B, idx, T, split_k, block_m):
+    """Shrink + expand on x2 (M, in), idx (M / T,): one adapter per group of T rows."""
     M, K = x2.shape
     n, R, N_OUT = A.size(0), A.size(1), B.size(1)
     y = torch.empty(M, N_OUT, dtype=x2.dtype, device=x2.device)
     if M == 0 or N_OUT == 0:
         return y
-    programs = seg_adapters.numel() if segmented else n
+    programs = n
     fp32 = x2.dtype == torch.float32
     BLOCK_M = block_m or (16 if M <= 16 else 32 if M <= 32 else 64)
     BLOCK_R = _pow2(R)
@@ -277,26 +258,22 @@ def _lora_launch(x2, A, B, idx, seg_starts, seg_adapters, T, split_k, block_m):
     k_per_split = _cdiv(k_tiles, split_k) * BLOCK_K
     split_k = max(1, _cdiv(K, k_per_split))
     h = torch.empty(split_k, M, R, dtype=torch.float32, device=x2.device)
-    if segmented:
-        idx_arg, seg_arg, adp_arg = seg_starts, seg_starts, seg_adapters
-    else:
-        idx_arg, seg_arg, adp_arg = idx, idx, idx
     prec = _dot_precision(x2.dtype)
     stages = 2 if fp32 else 3
     if programs > 0 and R > 0:
         _lora_shrink_kernel[(programs, row_tiles, split_k)](
-            x2, A, h, idx_arg, seg_arg, adp_arg, M, K, R, T, k_per_split,
+            x2, A, h, idx, M, K, R, T, k_per_split,
             x2.stride(0), x2.stride(1), A.stride(0), A.stride(1), A.stride(2), h.stride(0), h.stride(1),
-            SEGMENTED=segmented, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, DOT_PREC=prec,
+            BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, DOT_PREC=prec,
             num_warps=4, num_stages=stages)
     else:
         h.zero_()
-    expand_programs = programs if segmented else programs + 1
+    expand_programs = programs + 1
     if expand_programs > 0:
         _lora_expand_kernel[(expand_programs, row_tiles, _cdiv(N_OUT, BLOCK_N))](
-            h, B, y, idx_arg, seg_arg, adp_arg, M, N_OUT, R, T, split_k,
+            h, B, y, idx, M, N_OUT, R, T, split_k,
             h.stride(0), h.stride(1), B.stride(0), B.stride(1), B.stride(2), y.stride(0), y.stride(1),
-            SEGMENTED=segmented, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R, DOT_PREC=prec,
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R, DOT_PREC=prec,
             num_warps=4, num_stages=stages)
     return y
 
@@ -310,22 +287,8 @@ def multi_lora_triton(x, A, B, idx, *, split_k=None, block_m=None):
     squeeze = x.dim() == 2
     N, T = x.size(0), 1 if squeeze else x.size(1)
     idx = idx.contiguous()  # the kernels index idx as a flat array (a strided view would read the wrong rows)
-    y = _lora_launch(x.reshape(N * T, x.size(-1)), A, B, idx, None, None, T, split_k, block_m)
+    y = _lora_launch(x.reshape(N * T, x.size(-1)), A, B, idx, T, split_k, block_m)
     return y if squeeze else y.view(N, T, -1)
-
-
-def multi_lora_segments_triton(x, A, B, seg_starts, seg_adapters, *, split_k=None, block_m=None):
-    """Triton SGMV: same contract as multi_lora_segments_ref (seg_starts[0] = 0, seg_starts[-1] = N; not checked)."""
-    _check_lora(x, A, B)
-    if x.dim() != 2:
-        raise ValueError(f"multi_lora_segments: x must be (N, in), got {tuple(x.shape)}")
-    if seg_starts.dim() != 1 or seg_adapters.shape != (seg_starts.numel() - 1,):
-        raise ValueError(f"multi_lora_segments: seg_starts (S+1,) and seg_adapters (S,) expected; got "
-                         f"{tuple(seg_starts.shape)}, {tuple(seg_adapters.shape)}")
-    if seg_adapters.numel() == 0 and x.size(0) > 0:
-        raise ValueError("multi_lora_segments: no segments for a non-empty x")
-    # the kernels index the segment tables as flat arrays
-    return _lora_launch(x, A, B, None, seg_starts.contiguous(), seg_adapters.contiguous(), 1, split_k, block_m)
 
 
 def multi_lora_stacked(x, A, B, idx):
@@ -359,13 +322,6 @@ def multi_lora(x, A, B, idx):
     return multi_lora_ref(x, A, B, idx)
 
 
-def multi_lora_segments(x, A, B, seg_starts, seg_adapters):
-    """Dispatch for multi_lora_segments_ref (same contract)."""
-    if use_triton(x, A, B, seg_starts, seg_adapters) and _kernel_fits(x, A, B, rank=A.size(1)):
-        return multi_lora_segments_triton(x, A, B, seg_starts, seg_adapters)
-    return multi_lora_segments_ref(x, A, B, seg_starts, seg_adapters)
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Attention with log-sum-exp, and the exact merge of two attentions
 
@@ -394,7 +350,7 @@ def attention_lse_ref(q, k, v, mask, scale=None):
 
 def attention_lse(q, k, v, mask, scale=None):
     """Dispatch for attention_lse_ref. An arbitrary dense mask has no tile structure for a kernel to exploit, so this
-    is always the reference; the structured masks have kernels (block_local_attention, gated_swa, dual_attention)."""
+    is always the reference; the structured masks have kernels (gated_swa, dual_attention)."""
     return attention_lse_ref(q, k, v, mask, scale)
 
 
@@ -554,96 +510,6 @@ def _attn_config(D, dtype, n_queries, G, block_m=None, block_n=None, two_outputs
     bm = min(bm, _pow2(n_queries * G))  # decode / short inputs: no tile of empty rows
     bm = max(block_m or bm, _pow2(G))  # a whole GQA group fits one tile
     return bm, block_n or bn, _pow2(D), warps, stages
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Block-local causal attention
-
-
-def block_local_mask(blk, q_pos=None, k_pos=None):
-    """blk (B, T) or (T,) block id of each position -> bool (B|1, 1, T, T): same block and key <= query."""
-    if blk.dim() == 1:
-        blk = blk[None]
-    T = blk.size(-1)
-    pos = torch.arange(T, device=blk.device)
-    causal = pos[None, :] <= pos[:, None]
-    return ((blk[:, :, None] == blk[:, None, :]) & causal)[:, None]
-
-
-def block_local_attention_ref(q, k, v, blk, scale=None):
-    """Reference. q (B, H, T, D); k, v (B, H_kv, T, D); blk (B, T) or (T,) non-decreasing block ids.
-
-    Query t attends to keys s <= t of its own block. -> out (B, H, T, D), lse (B, H, T) fp32.
-    """
-    return attention_lse_ref(q, k, v, block_local_mask(blk), scale)
-
-
-# Kernel: with blocks = runs of equal ids, "same block and s <= t" is the interval bstart[t] <= s <= t, where
-# bstart[t] is the first position of t's block. A query tile visits only the key tiles of its own blocks.
-
-
-def _block_starts(blk, T):
-    """blk (B, T) or (T,) -> (B|1, T) int32: the first position of each position's block (run of equal ids)."""
-    b = blk if blk.dim() == 2 else blk[None]
-    new = torch.ones_like(b, dtype=torch.bool)
-    new[:, 1:] = b[:, 1:] != b[:, :-1]
-    pos = torch.arange(T, device=b.device, dtype=torch.int32).expand_as(b)
-    return torch.where(new, pos, 0).cummax(dim=1).values
-
-
-@_jit
-def _block_local_kernel(q_ptr, k_ptr, v_ptr, bstart_ptr, o_ptr, lse_ptr,
-                        stride_qb, stride_qh, stride_qt, stride_qd, stride_kb, stride_kh, stride_kt, stride_kd,
-                        stride_vb, stride_vh, stride_vt, stride_vd, stride_sb,
-                        stride_ob, stride_oh, stride_ot, stride_od, stride_lb, stride_lh,
-                        H_KV, T, D, qk_scale,
-                        G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                        DOT_PREC: tl.constexpr):
-    """Grid (query tiles, B * H_kv)."""
-    pid_m, pid_bk = tl.program_id(0), tl.program_id(1)
-    b, hk = (pid_bk // H_KV).to(tl.int64), pid_bk % H_KV
-    t, h, row_ok = _query_rows(pid_m, hk, T, G, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
-    q = tl.load(_row_ptrs(q_ptr + b * stride_qb, t, h, stride_qt, stride_qh, offs_d, stride_qd),
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    lo = tl.load(bstart_ptr + b * stride_sb + t, mask=row_ok, other=0)
-    acc, m_i, l_i = _attend_interval(q, k_ptr + b * stride_kb + hk * stride_kh, v_ptr + b * stride_vb + hk * stride_vh,
-                                     stride_kt, stride_kd, stride_vt, stride_vd, offs_d, d_ok, lo, t, row_ok, T,
-                                     qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
-    out, lse = _finish(acc, m_i, l_i)
-    tl.store(_row_ptrs(o_ptr + b * stride_ob, t, h, stride_ot, stride_oh, offs_d, stride_od),
-             out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-    tl.store(lse_ptr + b * stride_lb + h * stride_lh + t, lse, mask=row_ok)
-
-
-def block_local_attention_triton(q, k, v, blk, scale=None, *, block_m=None, block_n=None):
-    """Triton kernel: same contract as block_local_attention_ref (blocks must be runs of equal ids, e.g. non-decreasing
-    ids). block_m / block_n override the tile sizes (tests)."""
-    B, H, H_kv, T, D = _check_attention("block_local_attention", q, k, v)
-    if k.size(2) != T or blk.shape not in ((T,), (B, T)):
-        raise ValueError(f"block_local_attention: k/v need T={T} keys and blk shape ({T},) or ({B}, {T}); got "
-                         f"{tuple(k.shape)}, {tuple(blk.shape)}")
-    out = torch.empty(B, H, T, D, dtype=q.dtype, device=q.device)
-    lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
-    if B * H * T == 0:
-        return out, lse
-    bstart = _block_starts(blk, T)
-    G = H // H_kv
-    BM, BN, BD, warps, stages = _attn_config(D, q.dtype, T, G, block_m, block_n)
-    scale = scale if scale is not None else 1.0 / math.sqrt(D)
-    _block_local_kernel[(_cdiv(T, BM // G), B * H_kv)](
-        q, k, v, bstart, out, lse, *q.stride(), *k.stride(), *v.stride(), bstart.stride(0) if blk.dim() == 2 else 0,
-        *out.stride(), lse.stride(0), lse.stride(1), H_kv, T, D, scale * LOG2E,
-        G=G, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, DOT_PREC=_dot_precision(q.dtype), num_warps=warps, num_stages=stages)
-    return out, lse
-
-
-def block_local_attention(q, k, v, blk, scale=None):
-    """Dispatch for block_local_attention_ref (same contract)."""
-    if use_triton(q, k, v, blk) and _kernel_fits(q, k, v, head_dim=q.size(-1)):
-        return block_local_attention_triton(q, k, v, blk, scale)
-    return block_local_attention_ref(q, k, v, blk, scale)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -9,8 +9,8 @@ def test_kernels_bench_runs_on_cpu(capsys):
     bench.main(["kernels", "--device", "cpu", "--dtype", "float32", "--warmup", "0", "--iters", "1"])
     out = capsys.readouterr().out
     assert "Triton kernels need CUDA" in out
-    for section in ("multi_lora (BGMV", "multi_lora_segments", "block_local_attention", "gated_swa (prefill)",
-                    "gated_swa_decode", "dual_attention"):
+    for section in ("multi_lora (BGMV", "stacked adapters", "gated_swa (prefill)", "gated_swa_decode",
+                    "dual_attention"):
         assert section in out
 
 

@@ -4,7 +4,6 @@ dense formulations, and the dispatch rules (reference on CPU / with KERNELS_FALL
 
 fp32 throughout; the kernels use IEEE fp32 dots, so the tolerances are tight (1e-5 relative / absolute).
 """
-import math
 import os
 
 import pytest
@@ -34,7 +33,7 @@ def test_interpreter_is_used_without_gpu():
     assert K.triton is not None, "Triton is not importable: the kernel tests cannot run"
     if not torch.cuda.is_available():
         assert os.environ.get("TRITON_INTERPRET") == "1"
-        assert isinstance(K._block_local_kernel, K.triton.runtime.interpreter.InterpretedFunction)
+        assert isinstance(K._dual_attention_kernel, K.triton.runtime.interpreter.InterpretedFunction)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -100,30 +99,6 @@ def test_multi_lora_bad_input():
             torch.zeros(3).long())
 
 
-@pytest.mark.parametrize("lengths,adapters", [
-    ([3, 0, 5, 1], [1, 0, -1, 2]),     # an empty segment and a segment without adapter
-    ([0, 20, 0, 17], [2, 0, 1, 1]),    # empty first/middle segments, segments longer than the row tile
-    ([1], [0]),                        # one row
-])
-def test_multi_lora_segments_triton(lengths, adapters):
-    N, d_in, d_out, r = sum(lengths), 27, 19, 9
-    x, (A, B) = torch.randn(N, d_in), lora_weights(3, r, d_in, d_out)
-    starts = torch.tensor([0] + lengths).cumsum(0)
-    seg_a = torch.tensor(adapters)
-    ref = K.multi_lora_segments_ref(x, A, B, starts, seg_a)
-    close(ref, lora_loop(x, A, B, torch.repeat_interleave(seg_a, torch.tensor(lengths))))
-    close(tri(K.multi_lora_segments_triton, x, A, B, starts, seg_a, block_m=16, split_k=2), ref)
-    close(tri(K.multi_lora_segments_triton, x, A, B, starts, seg_a), ref)
-
-
-def test_multi_lora_segments_bad_input():
-    A, B = torch.randn(2, 4, 8), torch.randn(2, 5, 4)
-    with pytest.raises(ValueError, match="seg_starts"):
-        tri(K.multi_lora_segments_triton, torch.randn(3, 8), A, B, torch.tensor([0, 3]), torch.tensor([0, 1]))
-    with pytest.raises(ValueError, match="no segments"):
-        tri(K.multi_lora_segments_triton, torch.randn(3, 8), A, B, torch.tensor([3]), torch.zeros(0).long())
-
-
 # ------------------------------------------------------------------------------------------------------------------
 # attention with LSE, merge_lse
 
@@ -177,56 +152,6 @@ def test_merge_lse_is_exact():
 
 def blocks_from_lengths(lengths):
     return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-
-
-def test_block_local_ref_matches_sdpa_with_block_causal_mask():
-    T = 13
-    blk = torch.stack([blocks_from_lengths([4, 6, 3]), blocks_from_lengths([1, 12])])  # (B, T), per-batch blocks
-    q, k, v = torch.randn(2, 6, T, 8).double(), torch.randn(2, 3, T, 8).double(), torch.randn(2, 3, T, 8).double()
-    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
-    mask = torch.stack([(b[:, None] == b[None, :]) & (j <= i) for b in blk])[:, None]  # (B, 1, T, T)
-    o, lse = K.block_local_attention_ref(q, k, v, blk)
-    close(o, F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True), rtol=1e-10, atol=1e-10)
-    close(lse, sdpa_lse(q, k, v, mask, 8 ** -0.5)[1], rtol=1e-10, atol=1e-10)
-
-
-@pytest.mark.parametrize("H,Hkv", [(2, 2), (4, 2), (4, 1), (8, 2), (6, 2)])  # G = 1, 2, 4 (MQA), 4, 3
-def test_block_local_triton_gqa(H, Hkv):
-    T, D = 21, 24  # D not a power of two
-    blk = torch.stack([blocks_from_lengths([5, 9, 7]), blocks_from_lengths([21])])
-    q, k, v = torch.randn(2, H, T, D), torch.randn(2, Hkv, T, D), torch.randn(2, Hkv, T, D)
-    ref = K.block_local_attention_ref(q, k, v, blk)
-    close(tri(K.block_local_attention_triton, q, k, v, blk, block_m=16, block_n=16), ref)
-    close(tri(K.block_local_attention_triton, q, k, v, blk), ref)
-
-
-@pytest.mark.parametrize("lengths", [[1], [70], [3, 33, 1, 17, 16], [16, 16, 16, 16, 6]])
-def test_block_local_triton_block_lengths(lengths):
-    """T = 1, one long block (unmasked middle tiles), lengths not multiples of the tile, tile-aligned blocks."""
-    T, D = sum(lengths), 16
-    blk = blocks_from_lengths(lengths)  # (T,): shared by the batch
-    q, k, v = torch.randn(1, 2, T, D), torch.randn(1, 2, T, D), torch.randn(1, 2, T, D)
-    ref = K.block_local_attention_ref(q, k, v, blk, scale=0.3)
-    close(tri(K.block_local_attention_triton, q, k, v, blk, scale=0.3, block_m=16, block_n=16), ref)
-
-
-def test_block_local_triton_strided_inputs():
-    """q/k/v as the model makes them: (B, T, H, D) projections viewed as (B, H, T, D)."""
-    B, T, H, D = 2, 11, 4, 12
-    q = torch.randn(B, T, H, D).transpose(1, 2)
-    kv = torch.randn(B, T, 2, 2, D)
-    k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
-    blk = blocks_from_lengths([4, 7])
-    close(tri(K.block_local_attention_triton, q, k, v, blk), K.block_local_attention_ref(q, k, v, blk))
-
-
-def test_block_local_bad_input():
-    q = torch.randn(1, 3, 5, 8)
-    with pytest.raises(ValueError, match="multiple"):
-        tri(K.block_local_attention_triton, q, torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8),
-            torch.zeros(5).long())
-    with pytest.raises(ValueError, match="blk"):
-        tri(K.block_local_attention_triton, q, torch.randn(1, 3, 5, 8), torch.randn(1, 3, 5, 8), torch.zeros(4).long())
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -389,9 +314,10 @@ def test_dual_ref_equals_single_softmax_over_union():
     o2, l2 = dual_single_softmax_fp64(*args, 8 ** -0.5)
     close(o, o2, rtol=1e-12, atol=1e-12)
     close(l, l2, rtol=1e-12, atol=1e-12)
-    # block 0 has no cross keys: exactly block-local self-attention there
-    ob, lb = K.block_local_attention_ref(args[0], args[3], args[4], args[2])
-    close(o[:, :, :3], ob[:, :, :3], rtol=1e-12, atol=1e-12)
+    # block 0 has no cross keys: exactly causal self-attention over its own 3 positions there
+    ob, lb = K.attention_lse_ref(args[0][:, :, :3], args[3][:, :, :3], args[4][:, :, :3],
+                                 torch.ones(3, 3, dtype=torch.bool).tril())
+    close(o[:, :, :3], ob, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("H,Hkv,lengths,pad", [
@@ -471,17 +397,12 @@ def op_cases():
     """(dispatch, reference, triton, args) for every op, with small inputs."""
     x, A, B = torch.randn(5, 12), torch.randn(2, 3, 12), torch.randn(2, 7, 3)
     idx = torch.tensor([0, 1, -1, 1, 0])
-    st, sa = torch.tensor([0, 2, 5]), torch.tensor([1, 0])
-    q, k, v = torch.randn(1, 2, 6, 8), torch.randn(1, 1, 6, 8), torch.randn(1, 1, 6, 8)
-    blk = torch.tensor([0, 0, 1, 1, 1, 2])
     gsw = gswa_inputs(1, 2, 1, 6, 8)
     qd, kr = torch.randn(1, 2, 2, 8), torch.randn(1, 2, 1, 4, 8)
     dec = (qd, kr, torch.randn_like(kr), torch.tensor([[4, 5, 2, 3]]), torch.randn(1, 1, 6, 8),
            torch.randn(1, 1, 6, 8), torch.tensor([5]), gsw[5], gsw[6], 4)
     return [
         (K.multi_lora, K.multi_lora_stacked, "multi_lora_triton", (x, A, B, idx)),  # its CPU path (== the reference)
-        (K.multi_lora_segments, K.multi_lora_segments_ref, "multi_lora_segments_triton", (x, A, B, st, sa)),
-        (K.block_local_attention, K.block_local_attention_ref, "block_local_attention_triton", (q, k, v, blk)),
         (K.gated_swa, K.gated_swa_sdpa, "gated_swa_triton", (*gsw, 3)),  # its non-Triton path (== the reference)
         (K.gated_swa_decode, K.gated_swa_decode_ref, "gated_swa_decode_triton", dec),
         (K.dual_attention, K.dual_attention_ref, "dual_attention_triton", dual_inputs(1, 2, 1, [2, 4], 8)),
@@ -503,7 +424,7 @@ def spy(monkeypatch, name):
     return calls
 
 
-@pytest.mark.parametrize("case", range(6))
+@pytest.mark.parametrize("case", range(4))
 def test_dispatch_cpu_uses_reference(case, monkeypatch):
     """CPU tensors: the dispatch never calls the kernel and returns exactly the reference."""
     monkeypatch.delenv("KERNELS_FALLBACK", raising=False)
@@ -514,7 +435,7 @@ def test_dispatch_cpu_uses_reference(case, monkeypatch):
     assert calls == []
 
 
-@pytest.mark.parametrize("case", range(6))
+@pytest.mark.parametrize("case", range(4))
 def test_dispatch_rules_on_a_gpu(case, monkeypatch):
     """On CUDA tensors the dispatch runs the kernel (== reference); KERNELS_FALLBACK=1 forces the reference; an input
     that requires grad runs the reference, and the gradient flows; fp64 (no kernel) runs the reference.
