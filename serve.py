@@ -12,7 +12,11 @@ Pieces, simplest first:
     seeded; lengths uniform in "a:b" ranges), windows of the validation corpus (train.prepare_corpus/TokenData), or a
     JSONL file of {"prompt": str | "prompt_ids": [...], "max_new_tokens": n[, "arrival": s]}. A bad request (empty
     prompt, ids outside the vocabulary, prompt + max_new_tokens longer than the context, max_new_tokens <= 0, a bad
-    JSONL line) gets an error of its own; the others are served.
+    JSONL line) gets an error of its own; the others are served. The summary counts the errors by reason under the
+    table (with a few examples), and --json gives every system's `request_errors` {request id: reason, naming the
+    file:line} and `errors_by_reason`. Flags are checked before anything runs: an impossible value or combination
+    (e.g. --slots 0, --prompt-len 10:5, prompt + gen lengths beyond the context), a corrupt --ckpt or a missing file is
+    one line `error: ...` on stderr and exit code 2.
   * Sampling: greedy, or sampled with ONE seeded torch.Generator per request (`request_generator(seed, rid)`), so the
     output of a request does not depend on the schedule, and equals model.generate(prompt, n, generator=that one).
   * Servers, all with a fixed number of batch slots and a pre-allocated KV cache with one row per slot:
@@ -77,6 +81,7 @@ import torch.nn as nn
 from model import (GPT, PRESETS, GPTConfig, KVCache, causal_mask_from_positions, pick_device, pick_dtype,
                    sample_next, sync)
 from recursive import RELAXED_RANK, RecursiveConfig, RecursiveGPT, from_vanilla
+import train
 
 try:
     from tqdm import tqdm
@@ -96,6 +101,8 @@ class Request:
     arrival: float = 0.0  # seconds after the start (clock='wall') or decode steps (clock='step')
     error: str | None = None
     invalid: str | None = None  # a reason found while reading the request (bad JSONL line)
+    error_kind: str | None = None  # the short reason of `error` (the summaries count requests by it)
+    source: str | None = None  # where the request came from ("reqs.jsonl:3"), named in its error
     finished: bool = False
     output: list = field(default_factory=list)  # generated ids
     exits: list = field(default_factory=list)  # 0-based loop that produced each generated token (None: vanilla)
@@ -112,7 +119,7 @@ class Request:
     def fresh(self) -> "Request":
         """The same request, not yet served (prompt, length, arrival and any reading error kept)."""
         return Request(self.rid, list(self.prompt) if isinstance(self.prompt, list) else self.prompt,
-                       self.max_new_tokens, self.arrival, invalid=self.invalid)
+                       self.max_new_tokens, self.arrival, invalid=self.invalid, source=self.source)
 
 
 def request_generator(seed: int, rid: int, device="cpu") -> torch.Generator:
@@ -120,26 +127,33 @@ def request_generator(seed: int, rid: int, device="cpu") -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed * 1_000_003 + rid)
 
 
-def check_request(r: Request, vocab_size: int, max_seq_len: int) -> str | None:
-    """A clear reason why this request cannot be served, or None."""
+def request_problem(r: Request, vocab_size: int, max_seq_len: int) -> tuple[str, str] | None:
+    """(short reason, clear message) why this request cannot be served, or None."""
     if r.invalid:
-        return r.invalid
+        return "bad request line", r.invalid
     if not isinstance(r.max_new_tokens, int) or isinstance(r.max_new_tokens, bool) or r.max_new_tokens <= 0:
-        return f"max_new_tokens={r.max_new_tokens!r} must be a positive integer"
+        return "bad max_new_tokens", f"max_new_tokens={r.max_new_tokens!r} must be a positive integer"
     if not isinstance(r.prompt, list) or not r.prompt:
-        return "empty prompt: a request needs at least one prompt token"
+        return "empty prompt", "empty prompt: a request needs at least one prompt token"
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in r.prompt):
-        return "prompt ids must be integers"
+        return "prompt ids not integers", "prompt ids must be integers"
     bad = [t for t in r.prompt if not 0 <= t < vocab_size]
     if bad:
-        return f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
+        return "token id outside vocabulary", f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
     if len(r.prompt) >= max_seq_len:
-        return f"prompt of {len(r.prompt)} tokens is longer than the context ({max_seq_len} positions, one kept " \
-               f"for a new token)"
+        return "prompt longer than context", (f"prompt of {len(r.prompt)} tokens is longer than the context "
+                                              f"({max_seq_len} positions, one kept for a new token)")
     if len(r.prompt) + r.max_new_tokens > max_seq_len:
-        return (f"prompt of {len(r.prompt)} tokens + max_new_tokens={r.max_new_tokens} exceeds the context of "
-                f"{max_seq_len} positions")
+        return "prompt + output longer than context", (
+            f"prompt of {len(r.prompt)} tokens + max_new_tokens={r.max_new_tokens} exceeds the context of "
+            f"{max_seq_len} positions")
     return None
+
+
+def check_request(r: Request, vocab_size: int, max_seq_len: int) -> str | None:
+    """A clear reason why this request cannot be served, or None."""
+    problem = request_problem(r, vocab_size, max_seq_len)
+    return None if problem is None else problem[1]
 
 
 def parse_range(spec: str) -> tuple[int, int]:
@@ -179,8 +193,6 @@ def synthetic_requests(n, vocab_size, prompt_len="8:48", gen_len="8:64", arrival
 def corpus_requests(n, tok, data="stdlib", cache_dir="data_cache", prompt_len="8:48", gen_len="8:64", arrival="all",
                     rate=10.0, seed=0):
     """Prompts are windows of the validation split of train.py's corpus (tokenized once, cached)."""
-    import train
-
     cache = train.prepare_corpus(data, tok, cache_dir)
     val = train.TokenData(cache, "val")
     reqs = synthetic_requests(n, 2, prompt_len, gen_len, arrival, rate, seed)  # lengths and arrivals
@@ -192,12 +204,14 @@ def corpus_requests(n, tok, data="stdlib", cache_dir="data_cache", prompt_len="8
 
 def jsonl_requests(path, tok=None, default_gen=32, arrival="all", rate=10.0, seed=0):
     """{"prompt": str | "prompt_ids": [...], "max_new_tokens": n, "arrival": s (optional)} per line. A line that
-    cannot be read becomes a request with an error (served as an error, never silently dropped)."""
-    lines = [ln for ln in open(path, encoding="utf-8").read().splitlines() if ln.strip()]
+    cannot be read becomes a request with an error (served as an error, never silently dropped). Request ids count
+    the non-empty lines from 0; each request remembers its file:line (`source`) for its error message."""
+    with open(path, encoding="utf-8") as f:
+        lines = [(n, ln) for n, ln in enumerate(f.read().splitlines(), 1) if ln.strip()]
     times = arrival_times(len(lines), arrival, rate, torch.Generator().manual_seed(seed))
     reqs = []
-    for i, ln in enumerate(lines):
-        r = Request(i, [], default_gen, times[i])
+    for i, (lineno, ln) in enumerate(lines):
+        r = Request(i, [], default_gen, times[i], source=f"{path}:{lineno}")
         try:
             d = json.loads(ln)
             if not isinstance(d, dict):
@@ -213,7 +227,7 @@ def jsonl_requests(path, tok=None, default_gen=32, arrival="all", rate=10.0, see
             r.max_new_tokens = d.get("max_new_tokens", default_gen)
             r.arrival = float(d.get("arrival", r.arrival))
         except (ValueError, TypeError) as e:
-            r.invalid = f"bad request line {i + 1} of {path}: {e}"
+            r.invalid = f"bad request line {lineno} of {path}: {e}"
         reqs.append(r)
     return reqs
 
@@ -335,8 +349,11 @@ class Server:
             while head < seen and len(admit) < self.free_slots():
                 r = reqs[head]
                 head += 1
-                r.error = check_request(r, self.cfg.vocab_size, self.cfg.max_seq_len)
-                if r.error:
+                problem = request_problem(r, self.cfg.vocab_size, self.cfg.max_seq_len)
+                if problem:
+                    r.error_kind, r.error = problem
+                    if r.source and r.source.rsplit(":", 1)[0] not in r.error:
+                        r.error = f"{r.source}: {r.error}"
                     r.t_done = time.perf_counter()
                     self.n_done += 1
                 else:
@@ -558,6 +575,10 @@ def sequential_generate(model, r: Request, temperature=0.0, top_k=None, seed=0, 
     return model.generate(idx, r.max_new_tokens, temperature, top_k, gen)[0, len(r.prompt):].tolist(), None
 
 
+class NoValidRequest(ValueError):
+    pass
+
+
 @torch.no_grad()
 def calibrate_threshold(model: RecursiveGPT, reqs, exit_rate=0.5, n=8) -> float:
     """A confidence threshold at which about `exit_rate` of the tokens leave after the first loop, measured on the
@@ -572,7 +593,7 @@ def calibrate_threshold(model: RecursiveGPT, reqs, exit_rate=0.5, n=8) -> float:
             if len(confs) == n:
                 break
     if not confs:
-        raise ValueError("no valid request to calibrate the exit threshold on")
+        raise NoValidRequest("no valid request to calibrate the exit threshold on")
     return float(torch.quantile(torch.cat(confs), 1.0 - exit_rate))
 
 
@@ -600,12 +621,38 @@ def summarize(server: Server, reqs, peak_bw=None) -> dict:
              tpot_ms_p50=1e3 * _pct(gaps, 0.5), tpot_ms_p99=1e3 * _pct(gaps, 0.99),
              mean_exit_loop=sum(exits) / len(exits) if exits else float("nan"),
              occupancy=server.occupancy / max(server.n_steps, 1), steps=server.n_steps,
-             step_ms=1e3 * server.step_time / max(server.n_steps, 1))
+             step_ms=1e3 * server.step_time / max(server.n_steps, 1),
+             errors_by_reason=error_counts(reqs), request_errors={r.rid: r.error for r in reqs if r.error})
     if server.device.type == "cuda" and server.step_time > 0:
         d["bandwidth_GBs"] = server.bytes / server.step_time / 1e9
         if peak_bw:
             d["bandwidth_pct_peak"] = 100 * server.bytes / server.step_time / peak_bw
     return d
+
+
+def error_counts(reqs) -> dict:
+    """{short reason: number of requests} of the requests that got an error, most frequent first."""
+    counts = {}
+    for r in reqs:
+        if r.error is not None:
+            counts[r.error_kind or "error"] = counts.get(r.error_kind or "error", 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def print_errors(rows: list[dict], show=3):
+    """Under the serving table: the request errors by reason (once if every system saw the same), and a few of them."""
+    groups = {}
+    for r in rows:
+        if r.get("request_errors"):
+            groups.setdefault(json.dumps(r["request_errors"], sort_keys=True), []).append(r)
+    for same in groups.values():
+        d = same[0]
+        who = "every system" if len(same) == len(rows) else ", ".join(r["system"] for r in same)
+        print(f"request errors ({who}): " + ", ".join(f"{n} {k}" for k, n in d["errors_by_reason"].items()))
+        for rid, msg in list(d["request_errors"].items())[:show]:
+            print(f"  request {rid}: {msg}")
+        if len(d["request_errors"]) > show:
+            print(f"  ... {len(d['request_errors']) - show} more (--json lists every request id -> reason)")
 
 
 def print_table(rows: list[dict], cols: list[tuple[str, str, str]], title: str):
@@ -637,17 +684,17 @@ SERVE_COLS = [("system", "system", ""), ("slots", "slots", "d"), ("errors", "err
 def build_serving_models(args, device, dtype):
     """-> (vanilla GPT, recursive/relaxed model). Checkpoints by path, or random weights: a vanilla preset and its
     Average + SVD relaxed conversion (B = --loops, ranks of the relaxed preset unless --lora-rank)."""
-    import train
-
     vanilla = rec = None
     if args.vanilla_ckpt:
         vanilla = train.model_from_checkpoint(train.load_checkpoint(args.vanilla_ckpt))
         if type(vanilla) is not GPT:
-            raise SystemExit(f"error: {args.vanilla_ckpt} is not a vanilla checkpoint")
+            raise train.UsageError(f"--vanilla-ckpt {args.vanilla_ckpt} is not a vanilla checkpoint (it holds "
+                                   f"{type(vanilla).__name__})")
     if args.ckpt:
         rec = train.model_from_checkpoint(train.load_checkpoint(args.ckpt))
         if not isinstance(rec, RecursiveGPT):
-            raise SystemExit(f"error: {args.ckpt} is not a recursive/relaxed checkpoint")
+            raise train.UsageError(f"--ckpt {args.ckpt} is not a recursive/relaxed checkpoint (it holds "
+                                   f"{type(rec).__name__})")
     if vanilla is None:
         base = dict(PRESETS[args.preset])
         if rec is not None:  # a vanilla model of the recursive one's shape (random weights)
@@ -667,8 +714,8 @@ def slots_for_memory(model, budget_mb, max_len, elem) -> int:
     per_slot = model.kv_cache_bytes(1, max_len, elem)
     left = budget_mb * 2 ** 20 - param_bytes([model])
     if left < per_slot:
-        raise SystemExit(f"error: --batch-memory-mb {budget_mb} does not hold the parameters and one slot of "
-                         f"{type(model).__name__}")
+        raise train.UsageError(f"--batch-memory-mb {budget_mb} does not hold the parameters and one slot of "
+                               f"{type(model).__name__} ({(param_bytes([model]) + per_slot) / 2 ** 20:.1f} MiB)")
     return int(left // per_slot)
 
 
@@ -689,12 +736,14 @@ def serve_compare(args, device, dtype, requests=None) -> list[dict]:
         enable_compile(rec, device)
     tok = None
     if requests is None:
+        check_lengths_fit(args, vanilla, rec)
         if args.requests_file or args.prompts == "corpus":
-            import train
             tok = train.Tokenizer.from_args(None if vanilla.config.vocab_size >= 100256 else 4096, None)
         if args.requests_file:
             requests = jsonl_requests(args.requests_file, tok, parse_range(args.gen_len)[1], args.arrival, args.rate,
                                       args.seed)
+            if not requests:
+                raise train.UsageError(f"--requests-file {args.requests_file} holds no request (no non-empty line)")
         elif args.prompts == "corpus":
             requests = corpus_requests(args.requests, tok, args.data, args.cache_dir, args.prompt_len, args.gen_len,
                                        args.arrival, args.rate, args.seed)
@@ -703,8 +752,11 @@ def serve_compare(args, device, dtype, requests=None) -> list[dict]:
                                           args.arrival, args.rate, args.seed)
     thr = args.exit_threshold
     if thr == "auto":
-        thr = calibrate_threshold(rec, requests, args.exit_rate)
-        how = f"auto: ~{args.exit_rate:.0%} of prompt tokens confident enough after loop 1"
+        try:
+            thr = calibrate_threshold(rec, requests, args.exit_rate)
+            how = f"auto: ~{args.exit_rate:.0%} of prompt tokens confident enough after loop 1"
+        except NoValidRequest:  # every request is an error: they are reported below, nothing to calibrate on
+            thr, how = None, "auto: no valid request to calibrate on"
     else:
         thr, how = float(thr), "given"
     slots = {"vanilla": args.slots, "rec": args.slots}
@@ -713,12 +765,15 @@ def serve_compare(args, device, dtype, requests=None) -> list[dict]:
                  "rec": slots_for_memory(rec, args.batch_memory_mb, rec.config.max_seq_len, elem)}
     kw = dict(temperature=args.temperature, top_k=args.top_k, seed=args.seed)
     servers = [StaticServer(vanilla, slots["vanilla"], **kw), ContinuousServer(vanilla, slots["vanilla"], **kw),
-               DepthWiseServer(rec, slots["rec"], None, **kw), DepthWiseServer(rec, slots["rec"], thr, **kw)]
+               DepthWiseServer(rec, slots["rec"], None, **kw)]
+    if thr is not None:
+        servers.append(DepthWiseServer(rec, slots["rec"], thr, **kw))
     rc = rec.config
     print(f"device {device} dtype {dtype} | vanilla {vanilla.config.n_layer} layers, {vanilla.num_params() / 1e6:.2f}M "
           f"non-emb params | {'relaxed' if rc.relaxed else 'recursive'} B={rc.n_loops} K={rc.n_shared} "
           f"ranks {rc.lora_ranks}, {rec.num_params() / 1e6:.2f}M | {len(requests)} requests, arrivals "
-          f"{args.arrival}{f' at {args.rate}/s' if args.arrival == 'poisson' else ''} | exit threshold {thr:.4g} "
+          f"{args.arrival}{f' at {args.rate}/s' if args.arrival == 'poisson' else ''} | exit threshold "
+          f"{'-' if thr is None else format(thr, '.4g')} "
           f"({how})" + (f" | batch memory {args.batch_memory_mb} MiB -> slots {slots}" if args.batch_memory_mb else ""))
     peak = args.peak_bw * 1e9 if args.peak_bw else peak_bandwidth(device)
     rows = []
@@ -731,8 +786,11 @@ def serve_compare(args, device, dtype, requests=None) -> list[dict]:
                                   "exit loop 1-based)")
     if peak:
         print(f"peak memory bandwidth {peak / 1e9:.0f} GB/s; GB/s = (parameter + KV bytes read) / decode step time")
+    print_errors(rows)
     base = rows[1]["tok_per_s"]
-    print("throughput vs vanilla continuous: " + ", ".join(f"{r['system']} x{r['tok_per_s'] / base:.2f}" for r in rows))
+    if base > 0:  # no token generated (every request an error): no ratio
+        print("throughput vs vanilla continuous: " + ", ".join(f"{r['system']} x{r['tok_per_s'] / base:.2f}"
+                                                               for r in rows))
     return rows
 
 
@@ -881,64 +939,152 @@ def bench_decode(args, device, dtype) -> dict:
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def length_range(text: str) -> str:
+    """argparse type of --prompt-len / --gen-len: 'a:b' or 'a' with 1 <= a <= b (kept as text for parse_range)."""
+    try:
+        lo, hi = parse_range(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected 'a:b' or 'a' with integers 1 <= a <= b, got {text!r}"
+                                         + (f" ({e})" if "range" in str(e) else "")) from None
+    if lo < 1:
+        raise argparse.ArgumentTypeError(f"lengths must be >= 1, got {text!r}")
+    return text
+
+
+def prompt_new(text: str) -> str:
+    """argparse type of --prefill-heavy / --decode-heavy: 'P/G', prompt P >= 1, new tokens G >= 2 (a decode step)."""
+    try:
+        P, G = (int(v) for v in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'prompt/new' like 160/8, got {text!r}") from None
+    if P < 1 or G < 2:
+        raise argparse.ArgumentTypeError(f"needs prompt >= 1 and new >= 2 tokens, got {text!r}")
+    return text
+
+
+def batch_list(text: str) -> str:
+    try:
+        ok = all(int(b) >= 1 for b in text.split(","))
+    except ValueError:
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"expected batch sizes >= 1 like 1,8, got {text!r}")
+    return text
+
+
+def threshold(text: str) -> str:
+    """--exit-threshold: 'auto' or a probability in (0, 1]."""
+    if text == "auto":
+        return text
+    try:
+        v = float(text)
+    except ValueError:
+        v = math.nan
+    if not 0.0 < v <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a probability in (0, 1], got {text!r}")
+    return text
+
+
 def build_parser():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    num, pos, nonneg = train.number, train.number(int, min=1), train.number(int, min=0)
+    ap = train.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     g = ap.add_argument_group("models")
-    g.add_argument("--preset", default="tiny", help="model.py preset of the random-weight models (default tiny)")
+    g.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
+                   help="model.py preset of the random-weight models (default tiny)")
     g.add_argument("--ckpt", default=None, help="recursive/relaxed checkpoint (train.py) for the depth-wise server")
     g.add_argument("--vanilla-ckpt", default=None, help="vanilla checkpoint for the vanilla baselines")
-    g.add_argument("--loops", type=int, default=2, help="B of the random-weight recursive models")
-    g.add_argument("--lora-rank", type=int, default=None, help="LoRA rank of the random relaxed model (0 = recursive)")
+    g.add_argument("--loops", type=pos, default=2, help="B of the random-weight recursive models")
+    g.add_argument("--lora-rank", type=nonneg, default=None,
+                   help="LoRA rank of the random relaxed model (0 = recursive)")
     g.add_argument("--device", default="auto", help="auto (cuda > mps > cpu) | cpu | cuda | mps")
-    g.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16")
+    g.add_argument("--dtype", default="auto", choices=train.DTYPES, help="auto (bf16 on GPU, fp32 on CPU) | ...")
     g.add_argument("--compile", action="store_true", help="torch.compile the decode step (ignored on CPU)")
     g = ap.add_argument_group("requests")
-    g.add_argument("--requests", type=int, default=32, help="synthetic / corpus requests")
+    g.add_argument("--requests", type=pos, default=32, help="synthetic / corpus requests")
     g.add_argument("--prompts", default="synthetic", choices=["synthetic", "corpus"], help="prompt token source")
     g.add_argument("--requests-file", default=None, help="JSONL requests (overrides --prompts)")
     g.add_argument("--data", default="stdlib", help="--prompts corpus: train.py corpus")
     g.add_argument("--cache-dir", default="data_cache", help="--prompts corpus: token cache directory")
-    g.add_argument("--prompt-len", default="8:48", help="prompt lengths, 'a:b' uniform or 'a'")
-    g.add_argument("--gen-len", default="8:32", help="max_new_tokens, 'a:b' uniform or 'a'")
+    g.add_argument("--prompt-len", type=length_range, default="8:48", help="prompt lengths, 'a:b' uniform or 'a'")
+    g.add_argument("--gen-len", type=length_range, default="8:32", help="max_new_tokens, 'a:b' uniform or 'a'")
     g.add_argument("--arrival", default="all", choices=["all", "poisson"], help="arrival process")
-    g.add_argument("--rate", type=float, default=20.0, help="Poisson arrival rate (requests/s)")
+    g.add_argument("--rate", type=num(float, above=0), default=20.0, help="Poisson arrival rate (requests/s)")
     g = ap.add_argument_group("serving")
-    g.add_argument("--slots", type=int, default=16, help="batch slots of every server")
-    g.add_argument("--batch-memory-mb", type=float, default=None,
+    g.add_argument("--slots", type=pos, default=16, help="batch slots of every server")
+    g.add_argument("--batch-memory-mb", type=num(float, above=0), default=None,
                    help="instead of --slots: slots that fit this many MiB of parameters + full-context KV")
-    g.add_argument("--exit-threshold", default="auto", help="confidence threshold, or 'auto' (calibrated)")
-    g.add_argument("--exit-rate", type=float, default=0.5, help="--exit-threshold auto: target share exiting at loop 1")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-k", type=int, default=None)
-    g.add_argument("--warmup", type=int, default=4, help="untimed warm-up requests per system")
-    g.add_argument("--peak-bw", type=float, default=None, help="device peak bandwidth in GB/s (default: known GPUs)")
+    g.add_argument("--exit-threshold", type=threshold, default="auto",
+                   help="confidence threshold in (0, 1], or 'auto' (calibrated)")
+    g.add_argument("--exit-rate", type=num(float, above=0), default=0.5,
+                   help="--exit-threshold auto: target share exiting at loop 1, in (0, 1]")
+    g.add_argument("--temperature", type=num(float, min=0), default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=pos, default=None)
+    g.add_argument("--warmup", type=nonneg, default=4, help="untimed warm-up requests per system")
+    g.add_argument("--peak-bw", type=num(float, above=0), default=None,
+                   help="device peak bandwidth in GB/s (default: known GPUs)")
     g = ap.add_argument_group("modes")
     g.add_argument("--no-serve", action="store_true", help="skip the serving comparison")
     g.add_argument("--compare-archs", action="store_true", default=None,
                    help="run the architecture table (default: on for a plain run)")
     g.add_argument("--no-compare", action="store_true", help="skip the architecture table")
-    g.add_argument("--arch-preset", default="tiny", help="--compare-archs: model.py preset to match")
-    g.add_argument("--arch-rank", type=int, default=8, help="--compare-archs: LoRA rank of relaxed")
-    g.add_argument("--prefill-heavy", default="160/8", help="--compare-archs: prompt/new tokens")
-    g.add_argument("--decode-heavy", default="16/48", help="--compare-archs: prompt/new tokens")
-    g.add_argument("--batch-sweep", default="1,8", help="--compare-archs: batch sizes")
-    g.add_argument("--repeats", type=int, default=2, help="--compare-archs: timed runs (median)")
+    g.add_argument("--arch-preset", default="tiny", choices=sorted(PRESETS), help="--compare-archs: model.py preset")
+    g.add_argument("--arch-rank", type=nonneg, default=8, help="--compare-archs: LoRA rank of relaxed")
+    g.add_argument("--prefill-heavy", type=prompt_new, default="160/8", help="--compare-archs: prompt/new tokens")
+    g.add_argument("--decode-heavy", type=prompt_new, default="16/48", help="--compare-archs: prompt/new tokens")
+    g.add_argument("--batch-sweep", type=batch_list, default="1,8", help="--compare-archs: batch sizes")
+    g.add_argument("--repeats", type=pos, default=2, help="--compare-archs: timed runs (median)")
     g.add_argument("--bench-decode", action="store_true", help="vanilla static-cache decode benchmark only")
-    g.add_argument("--batch", type=int, default=1, help="--bench-decode batch")
-    g.add_argument("--bench-prompt", type=int, default=128, help="--bench-decode prompt length")
-    g.add_argument("--bench-steps", type=int, default=200, help="--bench-decode timed steps")
+    g.add_argument("--batch", type=pos, default=1, help="--bench-decode batch")
+    g.add_argument("--bench-prompt", type=pos, default=128, help="--bench-decode prompt length")
+    g.add_argument("--bench-steps", type=pos, default=200, help="--bench-decode timed steps")
     g.add_argument("--json", action="store_true", help="print one JSON line with every result at the end")
-    g.add_argument("--seed", type=int, default=1337)
+    g.add_argument("--seed", type=nonneg, default=1337)
     return ap
 
 
-def main(argv=None):
+def check_args(args):
+    """Flag combinations that cannot work, found before any model is built (lengths against a context: below)."""
+    if args.compare_archs and args.no_compare:
+        raise train.UsageError("--compare-archs and --no-compare contradict each other")
+    if args.no_serve and args.no_compare and not args.bench_decode:
+        raise train.UsageError("--no-serve and --no-compare leave nothing to run")
+    if args.exit_rate > 1:
+        raise train.UsageError(f"--exit-rate {args.exit_rate} is a share of tokens: it must be in (0, 1]")
+    train.check_device(args.device)
+    if args.bench_decode:
+        need, ctx = args.bench_prompt + args.bench_steps + 8, PRESETS[args.preset]["max_seq_len"]
+        if need > ctx:
+            raise train.UsageError(f"--bench-prompt {args.bench_prompt} + --bench-steps {args.bench_steps} (+8) = "
+                                   f"{need} positions exceed the context of --preset {args.preset} ({ctx})")
+        return
+    if not args.no_compare and (args.compare_archs or args.compare_archs is None):
+        ctx = PRESETS[args.arch_preset]["max_seq_len"]
+        ctx -= ctx % 4  # the Block Transformer's context is a multiple of its block length 4
+        for flag in ("prefill_heavy", "decode_heavy"):
+            P, G = (int(v) for v in getattr(args, flag).split("/"))
+            if P + G > ctx:
+                raise train.UsageError(f"--{flag.replace('_', '-')} {P}/{G} needs {P + G} positions, more than the "
+                                       f"context of --arch-preset {args.arch_preset} ({ctx})")
+
+
+def check_lengths_fit(args, vanilla, rec):
+    """Synthetic and corpus requests are ours: every one must fit the context of both models (a requests file may
+    hold requests that do not; those get their own error)."""
+    if vanilla.config.vocab_size != rec.config.vocab_size:
+        raise train.UsageError(f"the vanilla model has {vanilla.config.vocab_size} vocabulary rows and the recursive "
+                               f"one {rec.config.vocab_size}: they must serve the same token ids")
+    if args.requests_file:
+        return
+    ctx = min(vanilla.config.max_seq_len, rec.config.max_seq_len)
+    P, G = parse_range(args.prompt_len)[1], parse_range(args.gen_len)[1]
+    if P + G > ctx:
+        raise train.UsageError(f"--prompt-len {args.prompt_len} + --gen-len {args.gen_len}: a request of {P} prompt "
+                               f"+ {G} new tokens exceeds the context of {ctx} positions; lower them")
+
+
+def run(argv=None):
     args = build_parser().parse_args(argv)
-    if args.exit_threshold != "auto":
-        try:
-            float(args.exit_threshold)
-        except ValueError:
-            raise SystemExit(f"error: --exit-threshold must be a number or 'auto', got {args.exit_threshold!r}")
+    check_args(args)
     device = pick_device(args.device)
     dtype = pick_dtype(device, args.dtype)
     out = {}
@@ -950,8 +1096,24 @@ def main(argv=None):
         if not args.no_compare and (args.compare_archs or args.compare_archs is None):
             out["compare_archs"] = compare_archs(args, device, dtype)
     if args.json:
-        print(json.dumps(out))
+        print(json.dumps(json_safe(out)))
     return out
+
+
+def json_safe(obj):
+    """NaN/inf (a metric with no sample, e.g. no token generated) -> null: the --json line stays strict JSON."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
+def main(argv=None):
+    """The command: an expected error (a flag, a file, a checkpoint) is one line `error: ...` and exit code 2."""
+    return train.run_cli(run, argv)
 
 
 if __name__ == "__main__":

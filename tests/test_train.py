@@ -1,9 +1,9 @@
 """train.py: tokenizer, corpus readers, token shards, checkpoints, the training loop, resume, KD and DDP."""
 import json
+import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -71,8 +71,35 @@ def test_jsonl_and_zst_readers_skip_and_count_bad_lines(tmp_path):
         docs = list(train.iter_jsonl_docs(tmp_path / name, stats, {"RedPajamaGithub"}))
         assert docs == ["good one", "good two"]
         assert stats.counts == {"malformed json": 1, "no text field": 2, "undecodable bytes": 1, "excluded set": 1}
-    with pytest.warns(UserWarning, match="1 malformed json, 2 no text field, 1 undecodable bytes, 1 excluded set"):
+    # the warning names the file and line of the first bad line of each kind
+    with pytest.warns(UserWarning, match=r"1 malformed json \(first at .*b.jsonl.zst:2\), 2 no text field \(first at "
+                                         r".*b.jsonl.zst:3\), 1 undecodable bytes \(first at .*b.jsonl.zst:5\), "
+                                         r"1 excluded set$"):
         stats.warn()
+
+
+def test_truncated_zst_is_an_error_naming_the_file(tmp_path):
+    import zstandard
+
+    docs = [f"document {i} " * 40 for i in range(400)]
+    raw = "".join(json.dumps({"text": t}) + "\n" for t in docs).encode()
+    whole = zstandard.ZstdCompressor().compress(raw)
+    d = tmp_path / "train"
+    d.mkdir()
+    (d / "example_train_0.jsonl.zst").write_bytes(whole[: len(whole) // 2])  # the usual broken download
+    write_jsonl(d / "example_train_1.jsonl", docs[:50])
+    tok = train.Tokenizer.from_args(512, None)
+    with pytest.raises(train.DataError, match=r"example_train_0.jsonl.zst is truncated"):
+        train.prepare_corpus(str(d), tok, str(tmp_path / "cache"), verbose=False)
+    # several frames in one file (zstd allows it) are read through, and the cut is found in the last one
+    half = len(raw) // 2
+    c = zstandard.ZstdCompressor()
+    two = c.compress(raw[:half]) + c.compress(raw[half:])
+    (d / "example_train_0.jsonl.zst").write_bytes(two)
+    assert list(train.iter_jsonl_docs(d / "example_train_0.jsonl.zst", train.SkipStats())) == docs
+    (d / "example_train_0.jsonl.zst").write_bytes(two[:-5])
+    with pytest.raises(train.DataError, match="truncated"):
+        list(train.iter_jsonl_docs(d / "example_train_0.jsonl.zst", train.SkipStats()))
 
 
 def test_corrupt_zst_names_the_file(tmp_path):
@@ -99,8 +126,31 @@ def test_empty_corpus_is_a_clear_error(tmp_path):
     (tmp_path / "d" / "a.jsonl").write_text("")
     (tmp_path / "d" / "b.jsonl").write_text("{broken\n")
     tok = train.Tokenizer.from_args(512, None)
-    with pytest.raises(train.DataError, match="nothing to train on"):
+    with pytest.raises(train.DataError, match="the training and validation splits are empty: no file of .* gave a "
+                                              "usable document; skipped lines: 1 malformed json"):
         train.prepare_corpus(str(tmp_path / "d"), tok, str(tmp_path / "cache"), verbose=False)
+
+
+def test_empty_split_message_says_how_the_split_was_made(tmp_path):
+    tok = train.Tokenizer.from_args(512, None)
+    one = write_jsonl(tmp_path / "one" / "docs.jsonl", [f"doc {i}" for i in range(10)])
+    with pytest.raises(train.DataError, match=r"docs.jsonl is the only file, so the split is by document \(every "
+                                              r"33rd document .*only 10 usable documents"):
+        train.prepare_corpus(str(one), tok, str(tmp_path / "cache"), verbose=False)
+    write_jsonl(tmp_path / "val.jsonl", [])
+    with pytest.raises(train.DataError, match="--val-data .*val.jsonl' gave no usable document"):
+        train.prepare_corpus(str(one), tok, str(tmp_path / "cache"), val_data=str(tmp_path / "val.jsonl"),
+                             verbose=False)
+
+
+def test_damaged_token_cache_names_its_meta_json(tmp_path, corpus):
+    tok = train.Tokenizer.from_args(512, None)
+    out = train.prepare_corpus(str(corpus), tok, str(tmp_path / "cache"), verbose=False)
+    (out / "meta.json").write_text("{broken")
+    with pytest.raises(train.DataError, match=f"token cache {out / 'meta.json'} is damaged"):
+        train.prepare_corpus(str(corpus), tok, str(tmp_path / "cache"), verbose=False)
+    with pytest.raises(train.DataError, match="meta.json is damaged"):
+        train.TokenData(out, "train")
 
 
 def test_prepare_corpus_split_cache_and_interrupted_write(tmp_path, corpus, monkeypatch):
@@ -272,3 +322,209 @@ def test_torchrun_two_processes_gloo(tmp_path, corpus):
     assert "world 2" in r.stdout and "step 3 loss" in r.stdout
     assert r.stdout.count("val step 3 loss") == 1  # only rank 0 logs
     assert train.load_checkpoint(tmp_path / "out" / "ckpt.pt")["step"] == 3
+
+
+# ---- resume restores the run's flags; --init-from of the same arch applies the recipe ---------------------------
+
+
+@pytest.fixture(scope="module")
+def teacher(corpus, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("teacher")
+    train.train(base_args(corpus, tmp, "--max-iters", "4", "--eval-interval", "4", "--sample-tokens", "0"))
+    return str(tmp / "out" / "ckpt.pt")
+
+
+def _kill_after_step(monkeypatch, step):
+    real_save = train.save_checkpoint
+
+    def save_then_die(path, obj):
+        real_save(path, obj)
+        if obj["step"] == step:
+            raise KeyboardInterrupt  # the run is killed right after this checkpoint
+
+    monkeypatch.setattr(train, "save_checkpoint", save_then_die)
+    return real_save
+
+
+def _weights(run_dir):
+    return torch.load(run_dir / "out" / "ckpt.pt", weights_only=True)["model"]
+
+
+def test_resume_with_and_without_retyped_flags_equals_uninterrupted_kd_run(tmp_path, corpus, teacher, monkeypatch):
+    import shutil
+
+    common = ["--max-iters", "8", "--eval-interval", "4", "--warmup-iters", "2", "--teacher", teacher, "--kd", "jsd",
+              "--kd-weight", "0.5", "--seed", "7"]
+    straight = train.train(base_args(corpus, tmp_path / "a", *common))
+    real_save = _kill_after_step(monkeypatch, 4)
+    with pytest.raises(KeyboardInterrupt):
+        train.train(base_args(corpus, tmp_path / "b", *common))
+    monkeypatch.setattr(train, "save_checkpoint", real_save)
+    shutil.copytree(tmp_path / "b", tmp_path / "c")
+    # b: only --resume and where the run is; c: the whole command typed again
+    bare = train.train(["--resume", "--out-dir", str(tmp_path / "b" / "out"),
+                        "--cache-dir", str(tmp_path / "b" / "cache")])
+    retyped = train.train(base_args(corpus, tmp_path / "c", *common, "--resume"))
+    for res in (bare, retyped):
+        assert res["loss"] == straight["loss"] and res["total"] == straight["total"]
+        assert res["total"] != res["loss"]  # the KD term is in the objective
+        assert res["best_val_loss"] == straight["best_val_loss"]
+    a = _weights(tmp_path / "a")
+    for run in ("b", "c"):
+        w = _weights(tmp_path / run)
+        assert all(torch.equal(a[k], w[k]) for k in a)
+
+
+def test_resume_refuses_contradicting_flags_and_extends_the_run_length(tmp_path, corpus, capsys):
+    train.train(base_args(corpus, tmp_path, "--max-iters", "4", "--eval-interval", "2"))
+    out = ["--resume", "--out-dir", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "cache")]
+    for flags, named in [(["--seq-len", "32"], "--seq-len 32 (the run had 64)"),
+                         (["--arch", "relaxed"], "--arch relaxed (the run had vanilla)"),
+                         (["--vocab-size", "600"], "--vocab-size 600 (the run had 512)"),
+                         (["--preset", "small", "--lr", "1e-3"], "--preset small (the run had tiny), --lr 0.001"),
+                         (["--teacher", str(tmp_path / "out" / "ckpt.pt")], "--teacher")]:
+        with pytest.raises(train.UsageError, match="contradict it: " + named.replace("(", r"\(").replace(")", r"\)")):
+            train.train(out + flags)
+    with pytest.raises(train.UsageError, match="--max-iters 3 is below the step 4"):
+        train.train(out + ["--max-iters", "3"])
+    capsys.readouterr()
+    train.train(out + ["--vocab-size", "512", "--max-iters", "6", "--eval-interval", "3"])  # same value: fine
+    log = capsys.readouterr().out
+    assert "resume: --max-iters 6 (the run had 4)" in log and "step 5 loss" in log and "step 4 loss" not in log
+    assert train.load_checkpoint(tmp_path / "out" / "ckpt.pt")["step"] == 6
+
+
+@pytest.fixture(scope="module")
+def relaxed_ckpt(corpus, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("relaxed")
+    train.train(base_args(corpus, tmp, "--arch", "relaxed", "--max-iters", "2", "--eval-interval", "2",
+                          "--sample-tokens", "0"))
+    return tmp
+
+
+def test_resume_accepts_a_flag_equal_to_the_checkpoint_config(tmp_path, corpus, relaxed_ckpt):
+    import shutil
+
+    shutil.copytree(relaxed_ckpt, tmp_path / "r")
+    out = ["--resume", "--out-dir", str(tmp_path / "r" / "out"), "--cache-dir", str(tmp_path / "r" / "cache")]
+    with pytest.raises(train.UsageError, match="--loops 4 \\(the run had None\\)"):
+        train.train(out + ["--loops", "4"])
+    train.train(out + ["--loops", "2", "--max-iters", "3"])  # the run left --loops at the preset's 2
+    assert train.load_checkpoint(tmp_path / "r" / "out" / "ckpt.pt")["step"] == 3
+
+
+def test_init_from_same_arch_applies_post_training_flags(tmp_path, corpus, relaxed_ckpt, capsys):
+    src = str(relaxed_ckpt / "out" / "ckpt.pt")
+    train.train(base_args(corpus, tmp_path, "--arch", "relaxed", "--init-from", src, "--exit-loss", "aggressive",
+                          "--exit-coef", "0.3", "--self-distill", "--max-iters", "1"))
+    log = capsys.readouterr().out
+    cfg = train.load_checkpoint(tmp_path / "out" / "ckpt.pt")["config"]
+    assert cfg["exit_loss"] == "aggressive" and cfg["exit_coef"] == 0.3 and cfg["self_distill"] is True
+    assert "exit_loss 'none' -> 'aggressive'" in log
+    assert "objective: LM cross-entropy + exit loss aggressive coef 0.3 + self-distill" in log
+    step = next(line.split() for line in log.splitlines() if line.startswith("step 1 "))
+    v = {k: float(x) for k, x in zip(step[2::2], step[3::2]) if k in ("loss", "total", "loss_l1", "kd_l1", "loss_l2")}
+    assert v["loss"] == v["loss_l2"] and v["total"] == pytest.approx(0.3 * (v["loss_l1"] + v["kd_l1"]) + v["loss"],
+                                                                     abs=2e-4)
+    # the weights are the checkpoint's: the first training loss equals the source model's loss on that batch
+    ck = train.load_checkpoint(src)
+    m = train.model_from_checkpoint(ck).train()
+    data = train.TokenData(train.prepare_corpus(str(corpus), train.Tokenizer(ck["tokenizer"]),
+                                                str(tmp_path / "cache"), verbose=False), "train")
+    x, y = data.get_batch(4, 64, train.step_generator(1337, 0, 0, 0))
+    with torch.no_grad():
+        assert m(x, y)[1].item() == pytest.approx(v["loss"], abs=1e-4)
+    with pytest.raises(train.UsageError, match="lora_rank_q 16 -> 4.*would change its parameters"):
+        train.train(base_args(corpus, tmp_path / "x", "--arch", "relaxed", "--init-from", src, "--lora-rank", "4"))
+
+
+def test_logged_loss_is_the_lm_loss_and_the_header_names_the_extra_terms(tmp_path, corpus, teacher, capsys):
+    def first_step(*flags):
+        train.train(base_args(corpus, tmp_path / str(len(flags)), "--max-iters", "1", "--sample-tokens", "0", *flags))
+        log = capsys.readouterr().out
+        words = next(line.split() for line in log.splitlines() if line.startswith("step 1 "))
+        return dict(zip(words[2::2], words[3::2])), log
+
+    plain, _ = first_step()
+    kd, log = first_step("--teacher", teacher, "--kd-weight", "2")
+    assert f"objective: LM cross-entropy + KD fkl x2.0 (temperature 1.0) from {teacher}" in log
+    assert kd["loss"] == plain["loss"]  # the same model and batch: the LM cross-entropy, without the KD term
+    assert float(kd["total"]) == pytest.approx(float(kd["loss"]) + 2 * float(kd["kd"]), abs=2e-4)
+    assert float(kd["kd"]) > 0
+    relaxed, _ = first_step("--arch", "relaxed")
+    early, log = first_step("--arch", "relaxed", "--exit-loss", "weighted")
+    assert "objective: LM cross-entropy + exit loss weighted" in log
+    assert early["loss"] == relaxed["loss"] and float(early["total"]) != float(early["loss"])
+
+
+def test_nan_validation_loss_is_never_written(tmp_path, corpus, monkeypatch):
+    real_loss, real_save = model_lib.lm_loss, train.save_checkpoint
+    state = {"poison": False}
+
+    def loss(logits, targets):  # finite in training, NaN in evaluation (no grad) once poisoned
+        out = real_loss(logits, targets)
+        return out * float("nan") if state["poison"] and not torch.is_grad_enabled() else out
+
+    def save_and_poison(path, obj):
+        real_save(path, obj)
+        state["poison"] = True
+
+    monkeypatch.setattr(model_lib, "lm_loss", loss)
+    monkeypatch.setattr(train, "save_checkpoint", save_and_poison)
+    with pytest.raises(FloatingPointError, match=r"non-finite validation loss nan at step 4; .*stays at .* \(step 2\)"):
+        train.train(base_args(corpus, tmp_path, "--max-iters", "6", "--eval-interval", "2"))
+    ck = train.load_checkpoint(tmp_path / "out" / "ckpt.pt")
+    assert ck["step"] == 2 and math.isfinite(ck["val_loss"])
+    # a real divergence: whichever guard fires, no checkpoint holds a non-finite loss or weight
+    monkeypatch.setattr(model_lib, "lm_loss", real_loss)
+    monkeypatch.setattr(train, "save_checkpoint", real_save)
+    with pytest.raises(FloatingPointError, match="non-finite"):
+        train.train(base_args(corpus, tmp_path / "d", "--lr", "1e9", "--warmup-iters", "0", "--max-iters", "4",
+                              "--eval-interval", "1"))
+    path = tmp_path / "d" / "out" / "ckpt.pt"
+    if path.exists():
+        ck = train.load_checkpoint(path)
+        assert math.isfinite(ck["val_loss"]) and all(torch.isfinite(v).all() for v in ck["model"].values())
+
+
+# ---- the memory check -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["vanilla", "relaxed", "block", "plt", "double"])
+def test_step_memory_estimate_matches_the_activations_of_a_full_batch(arch):
+    import argparse
+    import contextlib
+
+    table = train.arch_table()
+    spec = table[arch]
+    T = 192
+    model = spec.model_cls(spec.make_config("tiny", vocab_size=576, max_seq_len=T))
+    args = argparse.Namespace(batch_size=3, seq_len=T)
+    est = train.step_memory(model, spec, args, 513, torch.device("cpu"), contextlib.nullcontext())
+    real, _ = train.saved_activation_bytes(model, spec, 3, T, 513, torch.device("cpu"), contextlib.nullcontext())
+    # extrapolated from 1-row probes at T = 32 and 64: SDPA paths keep O(T) per row; plt's G-SWA reference and the
+    # double decoder's dense path keep T x T masks/scores (the fitted quadratic term; the latter also draws a random
+    # block partition per batch)
+    assert est["activations"] == pytest.approx(real, rel=0.03)
+
+
+def test_a_batch_that_cannot_fit_is_refused_before_the_first_step(tmp_path, corpus, monkeypatch):
+    calls = []
+    monkeypatch.setattr(train, "available_memory", lambda device: (50_000_000, "test budget"))
+    monkeypatch.setattr(train, "make_optimizer", lambda *a: calls.append(a))
+    with pytest.raises(train.UsageError, match=r"--batch-size 64 x --seq-len 64 needs about 0.\d GB \([\d,]+ bytes\) "
+                                               r"per training step \(activations .* but cpu has 0.1 GB available"):
+        train.train(base_args(corpus, tmp_path, "--batch-size", "64", "--max-iters", "1"))
+    assert not calls  # refused before the optimizer (and any activation) was allocated
+
+
+def test_init_from_same_arch_keeps_settings_no_flag_was_typed_for(tmp_path, corpus):
+    # plt's config_overrides returns its Table 2 row even without flags: only typed flags may change the checkpoint's
+    train.train(base_args(corpus, tmp_path / "a", "--arch", "plt", "--plt-variant", "clp", "--max-iters", "1"))
+    src = str(tmp_path / "a" / "out" / "ckpt.pt")
+    train.train(base_args(corpus, tmp_path / "b", "--arch", "plt", "--init-from", src, "--plt-window", "16",
+                          "--max-iters", "1"))
+    cfg = train.load_checkpoint(tmp_path / "b" / "out" / "ckpt.pt")["config"]
+    assert (cfg["clp"], cfg["kv_share"], cfg["gswa"], cfg["window"]) == (True, False, False, 16)
+    with pytest.raises(train.UsageError, match="holds a plt model, and gswa False -> True would change its param"):
+        train.train(base_args(corpus, tmp_path / "c", "--arch", "plt", "--init-from", src, "--plt-variant", "plt"))
