@@ -274,6 +274,57 @@ def bench_double(args):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Serving: continuous depth-wise batching with early exit vs continuous sequence-wise batching (serve.py's servers)
+
+
+@torch.no_grad()
+def bench_serve(args):
+    """Section 2.4 / 3.8 of the Relaxed Recursive Transformers paper, run for real: the same requests through
+    vanilla continuous sequence-wise batching and through continuous depth-wise batching of the relaxed model of the
+    same effective depth (B = 2 loops of N/2 shared layers), without and with confidence early exit, at the same
+    number of slots. Weights are random: the exit threshold is calibrated so that the share of tokens leaving at
+    loop 1 is the one measured on a trained checkpoint (`--exit-rate`, from `python bench.py exits`); the output says
+    so. Generated tokens per second over interleaved rounds."""
+    import serve
+    from recursive import from_vanilla
+
+    device = pick_device(args.device)
+    dtype = pick_dtype(device, args.dtype)
+    P, G = args.prompt_len, args.gen_len
+    cfg = GPTConfig.from_preset(args.preset, vocab_size=args.vocab_size, max_seq_len=P + G + 8)
+    torch.manual_seed(0)
+    van = GPT(cfg)
+    ranks = {f"lora_rank_{c}": args.lora_rank for c in ("q", "kv", "o", "mlp")} if args.lora_rank else {}
+    rel = from_vanilla(van, n_loops=2, init="average", lora_init="svd", log=lambda *_: None, **ranks)
+    van, rel = van.to(device, dtype).eval(), rel.to(device, dtype).eval()
+    reqs = serve.synthetic_requests(args.requests, cfg.vocab_size, str(P), str(G), seed=0)
+    thr = serve.calibrate_threshold(rel, reqs, exit_rate=args.exit_rate)
+    kw = dict(slots=args.slots)
+    servers = {"vanilla continuous (sequence-wise)": serve.ContinuousServer(van, **kw),
+               "relaxed depth-wise, no exit": serve.DepthWiseServer(rel, **kw),
+               "relaxed depth-wise + early exit": serve.DepthWiseServer(rel, exit_threshold=thr, **kw)}
+    header("serving", device, dtype, f"preset {args.preset} shape (N={cfg.n_layer}, d {cfg.n_embd}), vocabulary "
+           f"{cfg.vocab_size} | vanilla {param_bytes(van) / 1e6:.0f} MB, relaxed B=2 K={rel.config.n_shared} rank "
+           f"{args.lora_rank} {param_bytes(rel) / 1e6:.0f} MB | {args.requests} requests, prompt {P}, {G} new tokens, "
+           f"{args.slots} slots | median (min..max) of {args.repeats} interleaved rounds after 1 warm-up")
+    print(f"   SIMULATED exits: random weights; threshold {thr:.4g} calibrated on the prompts so that "
+          f"{args.exit_rate:.0%} of tokens leave at loop 1 ({args.exit_source})")
+    for srv in servers.values():  # warm-up: allocator, first-call overheads
+        srv.run(reqs[:args.slots], clock="step")
+    rows = {name: [] for name in servers}
+    for _ in range(args.repeats):
+        for name, srv in servers.items():
+            rows[name].append(serve.summarize(srv, srv.run(reqs, clock="step"), None))
+    base = [r["tok_per_s"] for r in rows["vanilla continuous (sequence-wise)"]]
+    for name, rs in rows.items():
+        tps = [r["tok_per_s"] for r in rs]
+        print(f"   {name:36s} {spread(tps, fmt='.0f')} tok/s  step {spread([r['step_ms'] for r in rs], fmt='.2f')} ms  "
+              f"mean exit loop {rs[0]['mean_exit_loop']:.2f}  vs vanilla {spread([a / b for a, b in zip(tps, base)], fmt='.2f')}x")
+    print("   paper (Table K.2/K.4, simulated on an A100 from oracle exits): depth-wise + early exit 1.4-1.9x "
+          "continuous sequence-wise batching")
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Checkpoint evaluations: the validation windows of a run, early exit (recursive), residual energy (svd_lora)
 
 
@@ -638,6 +689,19 @@ def main(argv=None):
     p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens")
     p.add_argument("--new-tokens", type=int, default=32, help="generated tokens per run")
     p.set_defaults(fn=bench_double)
+
+    p = sub.add_parser("serve", help="depth-wise batching + early exit vs continuous sequence-wise batching")
+    common(p)
+    p.add_argument("--dtype", default="bfloat16", help="float32 | bfloat16")
+    p.add_argument("--vocab-size", type=int, default=4160, help="vocabulary (default: this repository's tokenizer)")
+    p.add_argument("--lora-rank", type=int, default=64, help="relaxed model's LoRA rank (0 = recursive)")
+    p.add_argument("--slots", type=int, default=16, help="batch slots of every server")
+    p.add_argument("--requests", type=int, default=48, help="requests (all arrive at once)")
+    p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens")
+    p.add_argument("--gen-len", type=int, default=128, help="generated tokens per request")
+    p.add_argument("--exit-rate", type=float, default=0.5, help="share of tokens exiting at loop 1 to simulate")
+    p.add_argument("--exit-source", default="--exit-rate as given", help="where the exit rate was measured")
+    p.set_defaults(fn=bench_serve)
 
     p = sub.add_parser("exits", help="early exit of a recursive/relaxed checkpoint: per loop, oracle, threshold curve")
     p.add_argument("--ckpt", required=True, help="a recursive/relaxed checkpoint written by train.py")
