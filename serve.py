@@ -729,7 +729,8 @@ def enable_compile(model, device):
 
 
 def serve_compare(args, device, dtype, requests=None) -> list[dict]:
-    vanilla, rec = build_serving_models(args, device, dtype)
+    with train.user_input():  # a config the flags make impossible (a LoRA rank above full rank, ...): one line
+        vanilla, rec = build_serving_models(args, device, dtype)
     elem = torch.empty((), dtype=dtype).element_size()
     if args.compile:
         enable_compile(vanilla, device)
@@ -841,7 +842,8 @@ def time_generate(model, idx, n, device, repeats) -> float:
 
 def compare_archs(args, device, dtype) -> list[dict]:
     torch.manual_seed(args.seed)
-    models = arch_models(args.arch_preset, args.loops, args.arch_rank)
+    with train.user_input():
+        models = arch_models(args.arch_preset, args.loops, args.arch_rank)
     elem = torch.empty((), dtype=dtype).element_size()
     pg = lambda spec: tuple(int(v) for v in spec.split("/"))  # noqa: E731  'prompt/new'
     settings = [("prefill-heavy", *pg(args.prefill_heavy)), ("decode-heavy", *pg(args.decode_heavy))]

@@ -98,6 +98,8 @@ SERVE_MISTAKES = [
     (["--bench-decode", "--bench-steps", "500"], "exceed the context of --preset tiny"),
     (["--batch-memory-mb", "0.001"], "does not hold the parameters and one slot"),
     (["--no-serve", "--no-compare"], "leave nothing to run"),
+    (["--lora-rank", "1000", "--no-compare"], "lora_rank_q=1000 exceeds"),
+    (["--loops", "3", "--no-compare"], "n_layer=4 is not divisible by n_loops=3"),
 ]
 
 

@@ -126,8 +126,9 @@ def test_empty_corpus_is_a_clear_error(tmp_path):
     (tmp_path / "d" / "a.jsonl").write_text("")
     (tmp_path / "d" / "b.jsonl").write_text("{broken\n")
     tok = train.Tokenizer.from_args(512, None)
-    with pytest.raises(train.DataError, match="the training and validation splits are empty: no file of .* gave a "
-                                              "usable document; skipped lines: 1 malformed json"):
+    with pytest.warns(UserWarning, match="skipped documents: 1 malformed json"), \
+            pytest.raises(train.DataError, match="the training and validation splits are empty: no file of .* gave a "
+                                                 "usable document; skipped lines: 1 malformed json"):
         train.prepare_corpus(str(tmp_path / "d"), tok, str(tmp_path / "cache"), verbose=False)
 
 
