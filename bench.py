@@ -16,6 +16,7 @@ Run:
     python bench.py decode                       # vanilla decode: tok/s, bandwidth vs this machine's, vs transformers
     python bench.py decode --dtype bfloat16 --batch 1,8
     python bench.py train --nanogpt DIR          # training tok/s vs nanoGPT's model.py (a checkout you provide)
+    python bench.py archs                        # all six architectures side by side (tiny presets)
     python bench.py exits --ckpt out/relaxed/ckpt.pt   # early exit on validation text: per loop, oracle, threshold curve
     python bench.py energy --ckpt out/vanilla/ckpt.pt  # residual energy a rank-r SVD captures (relaxed conversion)
     python bench.py kernels                      # (CUDA) every Triton kernel vs its reference and stock PyTorch
@@ -31,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels as K
-from model import GPT, GPTConfig, pick_device, pick_dtype, sync, timeit
+from model import GPT, PRESETS, GPTConfig, param_bytes, pick_device, pick_dtype, sync, timeit
 
 # ----------------------------------------------------------------------------------------------------------------
 # Protocol: interleaved rounds, median and spread
@@ -72,15 +73,6 @@ def read_bandwidth(device, nbytes=2 ** 30, repeats=5) -> float:
     x = torch.ones(nbytes // 4, device=device)
     ts = timeit(lambda: x.sum(), device, warmup=2, repeats=repeats)
     return nbytes / min(ts)
-
-
-def param_bytes(*modules) -> int:
-    """Bytes of the unique parameters of the modules (tied weights once)."""
-    seen = {}
-    for m in modules:
-        for p in m.parameters():
-            seen[id(p)] = p.numel() * p.element_size()
-    return sum(seen.values())
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -271,6 +263,59 @@ def bench_double(args):
                   f"{spread(v['token'], 1e3, '.2f')} -> ratio {ratio(d['token'], v['token'])} (paper ~0.33; the "
                   f"weight bytes a step reads give {floor:.2f}) | TTFT ms double {spread(d['ttft'], 1e3)}, "
                   f"decoder-only {spread(v['ttft'], 1e3)} -> ratio {ratio(d['ttft'], v['ttft'])}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# All six architectures side by side at matched non-embedding parameters
+
+
+def arch_models(preset: str, loops=2, rank=8, max_seq_len=None) -> dict:
+    """One model.py preset -> {name: model} at matched non-embedding parameters (random weights): vanilla N layers;
+    recursive K = N shared layers looped `loops` times (loops*N effective); relaxed the same + LoRA rank `rank` (a few %
+    more); block: N/2 block-decoder + N/2 token-decoder layers (L_B = 4, P = 2); plt: the N-layer stack looped twice
+    (CLP + KV sharing + G-SWA); double: round(2N/3) context + the rest generation layers."""
+    import block_transformer as bt
+    import double_decoder as dd
+    import plt
+    from recursive import RecursiveConfig, RecursiveGPT
+
+    base = dict(PRESETS[preset], **({"max_seq_len": max_seq_len} if max_seq_len else {}))
+    N = base["n_layer"]
+    out = {"vanilla": GPT(GPTConfig(**base))}
+    out["recursive"] = RecursiveGPT(RecursiveConfig(**{**base, "n_layer": loops * N}, n_loops=loops))
+    ranks = {f"lora_rank_{c}": rank for c in ("q", "kv", "o", "mlp")}
+    out["relaxed"] = RecursiveGPT(RecursiveConfig(**{**base, "n_layer": loops * N}, n_loops=loops, **ranks))
+    halves = bt._halves(**{k: base[k] for k in ("n_layer", "n_head", "n_kv_head", "n_embd", "mlp_hidden")},
+                        max_seq_len=base["max_seq_len"] - base["max_seq_len"] % 4, vocab_size=base["vocab_size"])
+    out["block"] = bt.BlockTransformer(bt.BlockConfig(**halves))
+    out["plt"] = plt.PLT(plt.PLTConfig(**base, n_loops=2, window=min(64, base["max_seq_len"])))
+    ctx = min(max(round(2 * N / 3), 1), N - 1) if N > 1 else 1
+    out["double"] = dd.DoubleDecoder(dd.DoubleConfig(**{k: v for k, v in base.items() if k != "n_layer"},
+                                                     ctx_layers=ctx, gen_layers=max(N - ctx, 1)))
+    return out
+
+
+@torch.no_grad()
+def bench_archs(args):
+    """Every architecture's own generate() at matched non-embedding parameters: time to first token, per-token decode
+    latency and KV bytes per sequence, in a prefill-heavy and a decode-heavy setting."""
+    device = pick_device(args.device)
+    for dtype in [pick_dtype(device, d) for d in args.dtype.split(",")]:
+        torch.manual_seed(0)
+        models = {k: m.to(device, dtype).eval() for k, m in arch_models(args.preset, rank=args.rank).items()}
+        header("architectures side by side", device, dtype, f"preset {args.preset}, random weights | non-embedding "
+               "params " + ", ".join(f"{k} {m.num_params() / 1e6:.2f}M" for k, m in models.items())
+               + f" | median (min..max) of {args.repeats} interleaved rounds")
+        for setting in args.settings.split(","):
+            P, G = (int(v) for v in setting.split("/"))
+            for B in [int(b) for b in args.batch.split(",")]:
+                idx = torch.randint(0, PRESETS[args.preset]["vocab_size"] - 1, (B, P), device=device)
+                t = generation_times(models, idx, G, args.repeats)
+                print(f"   prompt {P} / new {G}, batch {B}:  (TTFT ms | ms per token | KV KiB per sequence)")
+                for name, m in models.items():
+                    kv = m.kv_cache_bytes(1, P + G, torch.finfo(dtype).bits // 8) / 1024
+                    print(f"      {name:10s} {spread(t[name]['ttft'], 1e3, '.2f'):>22s} | "
+                          f"{spread(t[name]['token'], 1e3, '.3f'):>24s} | {kv:8.1f}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -689,6 +734,14 @@ def main(argv=None):
     p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens")
     p.add_argument("--new-tokens", type=int, default=32, help="generated tokens per run")
     p.set_defaults(fn=bench_double)
+
+    p = sub.add_parser("archs", help="all six architectures side by side: TTFT, per-token latency, KV bytes")
+    common(p, "tiny")
+    p.add_argument("--dtype", default="float32", help="comma list of dtypes")
+    p.add_argument("--rank", type=int, default=8, help="LoRA rank of the relaxed model")
+    p.add_argument("--settings", default="160/8,16/48", help="comma list of prompt/new (prefill-, decode-heavy)")
+    p.add_argument("--batch", default="1,8", help="comma list of batch sizes")
+    p.set_defaults(fn=bench_archs)
 
     p = sub.add_parser("serve", help="depth-wise batching + early exit vs continuous sequence-wise batching")
     common(p)

@@ -620,6 +620,15 @@ def count_params(module: nn.Module, exclude: tuple[nn.Module, ...] = ()) -> int:
     return n
 
 
+def param_bytes(*modules: nn.Module) -> int:
+    """Bytes of the unique parameters of the modules (tied weights once): what a forward pass reads."""
+    seen = {}
+    for m in modules:
+        for p in m.parameters():
+            seen[id(p)] = p.numel() * p.element_size()
+    return sum(seen.values())
+
+
 def init_weights(module: nn.Module, n_layer: int, std: float = 0.02):
     """GPT-2 init: N(0, std) for linears and embeddings, residual projections scaled by 1/sqrt(2 n_layer)."""
     for name, m in module.named_modules():

@@ -1,6 +1,6 @@
 """
-serve.py -- a small serving loop: continuous depth-wise batching with early exit for Recursive Transformers, the
-vanilla baselines on the same requests, and a side-by-side throughput demo of every architecture of this repository.
+serve.py -- a small serving loop: continuous depth-wise batching with early exit for Recursive Transformers, and the
+vanilla baselines (static and continuous sequence-wise batching) on the same requests.
 
 Paper: "Relaxed Recursive Transformers" (Bae et al., 2024), ../shared/papers/001_*.txt, section 2.4 (Continuous
 Depth-wise Batching and Early-Exiting, Figure 3), section 3.8 and Appendix K (Tables K.1-K.4). The paper only
@@ -34,7 +34,8 @@ Pieces, simplest first:
         norm + head) reaches it; an early exit fills the deeper loops' caches of that token by state propagation
         (RecursiveGPT.propagate). An exited row emits its token and starts the next token at loop 0 in the same slot;
         a finished request frees the slot, refilled at once by the queue. Other rows just move to the next loop.
-        With threshold None it is "depth-wise batching without early exit".
+        With threshold None it is "depth-wise batching without early exit". The slots' state (position, loop, hidden
+        state) lives in tensors and every step updates all rows at once: no per-row tensor work, one host transfer.
     Prefill of newly admitted requests is a SEPARATE batched pass (the model's own prefill on a temporary cache of
     the admitted group, right-padded, copied into the slots' rows); it is not chunked, so a long prompt stalls the
     decode steps of that iteration (its time shows up in the other requests' per-token latency).
@@ -42,28 +43,21 @@ Pieces, simplest first:
     first token (from arrival), per-token latency p50/p99 (gaps between a request's tokens), mean exit loop
     (1-based), slot occupancy (active slots / slots per decode step) and, on CUDA, achieved memory bandwidth
     (parameter bytes + KV bytes read per decode step) / step time against the device's peak.
-  * --compare-archs: vanilla, recursive, relaxed, block, plt, double at matched non-embedding parameters (built from
-    one model.py preset, see `arch_models`), static batching with each architecture's own generate(): time to first
-    token (= generate(prompt, 1)), per-token decode latency and decode tok/s (the rest of generate(prompt, n)), KV
-    bytes per sequence (kv_cache_bytes), in a prefill-heavy and a decode-heavy setting and over a batch sweep.
-  * --bench-decode: vanilla decode at a fixed batch on a static cache (attention over the whole pre-allocated cache,
-    as gpt-fast), optionally torch.compile(mode="reduce-overhead") (CUDA graphs): tok/s and bandwidth vs peak.
+The speed claims of the four papers, measured on this machine at memory-bound sizes, are in bench.py (`python
+bench.py serve` runs these servers at the `base` shape; `python bench.py archs` is the six architectures side by side).
 
 Costs to know when reading the numbers: a step whose rows sit at different loops gathers each row's cache layer
 (LayerCache.read), a copy a paged/ragged attention kernel would avoid; state propagation costs one norm and the k/v
 projections per skipped layer; the head runs on every active row each step when early exit is on (the confidence).
 
 Run:
-    python serve.py                                   # CPU demo, tiny random models: serving table + arch table
+    python serve.py                                   # CPU demo, tiny random models: the serving table
     python serve.py --json                            # the same, one JSON line at the end
-    python serve.py --compare-archs --no-serve        # only the architecture table
     python serve.py --arrival poisson --rate 50 --requests 200
     python serve.py --ckpt out/relaxed/ckpt.pt --vanilla-ckpt out/vanilla/ckpt.pt --prompts corpus --exit-threshold 0.9
     python serve.py --requests-file reqs.jsonl --ckpt out/relaxed/ckpt.pt
-    # GPU (bf16 chosen automatically):
-    python serve.py --preset small --requests 2000 --slots 64 --prompt-len 64:256 --gen-len 64:512 \\
-        --batch-memory-mb 2048 --no-compare                       # depth-wise vs continuous at equal batch memory
-    python serve.py --bench-decode --preset tinyllama-1.1b --batch 1 --compile     # batch-1 bandwidth vs peak
+    python serve.py --preset base --dtype bfloat16 --requests 64 --slots 16 --prompt-len 64 --gen-len 128 \\
+        --batch-memory-mb 2048                                    # depth-wise vs continuous at equal batch memory
     python -m pytest -q tests/test_serve.py
 """
 from __future__ import annotations
@@ -76,11 +70,9 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn as nn
 
-from model import (GPT, PRESETS, GPTConfig, KVCache, causal_mask_from_positions, pick_device, pick_dtype,
-                   sample_next, sync)
-from recursive import RELAXED_RANK, RecursiveConfig, RecursiveGPT, from_vanilla
+from model import GPT, PRESETS, GPTConfig, param_bytes, pick_device, pick_dtype, sample_next, sync
+from recursive import RELAXED_RANK, RecursiveGPT, from_vanilla
 import train
 
 try:
@@ -248,16 +240,6 @@ def peak_bandwidth(device: torch.device) -> float | None:
     return next((v for k, v in PEAK_BW if k in name), None)
 
 
-def param_bytes(modules) -> int:
-    seen, n = set(), 0
-    for m in modules:
-        for p in m.parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                n += p.numel() * p.element_size()
-    return n
-
-
 def kv_token_bytes(cfg, elem: int) -> int:
     """K and V of one token in one layer."""
     return 2 * cfg.n_kv_head * cfg.hd * elem
@@ -386,7 +368,7 @@ class ContinuousServer(Server):
         self.cache = self.model.new_cache(self.slots)
         self.req = [None] * self.slots
         self.tok = torch.zeros(self.slots, dtype=torch.long, device=self.device)
-        self.step_params = param_bytes([self.model.blocks, self.model.norm, self.model.lm_head])
+        self.step_params = param_bytes(self.model.blocks, self.model.norm, self.model.lm_head)
         self.kv_tok = kv_token_bytes(self.cfg, self.cache.k.element_size()) * self.cfg.n_layer
 
     def free_slots(self):
@@ -489,8 +471,8 @@ class DepthWiseServer(Server):
         self.pos = torch.zeros(self.slots, dtype=torch.long, device=self.device)  # position of the token in flight
         self.loop = torch.zeros(self.slots, dtype=torch.long, device=self.device)  # its current loop
         self.h = torch.zeros(self.slots, 1, cfg.n_embd, dtype=self.dtype, device=self.device)  # its hidden state
-        self.block_bytes = param_bytes([self.model.blocks])
-        self.head_bytes = param_bytes([self.model.norm, self.model.lm_head])
+        self.block_bytes = param_bytes(self.model.blocks)
+        self.head_bytes = param_bytes(self.model.norm, self.model.lm_head)
         self.kv_tok = kv_token_bytes(cfg, self.cache.k.element_size()) * cfg.n_shared
 
     def free_slots(self):
@@ -712,10 +694,10 @@ def build_serving_models(args, device, dtype):
 def slots_for_memory(model, budget_mb, max_len, elem) -> int:
     """Slots that fit in budget_mb of parameters + KV cache (one full-context row per slot)."""
     per_slot = model.kv_cache_bytes(1, max_len, elem)
-    left = budget_mb * 2 ** 20 - param_bytes([model])
+    left = budget_mb * 2 ** 20 - param_bytes(model)
     if left < per_slot:
         raise train.UsageError(f"--batch-memory-mb {budget_mb} does not hold the parameters and one slot of "
-                               f"{type(model).__name__} ({(param_bytes([model]) + per_slot) / 2 ** 20:.1f} MiB)")
+                               f"{type(model).__name__} ({(param_bytes(model) + per_slot) / 2 ** 20:.1f} MiB)")
     return int(left // per_slot)
 
 
@@ -796,149 +778,7 @@ def serve_compare(args, device, dtype, requests=None) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# --compare-archs: every architecture at matched non-embedding parameters
-
-
-def arch_models(preset: str, loops=2, rank=8, max_seq_len=None):
-    """One model.py preset -> {name: model} at matched non-embedding parameters (random weights):
-    vanilla N layers; recursive K = N shared layers looped twice (2N effective); relaxed the same + LoRA rank `rank`
-    (a few % more); block: N/2 block-decoder + N/2 token-decoder layers (L_B = 4, P = 2); plt: the N-layer stack
-    looped twice (CLP + KV sharing + G-SWA); double: round(2N/3) context + the rest generation layers."""
-    import block_transformer as bt
-    import double_decoder as dd
-    import plt
-
-    base = dict(PRESETS[preset])
-    if max_seq_len:
-        base["max_seq_len"] = max_seq_len
-    N = base["n_layer"]
-    gpt_fields = {k: v for k, v in base.items()}
-    out = {"vanilla": GPT(GPTConfig(**gpt_fields))}
-    out["recursive"] = RecursiveGPT(RecursiveConfig(**{**gpt_fields, "n_layer": loops * N}, n_loops=loops))
-    ranks = {f"lora_rank_{c}": rank for c in ("q", "kv", "o", "mlp")}
-    out["relaxed"] = RecursiveGPT(RecursiveConfig(**{**gpt_fields, "n_layer": loops * N}, n_loops=loops, **ranks))
-    halves = bt._halves(**{k: base[k] for k in ("n_layer", "n_head", "n_kv_head", "n_embd", "mlp_hidden")},
-                        max_seq_len=base["max_seq_len"] - base["max_seq_len"] % 4, vocab_size=base["vocab_size"])
-    out["block"] = bt.BlockTransformer(bt.BlockConfig(**halves))
-    out["plt"] = plt.PLT(plt.PLTConfig(**gpt_fields, n_loops=loops, window=min(64, base["max_seq_len"])))
-    ctx = min(max(round(2 * N / 3), 1), N - 1) if N > 1 else 1
-    dfields = {k: v for k, v in gpt_fields.items() if k != "n_layer"}
-    out["double"] = dd.DoubleDecoder(dd.DoubleConfig(**dfields, ctx_layers=ctx, gen_layers=max(N - ctx, 1)))
-    return out
-
-
-@torch.no_grad()
-def time_generate(model, idx, n, device, repeats) -> float:
-    model.generate(idx, n)  # warm-up
-    ts = []
-    for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        model.generate(idx, n)
-        sync(device)
-        ts.append(time.perf_counter() - t0)
-    return sorted(ts)[len(ts) // 2]
-
-
-def compare_archs(args, device, dtype) -> list[dict]:
-    torch.manual_seed(args.seed)
-    with train.user_input():
-        models = arch_models(args.arch_preset, args.loops, args.arch_rank)
-    elem = torch.empty((), dtype=dtype).element_size()
-    pg = lambda spec: tuple(int(v) for v in spec.split("/"))  # noqa: E731  'prompt/new'
-    settings = [("prefill-heavy", *pg(args.prefill_heavy)), ("decode-heavy", *pg(args.decode_heavy))]
-    batches = [int(b) for b in args.batch_sweep.split(",")]
-    print(f"\ncompare-archs: preset {args.arch_preset}, device {device}, dtype {dtype}, static batching with each "
-          f"model's own generate(); median of {args.repeats} runs after 1 warm-up; random weights and prompts")
-    print("  non-embedding params: " + ", ".join(f"{k} {m.num_params() / 1e6:.3f}M" for k, m in models.items()))
-    g = torch.Generator().manual_seed(args.seed)
-    rows = []
-    jobs = [(s, P, G, B, name) for s, P, G in settings for B in batches for name in models]
-    bar = tqdm(jobs, desc="compare-archs", leave=False, file=sys.stderr) if tqdm and not args.json else jobs
-    for setting, P, G, B, name in bar:
-        m = models[name].to(device=device, dtype=dtype).eval()
-        V = m.config.vocab_size
-        idx = torch.randint(0, V - 1, (B, P), generator=g).to(device)
-        t1 = time_generate(m, idx, 1, device, args.repeats)  # prefill + first token
-        tn = time_generate(m, idx, G, device, args.repeats)
-        dec = tn - t1 if tn > t1 else float("nan")  # timing noise on a loaded machine: no figure
-        rows.append(dict(setting=f"{setting} {P}/{G}", batch=B, arch=name, params_M=m.num_params() / 1e6,
-                         ttft_ms=1e3 * t1, tok_lat_ms=1e3 * dec / (G - 1), decode_tok_s=B * (G - 1) / dec,
-                         total_tok_s=B * G / tn, kv_KiB_per_seq=m.kv_cache_bytes(1, P + G, elem) / 1024))
-    cols = [("setting", "setting", ""), ("batch", "batch", "d"), ("arch", "arch", ""), ("params_M", "params M", ".3f"),
-            ("ttft_ms", "TTFT ms", ".2f"), ("tok_lat_ms", "tok lat ms", ".3f"), ("decode_tok_s", "decode tok/s", ".0f"),
-            ("total_tok_s", "total tok/s", ".0f"), ("kv_KiB_per_seq", "KV KiB/seq", ".1f")]
-    print_table(rows, cols, "architectures side by side (tok lat = decode latency per token)")
-    return rows
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# --bench-decode: vanilla decode on a static cache, optionally compiled (gpt-fast style)
-
-
-class StaticDecoder(nn.Module):
-    """GPT decode with a static cache: attention over all max_len positions with the positional mask, so every
-    step has the same shapes (torch.compile mode='reduce-overhead' captures it as a CUDA graph). The cache tensors
-    are buffers of this module (mutated in place)."""
-
-    def __init__(self, model: GPT, cache: KVCache):
-        super().__init__()
-        self.model = model
-        self.register_buffer("k", cache.k, persistent=False)
-        self.register_buffer("v", cache.v, persistent=False)
-        self.cache = cache
-
-    def forward(self, tok, q_pos):  # tok (B,), q_pos (B, 1) -> logits (B, V)
-        m, cache = self.model, self.cache
-        mask = causal_mask_from_positions(q_pos, cache.max_len)
-        rope = m.rope(q_pos)
-        x = m.embed(tok[:, None])
-        for i, block in enumerate(m.blocks):
-            x = block(x, rope, mask=mask, cache=cache.layer(i), q_pos=q_pos)
-        return m.head(x)[:, 0]
-
-
-@torch.no_grad()
-def bench_decode(args, device, dtype) -> dict:
-    torch.manual_seed(args.seed)
-    with torch.device(device):
-        model = GPT(GPTConfig(**PRESETS[args.preset])).to(dtype=dtype).eval()
-    B, P, S = args.batch, args.bench_prompt, args.bench_steps
-    max_len = P + S + 8
-    cache = model.new_cache(B, max_len)
-    step = StaticDecoder(model, cache)
-    if args.compile and device.type != "cpu":
-        step = torch.compile(step, mode="reduce-overhead", fullgraph=True)
-    idx = torch.randint(0, model.config.vocab_size - 1, (B, P), device=device)
-    logits = model.prefill(idx, cache)
-    tok = logits.argmax(-1)
-    pos = cache.lengths[:, None].clone()
-    for _ in range(3):  # warm-up (compilation, graph capture), not timed
-        tok = step(tok, pos).argmax(-1)
-        pos = pos + 1
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(S):
-        tok = step(tok, pos).argmax(-1)
-        pos = pos + 1
-    sync(device)
-    dt = (time.perf_counter() - t0) / S
-    c = model.config
-    nbytes = param_bytes([model.blocks, model.norm, model.lm_head]) + B * c.n_layer * max_len * kv_token_bytes(
-        c, cache.k.element_size())
-    peak = args.peak_bw * 1e9 if args.peak_bw else peak_bandwidth(device)
-    d = dict(preset=args.preset, device=str(device), gpu=torch.cuda.get_device_name(device) if device.type == "cuda"
-             else "cpu", dtype=str(dtype), batch=B, compile=bool(args.compile and device.type != "cpu"),
-             step_ms=dt * 1e3, tok_per_s=B / dt, bytes_per_step=nbytes, bandwidth_GBs=nbytes / dt / 1e9,
-             pct_peak=100 * nbytes / dt / peak if peak else None)
-    print(f"bench-decode: {d['gpu']} {dtype} preset {args.preset} batch {B}, prompt {P}, {S} timed steps after 3 "
-          f"warm-up, compile={d['compile']}: {d['step_ms']:.3f} ms/step, {d['tok_per_s']:.1f} tok/s, "
-          f"{nbytes / 1e6:.1f} MB/step -> {d['bandwidth_GBs']:.0f} GB/s"
-          + (f" = {d['pct_peak']:.1f}% of {peak / 1e9:.0f} GB/s peak" if peak else ""))
-    return d
-
-
-# ----------------------------------------------------------------------------------------------------------------
+# Command line
 
 
 def length_range(text: str) -> str:
@@ -950,27 +790,6 @@ def length_range(text: str) -> str:
                                          + (f" ({e})" if "range" in str(e) else "")) from None
     if lo < 1:
         raise argparse.ArgumentTypeError(f"lengths must be >= 1, got {text!r}")
-    return text
-
-
-def prompt_new(text: str) -> str:
-    """argparse type of --prefill-heavy / --decode-heavy: 'P/G', prompt P >= 1, new tokens G >= 2 (a decode step)."""
-    try:
-        P, G = (int(v) for v in text.split("/"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 'prompt/new' like 160/8, got {text!r}") from None
-    if P < 1 or G < 2:
-        raise argparse.ArgumentTypeError(f"needs prompt >= 1 and new >= 2 tokens, got {text!r}")
-    return text
-
-
-def batch_list(text: str) -> str:
-    try:
-        ok = all(int(b) >= 1 for b in text.split(","))
-    except ValueError:
-        ok = False
-    if not ok:
-        raise argparse.ArgumentTypeError(f"expected batch sizes >= 1 like 1,8, got {text!r}")
     return text
 
 
@@ -1024,21 +843,7 @@ def build_parser():
     g.add_argument("--warmup", type=nonneg, default=4, help="untimed warm-up requests per system")
     g.add_argument("--peak-bw", type=num(float, above=0), default=None,
                    help="device peak bandwidth in GB/s (default: known GPUs)")
-    g = ap.add_argument_group("modes")
-    g.add_argument("--no-serve", action="store_true", help="skip the serving comparison")
-    g.add_argument("--compare-archs", action="store_true", default=None,
-                   help="run the architecture table (default: on for a plain run)")
-    g.add_argument("--no-compare", action="store_true", help="skip the architecture table")
-    g.add_argument("--arch-preset", default="tiny", choices=sorted(PRESETS), help="--compare-archs: model.py preset")
-    g.add_argument("--arch-rank", type=nonneg, default=8, help="--compare-archs: LoRA rank of relaxed")
-    g.add_argument("--prefill-heavy", type=prompt_new, default="160/8", help="--compare-archs: prompt/new tokens")
-    g.add_argument("--decode-heavy", type=prompt_new, default="16/48", help="--compare-archs: prompt/new tokens")
-    g.add_argument("--batch-sweep", type=batch_list, default="1,8", help="--compare-archs: batch sizes")
-    g.add_argument("--repeats", type=pos, default=2, help="--compare-archs: timed runs (median)")
-    g.add_argument("--bench-decode", action="store_true", help="vanilla static-cache decode benchmark only")
-    g.add_argument("--batch", type=pos, default=1, help="--bench-decode batch")
-    g.add_argument("--bench-prompt", type=pos, default=128, help="--bench-decode prompt length")
-    g.add_argument("--bench-steps", type=pos, default=200, help="--bench-decode timed steps")
+    g = ap.add_argument_group("output")
     g.add_argument("--json", action="store_true", help="print one JSON line with every result at the end")
     g.add_argument("--seed", type=nonneg, default=1337)
     return ap
@@ -1046,27 +851,9 @@ def build_parser():
 
 def check_args(args):
     """Flag combinations that cannot work, found before any model is built (lengths against a context: below)."""
-    if args.compare_archs and args.no_compare:
-        raise train.UsageError("--compare-archs and --no-compare contradict each other")
-    if args.no_serve and args.no_compare and not args.bench_decode:
-        raise train.UsageError("--no-serve and --no-compare leave nothing to run")
     if args.exit_rate > 1:
         raise train.UsageError(f"--exit-rate {args.exit_rate} is a share of tokens: it must be in (0, 1]")
     train.check_device(args.device)
-    if args.bench_decode:
-        need, ctx = args.bench_prompt + args.bench_steps + 8, PRESETS[args.preset]["max_seq_len"]
-        if need > ctx:
-            raise train.UsageError(f"--bench-prompt {args.bench_prompt} + --bench-steps {args.bench_steps} (+8) = "
-                                   f"{need} positions exceed the context of --preset {args.preset} ({ctx})")
-        return
-    if not args.no_compare and (args.compare_archs or args.compare_archs is None):
-        ctx = PRESETS[args.arch_preset]["max_seq_len"]
-        ctx -= ctx % 4  # the Block Transformer's context is a multiple of its block length 4
-        for flag in ("prefill_heavy", "decode_heavy"):
-            P, G = (int(v) for v in getattr(args, flag).split("/"))
-            if P + G > ctx:
-                raise train.UsageError(f"--{flag.replace('_', '-')} {P}/{G} needs {P + G} positions, more than the "
-                                       f"context of --arch-preset {args.arch_preset} ({ctx})")
 
 
 def check_lengths_fit(args, vanilla, rec):
@@ -1089,14 +876,7 @@ def run(argv=None):
     check_args(args)
     device = pick_device(args.device)
     dtype = pick_dtype(device, args.dtype)
-    out = {}
-    if args.bench_decode:
-        out["bench_decode"] = bench_decode(args, device, dtype)
-    else:
-        if not args.no_serve:
-            out["serve"] = serve_compare(args, device, dtype)
-        if not args.no_compare and (args.compare_archs or args.compare_archs is None):
-            out["compare_archs"] = compare_archs(args, device, dtype)
+    out = {"serve": serve_compare(args, device, dtype)}
     if args.json:
         print(json.dumps(json_safe(out)))
     return out

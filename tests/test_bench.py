@@ -19,3 +19,20 @@ def test_decode_bench_reports_bandwidth_and_ratio(capsys):
                 "--prompt-len", "8", "--new-tokens", "4"])
     out = capsys.readouterr().out
     assert "read bandwidth of this machine" in out and "ours / transformers" in out and "tok/s" in out
+
+
+def test_archs_table_runs_every_architecture(capsys):
+    bench.main(["archs", "--device", "cpu", "--repeats", "1", "--settings", "8/3", "--batch", "1"])
+    out = capsys.readouterr().out
+    for name in ("vanilla", "recursive", "relaxed", "block", "plt", "double"):
+        assert f"      {name}" in out
+
+
+def test_plt_double_and_serve_sections_run(capsys):
+    common = ["--device", "cpu", "--preset", "tiny", "--repeats", "1", "--dtype", "float32"]
+    bench.main(["plt", *common, "--batch", "1", "--prompt-len", "8", "--new-tokens", "3"])
+    bench.main(["double", *common, "--batch", "1", "--prompt-len", "8", "--new-tokens", "3"])
+    bench.main(["serve", *common, "--requests", "6", "--prompt-len", "4", "--gen-len", "4", "--slots", "3",
+                "--lora-rank", "4", "--exit-rate", "0.5"])
+    out = capsys.readouterr().out
+    assert "PLT-2 / vanilla" in out and "TTFT ms double" in out and "relaxed depth-wise + early exit" in out

@@ -93,13 +93,9 @@ SERVE_MISTAKES = [
     (["--exit-threshold", "1.5"], "probability in (0, 1]"),
     (["--exit-rate", "2"], "--exit-rate 2.0 is a share of tokens"),
     (["--rate", "0", "--arrival", "poisson"], "argument --rate: must be > 0"),
-    (["--decode-heavy", "16/1", "--no-serve"], "new >= 2 tokens"),
-    (["--prefill-heavy", "250/8", "--no-serve"], "needs 258 positions"),
-    (["--bench-decode", "--bench-steps", "500"], "exceed the context of --preset tiny"),
     (["--batch-memory-mb", "0.001"], "does not hold the parameters and one slot"),
-    (["--no-serve", "--no-compare"], "leave nothing to run"),
-    (["--lora-rank", "1000", "--no-compare"], "lora_rank_q=1000 exceeds"),
-    (["--loops", "3", "--no-compare"], "n_layer=4 is not divisible by n_loops=3"),
+    (["--lora-rank", "1000"], "lora_rank_q=1000 exceeds"),
+    (["--loops", "3"], "n_layer=4 is not divisible by n_loops=3"),
 ]
 
 
@@ -110,10 +106,10 @@ def test_serve_mistakes_are_one_line_and_exit_code_2(capsys, argv, match):
 
 def test_serve_checkpoint_mistakes(files, capsys):
     rnd = str(files / "random.pt")
-    _one_error_line(capsys, serve.main, ["--ckpt", rnd, "--no-compare"], f"checkpoint {rnd} is corrupt")
+    _one_error_line(capsys, serve.main, ["--ckpt", rnd], f"checkpoint {rnd} is corrupt")
     empty = files / "empty.jsonl"
     empty.write_text("\n")
-    _one_error_line(capsys, serve.main, ["--requests-file", str(empty), "--no-compare"], "holds no request")
+    _one_error_line(capsys, serve.main, ["--requests-file", str(empty)], "holds no request")
 
 
 def test_the_commands_themselves(files):

@@ -153,22 +153,6 @@ def test_same_seed_same_sampled_outputs():
         assert r.output == serve.sequential_generate(VAN, r, temperature=8.0, top_k=20, seed=11)[0]
 
 
-def test_static_decoder_equals_decode_step():
-    torch.manual_seed(1)
-    idx = torch.randint(0, CFG["vocab_size"], (2, 5))
-    ref = VAN.generate(idx, 6)
-    cache = VAN.new_cache(2, 16)
-    step = serve.StaticDecoder(VAN, cache)
-    with torch.no_grad():
-        tok = VAN.prefill(idx, cache).argmax(-1)
-        pos, out = cache.lengths[:, None].clone(), [tok]
-        for _ in range(5):
-            tok = step(tok, pos).argmax(-1)
-            pos = pos + 1
-            out.append(tok)
-    assert torch.equal(torch.stack(out, 1), ref[:, 5:])
-
-
 def test_metrics_and_bad_args():
     reqs = _requests(10, seed=8)
     srv = serve.DepthWiseServer(REL, 4, exit_threshold=serve.calibrate_threshold(REL, reqs))
@@ -189,7 +173,7 @@ def test_each_bad_request_reason_in_the_table_and_in_json(tmp_path, capsys):
              {"prompt_ids": [1, 99999], "max_new_tokens": 3}, {"prompt_ids": [], "max_new_tokens": 3},
              {"prompt_ids": [1, 2], "max_new_tokens": 0}, {"prompt_ids": [5] * 300, "max_new_tokens": 2}]
     f.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n")
-    serve.main(["--requests-file", str(f), "--no-compare", "--warmup", "0", "--json"])
+    serve.main(["--requests-file", str(f), "--warmup", "0", "--json"])
     out = capsys.readouterr().out
     rows = json.loads(out.splitlines()[-1])["serve"]
     expect = {"1": "bad request line 2 of", "2": "line 4 of", "3": "r.jsonl:5: prompt token id 99999 is outside",
@@ -209,7 +193,7 @@ def test_no_valid_request_with_a_given_threshold_reports_zeros(tmp_path, capsys)
     f = tmp_path / "bad.jsonl"
     f.write_text('{"prompt_ids": []}\n{oops\n')
     for thr in ("0.9", "auto"):
-        res = serve.main(["--requests-file", str(f), "--no-compare", "--exit-threshold", thr, "--json"])
+        res = serve.main(["--requests-file", str(f), "--exit-threshold", thr, "--json"])
         out = capsys.readouterr().out
         assert all(r["tokens"] == 0 and r["errors"] == 2 for r in res["serve"])
         assert "throughput vs vanilla" not in out and "request errors (every system): 1 bad request line, 1 empty " \
