@@ -195,6 +195,149 @@ def bench_train(args):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Block Transformer vs vanilla: throughput at the largest batch a memory budget allows (paper 002, section 3.2)
+
+# The paper's two settings (prompt tokens, generated tokens) and its figures for the pair at equal non-embedding
+# parameters (Table 2, H100, maximum batch; 1K tokens/s): {preset: {setting: (vanilla, block)}}.
+BLOCK_SETTINGS = {"decode-heavy": (128, 2048), "prefill-heavy": (2048, 128)}
+PAPER_BLOCK = {"t3-5m": {"decode-heavy": (41.6, 809.5), "prefill-heavy": (10.8, 272.3)},
+               "t3-19m": {"decode-heavy": (19.1, 421.4), "prefill-heavy": (6.9, 175.3)},
+               "t3-85m": {"decode-heavy": (6.2, 134.7), "prefill-heavy": (2.3, 59.0)},
+               "t3-302m": {"decode-heavy": (2.1, 44.1), "prefill-heavy": (0.8, 21.0)}}
+
+
+def block_pair(args, device, dtype, max_len):
+    """(Block Transformer of --preset, its vanilla counterpart): the vanilla model with the same non-embedding
+    parameters (BlockConfig.vanilla_config, the paper's pairing), or the model.py preset --vanilla. Random weights."""
+    import block_transformer as bt
+
+    cfg = bt.BlockConfig.from_preset(args.preset)
+    max_len = -(-max_len // cfg.block_len) * cfg.block_len
+    cfg = bt.BlockConfig.from_preset(args.preset, max_seq_len=max(max_len, cfg.max_seq_len))
+    vcfg = cfg.vanilla_config() if args.vanilla is None else GPTConfig.from_preset(args.vanilla)
+    vcfg.max_seq_len = max(max_len, vcfg.max_seq_len)
+    torch.manual_seed(0)
+    return (bt.BlockTransformer(cfg).to(device=device, dtype=dtype).eval(),
+            GPT(vcfg).to(device=device, dtype=dtype).eval())
+
+
+def generation_bytes(model, prompt, new) -> int:
+    """Bytes of the caches generate() allocates for ONE sequence (KV caches; linear in the batch)."""
+    return model.generation_cache(1, prompt, new).nbytes()
+
+
+@torch.no_grad()
+def bench_block(args):
+    """Tokens generated per second, prefill included (the paper's throughput), of the Block Transformer and vanilla
+    in the paper's decode-heavy and prefill-heavy settings, each at batch 1, at the largest batch whose generation
+    caches fit --budget-mib (the paper's "maximum batch allowed by memory") and at the batches of --batches; the
+    ratio of the two best batches, per round, with the paper's figure beside it."""
+    if args.eval:
+        return eval_block_targets(args)
+    device = pick_device(args.device)
+    dtype = pick_dtype(device, args.dtype)
+    names = list(BLOCK_SETTINGS) if args.setting == "both" else [args.setting]
+    lengths = {n: tuple(max(1, round(x * args.scale)) for x in BLOCK_SETTINGS[n]) for n in names}
+    block, vanilla = block_pair(args, device, dtype, max(p + g for p, g in lengths.values()))
+    budget = args.budget_mib * 2 ** 20
+    models = {"vanilla": vanilla, "block": block}
+    b, v = block.config, vanilla.config
+    header("Block Transformer vs vanilla: generation throughput", device, dtype,
+           f"block {args.preset} ({b.block_n_layer}+{b.n_layer} layers, d {b.n_embd}, L_B {b.block_len}, "
+           f"P {b.prefix_len}, {block.num_params(False) / 1e6:.1f}M params, {param_bytes(block) / 1e6:.0f} MB) vs "
+           f"vanilla {args.vanilla or 'counterpart'} ({v.n_layer} layers, d {v.n_embd}, "
+           f"{vanilla.num_params(False) / 1e6:.1f}M params, {param_bytes(vanilla) / 1e6:.0f} MB) | non-embedding "
+           f"{block.num_params() / 1e6:.1f}M vs {vanilla.num_params() / 1e6:.1f}M | random weights and prompts, "
+           f"greedy, no EOS | cache budget {args.budget_mib} MiB | median (min..max) of {args.repeats} interleaved "
+           f"rounds")
+    for name in names:
+        P, G = lengths[name]
+        per_seq = {k: generation_bytes(m, P, G) for k, m in models.items()}
+        top = {k: budget // n for k, n in per_seq.items()}
+        extra = [int(x) for x in args.batches.split(",") if x]
+        systems, batch = {}, {}
+        for k, m in models.items():
+            for B in sorted({1, *[x for x in extra if x <= top[k]], top[k]} - {0}):
+                idx = torch.randint(0, m.config.vocab_size - 1, (B, P), device=device)
+                systems[f"{k} {B}"] = (lambda m=m, idx=idx: m.generate(idx, G))
+                batch[f"{k} {B}"] = B
+                m.generate(idx, min(G, 2))  # warm-up: allocations, kernels (1 or 2 decode steps)
+        print(f"\n-- {name}: prompt {P}, {G} new tokens | generation caches per sequence: vanilla "
+              f"{per_seq['vanilla'] / 2 ** 20:.2f} MiB, block {per_seq['block'] / 2 ** 20:.2f} MiB -> largest batch in "
+              f"{args.budget_mib} MiB: vanilla {top['vanilla']}, block {top['block']}")
+        if min(top.values()) < 1:
+            print("   a model does not fit the budget at batch 1: raise --budget-mib")
+            continue
+        res = rounds(systems, args.repeats, warmup=0)
+        tput = {s: [batch[s] * G / t for t in ts] for s, ts in res.items()}
+        print(f"   {'model':8s} {'batch':>5s} {'caches MiB':>10s} {'ms/token step':>14s} {'tok/s':>26s}")
+        for s, ts in res.items():
+            k, B = s.split()
+            print(f"   {k:8s} {B:>5s} {per_seq[k] * int(B) / 2 ** 20:10.1f} {med(ts) / G * 1e3:14.2f} "
+                  f"{spread(tput[s], fmt='.0f'):>26s}")
+        best = {k: max((s for s in tput if s.startswith(k + " ")), key=lambda s: med(tput[s])) for k in models}
+        ratio = [a / c for a, c in zip(tput[best["block"]], tput[best["vanilla"]])]
+        one = [a / c for a, c in zip(tput["block 1"], tput["vanilla 1"])]
+        paper = PAPER_BLOCK.get(args.preset, {}).get(name) if args.vanilla is None else None
+        ref = (f"paper (Table 2, {args.preset} pair, H100, max batch): {paper[1] / paper[0]:.1f}x" if paper else
+               "paper: 10-20x at equal perplexity (abstract); no Table 2 pair for this preset")
+        print(f"   best batch: vanilla {batch[best['vanilla']]}, block {batch[best['block']]} -> block / vanilla = "
+              f"{spread(ratio, fmt='.2f')}x per round | {ref} | batch 1: {spread(one, fmt='.2f')}x")
+
+
+@torch.no_grad()
+def eval_block_targets(args):
+    """Validation loss of Block Transformer and vanilla checkpoints on the SAME targets: the block model's (the
+    windows as its training lays them out, random-length padding included; the first L_B - 1 targets of a window and
+    pad targets left out). Vanilla reads the raw window and is scored at the raw positions of those targets
+    (random_pad_documents' `src`), so both models predict the same tokens from the same preceding real tokens."""
+    import block_transformer as bt
+    from model import IGNORE
+
+    device = pick_device(args.device)
+    runs = [load_run(p, device) for p in args.eval]
+    blocks = [r for r in runs if isinstance(r[1], bt.BlockTransformer)]
+    if not blocks:
+        raise ValueError("--eval needs at least one Block Transformer checkpoint (its targets define the evaluation)")
+    cfg = blocks[0][1].config
+    key = lambda c: (c.block_len, c.pad, c.eot_id, c.random_pad)  # noqa: E731  what decides the layout
+    if any(key(r[1].config) != key(cfg) for r in blocks):
+        raise ValueError("the Block Transformer checkpoints lay windows out differently (block_len, pad, eot_id)")
+    ck0, _, tok0 = runs[0]
+    sums = {p: [0.0, 0.0] for p in args.eval}  # loss on the shared targets, loss on all of its own targets
+    n_shared, n_all = 0, 0
+    for i, (x, y) in enumerate(val_windows(ck0, tok0, args.eval_batches, args.eval_batch_size, args.seq_len,
+                                           args.seed, "cpu")):
+        gen = torch.Generator().manual_seed(args.seed + i)
+        if cfg.random_pad and cfg.eot_id is not None:
+            x2, y2, src = bt.random_pad_documents(x, y, gen, cfg.block_len, cfg.pad, cfg.eot_id, return_source=True)
+        else:
+            x2, y2, src = x, y, torch.arange(1, x.size(1) + 1).expand_as(x)
+        y2 = y2.clone()
+        y2[:, :cfg.block_len - 1] = IGNORE  # the block model never predicts these
+        keep = y2 != IGNORE
+        assert torch.equal(y.gather(1, (src - 1).clamp(min=0))[keep], y2[keep])  # the same tokens
+        n_shared += int(keep.sum())
+        n_all += y.numel()
+        for p, (_, m, _) in zip(args.eval, runs):
+            if isinstance(m, bt.BlockTransformer):  # its own loss counts exactly the shared targets
+                logits = m(x2.to(device))[0].float().cpu()
+                sel = logits[keep]
+            else:
+                logits = m(x.to(device))[0].float().cpu()  # (B, T, V): row t predicts raw token t + 1
+                rows = (src - 1).clamp(min=0)
+                sel = logits.gather(1, rows[..., None].expand(*rows.shape, logits.size(-1)))[keep]
+                sums[p][1] += float(F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum"))
+            sums[p][0] += float(F.cross_entropy(sel, y2[keep], reduction="sum"))
+    print(f"validation: {args.eval_batches} x {args.eval_batch_size} windows of {args.seq_len} (seed {args.seed}); "
+          f"{n_shared:,} shared targets (the block layout's, of {n_all:,} raw targets)")
+    print(f"   {'checkpoint':60s} {'arch':8s} {'shared targets':>14s} {'all raw targets':>15s}")
+    for p, (ck, m, _) in zip(args.eval, runs):
+        raw = "" if isinstance(m, bt.BlockTransformer) else f"{sums[p][1] / n_all:15.4f}"
+        print(f"   {p:60s} {ck['arch']:8s} {sums[p][0] / n_shared:14.4f} {raw:>15s}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Checkpoint evaluations: the validation windows of a run, early exit (recursive), residual energy (svd_lora)
 
 
@@ -600,6 +743,29 @@ def main(argv=None):
     p.add_argument("--compile", action="store_true", help="torch.compile both models (the warm-up covers it)")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 (autocast, both models)")
     p.set_defaults(fn=bench_train)
+
+    p = sub.add_parser("block", help="Block Transformer vs vanilla: throughput at the largest batch of a memory "
+                                     "budget (decode-heavy, prefill-heavy); --eval: val loss on the block targets")
+    p.add_argument("--preset", default="t3-19m", help="block_transformer.py preset (default t3-19m: Table 3's 19M)")
+    p.add_argument("--vanilla", default=None, help="model.py preset of the vanilla model (default: the block "
+                                                   "preset's counterpart at equal non-embedding parameters)")
+    p.add_argument("--setting", default="both", choices=["both", *BLOCK_SETTINGS], help="run one setting alone")
+    p.add_argument("--scale", type=float, default=0.5,
+                   help="multiply the paper's prompt/generated lengths (128/2048, 2048/128); 1 = the paper's")
+    p.add_argument("--budget-mib", type=int, default=256, help="memory for generate()'s caches: the batch search "
+                                                               "takes the largest batch that fits")
+    p.add_argument("--batches", default="", help="comma list of more batch sizes to time (besides 1 and the largest)")
+    p.add_argument("--dtype", default="bfloat16", help="float32 | bfloat16 | auto")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved timed rounds (median and min..max)")
+    p.add_argument("--device", default="auto", help="cpu | cuda | mps | auto")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    p.add_argument("--eval", nargs="+", default=None, metavar="CKPT",
+                   help="instead: validation loss of these block and vanilla checkpoints on the block model's targets")
+    p.add_argument("--eval-batches", type=int, default=20, help="--eval: validation batches")
+    p.add_argument("--eval-batch-size", type=int, default=16, help="--eval: windows per batch")
+    p.add_argument("--seq-len", type=int, default=256, help="--eval: tokens per window (a multiple of L_B)")
+    p.add_argument("--seed", type=int, default=1337, help="--eval: seeds the windows and the padding layout")
+    p.set_defaults(fn=bench_block)
 
     p = sub.add_parser("exits", help="early exit of a recursive/relaxed checkpoint: per loop, oracle, threshold curve")
     p.add_argument("--ckpt", required=True, help="a recursive/relaxed checkpoint written by train.py")
