@@ -226,12 +226,49 @@ def generation_bytes(model, prompt, new) -> int:
     return model.generation_cache(1, prompt, new).nbytes()
 
 
+def search_batch(model, P, G, top, n_tokens, device) -> tuple[int, dict]:
+    """The batch search: generate(n_tokens) once (after a warm-up) at batch 1, 2, 4, ... and at `top` (the largest
+    batch the memory budget allows) -> (the batch with the most tokens/s, {batch: tokens/s}). It only selects the
+    batch; the reported throughput is then timed on the full setting."""
+    found = {}
+    for B in sorted({2 ** i for i in range(top.bit_length())} | {top}):
+        idx = torch.randint(0, model.config.vocab_size - 1, (B, P), device=device)
+        model.generate(idx, min(G, 2))
+        found[B] = B * n_tokens / min(timeit(lambda: model.generate(idx, n_tokens), device, warmup=0, repeats=1))
+    return max(found, key=found.get), found
+
+
+# operator groups of a decode profile: (name, operators, inclusive time?) -- attention counts with its children (its
+# math fallback copies K/V and runs bmm), the others by their own time
+PROFILE_GROUPS = (("matmul", ("aten::mm", "aten::addmm", "aten::mv", "aten::addmv_"), False),
+                  ("attention", ("aten::scaled_dot_product_attention",), True),
+                  ("argmax (sampling)", ("aten::argmax",), False))
+
+
+def profile_generate(model, idx, n_tokens) -> str:
+    """One generate(idx, n_tokens) under torch.profiler -> where its time goes: matmuls (with their achieved
+    GFLOP/s), attention, the argmax of greedy sampling and everything else, per token step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
+        model.generate(idx, n_tokens)
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    group = {g: [e for e in events if e.key in names] for g, names, _ in PROFILE_GROUPS}
+    times = {g: sum(e.cpu_time_total if incl else e.self_cpu_time_total for e in group[g])
+             for g, _, incl in PROFILE_GROUPS}
+    gflops = sum(e.flops for e in group["matmul"]) / max(times["matmul"], 1) / 1e3  # flops per us -> GFLOP/s
+    parts = [f"{g} {t / total:.0%}" + (f" ({gflops:.0f} GFLOP/s)" if g == "matmul" else "") for g, t in times.items()]
+    return (f"{total / n_tokens / 1e3:.1f} ms of operators per token step: " + ", ".join(parts)
+            + f", other {1 - sum(times.values()) / total:.0%}")
+
+
 @torch.no_grad()
 def bench_block(args):
     """Tokens generated per second, prefill included (the paper's throughput), of the Block Transformer and vanilla
-    in the paper's decode-heavy and prefill-heavy settings, each at batch 1, at the largest batch whose generation
-    caches fit --budget-mib (the paper's "maximum batch allowed by memory") and at the batches of --batches; the
-    ratio of the two best batches, per round, with the paper's figure beside it."""
+    in the paper's decode-heavy and prefill-heavy settings. Per model: the largest batch whose generation caches fit
+    --budget-mib (the paper's "maximum batch allowed by memory"), a batch search up to it, then interleaved rounds at
+    batch 1 and the best batch; the ratio of the best batches, per round, with the paper's figure beside it."""
     if args.eval:
         return eval_block_targets(args)
     device = pick_device(args.device)
@@ -239,6 +276,8 @@ def bench_block(args):
     names = list(BLOCK_SETTINGS) if args.setting == "both" else [args.setting]
     lengths = {n: tuple(max(1, round(x * args.scale)) for x in BLOCK_SETTINGS[n]) for n in names}
     block, vanilla = block_pair(args, device, dtype, max(p + g for p, g in lengths.values()))
+    if args.budget_mib is None:
+        args.budget_mib = round(2048 * args.scale)
     budget = args.budget_mib * 2 ** 20
     models = {"vanilla": vanilla, "block": block}
     b, v = block.config, vanilla.config
@@ -254,20 +293,23 @@ def bench_block(args):
         P, G = lengths[name]
         per_seq = {k: generation_bytes(m, P, G) for k, m in models.items()}
         top = {k: budget // n for k, n in per_seq.items()}
-        extra = [int(x) for x in args.batches.split(",") if x]
-        systems, batch = {}, {}
-        for k, m in models.items():
-            for B in sorted({1, *[x for x in extra if x <= top[k]], top[k]} - {0}):
-                idx = torch.randint(0, m.config.vocab_size - 1, (B, P), device=device)
-                systems[f"{k} {B}"] = (lambda m=m, idx=idx: m.generate(idx, G))
-                batch[f"{k} {B}"] = B
-                m.generate(idx, min(G, 2))  # warm-up: allocations, kernels (1 or 2 decode steps)
         print(f"\n-- {name}: prompt {P}, {G} new tokens | generation caches per sequence: vanilla "
               f"{per_seq['vanilla'] / 2 ** 20:.2f} MiB, block {per_seq['block'] / 2 ** 20:.2f} MiB -> largest batch in "
               f"{args.budget_mib} MiB: vanilla {top['vanilla']}, block {top['block']}")
         if min(top.values()) < 1:
             print("   a model does not fit the budget at batch 1: raise --budget-mib")
             continue
+        n_search = min(G, args.search_tokens)
+        systems, batch, best = {}, {}, {}
+        for k, m in models.items():
+            best[k], found = (search_batch(m, P, G, top[k], n_search, device) if n_search > 0 else (top[k], {}))
+            if found:
+                print(f"   batch search, {k} (generate {n_search} tokens once per batch; tok/s): "
+                      + ", ".join(f"{B}: {t:.0f}" for B, t in found.items()) + f" -> batch {best[k]}")
+            for B in sorted({1, best[k], *[x for x in args.batches if x <= top[k]]}):
+                idx = torch.randint(0, m.config.vocab_size - 1, (B, P), device=device)
+                m.generate(idx, min(G, 2))  # warm-up: allocations, kernels
+                systems[f"{k} {B}"], batch[f"{k} {B}"] = (lambda m=m, idx=idx: m.generate(idx, G)), B
         res = rounds(systems, args.repeats, warmup=0)
         tput = {s: [batch[s] * G / t for t in ts] for s, ts in res.items()}
         print(f"   {'model':8s} {'batch':>5s} {'caches MiB':>10s} {'ms/token step':>14s} {'tok/s':>26s}")
@@ -275,14 +317,18 @@ def bench_block(args):
             k, B = s.split()
             print(f"   {k:8s} {B:>5s} {per_seq[k] * int(B) / 2 ** 20:10.1f} {med(ts) / G * 1e3:14.2f} "
                   f"{spread(tput[s], fmt='.0f'):>26s}")
-        best = {k: max((s for s in tput if s.startswith(k + " ")), key=lambda s: med(tput[s])) for k in models}
-        ratio = [a / c for a, c in zip(tput[best["block"]], tput[best["vanilla"]])]
+        ratio = [a / c for a, c in zip(tput[f"block {best['block']}"], tput[f"vanilla {best['vanilla']}"])]
         one = [a / c for a, c in zip(tput["block 1"], tput["vanilla 1"])]
         paper = PAPER_BLOCK.get(args.preset, {}).get(name) if args.vanilla is None else None
         ref = (f"paper (Table 2, {args.preset} pair, H100, max batch): {paper[1] / paper[0]:.1f}x" if paper else
                "paper: 10-20x at equal perplexity (abstract); no Table 2 pair for this preset")
-        print(f"   best batch: vanilla {batch[best['vanilla']]}, block {batch[best['block']]} -> block / vanilla = "
-              f"{spread(ratio, fmt='.2f')}x per round | {ref} | batch 1: {spread(one, fmt='.2f')}x")
+        print(f"   best batch: vanilla {best['vanilla']}, block {best['block']} -> block / vanilla = "
+              f"{spread(ratio, fmt='.2f')}x (per round) | {ref} | at batch 1: {spread(one, fmt='.2f')}x")
+        if args.profile:
+            for k, m in models.items():
+                idx = torch.randint(0, m.config.vocab_size - 1, (best[k], P), device=device)
+                print(f"   profile, {k} batch {best[k]}, {min(G, 64)} new tokens: "
+                      f"{profile_generate(m, idx, min(G, 64))}")
 
 
 @torch.no_grad()
@@ -750,15 +796,20 @@ def main(argv=None):
     p.add_argument("--vanilla", default=None, help="model.py preset of the vanilla model (default: the block "
                                                    "preset's counterpart at equal non-embedding parameters)")
     p.add_argument("--setting", default="both", choices=["both", *BLOCK_SETTINGS], help="run one setting alone")
-    p.add_argument("--scale", type=float, default=0.5,
+    p.add_argument("--scale", type=float, default=0.25,
                    help="multiply the paper's prompt/generated lengths (128/2048, 2048/128); 1 = the paper's")
-    p.add_argument("--budget-mib", type=int, default=256, help="memory for generate()'s caches: the batch search "
-                                                               "takes the largest batch that fits")
-    p.add_argument("--batches", default="", help="comma list of more batch sizes to time (besides 1 and the largest)")
+    p.add_argument("--budget-mib", type=int, default=None, help="memory for generate()'s caches per model: the "
+                   "batch search goes up to the largest batch that fits (default 2048 x scale: the same batches at "
+                   "every scale)")
+    p.add_argument("--search-tokens", type=int, default=32, help="tokens per batch-search run (0: no search, time "
+                                                                 "the largest batch)")
+    p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",") if x], default=[],
+                   help="comma list of more batch sizes to time (besides 1 and the best)")
     p.add_argument("--dtype", default="bfloat16", help="float32 | bfloat16 | auto")
     p.add_argument("--repeats", type=int, default=3, help="interleaved timed rounds (median and min..max)")
     p.add_argument("--device", default="auto", help="cpu | cuda | mps | auto")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    p.add_argument("--profile", action="store_true", help="also profile one generate per model at its best batch")
     p.add_argument("--eval", nargs="+", default=None, metavar="CKPT",
                    help="instead: validation loss of these block and vanilla checkpoints on the block model's targets")
     p.add_argument("--eval-batches", type=int, default=20, help="--eval: validation batches")

@@ -191,6 +191,10 @@ _halves = halves  # the old private name, still called by serve.py's arch_models
 PRESETS: dict[str, dict] = {
     # The vanilla presets of model.py split in two (equal non-embedding parameters, equal block / token decoders).
     "tiny": halves(4, 4, 2, 128, 384, max_seq_len=256, vocab_size=4160),  # CPU and tests
+    # A larger Block Transformer (4.9M non-embedding parameters, 6x tiny's) with the decode throughput of vanilla
+    # `tiny` on this repository's 2-core CPU: the README's quality comparison at matched inference cost. Measured with
+    # python bench.py block --preset tiny-matched --vanilla tiny --scale 0.1171875 --budget-mib 32 --setting decode-heavy
+    "tiny-matched": halves(8, 4, 2, 224, 672, max_seq_len=256, vocab_size=4160),
     "small": halves(8, 8, 4, 512, 1536, max_seq_len=1024, vocab_size=16448),
     "base": halves(12, 12, 4, 768, 3840, max_seq_len=1024, vocab_size=32832),
     # The Block Transformer rows of Table 3 (L = 2048, L_B = 4, P = 2, lookup embedder, MHA, Pythia vocabulary), with
@@ -530,6 +534,11 @@ class BlockTransformer(GPT):
         cache.local.lengths += 1
         return self.head(h[:, -1])
 
+    def compile_decode(self, mode=None):
+        raise NotImplementedError("GPT.compile_decode compiles one decode step with static caches; the Block "
+                                  "Transformer's step has two shapes (inside a block / at its last token) and the "
+                                  "block decoder's cache grows: not supported")
+
     # -- accounting ----------------------------------------------------------------------------------------------
 
     def num_params(self, non_embedding: bool = True) -> int:
@@ -667,9 +676,9 @@ def convert(args, vanilla: GPT, tok=None) -> BlockTransformer:
 
 ARCH_SPECS = [ArchSpec("block", BlockConfig, BlockTransformer, PRESETS, add_args=add_args,
                        config_overrides=config_overrides, convert=convert, prepare_batch=prepare_batch, kd_ok=False,
-                       # a tiny step takes ~0.82x vanilla's (forward+backward, batch 16 x 256, back to back on CPU):
-                       # 360 steps fill the ~5 minutes that vanilla's 300 take
-                       train_defaults={"max_iters": 360})]
+                       # measured with /work/tools/cpu_excl (2 idle threads, fp32): a tiny step (16 x 256) takes
+                       # ~0.29 s, 1.04x vanilla's at the same time; 1000 steps + 4 evaluations take ~5 minutes
+                       train_defaults={"max_iters": 1000})]
 
 
 # ----------------------------------------------------------------------------------------------------------------

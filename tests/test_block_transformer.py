@@ -297,6 +297,8 @@ def test_config_errors_are_clear():
     m = tiny_model()
     with pytest.raises(ValueError, match="sequence length 10 is not a multiple of block_len L_B=4"):
         m(real_tokens(1, 10))
+    with pytest.raises(NotImplementedError, match="not supported"):
+        m.compile_decode()
     with pytest.raises(ValueError, match="exceeds max_seq_len=32"):
         m.generate(real_tokens(1, 30), 8)
     v = GPT(GPTConfig(n_layer=1, n_embd=32, mlp_hidden=48, vocab_size=V, max_seq_len=32))
@@ -369,26 +371,33 @@ def test_train_block_from_scratch_and_uptrained(corpus):
 
 
 def test_bench_block_batch_search_and_ratio(capsys):
-    """`python bench.py block` at toy sizes: both settings, batch 1 and the largest batch whose generation caches fit
-    the budget (the paper's maximum batch), the ratio line with the paper's figure."""
+    """`python bench.py block` at toy sizes: in both settings, the largest batch whose generation caches fit the budget
+    (the paper's maximum batch), a search over 1, 2, 4, ... up to it, rounds at batch 1, the best batch and --batches,
+    and the ratio line."""
     import bench
 
     bench.main(["block", "--preset", "tiny", "--scale", str(1 / 64), "--budget-mib", "1", "--repeats", "1",
-                "--dtype", "float32", "--device", "cpu", "--batches", "2"])
+                "--dtype", "float32", "--device", "cpu", "--batches", "3"])
     out = capsys.readouterr().out
     block, vanilla = bench.block_pair(argparse.Namespace(preset="tiny", vanilla=None), torch.device("cpu"),
                                       torch.float32, 34)
-    for setting, (P, G) in (("decode-heavy", (2, 32)), ("prefill-heavy", (32, 2))):
+    sections = out.split("\n-- ")[1:]
+    assert len(sections) == 2
+    for sec, (setting, (P, G)) in zip(sections, (("decode-heavy", (2, 32)), ("prefill-heavy", (32, 2)))):
         per_seq = {k: bench.generation_bytes(m, P, G) for k, m in (("vanilla", vanilla), ("block", block))}
         assert per_seq["block"] < per_seq["vanilla"]
         top = {k: 2 ** 20 // n for k, n in per_seq.items()}
-        assert f"-- {setting}: prompt {P}, {G} new tokens" in out
-        assert f"largest batch in 1 MiB: vanilla {top['vanilla']}, block {top['block']}" in out
-        assert f"best batch: vanilla {top['vanilla']}, block {top['block']}" in out or "best batch:" in out
-    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["vanilla"], ["block"])]
-    assert sorted({(r[0], int(r[1])) for r in rows}) == sorted(
-        {(k, b) for k in ("vanilla", "block") for b in (1, 2, 2 ** 20 // per_seq[k])})  # the last setting's batches
-    assert out.count("block / vanilla = ") == 2
+        assert sec.startswith(f"{setting}: prompt {P}, {G} new tokens")
+        assert f"largest batch in 1 MiB: vanilla {top['vanilla']}, block {top['block']}" in sec
+        best = {}
+        for k in ("vanilla", "block"):
+            line = next(x for x in sec.splitlines() if x.startswith(f"   batch search, {k} "))
+            found = [int(c.split(":")[0]) for c in line.split("tok/s): ")[1].split(" -> ")[0].split(", ")]
+            assert found == sorted({2 ** i for i in range(top[k].bit_length())} | {top[k]})  # 1, 2, 4, ..., the max
+            best[k] = int(line.split(" -> batch ")[1])
+        rows = {(r[0], int(r[1])) for r in (x.split() for x in sec.splitlines()) if r[:1] in (["vanilla"], ["block"])}
+        assert rows == {(k, b) for k in best for b in (1, 3, best[k])}
+        assert f"best batch: vanilla {best['vanilla']}, block {best['block']} -> block / vanilla = " in sec
 
 
 def test_bench_block_runs_one_setting_alone(capsys):
