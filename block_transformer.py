@@ -53,7 +53,10 @@ Run:
     python block_transformer.py                              # presets: parameters, KV bytes, vanilla counterparts
     python train.py --arch block                             # pretrain the tiny preset (~5 min on 2 idle cores)
     python train.py --arch block --init-from out/vanilla/ckpt.pt --out-dir out/block-up   # uptrain (Appendix N)
-    python bench.py block                                    # decode throughput vs vanilla, batch search (CPU)
+    python train.py --arch block --preset tiny-matched       # the larger model with vanilla tiny's decode throughput
+    python bench.py block                                    # throughput vs vanilla at the best batch of a cache
+                                                             # budget, both settings at 1/4 length (~5 min, CPU)
+    python bench.py block --scale 1 --setting decode-heavy   # the paper's 128/2048 setting (~15 min on 2 cores)
     python bench.py block --eval out/block/ckpt.pt out/vanilla/ckpt.pt   # val loss on the block model's targets
     python -m pytest -q tests/test_block_transformer.py
 """

@@ -376,14 +376,14 @@ def test_bench_block_batch_search_and_ratio(capsys):
     and the ratio line."""
     import bench
 
-    bench.main(["block", "--preset", "tiny", "--scale", str(1 / 64), "--budget-mib", "1", "--repeats", "1",
+    bench.main(["block", "--preset", "tiny", "--scale", str(1 / 32), "--budget-mib", "1", "--repeats", "1",
                 "--dtype", "float32", "--device", "cpu", "--batches", "3"])
     out = capsys.readouterr().out
     block, vanilla = bench.block_pair(argparse.Namespace(preset="tiny", vanilla=None), torch.device("cpu"),
-                                      torch.float32, 34)
+                                      torch.float32, 68)
     sections = out.split("\n-- ")[1:]
     assert len(sections) == 2
-    for sec, (setting, (P, G)) in zip(sections, (("decode-heavy", (2, 32)), ("prefill-heavy", (32, 2)))):
+    for sec, (setting, (P, G)) in zip(sections, (("decode-heavy", (4, 64)), ("prefill-heavy", (64, 4)))):
         per_seq = {k: bench.generation_bytes(m, P, G) for k, m in (("vanilla", vanilla), ("block", block))}
         assert per_seq["block"] < per_seq["vanilla"]
         top = {k: 2 ** 20 // n for k, n in per_seq.items()}
@@ -392,7 +392,7 @@ def test_bench_block_batch_search_and_ratio(capsys):
         best = {}
         for k in ("vanilla", "block"):
             line = next(x for x in sec.splitlines() if x.startswith(f"   batch search, {k} "))
-            found = [int(c.split(":")[0]) for c in line.split("tok/s): ")[1].split(" -> ")[0].split(", ")]
+            found = [int(c.split(":")[0]) for c in line.split("): ")[1].split(" -> ")[0].split(", ")]
             assert found == sorted({2 ** i for i in range(top[k].bit_length())} | {top[k]})  # 1, 2, 4, ..., the max
             best[k] = int(line.split(" -> batch ")[1])
         rows = {(r[0], int(r[1])) for r in (x.split() for x in sec.splitlines()) if r[:1] in (["vanilla"], ["block"])}
@@ -404,9 +404,12 @@ def test_bench_block_runs_one_setting_alone(capsys):
     import bench
 
     bench.main(["block", "--preset", "tiny", "--scale", str(1 / 64), "--budget-mib", "1", "--repeats", "1",
-                "--dtype", "float32", "--device", "cpu", "--setting", "prefill-heavy"])
+                "--dtype", "float32", "--device", "cpu", "--setting", "prefill-heavy", "--search-tokens", "0"])
     out = capsys.readouterr().out
     assert "-- prefill-heavy" in out and "-- decode-heavy" not in out
+    assert "batch search" not in out  # --search-tokens 0: the budget's largest batch is timed, as in the paper
+    top = out.split("largest batch in 1 MiB: ")[1].split("\n")[0]  # "vanilla V, block B"
+    assert f"best batch: {top} -> block / vanilla" in out
 
 
 def test_halves_config_reuses_gptconfig():
