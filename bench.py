@@ -285,9 +285,9 @@ def arch_models(preset: str, loops=2, rank=8, max_seq_len=None) -> dict:
     out["recursive"] = RecursiveGPT(RecursiveConfig(**{**base, "n_layer": loops * N}, n_loops=loops))
     ranks = {f"lora_rank_{c}": rank for c in ("q", "kv", "o", "mlp")}
     out["relaxed"] = RecursiveGPT(RecursiveConfig(**{**base, "n_layer": loops * N}, n_loops=loops, **ranks))
-    halves = bt._halves(**{k: base[k] for k in ("n_layer", "n_head", "n_kv_head", "n_embd", "mlp_hidden")},
+    shape = bt.halves(**{k: base[k] for k in ("n_layer", "n_head", "n_kv_head", "n_embd", "mlp_hidden")},
                         max_seq_len=base["max_seq_len"] - base["max_seq_len"] % 4, vocab_size=base["vocab_size"])
-    out["block"] = bt.BlockTransformer(bt.BlockConfig(**halves))
+    out["block"] = bt.BlockTransformer(bt.BlockConfig(**shape))
     out["plt"] = plt.PLT(plt.PLTConfig(**base, n_loops=2, window=min(64, base["max_seq_len"])))
     ctx = min(max(round(2 * N / 3), 1), N - 1) if N > 1 else 1
     out["double"] = dd.DoubleDecoder(dd.DoubleConfig(**{k: v for k, v in base.items() if k != "n_layer"},
@@ -367,6 +367,206 @@ def bench_serve(args):
               f"mean exit loop {rs[0]['mean_exit_loop']:.2f}  vs vanilla {spread([a / b for a, b in zip(tps, base)], fmt='.2f')}x")
     print("   paper (Table K.2/K.4, simulated on an A100 from oracle exits): depth-wise + early exit 1.4-1.9x "
           "continuous sequence-wise batching")
+
+# ----------------------------------------------------------------------------------------------------------------
+# Block Transformer vs vanilla: throughput at the largest batch a memory budget allows (paper 002, section 3.2)
+
+# The paper's two settings (prompt tokens, generated tokens) and its figures for the pair at equal non-embedding
+# parameters (Table 2, H100, maximum batch; 1K tokens/s): {preset: {setting: (vanilla, block)}}.
+BLOCK_SETTINGS = {"decode-heavy": (128, 2048), "prefill-heavy": (2048, 128)}
+PAPER_BLOCK = {"t3-5m": {"decode-heavy": (41.6, 809.5), "prefill-heavy": (10.8, 272.3)},
+               "t3-19m": {"decode-heavy": (19.1, 421.4), "prefill-heavy": (6.9, 175.3)},
+               "t3-85m": {"decode-heavy": (6.2, 134.7), "prefill-heavy": (2.3, 59.0)},
+               "t3-302m": {"decode-heavy": (2.1, 44.1), "prefill-heavy": (0.8, 21.0)}}
+
+
+def block_pair(args, device, dtype, max_len):
+    """(Block Transformer of --preset, its vanilla counterpart): the vanilla model with the same non-embedding
+    parameters (BlockConfig.vanilla_config, the paper's pairing), or the model.py preset --vanilla. Random weights."""
+    import block_transformer as bt
+
+    cfg = bt.BlockConfig.from_preset(args.preset)
+    max_len = -(-max_len // cfg.block_len) * cfg.block_len
+    cfg = bt.BlockConfig.from_preset(args.preset, max_seq_len=max(max_len, cfg.max_seq_len))
+    vcfg = cfg.vanilla_config() if args.vanilla is None else GPTConfig.from_preset(args.vanilla)
+    vcfg.max_seq_len = max(max_len, vcfg.max_seq_len)
+    torch.manual_seed(0)
+    return (bt.BlockTransformer(cfg).to(device=device, dtype=dtype).eval(),
+            GPT(vcfg).to(device=device, dtype=dtype).eval())
+
+
+def generation_bytes(model, prompt, new) -> int:
+    """Bytes of the caches generate() allocates for ONE sequence (KV caches; linear in the batch)."""
+    return model.generation_cache(1, prompt, new).nbytes()
+
+
+def search_batch(model, P, G, top, n_tokens, device) -> tuple[int, dict]:
+    """The batch search: at batch 1, 2, 4, ... and `top` (the largest batch the memory budget allows), the decode
+    throughput at the setting's mean context: a prefill of P + G // 2 random tokens and one decode step (untimed), then
+    n_tokens timed decode steps (greedy) -> (the batch with the most decode tokens/s, {batch: tokens/s}). It only
+    selects the batch (a short run at the start of a long generation would hide what a long context costs); the
+    reported throughput is then timed on the full setting."""
+    from model import sample_next
+
+    n = min(n_tokens, G - 2)
+    ctx = min(P + G // 2, P + G - 2 - n)
+    found = {}
+    for B in sorted({2 ** i for i in range(top.bit_length())} | {top}):
+        cache = model.generation_cache(B, ctx, n + 2)
+        tok = sample_next(model.prefill(torch.randint(0, model.config.vocab_size - 1, (B, ctx), device=device), cache))
+        tok = sample_next(model.decode_step(tok, cache))
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            tok = sample_next(model.decode_step(tok, cache))
+        sync(device)
+        found[B] = B * n / (time.perf_counter() - t0)
+    return max(found, key=found.get), found
+
+
+# operator groups of a decode profile: (name, operators, inclusive time?) -- attention counts with its children (its
+# math fallback copies K/V and runs bmm), the others by their own time
+PROFILE_GROUPS = (("matmul", ("aten::mm", "aten::addmm", "aten::mv", "aten::addmv_"), False),
+                  ("attention", ("aten::scaled_dot_product_attention",), True),
+                  ("argmax (sampling)", ("aten::argmax",), False))
+
+
+def profile_generate(model, idx, n_tokens) -> str:
+    """One generate(idx, n_tokens) under torch.profiler -> where its time goes: matmuls (with their achieved
+    GFLOP/s), attention, the argmax of greedy sampling and everything else, per token step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
+        model.generate(idx, n_tokens)
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    group = {g: [e for e in events if e.key in names] for g, names, _ in PROFILE_GROUPS}
+    times = {g: sum(e.cpu_time_total if incl else e.self_cpu_time_total for e in group[g])
+             for g, _, incl in PROFILE_GROUPS}
+    gflops = sum(e.flops for e in group["matmul"]) / max(times["matmul"], 1) / 1e3  # flops per us -> GFLOP/s
+    parts = [f"{g} {t / total:.0%}" + (f" ({gflops:.0f} GFLOP/s)" if g == "matmul" else "") for g, t in times.items()]
+    return (f"{total / n_tokens / 1e3:.1f} ms of operators per token step: " + ", ".join(parts)
+            + f", other {1 - sum(times.values()) / total:.0%}")
+
+
+@torch.no_grad()
+def bench_block(args):
+    """Tokens generated per second, prefill included (the paper's throughput), of the Block Transformer and vanilla
+    in the paper's decode-heavy and prefill-heavy settings. Per model: the largest batch whose generation caches fit
+    --budget-mib (the paper's "maximum batch allowed by memory"), a batch search up to it, then interleaved rounds at
+    batch 1 and the best batch; the ratio of the best batches, per round, with the paper's figure beside it."""
+    if args.eval:
+        return eval_block_targets(args)
+    device = pick_device(args.device)
+    dtype = pick_dtype(device, args.dtype)
+    names = list(BLOCK_SETTINGS) if args.setting == "both" else [args.setting]
+    lengths = {n: tuple(max(1, round(x * args.scale)) for x in BLOCK_SETTINGS[n]) for n in names}
+    block, vanilla = block_pair(args, device, dtype, max(p + g for p, g in lengths.values()))
+    if args.budget_mib is None:
+        args.budget_mib = round(2048 * args.scale)
+    budget = args.budget_mib * 2 ** 20
+    models = {"vanilla": vanilla, "block": block}
+    b, v = block.config, vanilla.config
+    header("Block Transformer vs vanilla: generation throughput", device, dtype,
+           f"block {args.preset} ({b.block_n_layer}+{b.n_layer} layers, d {b.n_embd}, L_B {b.block_len}, "
+           f"P {b.prefix_len}, {block.num_params(False) / 1e6:.1f}M params, {param_bytes(block) / 1e6:.0f} MB) vs "
+           f"vanilla {args.vanilla or 'counterpart'} ({v.n_layer} layers, d {v.n_embd}, "
+           f"{vanilla.num_params(False) / 1e6:.1f}M params, {param_bytes(vanilla) / 1e6:.0f} MB) | non-embedding "
+           f"{block.num_params() / 1e6:.1f}M vs {vanilla.num_params() / 1e6:.1f}M | random weights and prompts, "
+           f"greedy, no EOS | cache budget {args.budget_mib} MiB | median (min..max) of {args.repeats} interleaved "
+           f"rounds")
+    for name in names:
+        P, G = lengths[name]
+        per_seq = {k: generation_bytes(m, P, G) for k, m in models.items()}
+        top = {k: budget // n for k, n in per_seq.items()}
+        print(f"\n-- {name}: prompt {P}, {G} new tokens | generation caches per sequence: vanilla "
+              f"{per_seq['vanilla'] / 2 ** 20:.2f} MiB, block {per_seq['block'] / 2 ** 20:.2f} MiB -> largest batch in "
+              f"{args.budget_mib} MiB: vanilla {top['vanilla']}, block {top['block']}")
+        if min(top.values()) < 1:
+            print("   a model does not fit the budget at batch 1: raise --budget-mib")
+            continue
+        n_search = min(G - 2, args.search_tokens)  # no search below 3 generated tokens
+        systems, batch, best = {}, {}, {}
+        for k, m in models.items():
+            best[k], found = (search_batch(m, P, G, top[k], n_search, device) if n_search > 0 else (top[k], {}))
+            if found:
+                print(f"   batch search, {k} (decode tok/s at context {min(P + G // 2, P + G - 2 - n_search)}): "
+                      + ", ".join(f"{B}: {t:.0f}" for B, t in found.items()) + f" -> batch {best[k]}")
+            for B in sorted({1, best[k], *[x for x in args.batches if x <= top[k]]}):
+                idx = torch.randint(0, m.config.vocab_size - 1, (B, P), device=device)
+                m.generate(idx, min(G, 2))  # warm-up: allocations, kernels
+                systems[f"{k} {B}"], batch[f"{k} {B}"] = (lambda m=m, idx=idx: m.generate(idx, G)), B
+        res = rounds(systems, args.repeats, warmup=0)
+        tput = {s: [batch[s] * G / t for t in ts] for s, ts in res.items()}
+        print(f"   {'model':8s} {'batch':>5s} {'caches MiB':>10s} {'ms/token step':>14s} {'tok/s':>26s}")
+        for s, ts in res.items():
+            k, B = s.split()
+            print(f"   {k:8s} {B:>5s} {per_seq[k] * int(B) / 2 ** 20:10.1f} {med(ts) / G * 1e3:14.2f} "
+                  f"{spread(tput[s], fmt='.0f'):>26s}")
+        ratio = [a / c for a, c in zip(tput[f"block {best['block']}"], tput[f"vanilla {best['vanilla']}"])]
+        one = [a / c for a, c in zip(tput["block 1"], tput["vanilla 1"])]
+        paper = PAPER_BLOCK.get(args.preset, {}).get(name) if args.vanilla is None else None
+        ref = (f"paper (Table 2, {args.preset} pair, H100, max batch): {paper[1] / paper[0]:.1f}x" if paper else
+               "paper: 10-20x at equal perplexity (abstract); no Table 2 pair for this preset")
+        print(f"   best batch: vanilla {best['vanilla']}, block {best['block']} -> block / vanilla = "
+              f"{spread(ratio, fmt='.2f')}x (per round) | {ref} | at batch 1: {spread(one, fmt='.2f')}x")
+        if args.profile:
+            for k, m in models.items():
+                idx = torch.randint(0, m.config.vocab_size - 1, (best[k], P), device=device)
+                print(f"   profile, {k} batch {best[k]}, {min(G, 64)} new tokens: "
+                      f"{profile_generate(m, idx, min(G, 64))}")
+
+
+@torch.no_grad()
+def eval_block_targets(args):
+    """Validation loss of Block Transformer and vanilla checkpoints on the SAME targets: the block model's (the
+    windows as its training lays them out, random-length padding included; the first L_B - 1 targets of a window and
+    pad targets left out). Vanilla reads the raw window and is scored at the raw positions of those targets
+    (random_pad_documents' `src`), so both models predict the same tokens from the same preceding real tokens."""
+    import block_transformer as bt
+    from model import IGNORE
+
+    device = pick_device(args.device)
+    runs = [load_run(p, device) for p in args.eval]
+    blocks = [r for r in runs if isinstance(r[1], bt.BlockTransformer)]
+    if not blocks:
+        raise ValueError("--eval needs at least one Block Transformer checkpoint (its targets define the evaluation)")
+    cfg = blocks[0][1].config
+    key = lambda c: (c.block_len, c.pad, c.eot_id, c.random_pad)  # noqa: E731  what decides the layout
+    if any(key(r[1].config) != key(cfg) for r in blocks):
+        raise ValueError("the Block Transformer checkpoints lay windows out differently (block_len, pad, eot_id)")
+    ck0, _, tok0 = runs[0]
+    sums = {p: [0.0, 0.0] for p in args.eval}  # loss on the shared targets, loss on all of its own targets
+    n_shared, n_all = 0, 0
+    for i, (x, y) in enumerate(val_windows(ck0, tok0, args.eval_batches, args.eval_batch_size, args.seq_len,
+                                           args.seed, "cpu")):
+        gen = torch.Generator().manual_seed(args.seed + i)
+        if cfg.random_pad and cfg.eot_id is not None:
+            x2, y2, src = bt.random_pad_documents(x, y, gen, cfg.block_len, cfg.pad, cfg.eot_id, return_source=True)
+        else:
+            x2, y2, src = x, y, torch.arange(1, x.size(1) + 1).expand_as(x)
+        y2 = y2.clone()
+        y2[:, :cfg.block_len - 1] = IGNORE  # the block model never predicts these
+        keep = y2 != IGNORE
+        assert torch.equal(y.gather(1, (src - 1).clamp(min=0))[keep], y2[keep])  # the same tokens
+        n_shared += int(keep.sum())
+        n_all += y.numel()
+        for p, (_, m, _) in zip(args.eval, runs):
+            if isinstance(m, bt.BlockTransformer):  # its own loss counts exactly the shared targets
+                logits = m(x2.to(device))[0].float().cpu()
+                sel = logits[keep]
+            else:
+                logits = m(x.to(device))[0].float().cpu()  # (B, T, V): row t predicts raw token t + 1
+                rows = (src - 1).clamp(min=0)
+                sel = logits.gather(1, rows[..., None].expand(*rows.shape, logits.size(-1)))[keep]
+                sums[p][1] += float(F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum"))
+            sums[p][0] += float(F.cross_entropy(sel, y2[keep], reduction="sum"))
+    print(f"validation: {args.eval_batches} x {args.eval_batch_size} windows of {args.seq_len} (seed {args.seed}); "
+          f"{n_shared:,} shared targets (the block layout's, of {n_all:,} raw targets)")
+    print(f"   {'checkpoint':60s} {'arch':8s} {'shared targets':>14s} {'all raw targets':>15s}")
+    for p, (ck, m, _) in zip(args.eval, runs):
+        raw = "" if isinstance(m, bt.BlockTransformer) else f"{sums[p][1] / n_all:15.4f}"
+        print(f"   {p:60s} {ck['arch']:8s} {sums[p][0] / n_shared:14.4f} {raw:>15s}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -755,6 +955,34 @@ def main(argv=None):
     p.add_argument("--exit-rate", type=float, default=0.5, help="share of tokens exiting at loop 1 to simulate")
     p.add_argument("--exit-source", default="--exit-rate as given", help="where the exit rate was measured")
     p.set_defaults(fn=bench_serve)
+
+    p = sub.add_parser("block", help="Block Transformer vs vanilla: throughput at the largest batch of a memory "
+                                     "budget (decode-heavy, prefill-heavy); --eval: val loss on the block targets")
+    p.add_argument("--preset", default="t3-19m", help="block_transformer.py preset (default t3-19m: Table 3's 19M)")
+    p.add_argument("--vanilla", default=None, help="model.py preset of the vanilla model (default: the block "
+                                                   "preset's counterpart at equal non-embedding parameters)")
+    p.add_argument("--setting", default="both", choices=["both", *BLOCK_SETTINGS], help="run one setting alone")
+    p.add_argument("--scale", type=float, default=0.25,
+                   help="multiply the paper's prompt/generated lengths (128/2048, 2048/128); 1 = the paper's")
+    p.add_argument("--budget-mib", type=int, default=None, help="memory for generate()'s caches per model: the "
+                   "batch search goes up to the largest batch that fits (default 2048 x scale: the same batches at "
+                   "every scale)")
+    p.add_argument("--search-tokens", type=int, default=32, help="tokens per batch-search run (0: no search, time "
+                                                                 "the largest batch)")
+    p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",") if x], default=[],
+                   help="comma list of more batch sizes to time (besides 1 and the best)")
+    p.add_argument("--dtype", default="bfloat16", help="float32 | bfloat16 | auto")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved timed rounds (median and min..max)")
+    p.add_argument("--device", default="auto", help="cpu | cuda | mps | auto")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    p.add_argument("--profile", action="store_true", help="also profile one generate per model at its best batch")
+    p.add_argument("--eval", nargs="+", default=None, metavar="CKPT",
+                   help="instead: validation loss of these block and vanilla checkpoints on the block model's targets")
+    p.add_argument("--eval-batches", type=int, default=20, help="--eval: validation batches")
+    p.add_argument("--eval-batch-size", type=int, default=16, help="--eval: windows per batch")
+    p.add_argument("--seq-len", type=int, default=256, help="--eval: tokens per window (a multiple of L_B)")
+    p.add_argument("--seed", type=int, default=1337, help="--eval: seeds the windows and the padding layout")
+    p.set_defaults(fn=bench_block)
 
     p = sub.add_parser("exits", help="early exit of a recursive/relaxed checkpoint: per loop, oracle, threshold curve")
     p.add_argument("--ckpt", required=True, help="a recursive/relaxed checkpoint written by train.py")

@@ -19,6 +19,13 @@ vanilla model's. The token decoder is a stack of model.Block over P + L_B - 1 po
 it needs no prefill and its cache is P + L_B - 1 entries, thrown away after every block (Table 1, Appendix E). That is
 where the decode throughput comes from.
 
+How it sits on model.py: `BlockConfig` is a `GPTConfig` whose own fields describe the TOKEN decoder (n_layer, n_head,
+n_kv_head, n_embd, mlp_hidden), the style of both decoders (norm, MLP kind, RoPE, biases, head_dim, ...), the
+vocabulary and the longest sequence in tokens (max_seq_len); `block_*` fields give the block decoder's shape (None: the
+token decoder's). `BlockTransformer` is a `GPT`: GPT's embedding, layer stack, final norm and head ARE the token
+decoder, and GPT.generate is its generate loop; the block decoder (a `Decoder`), the embedder and the prefix
+projection are added. Every cached step of both decoders goes through model.run_cached.
+
 Conventions of this file (the official code's, see ../shared/NOTES.md):
   * forward(idx, targets) -> (logits (B, T, V), loss) with logits[:, t] predicting token t+1, as every model of this
     repository. The first block has no context embedding before it, so its tokens are never predicted:
@@ -30,98 +37,79 @@ Conventions of this file (the official code's, see ../shared/NOTES.md):
   * Random-length padding when packing (Appendix H), in prepare_batch(): per document a random left pad of
     0..L_B-1 pads, the document with its end-of-text token, then pads up to the block boundary; no block mixes two
     documents.
-  * Uptraining (convert(), Appendix N / G.8): the lower half of a vanilla model's layers become the block decoder, the
-    upper half the token decoder; the embedder starts as the mean of the block's vanilla token embeddings, the prefix
-    projection as P copies of the identity; embedding, final norm and head go to the token decoder.
+  * Uptraining (from_vanilla(), Appendix N / G.8): the lower half of a vanilla model's layers become the block
+    decoder, the upper half the token decoder; the embedder starts as the mean of the block's vanilla token
+    embeddings, the prefix projection as P copies of the identity; embedding, final norm and head go to the token
+    decoder.
   * Prefix decoding (section 2.4) is the default; `context='summation'` is MEGABYTE's way (Appendix F.2): the context
     embedding is projected to L_B vectors added to the token decoder's inputs [start, t_0 .. t_{L_B-2}].
 
+Generation (section 2.1, Appendix E) is GPT.generate's loop over `prefill` and `decode_step`, with a `BlockCache`:
+the prefill runs the block decoder over the prompt's blocks (the prompt left-padded to a block boundary) and the token
+decoder over the P prefix vectors; each decode step feeds one token to the token decoder, and the step that completes
+a block runs the block decoder once on it and starts the next block's token decoder from the new context embedding.
+
 Run:
     python block_transformer.py                              # presets: parameters, KV bytes, vanilla counterparts
-    python train.py --arch block                             # pretrain the tiny preset, 360 steps (~5 min, 2 cores)
-    # val loss against vanilla at the same non-embedding parameters (0.82M vs 0.79M) and tokens (300 x 16 x 256):
-    python train.py --arch vanilla --out-dir out/vanilla
-    python train.py --arch block --max-iters 300 --out-dir out/block
-    python train.py --arch block --init-from out/vanilla/ckpt.pt --max-iters 300 --out-dir out/block-up  # uptrain
-    python block_transformer.py --bench                      # decode throughput and KV bytes vs vanilla (GPU sizes)
-    python block_transformer.py --bench --preset tiny --scale 0.0625 --batch 1,8 --device cpu   # small, on CPU
+    python train.py --arch block                             # pretrain the tiny preset (~5 min on 2 idle cores)
+    python train.py --arch block --init-from out/vanilla/ckpt.pt --out-dir out/block-up   # uptrain (Appendix N)
+    python train.py --arch block --preset tiny-matched       # the larger model with vanilla tiny's decode throughput
+    python bench.py block                                    # throughput vs vanilla at the best batch of a cache
+                                                             # budget, both settings at 1/4 length (~5 min, CPU)
+    python bench.py block --scale 1 --setting decode-heavy   # the paper's 128/2048 setting (~15 min on 2 cores)
+    python bench.py block --eval out/block/ckpt.pt out/vanilla/ckpt.pt   # val loss on the block model's targets
     python -m pytest -q tests/test_block_transformer.py
 """
 from __future__ import annotations
 
 import argparse
-import time
 from dataclasses import dataclass, fields
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import (IGNORE, ArchSpec, Block, GPT, GPTConfig, KVCache, RotaryEmbedding,
-                   causal_mask_from_positions, count_params, init_weights, kv_bytes, lm_loss, make_norm, pick_device,
-                   pick_dtype, sample_next)
+from model import (GPT, IGNORE, ArchSpec, Block, GPTConfig, KVCache, Linear, RotaryEmbedding, count_params,
+                   init_weights, kv_bytes, lm_loss, make_norm, run_cached)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Config
 
 
-# GPTConfig fields that both decoders share (the "style" of the blocks: norm, MLP, RoPE, biases, ...)
-SHARED_FIELDS = ("head_dim", "rope_theta", "rotary_pct", "norm", "norm_eps", "norm_offset", "mlp", "tie_embeddings",
-                 "embed_scale", "parallel_residual", "attn_bias", "mlp_bias")
-# GPTConfig fields that each decoder sets for itself: block_<name> and tok_<name> below
-DECODER_FIELDS = ("n_layer", "n_head", "n_kv_head", "n_embd", "mlp_hidden")
+DECODER_FIELDS = ("n_layer", "n_head", "n_kv_head", "n_embd", "mlp_hidden")  # the shape of one decoder
 
 
 @dataclass
-class BlockConfig:
-    vocab_size: int = 4160
-    max_seq_len: int = 256  # in tokens; a multiple of block_len
+class BlockConfig(GPTConfig):
+    """GPTConfig = the token decoder's shape and both decoders' style; max_seq_len counts TOKENS (a multiple of
+    block_len). block_<field> = the block decoder's shape, None = the token decoder's value."""
+
+    n_layer: int = 2  # token decoder layers
     block_len: int = 4  # L_B, tokens per block
     prefix_len: int = 2  # P, prefix vectors the context embedding is projected into (context='prefix')
     embedder: str = "lookup"  # 'lookup' (section 2.2) | 'lookup_proj' (concat + Linear, Appendix G.8: uptraining)
     embed_dim: int | None = None  # lookup_proj: width of each token embedding (None -> block_n_embd)
     context: str = "prefix"  # 'prefix' (section 2.4) | 'summation' (MEGABYTE, Appendix F.2)
-    # block decoder (global, one position per block)
-    block_n_layer: int = 2
-    block_n_head: int = 4
-    block_n_kv_head: int = 2
-    block_n_embd: int = 128
-    block_mlp_hidden: int = 384
-    # token decoder (local, P + L_B - 1 positions)
-    tok_n_layer: int = 2
-    tok_n_head: int = 4
-    tok_n_kv_head: int = 2
-    tok_n_embd: int = 128
-    tok_mlp_hidden: int = 384
-    # the style of both decoders (see GPTConfig)
-    head_dim: int | None = None
-    rope_theta: float = 10000.0
-    rotary_pct: float = 1.0
-    norm: str = "rms"
-    norm_eps: float = 1e-5
-    norm_offset: float = 0.0
-    mlp: str = "swiglu"
-    tie_embeddings: bool = True  # the token decoder's embedding and head
-    embed_scale: bool = False
-    parallel_residual: bool = False
-    attn_bias: bool = False
-    mlp_bias: bool = False
-    # data
+    block_n_layer: int | None = None  # block decoder (global, one position per block); None -> the token decoder's
+    block_n_head: int | None = None
+    block_n_kv_head: int | None = None
+    block_n_embd: int | None = None
+    block_mlp_hidden: int | None = None
     pad_id: int | None = None  # None -> vocab_size - 1 (the spare row of train.py's padded vocabulary)
     eot_id: int | None = None  # the tokenizer's end-of-text id, which separates documents; None: no random padding
     random_pad: bool = True  # Appendix H: random-length padding of each document in prepare_batch
 
     def __post_init__(self):
-        self.validate()
+        for f in DECODER_FIELDS:
+            if getattr(self, f"block_{f}") is None:
+                setattr(self, f"block_{f}", getattr(self, f))
+        super().__post_init__()
 
     def validate(self):
-        def need(ok, msg):
-            if not ok:
-                raise ValueError(f"bad BlockConfig: {msg}")
-
-        for name in ("vocab_size", "max_seq_len", "block_len"):
-            need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, f"{name} must be a positive int")
+        super().validate()  # the token decoder ("bad GPTConfig: ...")
+        need = self.need
+        need(isinstance(self.block_len, int) and self.block_len >= 1, "block_len must be a positive int")
         need(self.embedder in ("lookup", "lookup_proj"), f"embedder={self.embedder!r} is not 'lookup' or 'lookup_proj'")
         need(self.context in ("prefix", "summation"), f"context={self.context!r} is not 'prefix' or 'summation'")
         if self.context == "prefix":
@@ -139,11 +127,15 @@ class BlockConfig:
         need(0 <= self.pad < self.vocab_size, f"pad_id={self.pad_id} is outside the vocabulary of {self.vocab_size}")
         need(self.eot_id is None or (0 <= self.eot_id < self.vocab_size and self.eot_id != self.pad),
              f"eot_id={self.eot_id} must be a vocabulary id other than the pad id {self.pad}")
-        for which in ("block", "tok"):
-            try:
-                self.decoder_config(which)
-            except ValueError as e:
-                raise ValueError(f"bad BlockConfig: {'block' if which == 'block' else 'token'} decoder: {e}") from None
+        try:
+            self.block_decoder_config()
+        except ValueError as e:
+            need(False, f"block decoder: {e}")
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> "BlockConfig":
+        """A preset of this file (GPTConfig.from_preset reads model.py's presets)."""
+        return ARCH_SPECS[0].make_config(name, **overrides)
 
     # -- derived sizes -------------------------------------------------------------------------------------------
 
@@ -173,58 +165,48 @@ class BlockConfig:
             return self.block_n_embd // self.block_len
         return self.embed_dim or self.block_n_embd
 
-    def decoder_config(self, which: str) -> GPTConfig:
-        """The GPTConfig of the block decoder ('block') or the token decoder ('tok'), so model.Block is reused."""
-        own = {f: getattr(self, f"{which}_{f}") for f in DECODER_FIELDS}
-        shared = {f: getattr(self, f) for f in SHARED_FIELDS}
-        max_len = self.max_blocks if which == "block" else self.local_len
-        return GPTConfig(**own, **shared, vocab_size=self.vocab_size, max_seq_len=max_len)
+    def gpt_fields(self, **overrides) -> dict:
+        """This config's GPTConfig fields (the token decoder and the style), with overrides."""
+        return {**{f.name: getattr(self, f.name) for f in fields(GPTConfig)}, **overrides}
+
+    def block_decoder_config(self) -> GPTConfig:
+        """The block decoder as a GPTConfig (its own shape, the shared style, max_blocks positions)."""
+        return GPTConfig(**self.gpt_fields(**{f: getattr(self, f"block_{f}") for f in DECODER_FIELDS},
+                                           max_seq_len=self.max_blocks))
 
     def vanilla_config(self) -> GPTConfig:
         """The vanilla model with the same non-embedding parameters (Table 3): the two decoders' layers stacked."""
-        if any(getattr(self, f"block_{f}") != getattr(self, f"tok_{f}") for f in DECODER_FIELDS[1:]):
+        if any(getattr(self, f"block_{f}") != getattr(self, f) for f in DECODER_FIELDS[1:]):
             raise ValueError("the vanilla counterpart needs decoders of equal width, heads and MLP size")
-        shared = {f: getattr(self, f) for f in SHARED_FIELDS}
-        return GPTConfig(n_layer=self.block_n_layer + self.tok_n_layer, n_head=self.tok_n_head,
-                         n_kv_head=self.tok_n_kv_head, n_embd=self.tok_n_embd, mlp_hidden=self.tok_mlp_hidden,
-                         vocab_size=self.vocab_size, max_seq_len=self.max_seq_len, **shared)
-
-    @classmethod
-    def from_preset(cls, name: str, **overrides) -> "BlockConfig":
-        if name not in PRESETS:
-            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
-        return cls(**{**PRESETS[name], **overrides})
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "BlockConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"BlockConfig got unknown fields {sorted(unknown)}")
-        return cls(**d)
+        return GPTConfig(**self.gpt_fields(n_layer=self.block_n_layer + self.n_layer))
 
 
-def _halves(n_layer, n_head, n_kv_head, n_embd, mlp_hidden, **rest) -> dict:
-    """A preset whose block and token decoders each take half the layers of a vanilla model (Table 3)."""
-    d = dict(block_n_layer=n_layer // 2, tok_n_layer=n_layer - n_layer // 2)
-    for k, v in dict(n_head=n_head, n_kv_head=n_kv_head, n_embd=n_embd, mlp_hidden=mlp_hidden).items():
-        d[f"block_{k}"] = d[f"tok_{k}"] = v
-    return {**d, **rest}
+def halves(n_layer, n_head, n_kv_head, n_embd, mlp_hidden, **rest) -> dict:
+    """BlockConfig fields from a vanilla shape: block and token decoders each take half the layers (Table 3); `rest`
+    (any other GPTConfig or BlockConfig field) passes through."""
+    return dict(n_layer=n_layer - n_layer // 2, block_n_layer=n_layer // 2, n_head=n_head, n_kv_head=n_kv_head,
+                n_embd=n_embd, mlp_hidden=mlp_hidden, **rest)
+
+
 
 
 PRESETS: dict[str, dict] = {
     # The vanilla presets of model.py split in two (equal non-embedding parameters, equal block / token decoders).
-    "tiny": _halves(4, 4, 2, 128, 384, max_seq_len=256, vocab_size=4160),  # CPU and tests
-    "small": _halves(8, 8, 4, 512, 1536, max_seq_len=1024, vocab_size=16448),
-    "base": _halves(12, 12, 4, 768, 3840, max_seq_len=1024, vocab_size=32832),
+    "tiny": halves(4, 4, 2, 128, 384, max_seq_len=256, vocab_size=4160),  # CPU and tests
+    # A larger Block Transformer (4.9M non-embedding parameters, 6x tiny's) with the decode throughput of vanilla
+    # `tiny` on this repository's 2-core CPU: the README's quality comparison at matched inference cost. Measured with
+    # python bench.py block --preset tiny-matched --vanilla tiny --scale 0.1171875 --budget-mib 32 --setting decode-heavy
+    "tiny-matched": halves(8, 4, 2, 224, 672, max_seq_len=256, vocab_size=4160),
+    "small": halves(8, 8, 4, 512, 1536, max_seq_len=1024, vocab_size=16448),
+    "base": halves(12, 12, 4, 768, 3840, max_seq_len=1024, vocab_size=32832),
     # The Block Transformer rows of Table 3 (L = 2048, L_B = 4, P = 2, lookup embedder, MHA, Pythia vocabulary), with
     # this repository's SwiGLU MLP at the parameter count of a 4x GELU MLP. For GPU benchmarks.
-    "t3-5m": _halves(6, 8, 8, 256, 704, max_seq_len=2048, vocab_size=50304),
-    "t3-19m": _halves(6, 8, 8, 512, 1408, max_seq_len=2048, vocab_size=50304),
-    "t3-85m": _halves(12, 12, 12, 768, 2048, max_seq_len=2048, vocab_size=50304),
-    "t3-302m": _halves(24, 16, 16, 1024, 2752, max_seq_len=2048, vocab_size=50304),
-    "t3-805m": _halves(16, 16, 16, 2048, 5504, max_seq_len=2048, vocab_size=50304),
-    "t3-1.2b": _halves(24, 16, 16, 2048, 5504, max_seq_len=2048, vocab_size=50304),
+    "t3-5m": halves(6, 8, 8, 256, 704, max_seq_len=2048, vocab_size=50304),
+    "t3-19m": halves(6, 8, 8, 512, 1408, max_seq_len=2048, vocab_size=50304),
+    "t3-85m": halves(12, 12, 12, 768, 2048, max_seq_len=2048, vocab_size=50304),
+    "t3-302m": halves(24, 16, 16, 1024, 2752, max_seq_len=2048, vocab_size=50304),
+    "t3-805m": halves(16, 16, 16, 2048, 5504, max_seq_len=2048, vocab_size=50304),
+    "t3-1.2b": halves(24, 16, 16, 2048, 5504, max_seq_len=2048, vocab_size=50304),
 }
 
 
@@ -232,14 +214,15 @@ PRESETS: dict[str, dict] = {
 # Random-length padding when packing documents (Appendix H)
 
 
-def random_pad_documents(x, y, gen, block_len: int, pad_id: int, eot_id: int):
+def random_pad_documents(x, y, gen, block_len: int, pad_id: int, eot_id: int, return_source: bool = False):
     """Re-lay out a batch of packed windows so that no block mixes two documents.
 
     x, y (B, T) come from train.py as a random window of the token stream (y = x shifted by one), in which documents
     end with `eot_id`. Each document (its tokens and its end-of-text; the window's first and last pieces are partial
     documents) becomes [pad * r, document, pad * f] with r uniform in 0..L_B-1 (drawn from `gen`) and f filling the
-    last block. The new sequence is cut back to T + 1 tokens. -> x, y (B, T) with y = IGNORE where the target is a pad.
-    Vectorised: no loop over rows or documents.
+    last block. The new sequence is cut back to T + 1 tokens. -> x, y (B, T) with y = IGNORE where the target is a pad;
+    with return_source also src (B, T): the index in the raw window [x, y[:, -1]] of every target y[:, t] (-1 at
+    pads), so another model can be scored on exactly these targets. Vectorised: no loop over rows or documents.
     """
     B, T = x.shape
     L = block_len
@@ -255,12 +238,14 @@ def random_pad_documents(x, y, gen, block_len: int, pad_id: int, eot_id: int):
     first = torch.cumsum(n_tok, dim=1) - n_tok  # where each document begins in the raw window
     t = torch.arange(W).expand(B, W)
     new_pos = (start + left - first).gather(1, doc) + t  # (B, W) new position of every raw token
-    out = torch.full((B, int(span.sum(1).max())), pad_id, dtype=seq.dtype)
-    out.scatter_(1, new_pos, seq)
-    out = out[:, :W]
+    width = int(span.sum(1).max())
+    out = torch.full((B, width), pad_id, dtype=seq.dtype).scatter_(1, new_pos, seq)[:, :W]
     x2, y2 = out[:, :-1], out[:, 1:].clone()
     y2[y2 == pad_id] = IGNORE
-    return x2, y2
+    if not return_source:
+        return x2, y2
+    src = torch.full((B, width), -1, dtype=torch.long).scatter_(1, new_pos, t.contiguous())[:, 1:W]
+    return x2, y2, src
 
 
 def prepare_batch(x, y, gen, cfg: BlockConfig):
@@ -289,7 +274,7 @@ class Embedder(nn.Module):
         self.block_len, self.pad = cfg.block_len, cfg.pad
         self.scale = cfg.emb_dim ** 0.5 if cfg.embed_scale else None
         self.tok = nn.Embedding(cfg.vocab_size, cfg.emb_dim, padding_idx=cfg.pad)
-        self.proj = nn.Linear(cfg.block_len * cfg.emb_dim, cfg.block_n_embd) if cfg.embedder == "lookup_proj" else None
+        self.proj = Linear(cfg.block_len * cfg.emb_dim, cfg.block_n_embd) if cfg.embedder == "lookup_proj" else None
 
     def forward(self, blocks):  # (B, N, L_B) token ids -> (B, N, D_blk)
         e = self.tok(blocks)  # (B, N, L_B, E)
@@ -300,15 +285,22 @@ class Embedder(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# A decoder: a stack of model.Block with its own RoPE table (both the block decoder and the token decoder)
+# The block decoder: a stack of model.Block over block embeddings, with its own RoPE table
+
+
+def run_blocks(blocks, rope, x, mask=None):
+    """The parallel (training) pass of a layer stack: x (B, T, C) at the positions of rope = (cos, sin), causal or
+    under an explicit bool mask (B|1, 1, T, T) -> (B, T, C). Both decoders' training forward."""
+    for block in blocks:
+        x = block(x, rope, mask=mask)
+    return x
 
 
 class Decoder(nn.Module):
     """Pre-norm blocks over input embeddings with explicit positions; no embedding, final norm or head.
 
-    forward(x, pos, mask): the parallel (training) pass, causal or under an explicit bool mask (B|1, 1, T, T).
-    forward_cached(x, cache, fresh): a prefill (fresh=True, empty cache) or decode step at positions cache.lengths + i,
-    with model.KVCache (a cache index equals the position, as everywhere in this repository).
+    forward(x, pos, mask): the parallel (training) pass. forward_cached(x, cache, fresh): a prefill (fresh=True, empty
+    cache) or decode step at positions cache.lengths + i, through model.run_cached.
     """
 
     def __init__(self, cfg: GPTConfig):
@@ -318,71 +310,66 @@ class Decoder(nn.Module):
         self.rope = RotaryEmbedding(cfg.rot_dim, cfg.max_seq_len, cfg.rope_theta)
 
     def forward(self, x, pos, mask=None):  # x (B, T, C), pos (T,) or (B, T)
-        rope = self.rope(pos)
-        for block in self.blocks:
-            x = block(x, rope, mask=mask)
-        return x
+        return run_blocks(self.blocks, self.rope(pos), x, mask)
 
     def new_cache(self, batch: int, max_len: int, dtype, device) -> KVCache:
         c = self.config
         return KVCache(c.n_layer, batch, max_len, c.n_kv_head, c.hd, dtype, device)
 
     def forward_cached(self, x, cache: KVCache, fresh: bool = False):
-        B, T, _ = x.shape
-        q_pos = cache.lengths[:, None] + torch.arange(T, device=x.device)  # (B, T)
-        kv_len = T if fresh else int(cache.lengths.max()) + T
-        if kv_len > cache.max_len:
-            raise ValueError(f"KV cache holds {cache.max_len} positions; this step needs {kv_len}")
-        mask = None if fresh else causal_mask_from_positions(q_pos, kv_len)
-        rope = self.rope(q_pos)
-        for i, block in enumerate(self.blocks):
-            x = block(x, rope, mask=mask, cache=cache.layer(i), q_pos=q_pos)
-        return x
+        return run_cached(self.blocks, self.rope, x, cache, fresh)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Generation state
+
+
+class BlockCache:
+    """What generate() carries between steps of the two-level loop (section 2.1):
+
+    blocks  the block decoder's KVCache, one position per block (ceil(seq_len / L_B) + 1 positions);
+    local   the token decoder's KVCache of P + L_B - 1 entries, reset at every block;
+    slots   the context slots (B, n_ctx, D_tok) of the block being decoded (its P prefix vectors or L_B summands);
+    tokens  (B, L_B) the tokens of that block decoded so far, `k` of them.
+    """
+
+    def __init__(self, blocks: KVCache, local: KVCache, block_len: int):
+        self.blocks, self.local = blocks, local
+        self.tokens = torch.zeros(blocks.batch, block_len, dtype=torch.long, device=blocks.k.device)
+        self.slots, self.k = None, 0
+
+    def nbytes(self) -> int:
+        return self.blocks.nbytes() + self.local.nbytes()
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # The model
 
 
-class BlockTransformer(nn.Module):
+class BlockTransformer(GPT):
     """Embedder -> block decoder (global, over blocks) -> token decoder (local, inside one block).
 
-    forward(idx, targets) trains every block at once: blocks are folded into the batch dimension of the token decoder.
-    generate() is the two-level cached loop of section 2.1: prefill the block decoder over the prompt blocks, then per
-    new block decode L_B tokens with a local cache of P + L_B - 1 entries and feed the finished block back to the block
-    decoder as one decode step.
+    The token decoder is model.GPT's own part: tok_emb, blocks, rope, norm, lm_head (and `embed`, `head`). forward(idx,
+    targets) trains every block at once: blocks are folded into the batch dimension of the token decoder. generate()
+    is GPT.generate over prefill / decode_step with a BlockCache (see the module docstring).
     """
 
     def __init__(self, cfg: BlockConfig):
-        super().__init__()
-        self.config = cfg
-        self.blk_cfg, self.tok_cfg = cfg.decoder_config("block"), cfg.decoder_config("tok")
+        super().__init__(cfg)  # the token decoder: embedding, cfg.n_layer blocks, final norm, head (maybe tied)
         self.embedder = Embedder(cfg)
-        self.block_decoder = Decoder(self.blk_cfg)
-        self.block_norm = make_norm(self.blk_cfg)  # the block decoder's final norm: its output is the context emb.
-        self.ctx_proj = nn.Linear(cfg.block_n_embd, cfg.n_ctx * cfg.tok_n_embd)  # -> P prefix vectors (or L_B)
-        self.token_decoder = Decoder(self.tok_cfg)
-        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.tok_n_embd)  # the token decoder's own embedding ...
-        self.norm = make_norm(self.tok_cfg)
-        self.lm_head = nn.Linear(cfg.tok_n_embd, cfg.vocab_size, bias=False)  # ... and classifier (section 2.4)
-        init_weights(self, cfg.block_n_layer + cfg.tok_n_layer)
+        self.block_decoder = Decoder(cfg.block_decoder_config())
+        self.block_norm = make_norm(self.block_decoder.config)  # the block decoder's final norm: the context emb.
+        self.ctx_proj = Linear(cfg.block_n_embd, cfg.n_ctx * cfg.n_embd)  # -> P prefix vectors (or L_B summands)
+        init_weights(self, cfg.block_n_layer + cfg.n_layer)  # residual projections scaled by the total depth
         with torch.no_grad():
             self.embedder.tok.weight[cfg.pad].zero_()
-        if cfg.tie_embeddings:
-            self.lm_head.weight = self.tok_emb.weight
         # first token-decoder output that predicts a token: the last prefix vector (prefix), the start slot (summation)
         self.off = cfg.local_len - cfg.block_len
 
     # -- pieces --------------------------------------------------------------------------------------------------
 
-    def tok_embed(self, idx):  # (..., n) -> (..., n, D_tok), the token decoder's embedding
-        x = self.tok_emb(idx)
-        if self.config.embed_scale:
-            x = x * torch.tensor(self.config.tok_n_embd ** 0.5, dtype=x.dtype)
-        return x
-
     def head(self, h):  # (..., D_tok) -> (..., V); the pad id is never predicted
-        logits = self.lm_head(self.norm(h))
+        logits = super().head(h)
         logits[..., self.config.pad] = float("-inf")
         return logits
 
@@ -404,7 +391,7 @@ class BlockTransformer(nn.Module):
 
     def context_slots(self, ctx):
         """ctx (M, D_blk) -> (M, n_ctx, D_tok): the P prefix vectors (prefix) or the L_B summands (summation)."""
-        return self.ctx_proj(ctx).view(ctx.size(0), self.config.n_ctx, self.config.tok_n_embd)
+        return self.ctx_proj(ctx).view(ctx.size(0), self.config.n_ctx, self.config.n_embd)
 
     def first_inputs(self, c):
         """The token decoder's first inputs, before any token of the block: the P prefix vectors [P_1..P_P] (prefix),
@@ -412,15 +399,19 @@ class BlockTransformer(nn.Module):
         c (M, n_ctx, D_tok) -> (M, off + 1, D_tok)."""
         if self.config.context == "prefix":
             return c
-        return self.tok_embed(torch.full((c.size(0), 1), self.config.pad, device=c.device)) + c[:, :1]
+        return self.embed(torch.full((c.size(0), 1), self.config.pad, device=c.device)) + c[:, :1]
 
     def token_inputs(self, c, tokens, k0: int = 0):
         """Inputs for tokens (M, n), the tokens k0 .. k0+n-1 of a block; token k sits at position off + 1 + k and, with
         summation, gets the summand c[:, k + 1]. -> (M, n, D_tok)"""
-        e = self.tok_embed(tokens)
+        e = self.embed(tokens)
         if self.config.context == "summation":
             e = e + c[:, k0 + 1:k0 + 1 + tokens.size(1)]
         return e
+
+    def token_decoder(self, x, mask=None):
+        """The token decoder's parallel pass over M independent blocks: x (M, S, D_tok) at positions 0..S-1."""
+        return run_blocks(self.blocks, self.rope(torch.arange(x.size(1), device=x.device)), x, mask)
 
     def local_logits(self, ctx, blocks, pad_mask: bool = True, return_hidden: bool = False):
         """The token decoder on M independent blocks at once (blocks folded into the batch dimension).
@@ -437,8 +428,7 @@ class BlockTransformer(nn.Module):
             is_pad = F.pad(blocks[:, :L - 1] == self.config.pad, (self.off + 1, 0), value=False)  # (M, S) by key
             causal = torch.ones(S, S, dtype=torch.bool, device=x.device).tril()
             mask = (causal[None] & ~is_pad[:, None, :])[:, None]  # (M, 1, S, S); the first slot is always visible
-        h = self.token_decoder(x, torch.arange(S, device=x.device), mask=mask)
-        h = h[:, self.off:]  # (M, L_B, D_tok): the outputs that predict t_0 .. t_{L_B-1}
+        h = self.token_decoder(x, mask)[:, self.off:]  # (M, L_B, D_tok): the outputs that predict t_0 .. t_{L_B-1}
         return h if return_hidden else self.head(h)
 
     # -- training forward ----------------------------------------------------------------------------------------
@@ -463,7 +453,7 @@ class BlockTransformer(nn.Module):
         is_pad = is_pad.view(B * N, L)
         if bool(is_pad.any()):  # one host sync; without pads the token decoder runs plain causal attention
             keep = (~is_pad.all(-1)).nonzero().squeeze(1)  # blocks that are entirely padding are skipped
-            h = ctx.new_zeros(B * N, L, cfg.tok_n_embd)
+            h = ctx.new_zeros(B * N, L, cfg.n_embd)
             h[keep] = self.local_logits(ctx[keep], nxt[keep], pad_mask=True, return_hidden=True).to(h.dtype)
         else:
             h = self.local_logits(ctx, nxt, pad_mask=False, return_hidden=True)  # (B*N, L, D_tok)
@@ -477,24 +467,29 @@ class BlockTransformer(nn.Module):
         targets[:, :L - 1] = IGNORE
         return logits, lm_loss(logits, targets)
 
-    # -- inference (section 2.1, Appendix E) ---------------------------------------------------------------------
+    # -- inference (section 2.1, Appendix E): GPT.generate over these methods ------------------------------------
 
-    def new_caches(self, batch: int, seq_len: int, dtype=None, device=None) -> tuple[KVCache, KVCache]:
+    def new_caches(self, batch: int, seq_len: int, dtype=None, device=None) -> BlockCache:
         """The block decoder's cache over ceil(seq_len / L_B) + 1 block positions (room for a left-padded prompt) and
-        the token decoder's local cache of P + L_B - 1 entries (reset after every block)."""
+        the token decoder's local cache of P + L_B - 1 entries (reset at every block)."""
         p = self.lm_head.weight
         dtype, device = dtype or p.dtype, device or p.device
         n_blocks = -(-seq_len // self.config.block_len) + 1
-        return (self.block_decoder.new_cache(batch, n_blocks, dtype, device),
-                self.token_decoder.new_cache(batch, self.config.local_len, dtype, device))
+        return BlockCache(self.block_decoder.new_cache(batch, n_blocks, dtype, device),
+                          self.new_cache(batch, self.config.local_len, dtype, device), self.config.block_len)
+
+    def generation_cache(self, batch: int, prompt_len: int, max_new_tokens: int, **step_kwargs) -> BlockCache:
+        return self.new_caches(batch, prompt_len + max_new_tokens)
 
     @torch.no_grad()
-    def prefill(self, idx, cache: KVCache):
-        """Prompts idx (B, T) -> the context embedding (B, D_blk) that predicts the next block. The prompt is left-
-        padded to a multiple of L_B (the pads are part of the first block's embedding, as in training, Appendix H);
-        only the block decoder runs: the token decoder has no prefill."""
+    def prefill_blocks(self, idx, cache: KVCache):
+        """Prompts idx (B, T) -> the block decoder's prefill -> the context embedding (B, D_blk) that predicts the
+        next block. The prompt is left-padded to a multiple of L_B (the pads are part of the first block's embedding,
+        as in training, Appendix H)."""
         B, T = idx.shape
         L = self.config.block_len
+        if T < 1:
+            raise ValueError("generation needs a prompt of at least one token (the first block has no context)")
         idx = F.pad(idx, ((-T) % L, 0), value=self.config.pad)
         N = idx.size(1) // L
         cache.reset()
@@ -510,49 +505,41 @@ class BlockTransformer(nn.Module):
         return self.block_norm(h[:, -1])
 
     @torch.no_grad()
-    def decode_block(self, ctx, local: KVCache, n_tokens=None, temperature=0.0, top_k=None, generator=None):
-        """The token decoder decodes the next block (B, n_tokens <= L_B) from the context embedding ctx (B, D_blk).
-
-        The local cache starts empty (the previous block's entries are forgotten), takes the off + 1 first inputs
-        (the P prefix vectors) in one step, then one token per step: at most P + L_B - 1 entries.
-        """
-        L = self.config.block_len
-        n_tokens = L if n_tokens is None else n_tokens
-        local.reset()
-        c = self.context_slots(ctx)  # (B, n_ctx, D_tok)
-        x = self.first_inputs(c)  # (B, off + 1, D_tok)
-        h = self.token_decoder.forward_cached(x, local, fresh=True)
-        local.lengths.fill_(x.size(1))
-        out = []
-        for k in range(n_tokens):
-            tok = sample_next(self.head(h[:, -1]), temperature, top_k, generator)  # (B,)
-            out.append(tok)
-            if k + 1 < n_tokens:
-                h = self.token_decoder.forward_cached(self.token_inputs(c, tok[:, None], k0=k), local)
-                local.lengths += 1
-        return torch.stack(out, dim=1)
+    def start_block(self, ctx, cache: BlockCache):
+        """A new block from its context embedding ctx (B, D_blk): the token decoder's local cache starts empty (the
+        previous block's entries are forgotten) and takes the off + 1 first inputs (the P prefix vectors) in one step
+        -> logits (B, V) of the block's first token."""
+        cache.slots, cache.k = self.context_slots(ctx), 0
+        x = self.first_inputs(cache.slots)  # (B, off + 1, D_tok)
+        cache.local.reset()
+        h = run_cached(self.blocks, self.rope, x, cache.local, fresh=True)
+        cache.local.lengths.fill_(x.size(1))
+        return self.head(h[:, -1])
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens: int, temperature: float = 0.0, top_k=None, generator=None):
-        """idx (B, T) -> (B, T + max_new_tokens). temperature 0 is greedy (argmax); else sampled with `generator`."""
-        B, T = idx.shape
-        if T < 1:
-            raise ValueError("generation needs a prompt of at least one token (the first block has no context)")
-        if T + max_new_tokens > self.config.max_seq_len:
-            raise ValueError(f"prompt {T} + {max_new_tokens} new tokens exceeds max_seq_len={self.config.max_seq_len}")
-        if max_new_tokens <= 0:
-            return idx
-        L = self.config.block_len
-        cache, local = self.new_caches(B, T + max_new_tokens)
-        ctx = self.prefill(idx, cache)
-        out, left = [idx], max_new_tokens
-        while left > 0:
-            block = self.decode_block(ctx, local, min(L, left), temperature, top_k, generator)  # (B, <= L)
-            out.append(block)
-            left -= block.size(1)
-            if left > 0:
-                ctx = self.block_step(block, cache)
-        return torch.cat(out, dim=1)
+    def prefill(self, idx, cache: BlockCache):
+        """Prompts idx (B, T) -> logits (B, V) of the first new token: the block decoder over the prompt's blocks,
+        then the token decoder over the prefix vectors (the token decoder never sees the prompt's tokens)."""
+        return self.start_block(self.prefill_blocks(idx, cache.blocks), cache)
+
+    @torch.no_grad()
+    def decode_step(self, tok, cache: BlockCache):
+        """The next token of every row tok (B,) -> logits (B, V) of the token after it. Inside a block: one token
+        decoder step over the local cache (at most P + L_B - 1 entries). The token that completes a block: one block
+        decoder step on the block, then the next block's prefix vectors."""
+        cache.tokens[:, cache.k] = tok
+        cache.k += 1
+        if cache.k == self.config.block_len:
+            return self.start_block(self.block_step(cache.tokens, cache.blocks), cache)
+        x = self.token_inputs(cache.slots, tok[:, None], k0=cache.k - 1)  # (B, 1, D_tok)
+        h = run_cached(self.blocks, self.rope, x, cache.local)
+        cache.local.lengths += 1
+        return self.head(h[:, -1])
+
+    def compile_decode(self, mode=None):
+        raise NotImplementedError("GPT.compile_decode compiles one decode step with static caches; the Block "
+                                  "Transformer's step has two shapes (inside a block / at its last token) and the "
+                                  "block decoder's cache grows: not supported")
 
     # -- accounting ----------------------------------------------------------------------------------------------
 
@@ -563,10 +550,10 @@ class BlockTransformer(nn.Module):
     def kv_cache_bytes(self, batch: int, seq_len: int, dtype_bytes: int = 2) -> int:
         """KV bytes of generate() for seq_len tokens: the block decoder over ceil(seq_len / L_B) + 1 block positions
         (one spare for a left-padded prompt) plus the token decoder's P + L_B - 1 local entries (Table 1)."""
-        b, t = self.blk_cfg, self.tok_cfg
-        n_blocks = -(-seq_len // self.config.block_len) + 1
+        c, b = self.config, self.block_decoder.config
+        n_blocks = -(-seq_len // c.block_len) + 1
         return (kv_bytes(b.n_layer, batch, n_blocks, b.n_kv_head, b.hd, dtype_bytes)
-                + kv_bytes(t.n_layer, batch, self.config.local_len, t.n_kv_head, t.hd, dtype_bytes))
+                + kv_bytes(c.n_layer, batch, c.local_len, c.n_kv_head, c.hd, dtype_bytes))
 
     def flops_per_token(self, seq_len: int, training: bool = True) -> float:
         """6N per trained token, as GPT.flops_per_token, with each part weighted by how often it runs per token: the
@@ -577,10 +564,10 @@ class BlockTransformer(nn.Module):
         per_block = count_params(self.block_decoder) + count_params(self.ctx_proj)
         if self.embedder.proj is not None:
             per_block += count_params(self.embedder.proj)
-        n = per_block / L + count_params(self.token_decoder) * S / L + c.tok_n_embd * c.vocab_size
-        b, t = self.blk_cfg, self.tok_cfg
+        n = per_block / L + count_params(self.blocks) * S / L + c.n_embd * c.vocab_size
+        b = self.block_decoder.config
         attn = (12 * b.n_layer * b.n_head * b.hd * (seq_len / L) / L
-                + 12 * t.n_layer * t.n_head * t.hd * S * S / L)
+                + 12 * c.n_layer * c.n_head * c.hd * S * S / L)
         f = 6 * n + attn
         return f if training else f / 3
 
@@ -606,12 +593,10 @@ def from_vanilla(gpt: GPT, block_len: int = 4, prefix_len: int = 2, max_seq_len:
     max_seq_len = max_seq_len or v.max_seq_len
     if max_seq_len % block_len:
         raise ValueError(f"sequence length {max_seq_len} is not a multiple of block_len L_B={block_len}")
-    cfg = BlockConfig(
-        vocab_size=v.vocab_size, max_seq_len=max_seq_len, block_len=block_len, prefix_len=prefix_len,
-        embedder="lookup_proj", embed_dim=v.n_embd, context="prefix", eot_id=eot_id, random_pad=random_pad,
-        **{f"block_{f}": getattr(v, f) for f in DECODER_FIELDS if f != "n_layer"}, block_n_layer=v.n_layer // 2,
-        **{f"tok_{f}": getattr(v, f) for f in DECODER_FIELDS if f != "n_layer"}, tok_n_layer=v.n_layer - v.n_layer // 2,
-        **{f: getattr(v, f) for f in SHARED_FIELDS})
+    vf = {f.name: getattr(v, f.name) for f in fields(GPTConfig)}
+    cfg = BlockConfig(**halves(**{**vf, "max_seq_len": max_seq_len}), block_len=block_len, prefix_len=prefix_len,
+                      embedder="lookup_proj", embed_dim=v.n_embd, context="prefix", eot_id=eot_id,
+                      random_pad=random_pad)
     model = BlockTransformer(cfg)
     nb, D = cfg.block_n_layer, v.n_embd
     p = next(gpt.parameters())
@@ -619,7 +604,7 @@ def from_vanilla(gpt: GPT, block_len: int = 4, prefix_len: int = 2, max_seq_len:
     with torch.no_grad():
         for i, block in enumerate(model.block_decoder.blocks):
             block.load_state_dict(gpt.blocks[i].state_dict())
-        for i, block in enumerate(model.token_decoder.blocks):
+        for i, block in enumerate(model.blocks):
             block.load_state_dict(gpt.blocks[nb + i].state_dict())
         model.embedder.tok.weight.copy_(gpt.tok_emb.weight)
         model.embedder.tok.weight[cfg.pad].zero_()
@@ -650,33 +635,19 @@ def add_args(ap: argparse.ArgumentParser):
                    help="block: pack documents without random-length padding (Appendix H)")
 
 
-def tokenizer_of_run(args):
-    """The tokenizer train.py will use for these args (the same choice as train.train), to read its end-of-text id.
-
-    train.py builds the config before it shows architectures the tokenizer, so this mirrors its choice."""
-    import train  # train.py imports this module: import lazily
-
-    if getattr(args, "resume", False):
-        return None  # the config comes from the checkpoint
-    if args.init_from and not args.tokenizer and not args.vocab_size:
-        return train.Tokenizer(train.load_source_tokenizer(args.init_from))
-    return train.Tokenizer.from_args(args.vocab_size, args.tokenizer)
-
-
-def config_overrides(args) -> dict:
+def config_overrides(args, tok=None) -> dict:
+    """BlockConfig fields set by the flags, and the tokenizer's end-of-text id (random padding needs it)."""
     o = {k: v for k, v in dict(block_len=args.block_len, prefix_len=args.block_prefix_len,
                                embedder=args.block_embedder, context=args.block_context).items() if v is not None}
     if args.block_no_random_pad:
         o["random_pad"] = False
-    tok = tokenizer_of_run(args)
-    if tok is not None:
+    if tok is not None:  # train.py passes its tokenizer
         o["eot_id"] = tok.eot
     return o
 
 
-def convert(args, vanilla: GPT) -> BlockTransformer:
-    """--init-from a vanilla checkpoint (Appendix N)."""
-    tok = tokenizer_of_run(args)
+def convert(args, vanilla: GPT, tok=None) -> BlockTransformer:
+    """--init-from a vanilla checkpoint (Appendix N); tok: train.py's tokenizer."""
     if tok is not None and vanilla.config.vocab_size <= tok.n_vocab:
         raise ValueError(f"the vanilla vocabulary ({vanilla.config.vocab_size} rows) has no spare row above the "
                          f"tokenizer's {tok.n_vocab} ids for the pad token")
@@ -690,99 +661,28 @@ def convert(args, vanilla: GPT) -> BlockTransformer:
 
 ARCH_SPECS = [ArchSpec("block", BlockConfig, BlockTransformer, PRESETS, add_args=add_args,
                        config_overrides=config_overrides, convert=convert, prepare_batch=prepare_batch, kd_ok=False,
-                       # a tiny step takes ~0.82x vanilla's (forward+backward, batch 16 x 256, back to back on CPU):
-                       # 360 steps fill the ~5 minutes that vanilla's 300 take
-                       train_defaults={"max_iters": 360})]
+                       # measured with /work/tools/cpu_excl (2 idle threads, fp32): a tiny step (16 x 256) takes
+                       # ~0.29 s, 1.04x vanilla's at the same time; 1000 steps + 4 evaluations take ~5 minutes
+                       train_defaults={"max_iters": 1000})]
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Benchmark: decode throughput and KV bytes against vanilla at equal non-embedding parameters
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def time_generate(model, batch, prompt_len, new_tokens, runs, device, vocab):
-    """Seconds per generate() call (mean of `runs` after one warm-up), random prompts, greedy, no EOS stop."""
-    g = torch.Generator(device="cpu").manual_seed(0)
-    idx = torch.randint(0, vocab, (batch, prompt_len), generator=g).to(device)
-    model.generate(idx, new_tokens)  # warm-up
-    _sync(device)
-    t0 = time.perf_counter()
-    for _ in range(runs):
-        model.generate(idx, new_tokens)
-    _sync(device)
-    return (time.perf_counter() - t0) / runs
-
-
-def bench(args):
-    device = pick_device(args.device)
-    dtype = pick_dtype(device, args.dtype)
-    settings = [("prefill-heavy", 2048, 128), ("decode-heavy", 128, 2048)]
-    settings = [(n, max(1, int(p * args.scale)), max(1, int(d * args.scale))) for n, p, d in settings]
-    L = BlockConfig.from_preset(args.preset).block_len
-    longest = max(p + d for _, p, d in settings)
-    cfg = BlockConfig.from_preset(args.preset, max_seq_len=-(-longest // L) * L)
-    torch.manual_seed(0)
-    block = BlockTransformer(cfg).to(device=device, dtype=dtype).eval()
-    vanilla = GPT(cfg.vanilla_config()).to(device=device, dtype=dtype).eval()
-    db = torch.tensor([], dtype=dtype).element_size()
-    print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}) dtype {dtype} "
-          f"preset {args.preset} | non-embedding params: block {block.num_params() / 1e6:.2f}M "
-          f"vanilla {vanilla.num_params() / 1e6:.2f}M | L_B {cfg.block_len} P {cfg.prefix_len} | "
-          f"random weights, random prompts, greedy, 1 warm-up + {args.runs} timed runs")
-    print(f"{'setting':14s} {'prompt':>6s} {'new':>5s} {'batch':>6s} {'model':8s} {'s/call':>9s} {'tok/s':>10s} "
-          f"{'KV MiB':>9s} {'speedup':>8s}")
-    vocab = cfg.vocab_size - 1
-    for name, p, d in settings:
-        for batch in [int(b) for b in args.batch.split(",")]:
-            res = {}
-            for label, model in (("vanilla", vanilla), ("block", block)):
-                try:
-                    with torch.inference_mode():
-                        dt = time_generate(model, batch, p, d, args.runs, device, vocab)
-                except torch.OutOfMemoryError:
-                    print(f"{name:14s} {p:6d} {d:5d} {batch:6d} {label:8s} {'OOM':>9s}")
-                    torch.cuda.empty_cache()
-                    continue
-                res[label] = batch * d / dt
-                kv = model.kv_cache_bytes(batch, p + d, db) / 2 ** 20
-                sp = f"{res[label] / res['vanilla']:7.2f}x" if "vanilla" in res else ""
-                print(f"{name:14s} {p:6d} {d:5d} {batch:6d} {label:8s} {dt:9.4f} {res[label]:10.1f} {kv:9.2f} {sp:>8s}",
-                      flush=True)
-
-
-def describe():
-    for name in PRESETS:
-        cfg = BlockConfig.from_preset(name)
-        with torch.device("meta"):
-            m, v = BlockTransformer(cfg), GPT(cfg.vanilla_config())
-        T = cfg.max_seq_len
-        print(f"{name:8s} block {cfg.block_n_layer}L tok {cfg.tok_n_layer}L d {cfg.tok_n_embd:5d} L_B {cfg.block_len} "
-              f"P {cfg.prefix_len} | non-emb {m.num_params() / 1e6:8.2f}M (vanilla {v.num_params() / 1e6:8.2f}M) | "
-              f"KV bytes @T={T} batch 1: {m.kv_cache_bytes(1, T) / 2 ** 20:8.2f} MiB "
-              f"(vanilla {v.kv_cache_bytes(1, T) / 2 ** 20:8.2f} MiB) | train GFLOP/token "
-              f"{m.flops_per_token(T) / 1e9:6.3f} (vanilla {v.flops_per_token(T) / 1e9:6.3f})")
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--bench", action="store_true", help="decode throughput and KV bytes against vanilla")
-    ap.add_argument("--preset", default="t3-85m", help="preset of the benchmark (the vanilla model has equal "
-                                                        "non-embedding parameters)")
-    ap.add_argument("--batch", default="1,32,256", help="comma-separated batch sizes")
-    ap.add_argument("--scale", type=float, default=1.0,
-                    help="multiply the paper's prompt/new lengths (2048/128, 128/2048) by this, e.g. 0.125 on CPU")
-    ap.add_argument("--runs", type=int, default=3, help="timed runs per point (after one warm-up)")
-    ap.add_argument("--device", default="auto", help="cpu | cuda | mps | auto")
-    ap.add_argument("--dtype", default="auto", help="auto (bf16 where supported) | float32 | bfloat16")
+    ap.add_argument("--preset", default=None, help="print one preset (default: all)")
     args = ap.parse_args()
-    if args.bench:
-        bench(args)
-    else:
-        describe()
+    for name in [args.preset] if args.preset else PRESETS:
+        cfg = BlockConfig.from_preset(name)
+        with torch.device("meta"):
+            m, v = BlockTransformer(cfg), GPT(cfg.vanilla_config())
+        T = cfg.max_seq_len
+        print(f"{name:13s} block {cfg.block_n_layer}L tok {cfg.n_layer}L d {cfg.n_embd:5d} L_B {cfg.block_len} "
+              f"P {cfg.prefix_len} | non-emb {m.num_params() / 1e6:8.2f}M (vanilla {v.num_params() / 1e6:8.2f}M) | "
+              f"KV bytes @T={T} batch 1: {m.kv_cache_bytes(1, T) / 2 ** 20:8.2f} MiB "
+              f"(vanilla {v.kv_cache_bytes(1, T) / 2 ** 20:8.2f} MiB) | train GFLOP/token "
+              f"{m.flops_per_token(T) / 1e9:6.3f} (vanilla {v.flops_per_token(T) / 1e9:6.3f})")
 
 
 if __name__ == "__main__":

@@ -650,7 +650,7 @@ def add_args(ap: argparse.ArgumentParser):
                    help="double: training attention (auto = FlexAttention on CUDA, the dense reference elsewhere)")
 
 
-def config_overrides(args) -> dict:
+def config_overrides(args, tok=None) -> dict:
     names = {"objective": "objective", "ctx_layers": "ctx_layers", "gen_layers": "gen_layers",
              "min_blocks": "min_blocks", "max_blocks": "max_blocks", "dd_attn": "attn_impl"}
     out = {field: getattr(args, a) for a, field in names.items() if getattr(args, a, None) is not None}

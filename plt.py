@@ -630,7 +630,7 @@ def add_args(ap: argparse.ArgumentParser):
                         "both summands (default shared; see plt.py)")
 
 
-def config_overrides(args) -> dict:
+def config_overrides(args, tok=None) -> dict:
     out = variant_fields(args.plt_variant or "plt", getattr(args, "loops", None))
     if args.plt_window is not None:
         out["window"] = args.plt_window
@@ -639,7 +639,7 @@ def config_overrides(args) -> dict:
     return out
 
 
-def convert(args, gpt: GPT) -> PLT:
+def convert(args, gpt: GPT, tok=None) -> PLT:
     """--init-from a vanilla checkpoint: the same weights looped (the paper's models are trained from scratch)."""
     return PLT.from_vanilla(gpt, **config_overrides(args))
 

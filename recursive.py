@@ -617,8 +617,8 @@ TRAIN_DEFAULTS = {"recursive": {"max_iters": 300}, "relaxed": {"max_iters": 250}
 
 def _spec(name, presets, relaxed):
     return ArchSpec(name, RecursiveConfig, RecursiveGPT, presets, add_args=add_args,
-                    config_overrides=lambda args: config_overrides(args, relaxed),
-                    convert=lambda args, src: convert(args, src, relaxed), train_defaults=TRAIN_DEFAULTS[name])
+                    config_overrides=lambda args, tok=None: config_overrides(args, relaxed),
+                    convert=lambda args, src, tok=None: convert(args, src, relaxed), train_defaults=TRAIN_DEFAULTS[name])
 
 
 ARCH_SPECS = [_spec("recursive", RECURSIVE_PRESETS, False), _spec("relaxed", RELAXED_PRESETS, True)]

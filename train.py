@@ -843,7 +843,7 @@ def build_model(args, spec: ArchSpec, tok: Tokenizer, table, ap, given, master):
     """Fresh model from the preset, or --init-from (same arch: weights + recipe flags; vanilla: the conversion)."""
     overrides = dict(vocab_size=padded_vocab(tok.n_vocab), max_seq_len=args.seq_len)
     if spec.config_overrides is not None:
-        overrides.update(spec.config_overrides(args))
+        overrides.update(spec.config_overrides(args, tok=tok))
     if not args.init_from:
         return spec.model_cls(spec.make_config(args.preset, **overrides))
     src, src_arch, _ = load_source_model(args.init_from, table)
@@ -853,7 +853,7 @@ def build_model(args, spec: ArchSpec, tok: Tokenizer, table, ap, given, master):
         raise UsageError(f"cannot initialise a {spec.name} model from a {src_arch} checkpoint "
                          f"({'conversion starts from a vanilla model' if spec.convert else 'no conversion exists'})")
     log(f"init from {args.init_from}: converting vanilla -> {spec.name}", master)
-    return spec.convert(args, src)
+    return spec.convert(args, src, tok=tok)
 
 
 def init_same_arch(args, spec: ArchSpec, src, ap, given, master):
