@@ -414,7 +414,7 @@ def test_bench_block_runs_one_setting_alone(capsys):
 
 def test_halves_config_reuses_gptconfig():
     c = BlockConfig(**bt.halves(6, 4, 2, 64, 96, vocab_size=V, max_seq_len=32))
-    assert isinstance(c, GPTConfig) and bt._halves is bt.halves  # the old name stays for serve.py
+    assert isinstance(c, GPTConfig)
     assert (c.n_layer, c.block_n_layer, c.block_n_embd, c.block_n_head, c.block_mlp_hidden) == (3, 3, 64, 4, 96)
     assert BlockConfig.from_dict(dataclasses.asdict(c)) == c
     assert BlockConfig.from_preset("tiny") == BlockConfig(**bt.PRESETS["tiny"])  # this file's presets, not model.py's
