@@ -258,20 +258,26 @@ def flex_lse(q, k, v, block_mask):
 
 
 def flex_block_masks(blk: torch.Tensor, T: int):
-    """blk (T,) or (B, T) on the device -> (self BlockMask, cross BlockMask), built once per batch for all layers.
+    """blk (T,), (1, T) or (B, T) on the device -> (self BlockMask, cross BlockMask), built once per batch for all
+    layers. A shared partition gives a batch-broadcast mask (B=None) whose mask_mod never indexes by batch: FlexAttention
+    calls it with the batch index of q (0..B-1), so indexing a (1, T) tensor by it failed for B > 1.
 
     self: kv <= q and same block; cross: block(kv) < block(q) -- the official code's masks (without its sink).
     """
     from torch.nn.attention.flex_attention import create_block_mask
 
-    b2 = blk if blk.dim() == 2 else blk[None]
-    nb = b2.size(0) if blk.dim() == 2 else None
+    if blk.dim() == 2 and blk.size(0) == 1:
+        blk = blk[0]
+    if blk.dim() == 1:  # one partition for the whole batch: a broadcast mask whose mask_mod ignores b
+        nb, bid = None, lambda b, i: blk[i]
+    else:
+        nb, bid = blk.size(0), lambda b, i: blk[b, i]
 
     def self_mod(b, h, q, kv):
-        return (kv <= q) & (b2[b, kv] == b2[b, q])
+        return (kv <= q) & (bid(b, kv) == bid(b, q))
 
     def cross_mod(b, h, q, kv):
-        return b2[b, kv] < b2[b, q]
+        return bid(b, kv) < bid(b, q)
 
     return (create_block_mask(self_mod, nb, None, T, T, device=blk.device),
             create_block_mask(cross_mod, nb, None, T, T, device=blk.device))

@@ -338,6 +338,27 @@ def test_shared_prefix_cache_is_reused_across_requests():
     torch.testing.assert_close(steps, want, rtol=1e-5, atol=1e-5)
 
 
+# ---- the FlexAttention training path (eager on CPU, compiled on CUDA) == the dense reference --------------------
+
+
+@pytest.mark.parametrize("shape", ["T", "1T", "BT"])
+def test_flex_forward_equals_dense_for_shared_and_per_row_partitions(shape):
+    """B > 1 with one (T,) partition shared by the batch is what train.py passes; (1, T) and (B, T) are also allowed.
+    CPU FlexAttention is eager and has no backward, so the forward is compared under no_grad."""
+    m = tiny_model()
+    B, T = 3, 24
+    x = torch.randint(0, V, (B, T))
+    shared = splits_to_blk([3, 10, 17], T)
+    blk = {"T": shared, "1T": shared[None],
+           "BT": torch.stack([shared, splits_to_blk([5], T), splits_to_blk([1, 2, 20], T)])}[shape]
+    with torch.no_grad():
+        m.config.attn_impl = "dense"
+        want = m(x, blk=blk)[0]
+        m.config.attn_impl = "flex"
+        got = m(x, blk=blk)[0]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 # ---- the dual-key kernel (single softmax, Triton interpreted on CPU) == the LSE merge -----------------------------
 
 
