@@ -57,8 +57,41 @@ Choices made here (the paper and the official code leave them open or differ):
     could do neither. The partition of a rollover run is [prompt[:-1] | N tokens | N tokens | ...].
   * The objective `prefixlm` (section 4): one split point s per batch; prefix x[:s] is the context, x[s:] one block,
     loss on the suffix targets only (the others are IGNORE). Same static shapes as `blocks`.
-  * init: GPT-2 init of model.py per stack (residual projections scaled by that stack's depth); no muP (the paper's
-    muP needs per-group learning rates in train.py's optimizer).
+  * init: GPT-2 init of model.py per stack (residual projections scaled by that stack's depth). `init="xavier"`
+    (--dd-init xavier) is the paper's (Table 1; official: Xavier-uniform, gain sqrt 2, on every hidden matrix). No
+    muP: its per-group learning rates would need train.py's optimizer (see "Training dynamics" for what it would take).
+  * The latents' norm is cfg.norm (RMSNorm) like every other norm here; `latent_norm="layer"` (--latent-norm layer) is
+    the official code's LayerNorm with bias.
+  * The context decoder trains at ctx_lr = 0.25 times the learning rate: train.py's default for --arch double
+    (ArchSpec.train_defaults); --ctx-lr 1, also DoubleConfig's default, is the paper's. See "Training dynamics".
+
+Training dynamics: why the cross branch hurt early, and ctx_lr. Measured on `tiny` (4 + 2 layers), 300 steps x 16 x 256
+tokens, lr 2e-3, seed 1337, val loss of the native objective (train.py's), against the 6-layer decoder-only model of the
+same parameters (model.py `tiny6`: 4.164). train.py logs `latent_cos`, the mean cosine between the latents of different
+positions of a row (latent_cosine).
+  * Symptom (ctx_lr 1, the paper's): the latents collapse to one vector within 20 steps (latent_cos 0.20 at init, 0.99
+    at step 20, 0.999 at step 50) and recover slowly (0.72 at step 300, on validation windows); the RMS of the context
+    decoder's residual stream before its norm grows from 0.02 to 3.1. The decoder-only model's residual at the same
+    depth collapses as briefly (0.91 at step 20) but is back at 0.19 by step 100 (0.17 at step 300), its RMS staying
+    below 0.6. Val 4.212.
+  * Cause. At init every attention is uniform, so the cross keys take n_cross / (n_cross + n_self) of the mass (65-82%
+    here), and every latent receives the same gradient: the mean of the output gradients (the unigram direction), a
+    common mode, with almost no token-specific part; a latent reaches no loss through a residual path of its own, as
+    a decoder-only layer does. Adam turns this consistent but uninformative signal into full-size steps (its step does
+    not depend on the gradient's size), so the context decoder's matrices grow a rank-1 common component far faster
+    than anything token-specific, and its final norm hides the scale, so nothing limits the growth. The latents end
+    up carrying less token information than at init, while the cross keys still take most of the attention mass.
+  * Evidence. Freezing the context decoder at its init (latents detached: no gradient reaches it) trains better, not
+    worse: val 4.086 (latent_cos <= 0.28 throughout, 0.08 at step 300). Not fixes: lr 5e-3 (collapse worse: RMS 29, val 5.13 at step
+    150 vs 4.68), weight decay 0.5 (the paper's for the double decoder: 4.251), LayerNorm latents (4.285), Xavier init
+    (collapses as well, 0.94 at step 20, and trains slower, as does the decoder-only model with it).
+  * Fix: the context decoder's matrices at a quarter of the learning rate (ctx_lr = 0.25): latent_cos peaks at 0.87
+    and is 0.28 at step 300 (validation), the residual RMS stays below 0.12, val 4.156. It is implemented inside the model as the
+    reparametrization weight = 0.25 w' (_LrScale), which under Adam is a per-group learning rate (up to Adam's eps)
+    with the same relative weight decay; train.py needs no change. The two-size comparison is in the README results.
+  * muP (the paper's section 4) would need train.py to build AdamW groups from the model: hidden matrices at
+    lr * d0 / d, embeddings / head / gains at lr, no decay on gains, plus per-architecture lr / weight-decay defaults
+    (ArchSpec.train_defaults cannot set them: --lr and --weight-decay have non-None defaults). ctx_lr does not need it.
 
 Run:
     python double_decoder.py                                  # presets: parameters, KV bytes, FLOPs vs decoder-only
@@ -66,11 +99,12 @@ Run:
     python train.py --arch double --objective prefixlm        # the prefix-LM objective of section 4
     python double_decoder.py --sample out/double/ckpt.pt --rollover 16       # generate, folding every 16 tokens
     python -m pytest -q tests/test_double_decoder.py
-  Validation loss vs the decoder-only model of the same parameters (tiny: 3 + 1 layers vs vanilla's 4, 0.79M
-  non-embedding each) and the same tokens (100 steps x 16 x 256), ~90 s per run on 2 quiet cores:
-    python train.py --arch vanilla --max-iters 100 --out-dir out/dd_cmp/vanilla
-    python train.py --arch double --max-iters 100 --out-dir out/dd_cmp/double
-    python double_decoder.py --eval out/dd_cmp/double/ckpt.pt out/dd_cmp/vanilla/ckpt.pt  # same windows and splits
+  Validation loss vs the decoder-only model of the same non-embedding parameters and tokens (300 steps x 16 x 256;
+  tiny = 4 + 2 layers vs model.py's tiny6, 1.18M each; mini = 6 + 3 layers at d 256 vs model.py's mini, 7.08M each),
+  own objective and the prefix-LM suffix loss on the same windows and splits (add --ctx-lr 1 for the paper's dynamics):
+    python train.py --arch vanilla --preset tiny6 --max-iters 300 --seed 1337 --out-dir out/dd_cmp/vanilla
+    python train.py --arch double --max-iters 300 --seed 1337 --out-dir out/dd_cmp/double
+    python double_decoder.py --eval out/dd_cmp/double/ckpt.pt out/dd_cmp/vanilla/ckpt.pt --batches 50
   Serving: TTFT, TTFT after a cached shared prefix, per-token decode latency and KV bytes vs decoder-only of the same
   parameters (random weights; preset small = 8 + 4 layers vs 12; CPU defaults batch 1, prompt 128, 32 new tokens):
     python double_decoder.py --bench --threads 1              # CPU, ~10 s (one thread: stable timings)
@@ -87,6 +121,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.utils import parametrize
 
 import kernels
 from model import (IGNORE, ArchSpec, Attention, Block, GPT, GPTConfig, KVCache, Linear, RotaryEmbedding,
@@ -112,6 +147,9 @@ class DoubleConfig(GPTConfig):
     min_blocks: int = 3  # blocks per training partition: uniform in [min_blocks, max_blocks]
     max_blocks: int = 8
     attn_impl: str = "auto"  # 'auto' (flex on CUDA, else dense) | 'dense' (kernels.dual_attention) | 'flex'
+    init: str = "gpt2"  # 'gpt2' (model.init_weights per stack) | 'xavier' (paper Table 1: Xavier-uniform, gain sqrt 2)
+    latent_norm: str = "rms"  # the context decoder's final norm: 'rms' (cfg.norm) | 'layer' (LayerNorm with bias)
+    ctx_lr: float = 1.0  # the context decoder's lr as a multiple of train.py's --lr (train.py's default: 0.25)
 
     def __post_init__(self):
         if self.n_layer is None and isinstance(self.ctx_layers, int) and isinstance(self.gen_layers, int):
@@ -132,14 +170,20 @@ class DoubleConfig(GPTConfig):
              f"max_blocks={self.max_blocks} non-empty blocks do not fit in max_seq_len={self.max_seq_len} tokens")
         need(self.objective in ("blocks", "prefixlm"), f"objective={self.objective!r} is not 'blocks' or 'prefixlm'")
         need(self.attn_impl in ("auto", "dense", "flex"), f"attn_impl={self.attn_impl!r} is not auto, dense or flex")
+        need(self.init in ("gpt2", "xavier"), f"init={self.init!r} is not 'gpt2' or 'xavier'")
+        need(self.latent_norm in ("rms", "layer"), f"latent_norm={self.latent_norm!r} is not 'rms' or 'layer'")
+        need(self.ctx_lr > 0, f"ctx_lr={self.ctx_lr} must be > 0")
         super().validate()
 
 
 PRESETS: dict[str, dict] = {
-    # CPU and tests. The same width and total depth as model.py's vanilla `tiny` (4 layers), hence the same
-    # parameters (0.8M non-embedding): `--arch vanilla` is its baseline. Four layers admit no 2:1 split; 3 + 1 is the
-    # nearest (use --ctx-layers 4 --gen-layers 2 for the paper's ratio at 1.5x the parameters).
-    "tiny": dict(ctx_layers=3, gen_layers=1, n_head=4, n_kv_head=2, n_embd=128, mlp_hidden=384, max_seq_len=256,
+    # CPU and tests: the paper's 2 : 1 split at model.py's tiny width; model.py's `tiny6` (6 layers) is the
+    # decoder-only model of the same non-embedding parameters (1.2M).
+    "tiny": dict(ctx_layers=4, gen_layers=2, n_head=4, n_kv_head=2, n_embd=128, mlp_hidden=384, max_seq_len=256,
+                 vocab_size=4160),
+    # The larger CPU size of the comparison: 6 + 3 layers at d 256 (head dim 64, as the paper); model.py's `mini`
+    # (9 layers) is its decoder-only baseline (~7M non-embedding parameters).
+    "mini": dict(ctx_layers=6, gen_layers=3, n_head=4, n_kv_head=2, n_embd=256, mlp_hidden=768, max_seq_len=256,
                  vocab_size=4160),
     # The paper's depth profile (8 context + 4 generation layers vs 12 decoder layers), head dim 64. ~38M non-emb.
     "small": dict(ctx_layers=8, gen_layers=4, n_head=8, n_kv_head=4, n_embd=512, mlp_hidden=1536, max_seq_len=1024,
@@ -258,20 +302,26 @@ def flex_lse(q, k, v, block_mask):
 
 
 def flex_block_masks(blk: torch.Tensor, T: int):
-    """blk (T,) or (B, T) on the device -> (self BlockMask, cross BlockMask), built once per batch for all layers.
+    """blk (T,), (1, T) or (B, T) on the device -> (self BlockMask, cross BlockMask), built once per batch for all
+    layers. A shared partition gives a batch-broadcast mask (B=None) whose mask_mod never indexes by batch: FlexAttention
+    calls it with the batch index of q (0..B-1), so indexing a (1, T) tensor by it failed for B > 1.
 
     self: kv <= q and same block; cross: block(kv) < block(q) -- the official code's masks (without its sink).
     """
     from torch.nn.attention.flex_attention import create_block_mask
 
-    b2 = blk if blk.dim() == 2 else blk[None]
-    nb = b2.size(0) if blk.dim() == 2 else None
+    if blk.dim() == 2 and blk.size(0) == 1:
+        blk = blk[0]
+    if blk.dim() == 1:  # one partition for the whole batch: a broadcast mask whose mask_mod ignores b
+        nb, bid = None, lambda b, i: blk[i]
+    else:
+        nb, bid = blk.size(0), lambda b, i: blk[b, i]
 
     def self_mod(b, h, q, kv):
-        return (kv <= q) & (b2[b, kv] == b2[b, q])
+        return (kv <= q) & (bid(b, kv) == bid(b, q))
 
     def cross_mod(b, h, q, kv):
-        return b2[b, kv] < b2[b, q]
+        return bid(b, kv) < bid(b, q)
 
     return (create_block_mask(self_mod, nb, None, T, T, device=blk.device),
             create_block_mask(cross_mod, nb, None, T, T, device=blk.device))
@@ -394,6 +444,54 @@ class DoubleCache:
 # The model
 
 
+class _LrScale(nn.Module):
+    """Parametrization weight = s * w' (the optimizer sees w' = weight / s). Adam moves w' by ~lr per step whatever the
+    gradient's scale, so the weight moves s times as fast: a per-module learning rate s * lr inside the model, without
+    an optimizer group of its own (train.py's AdamW has one lr). Decoupled weight decay shrinks w' and the weight alike.
+    State dicts hold the plain `weight` (hooks below), so checkpoints do not depend on s."""
+
+    def __init__(self, s: float):
+        super().__init__()
+        self.s = s
+        self._cache, self._key = None, None  # eval-mode inference: s * w' computed once per weight version
+
+    def forward(self, w):
+        if self.training or torch.is_grad_enabled():
+            return w * self.s
+        key = (w._version, w.data_ptr(), w.dtype, w.device)  # any in-place update (optimizer, load) bumps _version
+        if key != self._key:
+            self._cache, self._key = w * self.s, key
+        return self._cache
+
+    def right_inverse(self, w):
+        return w / self.s
+
+    @staticmethod
+    def apply(linear: nn.Linear, s: float):
+        parametrize.register_parametrization(linear, "weight", _LrScale(s))
+        stored = "parametrizations.weight.original"
+
+        def save(module, state, prefix, meta):  # w' -> weight
+            state[prefix + "weight"] = state.pop(prefix + stored) * s
+
+        def load(module, state, prefix, *args):  # weight -> w'
+            if prefix + "weight" in state:
+                state[prefix + stored] = state.pop(prefix + "weight") / s
+
+        linear.register_state_dict_post_hook(save)
+        linear.register_load_state_dict_pre_hook(load)
+
+
+def latent_cosine(h: torch.Tensor) -> torch.Tensor:
+    """Mean cosine between the latents h (B, T, C) of different positions of the same row -> 0-d fp32 tensor.
+
+    ~0.2 at init; ~1 when the context decoder has collapsed to one output vector (see the module docstring).
+    """
+    B, T, _ = h.shape
+    u = F.normalize(h.float(), dim=-1).sum(1)  # (B, C): |sum_i u_i|^2 = sum_{i,j} cos_ij
+    return ((u.pow(2).sum(-1) - T) / max(T * (T - 1), 1)).mean()
+
+
 class DoubleDecoder(nn.Module):
     """Block-based double decoder (section 3.1).
 
@@ -407,17 +505,27 @@ class DoubleDecoder(nn.Module):
         self.config = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)  # shared by both decoders
         self.ctx_blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.ctx_layers))
-        self.ctx_norm = make_norm(cfg)  # the latents h are normed (official: encoder_norm)
+        # the latents h are normed (official: encoder_norm, a LayerNorm)
+        self.ctx_norm = nn.LayerNorm(cfg.n_embd, eps=cfg.norm_eps) if cfg.latent_norm == "layer" else make_norm(cfg)
         self.gen_blocks = nn.ModuleList(Block(cfg, attn_cls=DualAttention) for _ in range(cfg.gen_layers))
         self.norm = make_norm(cfg)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg.rot_dim, cfg.max_seq_len, cfg.rope_theta)
         init_weights(self.tok_emb, 1)
         init_weights(self.lm_head, 1)
-        init_weights(self.ctx_blocks, cfg.ctx_layers)  # each residual stream scaled by its own depth
-        init_weights(self.gen_blocks, cfg.gen_layers)
+        if cfg.init == "xavier":  # the paper's (and the official code's) init of every hidden matrix
+            for m in self.modules():
+                if isinstance(m, nn.Linear) and m is not self.lm_head:
+                    nn.init.xavier_uniform_(m.weight, gain=math.sqrt(2))
+        else:
+            init_weights(self.ctx_blocks, cfg.ctx_layers)  # each residual stream scaled by its own depth
+            init_weights(self.gen_blocks, cfg.gen_layers)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
+        if cfg.ctx_lr != 1.0:
+            for m in self.ctx_blocks.modules():
+                if isinstance(m, nn.Linear):
+                    _LrScale.apply(m, cfg.ctx_lr)
 
     # -- pieces (the vanilla model's, unchanged) ------------------------------------------------------------------
 
@@ -464,6 +572,8 @@ class DoubleDecoder(nn.Module):
         rope = self.rope(pos)  # absolute positions for queries, self keys and cross keys alike
         x = self.embed(idx)  # (B, T, C), the input of both decoders
         h = self.context(x, rope)  # (B, T, C) latents of every position (masked per block below)
+        if torch.is_grad_enabled():  # a 0-d tensor: train.py formats it at its log lines only (no per-step sync)
+            self.metrics["latent_cos"] = latent_cosine(h.detach())
         # 'auto': training with gradients on CUDA runs FlexAttention; the no-grad forward (eval, scoring) runs
         # kernels.dual_attention, i.e. the single-softmax Triton kernel on CUDA, and the reference elsewhere.
         impl = self.config.attn_impl
@@ -646,13 +756,22 @@ def add_args(ap: argparse.ArgumentParser):
     g.add_argument("--max-blocks", type=int, default=None, help="double: most blocks of a training partition (8)")
     g.add_argument("--separate-cross-kv", action="store_true",
                    help="double: separate k/v projections for the cross keys (default: shared with the self k/v)")
+    g.add_argument("--dd-init", choices=["gpt2", "xavier"], default=None,
+                   help="double: weight init (gpt2: model.init_weights per stack; xavier: the paper's, gain sqrt 2)")
+    g.add_argument("--latent-norm", choices=["rms", "layer"], default=None,
+                   help="double: the context decoder's final norm (rms: as every other norm; layer: LayerNorm + bias)")
+    g.add_argument("--ctx-lr", type=float, default=None,
+                   help="double: the context decoder's learning rate as a multiple of --lr (default 0.25; 1: the "
+                        "paper's)")
     g.add_argument("--dd-attn", choices=["auto", "dense", "flex"], default=None,
                    help="double: training attention (auto = FlexAttention on CUDA, the dense reference elsewhere)")
 
 
 def config_overrides(args, tok=None) -> dict:
     names = {"objective": "objective", "ctx_layers": "ctx_layers", "gen_layers": "gen_layers",
-             "min_blocks": "min_blocks", "max_blocks": "max_blocks", "dd_attn": "attn_impl"}
+             "min_blocks": "min_blocks", "max_blocks": "max_blocks", "dd_attn": "attn_impl",
+             "dd_init": "init", "latent_norm": "latent_norm",
+             "ctx_lr": "ctx_lr"}
     out = {field: getattr(args, a) for a, field in names.items() if getattr(args, a, None) is not None}
     if getattr(args, "separate_cross_kv", False):
         out["separate_cross_kv"] = True
@@ -666,7 +785,7 @@ def config_overrides(args, tok=None) -> dict:
 # run at vanilla's ~4 minutes of steps (~5 minutes with tokenization and evaluations) on 2 quiet cores.
 ARCH_SPECS = [ArchSpec("double", DoubleConfig, DoubleDecoder, PRESETS, add_args=add_args,
                        config_overrides=config_overrides, prepare_batch=prepare_batch,
-                       train_defaults={"max_iters": 240})]
+                       train_defaults={"max_iters": 240, "ctx_lr": 0.25})]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -834,7 +953,8 @@ def evaluate(paths, batches: int, batch_size: int, device_flag: str, seed: int):
     val = TokenData(prepare_corpus(a["data"], tok, a["cache_dir"], exclude, a.get("val_data"), verbose=False), "val")
     T = min(min(ck["config"]["max_seq_len"], ck["args"].get("seq_len") or 10 ** 9) for ck in cks)  # trained length
     models = [model_from_checkpoint(ck).to(device).eval() for ck in cks]
-    sums = [[0.0, 0, 0.0, 0] for _ in models]  # native CE sum, count, prefix-LM CE sum, count
+    sums = torch.zeros(len(models), 2, batches, dtype=torch.float64)  # [model, native | prefix-LM, batch] CE sums
+    counts = torch.zeros(2, batches, dtype=torch.float64)  # targets per batch (the same for every model)
     for i in range(batches):
         gen = step_generator(seed, -2, i)
         x, y = val.get_batch(batch_size, T, gen)
@@ -844,20 +964,27 @@ def evaluate(paths, batches: int, batch_size: int, device_flag: str, seed: int):
         blk_pl = (torch.arange(T) >= s).long()
         blk_native = sample_blocks(T, gen, 3, 8)
         x, y, y_pl = x.to(device), y.to(device), y_pl.to(device)
-        for m, acc in zip(models, sums):
+        counts[:, i] = torch.tensor([y.numel(), int((y_pl != IGNORE).sum())])
+        for j, m in enumerate(models):
             double = isinstance(m, DoubleDecoder)
             logits = m(x, blk=blk_native)[0] if double else m(x)[0]
-            acc[0] += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum").item()
-            acc[1] += y.numel()
+            sums[j, 0, i] = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum").item()
             logits = m(x, blk=blk_pl)[0] if double else logits
-            acc[2] += F.cross_entropy(logits.float().flatten(0, 1), y_pl.flatten(), ignore_index=IGNORE,
-                                      reduction="sum").item()
-            acc[3] += int((y_pl != IGNORE).sum())
+            sums[j, 1, i] = F.cross_entropy(logits.float().flatten(0, 1), y_pl.flatten(), ignore_index=IGNORE,
+                                            reduction="sum").item()
+    mean = sums.sum(-1) / counts.sum(-1)  # (models, 2): the token means
     print(f"val split of {a['data']} | {batches} batches x {batch_size} x {T} tokens | prefix-LM split uniform in "
           f"[1, {T - 1}] | device {device}")
-    for p, ck, m, (n_sum, n_cnt, p_sum, p_cnt) in zip(paths, cks, models, sums):
-        print(f"{ck['arch']:8s} {m.num_params() / 1e6:6.2f}M non-emb | native loss {n_sum / n_cnt:.4f} | "
-              f"prefix-LM suffix loss {p_sum / p_cnt:.4f} | {p}")
+    for j, (p, ck, m) in enumerate(zip(paths, cks, models)):
+        line = (f"{ck['arch']:8s} {m.num_params() / 1e6:6.2f}M non-emb | native loss {mean[j, 0]:.4f} | "
+                f"prefix-LM suffix loss {mean[j, 1]:.4f}")
+        if j:  # paired over the same batches: the difference to the first model and its standard error
+            d = (sums[j] - sums[0]) / counts  # (2, batches) per-batch mean differences
+            se = [f" +- {v:.4f}" if batches > 1 else "" for v in (d.std(-1) / math.sqrt(batches)).tolist()]
+            line += (f" | minus the first: native {mean[j, 0] - mean[0, 0]:+.4f}{se[0]}, prefix-LM "
+                     f"{mean[j, 1] - mean[0, 1]:+.4f}{se[1]} (s.e. over paired batches)")
+        print(f"{line} | {p}")
+    return mean
 
 
 @torch.no_grad()
@@ -906,7 +1033,7 @@ def main():
     ap.add_argument("--rollover", type=int, default=None, help="fold the block into the context every N tokens")
     ap.add_argument("--warmup", type=int, default=1, help="bench: untimed runs")
     ap.add_argument("--iters", type=int, default=None, help="bench: timed runs, median (default: 3 CPU, 5 GPU)")
-    ap.add_argument("--batches", type=int, default=20, help="eval: validation batches")
+    ap.add_argument("--batches", type=int, default=50, help="eval: validation batches")
     ap.add_argument("--batch-size", type=int, default=16, help="eval: sequences per batch")
     ap.add_argument("--prompt", default="def ", help="sample: prompt text")
     ap.add_argument("--temperature", type=float, default=0.8, help="sample: temperature (0 = greedy)")

@@ -124,6 +124,10 @@ class GPTConfig:
 PRESETS: dict[str, dict] = {
     # CPU and tests: ~0.8M non-embedding parameters, trains in minutes on 2 cores.
     "tiny": dict(n_layer=4, n_head=4, n_kv_head=2, n_embd=128, mlp_hidden=384, max_seq_len=256, vocab_size=4160),
+    # Decoder-only baselines of double_decoder.py's presets (same width, ctx + gen layers, same non-embedding params):
+    # tiny6 for its `tiny` (4 + 2 layers, ~1.2M), mini for its `mini` (6 + 3 layers, d 256, ~7M).
+    "tiny6": dict(n_layer=6, n_head=4, n_kv_head=2, n_embd=128, mlp_hidden=384, max_seq_len=256, vocab_size=4160),
+    "mini": dict(n_layer=9, n_head=4, n_kv_head=2, n_embd=256, mlp_hidden=768, max_seq_len=256, vocab_size=4160),
     # ~25M non-embedding parameters.
     "small": dict(n_layer=8, n_head=8, n_kv_head=4, n_embd=512, mlp_hidden=1536, max_seq_len=1024, vocab_size=16448),
     # ~125M non-embedding parameters.

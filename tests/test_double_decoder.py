@@ -150,6 +150,68 @@ def test_context_latents_are_normed():
     torch.testing.assert_close(h3, 3 * h)
 
 
+def test_latent_cosine_is_the_mean_cosine_over_pairs_of_positions():
+    h = torch.randn(3, 7, 5)
+    h[1] = h[1, :1] * torch.rand(7, 1) + 1e-3 * h[1]  # row 1: one direction, scaled per position -> cosine ~1
+    u = F.normalize(h, dim=-1)
+    cos = u @ u.transpose(1, 2)  # (B, T, T)
+    off = ~torch.eye(7, dtype=torch.bool)
+    torch.testing.assert_close(ddm.latent_cosine(h), cos[:, off].mean())
+    assert ddm.latent_cosine(h[1:2]) > 0.99
+
+
+def test_xavier_init_is_the_papers():
+    """init="xavier": every hidden matrix Xavier-uniform with gain sqrt 2 (bound gain sqrt(6 / (fan_in + fan_out))), the
+    embedding N(0, 0.02) as with gpt2; the same module tree, so every other test's equivalence holds for it too."""
+    torch.manual_seed(0)
+    m = DoubleDecoder(tiny_cfg(init="xavier", n_embd=64, mlp_hidden=128))
+    for name, mod in m.named_modules():  # mod.weight: the effective weight (ctx_lr's parametrization applied)
+        if isinstance(mod, torch.nn.Linear) and mod is not m.lm_head:
+            p = mod.weight.detach()
+            fan_out, fan_in = p.shape
+            bound = math.sqrt(2) * math.sqrt(6 / (fan_in + fan_out))
+            assert p.abs().max() <= bound and p.abs().max() > 0.95 * bound, name
+    assert abs(m.tok_emb.weight.std().item() - 0.02) < 0.002
+
+
+def test_ctx_lr_scales_the_context_decoders_adam_steps():
+    """ctx_lr = s: the same function and state dict at init; one AdamW step moves every context-decoder matrix s times as
+    far as with ctx_lr = 1 (Adam's step does not depend on the gradient's scale), everything else alike; and the state
+    dict (plain weights) loads into a model of either ctx_lr."""
+    s = 0.25
+    models = []
+    for lr_mult in (1.0, s):
+        torch.manual_seed(0)
+        models.append(DoubleDecoder(tiny_cfg(ctx_lr=lr_mult)))
+    x, y = torch.randint(0, V, (2, 20)), torch.randint(0, V, (2, 20))
+    blk = splits_to_blk([6, 13], 20)
+    before = [{k: v.clone() for k, v in m.state_dict().items()} for m in models]
+    assert before[0].keys() == before[1].keys()
+    for k in before[0]:
+        torch.testing.assert_close(before[1][k], before[0][k], rtol=0, atol=0)
+    for m in models:
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.0, eps=1e-30)  # eps: no floor on |g|
+        loss = m(x, y, blk=blk)[1]
+        loss.backward()
+        opt.step()
+    after = [m.state_dict() for m in models]
+    ctx = [k for k in before[0] if k.startswith("ctx_blocks") and before[0][k].dim() == 2]
+    assert len(ctx) == 2 * 7  # every matrix of both context layers
+    for k in before[0]:
+        d0, d1 = after[0][k] - before[0][k], after[1][k] - before[1][k]
+        torch.testing.assert_close(d1, d0 * s if k in ctx else d0, rtol=1e-4, atol=1e-7)
+    fresh = DoubleDecoder(tiny_cfg(ctx_lr=1.0))
+    fresh.load_state_dict(after[1])
+    back = DoubleDecoder(tiny_cfg(ctx_lr=s)).eval()
+    with torch.no_grad():
+        stale = back(x, blk=blk)[0]  # eval mode caches s * w' ...
+        back.load_state_dict(fresh.state_dict())  # ... until the weights change in place
+        want = models[1](x, blk=blk)[0]
+        torch.testing.assert_close(fresh(x, blk=blk)[0], want)
+        torch.testing.assert_close(back(x, blk=blk)[0], want)
+        assert not torch.allclose(stale, want)
+
+
 def test_generation_decoder_reads_earlier_blocks_only_through_latents():
     """Doubly causal: with the latents of earlier blocks fixed, the gen decoder's earlier-block states are unused."""
     m = tiny_model()
@@ -338,6 +400,27 @@ def test_shared_prefix_cache_is_reused_across_requests():
     torch.testing.assert_close(steps, want, rtol=1e-5, atol=1e-5)
 
 
+# ---- the FlexAttention training path (eager on CPU, compiled on CUDA) == the dense reference --------------------
+
+
+@pytest.mark.parametrize("shape", ["T", "1T", "BT"])
+def test_flex_forward_equals_dense_for_shared_and_per_row_partitions(shape):
+    """B > 1 with one (T,) partition shared by the batch is what train.py passes; (1, T) and (B, T) are also allowed.
+    CPU FlexAttention is eager and has no backward, so the forward is compared under no_grad."""
+    m = tiny_model()
+    B, T = 3, 24
+    x = torch.randint(0, V, (B, T))
+    shared = splits_to_blk([3, 10, 17], T)
+    blk = {"T": shared, "1T": shared[None],
+           "BT": torch.stack([shared, splits_to_blk([5], T), splits_to_blk([1, 2, 20], T)])}[shape]
+    with torch.no_grad():
+        m.config.attn_impl = "dense"
+        want = m(x, blk=blk)[0]
+        m.config.attn_impl = "flex"
+        got = m(x, blk=blk)[0]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 # ---- the dual-key kernel (single softmax, Triton interpreted on CPU) == the LSE merge -----------------------------
 
 
@@ -429,6 +512,8 @@ def test_bad_configs_raise_clear_errors():
     for kw, msg in ((dict(ctx_layers=0), "ctx_layers"), (dict(gen_layers=-1), "gen_layers"),
                     (dict(min_blocks=5, max_blocks=4), "min_blocks"), (dict(max_blocks=100), "max_blocks"),
                     (dict(objective="span"), "objective"), (dict(attn_impl="fast"), "attn_impl"),
+                    (dict(init="kaiming"), "init"), (dict(latent_norm="batch"), "latent_norm"),
+                    (dict(ctx_lr=0.0), "ctx_lr"),
                     (dict(n_layer=7), "n_layer"), (dict(n_head=3), "n_head")):
         with pytest.raises(ValueError, match=msg):
             tiny_cfg(**kw)
@@ -481,6 +566,7 @@ def test_train_runs_both_objectives_and_evaluates(tmp_path, capsys):
         ck = train.load_checkpoint(out_dir / "ckpt.pt")
         model = train.model_from_checkpoint(ck)
         assert isinstance(model, DoubleDecoder) and model.config.objective == objective
+        assert model.config.ctx_lr == 0.25  # train.py's default for --arch double (the fix of the module docstring)
         assert (model.config.ctx_layers, model.config.gen_layers, model.config.n_layer) == (2, 1, 3)
         cks.append(str(out_dir / "ckpt.pt"))
     capsys.readouterr()
