@@ -82,16 +82,16 @@ positions of a row (latent_cosine).
     than anything token-specific, and its final norm hides the scale, so nothing limits the growth. The latents end
     up carrying less token information than at init, while the cross keys still take most of the attention mass.
   * Evidence. Freezing the context decoder at its init (latents detached: no gradient reaches it) trains better, not
-    worse: val 4.086 (latent_cos <= 0.28 throughout, 0.08 at step 300). Not fixes: lr 5e-3 (collapse worse: RMS 29, val 5.13 at step
-    150 vs 4.68), weight decay 0.5 (the paper's for the double decoder: 4.251), LayerNorm latents (4.285), Xavier init
+    worse: val 4.086 (latent_cos <= 0.28 throughout, 0.08 at step 300). Not fixes: lr 5e-3 (collapse worse: RMS 29,
+    val 5.13 at step 150 vs 4.68), weight decay 0.5 (the paper's for the double decoder: 4.251), LayerNorm latents (4.285), Xavier init
     (collapses as well, 0.94 at step 20, and trains slower, as does the decoder-only model with it).
   * Fix: the context decoder's matrices at a quarter of the learning rate (ctx_lr = 0.25): latent_cos peaks at 0.87
-    and is 0.28 at step 300 (validation), the residual RMS stays below 0.12, val 4.156. It is implemented inside the model as the
-    reparametrization weight = 0.25 w' (_LrScale), which under Adam is a per-group learning rate (up to Adam's eps)
-    with the same relative weight decay; train.py needs no change. The two-size comparison is in the README results.
-  * muP (the paper's section 4) would need train.py to build AdamW groups from the model: hidden matrices at
-    lr * d0 / d, embeddings / head / gains at lr, no decay on gains, plus per-architecture lr / weight-decay defaults
-    (ArchSpec.train_defaults cannot set them: --lr and --weight-decay have non-None defaults). ctx_lr does not need it.
+    and is 0.28 at step 300 (validation), the residual RMS stays below 0.12, val 4.156. Each such matrix carries
+    `lr_scale = ctx_lr`, and train.py's make_optimizer puts it in an AdamW group at lr x lr_scale (its weight decay
+    divided by lr_scale, so the decay per step stays lr x wd). The two-size comparison is in the README results.
+  * muP (the paper's section 4) would set lr_scale = d0 / d on every hidden matrix the same way, plus per-architecture
+    lr / weight-decay defaults (ArchSpec.train_defaults cannot set them: --lr and --weight-decay have non-None
+    defaults); not done.
 
 Run:
     python double_decoder.py                                  # presets: parameters, KV bytes, FLOPs vs decoder-only
@@ -121,7 +121,6 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.utils import parametrize
 
 import kernels
 from model import (IGNORE, ArchSpec, Attention, Block, GPT, GPTConfig, KVCache, Linear, RotaryEmbedding,
@@ -444,44 +443,6 @@ class DoubleCache:
 # The model
 
 
-class _LrScale(nn.Module):
-    """Parametrization weight = s * w' (the optimizer sees w' = weight / s). Adam moves w' by ~lr per step whatever the
-    gradient's scale, so the weight moves s times as fast: a per-module learning rate s * lr inside the model, without
-    an optimizer group of its own (train.py's AdamW has one lr). Decoupled weight decay shrinks w' and the weight alike.
-    State dicts hold the plain `weight` (hooks below), so checkpoints do not depend on s."""
-
-    def __init__(self, s: float):
-        super().__init__()
-        self.s = s
-        self._cache, self._key = None, None  # eval-mode inference: s * w' computed once per weight version
-
-    def forward(self, w):
-        if self.training or torch.is_grad_enabled():
-            return w * self.s
-        key = (w._version, w.data_ptr(), w.dtype, w.device)  # any in-place update (optimizer, load) bumps _version
-        if key != self._key:
-            self._cache, self._key = w * self.s, key
-        return self._cache
-
-    def right_inverse(self, w):
-        return w / self.s
-
-    @staticmethod
-    def apply(linear: nn.Linear, s: float):
-        parametrize.register_parametrization(linear, "weight", _LrScale(s))
-        stored = "parametrizations.weight.original"
-
-        def save(module, state, prefix, meta):  # w' -> weight
-            state[prefix + "weight"] = state.pop(prefix + stored) * s
-
-        def load(module, state, prefix, *args):  # weight -> w'
-            if prefix + "weight" in state:
-                state[prefix + stored] = state.pop(prefix + "weight") / s
-
-        linear.register_state_dict_post_hook(save)
-        linear.register_load_state_dict_pre_hook(load)
-
-
 def latent_cosine(h: torch.Tensor) -> torch.Tensor:
     """Mean cosine between the latents h (B, T, C) of different positions of the same row -> 0-d fp32 tensor.
 
@@ -522,10 +483,10 @@ class DoubleDecoder(nn.Module):
             init_weights(self.gen_blocks, cfg.gen_layers)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
-        if cfg.ctx_lr != 1.0:
+        if cfg.ctx_lr != 1.0:  # train.py's make_optimizer gives these matrices lr x ctx_lr
             for m in self.ctx_blocks.modules():
                 if isinstance(m, nn.Linear):
-                    _LrScale.apply(m, cfg.ctx_lr)
+                    m.weight.lr_scale = cfg.ctx_lr
 
     # -- pieces (the vanilla model's, unchanged) ------------------------------------------------------------------
 

@@ -575,11 +575,18 @@ def load_source_model(src: str, table=None):
 
 
 def make_optimizer(model, lr, weight_decay, device):
-    """AdamW; weight decay on matrices only; the fused CUDA kernel when on a GPU."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    """AdamW; weight decay on matrices only; the fused CUDA kernel when on a GPU.
+
+    A parameter with an `lr_scale` attribute (double_decoder.py's context decoder) gets a group of its own that
+    trains at lr x lr_scale (the schedule multiplies it in: group["lr_scale"]); its weight decay is divided by the
+    same factor, so the decay per step (lr x weight decay) stays that of every other matrix."""
+    groups = {}
+    for p in model.parameters():
+        if p.requires_grad:
+            s = getattr(p, "lr_scale", 1.0)
+            groups.setdefault((p.dim() >= 2, s), []).append(p)
+    groups = [{"params": ps, "lr_scale": s, "lr": lr * s, "weight_decay": weight_decay / s if decay else 0.0}
+              for (decay, s), ps in groups.items()]
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=device.type == "cuda")
 
 
@@ -1192,7 +1199,7 @@ def train(argv=None):
     for step in range(start_step, args.max_iters):
         lr = lr_at(step, args.lr, args.warmup_iters, args.lr_decay_iters, args.min_lr)
         for group in optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)
         total, lm_total, kd_total = 0.0, 0.0, 0.0
         for micro in range(args.grad_accum):
             x, y, kw = batch_on_device(train_data, step_generator(args.seed, step, micro, rank))
