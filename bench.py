@@ -218,23 +218,32 @@ def bench_plt(args):
     import plt
 
     device = pick_device(args.device)
-    base = dict(plt.PRESETS[args.preset], max_seq_len=args.prompt_len + args.new_tokens + 8)
-    variants = {"vanilla": "vanilla", "loop-2": "loop", "PLT-2": "plt"}
+    n = args.prompt_len + args.new_tokens
+    base = dict(plt.PRESETS[args.preset], max_seq_len=n + 8)
+    variants = args.variants.split(",")
     for dtype in [pick_dtype(device, d) for d in args.dtype.split(",")]:
         torch.manual_seed(0)
-        models = {name: plt.PLT(plt.PLTConfig(**{**base, **plt.variant_fields(v)})).to(device, dtype).eval()
-                  for name, v in variants.items()}
-        p = models["PLT-2"]
-        header("PLT decode latency", device, dtype, f"preset {args.preset}: {base['n_layer']} layers x L=2, d "
-               f"{base['n_embd']}, {param_bytes(p) / 1e6:.0f} MB of weights, window {p.config.window} | prompt "
+        models = {v: plt.PLT(plt.PLTConfig(**{**base, **plt.variant_fields(v)})).to(device, dtype).eval()
+                  for v in variants}
+        p = next(iter(models.values()))
+        L = base["n_loops"]
+        header("PLT decode latency", device, dtype, f"preset {args.preset}: {base['n_layer']} layers x L={L}, d "
+               f"{base['n_embd']}, {param_bytes(p) / 1e6:.0f} MB of weights, window {base['window']} | prompt "
                f"{args.prompt_len}, {args.new_tokens} new tokens | median (min..max) of {args.repeats} rounds")
+        kv = {v: m.kv_cache_bytes(1, n, torch.finfo(dtype).bits // 8) for v, m in models.items()}
+        print("   KV bytes per sequence at the end (Table 1): " + ", ".join(
+            f"{v} {b / 1024:.1f} KiB" + (f" ({b / kv['vanilla'] - 1:+.1%} vs vanilla)" if "vanilla" in kv else "")
+            for v, b in kv.items()))
         for B in [int(b) for b in args.batch.split(",")]:
             idx = torch.randint(0, base["vocab_size"] - 1, (B, args.prompt_len), device=device)
             t = generation_times(models, idx, args.new_tokens, args.repeats)
-            print(f"   batch {B:3d}: ms/token " + ", ".join(f"{n} {spread(t[n]['token'], 1e3, '.2f')}" for n in t))
-            print(f"              PLT-2 / vanilla {ratio(t['PLT-2']['token'], t['vanilla']['token'])} (paper: "
-                  f"1.02 at batch 4, 1.04-1.06 at 32-64) | PLT-2 / loop-2 "
-                  f"{ratio(t['PLT-2']['token'], t['loop-2']['token'])} (paper: 0.63 at batch 4, 0.53 at 32-64)")
+            print(f"   batch {B:3d}: ms/token " + ", ".join(f"{v} {spread(t[v]['token'], 1e3, '.2f')}" for v in t))
+            if "plt" in t and "vanilla" in t:
+                print(f"              PLT-{L} / vanilla {ratio(t['plt']['token'], t['vanilla']['token'])} (paper: "
+                      "1.02 at batch 4, 1.04-1.06 at 32-64)")
+            if "plt" in t and "loop" in t:
+                print(f"              PLT-{L} / loop-{L} {ratio(t['plt']['token'], t['loop']['token'])} (paper: "
+                      "0.63 at batch 4, 0.53 at 32-64)")
 
 
 @torch.no_grad()
@@ -923,6 +932,8 @@ def main(argv=None):
     common(p)
     p.add_argument("--dtype", default="float32,bfloat16", help="comma list of dtypes")
     p.add_argument("--batch", default="1,4,16", help="comma list of batch sizes")
+    p.add_argument("--variants", default="vanilla,loop,plt", help="comma list of Table 2 rows: vanilla, loop, clp, "
+                                                                   "kv_share, plt")
     p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens")
     p.add_argument("--new-tokens", type=int, default=32, help="generated tokens per run")
     p.set_defaults(fn=bench_plt)

@@ -13,7 +13,7 @@ Paper: "Parallel Loop Transformer for Efficient Test-Time Computation Scaling" (
     (K_share, V_share), so only one full KV cache is stored;
   * gated sliding-window attention, G-SWA (Algorithm 3): loops >= 2 also attend over their OWN last w keys/values,
     and a per-head sigmoid gate mixes the two: y = g * y_local + (1 - g) * y_global;
-  * the KV memory of Table 1 (`kv_cache_bytes`) and the latency comparison of Table 3 (`--bench`).
+  * the KV memory of Table 1 (`kv_cache_bytes`); the latency comparison of Table 3 is `python bench.py plt`.
 
 The switches reproduce the rows of Table 2 (`--plt-variant` in train.py, or the config fields):
 
@@ -67,15 +67,13 @@ Run:
     python train.py --arch plt --loops 3 --plt-window 32        # PLT-3, window 32
     python train.py --arch plt --init-from out/vanilla/ckpt.pt  # uptrain a vanilla checkpoint into a PLT
     python plt.py                                               # presets x variants: parameters, KV bytes, FLOPs
-    python plt.py --bench                                       # decode latency + KV bytes vs vanilla and loop
-    python plt.py --bench --threads 1                           # the same on a shared CPU (steadier timings)
-    python plt.py --bench --preset small --batch-sizes 4,8,16,32,64 --device cuda
+    python bench.py plt                                         # Table 3: decode latency vs vanilla and loop-2
+    python bench.py plt --variants vanilla,loop,clp,kv_share,plt --batch 4,16 --preset small --device cuda
     python -m pytest -q tests/test_plt.py
 """
 from __future__ import annotations
 
 import argparse
-import time
 from dataclasses import asdict, dataclass
 
 import torch
@@ -84,7 +82,7 @@ import torch.nn.functional as F
 
 from kernels import gated_swa, gated_swa_decode, plt_gate
 from model import (GPT, ArchSpec, Attention, Block, GPTConfig, KVCache, attend, causal_mask_from_positions,
-                   init_weights, kv_bytes, lm_loss, make_norm, pick_device, pick_dtype)
+                   init_weights, kv_bytes, lm_loss, make_norm)
 
 # ----------------------------------------------------------------------------------------------------------------
 # Config
@@ -107,11 +105,7 @@ class PLTConfig(GPTConfig):
 
     def validate(self):
         super().validate()
-
-        def need(ok, msg):
-            if not ok:
-                raise ValueError(f"bad PLTConfig: {msg}")
-
+        need = self.need
         need(isinstance(self.n_loops, int) and self.n_loops >= 1, f"n_loops={self.n_loops!r} must be an int >= 1")
         need(isinstance(self.window, int) and self.window >= 1, f"window={self.window!r} must be an int >= 1")
         for name in ("clp", "kv_share", "gswa"):
@@ -388,6 +382,19 @@ class PLTCache:
     def own_layer(self, loop, layer) -> int:  # sequential layout without kv_share
         return loop * self.n_layer + layer
 
+    def store(self, layer, loop, pos, k, v):
+        """Prefill: keep loop `loop`'s K/V (B, H, T, D) of stack layer `layer` at positions pos (B, T) where this
+        layout holds them: loop 1's as K_share; with kv_share a non-first loop keeps only its window (the rings, see
+        RingKV.seed_kv); without kv_share every loop its own, at rows b * L + l (CLP) or layer l * N + j."""
+        if self.shares_kv:
+            if loop == 0:
+                self.kv.layer(layer).write(pos, k, v)
+        elif self.parallel:
+            rows = torch.arange(self.batch, device=pos.device) * self.n_loops + loop
+            self.kv.layer(layer, rows).write(pos, k, v)
+        else:
+            self.kv.layer(self.own_layer(loop, layer)).write(pos, k, v)
+
     def reset(self):
         self.lengths.zero_()
         if self.ring is not None:
@@ -515,16 +522,8 @@ class PLT(GPT):
         for j in range(cfg.n_layer):
             for loop in range(cfg.n_loops):
                 k, v = kvs[loop][j]
-                if k is None:
-                    continue
-                if loop == 0 and cache.shares_kv:
-                    cache.kv.layer(j).write(pos, k, v)
-                elif cache.shares_kv:
-                    continue  # own K/V of a gswa loop: only the window is kept (below)
-                elif cache.parallel:
-                    cache.kv.layer(j, rows * cfg.n_loops + loop).write(pos, k, v)
-                else:
-                    cache.kv.layer(cache.own_layer(loop, j)).write(pos, k, v)
+                if k is not None:  # a loop with kv_share computes no K/V of its own unless it runs G-SWA
+                    cache.store(j, loop, pos, k, v)
         if cache.ring is not None:
             cache.ring.seed(lengths)
             for j in range(cfg.n_layer):
@@ -652,105 +651,7 @@ ARCH_SPECS = [ArchSpec("plt", PLTConfig, PLT, PRESETS, add_args=add_args, config
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Benchmark: per-token decode latency and KV bytes (Table 3), and the preset table
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-@torch.no_grad()
-def time_decode(model: PLT, batch, prompt_len, steps, warmup, device, compile_=False):
-    """Prefill a random prompt, run `warmup` decode steps, then time `steps` more -> (seconds per step, cache)."""
-    gen = torch.Generator().manual_seed(0)
-    idx = torch.randint(model.config.vocab_size - 1, (batch, prompt_len), generator=gen).to(device)
-    cache = model.new_cache(batch, prompt_len + warmup + steps, static=compile_)
-    step = torch.compile(model.decode_step) if compile_ else model.decode_step
-    tok = model.prefill(idx, cache).argmax(-1)
-    for _ in range(warmup):
-        tok = step(tok, cache).argmax(-1)
-    _sync(device)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        tok = step(tok, cache).argmax(-1)
-    _sync(device)
-    return (time.perf_counter() - t0) / steps, cache
-
-
-def bench(args):
-    """Table 3 at small scale: every variant at every batch size, interleaved over `repeats` rounds (min taken), so
-    that a slow phase of a shared machine hits all variants alike."""
-    device = pick_device(args.device)
-    dtype = pick_dtype(device, args.dtype)
-    cuda = device.type == "cuda"
-    preset = args.preset or ("small" if cuda else "tiny")
-    prompt_len = args.prompt_len or (1024 if cuda else 256)  # the paper prefills 1024..2048 tokens
-    steps = args.steps or (128 if cuda else 16)
-    warmup = args.warmup if args.warmup is not None else (16 if cuda else 4)
-    base = dict(PRESETS[preset])
-    if args.loops is not None:
-        base["n_loops"] = args.loops
-    if args.window is not None:
-        base["window"] = args.window
-    n = prompt_len + warmup + steps  # tokens in the cache at the end of a timed run
-    base["max_seq_len"] = max(base["max_seq_len"], n)
-    batches = [int(b) for b in args.batch_sizes.split(",")]
-    variants = args.variants.split(",")
-    name = torch.cuda.get_device_name(device) if cuda else f"cpu ({torch.get_num_threads()} threads)"
-    print(f"device {name} | dtype {dtype} | torch {torch.__version__} | compile {args.compile}")
-    print(f"preset {preset}: layers {base['n_layer']} d {base['n_embd']} heads {base['n_head']}/{base['n_kv_head']} "
-          f"mlp {base['mlp_hidden']} vocab {base['vocab_size']} | L {base['n_loops']} w {base['window']} | prompt "
-          f"{prompt_len} tokens, {warmup} warm-up decode steps (not timed), {steps} timed steps, min of "
-          f"{args.repeats} interleaved rounds | random weights")
-    models = {}
-    for v in variants:
-        cfg = PLTConfig(**{**base, **variant_fields(v, None if v == "vanilla" else base["n_loops"])})
-        torch.manual_seed(0)
-        with torch.device(device):
-            models[v] = PLT(cfg).to(dtype).eval()
-    results = {}
-    for B in batches:
-        for _ in range(args.repeats):
-            for v, model in models.items():
-                if (v, B) in results and results[v, B] is None:
-                    continue  # out of memory once: skip
-                try:
-                    dt, cache = time_decode(model, B, prompt_len, steps, warmup, device, args.compile)
-                    kv = model.kv_cache_bytes(B, n, cache.kv.k.element_size())
-                    old = results.get((v, B))
-                    results[v, B] = (min(dt, old[0]) if old else dt, kv, cache.nbytes())
-                    del cache
-                except torch.OutOfMemoryError:
-                    results[v, B] = None
-                if cuda:
-                    torch.cuda.empty_cache()
-    print(f"\n{'variant':10s} {'batch':>5s} {'ms/token':>9s} {'tok/s':>9s} {'vs vanilla':>10s} {'vs loop':>8s} "
-          f"{'KV MiB':>9s} {'KV vs vanilla':>13s} {'allocated MiB':>13s}")
-    for B in batches:
-        for v in variants:
-            r = results.get((v, B))
-            if r is None:
-                print(f"{v:10s} {B:5d}  out of memory")
-                continue
-            dt, kv, alloc = r
-
-            def rel(other, i):
-                o = results.get((other, B))
-                return f"{(r[i] / o[i] - 1) * 100:+.1f}%" if o else "-"
-
-            print(f"{v:10s} {B:5d} {dt * 1e3:9.3f} {B / dt:9.0f} {rel('vanilla', 0):>10s} {rel('loop', 0):>8s} "
-                  f"{kv / 2 ** 20:9.2f} {rel('vanilla', 1):>13s} {alloc / 2 ** 20:13.2f}")
-    if "plt" in models and "vanilla" in models:  # Table 1's n d + (L-1) w d: the overhead shrinks as w / n
-        p, v0 = models["plt"], models["vanilla"]
-        kv = ", ".join(f"n={m}: {(p.kv_cache_bytes(1, m) / v0.kv_cache_bytes(1, m) - 1) * 100:+.1f}%"
-                       for m in (n, 1024, 2048, 4608))
-        print(f"\nPLT KV cache vs vanilla (Table 1 formula, L={p.config.n_loops}, w={p.config.window}): {kv}")
-    print("the paper (Tables 2-3, Seed-MoE 680M/13B, vLLM, FP8, GPU): PLT-2 latency about +2% over vanilla at batch 4 "
-          "(+4-6% at 32-64), -37% vs loop-2 at batch 4 (-47% at 32-64), KV cache +1.4% over vanilla (280M -> 284M).\n"
-          "On CPU the numbers are not the paper's regime: decoding is not bound by memory bandwidth, and G-SWA runs "
-          "kernels.gated_swa_decode_ref (unfused PyTorch: K/V expanded for GQA, two masked attentions, the gate), so "
-          "the plt row pays for the reference; the fused Triton kernel runs on CUDA.")
+# The preset table (decode timings: `python bench.py plt`)
 
 
 def describe():
@@ -766,30 +667,9 @@ def describe():
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--bench", action="store_true", help="time decoding of the Table 2 variants")
-    ap.add_argument("--preset", default=None, help="bench preset (default: small on CUDA, tiny elsewhere)")
-    ap.add_argument("--loops", type=int, default=None, help="L (default: the preset's)")
-    ap.add_argument("--window", type=int, default=None, help="G-SWA window w (default: the preset's)")
-    ap.add_argument("--variants", default="vanilla,loop,clp,kv_share,plt", help="comma-separated rows of Table 2")
-    ap.add_argument("--batch-sizes", default="4,8,16,32,64", help="comma-separated (Table 3 uses 4..64)")
-    ap.add_argument("--prompt-len", type=int, default=None, help="prefill before the timed steps (1024 CUDA, 256 CPU)")
-    ap.add_argument("--steps", type=int, default=None, help="timed decode steps (128 CUDA, 16 CPU)")
-    ap.add_argument("--warmup", type=int, default=None, help="decode steps before timing, excluded (16 CUDA, 4 CPU)")
-    ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds over the variants; the min is kept")
-    ap.add_argument("--device", default="auto", help="cpu | cuda | mps | auto")
-    ap.add_argument("--dtype", default="auto", help="auto (bf16 where supported) | float32 | bfloat16 | float16")
-    ap.add_argument("--compile", action="store_true", help="torch.compile the decode step (static cache shapes)")
-    ap.add_argument("--threads", type=int, default=None,
-                    help="CPU threads (torch.set_num_threads); 1 on a shared machine, where threads waiting for each "
-                         "other at every operator make timings erratic")
-    args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.bench:
-        bench(args)
-    else:
-        describe()
+    argparse.ArgumentParser(description="Presets x Table 2 rows: parameters, KV bytes, FLOPs. Decode latency: "
+                                        "python bench.py plt").parse_args()
+    describe()
 
 
 if __name__ == "__main__":

@@ -30,9 +30,12 @@ def test_archs_table_runs_every_architecture(capsys):
 
 def test_plt_double_and_serve_sections_run(capsys):
     common = ["--device", "cpu", "--preset", "tiny", "--repeats", "1", "--dtype", "float32"]
-    bench.main(["plt", *common, "--batch", "1", "--prompt-len", "8", "--new-tokens", "3"])
+    bench.main(["plt", *common, "--batch", "1", "--prompt-len", "8", "--new-tokens", "3",
+                "--variants", "vanilla,loop,clp,kv_share,plt"])
     bench.main(["double", *common, "--batch", "1", "--prompt-len", "8", "--new-tokens", "3"])
     bench.main(["serve", *common, "--requests", "6", "--prompt-len", "4", "--gen-len", "4", "--slots", "3",
                 "--lora-rank", "4", "--exit-rate", "0.5"])
     out = capsys.readouterr().out
-    assert "PLT-2 / vanilla" in out and "TTFT ms double" in out and "relaxed depth-wise + early exit" in out
+    kv = out.split("KV bytes per sequence at the end (Table 1): ")[1].split("\n")[0]
+    assert "kv_share 11.0 KiB (+0.0% vs vanilla)" in kv and "loop 22.0 KiB (+100.0% vs vanilla)" in kv  # Table 1
+    assert "PLT-2 / vanilla" in out and "PLT-2 / loop-2" in out and "TTFT ms double" in out and "relaxed depth-wise + early exit" in out
