@@ -675,6 +675,26 @@ def gated_swa_decode_ref(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos,
     return y.reshape(B, L1, H, D).to(q.dtype)
 
 
+def gated_swa_decode_sdpa(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b, window,
+                          scale=None):
+    """The CPU decode path: gated_swa_decode_ref's math (same contract) on torch's fused attention, two SDPA calls
+    (the rings with their slot mask, the shared cache with j <= q_pos) with GQA through enable_gqa, then the same
+    gate and fp32 mix. The reference's explicit softmax with log-sum-exp costs ~30 small ops per layer and step."""
+    B, L1, H, D = q.shape
+    gqa = H != k_shared.size(1)
+    qq = q.reshape(B * L1, H, 1, D)
+    local_ok = (ring_pos >= 0) & (ring_pos <= q_pos[:, None]) & (ring_pos > q_pos[:, None] - window)  # (B, W)
+    y_local = F.scaled_dot_product_attention(qq, k_ring.flatten(0, 1), v_ring.flatten(0, 1), scale=scale,
+                                             attn_mask=local_ok.repeat_interleave(L1, 0)[:, None, None],
+                                             enable_gqa=gqa)  # (B*L1, H, 1, D)
+    glob_ok = torch.arange(k_shared.size(2), device=q.device)[None, :] <= q_pos[:, None]  # (B, S)
+    y_global = F.scaled_dot_product_attention(q.transpose(1, 2), k_shared, v_shared, attn_mask=glob_ok[:, None, None],
+                                              scale=scale, enable_gqa=gqa)  # (B, H, L1, D): loops share the keys
+    y_global = y_global.transpose(1, 2).reshape(B * L1, H, 1, D)
+    g = plt_gate(qq, gate_w, gate_b)[..., None]
+    return (g * y_local.to(g.dtype) + (1 - g) * y_global.to(g.dtype)).reshape(B, L1, H, D).to(q.dtype)
+
+
 # Decode kernels (flash-decoding). The expensive read is the shared cache, which every loop and every query head
 # of a GQA group shares: one program per (sequence, K/V head, split of the shared keys) holds all L1 * G query rows,
 # so each shared K/V tile is read once. Splitting the shared keys over programs keeps the GPU busy at small batch.
@@ -834,12 +854,13 @@ def gated_swa_decode_triton(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_p
 
 
 def gated_swa_decode(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b, window, scale=None):
-    """Dispatch for gated_swa_decode_ref (same contract)."""
+    """Dispatch (contract of gated_swa_decode_ref): the Triton kernels where use_triton allows it, otherwise
+    gated_swa_decode_sdpa; the reference stays what the tests compare both against."""
     if use_triton(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b) and \
             _kernel_fits(q, k_ring, v_ring, k_shared, v_shared, head_dim=q.size(-1)):
         return gated_swa_decode_triton(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b,
                                        window, scale)
-    return gated_swa_decode_ref(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b, window, scale)
+    return gated_swa_decode_sdpa(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b, window, scale)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -281,7 +281,9 @@ def linear(x, weight, bias=None):
         if rows == 1:
             y = torch.mv(weight, x.reshape(-1))
         elif 2 <= rows <= 64 and x.dtype == torch.bfloat16:
-            y = torch.mm(weight, x.reshape(rows, -1).t().contiguous()).t()  # (rows, out), a transposed view
+            # (rows, out) made contiguous (a few KB): a transposed view would push later ops (SDPA's CPU flash
+            # kernel needs unit stride in the last dim) onto slow strided paths
+            y = torch.mm(weight, x.reshape(rows, -1).t().contiguous()).t().contiguous()
         else:
             return F.linear(x, weight, bias)
         if bias is not None:

@@ -268,6 +268,7 @@ def test_gated_swa_decode_matches_prefill_last_row(H, Hkv, L1, window, W):
             full = K.gated_swa_ref(q[b:b + 1, l, :, :p], k_loop[b:b + 1, l, :, :p], v_loop[b:b + 1, l, :, :p],
                                    ks[b:b + 1, :, :p], vs[b:b + 1, :, :p], gw, gb, window)
             close(ref[b, l], full[0, :, -1])
+    close(K.gated_swa_decode_sdpa(q_dec, k_ring, v_ring, ring_pos, ks, vs, q_pos, gw, gb, window), ref)  # CPU path
     for splits in (None, 1, 3):
         close(tri(K.gated_swa_decode_triton, q_dec, k_ring, v_ring, ring_pos, ks, vs, q_pos, gw, gb, window,
                                         num_splits=splits, block_n=16), ref)
@@ -404,7 +405,7 @@ def op_cases():
     return [
         (K.multi_lora, K.multi_lora_stacked, "multi_lora_triton", (x, A, B, idx)),  # its CPU path (== the reference)
         (K.gated_swa, K.gated_swa_sdpa, "gated_swa_triton", (*gsw, 3)),  # its non-Triton path (== the reference)
-        (K.gated_swa_decode, K.gated_swa_decode_ref, "gated_swa_decode_triton", dec),
+        (K.gated_swa_decode, K.gated_swa_decode_sdpa, "gated_swa_decode_triton", dec),  # its CPU path (== ref)
         (K.dual_attention, K.dual_attention_ref, "dual_attention_triton", dual_inputs(1, 2, 1, [2, 4], 8)),
     ]
 
