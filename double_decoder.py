@@ -519,7 +519,6 @@ class DoubleDecoder(GPT):
     def generation_cache(self, batch: int, prompt_len: int, max_new_tokens: int, rollover: int | None = None):
         """GPT.generate's hook: the context holds prompt[:-1] (and, with rollover N, every folded block: it is kept
         for the extensions); the block holds the new tokens, or N of them."""
-        check(rollover is None or rollover >= 1, f"must be a positive number of tokens, got {rollover}", "rollover")
         grow = max_new_tokens if rollover is not None else 0
         return self.new_cache(batch, prompt_len - 1 + grow, min(rollover or max_new_tokens, max_new_tokens),
                               keep_context=rollover is not None)
@@ -612,7 +611,6 @@ class DoubleDecoder(GPT):
     def decode_step(self, tok, cache: DoubleCache, rollover: int | None = None):
         """One new token per row tok (B,) -> logits (B, V). With rollover N, a block of N tokens is folded into the
         context before the next token opens a new block."""
-        check(rollover is None or rollover >= 1, f"must be a positive number of tokens, got {rollover}", "rollover")
         if rollover is not None and cache.block_len >= rollover:
             self.fold(cache)
         return self.head(self.gen_step(tok[:, None], cache))[:, 0]
@@ -623,6 +621,7 @@ class DoubleDecoder(GPT):
         inside decode_step). rollover N: fold the block into the context every N tokens. cache: a cache already
         holding a shared prefix (from extend_context; used in place, clone it to reuse it): idx continues after that
         prefix, so its positions count towards max_seq_len."""
+        check(rollover is None or rollover >= 1, f"must be a positive number of tokens, got {rollover}", "rollover")
         self.check_length((cache.ctx_len if cache is not None else 0) + idx.size(1) + max_new_tokens)
         return super().generate(idx, max_new_tokens, temperature, top_k, generator, cache, rollover=rollover)
 
@@ -680,11 +679,9 @@ def add_args(ap: argparse.ArgumentParser):
 
 
 def config_overrides(args, tok=None) -> dict:
-    names = {"objective": "objective", "ctx_layers": "ctx_layers", "gen_layers": "gen_layers",
-             "min_blocks": "min_blocks", "max_blocks": "max_blocks", "dd_attn": "attn_impl",
-             "dd_init": "init", "latent_norm": "latent_norm",
-             "ctx_lr": "ctx_lr"}
-    out = {field: getattr(args, a) for a, field in names.items() if getattr(args, a, None) is not None}
+    names = {"dd_attn": "attn_impl", "dd_init": "init"}  # flag -> field; the other flags are named as their fields
+    flags = ("objective", "ctx_layers", "gen_layers", "min_blocks", "max_blocks", "latent_norm", "ctx_lr", *names)
+    out = {names.get(a, a): getattr(args, a) for a in flags if getattr(args, a, None) is not None}
     if getattr(args, "separate_cross_kv", False):
         out["separate_cross_kv"] = True
     if "ctx_layers" in out or "gen_layers" in out:
