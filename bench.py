@@ -17,6 +17,8 @@ Run:
     python bench.py decode --dtype bfloat16 --batch 1,8
     python bench.py train --nanogpt DIR          # training tok/s vs nanoGPT's model.py (a checkout you provide)
     python bench.py archs                        # all six architectures side by side (tiny presets)
+    python bench.py double --rollover 16         # double decoder vs decoder-only: TTFT, cached prefix, per token, KV
+    python bench.py double-eval CKPT CKPT        # val losses of double / vanilla checkpoints on the same windows
     python bench.py exits --ckpt out/relaxed/ckpt.pt   # early exit on validation text: per loop, oracle, threshold curve
     python bench.py energy --ckpt out/vanilla/ckpt.pt  # residual energy a rank-r SVD captures (relaxed conversion)
     python bench.py kernels                      # (CUDA) every Triton kernel vs its reference and stock PyTorch
@@ -27,6 +29,8 @@ import argparse
 import math
 import statistics
 import time
+from functools import partial
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -246,32 +250,148 @@ def bench_plt(args):
                       "0.63 at batch 4, 0.53 at 32-64)")
 
 
+def prefix_prefills(gpt, dm, idx, prefix: int) -> dict:
+    """TTFT after a cached shared prefix (section 3.3 item 3), the systems for `rounds`: idx[:, :prefix] is computed
+    once, outside the timers (decoder-only: its K/V; double: the context decoder's K/V and the cross K/V); each timed
+    call copies that prefix into a pre-allocated cache and runs the rest of the prompt against it, up to the first
+    token's logits."""
+    B, T = idx.shape
+    rows = torch.arange(B, device=idx.device)
+    g_prefix, g_work = gpt.new_cache(B, prefix), gpt.new_cache(B, T)
+    gpt.prefill(idx[:, :prefix], g_prefix)
+    d_prefix, d_work = dm.new_cache(B, prefix, 1, keep_context=True), dm.new_cache(B, T - 1, 1, keep_context=True)
+    dm.extend_context(idx[:, :prefix], d_prefix)
+
+    def decoder_only():
+        g_work.copy_rows(g_prefix, rows, rows)
+        gpt.head(gpt.forward_cached(idx[:, prefix:], g_work)[:, -1:])
+        sync(idx.device)
+
+    def double():
+        d_work.copy_from(d_prefix)
+        dm.prefill(idx[:, prefix:], d_work)
+        sync(idx.device)
+
+    return {"decoder-only": decoder_only, "double": double}
+
+
 @torch.no_grad()
 def bench_double(args):
-    """The double decoder's serving claim (section 3.3): per-token latency and time to first token against the
-    decoder-only model of the same parameters (ctx + gen layers)."""
+    """The double decoder's serving claims (section 3.3, Appendix A.1) against the decoder-only model of the same
+    parameters (ctx + gen layers): time to first token, TTFT after a cached shared prefix, per-token latency (each
+    model's own generate(); the double decoder's with --rollover N folds its block into the context every N tokens)
+    and KV bytes."""
     import double_decoder as dd
 
     device = pick_device(args.device)
-    cfg = dd.DoubleConfig(**{**dd.PRESETS[args.preset], "max_seq_len": args.prompt_len + args.new_tokens + 8})
+    P, N, R = args.prompt_len, args.new_tokens, args.rollover
+    prefix = args.shared_prefix if args.shared_prefix is not None else P // 2
+    if not 1 <= prefix < P:
+        raise ValueError(f"--shared-prefix must be in [1, {P - 1}], got {prefix}")
+    over = {"max_seq_len": P + N + 8}
+    for name in ("ctx_layers", "gen_layers"):
+        if getattr(args, name) is not None:
+            over.update({name: getattr(args, name), "n_layer": None})
+    cfg = dd.DoubleConfig(**{**dd.PRESETS[args.preset], **over})
+    L = cfg.n_layer
     for dtype in [pick_dtype(device, d) for d in args.dtype.split(",")]:
         torch.manual_seed(0)
         models = {"decoder-only": GPT(dd.baseline_config(cfg)).to(device, dtype).eval(),
                   "double": dd.DoubleDecoder(cfg).to(device, dtype).eval()}
+        gm, dm = models["decoder-only"], models["double"]
         header("double decoder latency", device, dtype, f"preset {args.preset}: {cfg.ctx_layers} + "
-               f"{cfg.gen_layers} layers vs {cfg.n_layer}, d {cfg.n_embd}, {param_bytes(models['double']) / 1e6:.0f} "
-               f"MB of weights | prompt {args.prompt_len}, {args.new_tokens} new tokens | median (min..max) of "
+               f"{cfg.gen_layers} layers vs {L}, d {cfg.n_embd}, {param_bytes(dm) / 1e6:.0f} MB of weights | prompt "
+               f"{P}, {N} new tokens, shared prefix {prefix}, rollover {R} | random weights | median (min..max) of "
                f"{args.repeats} rounds")
-        dm = models["double"]
-        floor = param_bytes(dm.gen_blocks, dm.norm, dm.lm_head) / param_bytes(models["decoder-only"])
+        floor = param_bytes(dm.gen_blocks, dm.norm, dm.lm_head) / param_bytes(gm)
+        print(f"   paper (section 3.3, Appendix A.1), at a 2/3 : 1/3 split: per-token cost and KV memory ~L_dec/L = "
+              f"{cfg.gen_layers / L:.3f} of the decoder-only model's (the weight bytes a step reads give "
+              f"{floor:.2f}), time to first token ~L_ctx/L = {cfg.ctx_layers / L:.3f}")
+        dbytes = torch.finfo(dtype).bits // 8
         for B in [int(b) for b in args.batch.split(",")]:
-            idx = torch.randint(0, cfg.vocab_size - 1, (B, args.prompt_len), device=device)
-            t = generation_times(models, idx, args.new_tokens, args.repeats)
+            idx = torch.randint(0, cfg.vocab_size - 1, (B, P), device=device)
+            timed = {"decoder-only": gm, "double": SimpleNamespace(generate=partial(dm.generate, rollover=R))}
+            t = generation_times(timed, idx, N, args.repeats)
+            pre = rounds(prefix_prefills(gm, dm, idx, prefix), args.repeats)
+            kv = {name: m.kv_cache_bytes(B, P + N, dbytes) for name, m in models.items()}  # Appendix A.1
+            dc = dm.generation_cache(B, P, N, rollover=R)  # what generate() allocates
+            alloc = {"decoder-only": gm.generation_cache(B, P, N).nbytes(), "double": dc.nbytes() + dc.context_nbytes()}
+            print(f"   batch {B:3d}:")
+            for name in models:
+                print(f"      {name:12s} TTFT {spread(t[name]['ttft'], 1e3, '.2f')} ms | after the cached prefix "
+                      f"{spread(pre[name], 1e3, '.2f')} ms | per-token {spread(t[name]['token'], 1e3, '.3f')} ms | "
+                      f"KV (A.1) {kv[name] / 2 ** 20:.2f} MiB | allocated caches {alloc[name] / 2 ** 20:.2f} MiB")
             d, v = t["double"], t["decoder-only"]
-            print(f"   batch {B:3d}: ms/token double {spread(d['token'], 1e3, '.2f')}, decoder-only "
-                  f"{spread(v['token'], 1e3, '.2f')} -> ratio {ratio(d['token'], v['token'])} (paper ~0.33; the "
-                  f"weight bytes a step reads give {floor:.2f}) | TTFT ms double {spread(d['ttft'], 1e3)}, "
-                  f"decoder-only {spread(v['ttft'], 1e3)} -> ratio {ratio(d['ttft'], v['ttft'])}")
+            print(f"      double / decoder-only: TTFT {ratio(d['ttft'], v['ttft'])} | TTFT after the prefix "
+                  f"{ratio(pre['double'], pre['decoder-only'])} | per-token {ratio(d['token'], v['token'])} | "
+                  f"KV bytes {kv['double'] / kv['decoder-only']:.3f}")
+
+
+@torch.no_grad()
+def bench_double_eval(args):
+    """Validation losses of train.py checkpoints (double or decoder-only) on identical windows:
+    native: each model's own objective (double: random block partitions; decoder-only: causal LM);
+    prefix-LM: one split per batch, loss on the suffix tokens only -- the comparison of section 4 (the double decoder
+    reads the prefix through its context decoder, the decoder-only model reads it causally).
+    --sample PROMPT: instead, print a generation of each checkpoint (the double decoder's with --rollover)."""
+    import double_decoder as dd
+    from model import IGNORE
+    from train import (Tokenizer, TokenData, load_checkpoint, model_from_checkpoint, prepare_corpus,
+                       step_generator)
+
+    device = pick_device(args.device)
+    paths, batches = args.ckpt, args.batches
+    cks = [load_checkpoint(p) for p in paths]
+    a = cks[0]["args"]
+    for p, ck in zip(paths, cks):
+        if ck["tokenizer"] != cks[0]["tokenizer"] or ck["args"]["data"] != a["data"]:
+            raise ValueError(f"{p} was trained with another tokenizer or corpus than {paths[0]}")
+    tok = Tokenizer(cks[0]["tokenizer"])
+    models = [model_from_checkpoint(ck).to(device).eval() for ck in cks]
+    if args.sample is not None:
+        for p, ck, m in zip(paths, cks, models):
+            idx = torch.tensor([tok.encode(args.sample)], device=device)
+            gen = torch.Generator(device=device).manual_seed(args.seed)
+            n = min(args.new_tokens, m.config.max_seq_len - idx.size(1))
+            kw = {"rollover": args.rollover} if isinstance(m, dd.DoubleDecoder) else {}
+            out = m.generate(idx, n, temperature=args.temperature, top_k=args.top_k, generator=gen, **kw)
+            print(f"== {ck['arch']} | {p}\n{tok.decode(out[0].tolist())}")
+        return None
+    exclude = [s for s in a.get("exclude_sets", "").split(",") if s]
+    val = TokenData(prepare_corpus(a["data"], tok, a["cache_dir"], exclude, a.get("val_data"), verbose=False), "val")
+    T = min(min(ck["config"]["max_seq_len"], ck["args"].get("seq_len") or 10 ** 9) for ck in cks)  # trained length
+    sums = torch.zeros(len(models), 2, batches, dtype=torch.float64)  # [model, native | prefix-LM, batch] CE sums
+    counts = torch.zeros(2, batches, dtype=torch.float64)  # targets per batch (the same for every model)
+    for i in range(batches):
+        gen = step_generator(args.seed, -2, i)
+        x, y = val.get_batch(args.batch_size, T, gen)
+        s = int(torch.randint(1, T, (1,), generator=gen))
+        y_pl = y.clone()
+        y_pl[:, :s] = IGNORE
+        blk_pl = (torch.arange(T) >= s).long()
+        blk_native = dd.sample_blocks(T, gen, 3, 8)
+        x, y, y_pl = x.to(device), y.to(device), y_pl.to(device)
+        counts[:, i] = torch.tensor([y.numel(), int((y_pl != IGNORE).sum())])
+        for j, m in enumerate(models):
+            double = isinstance(m, dd.DoubleDecoder)
+            logits = m(x, blk=blk_native)[0] if double else m(x)[0]
+            sums[j, 0, i] = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum").item()
+            logits = m(x, blk=blk_pl)[0] if double else logits
+            sums[j, 1, i] = F.cross_entropy(logits.float().flatten(0, 1), y_pl.flatten(), ignore_index=IGNORE,
+                                            reduction="sum").item()
+    mean = sums.sum(-1) / counts.sum(-1)  # (models, 2): the token means
+    print(f"val split of {a['data']} | {batches} batches x {args.batch_size} x {T} tokens | prefix-LM split uniform "
+          f"in [1, {T - 1}] | device {device}")
+    for j, (p, ck, m) in enumerate(zip(paths, cks, models)):
+        line = (f"{ck['arch']:8s} {m.num_params() / 1e6:6.2f}M non-emb | native loss {mean[j, 0]:.4f} | "
+                f"prefix-LM suffix loss {mean[j, 1]:.4f}")
+        if j:  # paired over the same batches: the difference to the first model and its standard error
+            d = (sums[j] - sums[0]) / counts  # (2, batches) per-batch mean differences
+            se = [f" +- {v:.4f}" if batches > 1 else "" for v in (d.std(-1) / math.sqrt(batches)).tolist()]
+            line += (f" | minus the first: native {mean[j, 0] - mean[0, 0]:+.4f}{se[0]}, prefix-LM "
+                     f"{mean[j, 1] - mean[0, 1]:+.4f}{se[1]} (s.e. over paired batches)")
+        print(f"{line} | {p}")
+    return mean
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -938,13 +1058,36 @@ def main(argv=None):
     p.add_argument("--new-tokens", type=int, default=32, help="generated tokens per run")
     p.set_defaults(fn=bench_plt)
 
-    p = sub.add_parser("double", help="double decoder vs decoder-only: per-token latency and TTFT")
+    p = sub.add_parser("double", help="double decoder vs decoder-only: TTFT (also after a cached prefix), "
+                                      "per-token latency, KV bytes")
     common(p)
     p.add_argument("--dtype", default="float32,bfloat16", help="comma list of dtypes")
     p.add_argument("--batch", default="1,8", help="comma list of batch sizes")
     p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens")
     p.add_argument("--new-tokens", type=int, default=32, help="generated tokens per run")
+    p.add_argument("--shared-prefix", type=int, default=None, help="cached prefix tokens (default: prompt / 2)")
+    p.add_argument("--rollover", type=int, default=None, help="double: fold the block into the context every N "
+                                                              "tokens")
+    p.add_argument("--ctx-layers", type=int, default=None, help="override the preset's context layers")
+    p.add_argument("--gen-layers", type=int, default=None, help="override the preset's generation layers")
     p.set_defaults(fn=bench_double)
+
+    p = sub.add_parser("double-eval", help="validation losses of double and decoder-only checkpoints on the same "
+                                           "windows (native and prefix-LM suffix); --sample: generations")
+    p.add_argument("ckpt", nargs="+", metavar="CKPT", help="train.py checkpoints (double, vanilla); the first is "
+                                                           "the reference of the paired differences")
+    p.add_argument("--batches", type=int, default=50, help="validation batches")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per batch")
+    p.add_argument("--seed", type=int, default=1337, help="seeds the windows, the splits and the samples")
+    p.add_argument("--sample", default=None, metavar="PROMPT", help="instead: generate from each checkpoint")
+    p.add_argument("--new-tokens", type=int, default=128, help="--sample: generated tokens")
+    p.add_argument("--rollover", type=int, default=None, help="--sample: the double decoder folds its block into the "
+                                                              "context every N tokens")
+    p.add_argument("--temperature", type=float, default=0.8, help="--sample: temperature (0 = greedy)")
+    p.add_argument("--top-k", type=int, default=50, help="--sample: top-k")
+    p.add_argument("--device", default="auto", help="cpu | cuda | mps | auto")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    p.set_defaults(fn=bench_double_eval)
 
     p = sub.add_parser("archs", help="all six architectures side by side: TTFT, per-token latency, KV bytes")
     common(p, "tiny")

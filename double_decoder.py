@@ -97,25 +97,24 @@ Run:
     python double_decoder.py                                  # presets: parameters, KV bytes, FLOPs vs decoder-only
     python train.py --arch double                             # pretrain tiny with random block partitions (~5 min)
     python train.py --arch double --objective prefixlm        # the prefix-LM objective of section 4
-    python double_decoder.py --sample out/double/ckpt.pt --rollover 16       # generate, folding every 16 tokens
+    python bench.py double-eval out/double/ckpt.pt --sample "def " --rollover 16   # generate, folding every 16 tokens
     python -m pytest -q tests/test_double_decoder.py
   Validation loss vs the decoder-only model of the same non-embedding parameters and tokens (300 steps x 16 x 256;
   tiny = 4 + 2 layers vs model.py's tiny6, 1.18M each; mini = 6 + 3 layers at d 256 vs model.py's mini, 7.08M each),
   own objective and the prefix-LM suffix loss on the same windows and splits (add --ctx-lr 1 for the paper's dynamics):
     python train.py --arch vanilla --preset tiny6 --max-iters 300 --seed 1337 --out-dir out/dd_cmp/vanilla
     python train.py --arch double --max-iters 300 --seed 1337 --out-dir out/dd_cmp/double
-    python double_decoder.py --eval out/dd_cmp/double/ckpt.pt out/dd_cmp/vanilla/ckpt.pt --batches 50
+    python bench.py double-eval out/dd_cmp/double/ckpt.pt out/dd_cmp/vanilla/ckpt.pt --batches 50
   Serving: TTFT, TTFT after a cached shared prefix, per-token decode latency and KV bytes vs decoder-only of the same
-  parameters (random weights; preset small = 8 + 4 layers vs 12; CPU defaults batch 1, prompt 128, 32 new tokens):
-    python double_decoder.py --bench --threads 1              # CPU, ~10 s (one thread: stable timings)
-    python double_decoder.py --bench --threads 1 --rollover 16   # with incremental context extension every 16 tokens
-    python double_decoder.py --bench --device cuda            # GPU: batch 8, prompt 512, 128 new tokens, bf16
+  parameters (random weights; preset small = 8 + 4 layers vs 12), bench.py's interleaved rounds:
+    python bench.py double --preset small --threads 1 --dtype float32 --batch 1 --prompt-len 128
+    python bench.py double --preset small --threads 1 --dtype float32 --batch 1 --prompt-len 128 --rollover 16
+    python bench.py double --device cuda --batch 8 --prompt-len 512 --new-tokens 128 --dtype bfloat16
 """
 from __future__ import annotations
 
 import argparse
 import math
-import time
 from dataclasses import dataclass, fields
 
 import torch
@@ -123,9 +122,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import kernels
-from model import (IGNORE, ArchSpec, Attention, Block, GPT, GPTConfig, KVCache, Linear, RotaryEmbedding,
-                   apply_rotary, causal_mask_from_positions, count_params, init_weights, kv_bytes, lm_loss, make_norm,
-                   pick_device, pick_dtype, sample_next)
+from model import (IGNORE, ArchSpec, Attention, Block, GPT, GPTConfig, KVCache, Linear, apply_rotary,
+                   check, describe, init_weights, kv_bytes, lm_loss, make_norm, run_cached)
 
 # ----------------------------------------------------------------------------------------------------------------
 # Config
@@ -156,10 +154,7 @@ class DoubleConfig(GPTConfig):
         super().__post_init__()
 
     def validate(self):
-        def need(ok, msg):
-            if not ok:
-                raise ValueError(f"bad DoubleConfig: {msg}")
-
+        need = self.need  # "bad DoubleConfig: ..."
         for name in ("ctx_layers", "gen_layers", "min_blocks", "max_blocks"):
             need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, f"{name} must be a positive int")
         need(self.n_layer == self.ctx_layers + self.gen_layers,
@@ -281,25 +276,6 @@ class DualIds:
     c_blk: torch.Tensor
 
 
-_FLEX = {}
-
-
-def flex_lse(q, k, v, block_mask):
-    """FlexAttention with its log-sum-exp (natural log, fp32): compiled on CUDA, eager elsewhere (tests).
-
-    q (B, H, T, D), k, v (B, H_kv, S, D) -> out (B, H, T, D), lse (B, H, T). Empty rows: out 0, lse -inf.
-    """
-    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
-
-    fn = flex_attention
-    if q.is_cuda:
-        if "fn" not in _FLEX:
-            _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
-        fn = _FLEX["fn"]
-    out, aux = fn(q, k, v, block_mask=block_mask, enable_gqa=q.size(1) != k.size(1), return_aux=AuxRequest(lse=True))
-    return out, aux.lse
-
-
 def flex_block_masks(blk: torch.Tensor, T: int):
     """blk (T,), (1, T) or (B, T) on the device -> (self BlockMask, cross BlockMask), built once per batch for all
     layers. A shared partition gives a batch-broadcast mask (B=None) whose mask_mod never indexes by batch: FlexAttention
@@ -360,8 +336,8 @@ class DualAttention(Attention):
             k_c, v_c = cross_view.read(cross_len)  # (B, H_kv, cross_len, D)
         elif flex is not None:
             k_c, v_c = self.project_cross(ctx, rope, lora_idx)  # (B, H_kv, T, D): latents of ALL positions
-            o1, l1 = flex_lse(q, k_s, v_s, flex[0])
-            o2, l2 = flex_lse(q, k_c, v_c, flex[1])
+            o1, l1 = kernels.flex_attention_lse(q, k_s, v_s, flex[0])
+            o2, l2 = kernels.flex_attention_lse(q, k_c, v_c, flex[1])
             return self.project_out(kernels.merge_lse(o1, l1, o2, l2)[0], lora_idx)
         else:
             k_c, v_c = self.project_cross(ctx, rope, lora_idx)
@@ -371,21 +347,6 @@ class DualAttention(Attention):
 
 # ----------------------------------------------------------------------------------------------------------------
 # Inference caches
-
-
-def _copy_kv(kv: KVCache | None, batch: int | None = None) -> KVCache | None:
-    """A copy of a KVCache, its rows optionally broadcast from 1 to `batch`."""
-    if kv is None:
-        return None
-    L, B, H, S, D = kv.k.shape
-    batch = batch or B
-    if batch != B and B != 1:
-        raise ValueError(f"a cache of {B} rows cannot be cloned to {batch} rows (only a 1-row cache broadcasts)")
-    new = KVCache(L, batch, S, H, D, kv.k.dtype, kv.k.device)
-    new.k.copy_(kv.k.expand(L, batch, H, S, D))
-    new.v.copy_(kv.v.expand(L, batch, H, S, D))
-    new.lengths.copy_(kv.lengths.expand(batch))
-    return new
 
 
 class DoubleCache:
@@ -402,6 +363,7 @@ class DoubleCache:
     def __init__(self, cfg: DoubleConfig, batch: int, max_context: int, max_block: int, keep_context: bool, dtype,
                  device):
         H, D, S = cfg.n_kv_head, cfg.hd, max(max_context, 1)
+        self.config = cfg
         self.ctx = KVCache(cfg.ctx_layers, batch, S, H, D, dtype, device) if keep_context else None
         self.cross = KVCache(cfg.gen_layers, batch, S, H, D, dtype, device)
         self.self_kv = KVCache(cfg.gen_layers, batch, max(max_block, 1), H, D, dtype, device)
@@ -415,13 +377,25 @@ class DoubleCache:
     def clone(self, batch: int | None = None) -> "DoubleCache":
         """An independent copy (prefix caching: clone the shared prefix's cache per request), rows broadcast from a
         1-row cache to `batch` rows if given."""
-        new = DoubleCache.__new__(DoubleCache)
-        new.ctx = _copy_kv(self.ctx, batch)
-        new.cross = _copy_kv(self.cross, batch)
-        new.self_kv = _copy_kv(self.self_kv, batch)
-        new.tokens = self.tokens.expand(batch or self.batch, -1).clone()
-        new.ctx_len, new.block_len = self.ctx_len, self.block_len
+        k = self.cross.k
+        new = DoubleCache(self.config, batch or self.batch, self.cross.max_len, self.self_kv.max_len,
+                          self.ctx is not None, k.dtype, k.device)
+        new.copy_from(self)
         return new
+
+    def copy_from(self, src: "DoubleCache"):
+        """src's caches, block tokens and lengths -> this cache's buffers (KVCache.copy_rows), each row from src's
+        row, or from src's one row broadcast: a shared prefix into a pre-allocated cache."""
+        check(src.batch in (1, self.batch) and (src.ctx is None) == (self.ctx is None),
+              f"a cache of {src.batch} rows (context kept: {src.ctx is not None}) cannot be copied into one of "
+              f"{self.batch} rows (context kept: {self.ctx is not None}); only a 1-row cache broadcasts", "cache copy")
+        rows = torch.arange(self.batch, device=self.tokens.device)
+        src_rows = rows if src.batch == self.batch else torch.zeros_like(rows)
+        for dst, kv in ((self.ctx, src.ctx), (self.cross, src.cross), (self.self_kv, src.self_kv)):
+            if kv is not None:
+                dst.copy_rows(kv, src_rows, rows)
+        self.tokens[:, :src.tokens.size(1)] = src.tokens[src_rows]
+        self.ctx_len, self.block_len = src.ctx_len, src.block_len
 
     def reset(self):
         """Forget the context and the block (the buffers stay allocated; stale entries are never read)."""
@@ -453,27 +427,18 @@ def latent_cosine(h: torch.Tensor) -> torch.Tensor:
     return ((u.pow(2).sum(-1) - T) / max(T * (T - 1), 1)).mean()
 
 
-class DoubleDecoder(nn.Module):
+class DoubleDecoder(GPT):
     """Block-based double decoder (section 3.1).
 
+    From model.GPT it keeps the shared token embedding (`embed`), the final norm + tied head (`head`), RoPE, the
+    length check, the parameter count and the generate loop; `make_blocks` builds the two stacks instead of one.
     forward(idx, targets=None, blk=None) -> (logits, loss); blk = block ids (T,) or (B, T) (default: the even partition
     into max_blocks blocks). Inference: new_cache -> [extend_context (shared prefix)] -> prefill -> decode_step, and
-    generate() strings them together.
+    GPT.generate strings them together (generation_cache sizes the cache; `rollover` reaches every decode_step).
     """
 
     def __init__(self, cfg: DoubleConfig):
-        super().__init__()
-        self.config = cfg
-        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)  # shared by both decoders
-        self.ctx_blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.ctx_layers))
-        # the latents h are normed (official: encoder_norm, a LayerNorm)
-        self.ctx_norm = nn.LayerNorm(cfg.n_embd, eps=cfg.norm_eps) if cfg.latent_norm == "layer" else make_norm(cfg)
-        self.gen_blocks = nn.ModuleList(Block(cfg, attn_cls=DualAttention) for _ in range(cfg.gen_layers))
-        self.norm = make_norm(cfg)
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        self.rope = RotaryEmbedding(cfg.rot_dim, cfg.max_seq_len, cfg.rope_theta)
-        init_weights(self.tok_emb, 1)
-        init_weights(self.lm_head, 1)
+        super().__init__(cfg)  # embedding, the stacks of make_blocks, final norm, head (tied), RoPE, GPT-2 init
         if cfg.init == "xavier":  # the paper's (and the official code's) init of every hidden matrix
             for m in self.modules():
                 if isinstance(m, nn.Linear) and m is not self.lm_head:
@@ -481,38 +446,33 @@ class DoubleDecoder(nn.Module):
         else:
             init_weights(self.ctx_blocks, cfg.ctx_layers)  # each residual stream scaled by its own depth
             init_weights(self.gen_blocks, cfg.gen_layers)
-        if cfg.tie_embeddings:
-            self.lm_head.weight = self.tok_emb.weight
         if cfg.ctx_lr != 1.0:  # train.py's make_optimizer gives these matrices lr x ctx_lr
             for m in self.ctx_blocks.modules():
                 if isinstance(m, nn.Linear):
                     m.weight.lr_scale = cfg.ctx_lr
 
-    # -- pieces (the vanilla model's, unchanged) ------------------------------------------------------------------
+    def make_blocks(self, cfg: DoubleConfig):
+        """GPT.__init__'s hook: the context decoder (+ the latents' norm) and the generation decoder, registered in
+        this order (the state_dict keys and parameter order of every checkpoint). GPT's single stack `blocks` is None:
+        GPT's forward_cached / compile_decode, which run it, do not apply to this model."""
+        self.ctx_blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.ctx_layers))
+        # the latents h are normed (official: encoder_norm, a LayerNorm)
+        self.ctx_norm = nn.LayerNorm(cfg.n_embd, eps=cfg.norm_eps) if cfg.latent_norm == "layer" else make_norm(cfg)
+        self.gen_blocks = nn.ModuleList(Block(cfg, attn_cls=DualAttention) for _ in range(cfg.gen_layers))
+        return None
 
-    embed = GPT.embed  # (B, T) -> (B, T, C)
-    head = GPT.head  # (B, T, C) -> (B, T, V), final norm included
-    check_length = GPT.check_length
+    # -- pieces ---------------------------------------------------------------------------------------------------
 
     def default_partition(self, T: int, device=None) -> torch.Tensor:
         """The partition of forward(idx) without blk: min(max_blocks, T) blocks of (nearly) equal length."""
         K = min(self.config.max_blocks, T)
         return splits_to_blk([T * i // K for i in range(1, K)], T, device)
 
-    def context(self, x, rope, q_pos=None, cache: KVCache | None = None, fresh=True):
-        """Context decoder: embeddings x (B, T, C) -> latents h (B, T, C), after the context norm.
-
-        No cache: causal over x. With a cache: write K/V at q_pos (B, T); fresh=False attends over the whole cached
-        prefix (incremental extension), as GPT.forward_cached.
-        """
-        mask = None
-        if cache is not None and not fresh:
-            mask = causal_mask_from_positions(q_pos, int(q_pos.max()) + 1)
-        for i, block in enumerate(self.ctx_blocks):
-            if cache is None:
-                x = block(x, rope)
-            else:
-                x = block(x, rope, mask=mask, cache=cache.layer(i), q_pos=q_pos)
+    def context(self, x, rope):
+        """Context decoder: embeddings x (B, T, C) -> latents h (B, T, C), causal, after the context norm. (Cached:
+        extend_context runs the same blocks through model.run_cached.)"""
+        for block in self.ctx_blocks:
+            x = block(x, rope)
         return self.ctx_norm(x)
 
     def context_latents(self, idx):
@@ -556,6 +516,13 @@ class DoubleDecoder(nn.Module):
         return DoubleCache(self.config, batch, max_context, max_block, keep_context, dtype or p.dtype,
                            device or p.device)
 
+    def generation_cache(self, batch: int, prompt_len: int, max_new_tokens: int, rollover: int | None = None):
+        """GPT.generate's hook: the context holds prompt[:-1] (and, with rollover N, every folded block: it is kept
+        for the extensions); the block holds the new tokens, or N of them."""
+        grow = max_new_tokens if rollover is not None else 0
+        return self.new_cache(batch, prompt_len - 1 + grow, min(rollover or max_new_tokens, max_new_tokens),
+                              keep_context=rollover is not None)
+
     @torch.no_grad()
     def extend_context(self, idx, cache: DoubleCache):
         """Append tokens idx (B, n) to the context: the context decoder runs over them only (incremental, against its
@@ -576,7 +543,11 @@ class DoubleDecoder(nn.Module):
                              "so its context cannot be extended (new_cache(..., keep_context=True))")
         q_pos = (start + torch.arange(n, device=idx.device)).expand(B, n)  # (B, n) absolute positions
         rope = self.rope(q_pos)
-        h = self.context(self.embed(idx), rope, q_pos, cache.ctx, fresh=start == 0)  # (B, n, C)
+        x = self.embed(idx)
+        if cache.ctx is None:  # a one-shot prompt (start == 0): the context decoder's K/V are not kept
+            h = self.context(x, rope)  # (B, n, C)
+        else:  # against the cached prefix (cache.ctx.lengths == start); start == 0: causal over x itself
+            h = self.ctx_norm(run_cached(self.ctx_blocks, self.rope, x, cache.ctx, fresh=start == 0))
         for i, block in enumerate(self.gen_blocks):
             k, v = block.attn.project_cross(h, rope)  # once per layer, reused by every later step
             cache.cross.layer(i).write(q_pos, k, v)
@@ -630,6 +601,9 @@ class DoubleDecoder(nn.Module):
             raise ValueError("every prompt needs at least one token")
         if cache.block_len:
             raise ValueError("prefill needs a cache between blocks (block_len == 0): clone the prefix cache first")
+        if idx.size(0) != cache.batch:
+            raise ValueError(f"the cache has {cache.batch} rows and the prompts {idx.size(0)}: clone it with "
+                             f"batch={idx.size(0)}")
         self.extend_context(idx[:, :-1], cache)
         return self.head(self.gen_step(idx[:, -1:], cache))[:, 0]
 
@@ -641,41 +615,17 @@ class DoubleDecoder(nn.Module):
             self.fold(cache)
         return self.head(self.gen_step(tok[:, None], cache))[:, 0]
 
-    @torch.no_grad()
-    def generate(self, idx, max_new_tokens: int, temperature: float = 0.0, top_k=None, generator=None,
-                 rollover: int | None = None, cache: DoubleCache | None = None):
-        """idx (B, T) -> (B, T + max_new_tokens). temperature 0 is greedy (argmax).
-
-        rollover N: fold the block into the context every N tokens. cache: a cache already holding a shared prefix
-        (from extend_context; it is used in place, clone it to reuse it): idx then continues after that prefix.
-        """
-        B, T = idx.shape
-        if T < 1:
-            raise ValueError("every prompt needs at least one token")
-        if rollover is not None and rollover < 1:
-            raise ValueError(f"rollover must be a positive number of tokens, got {rollover}")
-        if max_new_tokens <= 0:
-            return idx
-        self.check_length((cache.ctx_len if cache is not None else 0) + T + max_new_tokens)
-        if cache is None:
-            grow = max_new_tokens if rollover is not None else 0
-            cache = self.new_cache(B, T - 1 + grow, min(rollover or max_new_tokens, max_new_tokens),
-                                   keep_context=rollover is not None, dtype=self.lm_head.weight.dtype)
-        elif cache.batch != B:
-            raise ValueError(f"the cache has {cache.batch} rows and the prompts {B}: clone it with batch={B}")
-        logits = self.prefill(idx, cache)
-        out = [idx]
-        for i in range(max_new_tokens):
-            tok = sample_next(logits, temperature, top_k, generator)
-            out.append(tok[:, None])
-            if i + 1 < max_new_tokens:
-                logits = self.decode_step(tok, cache, rollover)
-        return torch.cat(out, dim=1)
+    def generate(self, idx, max_new_tokens: int, temperature: float = 0.0, top_k=None, generator=None, cache=None,
+                 rollover: int | None = None):
+        """GPT.generate (prefill, then decode_step(tok, cache, rollover=N) per token: the fold of a full block happens
+        inside decode_step). rollover N: fold the block into the context every N tokens. cache: a cache already
+        holding a shared prefix (from extend_context; used in place, clone it to reuse it): idx continues after that
+        prefix, so its positions count towards max_seq_len."""
+        check(rollover is None or rollover >= 1, f"must be a positive number of tokens, got {rollover}", "rollover")
+        self.check_length((cache.ctx_len if cache is not None else 0) + idx.size(1) + max_new_tokens)
+        return super().generate(idx, max_new_tokens, temperature, top_k, generator, cache, rollover=rollover)
 
     # -- accounting ----------------------------------------------------------------------------------------------
-
-    def num_params(self, non_embedding: bool = True) -> int:
-        return count_params(self, (self.tok_emb, self.lm_head) if non_embedding else ())
 
     def kv_cache_bytes(self, batch: int, seq_len: int, dtype_bytes: int = 2, context_len: int = 0) -> int:
         """Appendix A.1: 2 b L_dec (T_in + T_out) (H_kv D) bytes, seq_len = T_in + T_out.
@@ -729,11 +679,9 @@ def add_args(ap: argparse.ArgumentParser):
 
 
 def config_overrides(args, tok=None) -> dict:
-    names = {"objective": "objective", "ctx_layers": "ctx_layers", "gen_layers": "gen_layers",
-             "min_blocks": "min_blocks", "max_blocks": "max_blocks", "dd_attn": "attn_impl",
-             "dd_init": "init", "latent_norm": "latent_norm",
-             "ctx_lr": "ctx_lr"}
-    out = {field: getattr(args, a) for a, field in names.items() if getattr(args, a, None) is not None}
+    names = {"dd_attn": "attn_impl", "dd_init": "init"}  # flag -> field; the other flags are named as their fields
+    flags = ("objective", "ctx_layers", "gen_layers", "min_blocks", "max_blocks", "latent_norm", "ctx_lr", *names)
+    out = {names.get(a, a): getattr(args, a) for a in flags if getattr(args, a, None) is not None}
     if getattr(args, "separate_cross_kv", False):
         out["separate_cross_kv"] = True
     if "ctx_layers" in out or "gen_layers" in out:
@@ -750,268 +698,18 @@ ARCH_SPECS = [ArchSpec("double", DoubleConfig, DoubleDecoder, PRESETS, add_args=
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Benchmark: time to first token, per-token decode latency and KV bytes against the decoder-only baseline
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _time(fn, device, warmup: int, iters: int) -> float:
-    """Median seconds of fn() over `iters` runs after `warmup` untimed runs."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
-
-
-def _gpt_runs(gpt: GPT, idx, new: int, prefix: int):
-    """Closures for the decoder-only model: prefill, a timed decode of `new` tokens, a prefill after a cached prefix.
-    Caches are allocated once, outside the timers (a server pre-allocates them)."""
-    B, T = idx.shape
-    cache, work = gpt.new_cache(B, T + new), gpt.new_cache(B, T + new)
-    pcache = gpt.new_cache(B, T + new)
-    gpt.prefill(idx[:, :prefix], pcache)  # the shared prefix, once
-
-    def prefill():
-        return gpt.prefill(idx, cache)  # resets the cache first
-
-    def decode():
-        logits = prefill()
-        _sync(idx.device)
-        t0 = time.perf_counter()
-        for _ in range(new):
-            logits = gpt.decode_step(logits.argmax(-1), cache)
-        _sync(idx.device)
-        return time.perf_counter() - t0
-
-    def prefix_prefill():  # copy the prefix's K/V, run the rest of the prompt against them
-        work.k.copy_(pcache.k)
-        work.v.copy_(pcache.v)
-        work.lengths.fill_(prefix)
-        return gpt.head(gpt.forward_cached(idx[:, prefix:], work)[:, -1:])[:, 0]
-
-    return prefill, decode, prefix_prefill, cache.nbytes()
-
-
-def _double_runs(dd: DoubleDecoder, idx, new: int, prefix: int, rollover):
-    B, T = idx.shape
-    keep = rollover is not None
-    max_ctx, max_block = T - 1 + (new if keep else 0), min(rollover or new + 1, new + 1)
-    cache = dd.new_cache(B, max_ctx, max_block, keep_context=keep)
-    pcache = dd.new_cache(B, max_ctx, max_block, keep_context=True)
-    dd.extend_context(idx[:, :prefix], pcache)  # the shared prefix, once
-    work = pcache.clone()
-
-    def prefill():
-        cache.reset()
-        return dd.prefill(idx, cache)
-
-    def decode():
-        logits = prefill()
-        _sync(idx.device)
-        t0 = time.perf_counter()
-        for _ in range(new):
-            logits = dd.decode_step(logits.argmax(-1), cache, rollover)
-        _sync(idx.device)
-        return time.perf_counter() - t0
-
-    def prefix_prefill():  # copy the prefix's caches, extend the context by the rest of the prompt
-        for dst, src in ((work.ctx, pcache.ctx), (work.cross, pcache.cross)):
-            dst.k.copy_(src.k)
-            dst.v.copy_(src.v)
-        work.ctx_len, work.block_len = pcache.ctx_len, 0
-        return dd.prefill(idx[:, prefix:], work)
-
-    return prefill, decode, prefix_prefill, cache.nbytes() + cache.context_nbytes()
-
-
-@torch.no_grad()
-def bench(args):
-    device = pick_device(args.device)
-    dtype = pick_dtype(device, args.dtype)
-    if getattr(args, "threads", None):
-        torch.set_num_threads(args.threads)
-    small = device.type == "cpu"  # small sizes on CPU, serving-like sizes on a GPU
-    for name, cpu, gpu in (("batch", 1, 8), ("prompt_len", 128, 512), ("new_tokens", 32, 128), ("iters", 3, 5)):
-        if getattr(args, name, None) is None:
-            setattr(args, name, cpu if small else gpu)
-    over = dict(max_seq_len=args.prompt_len + args.new_tokens + 1)
-    if args.ctx_layers:
-        over.update(ctx_layers=args.ctx_layers, n_layer=None)
-    if args.gen_layers:
-        over.update(gen_layers=args.gen_layers, n_layer=None)
-    cfg = DoubleConfig(**{**PRESETS[args.preset], **over})
-    torch.manual_seed(0)
-    dd = DoubleDecoder(cfg).to(device=device, dtype=dtype).eval()
-    gpt = GPT(baseline_config(cfg)).to(device=device, dtype=dtype).eval()
-    B, T, N = args.batch, args.prompt_len, args.new_tokens
-    prefix = args.shared_prefix if args.shared_prefix is not None else T // 2
-    if not 1 <= prefix < T:
-        raise ValueError(f"--shared-prefix must be in [1, {T - 1}]")
-    idx = torch.randint(0, cfg.vocab_size - 1, (B, T), device=device)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    print(f"device {name} | dtype {dtype} | batch {B} | prompt {T} | new tokens {N} | shared prefix {prefix} | "
-          f"rollover {args.rollover} | warm-up {args.warmup}, median of {args.iters} | random weights | "
-          f"CPU threads {torch.get_num_threads()}")
-    print(f"double  {args.preset}: {cfg.ctx_layers} context + {cfg.gen_layers} generation layers, d {cfg.n_embd}, "
-          f"heads {cfg.n_head}/{cfg.n_kv_head}, head dim {cfg.hd}, non-emb params {dd.num_params() / 1e6:.2f}M")
-    print(f"decoder-only: {gpt.config.n_layer} layers, non-emb params {gpt.num_params() / 1e6:.2f}M")
-    dbytes = torch.finfo(dtype).bits // 8
-    rows = {}
-    for label, runs in (("decoder-only", _gpt_runs(gpt, idx, N, prefix)),
-                        ("double", _double_runs(dd, idx, N, prefix, args.rollover))):
-        prefill, decode, prefix_prefill, alloc = runs
-        model = gpt if label == "decoder-only" else dd
-        ttft = _time(prefill, device, args.warmup, args.iters)
-        ttft_prefix = _time(prefix_prefill, device, args.warmup, args.iters)
-        for _ in range(args.warmup):
-            decode()
-        per_tok = sorted(decode() for _ in range(args.iters))[args.iters // 2] / N
-        kv = model.kv_cache_bytes(B, T + N, dbytes)
-        rows[label] = (ttft, per_tok, kv, ttft_prefix, alloc)
-        print(f"{label:13s} TTFT {ttft * 1e3:8.2f} ms | TTFT after cached prefix {ttft_prefix * 1e3:8.2f} ms | "
-              f"per-token {per_tok * 1e3:7.3f} ms | {B / per_tok:9.0f} tok/s | KV (A.1) {kv / 2**20:8.2f} MiB | "
-              f"allocated caches {alloc / 2**20:8.2f} MiB")
-    g, d = rows["decoder-only"], rows["double"]
-    L = cfg.ctx_layers + cfg.gen_layers
-    print("paper (section 3.3, Appendix A.1), at a 2/3 : 1/3 split: KV memory and per-token decode cost ~1/3 of the "
-          "decoder-only model's, time to first token ~2/3")
-    print(f"double / decoder-only: TTFT {d[0] / g[0]:.3f} (paper: ~L_ctx/L = {cfg.ctx_layers / L:.3f}) | per-token "
-          f"{d[1] / g[1]:.3f} (paper: ~L_dec/L = {cfg.gen_layers / L:.3f}) | KV bytes {d[2] / g[2]:.3f} "
-          f"(A.1: L_dec/L = {cfg.gen_layers / L:.3f})")
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Evaluation against a decoder-only checkpoint: the same windows and split points for every model
-
-
-@torch.no_grad()
-def evaluate(paths, batches: int, batch_size: int, device_flag: str, seed: int):
-    """Validation losses of train.py checkpoints (double or decoder-only) on identical windows:
-    native: each model's own objective (double: random block partitions; decoder-only: causal LM);
-    prefix-LM: one split per batch, loss on the suffix tokens only -- the comparison of section 4 (the double decoder
-    reads the prefix through its context decoder, the decoder-only model reads it causally).
-    """
-    from train import (Tokenizer, TokenData, load_checkpoint, model_from_checkpoint, prepare_corpus,
-                       step_generator)
-
-    device = pick_device(device_flag)
-    cks = [load_checkpoint(p) for p in paths]
-    a = cks[0]["args"]
-    for p, ck in zip(paths, cks):
-        if ck["tokenizer"] != cks[0]["tokenizer"] or ck["args"]["data"] != a["data"]:
-            raise ValueError(f"{p} was trained with another tokenizer or corpus than {paths[0]}")
-    tok = Tokenizer(cks[0]["tokenizer"])
-    exclude = [s for s in a.get("exclude_sets", "").split(",") if s]
-    val = TokenData(prepare_corpus(a["data"], tok, a["cache_dir"], exclude, a.get("val_data"), verbose=False), "val")
-    T = min(min(ck["config"]["max_seq_len"], ck["args"].get("seq_len") or 10 ** 9) for ck in cks)  # trained length
-    models = [model_from_checkpoint(ck).to(device).eval() for ck in cks]
-    sums = torch.zeros(len(models), 2, batches, dtype=torch.float64)  # [model, native | prefix-LM, batch] CE sums
-    counts = torch.zeros(2, batches, dtype=torch.float64)  # targets per batch (the same for every model)
-    for i in range(batches):
-        gen = step_generator(seed, -2, i)
-        x, y = val.get_batch(batch_size, T, gen)
-        s = int(torch.randint(1, T, (1,), generator=gen))
-        y_pl = y.clone()
-        y_pl[:, :s] = IGNORE
-        blk_pl = (torch.arange(T) >= s).long()
-        blk_native = sample_blocks(T, gen, 3, 8)
-        x, y, y_pl = x.to(device), y.to(device), y_pl.to(device)
-        counts[:, i] = torch.tensor([y.numel(), int((y_pl != IGNORE).sum())])
-        for j, m in enumerate(models):
-            double = isinstance(m, DoubleDecoder)
-            logits = m(x, blk=blk_native)[0] if double else m(x)[0]
-            sums[j, 0, i] = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum").item()
-            logits = m(x, blk=blk_pl)[0] if double else logits
-            sums[j, 1, i] = F.cross_entropy(logits.float().flatten(0, 1), y_pl.flatten(), ignore_index=IGNORE,
-                                            reduction="sum").item()
-    mean = sums.sum(-1) / counts.sum(-1)  # (models, 2): the token means
-    print(f"val split of {a['data']} | {batches} batches x {batch_size} x {T} tokens | prefix-LM split uniform in "
-          f"[1, {T - 1}] | device {device}")
-    for j, (p, ck, m) in enumerate(zip(paths, cks, models)):
-        line = (f"{ck['arch']:8s} {m.num_params() / 1e6:6.2f}M non-emb | native loss {mean[j, 0]:.4f} | "
-                f"prefix-LM suffix loss {mean[j, 1]:.4f}")
-        if j:  # paired over the same batches: the difference to the first model and its standard error
-            d = (sums[j] - sums[0]) / counts  # (2, batches) per-batch mean differences
-            se = [f" +- {v:.4f}" if batches > 1 else "" for v in (d.std(-1) / math.sqrt(batches)).tolist()]
-            line += (f" | minus the first: native {mean[j, 0] - mean[0, 0]:+.4f}{se[0]}, prefix-LM "
-                     f"{mean[j, 1] - mean[0, 1]:+.4f}{se[1]} (s.e. over paired batches)")
-        print(f"{line} | {p}")
-    return mean
-
-
-@torch.no_grad()
-def sample_main(args):
-    from train import Tokenizer, load_checkpoint, model_from_checkpoint
-
-    ck = load_checkpoint(args.sample)
-    if ck["arch"] != "double":
-        raise ValueError(f"{args.sample} holds a {ck['arch']} model, not a double decoder")
-    device = pick_device(args.device)
-    model = model_from_checkpoint(ck).to(device).eval()
-    tok = Tokenizer(ck["tokenizer"])
-    idx = torch.tensor([tok.encode(args.prompt)], device=device)
-    gen = torch.Generator(device=device).manual_seed(args.seed)
-    n = min(args.new_tokens or 128, model.config.max_seq_len - idx.size(1))
-    out = model.generate(idx, n, temperature=args.temperature, top_k=args.top_k, generator=gen,
-                         rollover=args.rollover)
-    print(tok.decode(out[0].tolist()))
-
-
-def describe():
-    for name, p in PRESETS.items():
-        cfg = DoubleConfig(**p)
-        with torch.device("meta"):
-            dd, gpt = DoubleDecoder(cfg), GPT(baseline_config(cfg))
-        T = cfg.max_seq_len
-        print(f"{name:6s} {cfg.ctx_layers}+{cfg.gen_layers} layers d {cfg.n_embd} heads {cfg.n_head}/{cfg.n_kv_head} | "
-              f"non-emb params {dd.num_params() / 1e6:7.2f}M (decoder-only {gpt.num_params() / 1e6:7.2f}M) | "
-              f"KV bytes/token {dd.kv_cache_bytes(1, 1) / 1024:6.1f} KiB vs {gpt.kv_cache_bytes(1, 1) / 1024:6.1f} | "
-              f"train GFLOP/token @T={T} {dd.flops_per_token(T) / 1e9:6.3f} vs {gpt.flops_per_token(T) / 1e9:6.3f}")
+# The presets against their decoder-only baselines (timing and checkpoint evaluation: bench.py double, double-eval)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--bench", action="store_true", help="TTFT, per-token latency and KV bytes vs decoder-only")
-    ap.add_argument("--eval", nargs="+", metavar="CKPT", help="validation losses of checkpoints (double, vanilla)")
-    ap.add_argument("--sample", metavar="CKPT", help="generate from a double checkpoint")
-    ap.add_argument("--preset", default="small", help="bench preset (tiny, small, base)")
-    ap.add_argument("--ctx-layers", type=int, default=None, help="bench: override the preset's context layers")
-    ap.add_argument("--gen-layers", type=int, default=None, help="bench: override the preset's generation layers")
-    ap.add_argument("--batch", type=int, default=None, help="bench: batch size (default: 1 on CPU, 8 on a GPU)")
-    ap.add_argument("--prompt-len", type=int, default=None, help="bench: prompt tokens (default: 128 CPU, 512 GPU)")
-    ap.add_argument("--new-tokens", type=int, default=None,
-                    help="bench / sample: generated tokens (bench default: 32 on CPU, 128 on a GPU; sample: 128)")
-    ap.add_argument("--shared-prefix", type=int, default=None, help="bench: cached prefix tokens (default prompt/2)")
-    ap.add_argument("--rollover", type=int, default=None, help="fold the block into the context every N tokens")
-    ap.add_argument("--warmup", type=int, default=1, help="bench: untimed runs")
-    ap.add_argument("--iters", type=int, default=None, help="bench: timed runs, median (default: 3 CPU, 5 GPU)")
-    ap.add_argument("--batches", type=int, default=50, help="eval: validation batches")
-    ap.add_argument("--batch-size", type=int, default=16, help="eval: sequences per batch")
-    ap.add_argument("--prompt", default="def ", help="sample: prompt text")
-    ap.add_argument("--temperature", type=float, default=0.8, help="sample: temperature (0 = greedy)")
-    ap.add_argument("--top-k", type=int, default=50, help="sample: top-k")
-    ap.add_argument("--seed", type=int, default=1337, help="eval / sample seed")
-    ap.add_argument("--threads", type=int, default=None, help="bench: torch CPU threads (default: torch's)")
-    ap.add_argument("--device", default="auto", help="cpu | cuda | mps | auto")
-    ap.add_argument("--dtype", default="auto", help="bench: auto (bf16 where supported) | float32 | bfloat16")
+    ap.add_argument("--preset", default=None, help="print one preset (default: all)")
     args = ap.parse_args()
-    if args.bench:
-        bench(args)
-    elif args.eval:
-        evaluate(args.eval, args.batches, args.batch_size, args.device, args.seed)
-    elif args.sample:
-        sample_main(args)
-    else:
-        describe()
+    for name in [args.preset] if args.preset else PRESETS:
+        cfg = DoubleConfig(**PRESETS[name])
+        with torch.device("meta"):  # nothing allocated; baseline: the decoder-only model of the same parameters
+            describe(f"{name} {cfg.ctx_layers}+{cfg.gen_layers} d {cfg.n_embd}", DoubleDecoder(cfg),
+                     GPT(baseline_config(cfg)))
 
 
 if __name__ == "__main__":

@@ -38,4 +38,16 @@ def test_plt_double_and_serve_sections_run(capsys):
     out = capsys.readouterr().out
     kv = out.split("KV bytes per sequence at the end (Table 1): ")[1].split("\n")[0]
     assert "kv_share 11.0 KiB (+0.0% vs vanilla)" in kv and "loop 22.0 KiB (+100.0% vs vanilla)" in kv  # Table 1
-    assert "PLT-2 / vanilla" in out and "PLT-2 / loop-2" in out and "TTFT ms double" in out and "relaxed depth-wise + early exit" in out
+    assert "PLT-2 / loop-2" in out
+    assert "PLT-2 / vanilla" in out and "double / decoder-only" in out and "relaxed depth-wise + early exit" in out
+
+
+def test_double_bench_reports_ttft_prefix_per_token_and_kv(capsys):
+    """The double decoder's serving numbers at a toy size, with and without rollover: 2 + 1 layers -> KV bytes 1/3."""
+    common = ["double", "--device", "cpu", "--preset", "tiny", "--repeats", "1", "--dtype", "float32", "--batch", "1",
+              "--prompt-len", "8", "--new-tokens", "5", "--ctx-layers", "2", "--gen-layers", "1"]
+    for extra in ([], ["--rollover", "2", "--shared-prefix", "7"]):
+        bench.main(common + extra)
+        out = capsys.readouterr().out
+        for what in ("TTFT", "after the cached prefix", "per-token", "KV bytes 0.333", "allocated caches"):
+            assert what in out

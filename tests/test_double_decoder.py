@@ -369,11 +369,11 @@ def test_incremental_context_extension_equals_scratch():
             k, v = block.attn.project_cross(h, rope)
             torch.testing.assert_close(cache.cross.k[i], k, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(cache.cross.v[i], v, rtol=1e-5, atol=1e-5)
-        # and the context decoder's own K/V
-        q_pos = torch.arange(T).expand(B, T)
-        scratch = m.new_cache(B, T, 1, keep_context=True)
-        m.context(m.embed(x), rope, q_pos, scratch.ctx, fresh=True)
-        torch.testing.assert_close(cache.ctx.k, scratch.ctx.k, rtol=1e-5, atol=1e-5)
+    # and the context decoder's own K/V: as one extension over all T tokens (a causal prefill)
+    scratch = m.new_cache(B, T, 1, keep_context=True)
+    m.extend_context(x, scratch)
+    torch.testing.assert_close(cache.ctx.k, scratch.ctx.k, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cache.ctx.v, scratch.ctx.v, rtol=1e-5, atol=1e-5)
 
 
 def test_shared_prefix_cache_is_reused_across_requests():
@@ -514,6 +514,24 @@ def test_bad_configs_raise_clear_errors():
             tiny_cfg(**kw)
 
 
+def test_state_dict_keys_and_parameter_order_are_the_checkpoints():
+    """DoubleDecoder subclasses model.GPT, whose make_blocks hook builds the two stacks: the state_dict keys and the
+    parameter order (an optimizer state is saved by position) are those of the checkpoints written before, and GPT's
+    single stack `blocks` holds nothing."""
+    block = ["attn_norm.weight", *(f"attn.{n}_proj.weight" for n in "qkvo"), "mlp_norm.weight",
+             *(f"mlp.{n}_proj.weight" for n in ("gate", "up", "down"))]
+    for kw, cross, latent in ((dict(), [], ["ctx_norm.weight"]),
+                              (dict(separate_cross_kv=True, latent_norm="layer"),
+                               ["attn.ck_proj.weight", "attn.cv_proj.weight"], ["ctx_norm.weight", "ctx_norm.bias"])):
+        m = tiny_model(**kw)
+        want = ["tok_emb.weight", *(f"ctx_blocks.{i}.{k}" for i in range(2) for k in block), *latent,
+                *(f"gen_blocks.0.{k}" for k in block[:5] + cross + block[5:]), "norm.weight", "lm_head.weight"]
+        assert list(m.state_dict()) == want
+        params = [n for n, _ in m.named_parameters()]  # the tied head is the embedding: listed once
+        assert params == [k for k in want if k != "lm_head.weight"]
+        assert m.blocks is None and m.lm_head.weight is m.tok_emb.weight
+
+
 def test_bad_generation_inputs_raise_clear_errors():
     m = tiny_model()
     idx = torch.randint(0, V, (1, 4))
@@ -565,16 +583,12 @@ def test_train_runs_both_objectives_and_evaluates(tmp_path, capsys):
         assert (model.config.ctx_layers, model.config.gen_layers, model.config.n_layer) == (2, 1, 3)
         cks.append(str(out_dir / "ckpt.pt"))
     capsys.readouterr()
-    ddm.evaluate(cks, batches=1, batch_size=2, device_flag="cpu", seed=0)  # same windows and splits for both
+    import bench
+
+    # same windows and splits for both; the second line is paired against the first
+    bench.main(["double-eval", *cks, "--batches", "2", "--batch-size", "2", "--device", "cpu", "--seed", "0"])
     lines = [ln for ln in capsys.readouterr().out.splitlines() if "prefix-LM suffix loss" in ln]
-    assert len(lines) == 2 and all("nan" not in ln for ln in lines)
-
-
-def test_bench_runs_at_tiny_size(capsys):
-    import argparse
-
-    args = argparse.Namespace(device="cpu", dtype="float32", preset="tiny", ctx_layers=2, gen_layers=1, batch=1,
-                              prompt_len=8, new_tokens=3, shared_prefix=None, rollover=None, warmup=0, iters=1)
-    ddm.bench(args)
+    assert len(lines) == 2 and all("nan" not in ln for ln in lines) and "minus the first" in lines[1]
+    bench.main(["double-eval", cks[0], "--sample", "def ", "--new-tokens", "6", "--rollover", "2", "--device", "cpu"])
     out = capsys.readouterr().out
-    assert "TTFT" in out and "per-token" in out and "KV bytes 0.333" in out
+    assert out.startswith("== double") and "def " in out
