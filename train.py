@@ -656,7 +656,8 @@ def build_parser(table) -> ArgumentParser:
     ap.add_argument("--batch-size", type=pos, default=16, help="sequences per micro-batch per process")
     ap.add_argument("--seq-len", type=pos, default=256, help="tokens per sequence")
     ap.add_argument("--grad-accum", type=pos, default=1, help="micro-batches per optimizer step")
-    ap.add_argument("--lr", type=number(float, min=0), default=2e-3, help="peak learning rate (0: weights stay)")
+    ap.add_argument("--lr", type=number(float, min=0), default=None,
+                    help="peak learning rate (0: weights stay; default: the arch's, else 2e-3)")
     ap.add_argument("--min-lr", type=number(float, min=0), default=None, help="final learning rate (default lr / 10)")
     ap.add_argument("--warmup-iters", type=nonneg, default=None,
                     help="warmup steps (default 10%% of max-iters, <= 200)")
@@ -785,6 +786,7 @@ def resolve_defaults(args, spec):
         if getattr(args, k) is None:
             setattr(args, k, v)
     args.max_iters = args.max_iters if args.max_iters is not None else 300
+    args.lr = args.lr if args.lr is not None else 2e-3
     args.eval_interval = args.eval_interval or max(1, args.max_iters // 4)
     args.warmup_iters = args.warmup_iters if args.warmup_iters is not None else min(200, args.max_iters // 10)
     args.lr_decay_iters = args.lr_decay_iters or args.max_iters
