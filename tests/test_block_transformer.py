@@ -122,7 +122,7 @@ def test_logits_do_not_depend_on_later_tokens():
 
 def test_with_fixed_context_a_block_never_sees_other_blocks():
     m = tiny_model()
-    L, N = 4, 8
+    L = 4
     idx = real_tokens(2, 32)
     ctx = m.context(idx)
     m.context = lambda _idx: ctx  # hold every context embedding fixed

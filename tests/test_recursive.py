@@ -1,7 +1,6 @@
 """recursive.py: tying and conversion, exactness of the relaxed model at full rank, per-row loops, early exit with
 state propagation, the early-exit training objective, train.py integration and the oracle mode."""
 import argparse
-from pathlib import Path
 
 import pytest
 import torch
