@@ -288,7 +288,7 @@ def bench_double(args):
     prefix = args.shared_prefix if args.shared_prefix is not None else P // 2
     if not 1 <= prefix < P:
         raise ValueError(f"--shared-prefix must be in [1, {P - 1}], got {prefix}")
-    over = {"max_seq_len": P + N + 8}
+    over = {"max_seq_len": P + N + 8, **({"vocab_size": args.vocab_size} if args.vocab_size else {})}
     for name in ("ctx_layers", "gen_layers"):
         if getattr(args, name) is not None:
             over.update({name: getattr(args, name), "n_layer": None})
@@ -300,7 +300,8 @@ def bench_double(args):
                   "double": dd.DoubleDecoder(cfg).to(device, dtype).eval()}
         gm, dm = models["decoder-only"], models["double"]
         header("double decoder latency", device, dtype, f"preset {args.preset}: {cfg.ctx_layers} + "
-               f"{cfg.gen_layers} layers vs {L}, d {cfg.n_embd}, {param_bytes(dm) / 1e6:.0f} MB of weights | prompt "
+               f"{cfg.gen_layers} layers vs {L}, d {cfg.n_embd}, vocab {cfg.vocab_size}, {param_bytes(dm) / 1e6:.0f} "
+               f"MB of weights (head {param_bytes(dm.lm_head) / 1e6:.0f} MB) | prompt "
                f"{P}, {N} new tokens, shared prefix {prefix}, rollover {R} | random weights | median (min..max) of "
                f"{args.repeats} rounds")
         floor = param_bytes(dm.gen_blocks, dm.norm, dm.lm_head) / param_bytes(gm)
@@ -1068,6 +1069,8 @@ def main(argv=None):
     p.add_argument("--shared-prefix", type=int, default=None, help="cached prefix tokens (default: prompt / 2)")
     p.add_argument("--rollover", type=int, default=None, help="double: fold the block into the context every N "
                                                               "tokens")
+    p.add_argument("--vocab-size", type=int, default=None, help="override the preset's vocabulary (the head is read "
+                                                                 "every step; 4160 = this repository's tokenizer)")
     p.add_argument("--ctx-layers", type=int, default=None, help="override the preset's context layers")
     p.add_argument("--gen-layers", type=int, default=None, help="override the preset's generation layers")
     p.set_defaults(fn=bench_double)
