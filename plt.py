@@ -92,6 +92,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import model
 from kernels import gated_swa, gated_swa_decode, plt_gate
 from model import (GPT, ArchSpec, Attention, Block, GPTConfig, KVCache, attend, causal_mask_from_positions,
                    init_weights, kv_bytes, lm_loss, make_norm)
@@ -668,15 +669,13 @@ ARCH_SPECS = [ArchSpec("plt", PLTConfig, PLT, PRESETS, add_args=add_args, config
 
 
 def describe():
+    """Every preset x Table 2 row, with the row `vanilla` (the same stack once) as the baseline in brackets."""
     for preset, p in PRESETS.items():
-        for v in VARIANTS:
-            cfg = PLTConfig(**{**p, **variant_fields(v)})
-            with torch.device("meta"):
-                m = PLT(cfg)
-            T = cfg.max_seq_len
-            print(f"{preset:15s} {v:9s} L {cfg.n_loops} w {cfg.window:3d}  non-emb params {m.num_params() / 1e6:8.2f}M"
-                  f"  KV bytes @T={T} (bf16, batch 1) {m.kv_cache_bytes(1, T) / 2 ** 20:8.2f} MiB"
-                  f"  train GFLOP/token {m.flops_per_token(T) / 1e9:7.2f}")
+        with torch.device("meta"):
+            base = PLT(PLTConfig(**{**p, **variant_fields("vanilla")}))
+            for v in VARIANTS:
+                cfg = PLTConfig(**{**p, **variant_fields(v)})
+                model.describe(f"{preset} {v} L{cfg.n_loops} w{cfg.window}", PLT(cfg), base)
 
 
 def main():

@@ -89,11 +89,7 @@ class RecursiveConfig(GPTConfig):
 
     def validate(self):
         super().validate()
-
-        def need(ok, msg):
-            if not ok:
-                raise ValueError(f"bad RecursiveConfig: {msg}")
-
+        need = self.need
         need(isinstance(self.n_loops, int) and self.n_loops >= 1, f"n_loops={self.n_loops} must be a positive int")
         need(self.n_layer % self.n_loops == 0, f"n_layer={self.n_layer} is not divisible by n_loops={self.n_loops} "
                                                f"(the shared block needs K = n_layer / n_loops layers)")
