@@ -327,6 +327,19 @@ def attend(q, k, v, mask=None, is_causal=False, scale=None):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
 
 
+def start_prefill(idx, cache, lengths=None) -> torch.Tensor:
+    """The checks of every architecture's prefill: prompts idx (B, T), right-padded, true lengths (B,) (default T)
+    in [1, T], T within the cache's positions. Empties the cache; -> lengths on idx's device."""
+    B, T = idx.shape
+    lengths = torch.full((B,), T, device=idx.device) if lengths is None else lengths.to(idx.device)
+    if int(lengths.min()) < 1 or int(lengths.max()) > T:
+        raise ValueError(f"prompt lengths must be in [1, {T}]: every prompt needs at least one token")
+    if T > cache.max_len:
+        raise ValueError(f"KV cache holds {cache.max_len} positions; the prompts need {T}")
+    cache.reset()
+    return lengths
+
+
 def causal_mask_from_positions(q_pos: torch.Tensor, kv_len: int) -> torch.Tensor:
     """q_pos (B, T) absolute positions -> bool mask (B, 1, T, kv_len): key j is visible iff j <= q_pos.
 
@@ -734,13 +747,8 @@ class GPT(nn.Module):
     def prefill(self, idx, cache: KVCache, lengths=None):
         """Prompts idx (B, T), right-padded, with true lengths (B,) (default T) -> logits (B, V) of each row's last
         prompt token. The cache must be empty; afterwards cache.lengths == lengths."""
-        B, T = idx.shape
-        lengths = torch.full((B,), T, device=idx.device) if lengths is None else lengths.to(idx.device)
-        if int(lengths.min()) < 1:
-            raise ValueError("every prompt needs at least one token")
-        if T > cache.max_len:
-            raise ValueError(f"KV cache holds {cache.max_len} positions; the prompts need {T}")
-        cache.reset()
+        B = idx.size(0)
+        lengths = start_prefill(idx, cache, lengths)
         h = self.forward_cached(idx, cache, fresh=True)  # pads write K/V past each row's length: masked later
         cache.lengths.copy_(lengths)
         last = h[torch.arange(B, device=idx.device), lengths - 1]  # (B, C)

@@ -95,7 +95,7 @@ import torch.nn.functional as F
 import model
 from kernels import gated_swa, gated_swa_decode, plt_gate
 from model import (GPT, ArchSpec, Attention, Block, GPTConfig, KVCache, attend, causal_mask_from_positions,
-                   init_weights, kv_bytes, lm_loss, make_norm)
+                   init_weights, kv_bytes, lm_loss, make_norm, start_prefill)
 
 # ----------------------------------------------------------------------------------------------------------------
 # Config
@@ -524,12 +524,7 @@ class PLT(GPT):
         """
         cfg = self.config
         B, T = idx.shape
-        if T > cache.max_len:
-            raise ValueError(f"prompt of {T} tokens does not fit a cache of {cache.max_len} positions")
-        lengths = torch.full((B,), T, device=idx.device) if lengths is None else lengths.to(idx.device)
-        if int(lengths.min()) < 1 or int(lengths.max()) > T:
-            raise ValueError(f"prompt lengths must be in [1, {T}]")
-        cache.reset()
+        lengths = start_prefill(idx, cache, lengths)
         hs, kvs = self.hidden_states(idx, keep_kv=True)
         pos = torch.arange(T, device=idx.device).expand(B, T)
         rows = torch.arange(B, device=idx.device)

@@ -61,7 +61,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import (GPT, IGNORE, PRESETS, ArchSpec, Block, GPTConfig, KVCache, causal_mask_from_positions, count_params, distill_loss, kv_bytes, lm_loss)
+from model import (GPT, IGNORE, PRESETS, ArchSpec, Block, GPTConfig, KVCache, causal_mask_from_positions, count_params, distill_loss, kv_bytes, lm_loss,
+                   start_prefill)
 from svd_lora import COMPONENTS, LoRALinear, add_lora, init_lora, max_ranks
 
 INITS = ("stepwise", "average", "lower", "random")
@@ -277,12 +278,7 @@ class RecursiveGPT(GPT):
         token. Every prompt token runs all loops (no early exit) and fills every cache layer. The cache must be
         empty; afterwards cache.lengths == lengths."""
         B, T = idx.shape
-        lengths = torch.full((B,), T, device=idx.device) if lengths is None else lengths.to(idx.device)
-        if int(lengths.min()) < 1:
-            raise ValueError("every prompt needs at least one token")
-        if T > cache.max_len:
-            raise ValueError(f"KV cache holds {cache.max_len} positions; the prompts need {T}")
-        cache.reset()
+        lengths = start_prefill(idx, cache, lengths)
         q_pos = torch.arange(T, device=idx.device)[None].expand(B, T)
         rope = self.rope(q_pos)
         x = self.embed(idx)

@@ -331,7 +331,7 @@ def test_runtime_errors():
     model = make(2, "plt")
     idx = torch.randint(SHAPE["vocab_size"], (2, 6))
     cache = model.new_cache(2, 6)
-    with pytest.raises(ValueError, match="does not fit"):
+    with pytest.raises(ValueError, match="KV cache holds 6 positions; the prompts need 7"):
         model.prefill(torch.randint(SHAPE["vocab_size"], (2, 7)), cache)
     with pytest.raises(ValueError, match="lengths"):
         model.prefill(idx, cache, torch.tensor([0, 6]))
