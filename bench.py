@@ -1023,18 +1023,24 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     sub = ap.add_subparsers(dest="what", required=True)
 
-    def common(p, preset="base"):
+    def machine(p):
         p.add_argument("--device", default="auto", help="cpu | cuda | mps | auto")
+        p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+
+    def common(p, preset="base"):
+        machine(p)
         p.add_argument("--preset", default=preset, help=f"model.py preset (default {preset})")
         p.add_argument("--repeats", type=int, default=5, help="interleaved timed rounds (median and min..max)")
-        p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+
+    def generation(p, dtype, batch, prompt_len, new_tokens):  # what a generate() timing runs
+        p.add_argument("--dtype", default=dtype, help="comma list of dtypes")
+        p.add_argument("--batch", default=batch, help="comma list of batch sizes")
+        p.add_argument("--prompt-len", type=int, default=prompt_len, help="prompt tokens")
+        p.add_argument("--new-tokens", type=int, default=new_tokens, help="generated tokens per run")
 
     p = sub.add_parser("decode", help="vanilla decode vs the machine's bandwidth and transformers' generate")
     common(p)
-    p.add_argument("--dtype", default="float32,bfloat16", help="comma list of dtypes")
-    p.add_argument("--batch", default="1", help="comma list of batch sizes")
-    p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens")
-    p.add_argument("--new-tokens", type=int, default=64, help="generated tokens per run")
+    generation(p, "float32,bfloat16", "1", 128, 64)
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip the transformers comparison")
     p.add_argument("--compile", action="store_true", help="ours: GPT.compile_decode() (static cache, compiled step)")
     p.set_defaults(fn=bench_decode)
@@ -1051,21 +1057,15 @@ def main(argv=None):
 
     p = sub.add_parser("plt", help="PLT-2 vs vanilla vs loop-2 per-token decode latency (Table 3)")
     common(p)
-    p.add_argument("--dtype", default="float32,bfloat16", help="comma list of dtypes")
-    p.add_argument("--batch", default="1,4,16", help="comma list of batch sizes")
+    generation(p, "float32,bfloat16", "1,4,16", 256, 32)
     p.add_argument("--variants", default="vanilla,loop,plt", help="comma list of Table 2 rows: vanilla, loop, clp, "
                                                                    "kv_share, plt")
-    p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens")
-    p.add_argument("--new-tokens", type=int, default=32, help="generated tokens per run")
     p.set_defaults(fn=bench_plt)
 
     p = sub.add_parser("double", help="double decoder vs decoder-only: TTFT (also after a cached prefix), "
                                       "per-token latency, KV bytes")
     common(p)
-    p.add_argument("--dtype", default="float32,bfloat16", help="comma list of dtypes")
-    p.add_argument("--batch", default="1,8", help="comma list of batch sizes")
-    p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens")
-    p.add_argument("--new-tokens", type=int, default=32, help="generated tokens per run")
+    generation(p, "float32,bfloat16", "1,8", 256, 32)
     p.add_argument("--shared-prefix", type=int, default=None, help="cached prefix tokens (default: prompt / 2)")
     p.add_argument("--rollover", type=int, default=None, help="double: fold the block into the context every N "
                                                               "tokens")
@@ -1088,8 +1088,7 @@ def main(argv=None):
                                                               "context every N tokens")
     p.add_argument("--temperature", type=float, default=0.8, help="--sample: temperature (0 = greedy)")
     p.add_argument("--top-k", type=int, default=50, help="--sample: top-k")
-    p.add_argument("--device", default="auto", help="cpu | cuda | mps | auto")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    machine(p)
     p.set_defaults(fn=bench_double_eval)
 
     p = sub.add_parser("archs", help="all six architectures side by side: TTFT, per-token latency, KV bytes")
@@ -1130,8 +1129,7 @@ def main(argv=None):
                    help="comma list of more batch sizes to time (besides 1 and the best)")
     p.add_argument("--dtype", default="bfloat16", help="float32 | bfloat16 | auto")
     p.add_argument("--repeats", type=int, default=3, help="interleaved timed rounds (median and min..max)")
-    p.add_argument("--device", default="auto", help="cpu | cuda | mps | auto")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    machine(p)
     p.add_argument("--profile", action="store_true", help="also profile one generate per model at its best batch")
     p.add_argument("--eval", nargs="+", default=None, metavar="CKPT",
                    help="instead: validation loss of these block and vanilla checkpoints on the block model's targets")
@@ -1148,8 +1146,7 @@ def main(argv=None):
     p.add_argument("--batch-size", type=int, default=8, help="windows per batch")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per window")
     p.add_argument("--seed", type=int, default=1337, help="seeds the windows")
-    p.add_argument("--device", default="auto", help="cpu | cuda | mps | auto")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    machine(p)
     p.set_defaults(fn=bench_exits)
 
     p = sub.add_parser("energy", help="residual energy a rank-r SVD captures when relaxing a vanilla checkpoint")
