@@ -530,6 +530,13 @@ def plt_gate(q, gate_w, gate_b):
     return torch.sigmoid(torch.einsum("bhtd,hd->bht", q.to(acc), gate_w.to(acc)) + gate_b.to(acc)[None, :, None])
 
 
+def gate_mix(q, gate_w, gate_b, y_local, y_global):
+    """G-SWA's mix, the PLT paper's convention: g * y_local + (1 - g) * y_global with g = plt_gate(q), in fp32.
+    q (B, H, T, D); y_local, y_global (B, H, T, D) -> (B, H, T, D) fp32 (callers cast back to q's dtype)."""
+    g = plt_gate(q, gate_w, gate_b)[..., None]
+    return g * y_local.to(g.dtype) + (1 - g) * y_global.to(g.dtype)
+
+
 def gated_swa_ref(q, k, v, k_shared, v_shared, gate_w, gate_b, window, scale=None):
     """Reference, prefill/training form. q (B, H, T, D) queries of a non-first loop; k, v (B, H_kv, T, D) that loop's
     own keys/values; k_shared, v_shared (B, H_kv, T, D) the first loop's keys/values at the same positions.
@@ -541,8 +548,7 @@ def gated_swa_ref(q, k, v, k_shared, v_shared, gate_w, gate_b, window, scale=Non
     causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
     y_local, _ = attention_lse_ref(q, k, v, swa_mask(T, window, q.device), scale)
     y_global, _ = attention_lse_ref(q, k_shared, v_shared, causal, scale)
-    g = plt_gate(q, gate_w, gate_b)[..., None]
-    return (g * y_local.to(g.dtype) + (1 - g) * y_global.to(g.dtype)).to(q.dtype)
+    return gate_mix(q, gate_w, gate_b, y_local, y_global).to(q.dtype)
 
 
 # Prefill kernel: one program computes, for its row tile, y_local (interval [t - window + 1, t] over the loop's own
@@ -635,8 +641,7 @@ def gated_swa_sdpa(q, k, v, k_shared, v_shared, gate_w, gate_b, window, scale=No
     y_local = F.scaled_dot_product_attention(q, k, v, attn_mask=swa_mask(T, window, q.device), scale=scale,
                                              enable_gqa=gqa)
     y_global = F.scaled_dot_product_attention(q, k_shared, v_shared, is_causal=True, scale=scale, enable_gqa=gqa)
-    g = plt_gate(q, gate_w, gate_b)[..., None]
-    return (g * y_local.to(g.dtype) + (1 - g) * y_global.to(g.dtype)).to(q.dtype)
+    return gate_mix(q, gate_w, gate_b, y_local, y_global).to(q.dtype)
 
 
 def gated_swa(q, k, v, k_shared, v_shared, gate_w, gate_b, window, scale=None):
@@ -649,6 +654,21 @@ def gated_swa(q, k, v, k_shared, v_shared, gate_w, gate_b, window, scale=None):
     return gated_swa_sdpa(q, k, v, k_shared, v_shared, gate_w, gate_b, window, scale)
 
 
+def _gated_swa_decode(attend, q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b, window,
+                      scale):
+    """The decode form's math with `attend(q, k, v, mask, scale) -> y` as the attention (GQA inside it)."""
+    B, L1, H, D = q.shape
+    qq = q.reshape(B * L1, H, 1, D)
+    local_ok = (ring_pos >= 0) & (ring_pos <= q_pos[:, None]) & (ring_pos > q_pos[:, None] - window)  # (B, W)
+    y_local = attend(qq, k_ring.flatten(0, 1), v_ring.flatten(0, 1),
+                     local_ok.repeat_interleave(L1, dim=0)[:, None, None, :], scale)  # (B*L1, H, 1, D)
+    glob_ok = torch.arange(k_shared.size(2), device=q.device)[None, :] <= q_pos[:, None]  # (B, S)
+    # (B, H, L1, D): the loops share the shared keys and the mask
+    y_global = attend(q.transpose(1, 2), k_shared, v_shared, glob_ok[:, None, None, :], scale)
+    y_global = y_global.transpose(1, 2).reshape(B * L1, H, 1, D)
+    return gate_mix(qq, gate_w, gate_b, y_local, y_global).reshape(B, L1, H, D).to(q.dtype)
+
+
 def gated_swa_decode_ref(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b, window, scale=None):
     """Reference, decode form: the L1 = L - 1 non-first loops of B sequences, one query each, all at position q_pos.
 
@@ -658,21 +678,8 @@ def gated_swa_decode_ref(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos,
     Local keys: slots with q_pos - window < ring_pos <= q_pos. Global keys: shared positions j <= q_pos.
     -> (B, L1, H, D)
     """
-    B, L1, H, D = q.shape
-    qq = q.reshape(B * L1, H, 1, D)
-    kr = k_ring.reshape(B * L1, *k_ring.shape[2:])
-    vr = v_ring.reshape(B * L1, *v_ring.shape[2:])
-    local_ok = (ring_pos >= 0) & (ring_pos <= q_pos[:, None]) & (ring_pos > q_pos[:, None] - window)  # (B, W)
-    local_ok = local_ok.repeat_interleave(L1, dim=0)[:, None, None, :]  # (B*L1, 1, 1, W)
-    y_local, _ = attention_lse_ref(qq, kr, vr, local_ok, scale)
-    S = k_shared.size(2)
-    glob_ok = torch.arange(S, device=q.device)[None, :] <= q_pos[:, None]  # (B, S)
-    qg = q.permute(0, 2, 1, 3)  # (B, H, L1, D): the loops share the shared keys and the mask
-    y_global, _ = attention_lse_ref(qg, k_shared, v_shared, glob_ok[:, None, None, :], scale)
-    y_global = y_global.permute(0, 2, 1, 3).reshape(B * L1, H, 1, D)
-    g = plt_gate(qq, gate_w, gate_b)[..., None]
-    y = g * y_local.to(g.dtype) + (1 - g) * y_global.to(g.dtype)
-    return y.reshape(B, L1, H, D).to(q.dtype)
+    return _gated_swa_decode(lambda q, k, v, m, s: attention_lse_ref(q, k, v, m, s)[0], q, k_ring, v_ring, ring_pos,
+                             k_shared, v_shared, q_pos, gate_w, gate_b, window, scale)
 
 
 def gated_swa_decode_sdpa(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b, window,
@@ -680,19 +687,11 @@ def gated_swa_decode_sdpa(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos
     """The CPU decode path: gated_swa_decode_ref's math (same contract) on torch's fused attention, two SDPA calls
     (the rings with their slot mask, the shared cache with j <= q_pos) with GQA through enable_gqa, then the same
     gate and fp32 mix. The reference's explicit softmax with log-sum-exp costs ~30 small ops per layer and step."""
-    B, L1, H, D = q.shape
-    gqa = H != k_shared.size(1)
-    qq = q.reshape(B * L1, H, 1, D)
-    local_ok = (ring_pos >= 0) & (ring_pos <= q_pos[:, None]) & (ring_pos > q_pos[:, None] - window)  # (B, W)
-    y_local = F.scaled_dot_product_attention(qq, k_ring.flatten(0, 1), v_ring.flatten(0, 1), scale=scale,
-                                             attn_mask=local_ok.repeat_interleave(L1, 0)[:, None, None],
-                                             enable_gqa=gqa)  # (B*L1, H, 1, D)
-    glob_ok = torch.arange(k_shared.size(2), device=q.device)[None, :] <= q_pos[:, None]  # (B, S)
-    y_global = F.scaled_dot_product_attention(q.transpose(1, 2), k_shared, v_shared, attn_mask=glob_ok[:, None, None],
-                                              scale=scale, enable_gqa=gqa)  # (B, H, L1, D): loops share the keys
-    y_global = y_global.transpose(1, 2).reshape(B * L1, H, 1, D)
-    g = plt_gate(qq, gate_w, gate_b)[..., None]
-    return (g * y_local.to(g.dtype) + (1 - g) * y_global.to(g.dtype)).reshape(B, L1, H, D).to(q.dtype)
+    def sdpa(q, k, v, mask, scale):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.size(1) != k.size(1))
+
+    return _gated_swa_decode(sdpa, q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b, window,
+                             scale)
 
 
 # Decode kernels (flash-decoding). The expensive read is the shared cache, which every loop and every query head
