@@ -590,6 +590,12 @@ def make_optimizer(model, lr, weight_decay, device):
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=device.type == "cuda")
 
 
+def set_lr(optimizer, lr):
+    """The schedule's lr for this step into every group, times the group's lr_scale (make_optimizer)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_scale", 1.0)
+
+
 def lr_at(step, lr, warmup, decay_iters, min_lr):
     """Linear warmup for `warmup` steps, then cosine decay to min_lr at decay_iters."""
     if step < warmup:
@@ -1200,8 +1206,7 @@ def train(argv=None):
     last_loss, last_total, t0 = None, None, time.perf_counter()
     for step in range(start_step, args.max_iters):
         lr = lr_at(step, args.lr, args.warmup_iters, args.lr_decay_iters, args.min_lr)
-        for group in optimizer.param_groups:
-            group["lr"] = lr * group.get("lr_scale", 1.0)
+        set_lr(optimizer, lr)
         total, lm_total, kd_total = 0.0, 0.0, 0.0
         for micro in range(args.grad_accum):
             x, y, kw = batch_on_device(train_data, step_generator(args.seed, step, micro, rank))

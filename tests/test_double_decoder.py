@@ -188,8 +188,8 @@ def test_ctx_lr_scales_the_context_decoders_adam_steps():
     before = [{k: v.clone() for k, v in m.state_dict().items()} for m in models]
     for m in models:
         opt = train.make_optimizer(m, lr, wd, torch.device("cpu"))
-        for group in opt.param_groups:  # what train.py's schedule does each step
-            group["lr"] = lr * group.get("lr_scale", 1.0)
+        train.set_lr(opt, lr)  # what train.py's schedule does each step
+        for group in opt.param_groups:
             assert group["lr"] * group["weight_decay"] in (0.0, pytest.approx(lr * wd))
         for group in opt.param_groups:
             group["eps"] = 1e-30  # no floor on |g|: the step is exactly lr x sign-like, whatever the gradient's scale
