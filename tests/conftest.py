@@ -9,6 +9,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Inductor keeps compiled kernels (and a precompiled header) in one cache directory; code built for another CPU
+# capability (ATEN_CPU_CAPABILITY=default|avx2|avx512) is not valid for this one, so key the directory on it.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+    os.environ.get("TMPDIR", "/tmp"), f"torchinductor-tests-{torch.backends.cpu.get_cpu_capability().lower()}"))
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
