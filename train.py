@@ -63,6 +63,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+import tasks
 from hf import from_pretrained
 from model import ArchSpec, distill_loss, lm_loss, peak_flops, pick_device, pick_dtype
 
@@ -80,6 +81,10 @@ class Tokenizer:
     spec = {"kind": "tiktoken", "name": "gpt2", "n": None}                   # a full encoding
     spec = {"kind": "hf", "path": "/models/TinyLlama"}                       # tokenizer.json of a HF checkpoint
     """
+
+    def __new__(cls, spec: dict):
+        # a synthetic task's vocabulary (tasks.py) is stored in checkpoints as a spec of kind "task"
+        return tasks.TaskTokenizer(spec) if spec.get("kind") == "task" else super().__new__(cls)
 
     def __init__(self, spec: dict):
         self.spec = dict(spec)
@@ -651,7 +656,8 @@ def build_parser(table) -> ArgumentParser:
     ap.add_argument("--arch", default="vanilla", choices=sorted(table), help="architecture to train")
     ap.add_argument("--preset", default="tiny", help="config preset of the architecture (tiny, small, base, ...)")
     ap.add_argument("--data", default="stdlib",
-                    help="'stdlib' (offline default corpus), or a directory / glob / file of .jsonl(.zst) shards")
+                    help="'stdlib' (offline default corpus), a directory / glob / file of .jsonl(.zst) shards, or "
+                         "task:phop (a synthetic task that needs depth, tasks.py)")
     ap.add_argument("--val-data", default=None, help="validation shards (default: a split of --data by file)")
     ap.add_argument("--exclude-sets", default="", help="comma-separated redpajama_set_name values to skip")
     ap.add_argument("--cache-dir", default="data_cache", help="where tokenized shards are kept")
@@ -692,6 +698,7 @@ def build_parser(table) -> ArgumentParser:
     ap.add_argument("--loops", type=pos, default=None,
                     help="number of loops of a looped architecture (recursive/relaxed: B, plt: L); default: preset")
     ap.add_argument("--sample-tokens", type=nonneg, default=64, help="tokens of the sample printed at the end")
+    tasks.add_args(ap)
     ap.arch_flags = {"loops": {"recursive", "relaxed", "plt"}}
     added = {}  # add_args function -> dests it added (recursive and relaxed share one function, called once)
     for spec in table.values():
@@ -1083,8 +1090,13 @@ def train(argv=None):
 
     # -- tokenizer, model, teacher: every flag is checked here, before the corpus is tokenized --
     with user_input():
+        task = tasks.task_from_args(args) if tasks.is_task_source(args.data) else None
+        if task is not None and "seq_len" not in given and resume_ck is None:
+            args.seq_len = -(-task.seq_len // 8) * 8  # a multiple of 8: block models need whole blocks
         if resume_ck is not None:
             tok = Tokenizer(resume_ck["tokenizer"])
+        elif task is not None:
+            tok = tasks.TaskTokenizer(task.spec())
         elif args.init_from and not args.tokenizer and not args.vocab_size:
             tok = Tokenizer(load_source_tokenizer(args.init_from))
         else:
@@ -1093,6 +1105,9 @@ def train(argv=None):
             model = model_from_checkpoint(resume_ck, table)
         else:
             model = build_model(args, spec, tok, table, ap, given, master)
+        if task is not None:
+            task = tok.task  # on resume: the checkpoint's task
+            task.batch(1, torch.Generator(), args.seq_len)  # a --seq-len shorter than the task fails here
         if model.config.vocab_size < tok.n_vocab:
             raise UsageError(f"model vocabulary {model.config.vocab_size} is smaller than the tokenizer's "
                              f"{tok.n_vocab}")
@@ -1112,23 +1127,28 @@ def train(argv=None):
     if resume_ck is not None:
         optimizer.load_state_dict(resume_ck["optimizer"])
 
-    # -- corpus (rank 0 tokenizes, the others wait) --
-    exclude = [s for s in args.exclude_sets.split(",") if s]
-    if master:
-        cache = prepare_corpus(args.data, tok, args.cache_dir, exclude, args.val_data)
-    if ddp:
-        obj = [str(cache) if master else None]
-        dist.broadcast_object_list(obj, src=0)
-        cache = Path(obj[0])
-    train_data, val_data = TokenData(cache, "train"), TokenData(cache, "val")
+    # -- corpus (rank 0 tokenizes, the others wait), or a synthetic task generated per batch --
+    if task is not None:
+        train_data, val_data = tasks.TaskData(task, "train"), tasks.TaskData(task, "val")
+    else:
+        exclude = [s for s in args.exclude_sets.split(",") if s]
+        if master:
+            cache = prepare_corpus(args.data, tok, args.cache_dir, exclude, args.val_data)
+        if ddp:
+            obj = [str(cache) if master else None]
+            dist.broadcast_object_list(obj, src=0)
+            cache = Path(obj[0])
+        train_data, val_data = TokenData(cache, "train"), TokenData(cache, "val")
+    data_line = (f"task {json.dumps(task.spec())} seq_len {args.seq_len}" if task is not None else
+                 f"tokens train {sum(len(s) for s in train_data.shards):,} val "
+                 f"{sum(len(s) for s in val_data.shards):,}")
 
     objective, exit_on, extra_terms = objective_line(args, model.config, teacher)
     if master:
         log(f"config {json.dumps(asdict(model.config))}")
         log(f"arch {args.arch} | params {model.num_params(False) / 1e6:.2f}M total, "
             f"{model.num_params() / 1e6:.2f}M non-embedding | device {device} {dtype} | world {world} | "
-            f"tokens train {sum(len(s) for s in train_data.shards):,} val {sum(len(s) for s in val_data.shards):,} | "
-            f"step memory ~{need['total'] / 1e9:.2f} GB (estimate)"
+            f"{data_line} | step memory ~{need['total'] / 1e9:.2f} GB (estimate)"
             + (f" of {avail / 1e9:.1f} GB available" if avail else ""))
         if objective:
             log(objective)
@@ -1147,7 +1167,7 @@ def train(argv=None):
         return x.to(device, non_blocking=True), y.to(device, non_blocking=True), kwargs
 
     def loss_of(x, y, kwargs):
-        """-> (the objective, the LM cross-entropy, the unweighted KD term or None)."""
+        """-> (the objective, the LM cross-entropy, the unweighted KD term or None, the logits)."""
         with autocast:
             logits, loss = model(x, y, **kwargs)
             lm, kd = loss, None
@@ -1161,23 +1181,27 @@ def train(argv=None):
                 kd = distill_loss(logits[..., :v], t_logits[..., :v], args.kd, args.kd_temperature,
                                   mask=(y != -100).float())
                 loss = loss + args.kd_weight * kd
-        return loss, lm, kd
+        return loss, lm, kd, logits
 
     @torch.no_grad()
     def evaluate():
+        """-> the mean validation loss and, on a task, {p: (correct, labels)} over the validation batches."""
         model.eval()
-        losses = []
+        losses, counts = [], {}
         for i in tqdm(range(args.eval_iters), desc="eval", leave=False, disable=None if master else True,
                       file=sys.stderr):
             x, y, kw = batch_on_device(val_data, step_generator(args.seed, -1, i, rank))
             with autocast:
-                losses.append(model(x, y, **kw)[1].float())
+                logits, loss = model(x, y, **kw)
+            losses.append(loss.float())
+            if task is not None:
+                tasks.add_counts(counts, task.score(logits, x, y))
         loss = torch.stack(losses).mean()
         if ddp:
             dist.all_reduce(loss)
             loss /= world
         model.train()
-        return loss.item()
+        return loss.item(), counts
 
     ck_file = args.out_dir / "ckpt.pt"
     last_good = start_step if resume_ck is not None else None
@@ -1203,17 +1227,19 @@ def train(argv=None):
     model.train()
     bar = tqdm(total=args.max_iters, initial=start_step, desc=f"train {args.arch}", disable=None if master else True,
                file=sys.stderr, leave=False)
-    last_loss, last_total, t0 = None, None, time.perf_counter()
+    last_loss, last_total, last_acc, t0 = None, None, None, time.perf_counter()
     for step in range(start_step, args.max_iters):
         lr = lr_at(step, args.lr, args.warmup_iters, args.lr_decay_iters, args.min_lr)
         set_lr(optimizer, lr)
-        total, lm_total, kd_total = 0.0, 0.0, 0.0
+        total, lm_total, kd_total, counts = 0.0, 0.0, 0.0, {}
         for micro in range(args.grad_accum):
             x, y, kw = batch_on_device(train_data, step_generator(args.seed, step, micro, rank))
             sync = contextlib.nullcontext() if (not ddp or micro == args.grad_accum - 1) else model.no_sync()
             with sync:
-                loss, lm, kd = loss_of(x, y, kw)
+                loss, lm, kd, logits = loss_of(x, y, kw)
                 (loss / args.grad_accum).backward()
+            if task is not None:
+                tasks.add_counts(counts, task.score(logits.detach(), x, y))
             total += loss.detach() / args.grad_accum
             lm_total += lm.detach() / args.grad_accum
             if kd is not None:
@@ -1238,11 +1264,14 @@ def train(argv=None):
                 (f" total {last_total:.4f}" if extra_terms else "")
             extra = "".join(f" {k} {v:.4f}" for k, v in getattr(raw_model, "metrics", {}).items())
             mfu = f"{flops_per_step / dt / (peak * world) * 100:.1f}%" if peak else "n/a"
-            log(f"step {done} loss {last_loss:.4f}{terms} lr {lr:.2e} ms {dt * 1000:.1f} "
+            acc = f" {tasks.accuracy_text(counts)}" if task is not None else ""
+            log(f"step {done} loss {last_loss:.4f}{terms}{acc} lr {lr:.2e} ms {dt * 1000:.1f} "
                 f"tok/s {tokens_per_step / dt:.0f} mfu {mfu}{extra}", master)
         if done % args.eval_interval == 0 or done == args.max_iters:
-            val = evaluate()
-            log(f"val step {done} loss {val:.4f} ppl {math.exp(min(val, 30)):.2f}", master)
+            val, val_counts = evaluate()
+            acc = f" {tasks.accuracy_text(val_counts)}" if task is not None else ""
+            last_acc = {q: c / max(n, 1) for q, (c, n) in sorted(val_counts.items())} if task is not None else None
+            log(f"val step {done} loss {val:.4f} ppl {math.exp(min(val, 30)):.2f}{acc}", master)
             if not math.isfinite(val):  # the NaN guard covers the evaluation: a diverged model is never saved
                 raise FloatingPointError(stopped(f"non-finite validation loss {val}", done))
             bad = [n for n, p in raw_model.named_parameters() if not torch.isfinite(p).all()]
@@ -1254,12 +1283,14 @@ def train(argv=None):
             best_val = min(best_val, val)
             t0 = time.perf_counter()
     bar.close()
-    if master and args.sample_tokens > 0:
+    if master and task is not None:
+        show_task(raw_model, task, val_data, device, args)
+    elif master and args.sample_tokens > 0:
         sample(raw_model, tok, device, args)
     if ddp:
         dist.barrier()
         dist.destroy_process_group()
-    return {"loss": last_loss, "total": last_total, "best_val_loss": best_val}
+    return {"loss": last_loss, "total": last_total, "best_val_loss": best_val, "acc": last_acc}
 
 
 def load_source_tokenizer(src):
@@ -1278,6 +1309,15 @@ def sample(model, tok, device, args):
     gen = torch.Generator(device=device).manual_seed(args.seed)
     out = model.generate(idx, n, temperature=0.8, top_k=50, generator=gen)
     log(f"sample ({n} tokens, temperature 0.8, top-k 50):\n{tok.decode(out[0].tolist())}")
+
+
+@torch.no_grad()
+def show_task(model, task, data, device, args):
+    """The task's sample: one validation sequence with its labels and the model's answers (greedy)."""
+    model.eval()
+    x, y = data.get_batch(1, args.seq_len, step_generator(args.seed, -1, 0, 0))
+    pred = model(x.to(device), y.to(device))[0].argmax(-1).cpu()
+    log(f"sample (p = {int(task.hops_of(x)[0])}; tokens, labels, answers):\n{task.show(x[0], y[0], pred[0])}")
 
 
 # Expected errors: the user can fix them (a flag, a file, a diverged run). main prints one line and exits with code 2;

@@ -1,0 +1,319 @@
+"""Synthetic tasks that need depth: where looping a model's layers should buy what extra layers buy.
+
+On language modelling at CPU scale a loop adds nothing measurable (README, Table 2: loop-2 = the 2-layer vanilla), so
+the claim the looped papers sell (Relaxed Recursive Transformers section 1; PLT section 1: "loops add quality at
+almost no latency") cannot show there. Tasks that need many sequential steps can (Saunshi et al. 2025, "Reasoning
+with Latent Thoughts": on p-hop induction one layer looped k times matches k layers). This file generates one such
+task offline, seeded, as train.py's data:
+
+    python train.py --arch plt --data task:phop --task-p 1-4 --preset tiny --batch-size 32 --max-iters 800
+    python tasks.py show --task-p 3              # one sequence with its labels, readable
+    python tasks.py depth --seeds 0,1,2          # the README's Depth table: every architecture on the task
+
+Dense p-hop induction (Saunshi et al., section 2, made dense: every position is a question):
+  a marker token names p, then `length` symbols from an alphabet of `alphabet`. For symbol position j (0-based among
+  the symbols) hop(j) = 1 + k where k is the last symbol position before j holding the same symbol (undefined if the
+  symbol has not occurred before). The label at j is the symbol at hop^p(j), where all p hops are defined, and no
+  label (IGNORE) otherwise. One hop is an induction head (two attention layers); p hops compose p of them, so a model
+  needs depth that grows with p.
+
+Pause tokens (`pause` = q, a remedy measured in the README's Depth section): every symbol is followed by q filler
+tokens and the label sits on the last of them, so a model has q more positions of computation per answer. With
+cross-loop parallelism (plt.py) loop l at position i reads loop l-1 at position i-1: q >= L-1 fillers give the
+diagonal of L loops room to start at the symbol itself.
+
+Token ids: symbols 0..alphabet-1, markers alphabet..alphabet+MAX_P-1 (p = 1..MAX_P), one filler. Labels are read at
+the position itself: targets[:, t] is the answer at token t (not the next token), so the task runs through every
+model's forward(idx, targets) unchanged.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from model import IGNORE
+
+MAX_P = 8  # markers in the vocabulary: a checkpoint trained on p <= 4 can be evaluated at p up to 8
+
+
+def parse_hops(text: str) -> tuple[int, ...]:
+    """'1-4' -> (1, 2, 3, 4); '2,4' -> (2, 4)."""
+    out = []
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.partition("-")
+            out += range(int(lo), int(hi or lo) + 1)
+    except ValueError:
+        raise ValueError(f"--task-p {text!r}: expected numbers and ranges such as 1-4 or 2,4") from None
+    if not out or min(out) < 1 or max(out) > MAX_P:
+        raise ValueError(f"--task-p {text!r}: hops must lie in 1..{MAX_P}")
+    return tuple(sorted(set(out)))
+
+
+def previous_occurrence(sym: torch.Tensor) -> torch.Tensor:
+    """sym (B, n) -> (B, n): the last k < j with sym[k] == sym[j], or -1."""
+    B, n = sym.shape
+    last = torch.full((B, int(sym.max()) + 1), -1, dtype=torch.long)  # last position of each symbol so far
+    prev = torch.empty_like(sym)
+    rows = torch.arange(B)
+    for j in range(n):
+        prev[:, j] = last[rows, sym[:, j]]
+        last[rows, sym[:, j]] = j
+    return prev
+
+
+def hop_targets(sym: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """sym (B, n) symbols, p (B,) hops -> (B, n) the symbol at hop^p(j), or IGNORE where a hop is undefined."""
+    B, n = sym.shape
+    hop = previous_occurrence(sym) + 1  # (B, n); 0 where undefined (k = -1)
+    cur = torch.arange(n).expand(B, n).clone()
+    ok = torch.ones(B, n, dtype=torch.bool)
+    for step in range(int(p.max())):
+        active = (step < p)[:, None]  # (B, 1): rows that still hop
+        nxt = hop.gather(1, cur)
+        ok &= ~active | (nxt > 0)
+        cur = torch.where(active & ok, nxt, cur)
+    return torch.where(ok, sym.gather(1, cur), IGNORE)
+
+
+@dataclass
+class PHopTask:
+    """Dense p-hop induction; see the module docstring. `hops` are the p values a batch mixes uniformly."""
+
+    hops: tuple[int, ...] = (1, 2, 3, 4)
+    alphabet: int = 4
+    length: int = 48
+    pause: int = 0
+
+    def __post_init__(self):
+        if self.alphabet < 2 or self.length < 2 or self.pause < 0:
+            raise ValueError(f"p-hop needs an alphabet >= 2, a length >= 2 and pause >= 0 (got {self.alphabet}, "
+                             f"{self.length}, {self.pause})")
+
+    @property
+    def filler(self) -> int:
+        return self.alphabet + MAX_P
+
+    @property
+    def n_vocab(self) -> int:
+        return self.alphabet + MAX_P + 1
+
+    @property
+    def seq_len(self) -> int:  # marker + length groups of (symbol, pause fillers)
+        return 1 + self.length * (self.pause + 1)
+
+    def batch(self, n: int, gen: torch.Generator, seq_len: int | None = None):
+        """-> x, y (n, seq_len) int64: tokens and labels (IGNORE where none). seq_len >= self.seq_len right-pads
+        with fillers that carry no label (block models need a multiple of their block length)."""
+        T = self.seq_len if seq_len is None else seq_len
+        if T < self.seq_len:
+            raise ValueError(f"--seq-len {T} is shorter than the task's {self.seq_len} tokens "
+                             f"(1 + length {self.length} x (1 + pause {self.pause}))")
+        hops = torch.tensor(self.hops)
+        p = hops[torch.randint(len(hops), (n,), generator=gen)]  # (n,)
+        sym = torch.randint(self.alphabet, (n, self.length), generator=gen)  # (n, length)
+        label = hop_targets(sym, p)
+        g = self.pause + 1
+        x = torch.full((n, T), self.filler, dtype=torch.long)
+        y = torch.full((n, T), IGNORE, dtype=torch.long)
+        x[:, 0] = self.alphabet + p - 1
+        x[:, 1:self.seq_len:g] = sym
+        y[:, g:self.seq_len:g] = label  # the last token of each group: the symbol itself when pause = 0
+        return x, y
+
+    def hops_of(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:, 0] - self.alphabet + 1  # (B,)
+
+    def score(self, logits: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> dict[int, tuple[int, int]]:
+        """-> {p: (correct labels, labels)} of a batch: the argmax of the logits at each labelled position."""
+        pred = logits[..., :self.alphabet].argmax(-1)  # answers are symbols
+        hit, has = (pred == y) & (y != IGNORE), y != IGNORE
+        p = self.hops_of(x)
+        return {int(q): (int(hit[p == q].sum()), int(has[p == q].sum())) for q in p.unique()}
+
+    def spec(self) -> dict:
+        return {"kind": "task", "name": "phop", "hops": list(self.hops), "alphabet": self.alphabet,
+                "length": self.length, "pause": self.pause}
+
+    # -- readable tokens --
+    def token_names(self) -> list[str]:
+        letters = [chr(ord("a") + i) if i < 26 else f"s{i}" for i in range(self.alphabet)]
+        return letters + [f"p{q}" for q in range(1, MAX_P + 1)] + ["_"]
+
+    def show(self, x, y, pred=None) -> str:
+        """One sequence: tokens on one line, labels under the labelled positions (and predictions, if given)."""
+        names = self.token_names()
+        lines = [" ".join(f"{names[t]:>2}" for t in x.tolist()),
+                 " ".join(f"{names[t]:>2}" if t != IGNORE else " ." for t in y.tolist())]
+        if pred is not None:
+            lines.append(" ".join((f"{names[t]:>2}" if u != IGNORE else " .") for t, u in zip(pred.tolist(),
+                                                                                          y.tolist())))
+        return "\n".join(lines)
+
+
+def add_counts(total: dict, counts: dict):
+    for q, (c, n) in counts.items():
+        a, b = total.get(q, (0, 0))
+        total[q] = (a + c, b + n)
+
+
+def accuracy_text(counts: dict) -> str:
+    """{p: (correct, n)} -> 'acc p1 0.998 p2 0.951 ...' (greppable, in every step and val line)."""
+    return "acc " + " ".join(f"p{q} {c / max(n, 1):.3f}" for q, (c, n) in sorted(counts.items()))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# train.py's view: a tokenizer and a data source
+
+
+def is_task_source(data: str) -> bool:
+    return data.startswith("task:")
+
+
+def task_from_spec(spec: dict) -> PHopTask:
+    if spec.get("name") != "phop":
+        raise ValueError(f"unknown task {spec.get('name')!r}; known: phop")
+    return PHopTask(tuple(spec["hops"]), spec["alphabet"], spec["length"], spec["pause"])
+
+
+def task_from_args(args) -> PHopTask:
+    name = args.data.removeprefix("task:")
+    if name != "phop":
+        raise ValueError(f"--data {args.data}: unknown task {name!r}; known: task:phop")
+    return PHopTask(parse_hops(args.task_p), args.task_alphabet, args.task_length, args.task_pause)
+
+
+def add_args(ap):
+    g = ap.add_argument_group("synthetic task (--data task:phop)")
+    g.add_argument("--task-p", default="1-4", help="hops p of dense p-hop induction: a range 1-4 or a list 2,4")
+    g.add_argument("--task-alphabet", type=int, default=4, help="symbols in the alphabet")
+    g.add_argument("--task-length", type=int, default=48, help="symbols per sequence")
+    g.add_argument("--task-pause", type=int, default=0,
+                   help="filler tokens after every symbol; the label sits on the last (0: on the symbol)")
+
+
+class TaskTokenizer:
+    """The task's vocabulary behind train.py's Tokenizer interface (spec, n_vocab, eot, encode, decode)."""
+
+    def __init__(self, spec: dict):
+        self.spec = dict(spec)
+        self.task = task_from_spec(spec)
+        self.n_vocab = self.task.n_vocab
+        self.eot = None  # no documents: nothing to separate
+        self.names = self.task.token_names()
+
+    def encode(self, text: str) -> list[int]:
+        ids = {s: i for i, s in enumerate(self.names)}
+        try:
+            return [ids[t] for t in text.split()]
+        except KeyError as e:
+            raise ValueError(f"{e.args[0]!r} is not a token of the task; tokens: {' '.join(self.names)}") from None
+
+    def decode(self, ids) -> str:
+        return " ".join(self.names[i] for i in ids)
+
+
+class TaskData:
+    """Fresh task sequences from the step's generator: train.py's TokenData interface (get_batch)."""
+
+    def __init__(self, task: PHopTask, split: str):
+        self.task, self.split = task, split
+
+    def get_batch(self, batch: int, seq_len: int, gen: torch.Generator):
+        return self.task.batch(batch, gen, seq_len)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The Depth experiment (README): every architecture on p-hop, several seeds; rows share one recipe
+
+DEPTH_RECIPE = ["--data", "task:phop", "--task-p", "1-4", "--preset", "tiny", "--batch-size", "32", "--max-iters",
+                "800", "--lr", "2e-3", "--eval-iters", "60", "--eval-interval", "800", "--sample-tokens", "0"]
+# name -> (flags, init-from row or None). plt's tiny preset is 2 layers of d 128, the 4-layer vanilla tiny has the same
+# width: vanilla-2 / loop / clp / kv_share / PLT share every weight shape, vanilla-4 has twice the layers.
+DEPTH_ROWS = {
+    "vanilla-2": (["--arch", "plt", "--plt-variant", "vanilla"], None),
+    "loop-2": (["--arch", "plt", "--plt-variant", "loop"], None),
+    "clp-2": (["--arch", "plt", "--plt-variant", "clp"], None),
+    "kv_share-2": (["--arch", "plt", "--plt-variant", "kv_share"], None),
+    "plt-2": (["--arch", "plt", "--plt-variant", "plt"], None),
+    "plt-3": (["--arch", "plt", "--plt-variant", "plt", "--loops", "3"], None),
+    "vanilla-4": (["--arch", "vanilla"], None),
+    "recursive-2 (from vanilla-4)": (["--arch", "recursive"], "vanilla-4"),
+    "relaxed-2 (from vanilla-4)": (["--arch", "relaxed"], "vanilla-4"),
+    "loop-2 pause 1": (["--arch", "plt", "--plt-variant", "loop", "--task-pause", "1"], None),
+    "clp-2 pause 1": (["--arch", "plt", "--plt-variant", "clp", "--task-pause", "1"], None),
+    "plt-2 pause 1": (["--arch", "plt", "--plt-variant", "plt", "--task-pause", "1"], None),
+    "vanilla-2 pause 1": (["--arch", "plt", "--plt-variant", "vanilla", "--task-pause", "1"], None),
+}
+
+
+def depth(argv=None):
+    ap = argparse.ArgumentParser(description="The README's Depth table: each row trained on p-hop for each seed.")
+    ap.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
+    ap.add_argument("--rows", default=",".join(DEPTH_ROWS), help="comma-separated rows of the table")
+    ap.add_argument("--out", default="out/depth", help="checkpoints go to OUT/ROW-sSEED; results to OUT/results.jsonl")
+    ap.add_argument("--extra", default="", help="flags appended to every run (e.g. '--max-iters 200')")
+    args = ap.parse_args(argv)
+    import train
+
+    rows = [r for r in args.rows.split(",") if r]
+    unknown = [r for r in rows if r not in DEPTH_ROWS]
+    if unknown:
+        raise SystemExit(f"error: unknown rows {unknown}; known: {list(DEPTH_ROWS)}")
+    seeds = [int(s) for s in args.seeds.split(",")]
+    results = {}
+    for row in rows:
+        flags, parent = DEPTH_ROWS[row]
+        for seed in seeds:
+            out = f"{args.out}/{slug(row)}-s{seed}"
+            argv_row = flags + DEPTH_RECIPE + ["--seed", str(seed), "--out-dir", out] + args.extra.split()
+            if parent is not None:
+                argv_row += ["--init-from", f"{args.out}/{slug(parent)}-s{seed}/ckpt.pt"]
+            print("python train.py " + " ".join(argv_row), flush=True)
+            res = train.train(argv_row)
+            results.setdefault(row, []).append(res["acc"])
+            with open(f"{args.out}/results.jsonl", "a") as f:
+                f.write(json.dumps({"row": row, "seed": seed, "argv": argv_row, "acc": res["acc"]}) + "\n")
+    print(depth_table(results))
+
+
+def slug(row: str) -> str:
+    return row.split(" (")[0].replace(" ", "-")
+
+
+def depth_table(results: dict) -> str:
+    """{row: [{p: acc} per seed]} -> a markdown table: mean ± half the range per p, the seeds' values listed."""
+    ps = sorted({int(q) for runs in results.values() for acc in runs for q in acc})
+    lines = ["| model | " + " | ".join(f"p={q}" for q in ps) + " |", "|---|" + "---|" * len(ps)]
+    for row, runs in results.items():
+        cells = []
+        for q in ps:
+            v = [acc[str(q)] if str(q) in acc else acc[q] for acc in runs]
+            cells.append(f"{statistics.mean(v):.3f} ± {(max(v) - min(v)) / 2:.3f}")
+        lines.append(f"| {row} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def show(argv=None):
+    ap = argparse.ArgumentParser(description="Print task sequences with their labels.")
+    add_args(ap)
+    ap.add_argument("--n", type=int, default=2, help="sequences")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    args.data = "task:phop"
+    task = task_from_args(args)
+    x, y = task.batch(args.n, torch.Generator().manual_seed(args.seed))
+    for i in range(args.n):
+        print(f"p = {int(task.hops_of(x)[i])}:\n{task.show(x[i], y[i])}\n")
+
+
+if __name__ == "__main__":
+    cmd = sys.argv[1] if len(sys.argv) > 1 else ""
+    if cmd not in ("show", "depth"):
+        raise SystemExit("usage: python tasks.py show|depth [flags]  (--help after the subcommand)")
+    {"show": show, "depth": depth}[cmd](sys.argv[2:])
