@@ -9,6 +9,7 @@ task offline, seeded, as train.py's data:
     python train.py --arch plt --data task:phop --task-p 1-4 --preset tiny --batch-size 32 --max-iters 800
     python tasks.py show --task-p 3              # one sequence with its labels, readable
     python tasks.py depth --seeds 0,1,2          # the README's Depth table: every architecture on the task
+    python tasks.py table                        # the table again, from out/depth/results.jsonl
 
 Dense p-hop induction (Saunshi et al., section 2, made dense: every position is a question):
   a marker token names p, then `length` symbols from an alphabet of `alphabet`. For symbol position j (0-based among
@@ -282,6 +283,20 @@ def depth(argv=None):
     print(depth_table(results))
 
 
+def table(argv=None):
+    ap = argparse.ArgumentParser(description="The Depth table from the results a `depth` run appended.")
+    ap.add_argument("--results", default="out/depth/results.jsonl")
+    args = ap.parse_args(argv)
+    results = {}
+    with open(args.results) as f:
+        for line in f:
+            r = json.loads(line)
+            results.setdefault(r["row"], {})[r["seed"]] = r["acc"]  # a rerun of a seed replaces it
+    order = [r for r in DEPTH_ROWS if r in results] + [r for r in results if r not in DEPTH_ROWS]
+    print(depth_table({r: list(results[r].values()) for r in order}))
+    print("seeds: " + "; ".join(f"{r}: {sorted(results[r])}" for r in order))
+
+
 def slug(row: str) -> str:
     return row.split(" (")[0].replace(" ", "-")
 
@@ -314,6 +329,7 @@ def show(argv=None):
 
 if __name__ == "__main__":
     cmd = sys.argv[1] if len(sys.argv) > 1 else ""
-    if cmd not in ("show", "depth"):
-        raise SystemExit("usage: python tasks.py show|depth [flags]  (--help after the subcommand)")
-    {"show": show, "depth": depth}[cmd](sys.argv[2:])
+    commands = {"show": show, "depth": depth, "table": table}
+    if cmd not in commands:
+        raise SystemExit("usage: python tasks.py show|depth|table [flags]  (--help after the subcommand)")
+    commands[cmd](sys.argv[2:])
