@@ -33,7 +33,11 @@ Run:
 from __future__ import annotations
 
 import argparse
+import bisect
+import json
 import math
+import os
+import platform
 import time
 from dataclasses import dataclass, field, fields
 from functools import partial
@@ -42,6 +46,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 
 IGNORE = -100  # target id that carries no loss (pads, prompt tokens of a prefix-LM, ...)
 
@@ -267,28 +272,26 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def linear(x, weight, bias=None):
-    """F.linear, with the products a CPU reads weights fastest with at inference (no gradient).
+    """F.linear, or at CPU inference the product of the same math this machine runs fastest at x's shape.
 
-    Decoding multiplies a few rows by every weight matrix: the step is bound by reading the weights. On this
-    repository's CPUs (x86 with AVX-512 bf16 / AMX; `python bench.py decode` measures it), per 255 MB of weights:
-      * one row: torch.mv reads at the full memory bandwidth, in fp32 and bf16; F.linear's bf16 path reaches ~half;
-      * 2-64 rows of bf16: torch.mm(W, x^T) costs the same as one row at the full bandwidth, while F.linear (x W^T)
-        costs ~1.6x that; fp32 F.linear is flat up to 3 rows and then ~2x (no better product exists there).
-    Same math, another summation order: results agree to rounding. Training (or more rows) takes F.linear unchanged.
+    Decoding multiplies a few rows by every weight matrix: the step is bound by reading the weights, and which product
+    reads them fastest (F.linear's x W^T, a matrix-vector product, W x^T, x times a transposed copy of W) depends on
+    the CPU, the dtype, the row count and the shape -- by up to 2x, either way. So on CPU without gradients, with x
+    and W of one dtype (fp32 or bf16) and at most 64 rows, `linear_product` times the candidates once per (dtype, row
+    bucket, shape) and keeps the fastest (F.linear is one of them); `python bench.py decode` prints the choice and
+    the GB/s of each product. Same math, another summation order: results agree to rounding. Training (gradients),
+    more rows, other devices and a compiled graph (torch.compile picks its own kernel) take F.linear.
     """
-    if x.device.type == "cpu" and not torch.is_grad_enabled() and x.dtype in (torch.float32, torch.bfloat16):
+    if (x.device.type == "cpu" and not torch.is_grad_enabled() and x.dtype in LINEAR_DTYPES
+            and weight.dtype == x.dtype and not torch.compiler.is_compiling()):
         rows = x.numel() // x.size(-1)
-        if rows == 1:
-            y = torch.mv(weight, x.reshape(-1))
-        elif 2 <= rows <= 64 and x.dtype == torch.bfloat16:
-            # (rows, out) made contiguous (a few KB): a transposed view would push later ops (SDPA's CPU flash
-            # kernel needs unit stride in the last dim) onto slow strided paths
-            y = torch.mm(weight, x.reshape(rows, -1).t().contiguous()).t().contiguous()
-        else:
-            return F.linear(x, weight, bias)
-        if bias is not None:
-            y = y + bias
-        return y.reshape(*x.shape[:-1], weight.size(0))
+        name = linear_product(x.dtype, rows, *weight.shape) if rows <= LINEAR_ROW_BUCKETS[-1] else "linear"
+        if name != "linear":
+            wt = transposed(weight) if name == "xwt" else None
+            y = LINEAR_PRODUCTS[name](x.reshape(rows, -1), weight, wt)  # (rows, out)
+            if bias is not None:
+                y = y + bias
+            return y.reshape(*x.shape[:-1], weight.size(0))
     return F.linear(x, weight, bias)
 
 
@@ -669,6 +672,156 @@ def peak_flops(device: torch.device) -> float | None:
         return None
     name = torch.cuda.get_device_name(device)
     return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# CPU inference products chosen by measurement (what `linear` runs)
+#
+# The candidates compute x W^T for x (rows, in) and W (out, in). Each (dtype, row bucket, shape) is timed once per
+# process, on the first call that needs it, and the fastest product is kept. The timing streams through enough copies
+# of a random matrix to exceed the caches, as a decode step streams through a model's weights.
+
+LINEAR_DTYPES = (torch.float32, torch.bfloat16)
+LINEAR_ROW_BUCKETS = (1, 2, 4, 16, 64)  # rows are timed at the smallest bucket >= them; more than 64 rows: F.linear
+LINEAR_PROBE_BYTES = 64 << 20  # bytes of weight copies one timed pass reads: more than the caches
+LINEAR_MAX_COPIES = 256  # at most this many copies (a small matrix's product is bound by per-call overhead)
+# measured times on disk, per machine; the environment variable LINEAR_CHOICE_CACHE names another file ("": none)
+LINEAR_CACHE = os.path.expanduser("~/.cache/nano-efficient-inference/linear_choice.json")
+LINEAR_COPY_GAIN = 1.10  # a transposed copy costs the weight's bytes again: kept only when > 10% faster than the rest
+LINEAR_PRODUCTS = {  # name -> f(x (rows, in), W (out, in), W^T (in, out) contiguous or None) -> (rows, out)
+    "linear": lambda x, w, wt: F.linear(x, w),
+    "mv": lambda x, w, wt: torch.mv(w, x[0])[None],  # one row only
+    # (rows, out) made contiguous (a few KB): a transposed view would push later ops (SDPA's CPU flash kernel needs
+    # unit stride in the last dim) onto slow strided paths
+    "mm": lambda x, w, wt: torch.mm(w, x.t().contiguous()).t().contiguous(),
+    "xwt": lambda x, w, wt: torch.mm(x, wt),
+}
+_linear_choice: dict[tuple, str] = {}  # (dtype, rows, out, in) -> product name, for this process
+_linear_times: dict[tuple, dict[str, float]] = {}  # (dtype, bucket, out, in) -> product -> seconds, as measured
+_linear_forced: list[str | None] = [os.environ.get("LINEAR_PRODUCT") or None]  # force_linear() sets it
+_transposed = WeakIdKeyDictionary()  # weight -> ((version, data_ptr), W^T contiguous): the copies "xwt" reads
+
+
+def force_linear(name: str | None):
+    """Run product `name` wherever it applies ("mv": one row) instead of the measured choice; None: the measured
+    choice again. The environment variable LINEAR_PRODUCT=name does the same for a whole process."""
+    check(name is None or name in LINEAR_PRODUCTS, f"{name!r} is not one of {sorted(LINEAR_PRODUCTS)}",
+          "linear product")
+    _linear_forced[0] = name
+
+
+def linear_candidates(rows: int) -> list[str]:
+    """The products timed for `rows` rows, F.linear first (a tie keeps it)."""
+    return ["linear", "mv", "mm", "xwt"] if rows == 1 else ["linear", "mm", "xwt"]
+
+
+def pick_linear(times: dict[str, float]) -> str:
+    """The fastest product of `times` (name -> seconds, "linear" among them); "xwt" only when it beats the fastest
+    other product by LINEAR_COPY_GAIN (its transposed copy costs memory). Never slower than F.linear as measured."""
+    plain = min((k for k in times if k != "xwt"), key=times.__getitem__)
+    return "xwt" if "xwt" in times and times["xwt"] * LINEAR_COPY_GAIN < times[plain] else plain
+
+
+def time_linear_products(dtype, rows: int, out_f: int, in_f: int, names, repeats: int = 3) -> dict[str, float]:
+    """Seconds per product of each named product for x (rows, in_f) and W (out_f, in_f): after one warm-up call
+    each, `repeats` interleaved passes over n copies of W (LINEAR_PROBE_BYTES, at most LINEAR_MAX_COPIES), median."""
+    n = max(1, min(LINEAR_MAX_COPIES, -(-LINEAR_PROBE_BYTES // (out_f * in_f * dtype.itemsize))))
+    w = torch.randn(out_f, in_f, dtype=dtype).expand(n, out_f, in_f).contiguous()  # (n, out, in)
+    wt = w.transpose(1, 2).contiguous().unbind(0) if "xwt" in names else [None] * n  # n x (in, out)
+    w, x = w.unbind(0), torch.randn(rows, in_f, dtype=dtype)
+    times = {k: [] for k in names}
+    for k in names:
+        LINEAR_PRODUCTS[k](x, w[0], wt[0])
+    for _ in range(repeats):
+        for k in names:
+            f = LINEAR_PRODUCTS[k]
+            t0 = time.perf_counter()
+            for i in range(n):
+                f(x, w[i], wt[i])
+            times[k].append((time.perf_counter() - t0) / n)
+    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+
+
+def linear_product(dtype, rows: int, out_f: int, in_f: int) -> str:
+    """The product `linear` runs for rows x (out_f, in_f) in dtype: the forced one, else the measured choice of the
+    row bucket (timed on first use by time_linear_products, picked by pick_linear)."""
+    forced = _linear_forced[0]
+    if forced is not None and (forced != "mv" or rows == 1):
+        return forced
+    key = (dtype, rows, out_f, in_f)
+    name = _linear_choice.get(key)
+    if name is None:
+        bucket = LINEAR_ROW_BUCKETS[bisect.bisect_left(LINEAR_ROW_BUCKETS, rows)]
+        name = _linear_choice[key] = pick_linear(linear_times(dtype, bucket, out_f, in_f))
+    return name
+
+
+def linear_times(dtype, bucket: int, out_f: int, in_f: int) -> dict[str, float]:
+    """Seconds per product of the candidates at (dtype, bucket, shape): this process's, else the disk cache's for this
+    machine (cpu_key), else measured now (time_linear_products) and added to the disk cache. A cold choice costs
+    ~0.7 s per dtype and row bucket at the base preset's 5 shapes, hence the disk cache."""
+    key = (dtype, bucket, out_f, in_f)
+    if key not in _linear_times:
+        path, names = os.environ.get("LINEAR_CHOICE_CACHE", LINEAR_CACHE), linear_candidates(bucket)
+        mkey, skey = cpu_key(), f"{str(dtype).removeprefix('torch.')} {bucket} {out_f}x{in_f}"
+        times = _read_json(path).get(mkey, {}).get(skey) if path else None
+        if times is None or sorted(times) != sorted(names):
+            times = time_linear_products(dtype, bucket, out_f, in_f, names)
+            if path:
+                disk = _read_json(path)
+                disk.setdefault(mkey, {})[skey] = times
+                _write_json(path, disk)
+        _linear_times[key] = times
+    return _linear_times[key]
+
+
+def cpu_key() -> str:
+    """What a measured choice holds for: the CPU model, torch's version and CPU capability, the thread count."""
+    cpu = platform.processor()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    return (f"{cpu} | torch {torch.__version__} | {torch.backends.cpu.get_cpu_capability()} | "
+            f"{torch.get_num_threads()} threads")
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_json(path: str, obj: dict):
+    """Atomically (another process may read it meanwhile); a cache that cannot be written is skipped."""
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path + f".{os.getpid()}", "w") as f:
+            json.dump(obj, f, indent=1)
+        os.replace(path + f".{os.getpid()}", path)
+    except OSError:
+        pass
+
+
+def transposed(weight: torch.Tensor) -> torch.Tensor:
+    """W^T (in, out) contiguous, copied once per weight and again whenever the weight changed: in place (its version
+    counter moved: an optimizer step, load_state_dict) or replaced (its storage moved: .to()). Writes through
+    `weight.data` bypass the version counter and are not seen."""
+    stamp = (weight._version, weight.data_ptr())
+    hit = _transposed.get(weight)
+    if hit is None or hit[0] != stamp:
+        hit = _transposed[weight] = (stamp, weight.t().contiguous())
+    return hit[1]
+
+
+def linear_report() -> tuple[list[dict], int]:
+    """What the chooser measured: one dict per (dtype, row bucket, shape) -- the pick and the GB/s of weights each
+    candidate read -- and the bytes of the transposed copies alive now."""
+    rows = [dict(dtype=str(d).removeprefix("torch."), rows=b, shape=(o, i), pick=pick_linear(t),
+                 gbps={k: o * i * d.itemsize / s / 1e9 for k, s in t.items()})
+            for (d, b, o, i), t in _linear_times.items()]
+    return rows, sum(v[1].nbytes for v in _transposed.values())
 
 
 # ----------------------------------------------------------------------------------------------------------------

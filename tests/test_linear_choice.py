@@ -1,0 +1,141 @@
+"""model.linear's measured choice of CPU product: every candidate computes F.linear's math (to rounding), the chooser
+never keeps a product its own measurement found slower than F.linear, measured times are reused (process, disk), and a
+transposed weight copy never outlives a change of the weight."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import model
+from model import LINEAR_PRODUCTS, Linear, force_linear, linear, linear_product, pick_linear
+
+
+@pytest.fixture(autouse=True)
+def fresh_chooser(monkeypatch, tmp_path):
+    """Empty process caches, a disk cache in tmp_path, no forced product (restored afterwards)."""
+    monkeypatch.setattr(model, "_linear_choice", {})
+    monkeypatch.setattr(model, "_linear_times", {})
+    monkeypatch.setattr(model, "_linear_forced", [None])
+    monkeypatch.setenv("LINEAR_CHOICE_CACHE", str(tmp_path / "linear_choice.json"))
+    yield
+
+
+def fake_timer(table, calls):
+    """A time_linear_products that returns table[rows] (name -> seconds) and records its calls."""
+    def timer(dtype, rows, out_f, in_f, names, repeats=3):
+        calls.append((dtype, rows, out_f, in_f))
+        return {k: table[rows][k] for k in names}
+    return timer
+
+
+def assert_rounding_close(y, x, w, b):
+    """|y - F.linear| <= 2 eps_out (|y| + |b|) + 2 eps_fp32 sqrt(K) (|x| |W|^T): both results round their output (and
+    the bias add) once in the output dtype, and accumulate the K products in fp32 in some order (random-walk error
+    ~ sqrt(K) eps_fp32 times the sum of magnitudes)."""
+    ref = F.linear(x, w, b).double()
+    K = x.size(-1)
+    mags = x.double().abs() @ w.double().abs().t()
+    bias = b.double().abs() if b is not None else 0.0
+    eps_out, eps_acc = torch.finfo(x.dtype).eps, torch.finfo(torch.float32).eps
+    tol = 2 * eps_out * (ref.abs() + bias) + 2 * eps_acc * math.sqrt(K) * mags
+    assert y.shape == ref.shape and y.dtype == x.dtype
+    assert ((y.double() - ref).abs() <= tol).all(), ((y.double() - ref).abs() - tol).max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 16, 64])
+def test_every_forced_product_equals_f_linear_to_rounding(dtype, rows):
+    w, b = torch.randn(96, 200, dtype=dtype), torch.randn(96, dtype=dtype)
+    x = torch.randn(rows, 1, 200, dtype=dtype)  # (B, T, C) with one token per row: a decode step
+    for name in LINEAR_PRODUCTS:
+        if name == "mv" and rows > 1:
+            continue
+        force_linear(name)
+        assert linear_product(dtype, rows, 96, 200) == name
+        with torch.no_grad():
+            for bias in (None, b):
+                y = linear(x, w, bias)
+                assert y.is_contiguous()  # later ops (SDPA's CPU kernel) need unit stride
+                assert_rounding_close(y, x, w, bias)
+        xg = x.clone().requires_grad_(True)  # training: F.linear itself, whatever is forced
+        assert torch.equal(linear(xg, w, b), F.linear(xg, w, b))
+
+
+def test_the_chooser_never_keeps_a_product_slower_than_f_linear(monkeypatch):
+    """Fake timings through the seam: the fastest wins; ties keep F.linear; the transposed copy needs > 10%."""
+    table = {1: dict(linear=1.0, mv=0.7, mm=0.8, xwt=0.65),  # xwt 7% faster than mv: not worth a copy -> mv
+             2: dict(linear=1.0, mm=1.2, xwt=0.85),  # xwt 15% faster than F.linear -> xwt
+             4: dict(linear=1.0, mm=1.0, xwt=1.0),  # tie -> F.linear
+             16: dict(linear=0.5, mm=0.9, xwt=0.6),  # F.linear fastest
+             64: dict(linear=2.0, mm=1.5, xwt=1.4)}  # mm (xwt only 7% better)
+    want = {1: "mv", 2: "xwt", 4: "linear", 16: "linear", 64: "mm"}
+    calls = []
+    monkeypatch.setattr(model, "time_linear_products", fake_timer(table, calls))
+    for bucket, times in table.items():
+        got = linear_product(torch.float32, bucket, 8, 8)
+        assert got == want[bucket] == pick_linear(times) and times[got] <= times["linear"]
+    assert linear_product(torch.float32, 3, 8, 8) == "linear" and linear_product(torch.float32, 40, 8, 8) == "mm"
+    assert len(calls) == 5  # rows 3 and 40 fall in the buckets 4 and 64: timed once each
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):  # any timings: never slower than F.linear, and xwt only with a >10% lead
+        names = ["linear", "mv", "mm", "xwt"]
+        times = dict(zip(names, (torch.rand(4, generator=g) + 0.1).tolist()))
+        pick = pick_linear(times)
+        assert times[pick] <= times["linear"] and times[pick] == min(times[k] for k in names if k != "xwt" or k == pick)
+        if pick == "xwt":
+            assert times["xwt"] * 1.1 < min(times[k] for k in names[:3])
+
+
+def test_measured_times_persist_on_disk_per_machine(monkeypatch):
+    calls = []
+    monkeypatch.setattr(model, "time_linear_products", fake_timer({2: dict(linear=1.0, mm=0.5, xwt=0.6)}, calls))
+    assert linear_product(torch.bfloat16, 2, 8, 16) == "mm" and len(calls) == 1
+    monkeypatch.setattr(model, "_linear_choice", {})  # a new process: its caches are empty
+    monkeypatch.setattr(model, "_linear_times", {})
+    assert linear_product(torch.bfloat16, 2, 8, 16) == "mm" and len(calls) == 1  # read from disk, not timed
+    assert linear_product(torch.bfloat16, 2, 16, 8) == "mm" and len(calls) == 2  # another shape: timed
+    monkeypatch.setattr(model, "_linear_choice", {})
+    monkeypatch.setattr(model, "_linear_times", {})
+    monkeypatch.setattr(model, "cpu_key", lambda: "another cpu")
+    assert linear_product(torch.bfloat16, 2, 8, 16) == "mm" and len(calls) == 3  # another machine: timed again
+
+
+def test_a_transposed_copy_never_outlives_a_change_of_the_weight():
+    """xwt reads a cached W^T: reused while W is unchanged, remade after an optimizer step, load_state_dict, .to()."""
+    force_linear("xwt")
+    lin = Linear(200, 96)
+    x = torch.randn(4, 200)
+
+    def check():
+        with torch.no_grad():
+            assert_rounding_close(lin(x), x, lin.weight, lin.bias)
+
+    check()
+    wt = model.transposed(lin.weight)
+    assert model.transposed(lin.weight) is wt  # no new copy while the weight is unchanged
+    opt = torch.optim.SGD(lin.parameters(), lr=0.5)
+    lin(x).square().sum().backward()  # with gradients: F.linear
+    opt.step()
+    check()
+    lin.load_state_dict({"weight": torch.randn(96, 200), "bias": torch.randn(96)})
+    check()
+    lin.to(torch.bfloat16)
+    x = x.bfloat16()
+    check()
+    rows, nbytes = model.linear_report()
+    assert nbytes == 96 * 200 * 2  # the one live copy, in bf16
+
+
+def test_real_timing_returns_every_candidate(monkeypatch):
+    """The real timer on a small probe (no assertion on speed): a time per candidate, and a report in GB/s."""
+    monkeypatch.setattr(model, "LINEAR_PROBE_BYTES", 1 << 20)
+    name = linear_product(torch.float32, 1, 64, 128)
+    (row,), _ = model.linear_report()
+    assert row["pick"] == name and set(row["gbps"]) == {"linear", "mv", "mm", "xwt"}
+    assert all(v > 0 for v in row["gbps"].values()) and row["shape"] == (64, 128) and row["rows"] == 1
+
+
+def test_force_linear_rejects_unknown_products():
+    with pytest.raises(ValueError, match="linear product"):
+        force_linear("gemv")
