@@ -1005,3 +1005,212 @@ def dual_attention(q, q_pos, q_blk, k_s, v_s, s_pos, s_blk, k_c, v_c, c_blk, sca
             _kernel_fits(q, k_s, v_s, k_c, v_c, head_dim=q.size(-1)):
         return dual_attention_triton(q, q_pos, q_blk, k_s, v_s, s_pos, s_blk, k_c, v_c, c_blk, scale)
     return dual_attention_ref(q, q_pos, q_blk, k_s, v_s, s_pos, s_blk, k_c, v_c, c_blk, scale)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Ahead-of-time compilation for real GPUs, without a GPU
+#
+# A case calls a public launcher (multi_lora_triton, gated_swa_triton, gated_swa_decode_triton,
+# dual_attention_triton) on CPU tensors of a preset's shapes and layouts while the kernels are replaced by recorders,
+# so what is compiled is exactly what the launcher passes (tile sizes, constexprs, num_warps / num_stages, strides).
+# Triton's own argument binder then specializes those arguments as a launch on a GPU would (dtypes; ints equal to 1
+# become constexprs; pointers and ints divisible by 16 get the divisibility hint), and triton.compile lowers them to
+# PTX and a cubin (Triton's bundled ptxas) for the target. The SM count the launch heuristics read is the target's.
+# Lengths that vary at run time (KV length, split counts) are specialized by Triton on ==1 and %16: a case fixes one
+# representative value of each. Needs the real compiler: Triton imported without TRITON_INTERPRET=1.
+
+AOT_TARGETS = {  # capability -> (GPU, SMs, opt-in max shared memory per block in bytes)
+    80: ("A100", 108, 166912),
+    90: ("H100 SXM", 132, 232448),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _aot_preset_shapes():
+    """Head shapes and LoRA ranks of the presets that launch kernels -> {family: [(preset, dict)]}. Imported here:
+    those modules import this one."""
+    import double_decoder
+    import plt
+    import recursive
+
+    def heads(p):
+        D = p.get("head_dim") or p["n_embd"] // p["n_head"]
+        return dict(H=p["n_head"], H_kv=p["n_kv_head"], D=D)
+
+    lora = []
+    for name, p in recursive.RELAXED_PRESETS.items():
+        ranks = sorted({r for c, r in p.items() if c.startswith("lora_rank_") and 0 < r <= MAX_LORA_RANK})
+        lora += [(name, dict(rank=r, d=p["n_embd"], n_loops=p["n_loops"])) for r in ranks]
+    return {
+        "lora": lora,
+        "plt": [(n, dict(heads(p), window=p["window"], L1=p["n_loops"] - 1)) for n, p in plt.PRESETS.items()],
+        "dd": [(n, heads(p)) for n, p in double_decoder.PRESETS.items()],
+    }
+
+
+def _aot_heads(B, H, T, D, dtype, transposed=False):
+    """(B, H, T, D) in the model's layouts: contiguous (after RoPE), or split_heads' transposed view of (B, T, H*D)."""
+    if transposed:
+        return torch.empty(B, T, H, D, dtype=dtype).transpose(1, 2)
+    return torch.empty(B, H, T, D, dtype=dtype)
+
+
+def _aot_lora(N, T, d, n_loops, rank, dtype):
+    """svd_lora.LoRALinear on a d x d projection: x (N, T, d), one loop index per row."""
+    A, B = torch.empty(n_loops, rank, d, dtype=dtype), torch.empty(n_loops, d, rank, dtype=dtype)
+    multi_lora_triton(torch.empty(N, T, d, dtype=dtype), A, B, torch.zeros(N, dtype=torch.long))
+
+
+def _aot_gated_swa(B, T, H, H_kv, D, window, dtype):
+    """plt.PLTAttention over a prompt of T tokens."""
+    q = _aot_heads(B, H, T, D, dtype)
+    k, v, ks, vs = (_aot_heads(B, H_kv, T, D, dtype, transposed=i % 2 == 1) for i in range(4))
+    gated_swa_triton(q, k, v, ks, vs, torch.empty(H, D, dtype=dtype), torch.empty(H, dtype=dtype), window)
+
+
+def _aot_gated_swa_decode(B, L1, H, H_kv, D, window, kv_len, max_len, dtype):
+    """plt.PLTAttention's decode step: the non-first loops' queries of (B, H, L, D), the rings (B, L1, H_kv, W, D),
+    the shared cache read as (B, H_kv, kv_len, D) out of (B, H_kv, max_len, D)."""
+    q = _aot_heads(B, H, L1 + 1, D, dtype)[:, :, 1:].transpose(1, 2)
+    ring = torch.empty(B, L1, H_kv, window, D, dtype=dtype)
+    ks = torch.empty(B, H_kv, max_len, D, dtype=dtype)[:, :, :kv_len]
+    gated_swa_decode_triton(q, ring, ring, torch.empty(B, window, dtype=torch.long), ks, ks,
+                            torch.empty(B, dtype=torch.long), torch.empty(H, D, dtype=dtype),
+                            torch.empty(H, dtype=dtype), window)
+
+
+def _aot_dual(B, T, S1, S2, H, H_kv, D, dtype):
+    """double_decoder's generation layer: T queries, S1 self keys, S2 cross keys; ids as DualIds builds them."""
+    ids = torch.arange(max(T, S1, S2)).expand(B, -1)
+    q = _aot_heads(B, H, T, D, dtype)
+    k_s, v_s = _aot_heads(B, H_kv, S1, D, dtype), _aot_heads(B, H_kv, S1, D, dtype, transposed=True)
+    k_c, v_c = _aot_heads(B, H_kv, S2, D, dtype), _aot_heads(B, H_kv, S2, D, dtype, transposed=True)
+    dual_attention_triton(q, ids[:, :T], ids[:, :T], k_s, v_s, ids[:, :S1], ids[:, :S1], k_c, v_c, ids[:, :S2])
+
+
+class AOTCase:
+    """One launch of the models: `launch()` calls a public launcher on CPU tensors of the case's shapes."""
+
+    def __init__(self, name, dtype, launch):
+        self.name, self.dtype, self.launch = name, dtype, launch
+
+    def __repr__(self):
+        return f"AOTCase({self.name})"
+
+
+def aot_cases():
+    """Every kernel launch of the presets' inference paths, per dtype -> [AOTCase]. Decode (one token: a batch of 1
+    and a depth-wise serving batch of 8 rows for LoRA) and prefill (a 256-token prompt); the PLT decode reads a
+    shared cache of 200 of 1024 positions; the double decoder's layer sees 256 self keys and 512 cross keys."""
+    shapes = _aot_preset_shapes()
+    cases = []
+    for dtype in KERNEL_DTYPES:
+        dt = str(dtype).removeprefix("torch.")
+        for name, s in shapes["lora"]:
+            for phase, N, T in (("decode", 1, 1), ("serve8", 8, 1), ("prefill", 1, 256)):
+                cases.append(AOTCase(f"lora/{name}/r{s['rank']}/{phase}/{dt}", dtype, functools.partial(
+                    _aot_lora, N, T, s["d"], s["n_loops"], s["rank"], dtype)))
+        for name, s in shapes["plt"]:
+            cases.append(AOTCase(f"plt/{name}/prefill/{dt}", dtype, functools.partial(
+                _aot_gated_swa, 1, 256, s["H"], s["H_kv"], s["D"], s["window"], dtype)))
+            cases.append(AOTCase(f"plt/{name}/decode/{dt}", dtype, functools.partial(
+                _aot_gated_swa_decode, 1, s["L1"], s["H"], s["H_kv"], s["D"], s["window"], 200, 1024, dtype)))
+        for name, s in shapes["dd"]:
+            for phase, T, S1 in (("decode", 1, 16), ("prefill", 256, 256)):
+                cases.append(AOTCase(f"dd/{name}/{phase}/{dt}", dtype, functools.partial(
+                    _aot_dual, 1, T, S1, 512, s["H"], s["H_kv"], s["D"], dtype)))
+    return cases
+
+
+def _aot_record(case, sms):
+    """-> [(kernel name, args, kwargs)] of the launches case.launch() makes with `sms` SMs, no kernel run: every
+    Triton function of this module is replaced by a recorder meanwhile (not thread-safe)."""
+    calls = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append((self.name, args, kwargs))
+
+    g = globals()
+    saved = {n: f for n, f in g.items() if isinstance(f, triton.runtime.KernelInterface)}
+    saved["_num_sms"] = _num_sms
+    try:
+        g.update({n: Recorder(n) for n in saved if n != "_num_sms"}, _num_sms=lambda device: sms)
+        case.launch()
+    finally:
+        g.update(saved)
+    return calls
+
+
+def aot_kernels(case):
+    """Names of the kernels a case launches, in launch order."""
+    return [name for name, _, _ in _aot_record(case, AOT_TARGETS[90][1])]
+
+
+def aot_compile(kernel_name, target, case):
+    """Compile kernel `kernel_name` as `case` launches it, for a GPU of capability `target` (80 or 90) -> Triton's
+    CompiledKernel: .asm["ptx"], .asm["cubin"], .metadata.shared (bytes), .metadata.num_warps / num_stages."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    fn = globals()[kernel_name]
+    if not isinstance(fn, JITFunction):
+        raise RuntimeError(f"{kernel_name} is a {type(fn).__name__}: kernels.py was imported with TRITON_INTERPRET=1; "
+                           "compile in a process without it")
+    launches = [(args, kwargs) for name, args, kwargs in _aot_record(case, AOT_TARGETS[target][1])
+                if name == kernel_name]
+    if not launches:
+        raise ValueError(f"{case.name} does not launch {kernel_name}")
+    args, kwargs = launches[0]
+    gpu = GPUTarget("cuda", target, 32)
+    backend = make_backend(gpu)
+    bound, specialization, options = create_function_from_signature(fn.signature, fn.params, backend)(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=gpu, options=options.__dict__)
+
+
+def _cubin_resources(cubin: bytes, kernel_name: str):
+    """-> (registers per thread, stack frame bytes per thread) read from the cubin by Triton's bundled cuobjdump.
+    Triton inlines every helper and allocates no local arrays, so the stack frame holds register spills only."""
+    import re
+    import subprocess
+    import tempfile
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    m = re.search(rf"Function {kernel_name}:\s*REG:(\d+) STACK:(\d+)", out)
+    return int(m.group(1)), int(m.group(2))
+
+
+def aot_report(targets=(80, 90), cases=None):
+    """Compile every kernel of every case (default: aot_cases()) for each target -> rows (dicts): kernel, case,
+    target ("sm_90"), dtype, shared (bytes), shared_limit, regs, spills (stack frame bytes per thread, ptxas -v's
+    figure), ptx_entry (the PTX defines the kernel's entry), seconds (compile time; 0 for a cache hit), error (None,
+    or the compile error: one failing kernel does not stop the report)."""
+    import time
+
+    rows = []
+    for case in aot_cases() if cases is None else cases:
+        for kernel in dict.fromkeys(aot_kernels(case)):
+            for target in targets:
+                row = dict(kernel=kernel, case=case.name, target=f"sm_{target}",
+                           dtype=str(case.dtype).removeprefix("torch."), shared=None,
+                           shared_limit=AOT_TARGETS[target][2], regs=None, spills=None, ptx_entry=None,
+                           seconds=None, error=None)
+                t0 = time.perf_counter()
+                try:
+                    ck = aot_compile(kernel, target, case)
+                    row["regs"], row["spills"] = _cubin_resources(ck.asm["cubin"], ck.metadata.name)
+                    row["shared"], row["ptx_entry"] = ck.metadata.shared, f".entry {kernel}(" in ck.asm["ptx"]
+                except Exception as e:  # reported in its row
+                    row["error"] = f"{type(e).__name__}: {e}"
+                row["seconds"] = round(time.perf_counter() - t0, 3)
+                rows.append(row)
+    return rows

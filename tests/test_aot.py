@@ -1,0 +1,70 @@
+"""Every Triton kernel of kernels.py compiles ahead of time for sm_80 (A100) and sm_90 (H100) on a machine without a
+GPU (Triton's bundled ptxas), as the launchers launch it for the presets, and fits the target's shared memory.
+
+The compile runs in a child process without TRITON_INTERPRET (conftest sets it when there is no GPU, and then
+@triton.jit makes interpreter functions that cannot be compiled), with an empty Triton cache so that every kernel is
+really compiled. The cases are a representative subset of kernels.aot_cases(): every kernel, both targets, the three
+dtypes, decode and prefill, the largest tiles (LoRA rank 256, head dim 96 padded to 128, a GQA group of 3);
+`kernels.aot_report()` compiles them all.
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import kernels
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGETS = (80, 90)
+CASES = ("lora/gemma-2b/r256/decode/", "lora/gemma-2b/r256/prefill/", "lora/tiny/r16/serve8/",
+         "plt/ablation-dense/prefill/", "plt/ablation-dense/decode/", "plt/tiny/decode/",
+         "dd/base/decode/", "dd/base/prefill/")
+
+
+def _launched_kernels():
+    """The Triton functions kernels.py launches with a grid (`name[grid](...)`)."""
+    src = (ROOT / "kernels.py").read_text()
+    return {name for name in re.findall(r"(\w+)\[\(", src) if isinstance(getattr(kernels, name, None),
+                                                                       kernels.triton.runtime.KernelInterface)}
+
+
+def _selected():
+    return [c for c in kernels.aot_cases() if c.name.startswith(CASES)]
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton_cache"))
+    script = ("import json, sys, kernels\n"
+              "cases = [c for c in kernels.aot_cases() if c.name in sys.argv[1:]]\n"
+              f"print(json.dumps(kernels.aot_report({TARGETS}, cases)))\n")
+    out = subprocess.run([sys.executable, "-c", script, *(c.name for c in _selected())], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_cases_cover_every_kernel():
+    launched = _launched_kernels()
+    assert len(launched) >= 6
+    assert {k for c in kernels.aot_cases() for k in kernels.aot_kernels(c)} == launched
+    assert {k for c in _selected() for k in kernels.aot_kernels(c)} == launched
+    for prefix in CASES:  # every selected prefix exists in all three dtypes (a renamed preset must not empty it)
+        assert sum(c.name.startswith(prefix) for c in kernels.aot_cases()) == 3, prefix
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("kernel", sorted(_launched_kernels()))
+def test_compiles_and_fits(rows, kernel, target):
+    mine = [r for r in rows if r["kernel"] == kernel and r["target"] == f"sm_{target}"]
+    assert {r["dtype"] for r in mine} == {"float16", "bfloat16", "float32"}
+    for r in mine:
+        assert r["error"] is None, f"{r['case']}: {r['error']}"
+        assert r["ptx_entry"], r["case"]
+        assert 0 <= r["shared"] <= kernels.AOT_TARGETS[target][2], r
+        assert 0 < r["regs"] <= 255 and r["spills"] >= 0, r
