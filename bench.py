@@ -36,7 +36,8 @@ import torch
 import torch.nn.functional as F
 
 import kernels as K
-from model import GPT, PRESETS, GPTConfig, param_bytes, pick_device, pick_dtype, sync, timeit
+from model import (GPT, LINEAR_PROBE_BYTES, PRESETS, GPTConfig, cpu_key, force_linear, linear_report, param_bytes,
+                   pick_device, pick_dtype, sync, timeit)
 
 # ----------------------------------------------------------------------------------------------------------------
 # Protocol: interleaved rounds, median and spread
@@ -102,6 +103,7 @@ def bench_decode(args):
     device = pick_device(args.device)
     cfg = GPTConfig.from_preset(args.preset)
     P, N = args.prompt_len, args.new_tokens
+    products = args.linear.split(",")  # "auto" = model.linear's measured choice, else a forced product
     bw = read_bandwidth(device)
     for dtype in [pick_dtype(device, d) for d in args.dtype.split(",")]:
         torch.manual_seed(0)
@@ -119,22 +121,50 @@ def bench_decode(args):
               f"step cannot take less than {wbytes / bw * 1e3:.1f} ms ({bw / wbytes:.1f} tok/s)")
         for B in [int(b) for b in args.batch.split(",")]:
             idx = torch.randint(0, cfg.vocab_size - 1, (B, P), device=device)
-            systems = {"ours: GPT.generate": lambda: ours.generate(idx, N)}
+            systems = {decode_name(p): partial(forced_generate, ours, p, idx, N) for p in products}
             if hf is not None:
                 systems["transformers: LlamaForCausalLM.generate"] = lambda: hf.generate(
                     idx, max_new_tokens=N, min_new_tokens=N, do_sample=False, pad_token_id=0)
             pre = rounds({"prefill": lambda: ours.generate(idx, 1)}, args.repeats)["prefill"]
             res = rounds(systems, args.repeats)
-            t_dec = [t - med(pre) for t in res["ours: GPT.generate"]]  # the decode steps alone
-            print(f"   batch {B}: ours {spread([B * N / t for t in res['ours: GPT.generate']])} tok/s end to end; "
-                  f"decode alone {med(t_dec) / (N - 1) * 1e3:.2f} ms/step = "
-                  f"{B * (N - 1) / med(t_dec):.1f} tok/s, {wbytes / (med(t_dec) / (N - 1)) / 1e9:.1f} GB/s of "
-                  f"weights = {wbytes / (med(t_dec) / (N - 1)) / bw:.0%} of the measured bandwidth")
-            if hf is not None:
-                name = "transformers: LlamaForCausalLM.generate"
-                ratio = [a / b for a, b in zip(res[name], res["ours: GPT.generate"])]
-                print(f"            transformers {spread([B * N / t for t in res[name]])} tok/s end to end -> "
-                      f"ours / transformers = {spread(ratio, fmt='.2f')}x (per-round ratios)")
+            for p in products:
+                name = decode_name(p)
+                t_dec = [t - med(pre) for t in res[name]]  # the decode steps alone
+                print(f"   batch {B}, {name}: {spread([B * N / t for t in res[name]])} tok/s end to end; "
+                      f"decode alone {med(t_dec) / (N - 1) * 1e3:.2f} ms/step = "
+                      f"{B * (N - 1) / med(t_dec):.1f} tok/s, {wbytes / (med(t_dec) / (N - 1)) / 1e9:.1f} GB/s of "
+                      f"weights = {wbytes / (med(t_dec) / (N - 1)) / bw:.0%} of the measured bandwidth")
+                if hf is not None:
+                    hname = "transformers: LlamaForCausalLM.generate"
+                    ratio = [a / b for a, b in zip(res[hname], res[name])]
+                    print(f"            transformers {spread([B * N / t for t in res[hname]])} tok/s end to end -> "
+                          f"ours / transformers = {spread(ratio, fmt='.2f')}x (per-round ratios)")
+        if device.type == "cpu":
+            print_linear_choices(dtype)
+    force_linear(None)
+
+
+def decode_name(product: str) -> str:
+    return "ours: GPT.generate" + ("" if product == "auto" else f" [linear: {product}]")
+
+
+def forced_generate(model, product: str, idx, new_tokens: int):
+    """model.generate with `product` forced in model.linear ("auto": the measured choice)."""
+    force_linear(None if product == "auto" else product)
+    return model.generate(idx, new_tokens)
+
+
+def print_linear_choices(dtype):
+    """model.linear's measurements in this dtype: per (rows, weight shape) the GB/s of weights each candidate read and
+    the pick, and the bytes of the transposed weight copies alive (what "xwt" costs in memory)."""
+    rows, copies = linear_report()
+    print(f"   model.linear's choice per (rows, out x in) in {dtype} (GB/s of weights read, timed once over "
+          f">= {LINEAR_PROBE_BYTES >> 20} MiB of copies; * = picked; cpu {cpu_key()}):")
+    for r in rows:
+        if r["dtype"] == str(dtype).removeprefix("torch."):
+            cands = "  ".join(f"{k} {v:5.1f}{'*' if k == r['pick'] else ' '}" for k, v in r["gbps"].items())
+            print(f"      rows {r['rows']:3d}  {r['shape'][0]:6d} x {r['shape'][1]:<6d} {cands}")
+    print(f"   transposed weight copies alive: {copies / 1e6:.1f} MB")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1043,6 +1073,8 @@ def main(argv=None):
     generation(p, "float32,bfloat16", "1", 128, 64)
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip the transformers comparison")
     p.add_argument("--compile", action="store_true", help="ours: GPT.compile_decode() (static cache, compiled step)")
+    p.add_argument("--linear", default="auto", help="comma list of model.linear products to time, each forced in turn: "
+                   "auto (the measured choice), linear, mv, mm, xwt")
     p.set_defaults(fn=bench_decode)
 
     p = sub.add_parser("train", help="training tok/s vs nanoGPT's model.py at the same shape")

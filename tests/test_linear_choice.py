@@ -139,3 +139,15 @@ def test_real_timing_returns_every_candidate(monkeypatch):
 def test_force_linear_rejects_unknown_products():
     with pytest.raises(ValueError, match="linear product"):
         force_linear("gemv")
+
+
+def test_decode_bench_prints_the_choice_and_each_forced_product(monkeypatch, capsys):
+    import bench
+
+    monkeypatch.setattr(model, "LINEAR_PROBE_BYTES", 1 << 20)
+    bench.main(["decode", "--device", "cpu", "--preset", "tiny", "--dtype", "float32", "--repeats", "1",
+                "--prompt-len", "8", "--new-tokens", "3", "--no-hf", "--linear", "auto,xwt"])
+    out = capsys.readouterr().out
+    assert "ours: GPT.generate:" in out and "ours: GPT.generate [linear: xwt]:" in out
+    assert "model.linear's choice per (rows, out x in)" in out and "rows   1    4160 x 128" in out
+    assert "transposed weight copies alive" in out and model._linear_forced == [None]
