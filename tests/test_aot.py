@@ -20,9 +20,13 @@ import kernels
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = (80, 90)
-CASES = ("lora/gemma-2b/r256/decode/", "lora/gemma-2b/r256/prefill/", "lora/tiny/r16/serve8/",
-         "plt/ablation-dense/prefill/", "plt/ablation-dense/decode/", "plt/tiny/decode/",
-         "dd/base/decode/", "dd/base/prefill/")
+# name prefixes of the cases compiled here; fp32 prefill at small tiles: the largest fp32 tiles spill registers and
+# take ptxas 5-15 s each (kernels.aot_report() compiles them)
+CASES = ("lora/gemma-2b/r256/decode/", "lora/gemma-2b/r256/prefill/bfloat16", "lora/gemma-2b/r256/prefill/float16",
+         "lora/tiny/r16/prefill/float32", "lora/tiny/r16/serve8/bfloat16",
+         "plt/ablation-dense/prefill/bfloat16", "plt/ablation-dense/prefill/float16", "plt/tiny/prefill/float32",
+         "plt/ablation-dense/decode/", "dd/base/decode/", "dd/base/prefill/bfloat16", "dd/base/prefill/float16",
+         "dd/tiny/prefill/float32")
 
 
 def _launched_kernels():
@@ -54,8 +58,8 @@ def test_cases_cover_every_kernel():
     assert len(launched) >= 6
     assert {k for c in kernels.aot_cases() for k in kernels.aot_kernels(c)} == launched
     assert {k for c in _selected() for k in kernels.aot_kernels(c)} == launched
-    for prefix in CASES:  # every selected prefix exists in all three dtypes (a renamed preset must not empty it)
-        assert sum(c.name.startswith(prefix) for c in kernels.aot_cases()) == 3, prefix
+    for prefix in CASES:  # a renamed preset must not silently empty the selection
+        assert any(c.name.startswith(prefix) for c in kernels.aot_cases()), prefix
 
 
 @pytest.mark.parametrize("target", TARGETS)
