@@ -23,17 +23,46 @@ Run:
 """
 from __future__ import annotations
 
-import argparse
 import json
+import warnings
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from cli import DTYPES, ArgumentParser, UsageError, check_device, number, run_cli, user_input
 from model import GPT, GPTConfig, RotaryEmbedding, pick_device, pick_dtype
 
 HF_FAMILIES = ("llama", "gemma", "gpt_neox")
 _REQUIRED = object()
+
+
+def _read_json(f: Path, what="a JSON object"):
+    """A JSON file of the checkpoint -> its object; unreadable, malformed or not an object is a ValueError naming the
+    file (and the line and column of a syntax error)."""
+    try:
+        obj = json.loads(f.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read {f}: {e}") from e
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{f} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from e
+    if not isinstance(obj, dict):
+        raise ValueError(f"{f} holds a JSON {type(obj).__name__}, not {what}")
+    return obj
+
+
+def _open_safetensors(f: Path):
+    """safe_open of one weight file; a truncated or corrupt file is a ValueError naming it."""
+    try:
+        from safetensors import safe_open
+    except ImportError as e:
+        raise ModuleNotFoundError("loading a Hugging Face checkpoint needs the package `safetensors`: "
+                                  "pip install safetensors") from e
+    try:
+        return safe_open(str(f), framework="pt", device="cpu")
+    except Exception as e:  # safetensors raises its own SafetensorError (header, size) or OSError
+        raise ValueError(f"{f} is not a readable safetensors file ({e}): truncated or corrupt (an interrupted "
+                         f"download?); download it again") from e
 
 
 def _hf_get(hf: dict, key: str, default=_REQUIRED, where="config.json"):
@@ -182,7 +211,7 @@ def hf_weight_files(path: Path) -> list[Path]:
     exist), else model.safetensors, else every *.safetensors."""
     index = path / "model.safetensors.index.json"
     if index.exists():
-        weight_map = json.loads(index.read_text()).get("weight_map")
+        weight_map = _read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{index} has no weight_map")
         files = sorted(set(weight_map.values()))
@@ -204,18 +233,10 @@ def hf_weight_files(path: Path) -> list[Path]:
 def from_pretrained(path, dtype=torch.float32, device="cpu") -> GPT:
     """Load a local Hugging Face checkpoint directory (or 'hf:DIR') of the llama, gemma or gpt_neox family into
     model.GPT (the three steps of the module docstring)."""
-    path = Path(str(path)[3:] if str(path).startswith("hf:") else path)
-    if not path.is_dir():
-        raise ValueError(f"{path} is not a directory: a Hugging Face checkpoint is a directory with config.json and "
-                         f"*.safetensors")
+    path = hf_dir(path)
     if not (path / "config.json").is_file():
         raise ValueError(f"{path} has no config.json: not a Hugging Face checkpoint directory")
-    try:
-        from safetensors import safe_open
-    except ImportError as e:
-        raise ImportError("loading a Hugging Face checkpoint needs the package `safetensors`: "
-                          "pip install safetensors") from e
-    hf = json.loads((path / "config.json").read_text())
+    hf = _read_json(path / "config.json", "a config (a JSON object)")
     family, cfg = hf_config_to_gpt(hf, where=str(path / "config.json"))
     plan = hf_tensor_plan(family, cfg)
     aliases = _HF_ALIASES.get(family, {})
@@ -223,7 +244,7 @@ def from_pretrained(path, dtype=torch.float32, device="cpu") -> GPT:
     # where each tensor lives, checked against the plan before anything is read
     handles, where = {}, {}
     for f in hf_weight_files(path):
-        handles[f] = safe_open(str(f), framework="pt", device="cpu")
+        handles[f] = _open_safetensors(f)
         for key in handles[f].keys():
             name = aliases.get(key, key)
             if name in where:
@@ -266,6 +287,17 @@ def from_pretrained(path, dtype=torch.float32, device="cpu") -> GPT:
     return model
 
 
+def hf_dir(path) -> Path:
+    """'hf:DIR' or DIR -> Path(DIR), which must be an existing directory (ValueError naming it)."""
+    path = Path(str(path)[3:] if str(path).startswith("hf:") else path)
+    if not path.exists():
+        raise ValueError(f"Hugging Face checkpoint directory {path} not found (not a directory)")
+    if not path.is_dir():
+        raise ValueError(f"{path} is not a directory: a Hugging Face checkpoint is a directory with config.json and "
+                         f"*.safetensors")
+    return path
+
+
 def hf_tokenizer(path):
     """-> (tokenizers.Tokenizer of DIR/tokenizer.json, end-of-text id). `tokenizers` is an optional dependency.
 
@@ -275,21 +307,24 @@ def hf_tokenizer(path):
     try:
         from tokenizers import Tokenizer as HFTokenizer
     except ImportError as e:
-        raise ImportError("tokenizing with a Hugging Face tokenizer.json needs the optional package `tokenizers`: "
-                          "pip install tokenizers") from e
-    path = Path(path)
+        raise ModuleNotFoundError("tokenizing with a Hugging Face tokenizer.json needs the optional package "
+                                  "`tokenizers`: pip install tokenizers") from e
+    path = hf_dir(path)
     f = path / "tokenizer.json"
     if not f.is_file():
         raise FileNotFoundError(f"{f} not found: the checkpoint directory has no tokenizer.json (a tokenizer.model "
                                 f"alone is not supported; save the fast tokenizer with transformers)")
-    tok = HFTokenizer.from_file(str(f))
+    try:
+        tok = HFTokenizer.from_file(str(f))
+    except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
+        raise ValueError(f"{f} is not a tokenizer.json that `tokenizers` can read ({e})") from e
     eos = None
     for name in ("config.json", "generation_config.json"):
         if eos is None and (path / name).is_file():
-            eos = json.loads((path / name).read_text()).get("eos_token_id")
+            eos = _read_json(path / name).get("eos_token_id")
             eos = eos[0] if isinstance(eos, list) and eos else eos
     if eos is None and (path / "tokenizer_config.json").is_file():
-        t = json.loads((path / "tokenizer_config.json").read_text()).get("eos_token")
+        t = _read_json(path / "tokenizer_config.json").get("eos_token")
         eos = tok.token_to_id(t.get("content") if isinstance(t, dict) else t) if t else None
     if eos is None:
         raise ValueError(f"{path}: no eos_token_id in config.json, generation_config.json or tokenizer_config.json; "
@@ -297,29 +332,45 @@ def hf_tokenizer(path):
     return tok, int(eos)
 
 
-def main():
+def generate(argv=None):
     """python hf.py DIR --prompt "...": load a checkpoint and print a greedy continuation (a sanity check)."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("dir", help="local Hugging Face checkpoint directory")
     ap.add_argument("--prompt", default="The capital of France is", help="prompt text")
-    ap.add_argument("--max-new-tokens", type=int, default=20, help="tokens to generate")
+    ap.add_argument("--max-new-tokens", type=number(int, min=1), default=20, help="tokens to generate")
     ap.add_argument("--device", default="auto", help="cpu | cuda | mps | auto")
-    ap.add_argument("--dtype", default="float32", help="float32 | bfloat16 | auto")
-    args = ap.parse_args()
+    ap.add_argument("--dtype", default="float32", choices=DTYPES, help="float32 | bfloat16 | auto | ...")
+    args = ap.parse_args(argv)
+    try:  # the shell hands undecodable bytes over as lone surrogates: tokenizers would raise a TypeError later
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UsageError(f"--prompt is not UTF-8 text (an undecodable byte at character {e.start})") from None
+    check_device(args.device)
     device = pick_device(args.device)
     dtype = pick_dtype(device, args.dtype)
-    model = from_pretrained(args.dir, dtype=dtype, device=device).eval()
-    tok, eos = hf_tokenizer(model.tokenizer_spec["path"])
+    with user_input():
+        model = from_pretrained(args.dir, dtype=dtype, device=device).eval()
+        tok, eos = hf_tokenizer(model.tokenizer_spec["path"])
     c = model.config
     print(f"{args.dir}: {c.n_layer} layers, d {c.n_embd}, heads {c.n_head}/{c.n_kv_head}, vocab {c.vocab_size}, "
           f"{model.num_params(False) / 1e6:.1f}M parameters | {device} {dtype}")
     ids = tok.encode(args.prompt).ids  # with the tokenizer's special tokens (Llama/Gemma: BOS), as transformers does
+    if len(ids) >= c.max_seq_len:
+        raise UsageError(f"--prompt is {len(ids)} tokens, but the model's context is {c.max_seq_len} positions: no "
+                         f"room for a new token; shorten the prompt")
     n = min(args.max_new_tokens, c.max_seq_len - len(ids))
+    if n < args.max_new_tokens:
+        warnings.warn(f"--max-new-tokens {args.max_new_tokens}: only {n} fit after the {len(ids)}-token prompt in the "
+                      f"model's context of {c.max_seq_len} positions; generating {n}", stacklevel=2)
     out = model.generate(torch.tensor([ids], device=device), n)[0].tolist()
     new = out[len(ids):]
     if eos in new:
         new = new[:new.index(eos)]
     print(tok.decode(ids + new, skip_special_tokens=True))
+
+
+def main(argv=None):
+    run_cli(generate, argv)
 
 
 if __name__ == "__main__":

@@ -64,6 +64,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import tasks
+from cli import (DTYPES, EXPECTED_ERRORS, ArgumentParser, CheckpointError, DataError, Stopped, UsageError,  # noqa: F401
+                 check_device, number, one_line, run_cli, user_input)
 from hf import from_pretrained
 from model import ArchSpec, distill_loss, lm_loss, peak_flops, pick_device, pick_dtype
 
@@ -152,8 +154,9 @@ class Tokenizer:
 
 
 def is_hf_source(src: str) -> bool:
-    """--init-from / --teacher / --tokenizer: 'hf:DIR', or a directory (a Hugging Face checkpoint, auto-detected)."""
-    return src.startswith("hf:") or Path(src).is_dir()
+    """--init-from / --teacher: 'hf:DIR', or a directory with a config.json (a Hugging Face checkpoint, auto-detected).
+    Any other directory is a train.py checkpoint path mistyped (load_checkpoint says so)."""
+    return src.startswith("hf:") or (Path(src).is_dir() and (Path(src) / "config.json").is_file())
 
 
 def hf_tokenizer_spec(src: str) -> dict:
@@ -169,11 +172,6 @@ def padded_vocab(n_vocab: int, multiple: int = 64) -> int:
 
 # ----------------------------------------------------------------------------------------------------------------
 # Corpus: documents from SlimPajama shards or from the Python standard library
-
-
-class DataError(RuntimeError):
-    """A corpus problem the user must fix: a shard that does not decompress or is truncated, an empty split, a corrupt
-    token shard or token cache. The message names the file."""
 
 
 class SkipStats:
@@ -202,6 +200,9 @@ def _zst_lines(path: Path):
     or does not decompress is a DataError naming the file: zstandard's stream reader just stops at the cut."""
     import zstandard
 
+    if path.stat().st_size == 0:
+        raise DataError(f"{path} is empty (0 bytes): not a zstd stream (an interrupted download?); download the file "
+                        f"again or remove it")
     dctx = zstandard.ZstdDecompressor()
     obj, mid_frame, tail, n_out = dctx.decompressobj(), False, b"", 0
     try:
@@ -281,14 +282,16 @@ def find_shards(data: str) -> tuple[Path, list[Path]]:
     """A directory (searched recursively), a glob, or one file -> (root, sorted shard paths).
 
     Paths stay whole: SlimPajama repeats `example_train_i.jsonl.zst` in every chunk directory, so never flatten.
+    Only files count: a directory named like a shard is searched, never opened.
     """
     p = Path(data)
     if p.is_dir():
-        root, files = p, [f for f in p.rglob("*") if f.name.endswith((".jsonl", ".jsonl.zst"))]
+        root, files = p, [f for f in p.rglob("*") if f.name.endswith((".jsonl", ".jsonl.zst")) and f.is_file()]
     elif p.is_file():
         root, files = p.parent, [p]
     else:
-        files = [Path(f) for f in glob.glob(data, recursive=True) if f.endswith((".jsonl", ".jsonl.zst"))]
+        files = [Path(f) for f in glob.glob(data, recursive=True)
+                 if f.endswith((".jsonl", ".jsonl.zst")) and os.path.isfile(f)]
         root = Path(os.path.commonpath([str(f.parent) for f in files])) if files else Path(".")
     if not files:
         raise DataError(f"no .jsonl or .jsonl.zst shards found at {data!r}")
@@ -508,10 +511,6 @@ def arch_table() -> dict[str, ArchSpec]:
 CKPT_FORMAT = "nano-efficient-inference/ckpt"
 
 
-class CheckpointError(RuntimeError):
-    pass
-
-
 def save_checkpoint(path: Path, obj: dict):
     """torch.save to a temp name in the same directory, then rename: a crash never leaves half a checkpoint."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -522,12 +521,15 @@ def save_checkpoint(path: Path, obj: dict):
 
 def load_checkpoint(path) -> dict:
     """torch.load(weights_only=True) of a train.py checkpoint. Anything else is a CheckpointError naming the file; the
-    reason is one line (never torch's advice to retry with weights_only=False: that runs arbitrary code)."""
+    reason is one line (never torch's advice to retry with weights_only=False: that runs arbitrary code). The dict
+    gains "loaded_from" (the path), so that later errors about its contents can name the file."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist")
     if path.is_dir():
-        raise CheckpointError(f"checkpoint {path} is a directory, not a checkpoint file")
+        inside = f"give {path / 'ckpt.pt'} (the checkpoint in it), or " if (path / "ckpt.pt").is_file() else "give "
+        raise CheckpointError(f"checkpoint {path} is a directory, not a checkpoint file: {inside}hf:{path} if it is a "
+                              f"Hugging Face checkpoint directory")
     try:
         with warnings.catch_warnings():  # e.g. torch's "Detected pickle protocol 4" on files that are not ours
             warnings.simplefilter("ignore")
@@ -537,6 +539,7 @@ def load_checkpoint(path) -> dict:
                               f"({type(e).__name__}: {_torch_load_reason(e)})") from e
     if not isinstance(ck, dict) or ck.get("format") != CKPT_FORMAT:
         raise CheckpointError(f"{path} is a PyTorch file but not a checkpoint written by train.py")
+    ck["loaded_from"] = str(path)
     return ck
 
 
@@ -552,14 +555,20 @@ def _torch_load_reason(e: Exception) -> str:
 def model_from_checkpoint(ck: dict, table=None):
     """Rebuild the model of a checkpoint (config and weights); the optimizer state is left to the caller."""
     table = table or arch_table()
+    name = f"checkpoint {ck.get('loaded_from', '')}".rstrip()
     if ck["arch"] not in table:
-        raise CheckpointError(f"checkpoint architecture {ck['arch']!r} is unknown here; known: {sorted(table)}")
+        raise CheckpointError(f"{name}: architecture {ck['arch']!r} is unknown here; known: {sorted(table)}")
     spec = table[ck["arch"]]
-    model = spec.model_cls(spec.config_cls.from_dict(ck["config"]))
+    try:
+        cfg = spec.config_cls.from_dict(ck["config"])
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"{name}: its {ck['arch']} config does not fit this code ({e}); was it written by "
+                              f"another version of the repository?") from e
+    model = spec.model_cls(cfg)
     try:
         model.load_state_dict(ck["model"])
     except RuntimeError as e:
-        raise CheckpointError(f"checkpoint weights do not fit its {ck['arch']} config: {e}") from e
+        raise CheckpointError(f"{name}: weights do not fit its {ck['arch']} config: {e}") from e
     return model
 
 
@@ -614,37 +623,6 @@ def lr_at(step, lr, warmup, decay_iters, min_lr):
 # ----------------------------------------------------------------------------------------------------------------
 # Arguments. Every numeric flag is checked while parsing (argparse `type=`), so a bad value is one line before any
 # work; argparse's own errors are raised as UsageError (main prints "error: ..." and exits with code 2).
-
-
-class UsageError(ValueError):
-    """A flag value or combination that cannot work. main() prints it as one line and exits with code 2."""
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    def error(self, message):  # argparse prints usage + message and exits; raise instead (one line, testable)
-        raise UsageError(message)
-
-
-def number(kind=int, min=None, above=None):  # noqa: A002 - argparse-style names
-    """An argparse type: a finite int/float, >= min or > above; else 'argument --x: must be >= 1, got 0'."""
-    def parse(text):
-        try:
-            v = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}")
-        if not math.isfinite(v):
-            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
-        if min is not None and v < min:
-            raise argparse.ArgumentTypeError(f"must be >= {min}, got {text}")
-        if above is not None and v <= above:
-            raise argparse.ArgumentTypeError(f"must be > {above}, got {text}")
-        return v
-
-    parse.__name__ = kind.__name__
-    return parse
-
-
-DTYPES = ["auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"]
 
 
 def build_parser(table) -> ArgumentParser:
@@ -812,19 +790,6 @@ def resolve_defaults(args, spec):
         args.kd = "fkl"
 
 
-def check_device(flag):
-    """--device: a device torch knows and this machine has."""
-    try:
-        device = torch.device(flag) if flag != "auto" else None
-    except RuntimeError as e:
-        raise UsageError(f"--device {flag!r} is not a device ({e})") from None
-    if device is not None and device.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError(f"--device {flag}: CUDA is not available on this machine")
-    if device is not None and device.type == "mps" and not (
-            getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()):
-        raise UsageError(f"--device {flag}: MPS is not available on this machine")
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Training
 
@@ -846,19 +811,6 @@ def log(msg, master=True):
     if master:
         tqdm.write(msg, file=sys.stdout)
         sys.stdout.flush()
-
-
-@contextlib.contextmanager
-def user_input():
-    """ValueErrors raised while building things from flags (tokenizer, config, conversion, teacher) are the user's to
-    fix: UsageError (one line, exit code 2). The same error inside the training loop is a bug and keeps its
-    traceback."""
-    try:
-        yield
-    except UsageError:
-        raise
-    except ValueError as e:
-        raise UsageError(str(e)) from e
 
 
 def build_model(args, spec: ArchSpec, tok: Tokenizer, table, ap, given, master):
@@ -1318,28 +1270,6 @@ def show_task(model, task, data, device, args):
     x, y = data.get_batch(1, args.seq_len, step_generator(args.seed, -1, 0, 0))
     pred = model(x.to(device), y.to(device))[0].argmax(-1).cpu()
     log(f"sample (p = {int(task.hops_of(x)[0])}; tokens, labels, answers):\n{task.show(x[0], y[0], pred[0])}")
-
-
-# Expected errors: the user can fix them (a flag, a file, a diverged run). main prints one line and exits with code 2;
-# anything else is a bug and keeps its traceback.
-EXPECTED_ERRORS = (UsageError, DataError, CheckpointError, FloatingPointError, FileNotFoundError, ModuleNotFoundError,
-                   torch.OutOfMemoryError)
-
-
-def one_line(msg) -> str:
-    return "; ".join(part.strip() for part in str(msg).splitlines() if part.strip())
-
-
-def run_cli(fn, argv=None, expected=EXPECTED_ERRORS):
-    """fn(argv) as a command: warnings one line each (`warning: ...`), an expected error `error: ...` on stderr and
-    exit code 2."""
-    with warnings.catch_warnings():
-        warnings.showwarning = lambda message, *a, **k: print(f"warning: {one_line(message)}", file=sys.stderr)
-        try:
-            return fn(argv)
-        except expected as e:
-            print(f"error: {one_line(e)}", file=sys.stderr)
-            sys.exit(2)
 
 
 def main(argv=None):

@@ -1,11 +1,15 @@
-"""The command lines of train.py and serve.py: a mistake the user can fix (a flag, a file, a checkpoint) is ONE line
-`error: ...` on stderr and exit code 2, never a traceback; flags another architecture owns are named in a warning."""
+"""The command lines of train.py, serve.py and hf.py: a mistake the user can fix (a flag, a file, a checkpoint) is ONE
+line `error: ...` on stderr and exit code 2, never a traceback; flags another architecture owns are named in a
+warning."""
+import json
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
+import hf
 import serve
 import train
 from conftest import ROOT, write_jsonl
@@ -117,8 +121,110 @@ def test_the_commands_themselves(files):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for cmd in (["train.py", *_train_args(files, "--seq-len", "100000", "--batch-size", "4096")],
                 ["train.py", "--batch-size", "0"],
-                ["serve.py", "--slots", "0"]):
+                ["serve.py", "--slots", "0"],
+                ["hf.py", str(files), "--prompt", b"caf\xe9".decode("utf-8", "surrogateescape")],  # latin-1 bytes
+                ["hf.py", str(files / "none")]):
         r = subprocess.run([sys.executable, *cmd], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         err = [line for line in r.stderr.splitlines() if line.strip()]
         assert r.returncode == 2 and len(err) == 1 and err[0].startswith("error: "), r.stderr
         assert "Traceback" not in r.stderr
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# hf.py: a tiny Llama checkpoint written by hand (config.json, weights from hf_tensor_plan, a word-level tokenizer)
+
+HF_CONFIG = dict(model_type="llama", vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16, eos_token_id=2)
+WORDS = "the quick brown fox jumps over a lazy dog".split()
+
+
+def write_hf_checkpoint(d):
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(HF_CONFIG))
+    family, cfg = hf.hf_config_to_gpt(HF_CONFIG)
+    g = torch.Generator().manual_seed(0)
+    save_file({k: 0.1 * torch.randn(shape, generator=g) for k, (shape, _) in hf.hf_tensor_plan(family, cfg).items()},
+              str(d / "model.safetensors"))
+    vocab = {w: i for i, w in enumerate(["<unk>", "<s>", "</s>", *WORDS])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(d / "tokenizer.json"))
+    return d
+
+
+@pytest.fixture
+def hf_dir(tmp_path):
+    return write_hf_checkpoint(tmp_path / "hf")
+
+
+def test_hf_py_runs_and_says_when_the_context_cuts_the_continuation(hf_dir, capsys):
+    hf.main([str(hf_dir), "--prompt", "the quick brown fox", "--max-new-tokens", "3", "--device", "cpu"])
+    out, err = capsys.readouterr()
+    assert out.splitlines()[-1].startswith("the quick brown fox") and not err
+    hf.main([str(hf_dir), "--prompt", " ".join(WORDS), "--max-new-tokens", "20", "--device", "cpu"])
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["warning: --max-new-tokens 20: only 7 fit after the 9-token prompt in the model's context of 16 "
+                   "positions; generating 7"], err
+
+
+def _edit(d, name, data: bytes):
+    (d / name).write_bytes(data)
+    return d
+
+
+HF_MISTAKES = [
+    (lambda d: d.parent / "nothing", [], "nothing not found"),
+    (lambda d: (d / "config.json").unlink() or d, [], "has no config.json: not a Hugging Face checkpoint"),
+    (lambda d: _edit(d, "config.json", b'{"model_type": "llama",'), [], "config.json is not valid JSON"),
+    (lambda d: _edit(d, "config.json", b"[1, 2]"), [], "config.json holds a JSON list, not a config"),
+    (lambda d: _edit(d, "config.json", json.dumps({**HF_CONFIG, "model_type": "qwen2"}).encode()), [],
+     "model_type 'qwen2' is not supported"),
+    (lambda d: _edit(d, "model.safetensors", (d / "model.safetensors").read_bytes()[:-100]), [],
+     "model.safetensors is not a readable safetensors file"),
+    (lambda d: d, ["--dtype", "bogus"], "argument --dtype: invalid choice: 'bogus'"),
+    (lambda d: d, ["--max-new-tokens", "-5"], "argument --max-new-tokens: must be >= 1, got -5"),
+    (lambda d: d, ["--prompt", "the \udcff fox"], "--prompt is not UTF-8 text (an undecodable byte at character 4)"),
+    (lambda d: d, ["--prompt", " ".join(WORDS * 2)], "--prompt is 18 tokens, but the model's context is 16 positions"),
+    (lambda d: (d / "tokenizer.json").unlink() or d, [], "tokenizer.json not found"),
+]
+
+
+@pytest.mark.parametrize("edit,argv,match", HF_MISTAKES, ids=[m for _, _, m in HF_MISTAKES])
+def test_hf_py_mistakes_are_one_line_and_exit_code_2(hf_dir, capsys, edit, argv, match):
+    _one_error_line(capsys, hf.main, [str(edit(hf_dir)), "--device", "cpu", *argv], match)
+
+
+def test_hf_py_device_without_cuda(hf_dir, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _one_error_line(capsys, hf.main, [str(hf_dir), "--device", "cuda"], "--device cuda: CUDA is not available")
+
+
+def test_train_source_mistakes_name_the_culprit(files, hf_dir, capsys, tmp_path):
+    run_dir = tmp_path / "run"  # a train.py out-dir, given without its ckpt.pt
+    run_dir.mkdir()
+    torch.save({"format": train.CKPT_FORMAT}, run_dir / "ckpt.pt")
+    _one_error_line(capsys, train.main, _train_args(files, "--init-from", str(run_dir)),
+                    f"is a directory, not a checkpoint file: give {run_dir / 'ckpt.pt'} (the checkpoint in it), or "
+                    f"hf:{run_dir}")
+    _one_error_line(capsys, train.main, _train_args(files, "--init-from", f"hf:{tmp_path / 'nope'}"),
+                    f"Hugging Face checkpoint directory {tmp_path / 'nope'} not found")
+    _one_error_line(capsys, train.main, _train_args(files, "--teacher", f"hf:{tmp_path / 'nope'}"),
+                    f"Hugging Face checkpoint directory {tmp_path / 'nope'} not found")
+    odd = tmp_path / "odd.pt"  # a checkpoint whose config has a field this code does not know
+    torch.save({"format": train.CKPT_FORMAT, "arch": "vanilla", "config": {"n_layer": 1, "warp_drive": 9},
+                "tokenizer": {"kind": "tiktoken", "name": train.DEFAULT_BASE, "n": 512}}, odd)
+    _one_error_line(capsys, train.main, _train_args(files, "--init-from", str(odd)),
+                    f"checkpoint {odd}: its vanilla config does not fit this code (GPTConfig got unknown fields "
+                    f"['warp_drive'])")
+
+
+def test_empty_zst_shard_is_named(files, capsys, tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "good.jsonl").write_text((files / "corpus" / "a.jsonl").read_text())
+    (data / "empty.jsonl.zst").write_bytes(b"")
+    _one_error_line(capsys, train.main, _train_args(files, "--data", str(data)),
+                    f"{data / 'empty.jsonl.zst'} is empty (0 bytes)")

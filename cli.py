@@ -1,0 +1,120 @@
+"""
+cli.py -- the one error contract of every command of this repository (train.py, serve.py, bench.py, hf.py and the
+`python plt.py` / `python recursive.py` tables).
+
+A mistake the user can fix (a flag, a file, a checkpoint, a batch that cannot fit, a diverged run) is one line
+`error: ...` on stderr naming the flag, value or file, and exit code 2; a run stopped by Ctrl-C or SIGTERM is one line
+`stopped: ...` and exit code 130; warnings are one line `warning: ...` each. Anything else is a bug and keeps its
+traceback. The pieces live here, not in train.py, so that the architecture files (which never import train.py) can
+route their own command lines through them; train.py re-exports every name.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import sys
+import warnings
+
+import torch
+
+
+class UsageError(ValueError):
+    """A flag value or combination that cannot work. run_cli prints it as one line and exits with code 2."""
+
+
+class DataError(RuntimeError):
+    """A corpus problem the user must fix: a shard that does not decompress or is truncated, an empty split, a corrupt
+    token shard or token cache. The message names the file."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be read, written or used; the message names the file."""
+
+
+class Stopped(Exception):
+    """A run stopped on request (Ctrl-C, SIGTERM) after saving what it had: `stopped: ...` and exit code 130 (the
+    shell's code for a process ended by SIGINT). The message says where the work is and how to continue it."""
+
+
+# Expected errors: the user can fix them. run_cli prints one line; anything else keeps its traceback.
+EXPECTED_ERRORS = (UsageError, DataError, CheckpointError, FloatingPointError, FileNotFoundError, ModuleNotFoundError,
+                   torch.OutOfMemoryError)
+
+
+# --dtype of every command (model.pick_dtype's names)
+DTYPES = ["auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"]
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message):  # argparse prints usage + message and exits; raise instead (one line, testable)
+        raise UsageError(message)
+
+
+def number(kind=int, min=None, above=None, max=None):  # noqa: A002 - argparse-style names
+    """An argparse type: a finite int/float, >= min or > above, <= max; else 'argument --x: must be >= 1, got 0'."""
+    def parse(text):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}")
+        if not math.isfinite(v):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+        if min is not None and v < min:
+            raise argparse.ArgumentTypeError(f"must be >= {min}, got {text}")
+        if above is not None and v <= above:
+            raise argparse.ArgumentTypeError(f"must be > {above}, got {text}")
+        if max is not None and v > max:
+            raise argparse.ArgumentTypeError(f"must be <= {max}, got {text}")
+        return v
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def check_device(flag):
+    """--device: a device torch knows and this machine has."""
+    try:
+        device = torch.device(flag) if flag != "auto" else None
+    except RuntimeError as e:
+        raise UsageError(f"--device {flag!r} is not a device ({e})") from None
+    if device is not None and device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {flag}: CUDA is not available on this machine")
+    if device is not None and device.type == "mps" and not (
+            getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()):
+        raise UsageError(f"--device {flag}: MPS is not available on this machine")
+
+
+@contextlib.contextmanager
+def user_input():
+    """ValueErrors raised while building things from flags (tokenizer, config, conversion, teacher, an imported
+    checkpoint) are the user's to fix: UsageError (one line, exit code 2). The same error elsewhere (inside a training
+    loop) is a bug and keeps its traceback."""
+    try:
+        yield
+    except UsageError:
+        raise
+    except ValueError as e:
+        raise UsageError(str(e)) from e
+
+
+def one_line(msg) -> str:
+    return "; ".join(part.strip() for part in str(msg).splitlines() if part.strip())
+
+
+def run_cli(fn, argv=None, expected=EXPECTED_ERRORS):
+    """fn(argv) as a command: warnings one line each (`warning: ...`), an expected error `error: ...` on stderr and
+    exit code 2, a Stopped run (or a Ctrl-C that nothing handled) `stopped: ...` and exit code 130."""
+    with warnings.catch_warnings():
+        warnings.showwarning = lambda message, *a, **k: print(f"warning: {one_line(message)}", file=sys.stderr)
+        try:
+            return fn(argv)
+        except expected as e:
+            print(f"error: {one_line(e)}", file=sys.stderr)
+            sys.exit(2)
+        except Stopped as e:
+            print(f"stopped: {one_line(e)}", file=sys.stderr)
+            sys.exit(130)
+        except KeyboardInterrupt:
+            print("stopped: interrupted (Ctrl-C)", file=sys.stderr)
+            sys.exit(130)
