@@ -67,6 +67,7 @@ from svd_lora import COMPONENTS, LoRALinear, add_lora, init_lora, max_ranks
 
 INITS = ("stepwise", "average", "lower", "random")
 EXIT_LOSSES = ("none", "weighted", "aggressive")
+EXIT_RULES = ("softmax", "gate", "saturation")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -87,6 +88,13 @@ class RecursiveConfig(GPTConfig):
     exit_coef: float = 0.1  # coefficient of each intermediate loop for 'aggressive'
     self_distill: bool = False  # KD from the detached final-loop logits into the intermediate ones
     exit_threshold: float | None = None  # default confidence threshold of generate(); None = no early exit
+    # Which score decides an exit (exit_score): 'softmax' = the max softmax probability (the paper's confidence; the
+    # head on every row at every loop), 'gate' = the learned exit gate below (O(d) per row, CALM's classifier),
+    # 'saturation' = cosine of the loop's input and output hidden states (O(d), no parameters; CALM's saturation).
+    exit_rule: str = "softmax"
+    # A learned exit gate: per non-final loop one linear classifier on the final-norm'ed hidden state, trained (on
+    # detached inputs: the LM is untouched) to predict that this loop's argmax equals the final loop's (the oracle).
+    exit_gate: bool = False
 
     def validate(self):
         super().validate()
@@ -106,6 +114,9 @@ class RecursiveConfig(GPTConfig):
              "self_distill needs an exit loss (weighted or aggressive) to weight the intermediate terms")
         need(self.exit_threshold is None or self.exit_threshold > 0, f"exit_threshold={self.exit_threshold} must "
                                                                      f"be > 0 (or None: no early exit)")
+        need(self.exit_rule in EXIT_RULES, f"exit_rule={self.exit_rule!r} is not one of {EXIT_RULES}")
+        need(self.exit_rule != "gate" or self.exit_gate,
+             "exit_rule='gate' needs a model with a trained exit gate (train with --exit-gate)")
 
     @property
     def n_shared(self) -> int:  # K
@@ -190,6 +201,11 @@ class RecursiveGPT(GPT):
         for m in self.modules():
             if isinstance(m, LoRALinear):
                 m.reset_lora()
+        # exit gate: logit of "loop l's argmax is final" for l < B-1, column l; zero init = probability 0.5
+        self.exit_gate = nn.Linear(cfg.n_embd, cfg.n_loops - 1) if cfg.exit_gate and cfg.n_loops > 1 else None
+        if self.exit_gate is not None:
+            nn.init.zeros_(self.exit_gate.weight)
+            nn.init.zeros_(self.exit_gate.bias)
         self.metrics = {}
 
     def make_blocks(self, cfg: RecursiveConfig) -> nn.ModuleList:
@@ -234,14 +250,39 @@ class RecursiveGPT(GPT):
         # the early-exit objective is a training loss; in eval mode the loss is the final loop's cross-entropy, so
         # that validation losses compare across exit-loss settings (per-loop losses: `loop_logits`, `exit_analysis`)
         early = targets is not None and cfg.exit_loss != "none" and cfg.n_loops > 1 and self.training
-        hs = self.loop_hidden(idx, all_loops=early)
+        gate = targets is not None and self.exit_gate is not None and self.training
+        hs = self.loop_hidden(idx, all_loops=early or gate)
         logits = self.head(hs[-1])
         if targets is None:
             return logits, None
         if not early:
-            return logits, lm_loss(logits, targets)
-        all_logits = [self.head(h) for h in hs[:-1]] + [logits]
-        return logits, self.exit_objective(all_logits, targets)
+            loss = lm_loss(logits, targets)
+            all_logits = [None] * (len(hs) - 1) + [logits]
+        else:
+            all_logits = [self.head(h) for h in hs[:-1]] + [logits]
+            loss = self.exit_objective(all_logits, targets)
+        if gate:
+            loss = loss + self.gate_objective(hs, all_logits, targets)
+        return logits, loss
+
+    def gate_objective(self, hs, all_logits, targets):
+        """Binary cross-entropy of the exit gate at every non-final loop against the oracle target (this loop's
+        argmax == the final loop's), on labelled positions. Inputs are detached: only the gate learns from it."""
+        with torch.no_grad():
+            final = all_logits[-1].argmax(-1)  # (B, T)
+            mask = targets != IGNORE
+        loss, hits = 0.0, []
+        for l, h in enumerate(hs[:-1]):
+            with torch.no_grad():
+                lg = all_logits[l] if all_logits[l] is not None else self.head(h)
+                target = (lg.argmax(-1) == final).float()
+                z = self.norm(h)
+            score = self.exit_gate(z)[..., l].float()  # (B, T) logits
+            loss = loss + F.binary_cross_entropy_with_logits(score[mask], target[mask])
+            hits.append(((score[mask] > 0).float() == target[mask]).float().mean().detach())
+        if self.training:
+            self.metrics.update({"gate_loss": loss.detach(), "gate_acc": torch.stack(hits).mean()})
+        return loss
 
     def exit_objective(self, all_logits, targets):
         """sum_i c_i (CE_i [+ KD(final.detach() -> i) for i < B]) with the coefficients of exit_coefficients()."""
@@ -308,8 +349,55 @@ class RecursiveGPT(GPT):
 
     @staticmethod
     def exit_confidence(logits):
-        """Max softmax probability (..., V) -> (...), in fp32: the early-exit score."""
+        """Max softmax probability (..., V) -> (...), in fp32: the early-exit score of rule 'softmax'."""
         return F.softmax(logits.float(), dim=-1).amax(-1)
+
+    def exit_score(self, x, h, loops, rule):
+        """The O(d) exit scores (b,) fp32 of rows with loop input x and output h (b, 1, C) at loops (b,) (< B-1):
+        'gate' = the exit gate's probability at each row's loop, 'saturation' = cos(x, h)."""
+        if rule == "gate":
+            if self.exit_gate is None:
+                raise ValueError("exit rule 'gate' needs a model trained with an exit gate (--exit-gate)")
+            z = self.exit_gate(self.norm(h[:, 0]))  # (b, B-1)
+            return torch.sigmoid(z.float().gather(1, loops.clamp(max=z.size(1) - 1)[:, None])[:, 0])
+        if rule == "saturation":
+            return F.cosine_similarity(x[:, 0].float(), h[:, 0].float(), dim=-1)
+        raise ValueError(f"unknown exit rule {rule!r}; choose one of {EXIT_RULES}")
+
+    def exit_pass(self, x, loops, q_pos, cache: KVCache, rows=None, kv_len=None, threshold=None, rule=None):
+        """THE exit rule, used by decode_step and serve.py's depth-wise server: one loop over rows that may sit at
+        different loops, then who leaves, their state propagation and their logits.
+
+        x (b, 1, C) the rows' states before this loop; loops an int or (b,); q_pos (b, 1); rows (b,) cache rows
+        (None = all). Rows at the last loop always leave; with a threshold, rows whose exit score (rule: default
+        config.exit_rule) reaches it leave too, and their deeper cache layers are filled by `propagate`.
+        -> h (b, 1, C), leave (b,) bool, logits (n, V) of the n leaving rows in row order (None if none leaves).
+        The head runs only on the leaving rows, except under rule 'softmax', whose score is the head's output on
+        every row.
+        """
+        L = self.config.n_loops
+        h = self.loop_step(x, loops, q_pos, cache, rows=rows, kv_len=kv_len)
+        loops = loops if isinstance(loops, torch.Tensor) else torch.full((x.size(0),), loops, device=x.device)
+        last = loops == L - 1
+        leave, logits = last, None
+        if threshold is not None and not bool(last.all()):
+            rule = rule or self.config.exit_rule
+            if rule == "softmax":
+                logits = self.exit_logits(h)[:, 0]  # (b, V)
+                score = self.exit_confidence(logits)
+            else:
+                score = self.exit_score(x, h, loops, rule)
+            leave = last | (score >= threshold)
+            early = (leave & ~last).nonzero().squeeze(1)
+            if early.numel():  # the exited tokens' K/V for the loops they skip, all rows at once
+                self.propagate(h[early], loops[early], q_pos[early], cache,
+                               rows=(cache.all_rows if rows is None else rows)[early])
+        if bool(leave.all()):
+            return h, leave, (logits if logits is not None else self.exit_logits(h)[:, 0])
+        if not bool(leave.any()):
+            return h, leave, None
+        out = leave.nonzero().squeeze(1)
+        return h, leave, (logits[out] if logits is not None else self.exit_logits(h[out])[:, 0])
 
     def propagate(self, h, from_loop, q_pos, cache: KVCache, rows=None):
         """State propagation for exited tokens (CALM): fill every deeper cache layer (l' > from_loop, k) with K/V
@@ -334,46 +422,35 @@ class RecursiveGPT(GPT):
                 cache.layer(lp * K + k, rr).write(pos, kk, vv)
 
     @torch.no_grad()
-    def decode_step(self, tok, cache: RecursiveCache, exit_threshold: float | None = None, return_exits=False):
+    def decode_step(self, tok, cache: RecursiveCache, exit_threshold: float | None = None, return_exits=False,
+                    exit_rule: str | None = None):
         """One new token per row tok (B,) at position cache.lengths -> logits (B, V) [, exit loop (B,)].
 
-        Without a threshold every row runs all loops. With one, after each loop the rows whose max softmax
-        probability reaches it exit: their logits are that loop's, their deeper cache layers are filled by
-        `propagate`, and the remaining rows go on (a subset of rows, one loop index for all: plain matmuls).
-        The exit loops are also appended to cache.exit_log.
+        Each loop is one `exit_pass`: without a threshold every row runs all loops; with one, the rows whose exit
+        score (exit_rule, default config.exit_rule) reaches it leave with that loop's logits, their deeper cache
+        layers filled by state propagation, and the others go on (a subset of rows, one loop index for all: plain
+        matmuls). The exit loops are also appended to cache.exit_log.
         """
         cfg = self.config
         B, L = tok.size(0), cfg.n_loops
         q_pos = cache.lengths[:, None]  # (B, 1)
         kv_len = cache.max_len if cache.static else int(cache.lengths.max()) + 1
         x = self.embed(tok[:, None])
+        logits = torch.empty(B, cfg.vocab_size, dtype=self.lm_head.weight.dtype, device=tok.device)
         exits = torch.full((B,), L - 1, dtype=torch.long, device=tok.device)
-        if exit_threshold is None:
-            for l in range(L):
-                x = self.loop_step(x, l, q_pos, cache, kv_len=kv_len)
-            logits = self.exit_logits(x)[:, 0]
-        else:
-            logits = torch.empty(B, cfg.vocab_size, dtype=self.lm_head.weight.dtype, device=tok.device)
-            rows = None  # None = all rows of the cache (views, no gathers); else the active rows
-            active = cache.all_rows
-            for l in range(L):
-                x = self.loop_step(x, l, q_pos[active], cache, rows=rows, kv_len=kv_len)
-                lg = self.exit_logits(x)[:, 0]
-                if l == L - 1:
-                    logits[active] = lg.to(logits.dtype)
-                    exits[active] = l
-                    break
-                done = self.exit_confidence(lg) >= exit_threshold  # (b,)
-                if not bool(done.any()):
-                    continue
-                d, keep = done.nonzero().squeeze(1), (~done).nonzero().squeeze(1)
-                logits[active[d]] = lg[d].to(logits.dtype)
-                exits[active[d]] = l
-                self.propagate(x[d], l, q_pos[active[d]], cache, rows=active[d])
-                if keep.numel() == 0:
-                    break
-                active, x = active[keep], x[keep]
-                rows = active
+        active, rows = cache.all_rows, None  # None = all rows of the cache (views, no gathers); else the active rows
+        for l in range(L):
+            x, leave, lg = self.exit_pass(x, l, q_pos if rows is None else q_pos[active], cache, rows=rows,
+                                          kv_len=kv_len, threshold=exit_threshold, rule=exit_rule)
+            if not bool(leave.any()):
+                continue
+            gone = active[leave]
+            logits[gone] = lg.to(logits.dtype)
+            exits[gone] = l
+            if bool(leave.all()):
+                break
+            active, x = active[~leave], x[~leave]
+            rows = active
         cache.lengths += 1
         if isinstance(cache, RecursiveCache):
             cache.exit_log.append(exits)
@@ -381,7 +458,7 @@ class RecursiveGPT(GPT):
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens: int, temperature: float = 0.0, top_k=None, generator=None,
-                 exit_threshold: float | None = None, return_exits=False):
+                 exit_threshold: float | None = None, return_exits=False, exit_rule: str | None = None):
         """model.GPT.generate with early exit: idx (B, T) -> (B, T + max_new_tokens) [, exits (B, max_new_tokens)].
 
         exit_threshold (default: config.exit_threshold; None = never exit) turns on confidence-based early exit.
@@ -393,7 +470,7 @@ class RecursiveGPT(GPT):
         self.check_length(T + max_new_tokens)
         cache = self.new_cache(B, T + max(max_new_tokens, 0))
         tokens = super().generate(idx, max_new_tokens, temperature, top_k, generator, cache=cache,
-                                  exit_threshold=thr)
+                                  exit_threshold=thr, exit_rule=exit_rule)
         if not return_exits:
             return tokens
         first = torch.full((B,), self.config.n_loops - 1, dtype=torch.long, device=idx.device)
@@ -562,6 +639,10 @@ def add_args(ap: argparse.ArgumentParser):
                    help="KD from the detached final-loop logits into the intermediate ones")
     g.add_argument("--exit-threshold", type=float, default=None,
                    help="confidence threshold for early exit in generate (default: none)")
+    g.add_argument("--exit-gate", action="store_true", default=None,
+                   help="train a learned exit gate (one linear classifier per non-final loop, detached inputs)")
+    g.add_argument("--exit-rule", default=None, choices=EXIT_RULES,
+                   help="exit score of generate / serve.py: softmax (max probability), gate (learned), saturation")
 
 
 def config_overrides(args, relaxed: bool) -> dict:
@@ -578,7 +659,7 @@ def config_overrides(args, relaxed: bool) -> dict:
                 o[f"lora_rank_{c}"] = r
     elif base or any(ranks.values()) or getattr(args, "lora_init", None):
         raise ValueError("--lora-rank* and --lora-init are flags of --arch relaxed, not recursive")
-    for name in ("exit_loss", "exit_coef", "self_distill", "exit_threshold"):
+    for name in ("exit_loss", "exit_coef", "self_distill", "exit_threshold", "exit_gate", "exit_rule"):
         if getattr(args, name, None) is not None:
             o[name] = getattr(args, name)
     if getattr(args, "init", None) not in (None, "random") and not getattr(args, "init_from", None):

@@ -270,11 +270,13 @@ class Server:
 
     # -- bookkeeping ---------------------------------------------------------------------------------------------
 
-    def sample(self, logits, reqs) -> list[int]:
-        """logits (b, V) -> one token per request (greedy in one argmax; sampled with each request's generator)."""
+    def sample(self, logits, reqs) -> torch.Tensor:
+        """logits (b, V) -> one token per request (b,) on the device: greedy in one argmax, sampled with each
+        request's own generator (so a request's tokens do not depend on the schedule). THE sampler of every server."""
         if self.temperature <= 0:
-            return logits.argmax(-1).tolist()
-        return [int(sample_next(logits[i:i + 1], self.temperature, self.top_k, r.gen)[0]) for i, r in enumerate(reqs)]
+            return logits.argmax(-1)
+        return torch.cat([sample_next(logits[i:i + 1], self.temperature, self.top_k, r.gen) for i, r in
+                          enumerate(reqs)])
 
     def emit(self, r: Request, tok: int, exit_loop: int) -> bool:
         """Record a generated token; True when the request is finished."""
@@ -379,7 +381,7 @@ class ContinuousServer(Server):
 
     def admit(self, reqs):
         logits, tmp, _ = self.batched_prefill(reqs)
-        toks = self.sample(logits, reqs)
+        toks = self.sample(logits, reqs).tolist()
         free = [s for s, r in enumerate(self.req) if r is None]
         keep, slots = [], []
         for i, (r, t) in enumerate(zip(reqs, toks)):
@@ -400,8 +402,8 @@ class ContinuousServer(Server):
         kv_len = int(self.cache.lengths.max()) + 1
         logits = self.model.decode_step(self.tok, self.cache)  # (slots, V): one step over every slot
         toks = self.sample(logits[slots], [self.req[s] for s in slots])
-        self.tok[slots] = torch.tensor(toks, device=self.device)
-        for s, t in zip(slots, toks):
+        self.tok[slots] = toks
+        for s, t in zip(slots, toks.tolist()):
             if self.emit(self.req[s], t, None):
                 self.req[s] = None
         sync(self.device)
@@ -420,9 +422,8 @@ class StaticServer(ContinuousServer):
         need = max(len(r.prompt) + r.max_new_tokens for r in reqs)
         logits, self.cache, _ = self.batched_prefill(reqs, need)
         self.req = list(reqs)
-        toks = self.sample(logits, reqs)
-        self.tok = torch.tensor(toks, device=self.device)
-        for r, t in zip(reqs, toks):
+        self.tok = self.sample(logits, reqs)
+        for r, t in zip(reqs, self.tok.tolist()):
             self.emit(r, t, None)
 
     def busy(self):
@@ -434,11 +435,11 @@ class StaticServer(ContinuousServer):
         logits = self.model.decode_step(self.tok, self.cache)
         live = [i for i, r in enumerate(self.req) if not r.done]
         new = self.sample(logits[live], [self.req[i] for i in live])
-        for i, t in zip(live, new):
+        for i, t in zip(live, new.tolist()):
             self.emit(self.req[i], t, None)
         done = [i for i, r in enumerate(self.req) if r.done]
         self.cache.lengths[done] -= 1  # finished rows hold their position (and rewrite it): no cache overflow
-        self.tok[live] = torch.tensor(new, device=self.device, dtype=self.tok.dtype)  # done rows: any token
+        self.tok[live] = new  # done rows: any token
         sync(self.device)
         self.record_step(time.perf_counter() - t0, len(live),
                          self.step_params + len(self.req) * kv_len * self.kv_tok)
@@ -458,10 +459,11 @@ class DepthWiseServer(Server):
     is the bookkeeping of emitted tokens (list appends), after ONE transfer of (exit, token, loop) to the host.
     """
 
-    def __init__(self, model: RecursiveGPT, slots, exit_threshold=None, **kw):
+    def __init__(self, model: RecursiveGPT, slots, exit_threshold=None, exit_rule=None, **kw):
         super().__init__(model, slots, **kw)
-        self.threshold = exit_threshold
-        self.name = "depth-wise" + (f" exit>={exit_threshold:.3g}" if exit_threshold is not None else " no exit")
+        self.threshold, self.rule = exit_threshold, exit_rule or model.config.exit_rule
+        self.name = "depth-wise" + (f" {self.rule}>={exit_threshold:.3g}" if exit_threshold is not None else
+                                    " no exit")
 
     def reset(self):
         cfg = self.cfg
@@ -489,7 +491,7 @@ class DepthWiseServer(Server):
 
     def admit(self, reqs):
         logits, tmp, lengths = self.batched_prefill(reqs)
-        toks = self.sample(logits, reqs)
+        toks = self.sample(logits, reqs).tolist()
         free = [s for s, r in enumerate(self.req) if r is None]
         keep, slots = [], []
         for i, (r, t) in enumerate(zip(reqs, toks)):  # prompt tokens never exit early: the prefill runs all loops
@@ -504,36 +506,29 @@ class DepthWiseServer(Server):
 
     def step(self):
         t0 = time.perf_counter()
-        m, L = self.model, self.cfg.n_loops
+        m = self.model
         slots = [s for s, r in enumerate(self.req) if r is not None]
         full = len(slots) == self.slots
         active = self.all_slots if full else torch.tensor(slots, device=self.device)
         loops, pos = self.loop[active], self.pos[active]  # (b,), (b,)
         kv_len = int(pos.max()) + 1
-        # ONE pass of the shared block over every active slot, each at its own loop: per-row LoRA
-        # (kernels.multi_lora) and per-row cache layers (loop * K + k); all rows at one loop: plain matmuls.
+        # ONE pass of the shared block over every active slot, each at its own loop (per-row LoRA through
+        # kernels.multi_lora, per-row cache layers loop * K + k; all rows at one loop: plain matmuls), then the exit
+        # rule of RecursiveGPT.exit_pass: who leaves, their state propagation, the head on the leaving rows only.
         uniform = bool((loops == loops[0]).all())
-        h = m.loop_step(self.h[active], int(loops[0]) if uniform else loops, pos[:, None], self.cache,
-                        rows=None if full else active, kv_len=kv_len)  # (b, 1, C)
-        logits = m.exit_logits(h)[:, 0]  # (b, V): rows at the last loop need it, the confidence needs it for all
-        leave = loops == L - 1
-        if self.threshold is not None:
-            leave = leave | (m.exit_confidence(logits) >= self.threshold)
-        early = (leave & (loops < L - 1)).nonzero().squeeze(1)
-        if early.numel():  # state propagation: the exited tokens' K/V for the loops they skip, all rows at once
-            m.propagate(h[early], loops[early], pos[early, None], self.cache, rows=active[early])
-        if self.temperature <= 0:
-            toks = logits.argmax(-1)  # (b,)
-        else:  # sampled: each request's own generator (reproducible whatever the schedule), exiting rows only
-            toks = torch.zeros(len(slots), dtype=torch.long, device=self.device)
-            for i in leave.nonzero().squeeze(1).tolist():
-                toks[i] = sample_next(logits[i:i + 1], self.temperature, self.top_k, self.req[slots[i]].gen)[0]
-        # every slot's next state at once: exiting rows start their next token at loop 0, the others go deeper
+        h, leave, logits = m.exit_pass(self.h[active], int(loops[0]) if uniform else loops, pos[:, None],
+                                       self.cache, rows=None if full else active, kv_len=kv_len,
+                                       threshold=self.threshold, rule=self.rule)
+        out = leave.nonzero().squeeze(1)  # (n,) rows that emit a token
+        toks = torch.zeros(len(slots), dtype=torch.long, device=self.device)
+        if out.numel():
+            toks[out] = self.sample(logits, [self.req[slots[i]] for i in out.tolist()])
+        # every slot's next state at once: leaving rows start their next token at loop 0, the others go deeper
         self.h[active] = torch.where(leave[:, None, None], m.embed(toks[:, None]).to(self.dtype), h)
         self.loop[active] = torch.where(leave, torch.zeros_like(loops), loops + 1)
         self.pos[active] = pos + leave.long()
-        for i, (out, tok, loop) in enumerate(torch.stack([leave.long(), toks, loops]).t().tolist()):
-            if out and self.emit(self.req[slots[i]], tok, loop):
+        for i, (gone, tok, loop) in enumerate(torch.stack([leave.long(), toks, loops]).t().tolist()):
+            if gone and self.emit(self.req[slots[i]], tok, loop):
                 self.req[slots[i]] = None  # free: the queue refills it before the next step
         sync(self.device)
         self.record_step(time.perf_counter() - t0, len(slots),
@@ -545,14 +540,14 @@ class DepthWiseServer(Server):
 
 
 @torch.no_grad()
-def sequential_generate(model, r: Request, temperature=0.0, top_k=None, seed=0, exit_threshold=None):
+def sequential_generate(model, r: Request, temperature=0.0, top_k=None, seed=0, exit_threshold=None, exit_rule=None):
     """What a request should produce: model.generate on it alone (recursive: with the same exit rule)."""
     p = model.lm_head.weight
     idx = torch.tensor([r.prompt], device=p.device)
     gen = request_generator(seed, r.rid, p.device) if temperature > 0 else None
     if isinstance(model, RecursiveGPT):
         out, exits = model.generate(idx, r.max_new_tokens, temperature, top_k, gen, exit_threshold=exit_threshold,
-                                    return_exits=True)
+                                    return_exits=True, exit_rule=exit_rule)
         return out[0, len(r.prompt):].tolist(), exits[0].tolist()
     return model.generate(idx, r.max_new_tokens, temperature, top_k, gen)[0, len(r.prompt):].tolist(), None
 
@@ -562,16 +557,20 @@ class NoValidRequest(ValueError):
 
 
 @torch.no_grad()
-def calibrate_threshold(model: RecursiveGPT, reqs, exit_rate=0.5, n=8) -> float:
-    """A confidence threshold at which about `exit_rate` of the tokens leave after the first loop, measured on the
-    prompts of the first n valid requests (loop-0 states do not depend on deeper loops, so this is what decoding
-    sees at loop 0). Random weights give flat softmaxes: a fixed 0.9 would never exit."""
+def calibrate_threshold(model: RecursiveGPT, reqs, exit_rate=0.5, n=8, rule=None) -> float:
+    """A threshold at which about `exit_rate` of the tokens leave after the first loop under the exit rule (default
+    the model's), measured on the prompts of the first n valid requests (loop-0 states do not depend on deeper loops,
+    so this is what decoding sees at loop 0). Random weights give flat softmaxes: a fixed 0.9 would never exit."""
     cfg = model.config
+    rule = rule or cfg.exit_rule
     confs = []
     for r in reqs:
         if check_request(r, cfg.vocab_size, cfg.max_seq_len) is None:
             idx = torch.tensor([r.prompt], device=model.lm_head.weight.device)
-            confs.append(model.exit_confidence(model.loop_logits(idx)[0][0]).float().cpu())
+            x, h = model.embed(idx)[0][:, None], model.loop_hidden(idx)[0][0][:, None]  # (T, 1, C): loop 0's in/out
+            score = (model.exit_confidence(model.exit_logits(h)[:, 0]) if rule == "softmax" else
+                     model.exit_score(x, h, torch.zeros(len(r.prompt), dtype=torch.long, device=idx.device), rule))
+            confs.append(score.float().cpu())
             if len(confs) == n:
                 break
     if not confs:

@@ -458,3 +458,77 @@ def test_arch_specs_and_params_table(capsys):
     params_table(argparse.Namespace(preset="tiny", loops=2, ranks="8,64"))
     out = capsys.readouterr().out
     assert "vanilla" in out and "recursive B=2" in out and "relaxed B=2 r=64" in out
+
+
+# ---- the learned exit gate and the O(d) exit rules --------------------------------------------------------------
+
+
+def gated_model(seed=0):
+    van = vanilla(seed=seed, n_layer=4)
+    return from_vanilla(van, n_loops=2, init="average", lora_init="svd", log=lambda *_: None, exit_gate=True,
+                        **ranks(4))
+
+
+def test_exit_gate_learns_alone_and_leaves_the_lm_gradients_unchanged():
+    m = gated_model().train()
+    idx = torch.randint(0, m.config.vocab_size, (2, 12))
+    tgt = torch.randint(0, m.config.vocab_size, (2, 12))
+    tgt[:, :3] = -100
+    logits, loss = m(idx, tgt)
+    loss.backward()
+    gate_grad = m.exit_gate.weight.grad.clone()
+    trunk = {n: p.grad.clone() for n, p in m.named_parameters() if not n.startswith("exit_gate")}
+    assert gate_grad.abs().sum() > 0 and set(m.metrics) >= {"gate_loss", "gate_acc"}
+    m.zero_grad()
+    m.exit_gate = None  # the same model without its gate: the LM's gradients must be exactly the same
+    _, plain = m(idx, tgt)
+    plain.backward()
+    for n, p in m.named_parameters():
+        torch.testing.assert_close(p.grad, trunk[n], rtol=0, atol=0, msg=n)
+
+
+def test_exit_gate_target_is_the_oracle():
+    m = gated_model().train()
+    idx = torch.randint(0, m.config.vocab_size, (3, 10))
+    hs = m.loop_hidden(idx)
+    lg = [m.head(h) for h in hs]
+    target = (lg[0].argmax(-1) == lg[1].argmax(-1)).float()
+    with torch.no_grad():
+        m.exit_gate.weight.zero_()
+        m.exit_gate.bias.fill_(3.0)  # predicts "exit" everywhere: the loss is the BCE of logit 3 against the oracle
+    loss = m.gate_objective(hs, [None, lg[1]], torch.zeros_like(idx))
+    want = torch.nn.functional.binary_cross_entropy_with_logits(torch.full_like(target, 3.0), target)
+    torch.testing.assert_close(loss, want)
+
+
+@pytest.mark.parametrize("rule", ["gate", "saturation", "softmax"])
+def test_exit_rules_decode_equals_recomputation_and_heads_only_leaving_rows(rule):
+    m = gated_model(seed=1).eval()
+    with torch.no_grad():
+        m.exit_gate.weight.normal_(0, 1.0)
+    idx = torch.randint(0, m.config.vocab_size, (4, 5))
+    x0 = m.embed(idx)
+    h0 = m.loop_hidden(idx)[0]
+    scores = (m.exit_confidence(m.head(h0)) if rule == "softmax" else
+              m.exit_score(x0.flatten(0, 1)[:, None], h0.flatten(0, 1)[:, None],
+                           torch.zeros(idx.numel(), dtype=torch.long), rule))
+    thr = float(scores.detach().flatten().median())  # about half the tokens exit at loop 1
+    head_rows, real_head = [], m.exit_logits
+    m.exit_logits = lambda h: (head_rows.append(h.size(0)), real_head(h))[1]
+    try:
+        out, exits = m.generate(idx, 10, exit_threshold=thr, exit_rule=rule, return_exits=True)
+    finally:
+        del m.exit_logits
+    assert 0 < int((exits[:, 1:] == 0).sum()) < exits[:, 1:].numel()  # some exit early, some do not
+    decode_heads = head_rows  # the prefill's head is not an exit head
+    if rule == "softmax":  # its score is the head: every row at loop 0, the remaining ones at loop 1
+        assert sum(decode_heads) == 9 * 4 + int((exits[:, 1:] == 1).sum())
+    else:  # the head runs once per emitted token, on the leaving rows only
+        assert sum(decode_heads) == 9 * 4
+    # each token equals a full recomputation of its loops from the cache it saw (the existing exit check)
+    cache = m.new_cache(4, 15)
+    m.prefill(idx, cache)
+    for t in range(9):
+        lg, e = m.decode_step(out[:, 5 + t], cache, thr, return_exits=True, exit_rule=rule)
+        assert torch.equal(e, exits[:, t + 1])
+        assert torch.equal(lg.argmax(-1), out[:, 6 + t])

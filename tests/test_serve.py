@@ -199,3 +199,37 @@ def test_no_valid_request_with_a_given_threshold_reports_zeros(tmp_path, capsys)
         assert "throughput vs vanilla" not in out and "request errors (every system): 1 bad request line, 1 empty " \
                                                           "prompt" in out
         json.loads(out.splitlines()[-1], parse_constant=lambda c: pytest.fail(f"{c} in --json"))  # strict JSON
+
+
+def _gated():
+    torch.manual_seed(5)
+    van = GPT(GPTConfig(**{**CFG, "n_layer": 3}))
+    with torch.no_grad():
+        van.tok_emb.weight.mul_(40.0)
+    rel = from_vanilla(van, n_loops=3, init="average", lora_init="svd", log=lambda *_: None, exit_gate=True,
+                       lora_rank_q=4, lora_rank_kv=4, lora_rank_o=4, lora_rank_mlp=4)
+    with torch.no_grad():
+        rel.exit_gate.weight.normal_(0, 1.0)
+    return rel.eval()
+
+
+@pytest.mark.parametrize("rule", ["gate", "saturation"])
+@pytest.mark.parametrize("temperature", [0.0, 8.0])
+def test_depthwise_with_o_d_exit_rules_equals_sequential(rule, temperature):
+    rel = _gated()
+    reqs = _requests(30, seed=4)
+    thr = serve.calibrate_threshold(rel, reqs, exit_rate=0.5, rule=rule)
+    kw = dict(temperature=temperature, top_k=20, seed=3)
+    heads = []
+    real = rel.exit_logits
+    rel.exit_logits = lambda h: (heads.append(h.size(0)), real(h))[1]
+    try:
+        out = serve.DepthWiseServer(rel, slots=5, exit_threshold=thr, exit_rule=rule, **kw).run(reqs, clock="step")
+    finally:
+        del rel.exit_logits
+    exits = [e for r in out for e in r.exits]
+    assert sum(heads) == sum(len(r.output) - 1 for r in out)  # the head ran on leaving rows only
+    assert 0 < sum(e < 2 for e in exits[1:]) and len(set(exits)) == 3  # exits at every loop
+    for r in out:
+        ref, ref_exits = serve.sequential_generate(rel, r, exit_threshold=thr, exit_rule=rule, **kw)
+        assert r.output == ref and r.exits == ref_exits, r.rid
