@@ -156,7 +156,7 @@ def forced_generate(model, product: str, idx, new_tokens: int):
 
 def print_linear_choices(dtype):
     """model.linear's measurements in this dtype: per (rows, weight shape) the GB/s of weights each candidate read and
-    the pick, and the bytes of the transposed weight copies alive (what "xwt" costs in memory)."""
+    the pick, and the bytes of the weight copies alive (what "xwt" and "dnn" cost in memory)."""
     rows, copies = linear_report()
     print(f"   model.linear's choice per (rows, out x in) in {dtype} (GB/s of weights read, timed once over "
           f">= {LINEAR_PROBE_BYTES >> 20} MiB of copies; * = picked; cpu {cpu_key()}):")
@@ -164,7 +164,7 @@ def print_linear_choices(dtype):
         if r["dtype"] == str(dtype).removeprefix("torch."):
             cands = "  ".join(f"{k} {v:5.1f}{'*' if k == r['pick'] else ' '}" for k, v in r["gbps"].items())
             print(f"      rows {r['rows']:3d}  {r['shape'][0]:6d} x {r['shape'][1]:<6d} {cands}")
-    print(f"   transposed weight copies alive: {copies / 1e6:.1f} MB")
+    print(f"   weight copies alive (transposed / oneDNN layout): {copies / 1e6:.1f} MB")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1074,7 +1074,7 @@ def main(argv=None):
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip the transformers comparison")
     p.add_argument("--compile", action="store_true", help="ours: GPT.compile_decode() (static cache, compiled step)")
     p.add_argument("--linear", default="auto", help="comma list of model.linear products to time, each forced in turn: "
-                   "auto (the measured choice), linear, mv, mm, xwt")
+                   "auto (the measured choice), linear, mv, mm, xwt, dnn")
     p.set_defaults(fn=bench_decode)
 
     p = sub.add_parser("train", help="training tok/s vs nanoGPT's model.py at the same shape")

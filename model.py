@@ -275,8 +275,8 @@ def linear(x, weight, bias=None):
     """F.linear, or at CPU inference the product of the same math this machine runs fastest at x's shape.
 
     Decoding multiplies a few rows by every weight matrix: the step is bound by reading the weights, and which product
-    reads them fastest (F.linear's x W^T, a matrix-vector product, W x^T, x times a transposed copy of W) depends on
-    the CPU, the dtype, the row count and the shape -- by up to 2x, either way. So on CPU without gradients, with x
+    reads them fastest (F.linear's x W^T, a matrix-vector product, W x^T, x times a transposed copy of W, oneDNN on
+    a copy of W in its blocked layout) depends on the CPU, the dtype, the row count and the shape -- by up to 2x. So on CPU without gradients, with x
     and W of one dtype (fp32 or bf16) and at most 64 rows, `linear_product` times the candidates once per (dtype, row
     bucket, shape) and keeps the fastest (F.linear is one of them); `python bench.py decode` prints the choice and
     the GB/s of each product. Same math, another summation order: results agree to rounding. Training (gradients),
@@ -287,8 +287,8 @@ def linear(x, weight, bias=None):
         rows = x.numel() // x.size(-1)
         name = linear_product(x.dtype, rows, *weight.shape) if rows <= LINEAR_ROW_BUCKETS[-1] else "linear"
         if name != "linear":
-            wt = transposed(weight) if name == "xwt" else None
-            y = LINEAR_PRODUCTS[name](x.reshape(rows, -1), weight, wt)  # (rows, out)
+            copy = weight_copy(weight, name) if name in LINEAR_COPIES else None
+            y = LINEAR_PRODUCTS[name](x.reshape(rows, -1), weight, copy)  # (rows, out)
             if bias is not None:
                 y = y + bias
             return y.reshape(*x.shape[:-1], weight.size(0))
@@ -687,19 +687,24 @@ LINEAR_PROBE_BYTES = 64 << 20  # bytes of weight copies one timed pass reads: mo
 LINEAR_MAX_COPIES = 256  # at most this many copies (a small matrix's product is bound by per-call overhead)
 # measured times on disk, per machine; the environment variable LINEAR_CHOICE_CACHE names another file ("": none)
 LINEAR_CACHE = os.path.expanduser("~/.cache/nano-efficient-inference/linear_choice.json")
-LINEAR_COPY_GAIN = 1.10  # a transposed copy costs the weight's bytes again: kept only when > 10% faster than the rest
-LINEAR_PRODUCTS = {  # name -> f(x (rows, in), W (out, in), W^T (in, out) contiguous or None) -> (rows, out)
-    "linear": lambda x, w, wt: F.linear(x, w),
-    "mv": lambda x, w, wt: torch.mv(w, x[0])[None],  # one row only
+LINEAR_COPY_GAIN = 1.10  # a weight copy costs the weight's bytes again: kept only when > 10% faster than the rest
+LINEAR_COPIES = {  # product -> the copy of W it reads, made once per weight (weight_copy)
+    "xwt": lambda w: w.t().contiguous(),  # W^T (in, out)
+    "dnn": lambda w: torch.ops.mkldnn._reorder_linear_weight(w, 64),  # oneDNN's blocked layout (hint: 64 rows)
+}
+LINEAR_PRODUCTS = {  # name -> f(x (rows, in), W (out, in), the product's copy of W or None) -> (rows, out)
+    "linear": lambda x, w, c: F.linear(x, w),
+    "mv": lambda x, w, c: torch.mv(w, x[0])[None],  # one row only
     # (rows, out) made contiguous (a few KB): a transposed view would push later ops (SDPA's CPU flash kernel needs
     # unit stride in the last dim) onto slow strided paths
-    "mm": lambda x, w, wt: torch.mm(w, x.t().contiguous()).t().contiguous(),
-    "xwt": lambda x, w, wt: torch.mm(x, wt),
+    "mm": lambda x, w, c: torch.mm(w, x.t().contiguous()).t().contiguous(),
+    "xwt": lambda x, w, c: torch.mm(x, c),
+    "dnn": lambda x, w, c: torch.ops.mkldnn._linear_pointwise(x, c, None, "none", [], ""),  # what inductor runs
 }
 _linear_choice: dict[tuple, str] = {}  # (dtype, rows, out, in) -> product name, for this process
 _linear_times: dict[tuple, dict[str, float]] = {}  # (dtype, bucket, out, in) -> product -> seconds, as measured
 _linear_forced: list[str | None] = [os.environ.get("LINEAR_PRODUCT") or None]  # force_linear() sets it
-_transposed = WeakIdKeyDictionary()  # weight -> ((version, data_ptr), W^T contiguous): the copies "xwt" reads
+_weight_copies = WeakIdKeyDictionary()  # weight -> product -> ((version, data_ptr), copy of the weight)
 
 
 def force_linear(name: str | None):
@@ -710,34 +715,38 @@ def force_linear(name: str | None):
     _linear_forced[0] = name
 
 
-def linear_candidates(rows: int) -> list[str]:
-    """The products timed for `rows` rows, F.linear first (a tie keeps it)."""
-    return ["linear", "mv", "mm", "xwt"] if rows == 1 else ["linear", "mm", "xwt"]
+def linear_candidates(dtype, rows: int) -> list[str]:
+    """The products timed for `rows` rows of dtype, F.linear first (a tie keeps it); "dnn" where torch has oneDNN
+    (and its bf16 support, for bf16)."""
+    dnn = torch.backends.mkldnn.is_available() and (dtype != torch.bfloat16
+                                                    or torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return ["linear"] + ["mv"] * (rows == 1) + ["mm", "xwt"] + ["dnn"] * dnn
 
 
 def pick_linear(times: dict[str, float]) -> str:
-    """The fastest product of `times` (name -> seconds, "linear" among them); "xwt" only when it beats the fastest
-    other product by LINEAR_COPY_GAIN (its transposed copy costs memory). Never slower than F.linear as measured."""
-    plain = min((k for k in times if k != "xwt"), key=times.__getitem__)
-    return "xwt" if "xwt" in times and times["xwt"] * LINEAR_COPY_GAIN < times[plain] else plain
+    """The fastest product of `times` (name -> seconds, "linear" among them); one that reads a weight copy (memory)
+    only when it beats the fastest product without one by LINEAR_COPY_GAIN. Never slower than F.linear as measured."""
+    plain = min((k for k in times if k not in LINEAR_COPIES), key=times.__getitem__)
+    copy = min((k for k in times if k in LINEAR_COPIES), key=times.__getitem__, default=None)
+    return copy if copy is not None and times[copy] * LINEAR_COPY_GAIN < times[plain] else plain
 
 
 def time_linear_products(dtype, rows: int, out_f: int, in_f: int, names, repeats: int = 3) -> dict[str, float]:
     """Seconds per product of each named product for x (rows, in_f) and W (out_f, in_f): after one warm-up call
     each, `repeats` interleaved passes over n copies of W (LINEAR_PROBE_BYTES, at most LINEAR_MAX_COPIES), median."""
     n = max(1, min(LINEAR_MAX_COPIES, -(-LINEAR_PROBE_BYTES // (out_f * in_f * dtype.itemsize))))
-    w = torch.randn(out_f, in_f, dtype=dtype).expand(n, out_f, in_f).contiguous()  # (n, out, in)
-    wt = w.transpose(1, 2).contiguous().unbind(0) if "xwt" in names else [None] * n  # n x (in, out)
-    w, x = w.unbind(0), torch.randn(rows, in_f, dtype=dtype)
+    w = torch.randn(out_f, in_f, dtype=dtype).expand(n, out_f, in_f).contiguous().unbind(0)  # n x (out, in)
+    copies = {k: [LINEAR_COPIES[k](wi) for wi in w] if k in LINEAR_COPIES else [None] * n for k in names}
+    x = torch.randn(rows, in_f, dtype=dtype)
     times = {k: [] for k in names}
     for k in names:
-        LINEAR_PRODUCTS[k](x, w[0], wt[0])
+        LINEAR_PRODUCTS[k](x, w[0], copies[k][0])
     for _ in range(repeats):
         for k in names:
-            f = LINEAR_PRODUCTS[k]
+            f, c = LINEAR_PRODUCTS[k], copies[k]
             t0 = time.perf_counter()
             for i in range(n):
-                f(x, w[i], wt[i])
+                f(x, w[i], c[i])
             times[k].append((time.perf_counter() - t0) / n)
     return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
 
@@ -762,7 +771,7 @@ def linear_times(dtype, bucket: int, out_f: int, in_f: int) -> dict[str, float]:
     ~0.7 s per dtype and row bucket at the base preset's 5 shapes, hence the disk cache."""
     key = (dtype, bucket, out_f, in_f)
     if key not in _linear_times:
-        path, names = os.environ.get("LINEAR_CHOICE_CACHE", LINEAR_CACHE), linear_candidates(bucket)
+        path, names = os.environ.get("LINEAR_CHOICE_CACHE", LINEAR_CACHE), linear_candidates(dtype, bucket)
         mkey, skey = cpu_key(), f"{str(dtype).removeprefix('torch.')} {bucket} {out_f}x{in_f}"
         times = _read_json(path).get(mkey, {}).get(skey) if path else None
         if times is None or sorted(times) != sorted(names):
@@ -804,24 +813,27 @@ def _write_json(path: str, obj: dict):
         pass
 
 
-def transposed(weight: torch.Tensor) -> torch.Tensor:
-    """W^T (in, out) contiguous, copied once per weight and again whenever the weight changed: in place (its version
-    counter moved: an optimizer step, load_state_dict) or replaced (its storage moved: .to()). Writes through
-    `weight.data` bypass the version counter and are not seen."""
+def weight_copy(weight: torch.Tensor, name: str) -> torch.Tensor:
+    """The copy of `weight` product `name` reads (LINEAR_COPIES), made once per weight and again whenever the weight
+    changed: in place (its version counter moved: an optimizer step, load_state_dict) or replaced (its storage
+    moved: .to()). Writes through `weight.data` bypass the version counter and are not seen."""
     stamp = (weight._version, weight.data_ptr())
-    hit = _transposed.get(weight)
+    copies = _weight_copies.get(weight)
+    if copies is None:
+        copies = _weight_copies[weight] = {}
+    hit = copies.get(name)
     if hit is None or hit[0] != stamp:
-        hit = _transposed[weight] = (stamp, weight.t().contiguous())
+        hit = copies[name] = (stamp, LINEAR_COPIES[name](weight))
     return hit[1]
 
 
 def linear_report() -> tuple[list[dict], int]:
     """What the chooser measured: one dict per (dtype, row bucket, shape) -- the pick and the GB/s of weights each
-    candidate read -- and the bytes of the transposed copies alive now."""
+    candidate read -- and the bytes of the weight copies alive now (elements x size: oneDNN's layout may pad)."""
     rows = [dict(dtype=str(d).removeprefix("torch."), rows=b, shape=(o, i), pick=pick_linear(t),
                  gbps={k: o * i * d.itemsize / s / 1e9 for k, s in t.items()})
             for (d, b, o, i), t in _linear_times.items()]
-    return rows, sum(v[1].nbytes for v in _transposed.values())
+    return rows, sum(c.numel() * c.element_size() for cs in _weight_copies.values() for _, c in cs.values())
 
 
 # ----------------------------------------------------------------------------------------------------------------
