@@ -91,7 +91,8 @@ def test_the_chooser_never_keeps_a_product_slower_than_f_linear(monkeypatch):
 
 def test_measured_times_persist_on_disk_per_machine(monkeypatch):
     calls = []
-    monkeypatch.setattr(model, "time_linear_products", fake_timer({2: dict(linear=1.0, mm=0.5, xwt=0.6, dnn=0.6)}, calls))
+    table = {2: dict(linear=1.0, mm=0.5, xwt=0.6, dnn=0.6)}
+    monkeypatch.setattr(model, "time_linear_products", fake_timer(table, calls))
     assert linear_product(torch.bfloat16, 2, 8, 16) == "mm" and len(calls) == 1
     monkeypatch.setattr(model, "_linear_choice", {})  # a new process: its caches are empty
     monkeypatch.setattr(model, "_linear_times", {})
