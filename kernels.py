@@ -1025,27 +1025,22 @@ AOT_TARGETS = {  # capability -> (GPU, SMs, opt-in max shared memory per block i
 }
 
 
-@functools.lru_cache(maxsize=None)
-def _aot_preset_shapes():
-    """Head shapes and LoRA ranks of the presets that launch kernels -> {family: [(preset, dict)]}. Imported here:
-    those modules import this one."""
-    import double_decoder
-    import plt
-    import recursive
-
-    def heads(p):
-        D = p.get("head_dim") or p["n_embd"] // p["n_head"]
-        return dict(H=p["n_head"], H_kv=p["n_kv_head"], D=D)
-
-    lora = []
-    for name, p in recursive.RELAXED_PRESETS.items():
-        ranks = sorted({r for c, r in p.items() if c.startswith("lora_rank_") and 0 < r <= MAX_LORA_RANK})
-        lora += [(name, dict(rank=r, d=p["n_embd"], n_loops=p["n_loops"])) for r in ranks]
-    return {
-        "lora": lora,
-        "plt": [(n, dict(heads(p), window=p["window"], L1=p["n_loops"] - 1)) for n, p in plt.PRESETS.items()],
-        "dd": [(n, heads(p)) for n, p in double_decoder.PRESETS.items()],
-    }
+# The kernel shapes of the presets that launch kernels (written out: this module imports no model file;
+# tests/test_aot.py derives them from plt.PRESETS, double_decoder.PRESETS and recursive.RELAXED_PRESETS and checks
+# they are equal). LoRA: model width d, loops, the ranks <= MAX_LORA_RANK; PLT: heads, head dim, window, non-first
+# loops L1; double decoder: heads and head dim.
+AOT_PRESETS = {
+    "lora": {"tiny": dict(d=128, n_loops=2, ranks=(16,)), "tiny6": dict(d=128, n_loops=2, ranks=(64,)),
+             "mini": dict(d=256, n_loops=2, ranks=(64,)), "small": dict(d=512, n_loops=2, ranks=(64,)),
+             "base": dict(d=768, n_loops=2, ranks=(128,)), "gemma-2b": dict(d=2048, n_loops=2, ranks=(256,)),
+             "tinyllama-1.1b": dict(d=2048, n_loops=2, ranks=(256,))},
+    "plt": {"tiny": dict(H=4, H_kv=2, D=32, window=32, L1=1), "small": dict(H=8, H_kv=2, D=64, window=64, L1=1),
+            "base": dict(H=12, H_kv=3, D=64, window=64, L1=1),
+            "ablation-dense": dict(H=16, H_kv=4, D=96, window=64, L1=1),
+            "dense-1.2b": dict(H=32, H_kv=8, D=64, window=64, L1=1)},
+    "dd": {"tiny": dict(H=4, H_kv=2, D=32), "mini": dict(H=4, H_kv=2, D=64), "small": dict(H=8, H_kv=4, D=64),
+           "base": dict(H=12, H_kv=4, D=64)},
+}
 
 
 def _aot_heads(B, H, T, D, dtype, transposed=False):
@@ -1102,20 +1097,20 @@ def aot_cases():
     """Every kernel launch of the presets' inference paths, per dtype -> [AOTCase]. Decode (one token: a batch of 1
     and a depth-wise serving batch of 8 rows for LoRA) and prefill (a 256-token prompt); the PLT decode reads a
     shared cache of 200 of 1024 positions; the double decoder's layer sees 256 self keys and 512 cross keys."""
-    shapes = _aot_preset_shapes()
     cases = []
     for dtype in KERNEL_DTYPES:
         dt = str(dtype).removeprefix("torch.")
-        for name, s in shapes["lora"]:
-            for phase, N, T in (("decode", 1, 1), ("serve8", 8, 1), ("prefill", 1, 256)):
-                cases.append(AOTCase(f"lora/{name}/r{s['rank']}/{phase}/{dt}", dtype, functools.partial(
-                    _aot_lora, N, T, s["d"], s["n_loops"], s["rank"], dtype)))
-        for name, s in shapes["plt"]:
+        for name, s in AOT_PRESETS["lora"].items():
+            for rank in s["ranks"]:
+                for phase, N, T in (("decode", 1, 1), ("serve8", 8, 1), ("prefill", 1, 256)):
+                    cases.append(AOTCase(f"lora/{name}/r{rank}/{phase}/{dt}", dtype, functools.partial(
+                        _aot_lora, N, T, s["d"], s["n_loops"], rank, dtype)))
+        for name, s in AOT_PRESETS["plt"].items():
             cases.append(AOTCase(f"plt/{name}/prefill/{dt}", dtype, functools.partial(
                 _aot_gated_swa, 1, 256, s["H"], s["H_kv"], s["D"], s["window"], dtype)))
             cases.append(AOTCase(f"plt/{name}/decode/{dt}", dtype, functools.partial(
                 _aot_gated_swa_decode, 1, s["L1"], s["H"], s["H_kv"], s["D"], s["window"], 200, 1024, dtype)))
-        for name, s in shapes["dd"]:
+        for name, s in AOT_PRESETS["dd"].items():
             for phase, T, S1 in (("decode", 1, 16), ("prefill", 256, 256)):
                 cases.append(AOTCase(f"dd/{name}/{phase}/{dt}", dtype, functools.partial(
                     _aot_dual, 1, T, S1, 512, s["H"], s["H_kv"], s["D"], dtype)))

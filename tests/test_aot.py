@@ -53,6 +53,27 @@ def rows(tmp_path_factory):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def test_aot_presets_match_the_models():
+    """kernels.AOT_PRESETS is the presets' kernel shapes, written out (kernels.py imports no model file)."""
+    import double_decoder
+    import plt
+    import recursive
+
+    def heads(p):
+        return dict(H=p["n_head"], H_kv=p["n_kv_head"], D=p.get("head_dim") or p["n_embd"] // p["n_head"])
+
+    lora = {}
+    for name, p in recursive.RELAXED_PRESETS.items():
+        ranks = tuple(sorted({r for k, r in p.items() if k.startswith("lora_rank_") and 0 < r <= kernels.MAX_LORA_RANK}))
+        if ranks:
+            lora[name] = dict(d=p["n_embd"], n_loops=p["n_loops"], ranks=ranks)
+    assert kernels.AOT_PRESETS == {
+        "lora": lora,
+        "plt": {n: dict(heads(p), window=p["window"], L1=p["n_loops"] - 1) for n, p in plt.PRESETS.items()},
+        "dd": {n: heads(p) for n, p in double_decoder.PRESETS.items()},
+    }
+
+
 def test_cases_cover_every_kernel():
     launched = _launched_kernels()
     assert len(launched) >= 6
