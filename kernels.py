@@ -1019,9 +1019,9 @@ def dual_attention(q, q_pos, q_blk, k_s, v_s, s_pos, s_blk, k_c, v_c, c_blk, sca
 # Lengths that vary at run time (KV length, split counts) are specialized by Triton on ==1 and %16: a case fixes one
 # representative value of each. Needs the real compiler: Triton imported without TRITON_INTERPRET=1.
 
-AOT_TARGETS = {  # capability -> (GPU, SMs, opt-in max shared memory per block in bytes)
-    80: ("A100", 108, 166912),
-    90: ("H100 SXM", 132, 232448),
+AOT_TARGETS = {  # capability -> SMs, opt-in max shared memory per block (bytes)
+    80: dict(sms=108, shared=166912),  # A100
+    90: dict(sms=132, shared=232448),  # H100 SXM
 }
 
 
@@ -1142,7 +1142,7 @@ def _aot_record(case, sms):
 
 def aot_kernels(case):
     """Names of the kernels a case launches, in launch order."""
-    return [name for name, _, _ in _aot_record(case, AOT_TARGETS[90][1])]
+    return [name for name, _, _ in _aot_record(case, AOT_TARGETS[90]["sms"])]
 
 
 def aot_compile(kernel_name, target, case):
@@ -1156,7 +1156,7 @@ def aot_compile(kernel_name, target, case):
     if not isinstance(fn, JITFunction):
         raise RuntimeError(f"{kernel_name} is a {type(fn).__name__}: kernels.py was imported with TRITON_INTERPRET=1; "
                            "compile in a process without it")
-    launches = [(args, kwargs) for name, args, kwargs in _aot_record(case, AOT_TARGETS[target][1])
+    launches = [(args, kwargs) for name, args, kwargs in _aot_record(case, AOT_TARGETS[target]["sms"])
                 if name == kernel_name]
     if not launches:
         raise ValueError(f"{case.name} does not launch {kernel_name}")
@@ -1170,7 +1170,8 @@ def aot_compile(kernel_name, target, case):
 
 def _cubin_resources(cubin: bytes, kernel_name: str):
     """-> (registers per thread, stack frame bytes per thread) read from the cubin by Triton's bundled cuobjdump.
-    Triton inlines every helper and allocates no local arrays, so the stack frame holds register spills only."""
+    The stack frame is where ptxas spills registers (the same figure as ptxas -v's "bytes stack frame", which it
+    prints next to the spill stores): CompiledKernel.n_regs / n_spills need a GPU (they come from loading it)."""
     import re
     import subprocess
     import tempfile
@@ -1187,7 +1188,7 @@ def _cubin_resources(cubin: bytes, kernel_name: str):
 def aot_report(targets=(80, 90), cases=None):
     """Compile every kernel of every case (default: aot_cases()) for each target -> rows (dicts): kernel, case,
     target ("sm_90"), dtype, shared (bytes), shared_limit, regs, spills (stack frame bytes per thread, ptxas -v's
-    figure), ptx_entry (the PTX defines the kernel's entry), seconds (compile time; 0 for a cache hit), error (None,
+    figure), ptx_entry (the PTX defines the kernel's entry), seconds (compile time; ~0 on a Triton cache hit), error (None,
     or the compile error: one failing kernel does not stop the report)."""
     import time
 
@@ -1197,7 +1198,7 @@ def aot_report(targets=(80, 90), cases=None):
             for target in targets:
                 row = dict(kernel=kernel, case=case.name, target=f"sm_{target}",
                            dtype=str(case.dtype).removeprefix("torch."), shared=None,
-                           shared_limit=AOT_TARGETS[target][2], regs=None, spills=None, ptx_entry=None,
+                           shared_limit=AOT_TARGETS[target]["shared"], regs=None, spills=None, ptx_entry=None,
                            seconds=None, error=None)
                 t0 = time.perf_counter()
                 try:

@@ -91,5 +91,5 @@ def test_compiles_and_fits(rows, kernel, target):
     for r in mine:
         assert r["error"] is None, f"{r['case']}: {r['error']}"
         assert r["ptx_entry"], r["case"]
-        assert 0 <= r["shared"] <= kernels.AOT_TARGETS[target][2], r
+        assert 0 <= r["shared"] <= kernels.AOT_TARGETS[target]["shared"], r
         assert 0 < r["regs"] <= 255 and r["spills"] >= 0, r
