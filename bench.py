@@ -485,48 +485,72 @@ def bench_archs(args):
 @torch.no_grad()
 def bench_serve(args):
     """Section 2.4 / 3.8 of the Relaxed Recursive Transformers paper, run for real: the same requests through
-    vanilla continuous sequence-wise batching and through continuous depth-wise batching of the relaxed model of the
-    same effective depth (B = 2 loops of N/2 shared layers), without and with confidence early exit, at the same
-    number of slots. Weights are random: the exit threshold is calibrated so that the share of tokens leaving at
-    loop 1 is the one measured on a trained checkpoint (`--exit-rate`, from `python bench.py exits`); the output says
-    so. Generated tokens per second over interleaved rounds."""
+    vanilla continuous sequence-wise batching (CSB) and continuous depth-wise batching of the relaxed model of the
+    same effective depth (B loops of N/B shared layers), without and with early exit, per dtype and B. Weights are
+    random, so exits are SIMULATED: each exit rule's threshold is calibrated so that --exit-rate of the prompt tokens
+    leave at loop 1 (the rate measured on a trained checkpoint by `python eval.py exits`/`bench.py exits`; the output
+    says which). The learned gate here has random weights: what is measured is its cost, not its accuracy.
+
+    Two throughputs: end to end (all tokens / wall time, the drain of the last requests included) and loaded (tokens
+    emitted in steps with every slot busy / their time: what a server with a queue sustains). The ceiling of a
+    depth-wise server over CSB at equal slots is B / E[loops] (a step runs N/B layers; a token needs E[loops] steps);
+    the measured ratio is printed beside it. --batch-memory-mb instead gives each system the slots that fit that
+    many MiB of weights + full-context KV (Table K.3/K.4's memory-limited setting): smaller shared weights buy slots."""
     import serve
     from recursive import from_vanilla
 
     device = pick_device(args.device)
-    dtype = pick_dtype(device, args.dtype)
     P, G = args.prompt_len, args.gen_len
-    cfg = GPTConfig.from_preset(args.preset, vocab_size=args.vocab_size, max_seq_len=P + G + 8)
-    torch.manual_seed(0)
-    van = GPT(cfg)
-    ranks = {f"lora_rank_{c}": args.lora_rank for c in ("q", "kv", "o", "mlp")} if args.lora_rank else {}
-    rel = from_vanilla(van, n_loops=2, init="average", lora_init="svd", log=lambda *_: None, **ranks)
-    van, rel = van.to(device, dtype).eval(), rel.to(device, dtype).eval()
-    reqs = serve.synthetic_requests(args.requests, cfg.vocab_size, str(P), str(G), seed=0)
-    thr = serve.calibrate_threshold(rel, reqs, exit_rate=args.exit_rate)
-    kw = dict(slots=args.slots)
-    servers = {"vanilla continuous (sequence-wise)": serve.ContinuousServer(van, **kw),
-               "relaxed depth-wise, no exit": serve.DepthWiseServer(rel, **kw),
-               "relaxed depth-wise + early exit": serve.DepthWiseServer(rel, exit_threshold=thr, **kw)}
-    header("serving", device, dtype, f"preset {args.preset} shape (N={cfg.n_layer}, d {cfg.n_embd}), vocabulary "
-           f"{cfg.vocab_size} | vanilla {param_bytes(van) / 1e6:.0f} MB, relaxed B=2 K={rel.config.n_shared} rank "
-           f"{args.lora_rank} {param_bytes(rel) / 1e6:.0f} MB | {args.requests} requests, prompt {P}, {G} new tokens, "
-           f"{args.slots} slots | median (min..max) of {args.repeats} interleaved rounds after 1 warm-up")
-    print(f"   SIMULATED exits: random weights; threshold {thr:.4g} calibrated on the prompts so that "
-          f"{args.exit_rate:.0%} of tokens leave at loop 1 ({args.exit_source})")
-    for srv in servers.values():  # warm-up: allocator, first-call overheads
-        srv.run(reqs[:args.slots], clock="step")
-    rows = {name: [] for name in servers}
-    for _ in range(args.repeats):
-        for name, srv in servers.items():
-            rows[name].append(serve.summarize(srv, srv.run(reqs, clock="step"), None))
-    base = [r["tok_per_s"] for r in rows["vanilla continuous (sequence-wise)"]]
-    for name, rs in rows.items():
-        tps = [r["tok_per_s"] for r in rs]
-        print(f"   {name:36s} {spread(tps, fmt='.0f')} tok/s  step {spread([r['step_ms'] for r in rs], fmt='.2f')} ms  "
-              f"mean exit loop {rs[0]['mean_exit_loop']:.2f}  vs vanilla {spread([a / b for a, b in zip(tps, base)], fmt='.2f')}x")
-    print("   paper (Table K.2/K.4, simulated on an A100 from oracle exits): depth-wise + early exit 1.4-1.9x "
-          "continuous sequence-wise batching")
+    for dname in args.dtype.split(","):
+        dtype = pick_dtype(device, dname)
+        for B in [int(b) for b in str(args.loops).split(",")]:
+            cfg = GPTConfig.from_preset(args.preset, vocab_size=args.vocab_size, max_seq_len=P + G + 8)
+            torch.manual_seed(0)
+            van = GPT(cfg)
+            ranks = {f"lora_rank_{c}": args.lora_rank for c in ("q", "kv", "o", "mlp")} if args.lora_rank else {}
+            rel = from_vanilla(van, n_loops=B, init="average", lora_init="svd", log=lambda *_: None, exit_gate=True,
+                               **ranks)
+            with torch.no_grad():  # a random gate: its cost is real, its decisions are calibrated to the exit rate
+                rel.exit_gate.weight.normal_(0, cfg.n_embd ** -0.5)
+            van, rel = van.to(device, dtype).eval(), rel.to(device, dtype).eval()
+            reqs = serve.synthetic_requests(args.requests, cfg.vocab_size, str(P), str(G), seed=0)
+            elem = torch.empty((), dtype=dtype).element_size()
+            slots = {"van": args.slots, "rel": args.slots}
+            if args.batch_memory_mb:
+                slots = {k: serve.slots_for_memory(m, args.batch_memory_mb, P + G + 8, elem)
+                         for k, m in (("van", van), ("rel", rel))}
+            servers = {"vanilla CSB": serve.ContinuousServer(van, slots["van"]),
+                       "depth-wise, no exit": serve.DepthWiseServer(rel, slots["rel"])}
+            for rule in args.rules.split(","):
+                thr = serve.calibrate_threshold(rel, reqs, exit_rate=args.exit_rate, rule=rule)
+                servers[f"depth-wise + exit ({rule})"] = serve.DepthWiseServer(rel, slots["rel"], thr, rule)
+            header(f"serving B={B}", device, dtype,
+                   f"preset {args.preset} shape (N={cfg.n_layer}, d {cfg.n_embd}), vocabulary {cfg.vocab_size} | "
+                   f"vanilla {param_bytes(van) / 1e6:.0f} MB, {'relaxed rank ' + str(args.lora_rank) if ranks else 'recursive'}"
+                   f" B={B} K={rel.config.n_shared} {param_bytes(rel) / 1e6:.0f} MB | {args.requests} requests at once, "
+                   f"prompt {P}, {G} new tokens | slots {slots['van']} vanilla, {slots['rel']} depth-wise"
+                   + (f" (memory budget {args.batch_memory_mb} MiB)" if args.batch_memory_mb else "")
+                   + f" | median (min..max) of {args.repeats} interleaved rounds after 1 warm-up")
+            print(f"   SIMULATED exits: random weights; each rule's threshold calibrated so that {args.exit_rate:.0%} "
+                  f"of prompt tokens leave at loop 1 ({args.exit_source})")
+            for srv in servers.values():  # warm-up: allocator, first-call overheads, the linear product choice
+                srv.run(reqs[:max(slots.values())], clock="step")
+            rows = {name: [] for name in servers}
+            for _ in range(args.repeats):
+                for name, srv in servers.items():
+                    rows[name].append(serve.summarize(srv, srv.run(reqs, clock="step"), None))
+            base = rows["vanilla CSB"]
+            for name, rs in rows.items():
+                e2e = [r["tok_per_s"] / b["tok_per_s"] for r, b in zip(rs, base)]
+                loaded = [r["loaded_tok_per_s"] / b["loaded_tok_per_s"] for r, b in zip(rs, base)]
+                loops = rs[0]["mean_exit_loop"]
+                ceiling = (f"ceiling {B / loops * slots['rel'] / slots['van']:.2f}x" if name != "vanilla CSB" else "")
+                print(f"   {name:30s} step {spread([r['step_ms'] for r in rs], fmt='.1f')} ms  E[loops] "
+                      f"{loops:.2f}  end-to-end {spread([r['tok_per_s'] for r in rs], fmt='.0f')} tok/s "
+                      f"{spread(e2e, fmt='.2f')}x  loaded {spread([r['loaded_tok_per_s'] for r in rs], fmt='.0f')} "
+                      f"tok/s {spread(loaded, fmt='.2f')}x  {ceiling}")
+    print("   paper (Table K.2/K.4, simulated on an A100 from oracle exits, blocks only): depth-wise + early exit "
+          "1.4-1.9x continuous sequence-wise batching; measured batched early exit on GPUs (Miao et al. 2024): <= 1.25x")
 
 # ----------------------------------------------------------------------------------------------------------------
 # Block Transformer vs vanilla: throughput at the largest batch a memory budget allows (paper 002, section 3.2)
@@ -1133,13 +1157,17 @@ def main(argv=None):
 
     p = sub.add_parser("serve", help="depth-wise batching + early exit vs continuous sequence-wise batching")
     common(p)
-    p.add_argument("--dtype", default="bfloat16", help="float32 | bfloat16")
+    p.add_argument("--dtype", default="float32,bfloat16", help="comma list: float32, bfloat16")
+    p.add_argument("--loops", default="2,3", help="comma list of B (loops of the depth-wise model)")
+    p.add_argument("--rules", default="gate,softmax", help="comma list of exit rules: gate, saturation, softmax")
     p.add_argument("--vocab-size", type=int, default=4160, help="vocabulary (default: this repository's tokenizer)")
     p.add_argument("--lora-rank", type=int, default=64, help="relaxed model's LoRA rank (0 = recursive)")
     p.add_argument("--slots", type=int, default=16, help="batch slots of every server")
+    p.add_argument("--batch-memory-mb", type=float, default=None,
+                   help="instead of --slots: each system gets the slots that fit this many MiB of weights + KV")
     p.add_argument("--requests", type=int, default=48, help="requests (all arrive at once)")
     p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens")
-    p.add_argument("--gen-len", type=int, default=128, help="generated tokens per request")
+    p.add_argument("--gen-len", type=int, default=64, help="generated tokens per request")
     p.add_argument("--exit-rate", type=float, default=0.5, help="share of tokens exiting at loop 1 to simulate")
     p.add_argument("--exit-source", default="--exit-rate as given", help="where the exit rate was measured")
     p.set_defaults(fn=bench_serve)

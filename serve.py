@@ -39,7 +39,10 @@ Pieces, simplest first:
     Prefill of newly admitted requests is a SEPARATE batched pass (the model's own prefill on a temporary cache of
     the admitted group, right-padded, copied into the slots' rows); it is not chunked, so a long prompt stalls the
     decode steps of that iteration (its time shows up in the other requests' per-token latency).
-  * Metrics: generated tok/s (all generated tokens / wall time from the first arrival to the last token), time to
+  * Metrics: generated tok/s (all generated tokens / wall time from the first arrival to the last token), loaded
+    tok/s (tokens emitted in the decode steps that had every slot busy / those steps' time: what a server with a
+    queue sustains; end to end, the drain at the end weighs in: a slot whose requests happen to exit less finishes
+    last, and the others idle meanwhile), time to
     first token (from arrival), per-token latency p50/p99 (gaps between a request's tokens), mean exit loop
     (1-based), slot occupancy (active slots / slots per decode step) and, on CUDA, achieved memory bandwidth
     (parameter bytes + KV bytes read per decode step) / step time against the device's peak.
@@ -303,11 +306,16 @@ class Server:
         logits = self.model.prefill(idx.to(self.device), tmp, lengths)
         return logits, tmp, lengths
 
-    def record_step(self, seconds, active, nbytes):
+    def record_step(self, seconds, active, nbytes, emitted):
+        """One decode step: its time, active slots, bytes read and tokens emitted. Steps with every slot busy are
+        also summed apart: the loaded server's throughput, free of the tail where the last requests drain."""
         self.n_steps += 1
         self.step_time += seconds
         self.occupancy += active / self.slots
         self.bytes += nbytes
+        if active == self.slots:
+            self.full_time += seconds
+            self.full_tokens += emitted
 
     # -- the loop ------------------------------------------------------------------------------------------------
 
@@ -318,6 +326,7 @@ class Server:
         for r in reqs:
             r.gen = request_generator(self.seed, r.rid, self.device) if self.temperature > 0 else None
         self.n_done, self.n_steps, self.step_time, self.occupancy, self.bytes = 0, 0, 0.0, 0.0, 0
+        self.full_time, self.full_tokens = 0.0, 0
         self.reset()
         bar = tqdm(total=len(reqs), desc=self.name, leave=False, file=sys.stderr) if progress and tqdm else None
         head = seen = 0  # next request to admit / to stamp with its arrival time
@@ -407,7 +416,8 @@ class ContinuousServer(Server):
             if self.emit(self.req[s], t, None):
                 self.req[s] = None
         sync(self.device)
-        self.record_step(time.perf_counter() - t0, len(slots), self.step_params + self.slots * kv_len * self.kv_tok)
+        self.record_step(time.perf_counter() - t0, len(slots), self.step_params + self.slots * kv_len * self.kv_tok,
+                         len(slots))
 
 
 class StaticServer(ContinuousServer):
@@ -442,7 +452,7 @@ class StaticServer(ContinuousServer):
         self.tok[live] = new  # done rows: any token
         sync(self.device)
         self.record_step(time.perf_counter() - t0, len(live),
-                         self.step_params + len(self.req) * kv_len * self.kv_tok)
+                         self.step_params + len(self.req) * kv_len * self.kv_tok, len(live))
 
     def reset(self):
         super().reset()
@@ -532,7 +542,7 @@ class DepthWiseServer(Server):
                 self.req[slots[i]] = None  # free: the queue refills it before the next step
         sync(self.device)
         self.record_step(time.perf_counter() - t0, len(slots),
-                         self.block_bytes + self.head_bytes + len(slots) * kv_len * self.kv_tok)
+                         self.block_bytes + self.head_bytes + len(slots) * kv_len * self.kv_tok, int(out.numel()))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -603,6 +613,7 @@ def summarize(server: Server, reqs, peak_bw=None) -> dict:
              mean_exit_loop=sum(exits) / len(exits) if exits else float("nan"),
              occupancy=server.occupancy / max(server.n_steps, 1), steps=server.n_steps,
              step_ms=1e3 * server.step_time / max(server.n_steps, 1),
+             loaded_tok_per_s=server.full_tokens / server.full_time if server.full_time > 0 else float("nan"),
              errors_by_reason=error_counts(reqs), request_errors={r.rid: r.error for r in reqs if r.error})
     if server.device.type == "cuda" and server.step_time > 0:
         d["bandwidth_GBs"] = server.bytes / server.step_time / 1e9
@@ -655,7 +666,8 @@ SERVE_COLS = [("system", "system", ""), ("slots", "slots", "d"), ("errors", "err
               ("tok_per_s", "tok/s", ".1f"), ("ttft_ms_p50", "TTFT p50 ms", ".1f"), ("ttft_ms_p99", "TTFT p99 ms", ".1f"),
               ("tpot_ms_p50", "tok lat p50", ".2f"), ("tpot_ms_p99", "tok lat p99", ".2f"),
               ("mean_exit_loop", "exit loop", ".2f"), ("occupancy", "occupancy", ".2f"), ("steps", "steps", "d"),
-              ("step_ms", "step ms", ".2f"), ("bandwidth_GBs", "GB/s", ".0f"), ("bandwidth_pct_peak", "% peak", ".1f")]
+              ("step_ms", "step ms", ".2f"), ("loaded_tok_per_s", "loaded tok/s", ".1f"), ("bandwidth_GBs", "GB/s", ".0f"),
+              ("bandwidth_pct_peak", "% peak", ".1f")]
 
 
 # ----------------------------------------------------------------------------------------------------------------
