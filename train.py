@@ -37,7 +37,20 @@ Resume and errors:
     self-distillation, ...; Appendix J's early-exit post-training) and refuses, naming them, flags that would change a
     parameter (a LoRA rank, the loops).
   * A mistake the user can fix (a flag, a data file, a checkpoint, a batch that cannot fit in memory, a diverged
-    run) is one line `error: ...` on stderr and exit code 2; flags of another architecture are named in one warning.
+    run) is one line `error: ...` on stderr and exit code 2 (cli.py: the contract of every command); flags of
+    another architecture are named in one warning. What can be checked is checked before the first step: --out-dir
+    and --cache-dir writable, disk space for a checkpoint, a lower bound of the step's memory before tables and the
+    memory probe are built, the tokenizer (an encoding that needs the network is named), a resumable checkpoint.
+  * Ctrl-C or SIGTERM: the current step finishes, the checkpoint is written (atomically, as always), and the run
+    stops with one line `stopped: ... continue with: python train.py --resume --out-dir OUT_DIR` and exit code 130.
+    A checkpoint write that fails (a full disk) removes its temporary file and keeps the last good checkpoint.
+  * Divergence: a validation loss above ln(V) + 1, one nat above the loss of a uniform guess over the V tokens of
+    the vocabulary, stops the run (exit code 2, one line naming the loss, ln(V) and --lr) without writing its
+    checkpoint: a model that much worse than a uniform guess is of no use, and the last good checkpoint is kept
+    rather than overwritten (decided: stop, not warn and go on). The nat of slack is for an untrained model, which
+    sits slightly above ln(V): random logits add about half their variance (tiny presets: 0.01-0.2 nat, measured),
+    so a fresh run or a slow start is never taken for a diverged one; the runs of issue 22 (--lr 1 / --lr 3) reached
+    22 and 93 against ln(V) = 8.3.
 """
 from __future__ import annotations
 
@@ -52,8 +65,10 @@ import os
 import struct
 import sys
 import shutil
+import signal
 import sysconfig
 import tempfile
+import threading
 import time
 import warnings
 import zlib
@@ -524,11 +539,20 @@ CKPT_FORMAT = "nano-efficient-inference/ckpt"
 
 
 def save_checkpoint(path: Path, obj: dict):
-    """torch.save to a temp name in the same directory, then rename: a crash never leaves half a checkpoint."""
+    """torch.save to a temp name in the same directory, then rename: a crash never leaves half a checkpoint, and the
+    previous checkpoint stays until the new one is whole. A write that fails (a full disk: torch reports it as a
+    RuntimeError "unexpected pos") removes its temp file and is a CheckpointError."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, (OSError, RuntimeError)):
+            raise CheckpointError(f"writing checkpoint {path} failed ({type(e).__name__}: {one_line(e)}; a full "
+                                  f"disk?); its temporary file {tmp.name} was removed") from e
+        raise
 
 
 def load_checkpoint(path) -> dict:
@@ -846,6 +870,30 @@ def check_disk_space(model, path: Path):
 
 # ----------------------------------------------------------------------------------------------------------------
 # Training
+
+
+@contextlib.contextmanager
+def stop_signals():
+    """Ctrl-C (SIGINT) and SIGTERM during the training loop: the first asks the loop to stop after the current step
+    (it writes the checkpoint and exits with code 130, cli.Stopped); a second one stops at once (KeyboardInterrupt).
+    Yields the list the handler appends the signal's name to. Outside the main thread, where Python delivers no
+    signal, the list stays empty."""
+    asked = []
+    if threading.current_thread() is not threading.main_thread():
+        yield asked
+        return
+
+    def on_signal(signum, frame):
+        if asked:
+            raise KeyboardInterrupt
+        asked.append(signal.Signals(signum).name)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield asked
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def setup_distributed(device_flag):
@@ -1239,20 +1287,34 @@ def train(argv=None):
 
     ck_file = args.out_dir / "ckpt.pt"
     last_good = start_step if resume_ck is not None else None
+    uniform = math.log(tok.n_vocab)  # the validation loss of a uniform guess over the vocabulary
+
+    def kept():
+        return (f"the last good checkpoint stays at {ck_file} (step {last_good})" if last_good is not None else
+                "no checkpoint was written")
 
     def stopped(what, step):
-        kept = (f"the last good checkpoint stays at {ck_file} (step {last_good})" if last_good is not None else
-                "no checkpoint was written")
-        return f"{what} at step {step}; stopping without writing a checkpoint: {kept}"
+        return f"{what} at step {step}; stopping without writing a checkpoint: {kept()}"
 
     def checkpoint(step, val_loss):
-        if not master:
-            return
-        save_checkpoint(ck_file, {
-            "format": CKPT_FORMAT, "arch": args.arch, "config": asdict(raw_model.config),
-            "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-            "best_val_loss": min(best_val, val_loss), "val_loss": val_loss, "tokenizer": tok.spec,
-            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}})
+        """The run at `step` to ck_file (val_loss None: a stop between evaluations), unless a weight is not finite: a
+        diverged model is never saved. A failed write keeps the last good checkpoint."""
+        nonlocal last_good
+        bad = [n for n, p in raw_model.named_parameters() if not torch.isfinite(p).all()]
+        if bad:
+            raise FloatingPointError(stopped(f"non-finite weights in {bad[0]}"
+                                             + (f" and {len(bad) - 1} more tensors" if len(bad) > 1 else ""), step))
+        if master:
+            try:
+                save_checkpoint(ck_file, {
+                    "format": CKPT_FORMAT, "arch": args.arch, "config": asdict(raw_model.config),
+                    "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                    "best_val_loss": best_val if val_loss is None else min(best_val, val_loss), "val_loss": val_loss,
+                    "tokenizer": tok.spec,
+                    "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}})
+            except CheckpointError as e:
+                raise CheckpointError(f"{e} at step {step}; {kept()}") from e
+        last_good = step
 
     # -- the loop --
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * world
@@ -1262,60 +1324,71 @@ def train(argv=None):
     bar = tqdm(total=args.max_iters, initial=start_step, desc=f"train {args.arch}", disable=None if master else True,
                file=sys.stderr, leave=False)
     last_loss, last_total, last_acc, t0 = None, None, None, time.perf_counter()
-    for step in range(start_step, args.max_iters):
-        lr = lr_at(step, args.lr, args.warmup_iters, args.lr_decay_iters, args.min_lr)
-        set_lr(optimizer, lr)
-        total, lm_total, kd_total, counts = 0.0, 0.0, 0.0, {}
-        for micro in range(args.grad_accum):
-            x, y, kw = batch_on_device(train_data, step_generator(args.seed, step, micro, rank))
-            sync = contextlib.nullcontext() if (not ddp or micro == args.grad_accum - 1) else model.no_sync()
-            with sync:
-                loss, lm, kd, logits = loss_of(x, y, kw)
-                (loss / args.grad_accum).backward()
-            if task is not None:
-                tasks.add_counts(counts, task.score(logits.detach(), x, y))
-            total += loss.detach() / args.grad_accum
-            lm_total += lm.detach() / args.grad_accum
-            if kd is not None:
-                kd_total += kd.detach() / args.grad_accum
-        if args.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        if not torch.isfinite(total):
-            raise FloatingPointError(stopped(f"non-finite loss {total.item()}", step + 1))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        bar.update(1)
-        done = step + 1
-        if done % args.log_interval == 0 or done == args.max_iters or step == start_step:
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t1 = time.perf_counter()
-            n = done - start_step if step == start_step else min(args.log_interval, done - start_step)
-            dt = (t1 - t0) / max(1, n)
-            t0 = t1
-            last_loss, last_total = lm_total.item(), total.item()
-            terms = (f" kd {kd_total.item():.4f}" if teacher is not None else "") + \
-                (f" total {last_total:.4f}" if extra_terms else "")
-            extra = "".join(f" {k} {v:.4f}" for k, v in getattr(raw_model, "metrics", {}).items())
-            mfu = f"{flops_per_step / dt / (peak * world) * 100:.1f}%" if peak else "n/a"
-            acc = f" {tasks.accuracy_text(counts)}" if task is not None else ""
-            log(f"step {done} loss {last_loss:.4f}{terms}{acc} lr {lr:.2e} ms {dt * 1000:.1f} "
-                f"tok/s {tokens_per_step / dt:.0f} mfu {mfu}{extra}", master)
-        if done % args.eval_interval == 0 or done == args.max_iters:
-            val, val_counts = evaluate()
-            acc = f" {tasks.accuracy_text(val_counts)}" if task is not None else ""
-            last_acc = {q: c / max(n, 1) for q, (c, n) in sorted(val_counts.items())} if task is not None else None
-            log(f"val step {done} loss {val:.4f} ppl {math.exp(min(val, 30)):.2f}{acc}", master)
-            if not math.isfinite(val):  # the NaN guard covers the evaluation: a diverged model is never saved
-                raise FloatingPointError(stopped(f"non-finite validation loss {val}", done))
-            bad = [n for n, p in raw_model.named_parameters() if not torch.isfinite(p).all()]
-            if bad:
-                raise FloatingPointError(stopped(f"non-finite weights in {bad[0]}"
-                                                 + (f" and {len(bad) - 1} more tensors" if len(bad) > 1 else ""), done))
-            checkpoint(done, val)
-            last_good = done
-            best_val = min(best_val, val)
-            t0 = time.perf_counter()
+    with stop_signals() as asked:
+        for step in range(start_step, args.max_iters):
+            lr = lr_at(step, args.lr, args.warmup_iters, args.lr_decay_iters, args.min_lr)
+            set_lr(optimizer, lr)
+            total, lm_total, kd_total, counts = 0.0, 0.0, 0.0, {}
+            for micro in range(args.grad_accum):
+                x, y, kw = batch_on_device(train_data, step_generator(args.seed, step, micro, rank))
+                sync = contextlib.nullcontext() if (not ddp or micro == args.grad_accum - 1) else model.no_sync()
+                with sync:
+                    loss, lm, kd, logits = loss_of(x, y, kw)
+                    (loss / args.grad_accum).backward()
+                if task is not None:
+                    tasks.add_counts(counts, task.score(logits.detach(), x, y))
+                total += loss.detach() / args.grad_accum
+                lm_total += lm.detach() / args.grad_accum
+                if kd is not None:
+                    kd_total += kd.detach() / args.grad_accum
+            if args.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+            if not torch.isfinite(total):
+                raise FloatingPointError(stopped(f"non-finite loss {total.item()}", step + 1))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            bar.update(1)
+            done = step + 1
+            if done % args.log_interval == 0 or done == args.max_iters or step == start_step:
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                t1 = time.perf_counter()
+                n = done - start_step if step == start_step else min(args.log_interval, done - start_step)
+                dt = (t1 - t0) / max(1, n)
+                t0 = t1
+                last_loss, last_total = lm_total.item(), total.item()
+                terms = (f" kd {kd_total.item():.4f}" if teacher is not None else "") + \
+                    (f" total {last_total:.4f}" if extra_terms else "")
+                extra = "".join(f" {k} {v:.4f}" for k, v in getattr(raw_model, "metrics", {}).items())
+                mfu = f"{flops_per_step / dt / (peak * world) * 100:.1f}%" if peak else "n/a"
+                acc = f" {tasks.accuracy_text(counts)}" if task is not None else ""
+                log(f"step {done} loss {last_loss:.4f}{terms}{acc} lr {lr:.2e} ms {dt * 1000:.1f} "
+                    f"tok/s {tokens_per_step / dt:.0f} mfu {mfu}{extra}", master)
+            if done % args.eval_interval == 0 or done == args.max_iters:
+                val, val_counts = evaluate()
+                acc = f" {tasks.accuracy_text(val_counts)}" if task is not None else ""
+                last_acc = {q: c / max(n, 1) for q, (c, n) in sorted(val_counts.items())} if task is not None else None
+                log(f"val step {done} loss {val:.4f} ppl {math.exp(min(val, 30)):.2f}{acc}", master)
+                if not math.isfinite(val):  # the NaN guard covers the evaluation: a diverged model is never saved
+                    raise FloatingPointError(stopped(f"non-finite validation loss {val}", done))
+                if val > uniform + 1:  # divergence (the module docstring)
+                    raise FloatingPointError(stopped(
+                        f"validation loss {val:.4f} is above ln({tok.n_vocab}) = {uniform:.4f}, the loss of a uniform "
+                        f"guess: the run diverged (lower --lr, now {args.lr:g})", done))
+                checkpoint(done, val)
+                best_val = min(best_val, val)
+                t0 = time.perf_counter()
+            stop = bool(asked)
+            if ddp:  # every rank stops after the same step
+                flag = torch.tensor([float(stop)], device=device)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                stop = flag.item() > 0
+            if stop and done < args.max_iters:
+                if last_good != done:
+                    checkpoint(done, None)
+                raise Stopped(f"{asked[0] if asked else 'another rank was signalled'} after step {done}: checkpoint "
+                              f"{ck_file} (step {done}) written; continue with: python train.py --resume --out-dir "
+                              f"{args.out_dir}")
     bar.close()
     if master and task is not None:
         show_task(raw_model, task, val_data, device, args)

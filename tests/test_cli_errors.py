@@ -2,7 +2,9 @@
 line `error: ...` on stderr and exit code 2, never a traceback; flags another architecture owns are named in a
 warning."""
 import json
+import math
 import os
+import signal
 import subprocess
 import sys
 
@@ -315,3 +317,73 @@ def test_resume_of_an_incomplete_checkpoint(files, trained, capsys, tmp_path):
         torch.save({**ck, **change}, tmp_path / name / "ckpt.pt")
         _one_error_line(capsys, train.main, ["--resume", "--out-dir", str(tmp_path / name)],
                         f"checkpoint {tmp_path / name / 'ckpt.pt'} {match}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# train.py: a failed checkpoint write, Ctrl-C / SIGTERM, a diverged run
+
+
+@pytest.mark.parametrize("error", [RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 960 vs 854"),
+                                   OSError(28, "No space left on device")], ids=["torch", "os"])
+def test_a_failed_checkpoint_write_keeps_the_last_good_one(files, capsys, tmp_path, monkeypatch, error):
+    real_save = torch.save
+
+    def disk_full_at_step_4(obj, f):
+        if obj["step"] != 4:
+            return real_save(obj, f)
+        with open(f, "wb") as fh:
+            fh.write(b"\0" * 960)  # part of the checkpoint, then the disk is full
+        raise error
+
+    monkeypatch.setattr(torch, "save", disk_full_at_step_4)
+    out = tmp_path / "o"
+    _one_error_line(capsys, train.main, _train_args(files, "--out-dir", str(out), "--max-iters", "4",
+                                                    "--eval-interval", "2"),
+                    f"writing checkpoint {out / 'ckpt.pt'} failed ({type(error).__name__}: ")
+    assert sorted(p.name for p in out.iterdir()) == ["ckpt.pt"]  # the temporary file is gone
+    assert train.load_checkpoint(out / "ckpt.pt")["step"] == 2  # the last good checkpoint
+
+
+def test_sigterm_finishes_the_step_writes_the_checkpoint_and_resume_continues(files, tmp_path):
+    """A real process: SIGTERM once it has logged a few steps -> exit 130, one line saying how to resume, the
+    checkpoint of the step it stopped after, no temporary file; --resume continues from that step and ends with the
+    weights of an uninterrupted run (every run a process with the same thread count, so the sums agree bit for bit)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out, ref = tmp_path / "o", tmp_path / "ref"
+    same = ["--eval-interval", "100000", "--lr-decay-iters", "100000", "--warmup-iters", "2", "--log-interval", "1",
+            "--device", "cpu", "--dtype", "float32"]
+    p = subprocess.Popen([sys.executable, "train.py", *_train_args(files, "--out-dir", str(out), "--max-iters",
+                                                                   "100000", *same)],
+                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in p.stdout:
+        if line.startswith("step 3 "):
+            p.send_signal(signal.SIGTERM)
+            break
+    _, err = p.communicate(timeout=300)
+    err = [line for line in err.splitlines() if line.strip()]
+    assert p.returncode == 130 and len(err) == 1, err
+    n = train.load_checkpoint(out / "ckpt.pt")["step"]
+    assert err[0] == (f"stopped: SIGTERM after step {n}: checkpoint {out / 'ckpt.pt'} (step {n}) written; continue "
+                      f"with: python train.py --resume --out-dir {out}")
+    assert n >= 3 and sorted(x.name for x in out.iterdir()) == ["ckpt.pt"]
+    for cmd in (["--resume", "--out-dir", str(out), "--max-iters", str(n + 2)],
+                _train_args(files, "--out-dir", str(ref), "--max-iters", str(n + 2), *same)):
+        r = subprocess.run([sys.executable, "train.py", *cmd], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr
+    resumed, expect = (train.load_checkpoint(d / "ckpt.pt") for d in (out, ref))
+    assert resumed["step"] == expect["step"] == n + 2
+    assert all(torch.equal(v, expect["model"][k]) for k, v in resumed["model"].items())
+
+
+def test_a_diverged_run_stops_without_overwriting_its_checkpoint(files, capsys, tmp_path):
+    out = tmp_path / "o"
+    # lr 3 warmed up over 50 steps: step 1 (lr 0.06) evaluates at about 6.1, below ln(513) + 1 = 7.24; step 2 (lr
+    # 0.12) at about 8.8, above it (measured; each about a nat from the threshold)
+    _one_error_line(capsys, train.main, _train_args(files, "--out-dir", str(out), "--lr", "3", "--warmup-iters", "50",
+                                                    "--max-iters", "4", "--eval-interval", "1"),
+                    f"is above ln(513) = 6.2403, the loss of a uniform guess: the run diverged (lower --lr, now 3) at "
+                    f"step 2; stopping without writing a checkpoint: the last good checkpoint stays at "
+                    f"{out / 'ckpt.pt'} (step 1)")
+    ck = train.load_checkpoint(out / "ckpt.pt")
+    assert ck["step"] == 1 and ck["val_loss"] <= math.log(513) + 1
