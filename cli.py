@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import os
 import sys
 import warnings
 
@@ -104,7 +105,8 @@ def one_line(msg) -> str:
 
 def run_cli(fn, argv=None, expected=EXPECTED_ERRORS):
     """fn(argv) as a command: warnings one line each (`warning: ...`), an expected error `error: ...` on stderr and
-    exit code 2, a Stopped run (or a Ctrl-C that nothing handled) `stopped: ...` and exit code 130."""
+    exit code 2, a Stopped run (or a Ctrl-C that nothing handled) `stopped: ...` and exit code 130; output cut short
+    by its reader (a closed pipe) ends quietly with exit code 1."""
     with warnings.catch_warnings():
         warnings.showwarning = lambda message, *a, **k: print(f"warning: {one_line(message)}", file=sys.stderr)
         try:
@@ -118,3 +120,6 @@ def run_cli(fn, argv=None, expected=EXPECTED_ERRORS):
         except KeyboardInterrupt:
             print("stopped: interrupted (Ctrl-C)", file=sys.stderr)
             sys.exit(130)
+        except BrokenPipeError:  # the reader went away (`python plt.py | head`): nothing more to say, no traceback
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the recipe of Python's signal docs
+            sys.exit(1)

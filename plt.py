@@ -93,6 +93,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import model
+from cli import ArgumentParser, run_cli
 from kernels import gated_swa, gated_swa_decode, plt_gate
 from model import (GPT, ArchSpec, Attention, Block, GPTConfig, KVCache, attend, causal_mask_from_positions,
                    init_weights, kv_bytes, lm_loss, make_norm, start_prefill)
@@ -673,10 +674,15 @@ def describe():
                 model.describe(f"{preset} {v} L{cfg.n_loops} w{cfg.window}", PLT(cfg), base)
 
 
-def main():
-    argparse.ArgumentParser(description="Presets x Table 2 rows: parameters, KV bytes, FLOPs. Decode latency: "
-                                        "python bench.py plt").parse_args()
+def table_command(argv=None):
+    ArgumentParser(description="Presets x Table 2 rows: parameters, KV bytes, FLOPs. Decode latency: "
+                               "python bench.py plt").parse_args(argv)
     describe()
+
+
+def main(argv=None):
+    """python plt.py: the table; a mistake is one line `error: ...`, exit code 2 (cli.py)."""
+    run_cli(table_command, argv)
 
 
 if __name__ == "__main__":

@@ -61,6 +61,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from cli import ArgumentParser, number, run_cli, user_input
 from model import (GPT, IGNORE, PRESETS, ArchSpec, Block, GPTConfig, KVCache, causal_mask_from_positions, count_params, distill_loss, kv_bytes, lm_loss,
                    start_prefill)
 from svd_lora import COMPONENTS, LoRALinear, add_lora, init_lora, max_ranks
@@ -724,12 +725,26 @@ def params_table(args):
               f"{m.num_params() / v:10.3f} {m.flops_per_token(base['max_seq_len'], training=False) / 1e9:14.4f}")
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--preset", default="tiny", help="model preset")
-    ap.add_argument("--loops", type=int, default=None, help="B (default 2)")
-    ap.add_argument("--ranks", default="8,16,32,64", help="LoRA ranks to list")
-    params_table(ap.parse_args())
+def rank_list(text: str) -> str:
+    """--ranks: comma-separated ints >= 1 (checked while parsing; params_table splits them)."""
+    for v in text.split(","):
+        number(int, min=1)(v)
+    return text
+
+
+def table_command(argv=None):
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model preset")
+    ap.add_argument("--loops", type=number(int, min=1), default=None, help="B (default 2)")
+    ap.add_argument("--ranks", type=rank_list, default="8,16,32,64", help="LoRA ranks to list")
+    args = ap.parse_args(argv)
+    with user_input():  # a B that does not divide the preset's layers
+        params_table(args)
+
+
+def main(argv=None):
+    """python recursive.py: the parameter table; a mistake is one line `error: ...`, exit code 2 (cli.py)."""
+    run_cli(table_command, argv)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ import pytest
 import torch
 
 import hf
+import plt
+import recursive
 import serve
 import train
 from conftest import ROOT, write_jsonl
@@ -231,6 +233,20 @@ def test_empty_zst_shard_is_named(files, capsys, tmp_path):
     (data / "empty.jsonl.zst").write_bytes(b"")
     _one_error_line(capsys, train.main, _train_args(files, "--data", str(data)),
                     f"{data / 'empty.jsonl.zst'} is empty (0 bytes)")
+
+
+TABLE_MISTAKES = [
+    (recursive.main, ["--preset", "huge"], "argument --preset: invalid choice: 'huge'"),
+    (recursive.main, ["--loops", "0"], "argument --loops: must be >= 1, got 0"),
+    (recursive.main, ["--ranks", "8,x"], "argument --ranks: expected an integer, got 'x'"),
+    (recursive.main, ["--loops", "3"], "n_layer=4 is not divisible by n_loops=3"),
+    (plt.main, ["--preset", "tiny"], "unrecognized arguments: --preset tiny"),
+]
+
+
+@pytest.mark.parametrize("run,argv,match", TABLE_MISTAKES, ids=[" ".join(a) for _, a, _ in TABLE_MISTAKES])
+def test_plt_and_recursive_tables_mistakes_are_one_line(capsys, run, argv, match):
+    _one_error_line(capsys, run, argv, match)
 
 
 # ----------------------------------------------------------------------------------------------------------------
