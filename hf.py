@@ -104,6 +104,10 @@ def hf_config_to_gpt(hf: dict, where: str = "config.json") -> tuple[str, GPTConf
         raise ValueError(f"{where}: quantized checkpoints ({hf['quantization_config'].get('quant_method', '?')}) "
                          f"are not supported; use the unquantized weights")
     get = lambda key, default=_REQUIRED: _hf_get(hf, key, default, where)  # noqa: E731
+    for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size"):
+        v = get(key)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{where}: {key} = {v!r} is not a positive integer")
     d, n_head = get("hidden_size"), get("num_attention_heads")
     common = dict(n_layer=get("num_hidden_layers"), n_head=n_head, n_embd=d, mlp_hidden=get("intermediate_size"),
                   vocab_size=get("vocab_size"))

@@ -185,6 +185,8 @@ HF_MISTAKES = [
     (lambda d: (d / "config.json").unlink() or d, [], "has no config.json: not a Hugging Face checkpoint"),
     (lambda d: _edit(d, "config.json", b'{"model_type": "llama",'), [], "config.json is not valid JSON"),
     (lambda d: _edit(d, "config.json", b"[1, 2]"), [], "config.json holds a JSON list, not a config"),
+    (lambda d: _edit(d, "config.json", json.dumps({**HF_CONFIG, "hidden_size": "32"}).encode()), [],
+     "config.json: hidden_size = '32' is not a positive integer"),
     (lambda d: _edit(d, "config.json", json.dumps({**HF_CONFIG, "model_type": "qwen2"}).encode()), [],
      "model_type 'qwen2' is not supported"),
     (lambda d: _edit(d, "model.safetensors", (d / "model.safetensors").read_bytes()[:-100]), [],
