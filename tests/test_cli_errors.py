@@ -362,6 +362,26 @@ def test_a_failed_checkpoint_write_keeps_the_last_good_one(files, capsys, tmp_pa
     assert train.load_checkpoint(out / "ckpt.pt")["step"] == 2  # the last good checkpoint
 
 
+def _stop_a_run(files, out, flags, env, sig) -> int:
+    """Start train.py, send `sig` once it has logged step 3; check the one line, exit code 130, the checkpoint of the
+    step it names and no temporary file -> that step."""
+    p = subprocess.Popen([sys.executable, "train.py", *_train_args(files, "--out-dir", str(out), "--max-iters",
+                                                                   "100000", *flags)],
+                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in p.stdout:
+        if line.startswith("step 3 "):
+            p.send_signal(sig)
+            break
+    _, err = p.communicate(timeout=300)
+    err = [line for line in err.splitlines() if line.strip()]
+    assert p.returncode == 130 and len(err) == 1, err
+    n = train.load_checkpoint(out / "ckpt.pt")["step"]
+    assert err[0] == (f"stopped: {sig.name} after step {n}: checkpoint {out / 'ckpt.pt'} (step {n}) written; continue "
+                      f"with: python train.py --resume --out-dir {out}")
+    assert n >= 3 and sorted(x.name for x in out.iterdir()) == ["ckpt.pt"]
+    return n
+
+
 def test_sigterm_finishes_the_step_writes_the_checkpoint_and_resume_continues(files, tmp_path):
     """A real process: SIGTERM once it has logged a few steps -> exit 130, one line saying how to resume, the
     checkpoint of the step it stopped after, no temporary file; --resume continues from that step and ends with the
@@ -370,20 +390,7 @@ def test_sigterm_finishes_the_step_writes_the_checkpoint_and_resume_continues(fi
     out, ref = tmp_path / "o", tmp_path / "ref"
     same = ["--eval-interval", "100000", "--lr-decay-iters", "100000", "--warmup-iters", "2", "--log-interval", "1",
             "--device", "cpu", "--dtype", "float32"]
-    p = subprocess.Popen([sys.executable, "train.py", *_train_args(files, "--out-dir", str(out), "--max-iters",
-                                                                   "100000", *same)],
-                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    for line in p.stdout:
-        if line.startswith("step 3 "):
-            p.send_signal(signal.SIGTERM)
-            break
-    _, err = p.communicate(timeout=300)
-    err = [line for line in err.splitlines() if line.strip()]
-    assert p.returncode == 130 and len(err) == 1, err
-    n = train.load_checkpoint(out / "ckpt.pt")["step"]
-    assert err[0] == (f"stopped: SIGTERM after step {n}: checkpoint {out / 'ckpt.pt'} (step {n}) written; continue "
-                      f"with: python train.py --resume --out-dir {out}")
-    assert n >= 3 and sorted(x.name for x in out.iterdir()) == ["ckpt.pt"]
+    n = _stop_a_run(files, out, same, env, signal.SIGTERM)
     for cmd in (["--resume", "--out-dir", str(out), "--max-iters", str(n + 2)],
                 _train_args(files, "--out-dir", str(ref), "--max-iters", str(n + 2), *same)):
         r = subprocess.run([sys.executable, "train.py", *cmd], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -392,6 +399,11 @@ def test_sigterm_finishes_the_step_writes_the_checkpoint_and_resume_continues(fi
     resumed, expect = (train.load_checkpoint(d / "ckpt.pt") for d in (out, ref))
     assert resumed["step"] == expect["step"] == n + 2
     assert all(torch.equal(v, expect["model"][k]) for k, v in resumed["model"].items())
+
+
+def test_ctrl_c_stops_the_same_way(files, tmp_path):
+    _stop_a_run(files, tmp_path / "o", ["--eval-interval", "100000", "--log-interval", "1"],
+                {**os.environ, "OMP_NUM_THREADS": "1"}, signal.SIGINT)
 
 
 def test_a_diverged_run_stops_without_overwriting_its_checkpoint(files, capsys, tmp_path):
