@@ -608,6 +608,9 @@ def model_from_checkpoint(ck: dict, table=None):
     """Rebuild the model of a checkpoint (config and weights); the optimizer state is left to the caller."""
     table = table or arch_table()
     name = f"checkpoint {ck.get('loaded_from', '')}".rstrip()
+    missing = [k for k in ("arch", "config", "model") if k not in ck]
+    if missing:
+        raise CheckpointError(f"{name} holds no model (no {', '.join(missing)})")
     if ck["arch"] not in table:
         raise CheckpointError(f"{name}: architecture {ck['arch']!r} is unknown here; known: {sorted(table)}")
     spec = table[ck["arch"]]
@@ -1101,7 +1104,7 @@ def check_memory(need: dict, device, args, at_least=False):
                      f"{need['total'] / 1e9:.1f} GB ({need['total']:,.0f} bytes) per training step"
                      f"{f' in each of {procs} processes' if procs > 1 else ''} ({parts}), but {device} has "
                      f"{avail / 1e9:.1f} GB available ({source}): lower --batch-size (--grad-accum keeps the tokens "
-                     f"per step) or --seq-len")
+                     f"per step) or --seq-len, or take a smaller model (--preset, --loops)")
 
 
 def objective_line(args, cfg, teacher) -> tuple[str, bool, bool]:
