@@ -45,12 +45,15 @@ def test_cut_tokenizer_round_trips_and_stays_in_range():
     text = "def f(x):\n    return x ** 2  # héllo wörld, 日本語 🙂\n"
     ids = tok.encode(text)
     assert max(ids) < 1000 and tok.decode(ids) == text
-    full = train.Tokenizer.from_args(200_000, None)
+    full = train.Tokenizer.from_args(train.CL100K_RANKS, None)  # every rank: the full encoding
+    assert full.spec["n"] is None
     assert len(full.encode(text)) < len(ids)  # more merges, fewer tokens
     assert full.decode(full.encode(text)) == text
     assert train.padded_vocab(tok.n_vocab) > tok.n_vocab  # a spare row for pads
     with pytest.raises(ValueError, match="cut"):
         train.Tokenizer.from_args(100, None)
+    with pytest.raises(ValueError, match="--vocab-size 200000 exceeds the 100,256 merge ranks"):
+        train.Tokenizer.from_args(200_000, None)  # not silently the full encoding
 
 
 # ---- corpus readers ---------------------------------------------------------------------------------------------
