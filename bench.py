@@ -792,30 +792,41 @@ def bench_exits(args):
         raise ValueError(f"{args.ckpt} holds a {ck['arch']} model, not a recursive/relaxed one")
     L = model.config.n_loops
     seq = min(args.seq_len, model.config.max_seq_len)
-    thresholds = [float(t) for t in args.thresholds.split(",")]
-    parts = [recursive.exit_analysis(model, x, y, thresholds)
-             for x, y in val_windows(ck, tok, args.batches, args.batch_size, seq, args.seed, device)]
-    n = sum(p["tokens"] for p in parts)
-    avg = lambda get: sum(get(p) * p["tokens"] for p in parts) / n  # noqa: E731  token-weighted mean
+    rules = [r for r in args.rules.split(",") if r != "gate" or model.exit_gate is not None]
+    windows = list(val_windows(ck, tok, args.batches, args.batch_size, seq, args.seed, device))
+    n = sum(y[:, 1:].numel() for _, y in windows)
     print(f"{args.ckpt}: {ck['arch']} B={L} K={model.config.n_shared} step {ck['step']} | {n:,} validation tokens "
-          f"({args.batches} x {args.batch_size} windows of {seq}, seed {args.seed})")
-    print("static exit (every token leaves after loop l):")
-    for l in range(L):
-        print(f"  loop {l + 1}: loss {avg(lambda p: p['loop_loss'][l]):.4f}  acc {avg(lambda p: p['loop_acc'][l]):.2%}")
-    oracle = sum(p["oracle"] for p in parts).double() / n
-    print("oracle exit (earliest loop whose argmax equals the final loop's): "
-          + "  ".join(f"loop {l + 1} {oracle[l]:.1%}" for l in range(L))
-          + f"  -> mean loop {float((oracle * torch.arange(1, L + 1)).sum()):.3f}")
-    print("confidence exit (max softmax >= t; real cached decoding with state propagation, teacher-forced):")
-    print(f"  {'t':>6s}  " + "  ".join(f"{'exit@' + str(l + 1):>8s}" for l in range(L))
-          + f"  {'mean loop':>9s}  {'loss':>7s}  {'vs final':>8s}  {'agree':>7s}")
-    final = avg(lambda p: p["loop_loss"][-1])
-    for i, t in enumerate(thresholds):
-        share = [avg(lambda p: p["curve"][i]["share"][l]) for l in range(L)]
-        loss = avg(lambda p: p["curve"][i]["loss"])
-        print(f"  {t:6.3f}  " + "  ".join(f"{s:8.1%}" for s in share)
-              + f"  {avg(lambda p: p['curve'][i]['mean_loop']):9.3f}  {loss:7.4f}  {loss - final:+8.4f}  "
-              f"{avg(lambda p: p['curve'][i]['agree']):7.1%}")
+          f"({args.batches} x {args.batch_size} windows of {seq}, seed {args.seed}) | exit rules {rules}"
+          + ("" if model.exit_gate is not None else " (no learned gate in this checkpoint: train with --exit-gate)"))
+    for k, rule in enumerate(rules):
+        thresholds = [float(t) for t in (args.saturation_thresholds if rule == "saturation" else
+                                         args.thresholds).split(",")]
+        parts = [recursive.exit_analysis(model, x, y, thresholds, rule) for x, y in windows]
+        avg = lambda get: sum(get(p) * p["tokens"] for p in parts) / n  # noqa: E731  token-weighted mean
+        if k == 0:
+            print("static exit (every token leaves after loop l):")
+            for l in range(L):
+                print(f"  loop {l + 1}: loss {avg(lambda p: p['loop_loss'][l]):.4f}  "
+                      f"acc {avg(lambda p: p['loop_acc'][l]):.2%}")
+            oracle = sum(p["oracle"] for p in parts).double() / n
+            print("oracle exit (earliest loop whose argmax equals the final loop's): "
+                  + "  ".join(f"loop {l + 1} {oracle[l]:.1%}" for l in range(L))
+                  + f"  -> mean loop {float((oracle * torch.arange(1, L + 1)).sum()):.3f}")
+        print(f"exit rule {rule} ({EXIT_RULE_TEXT[rule]}; real cached decoding with state propagation, "
+              f"teacher-forced):")
+        print(f"  {'t':>6s}  " + "  ".join(f"{'exit@' + str(l + 1):>8s}" for l in range(L))
+              + f"  {'mean loop':>9s}  {'loss':>7s}  {'vs final':>8s}  {'agree':>7s}")
+        final = avg(lambda p: p["loop_loss"][-1])
+        for i, t in enumerate(thresholds):
+            share = [avg(lambda p: p["curve"][i]["share"][l]) for l in range(L)]
+            loss = avg(lambda p: p["curve"][i]["loss"])
+            print(f"  {t:6.3f}  " + "  ".join(f"{s:8.1%}" for s in share)
+                  + f"  {avg(lambda p: p['curve'][i]['mean_loop']):9.3f}  {loss:7.4f}  {loss - final:+8.4f}  "
+                  f"{avg(lambda p: p['curve'][i]['agree']):7.1%}")
+
+
+EXIT_RULE_TEXT = {"softmax": "max softmax >= t, the head on every row", "gate": "learned gate probability >= t, O(d)",
+                  "saturation": "cos(loop input, loop output) >= t, O(d)"}
 
 
 def bench_energy(args):
@@ -1201,7 +1212,11 @@ def main(argv=None):
 
     p = sub.add_parser("exits", help="early exit of a recursive/relaxed checkpoint: per loop, oracle, threshold curve")
     p.add_argument("--ckpt", required=True, help="a recursive/relaxed checkpoint written by train.py")
-    p.add_argument("--thresholds", default="0.3,0.5,0.7,0.8,0.9,0.95", help="comma list of confidence thresholds")
+    p.add_argument("--thresholds", default="0.3,0.5,0.7,0.8,0.9,0.95",
+                   help="comma list of thresholds of the softmax and gate rules")
+    p.add_argument("--saturation-thresholds", default="0.5,0.7,0.8,0.9,0.95,0.98",
+                   help="comma list of cosine thresholds of the saturation rule")
+    p.add_argument("--rules", default="softmax,gate,saturation", help="comma list of exit rules, side by side")
     p.add_argument("--batches", type=int, default=4, help="validation batches")
     p.add_argument("--batch-size", type=int, default=8, help="windows per batch")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per window")

@@ -574,14 +574,15 @@ def from_vanilla(src: GPT, n_loops: int = 2, init: str = "stepwise", lora_init: 
 
 
 @torch.no_grad()
-def exit_analysis(model: RecursiveGPT, x, y, thresholds=(0.5, 0.7, 0.8, 0.9, 0.95)) -> dict:
+def exit_analysis(model: RecursiveGPT, x, y, thresholds=(0.5, 0.7, 0.8, 0.9, 0.95), rule: str | None = None) -> dict:
     """What early exit does on text: windows x (B, T) and their next tokens y (B, T).
 
     -> dict with
       loop_loss, loop_acc   cross-entropy / accuracy if EVERY token left after loop l (static exit), per loop;
       oracle                (L,) counts: the earliest loop whose argmax equals the final loop's (section 3.8's oracle
                             exit; a lower bound on what any exit rule can save without changing the greedy output);
-      curve                 per confidence threshold t: `share` (L,) of the tokens that exit at each loop, `loss` of
+      curve                 per threshold t of the exit rule (default config.exit_rule; EXIT_RULES): `share` (L,) of
+                            the tokens that exit at each loop, `loss` of
                             the logits actually emitted, `agree` = share of emitted argmaxes equal to the final loop's,
                             `mean_loop` (1-based).
     The curve runs the real cached decoding (decode_step with the threshold: confidence exits with state propagation,
@@ -604,7 +605,7 @@ def exit_analysis(model: RecursiveGPT, x, y, thresholds=(0.5, 0.7, 0.8, 0.9, 0.9
         model.prefill(x[:, :1], cache)
         emitted, exits = [], []
         for t in range(1, T):
-            lg, e = model.decode_step(x[:, t], cache, thr, return_exits=True)
+            lg, e = model.decode_step(x[:, t], cache, thr, return_exits=True, exit_rule=rule)
             emitted.append(lg)
             exits.append(e)
         lg, e = torch.stack(emitted, 1).float(), torch.stack(exits, 1)  # (B, T-1, V), (B, T-1)

@@ -935,6 +935,9 @@ def build_model(args, spec: ArchSpec, tok: Tokenizer, table, ap, given, master):
     return spec.convert(args, src, tok=tok)
 
 
+ADDED_MODULES = ("exit_gate.",)  # parameters a recipe flag may add to a checkpoint of the same architecture
+
+
 def init_same_arch(args, spec: ArchSpec, src, ap, given, master):
     """--init-from a checkpoint of this architecture: its config and weights, plus the config fields set by the flags
     typed now (the checkpoint's own settings stay otherwise). A field that leaves every parameter shape as it is takes
@@ -954,7 +957,17 @@ def init_same_arch(args, spec: ArchSpec, src, ap, given, master):
         return {k: tuple(v.shape) for k, v in m.state_dict().items()}
 
     have = {k: tuple(v.shape) for k, v in src.state_dict().items()}
-    if shapes(target) != have:
+    want = shapes(target)
+    added = set(want) - set(have)
+    if added and all(k.startswith(ADDED_MODULES) for k in added) and all(want.get(k) == v for k, v in have.items()):
+        # a field that only adds a fresh module (an exit gate to train in the post-training phase): the checkpoint's
+        # weights load, the new module keeps its init
+        model = spec.model_cls(spec.config_cls.from_dict(target))
+        missing = model.load_state_dict(src.state_dict(), strict=False).missing_keys
+        log(f"init from {args.init_from}: {spec.name} weights; new {', '.join(sorted(missing))}; config " +
+            ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()), master)
+        return model
+    if want != have:
         culprits = []
         for k in changed:
             try:

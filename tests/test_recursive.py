@@ -409,14 +409,18 @@ def test_train_converts_and_uptrains_relaxed(corpus, capsys):
     van_ckpt = str(d / "vanilla" / "ckpt.pt")
     res = train.train(["--arch", "relaxed", "--init-from", van_ckpt, "--loops", "2", "--init", "average",
                        "--lora-rank", "8", "--lora-rank-kv", "4", "--max-iters", "3", "--out-dir", str(d / "relaxed"),
-                       "--teacher", van_ckpt, "--kd", "fkl", "--exit-loss", "aggressive", "--self-distill", *common])
+                       "--teacher", van_ckpt, "--kd", "fkl", "--exit-loss", "aggressive", "--self-distill",
+                       "--exit-gate", *common])
     assert res["loss"] is not None
+    assert " gate_acc " in capsys.readouterr().out  # the gate's training metrics in the step lines
     ck = train.load_checkpoint(d / "relaxed" / "ckpt.pt")
     assert ck["arch"] == "relaxed"
     cfg = ck["config"]
-    assert (cfg["n_loops"], cfg["lora_rank_q"], cfg["lora_rank_kv"], cfg["exit_loss"], cfg["self_distill"]) == \
-           (2, 8, 4, "aggressive", True)
+    assert (cfg["n_loops"], cfg["lora_rank_q"], cfg["lora_rank_kv"], cfg["exit_loss"], cfg["self_distill"],
+            cfg["exit_gate"]) == (2, 8, 4, "aggressive", True, True)
+    assert ck["model"]["exit_gate.weight"].abs().sum() > 0  # trained, saved
     model = train.model_from_checkpoint(ck)
+    torch.testing.assert_close(model.exit_gate.weight, ck["model"]["exit_gate.weight"])
     assert isinstance(model, RecursiveGPT) and isinstance(model.blocks[0].attn.q_proj, LoRALinear)
     # `python bench.py exits` reads it back: per-loop losses, the oracle and the threshold curve on validation text
     import bench
@@ -425,6 +429,7 @@ def test_train_converts_and_uptrains_relaxed(corpus, capsys):
                 "--batch-size", "2", "--seq-len", "32", "--thresholds", "0.5,2"])
     out = capsys.readouterr().out
     assert "62 validation tokens" in out and "oracle exit" in out and "loop 2: loss" in out
+    assert all(f"exit rule {r} (" in out for r in ("softmax", "gate", "saturation"))
 
 
 def test_train_recursive_conversion_and_errors(corpus):
@@ -532,3 +537,20 @@ def test_exit_rules_decode_equals_recomputation_and_heads_only_leaving_rows(rule
         lg, e = m.decode_step(out[:, 5 + t], cache, thr, return_exits=True, exit_rule=rule)
         assert torch.equal(e, exits[:, t + 1])
         assert torch.equal(lg.argmax(-1), out[:, 6 + t])
+
+
+def test_exit_gate_added_in_post_training_from_a_gateless_checkpoint(corpus, tmp_path):
+    import train
+
+    d, common = corpus
+    plain = tmp_path / "plain"
+    train.train(["--arch", "recursive", "--init-from", str(d / "vanilla" / "ckpt.pt"), "--max-iters", "1",
+                 "--out-dir", str(plain), *common])
+    src = train.load_checkpoint(plain / "ckpt.pt")
+    assert not src["config"]["exit_gate"] and not any(k.startswith("exit_gate") for k in src["model"])
+    train.train(["--arch", "recursive", "--init-from", str(plain / "ckpt.pt"), "--exit-gate", "--exit-loss",
+                 "aggressive", "--max-iters", "2", "--lr", "0", "--out-dir", str(tmp_path / "gate"), *common])
+    ck = train.load_checkpoint(tmp_path / "gate" / "ckpt.pt")
+    assert ck["config"]["exit_gate"] and ck["model"]["exit_gate.weight"].shape == (2 - 1, ck["config"]["n_embd"])
+    for k, v in src["model"].items():  # lr 0: every loaded weight unchanged, the gate added beside them
+        torch.testing.assert_close(ck["model"][k], v, rtol=0, atol=0, msg=k)
