@@ -685,7 +685,7 @@ def peak_flops(device: torch.device) -> float | None:
 LINEAR_DTYPES = (torch.float32, torch.bfloat16)
 LINEAR_ROW_BUCKETS = (1, 2, 4, 16, 64)  # rows are timed at the smallest bucket >= them; more than 64 rows: F.linear
 LINEAR_PROBE_BYTES = 64 << 20  # bytes of weight copies one timed pass reads: more than the caches
-LINEAR_MAX_COPIES = 256  # at most this many copies (a small matrix's product is bound by per-call overhead)
+LINEAR_MAX_COPIES = 128  # at most this many: a small matrix's product is bound by per-call overhead (>= 512 KB: 64 MiB)
 # measured times on disk, per machine; the environment variable LINEAR_CHOICE_CACHE names another file ("": none)
 LINEAR_CACHE = os.path.expanduser("~/.cache/nano-efficient-inference/linear_choice.json")
 LINEAR_COPY_GAIN = 1.10  # a weight copy costs the weight's bytes again: kept only when > 10% faster than the rest
