@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import time
 from functools import partial
@@ -505,6 +506,10 @@ def bench_serve(args):
         dtype = pick_dtype(device, dname)
         for B in [int(b) for b in str(args.loops).split(",")]:
             cfg = GPTConfig.from_preset(args.preset, vocab_size=args.vocab_size, max_seq_len=P + G + 8)
+            if cfg.n_layer % B:
+                print(f"\n== serving B={B}: skipped, the {cfg.n_layer} layers of --preset {args.preset} do not split "
+                      f"into {B} loops")
+                continue
             torch.manual_seed(0)
             van = GPT(cfg)
             ranks = {f"lora_rank_{c}": args.lora_rank for c in ("q", "kv", "o", "mlp")} if args.lora_rank else {}
@@ -910,7 +915,30 @@ def _random_blocks(T, n_blocks, gen, device):
     return torch.bucketize(torch.arange(T), splits, right=True).to(device)
 
 
+def bench_aot(args):
+    """`bench.py kernels --aot`: every Triton kernel compiled ahead of time for real GPU targets on this machine (no
+    GPU needed): per kernel, launch case and target the shared memory against the target's limit, registers and
+    spills (kernels.aot_report; ~3 minutes for every case of every preset on 2 cores)."""
+    if os.environ.get("TRITON_INTERPRET"):
+        raise ValueError("--aot compiles for a GPU: run it without TRITON_INTERPRET in the environment")
+    targets = tuple(int(t) for t in args.aot_targets.split(","))
+    cases = [c for c in K.aot_cases() if not args.only or any(k in c.name for k in args.only.split(","))]
+    print(f"triton {K.triton.__version__} | ahead-of-time compilation for {', '.join(f'sm_{t}' for t in targets)} | "
+          f"{len(cases)} launch cases (the presets' shapes, decode and prefill, fp32/bf16/fp16)")
+    print(f"{'kernel':28s} {'case':34s} {'target':6s} {'dtype':8s} {'shared':>14s} {'regs':>5s} {'spills':>7s}  error")
+    rows = K.aot_report(targets, cases)
+    for r in rows:
+        shared = f"{r['shared']}/{r['shared_limit']}" if r["shared"] is not None else "-"
+        print(f"{r['kernel']:28s} {r['case'][:34]:34s} {r['target']:6s} {r['dtype']:8s} {shared:>14s} "
+              f"{str(r['regs']):>5s} {str(r['spills']):>7s}  {r['error'] or ''}")
+    bad = [r for r in rows if r["error"] or (r["shared"] or 0) > r["shared_limit"]]
+    print(f"{len(rows)} compiles, {len(bad)} failed or over the shared-memory limit, "
+          f"{sum(1 for r in rows if r['spills'])} with register spills")
+
+
 def bench_kernels(args):
+    if args.aot:
+        return bench_aot(args)
     dev = pick_device(args.device)
     dtype = pick_dtype(dev, args.dtype)
     cuda = dev.type == "cuda"
@@ -1233,7 +1261,11 @@ def main(argv=None):
     p.set_defaults(fn=bench_energy)
 
     p = sub.add_parser("kernels", help="(CUDA) Triton kernels vs their references and stock PyTorch")
-    p.add_argument("--only", default="", help="comma list of: lora, gswa, gswa_decode, dual (default: all)")
+    p.add_argument("--only", default="", help="comma list of: lora, gswa, gswa_decode, dual (default: all); with --aot: "
+                                              "substrings of the case names, e.g. lora/tiny,bfloat16")
+    p.add_argument("--aot", action="store_true",
+                   help="compile every kernel ahead of time for GPU targets (no GPU needed): shared memory, registers")
+    p.add_argument("--aot-targets", default="80,90", help="comma list of CUDA compute capabilities for --aot")
     p.add_argument("--device", default="auto", help="cpu | cuda | auto")
     p.add_argument("--dtype", default="auto", help="bfloat16 | float16 | float32 | auto (bf16 on CUDA)")
     p.add_argument("--warmup", type=int, default=None, help="untimed calls first (default: 10 on CUDA, 1 on CPU)")

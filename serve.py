@@ -744,11 +744,15 @@ def serve_compare(args, device, dtype, requests=None) -> list[dict]:
         else:
             requests = synthetic_requests(args.requests, vanilla.config.vocab_size, args.prompt_len, args.gen_len,
                                           args.arrival, args.rate, args.seed)
+    rule = args.exit_rule or ("gate" if rec.exit_gate is not None else "softmax")
+    if rule == "gate" and rec.exit_gate is None:
+        raise train.UsageError("--exit-rule gate needs a checkpoint trained with --exit-gate (--ckpt); this model has "
+                               "no exit gate")
     thr = args.exit_threshold
     if thr == "auto":
         try:
-            thr = calibrate_threshold(rec, requests, args.exit_rate)
-            how = f"auto: ~{args.exit_rate:.0%} of prompt tokens confident enough after loop 1"
+            thr = calibrate_threshold(rec, requests, args.exit_rate, rule=rule)
+            how = f"auto: ~{args.exit_rate:.0%} of prompt tokens leave after loop 1"
         except NoValidRequest:  # every request is an error: they are reported below, nothing to calibrate on
             thr, how = None, "auto: no valid request to calibrate on"
     else:
@@ -761,14 +765,17 @@ def serve_compare(args, device, dtype, requests=None) -> list[dict]:
     servers = [StaticServer(vanilla, slots["vanilla"], **kw), ContinuousServer(vanilla, slots["vanilla"], **kw),
                DepthWiseServer(rec, slots["rec"], None, **kw)]
     if thr is not None:
-        servers.append(DepthWiseServer(rec, slots["rec"], thr, **kw))
+        servers.append(DepthWiseServer(rec, slots["rec"], thr, rule, **kw))
     rc = rec.config
     print(f"device {device} dtype {dtype} | vanilla {vanilla.config.n_layer} layers, {vanilla.num_params() / 1e6:.2f}M "
           f"non-emb params | {'relaxed' if rc.relaxed else 'recursive'} B={rc.n_loops} K={rc.n_shared} "
           f"ranks {rc.lora_ranks}, {rec.num_params() / 1e6:.2f}M | {len(requests)} requests, arrivals "
-          f"{args.arrival}{f' at {args.rate}/s' if args.arrival == 'poisson' else ''} | exit threshold "
+          f"{args.arrival}{f' at {args.rate}/s' if args.arrival == 'poisson' else ''} | exit rule {rule}, threshold "
           f"{'-' if thr is None else format(thr, '.4g')} "
           f"({how})" + (f" | batch memory {args.batch_memory_mb} MiB -> slots {slots}" if args.batch_memory_mb else ""))
+    if not args.ckpt:
+        print("RANDOM WEIGHTS (no --ckpt): the outputs are noise and the exits SIMULATED (a threshold calibrated to "
+              "--exit-rate); give --ckpt (trained with --exit-gate) to serve real exits")
     peak = args.peak_bw * 1e9 if args.peak_bw else peak_bandwidth(device)
     rows = []
     for srv in servers:
@@ -847,6 +854,9 @@ def build_parser():
                    help="instead of --slots: slots that fit this many MiB of parameters + full-context KV")
     g.add_argument("--exit-threshold", type=threshold, default="auto",
                    help="confidence threshold in (0, 1], or 'auto' (calibrated)")
+    g.add_argument("--exit-rule", default=None, choices=["softmax", "gate", "saturation"],
+                   help="exit score: softmax (max probability), gate (learned; default when --ckpt has one), "
+                        "saturation (cos of a loop's input and output)")
     g.add_argument("--exit-rate", type=num(float, above=0), default=0.5,
                    help="--exit-threshold auto: target share exiting at loop 1, in (0, 1]")
     g.add_argument("--temperature", type=num(float, min=0), default=0.0, help="0 = greedy")

@@ -31,9 +31,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
+import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -262,8 +265,6 @@ def depth(argv=None):
     ap.add_argument("--out", default="out/depth", help="checkpoints go to OUT/ROW-sSEED; results to OUT/results.jsonl")
     ap.add_argument("--extra", default="", help="flags appended to every run (e.g. '--max-iters 200')")
     args = ap.parse_args(argv)
-    import train
-
     rows = [r for r in args.rows.split(",") if r]
     unknown = [r for r in rows if r not in DEPTH_ROWS]
     if unknown:
@@ -277,12 +278,27 @@ def depth(argv=None):
             argv_row = flags + DEPTH_RECIPE + ["--seed", str(seed), "--out-dir", out] + args.extra.split()
             if parent is not None:
                 argv_row += ["--init-from", f"{args.out}/{slug(parent)}-s{seed}/ckpt.pt"]
-            print("python train.py " + " ".join(argv_row), flush=True)
-            res = train.train(argv_row)
-            results.setdefault(row, []).append(res["acc"])
+            acc = run_train(argv_row)
+            results.setdefault(row, []).append(acc)
             with open(f"{args.out}/results.jsonl", "a") as f:
-                f.write(json.dumps({"row": row, "seed": seed, "argv": argv_row, "acc": res["acc"]}) + "\n")
+                f.write(json.dumps({"row": row, "seed": seed, "argv": argv_row, "acc": acc}) + "\n")
     print(depth_table(results))
+
+
+def run_train(argv: list[str]) -> dict[int, float]:
+    """`python train.py ARGV` in a child process (train.py imports this file), its log passed through; -> the
+    accuracy per p of its last `val` line."""
+    print("python train.py " + " ".join(argv), flush=True)
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("train.py")), *argv], stdout=subprocess.PIPE,
+                            text=True)
+    acc = None
+    for line in proc.stdout:
+        print(line, end="", flush=True)
+        if line.startswith("val step") and " acc " in line:
+            acc = {int(q): float(v) for q, v in re.findall(r"p(\d+) ([\d.]+)", line.split(" acc ", 1)[1])}
+    if proc.wait() != 0 or acc is None:
+        raise SystemExit(f"error: the run failed (exit code {proc.returncode}): python train.py {' '.join(argv)}")
+    return acc
 
 
 def table(argv=None):

@@ -39,7 +39,12 @@ def test_plt_double_and_serve_sections_run(capsys):
     kv = out.split("KV bytes per sequence at the end (Table 1): ")[1].split("\n")[0]
     assert "kv_share 11.0 KiB (+0.0% vs vanilla)" in kv and "loop 22.0 KiB (+100.0% vs vanilla)" in kv  # Table 1
     assert "PLT-2 / loop-2" in out
-    assert "PLT-2 / vanilla" in out and "double / decoder-only" in out and "relaxed depth-wise + early exit" in out
+    assert "PLT-2 / vanilla" in out and "double / decoder-only" in out
+    serve = out.split("== serving B=2")[1]
+    for system in ("vanilla CSB", "depth-wise, no exit", "depth-wise + exit (gate)", "depth-wise + exit (softmax)"):
+        assert system in serve
+    assert "ceiling" in serve and "SIMULATED exits" in serve
+    assert "== serving B=3: skipped, the 4 layers" in out  # tiny's 4 layers do not split into 3 loops
 
 
 def test_double_bench_reports_ttft_prefix_per_token_and_kv(capsys):
@@ -51,3 +56,21 @@ def test_double_bench_reports_ttft_prefix_per_token_and_kv(capsys):
         out = capsys.readouterr().out
         for what in ("TTFT", "after the cached prefix", "per-token", "KV bytes 0.333", "allocated caches"):
             assert what in out
+
+
+def test_kernels_aot_table_compiles_for_both_targets():
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # a real compile, not the interpreter
+    res = subprocess.run([sys.executable, str(ROOT / "bench.py"), "kernels", "--aot", "--only",
+                          "lora/tiny/r16/decode/float32"], capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = [ln.split() for ln in res.stdout.splitlines() if ln.startswith("_lora_")]
+    assert {(r[0], r[2]) for r in rows} == {(k, t) for k in ("_lora_shrink_kernel", "_lora_expand_kernel")
+                                            for t in ("sm_80", "sm_90")}
+    assert all(int(r[4].split("/")[0]) <= int(r[4].split("/")[1]) for r in rows)
+    assert "4 compiles, 0 failed" in res.stdout
