@@ -370,17 +370,19 @@ class Server:
         return sorted(reqs, key=lambda r: r.rid)
 
 
-class ContinuousServer(Server):
-    """Vanilla GPT, continuous sequence-wise batching: one GPT.decode_step over all slots per step."""
+class SlotServer(Server):
+    """The slot bookkeeping of the continuous servers, written once: a cache with one row per slot, `req[s]` the
+    request in slot s (None = free), admission = one batched prefill of the arrived requests, their first tokens
+    emitted, the unfinished ones placed in free slots (their prompt K/V copied into the slots' cache rows). A
+    subclass gives reset_state() (its per-slot tensors), start(slots, toks, lengths) (what a placed request needs to
+    decode on) and step()."""
 
-    name = "vanilla continuous"
+    prefill_exit = None  # the exit loop recorded for the token the prefill produces
 
     def reset(self):
         self.cache = self.model.new_cache(self.slots)
         self.req = [None] * self.slots
-        self.tok = torch.zeros(self.slots, dtype=torch.long, device=self.device)
-        self.step_params = param_bytes(self.model.blocks, self.model.norm, self.model.lm_head)
-        self.kv_tok = kv_token_bytes(self.cfg, self.cache.k.element_size()) * self.cfg.n_layer
+        self.reset_state()
 
     def free_slots(self):
         return sum(r is None for r in self.req)
@@ -389,18 +391,32 @@ class ContinuousServer(Server):
         return any(r is not None for r in self.req)
 
     def admit(self, reqs):
-        logits, tmp, _ = self.batched_prefill(reqs)
-        toks = self.sample(logits, reqs).tolist()
+        logits, tmp, lengths = self.batched_prefill(reqs)
+        toks = self.sample(logits, reqs)
         free = [s for s, r in enumerate(self.req) if r is None]
         keep, slots = [], []
-        for i, (r, t) in enumerate(zip(reqs, toks)):
-            if not self.emit(r, t, None):  # a request of one token is done after its prefill
+        for i, (r, t) in enumerate(zip(reqs, toks.tolist())):
+            if not self.emit(r, t, self.prefill_exit):  # a request of one token is done after its prefill
                 keep.append(i)
                 slots.append(free.pop(0))
                 self.req[slots[-1]] = r
         if keep:
             self.cache.copy_rows(tmp, keep, slots)  # K/V and lengths of the prompts, all layers, one copy
-            self.tok[slots] = torch.tensor([toks[i] for i in keep], device=self.device)
+            self.start(slots, toks[keep], lengths[keep])
+
+
+class ContinuousServer(SlotServer):
+    """Vanilla GPT, continuous sequence-wise batching: one GPT.decode_step over all slots per step."""
+
+    name = "vanilla continuous"
+
+    def reset_state(self):
+        self.tok = torch.zeros(self.slots, dtype=torch.long, device=self.device)  # the token each slot feeds next
+        self.step_params = param_bytes(self.model.blocks, self.model.norm, self.model.lm_head)
+        self.kv_tok = kv_token_bytes(self.cfg, self.cache.k.element_size()) * self.cfg.n_layer
+
+    def start(self, slots, toks, lengths):
+        self.tok[slots] = toks
 
     def step(self):
         t0 = time.perf_counter()
@@ -420,7 +436,7 @@ class ContinuousServer(Server):
                          len(slots))
 
 
-class StaticServer(ContinuousServer):
+class StaticServer(ContinuousServer):  # its own admission: a batch cache sized to the batch
     """Vanilla GPT, static batching: a new batch starts only when the whole previous batch is done."""
 
     name = "vanilla static"
@@ -459,7 +475,7 @@ class StaticServer(ContinuousServer):
         self.req = []
 
 
-class DepthWiseServer(Server):
+class DepthWiseServer(SlotServer):
     """Recursive / relaxed model, continuous depth-wise batching (Figure 3) with optional confidence early exit.
 
     The state of every slot lives in tensors -- position, loop and hidden state of the token in flight -- and a step
@@ -475,10 +491,12 @@ class DepthWiseServer(Server):
         self.name = "depth-wise" + (f" {self.rule}>={exit_threshold:.3g}" if exit_threshold is not None else
                                     " no exit")
 
-    def reset(self):
+    @property
+    def prefill_exit(self):  # prompt tokens never exit early: the prefill runs all loops
+        return self.cfg.n_loops - 1
+
+    def reset_state(self):
         cfg = self.cfg
-        self.cache = self.model.new_cache(self.slots)
-        self.req = [None] * self.slots
         self.all_slots = torch.arange(self.slots, device=self.device)
         self.pos = torch.zeros(self.slots, dtype=torch.long, device=self.device)  # position of the token in flight
         self.loop = torch.zeros(self.slots, dtype=torch.long, device=self.device)  # its current loop
@@ -487,32 +505,12 @@ class DepthWiseServer(Server):
         self.head_bytes = param_bytes(self.model.norm, self.model.lm_head)
         self.kv_tok = kv_token_bytes(cfg, self.cache.k.element_size()) * cfg.n_shared
 
-    def free_slots(self):
-        return sum(r is None for r in self.req)
-
-    def busy(self):
-        return any(r is not None for r in self.req)
-
-    def start(self, slots, toks):
-        """Slots (list) begin their next token toks (b,) tensor: loop 0, hidden state = the token's embedding."""
+    def start(self, slots, toks, lengths):
+        """Slots (list) begin token toks (b,) at positions lengths (b,): loop 0, hidden state = its embedding."""
         idx = torch.tensor(slots, device=self.device)
+        self.pos[idx] = lengths
         self.loop[idx] = 0
         self.h[idx] = self.model.embed(toks[:, None]).to(self.dtype)
-
-    def admit(self, reqs):
-        logits, tmp, lengths = self.batched_prefill(reqs)
-        toks = self.sample(logits, reqs).tolist()
-        free = [s for s, r in enumerate(self.req) if r is None]
-        keep, slots = [], []
-        for i, (r, t) in enumerate(zip(reqs, toks)):  # prompt tokens never exit early: the prefill runs all loops
-            if not self.emit(r, t, self.cfg.n_loops - 1):
-                keep.append(i)
-                slots.append(free.pop(0))
-                self.req[slots[-1]] = r
-        if keep:
-            self.cache.copy_rows(tmp, keep, slots)
-            self.pos[slots] = lengths[keep]
-            self.start(slots, torch.tensor([toks[i] for i in keep], device=self.device))
 
     def step(self):
         t0 = time.perf_counter()
