@@ -277,7 +277,7 @@ def linear(x, weight, bias=None):
     Decoding multiplies a few rows by every weight matrix: the step is bound by reading the weights, and which product
     reads them fastest (F.linear's x W^T, a matrix-vector product, W x^T, x times a transposed copy of W, oneDNN on
     a copy of W in its blocked layout) depends on the CPU, the dtype, the row count and the shape, by up to 2.5x.
-    So on CPU without gradients, with x and W of one dtype (fp32 or bf16) and at most 64 rows, `linear_product`
+    So on CPU without gradients, with x and W of one dtype (fp32 or bf16) and 1 to 64 rows, `linear_product`
     times the candidates once per (dtype, row bucket, shape) and keeps the fastest (F.linear is one of them; a
     product reading a copy of W needs a > 10% lead); `python bench.py decode` prints the choice, the GB/s of each
     candidate and the bytes of the copies. Same math, another summation order: results agree to rounding. Training
@@ -286,7 +286,7 @@ def linear(x, weight, bias=None):
     if (x.device.type == "cpu" and not torch.is_grad_enabled() and x.dtype in LINEAR_DTYPES
             and weight.dtype == x.dtype and not torch.compiler.is_compiling()):
         rows = x.numel() // x.size(-1)
-        name = linear_product(x.dtype, rows, *weight.shape) if rows <= LINEAR_ROW_BUCKETS[-1] else "linear"
+        name = linear_product(x.dtype, rows, *weight.shape) if 0 < rows <= LINEAR_ROW_BUCKETS[-1] else "linear"
         if name != "linear":
             copy = weight_copy(weight, name) if name in LINEAR_COPIES else None
             y = LINEAR_PRODUCTS[name](x.reshape(rows, -1), weight, copy)  # (rows, out)

@@ -156,3 +156,16 @@ def test_decode_bench_prints_the_choice_and_each_forced_product(monkeypatch, cap
     assert "ours: GPT.generate:" in out and "ours: GPT.generate [linear: dnn]:" in out
     assert "model.linear's choice per (rows, out x in)" in out and "rows   1    4160 x 128" in out
     assert "weight copies alive" in out and model._linear_forced == [None]
+
+
+@pytest.mark.parametrize("name", [None, "linear", "mv", "mm", "xwt", "dnn"])
+def test_zero_rows_give_an_empty_result(name):
+    """A batch with no row (e.g. no row of a depth-wise step leaves at a loop) is F.linear's empty product."""
+    w = torch.randn(6, 5)
+    model.force_linear(name)
+    try:
+        with torch.no_grad():
+            y = model.linear(torch.randn(0, 5), w)
+    finally:
+        model.force_linear(None)
+    assert y.shape == (0, 6)
