@@ -317,18 +317,54 @@ def attend(q, k, v, mask=None, is_causal=False, scale=None):
 
     `mask` is a bool tensor broadcastable to (B, H, T, S), True = may attend. With no mask and is_causal=True this
     is the flash path on GPU. H must be a multiple of H_kv; the KV heads are shared without being copied.
-    CPU training under bf16 autocast runs the attention itself in fp32: torch's CPU flash-attention backward is
-    slower in bf16 than in fp32 (10.7 vs 6.3 ms for the tiny preset's layer shape, measured), so this is faster
-    and more precise; the projections around it stay in bf16.
+    CPU training under bf16 autocast runs the attention itself in fp32 or in bf16, whichever forward + backward is
+    faster on this machine at this shape (`attention_precision`, timed once per shape; bf16 only when > 10% faster,
+    fp32 being the more precise): torch's CPU flash-attention backward can be slower in bf16 than in fp32 (10.7 vs
+    6.3 ms at the tiny preset's layer shape on one Sapphire Rapids). The projections around it stay in bf16.
     """
     gqa = q.size(1) != k.size(1)
     causal = is_causal and mask is None
     if q.device.type == "cpu" and q.requires_grad and torch.is_autocast_enabled("cpu"):
-        with torch.autocast("cpu", enabled=False):
-            y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, is_causal=causal,
-                                               scale=scale, enable_gqa=gqa)
-        return y.to(q.dtype)
+        if attention_precision(q, k, mask, causal, scale, gqa) == "fp32":
+            with torch.autocast("cpu", enabled=False):
+                y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
+                                                   is_causal=causal, scale=scale, enable_gqa=gqa)
+            return y.to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
+
+
+_attention_choice: dict[tuple, str] = {}  # (shapes, dtype, mask, causal) -> "fp32" | "bf16", for this process
+
+
+def attention_precision(q, k, mask, causal, scale, gqa, timer=None) -> str:
+    """The precision of CPU autocast-training attention at q's and k's shapes: forward + backward of SDPA timed once
+    in fp32 and in q's dtype on random tensors of those shapes (warm-up, 3 interleaved runs, median); "bf16" only
+    when it beats fp32 by more than 10%. A compiled graph takes fp32 (no timing while tracing). `timer(kind) ->
+    seconds` replaces the measurement (tests)."""
+    if torch.compiler.is_compiling():
+        return "fp32"
+    key = (tuple(q.shape), tuple(k.shape), q.dtype, None if mask is None else tuple(mask.shape), causal)
+    if key not in _attention_choice:
+        def run(kind):
+            dt = torch.float32 if kind == "fp32" else q.dtype
+            qq, kk, vv = (torch.randn(t.shape, dtype=dt).requires_grad_() for t in (q, k, k))
+            m = None if mask is None else torch.ones(mask.shape, dtype=torch.bool)
+            t0 = time.perf_counter()
+            with torch.autocast("cpu", enabled=False):
+                F.scaled_dot_product_attention(qq, kk, vv, attn_mask=m, is_causal=causal, scale=scale,
+                                               enable_gqa=gqa).sum().backward()
+            return time.perf_counter() - t0
+
+        timer = timer or run
+        times = {"fp32": [], "bf16": []}
+        for kind in times:
+            timer(kind)  # warm-up
+        for _ in range(3):
+            for kind in times:
+                times[kind].append(timer(kind))
+        t32, t16 = (sorted(times[k])[1] for k in ("fp32", "bf16"))
+        _attention_choice[key] = "bf16" if t16 * 1.10 < t32 else "fp32"
+    return _attention_choice[key]
 
 
 def start_prefill(idx, cache, lengths=None) -> torch.Tensor:

@@ -241,15 +241,36 @@ def test_linear_inference_paths_equal_f_linear(dtype, rows):
     assert torch.equal(linear(xg, w, b), F.linear(xg, w, b))
 
 
-def test_attend_under_cpu_bf16_autocast_training_runs_in_fp32():
-    """CPU training under bf16 autocast: the attention runs in fp32 (its bf16 CPU backward is slower) and returns
-    bf16, exactly the fp32 attention rounded; gradients flow to fp32 inputs."""
+@pytest.mark.parametrize("t32,t16,want", [(1.0, 2.0, "fp32"), (1.0, 0.95, "fp32"), (1.0, 0.8, "bf16")])
+def test_attend_under_cpu_bf16_autocast_training_takes_the_measured_precision(t32, t16, want, monkeypatch):
+    """CPU training under bf16 autocast: the attention runs in the precision measured faster at this shape (bf16 only
+    when > 10% faster). fp32: exactly the fp32 attention rounded to bf16; bf16: exactly bf16 SDPA. Gradients flow."""
+    import model as model_lib
+
+    monkeypatch.setattr(model_lib, "_attention_choice", {})
     q = torch.randn(2, 4, 9, 8, requires_grad=True)
     k, v = torch.randn(2, 2, 9, 8), torch.randn(2, 2, 9, 8)
+    qb, kb, vb = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    fake = {"fp32": t32, "bf16": t16}
+    assert model_lib.attention_precision(qb, kb, None, True, None, True, timer=fake.__getitem__) == want
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        y = attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), is_causal=True)
-    ref = F.scaled_dot_product_attention(q.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float(),
-                                         is_causal=True, enable_gqa=True)
-    assert y.dtype == torch.bfloat16 and torch.equal(y, ref.bfloat16())
+        y = attend(qb, kb, vb, is_causal=True)  # the choice above is kept for this shape
+    if want == "fp32":
+        ref = F.scaled_dot_product_attention(qb.float(), kb.float(), vb.float(), is_causal=True, enable_gqa=True)
+        ref = ref.bfloat16()
+    else:
+        ref = F.scaled_dot_product_attention(qb.detach(), kb, vb, is_causal=True, enable_gqa=True)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, ref)
     y.float().sum().backward()
     assert q.grad is not None and q.grad.abs().sum() > 0
+
+
+def test_attention_precision_is_measured_once_per_shape(monkeypatch):
+    import model as model_lib
+
+    monkeypatch.setattr(model_lib, "_attention_choice", {})
+    q, k = torch.randn(1, 2, 5, 8, dtype=torch.bfloat16), torch.randn(1, 2, 5, 8, dtype=torch.bfloat16)
+    got = model_lib.attention_precision(q, k, None, True, None, False)  # the real timer: a choice, no speed asserted
+    assert got in ("fp32", "bf16") and len(model_lib._attention_choice) == 1
+    calls = []
+    assert model_lib.attention_precision(q, k, None, True, None, False, timer=calls.append) == got and not calls
