@@ -354,15 +354,19 @@ class RecursiveGPT(GPT):
         return F.softmax(logits.float(), dim=-1).amax(-1)
 
     def exit_score(self, x, h, loops, rule):
-        """The O(d) exit scores (b,) fp32 of rows with loop input x and output h (b, 1, C) at loops (b,) (< B-1):
-        'gate' = the exit gate's probability at each row's loop, 'saturation' = cos(x, h)."""
+        """Exit scores (b,) fp32 of rows with loop input x and output h (b, 1, C) at loops (b,), and the logits
+        (b, V) the score computed (None if it needed none): 'softmax' = the max softmax probability (the head on
+        every row), 'gate' = the exit gate's probability at each row's loop (O(d)), 'saturation' = cos(x, h) (O(d))."""
+        if rule == "softmax":
+            logits = self.exit_logits(h)[:, 0]  # (b, V)
+            return self.exit_confidence(logits), logits
         if rule == "gate":
             if self.exit_gate is None:
                 raise ValueError("exit rule 'gate' needs a model trained with an exit gate (--exit-gate)")
             z = self.exit_gate(self.norm(h[:, 0]))  # (b, B-1)
-            return torch.sigmoid(z.float().gather(1, loops.clamp(max=z.size(1) - 1)[:, None])[:, 0])
+            return torch.sigmoid(z.float().gather(1, loops.clamp(max=z.size(1) - 1)[:, None])[:, 0]), None
         if rule == "saturation":
-            return F.cosine_similarity(x[:, 0].float(), h[:, 0].float(), dim=-1)
+            return F.cosine_similarity(x[:, 0].float(), h[:, 0].float(), dim=-1), None
         raise ValueError(f"unknown exit rule {rule!r}; choose one of {EXIT_RULES}")
 
     def exit_pass(self, x, loops, q_pos, cache: KVCache, rows=None, kv_len=None, threshold=None, rule=None):
@@ -382,12 +386,7 @@ class RecursiveGPT(GPT):
         last = loops == L - 1
         leave, logits = last, None
         if threshold is not None and not bool(last.all()):
-            rule = rule or self.config.exit_rule
-            if rule == "softmax":
-                logits = self.exit_logits(h)[:, 0]  # (b, V)
-                score = self.exit_confidence(logits)
-            else:
-                score = self.exit_score(x, h, loops, rule)
+            score, logits = self.exit_score(x, h, loops, rule or self.config.exit_rule)
             leave = last | (score >= threshold)
             early = (leave & ~last).nonzero().squeeze(1)
             if early.numel():  # the exited tokens' K/V for the loops they skip, all rows at once

@@ -30,8 +30,8 @@ Pieces, simplest first:
         B*K layers (cache layer loop*K + k). A step runs the shared block ONCE over all active slots, each at its own
         loop (RecursiveGPT.loop_step: per-row LoRA index through kernels.multi_lora, per-row cache writes at
         (loop, slot, position), per-row attention lengths from the positional mask). Afterwards a row exits when it
-        is at the last loop or, with a threshold, when its max softmax probability (exit_confidence of the shared
-        norm + head) reaches it; an early exit fills the deeper loops' caches of that token by state propagation
+        is at the last loop or, with a threshold, when its exit score reaches it (RecursiveGPT.exit_pass, the one
+        exit rule of generate too: max softmax, the learned exit gate or saturation); an early exit fills the deeper loops' caches of that token by state propagation
         (RecursiveGPT.propagate). An exited row emits its token and starts the next token at loop 0 in the same slot;
         a finished request frees the slot, refilled at once by the queue. Other rows just move to the next loop.
         With threshold None it is "depth-wise batching without early exit". The slots' state (position, loop, hidden
@@ -51,7 +51,8 @@ bench.py serve` runs these servers at the `base` shape; `python bench.py archs` 
 
 Costs to know when reading the numbers: a step whose rows sit at different loops gathers each row's cache layer
 (LayerCache.read), a copy a paged/ragged attention kernel would avoid; state propagation costs one norm and the k/v
-projections per skipped layer; the head runs on every active row each step when early exit is on (the confidence).
+projections per skipped layer; under the 'softmax' exit rule the head runs on every active row each step (its score
+is the head's output), under 'gate' and 'saturation' only on the rows that leave.
 
 Run:
     python serve.py                                   # CPU demo, tiny random models: the serving table
@@ -576,9 +577,8 @@ def calibrate_threshold(model: RecursiveGPT, reqs, exit_rate=0.5, n=8, rule=None
         if check_request(r, cfg.vocab_size, cfg.max_seq_len) is None:
             idx = torch.tensor([r.prompt], device=model.lm_head.weight.device)
             x, h = model.embed(idx)[0][:, None], model.loop_hidden(idx)[0][0][:, None]  # (T, 1, C): loop 0's in/out
-            score = (model.exit_confidence(model.exit_logits(h)[:, 0]) if rule == "softmax" else
-                     model.exit_score(x, h, torch.zeros(len(r.prompt), dtype=torch.long, device=idx.device), rule))
-            confs.append(score.float().cpu())
+            score, _ = model.exit_score(x, h, torch.zeros(len(r.prompt), dtype=torch.long, device=idx.device), rule)
+            confs.append(score.cpu())
             if len(confs) == n:
                 break
     if not confs:

@@ -115,9 +115,7 @@ class PHopTask:
         """-> x, y (n, seq_len) int64: tokens and labels (IGNORE where none). seq_len >= self.seq_len right-pads
         with fillers that carry no label (block models need a multiple of their block length)."""
         T = self.seq_len if seq_len is None else seq_len
-        if T < self.seq_len:
-            raise ValueError(f"--seq-len {T} is shorter than the task's {self.seq_len} tokens "
-                             f"(1 + length {self.length} x (1 + pause {self.pause}))")
+        self.check_seq_len(T)
         hops = torch.tensor(self.hops)
         p = hops[torch.randint(len(hops), (n,), generator=gen)]  # (n,)
         sym = torch.randint(self.alphabet, (n, self.length), generator=gen)  # (n, length)
@@ -129,6 +127,11 @@ class PHopTask:
         x[:, 1:self.seq_len:g] = sym
         y[:, g:self.seq_len:g] = label  # the last token of each group: the symbol itself when pause = 0
         return x, y
+
+    def check_seq_len(self, T: int):
+        if T < self.seq_len:
+            raise ValueError(f"--seq-len {T} is shorter than the task's {self.seq_len} tokens "
+                             f"(1 + length {self.length} x (1 + pause {self.pause}))")
 
     def hops_of(self, x: torch.Tensor) -> torch.Tensor:
         return x[:, 0] - self.alphabet + 1  # (B,)
@@ -166,9 +169,14 @@ def add_counts(total: dict, counts: dict):
         total[q] = (a + c, b + n)
 
 
+def accuracies(counts: dict) -> dict[int, float]:
+    """{p: (correct, n)} -> {p: accuracy}, in order of p."""
+    return {q: c / max(n, 1) for q, (c, n) in sorted(counts.items())}
+
+
 def accuracy_text(counts: dict) -> str:
     """{p: (correct, n)} -> 'acc p1 0.998 p2 0.951 ...' (greppable, in every step and val line)."""
-    return "acc " + " ".join(f"p{q} {c / max(n, 1):.3f}" for q, (c, n) in sorted(counts.items()))
+    return "acc " + " ".join(f"p{q} {a:.3f}" for q, a in accuracies(counts).items())
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -1202,7 +1202,7 @@ def train(argv=None):
             model = build_model(args, spec, tok, table, ap, given, master)
         if task is not None:
             task = tok.task  # on resume: the checkpoint's task
-            task.batch(1, torch.Generator(), args.seq_len)  # a --seq-len shorter than the task fails here
+            task.check_seq_len(args.seq_len)
         if model.config.vocab_size < tok.n_vocab:
             raise UsageError(f"model vocabulary {model.config.vocab_size} is smaller than the tokenizer's "
                              f"{tok.n_vocab}")
@@ -1383,7 +1383,7 @@ def train(argv=None):
             if done % args.eval_interval == 0 or done == args.max_iters:
                 val, val_counts = evaluate()
                 acc = f" {tasks.accuracy_text(val_counts)}" if task is not None else ""
-                last_acc = {q: c / max(n, 1) for q, (c, n) in sorted(val_counts.items())} if task is not None else None
+                last_acc = tasks.accuracies(val_counts) if task is not None else None
                 log(f"val step {done} loss {val:.4f} ppl {math.exp(min(val, 30)):.2f}{acc}", master)
                 if not math.isfinite(val):  # the NaN guard covers the evaluation: a diverged model is never saved
                     raise FloatingPointError(stopped(f"non-finite validation loss {val}", done))

@@ -514,9 +514,8 @@ def test_exit_rules_decode_equals_recomputation_and_heads_only_leaving_rows(rule
     idx = torch.randint(0, m.config.vocab_size, (4, 5))
     x0 = m.embed(idx)
     h0 = m.loop_hidden(idx)[0]
-    scores = (m.exit_confidence(m.head(h0)) if rule == "softmax" else
-              m.exit_score(x0.flatten(0, 1)[:, None], h0.flatten(0, 1)[:, None],
-                           torch.zeros(idx.numel(), dtype=torch.long), rule))
+    scores, _ = m.exit_score(x0.flatten(0, 1)[:, None], h0.flatten(0, 1)[:, None],
+                             torch.zeros(idx.numel(), dtype=torch.long), rule)
     thr = float(scores.detach().flatten().median())  # about half the tokens exit at loop 1
     head_rows, real_head = [], m.exit_logits
     m.exit_logits = lambda h: (head_rows.append(h.size(0)), real_head(h))[1]
