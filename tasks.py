@@ -261,6 +261,9 @@ DEPTH_ROWS = {
     "clp-2 pause 1": (["--arch", "plt", "--plt-variant", "clp", "--task-pause", "1"], None),
     "plt-2 pause 1": (["--arch", "plt", "--plt-variant", "plt", "--task-pause", "1"], None),
     "vanilla-2 pause 1": (["--arch", "plt", "--plt-variant", "vanilla", "--task-pause", "1"], None),
+    "plt-2 pause 2": (["--arch", "plt", "--plt-variant", "plt", "--task-pause", "2"], None),
+    "kv_share-2 pause 1": (["--arch", "plt", "--plt-variant", "kv_share", "--task-pause", "1"], None),
+    "plt-2 pause 1 w104": (["--arch", "plt", "--plt-variant", "plt", "--task-pause", "1", "--plt-window", "104"], None),
     "kv_share-2 w56": (["--arch", "plt", "--plt-variant", "kv_share", "--plt-window", "56"], None),
     "plt-2 w56": (["--arch", "plt", "--plt-variant", "plt", "--plt-window", "56"], None),
 }
