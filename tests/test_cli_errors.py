@@ -15,6 +15,7 @@ import hf
 import plt
 import recursive
 import serve
+import data
 import train
 from conftest import ROOT, write_jsonl
 
@@ -24,7 +25,7 @@ def files(tmp_path_factory):
     import zstandard
 
     d = tmp_path_factory.mktemp("cli")
-    _, stdlib = train.stdlib_files()
+    _, stdlib = data.stdlib_files()
     texts = [f.read_text(encoding="utf-8") for f in stdlib[:80] if f.stat().st_size > 2000][:12]
     write_jsonl(d / "corpus" / "a.jsonl", texts[:6])
     write_jsonl(d / "corpus" / "b.jsonl", texts[6:])
@@ -224,7 +225,7 @@ def test_train_source_mistakes_name_the_culprit(files, hf_dir, capsys, tmp_path)
                     f"checkpoint {run_dir / 'ckpt.pt'} holds no model (no arch, config, model)")
     odd = tmp_path / "odd.pt"  # a checkpoint whose config has a field this code does not know
     torch.save({"format": train.CKPT_FORMAT, "arch": "vanilla", "config": {"n_layer": 1, "warp_drive": 9}, "model": {},
-                "tokenizer": {"kind": "tiktoken", "name": train.DEFAULT_BASE, "n": 512}}, odd)
+                "tokenizer": {"kind": "tiktoken", "name": data.DEFAULT_BASE, "n": 512}}, odd)
     _one_error_line(capsys, train.main, _train_args(files, "--init-from", str(odd)),
                     f"checkpoint {odd}: its vanilla config does not fit this code (GPTConfig got unknown fields "
                     f"['warp_drive'])")
@@ -286,8 +287,8 @@ def test_out_dir_and_cache_dir_are_checked_before_any_work(files, capsys, tmp_pa
 def test_directories_named_like_shards_are_searched_not_opened(tmp_path):
     write_jsonl(tmp_path / "d.jsonl" / "inner.jsonl", ["x"])
     write_jsonl(tmp_path / "top.jsonl", ["y"])
-    assert train.find_shards(str(tmp_path))[1] == [tmp_path / "d.jsonl" / "inner.jsonl", tmp_path / "top.jsonl"]
-    assert train.find_shards(str(tmp_path / "*.jsonl"))[1] == [tmp_path / "top.jsonl"]
+    assert data.find_shards(str(tmp_path))[1] == [tmp_path / "d.jsonl" / "inner.jsonl", tmp_path / "top.jsonl"]
+    assert data.find_shards(str(tmp_path / "*.jsonl"))[1] == [tmp_path / "top.jsonl"]
 
 
 def test_disk_space_for_a_checkpoint_is_checked_before_the_first_step(files, capsys, tmp_path, monkeypatch):
@@ -321,7 +322,7 @@ def test_tokenizer_that_needs_the_network(files, capsys, monkeypatch):
     import tiktoken
 
     real = tiktoken.get_encoding
-    offline = lambda name: real(name) if name == train.DEFAULT_BASE else (_ for _ in ()).throw(  # noqa: E731
+    offline = lambda name: real(name) if name == data.DEFAULT_BASE else (_ for _ in ()).throw(  # noqa: E731
         requests.exceptions.ConnectionError("Max retries exceeded"))
     monkeypatch.setattr(tiktoken, "get_encoding", offline)
     for name in ("gpt2", "o200k_base"):

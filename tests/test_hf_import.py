@@ -18,6 +18,7 @@ from transformers import (GemmaConfig, GemmaForCausalLM, GPTNeoXConfig, GPTNeoXF
                           LlamaForCausalLM)
 
 import hf
+import data
 import train
 from conftest import write_jsonl
 
@@ -245,7 +246,7 @@ def hf_dir_with_tokenizer(path):
 
 def test_tokenizer_of_the_checkpoint(tmp_path, monkeypatch):
     _, hf_tok = hf_dir_with_tokenizer(tmp_path)
-    tok = train.Tokenizer(train.load_source_tokenizer(f"hf:{tmp_path}"))
+    tok = data.Tokenizer(train.load_source_tokenizer(f"hf:{tmp_path}"))
     assert tok.spec == {"kind": "hf", "path": str(tmp_path.resolve())}
     assert tok.eot == 2 and tok.n_vocab == hf_tok.get_vocab_size()
     text = "the lazy fox writes python"
@@ -257,16 +258,16 @@ def test_tokenizer_of_the_checkpoint(tmp_path, monkeypatch):
     edit_config(tmp_path, eos_token_id=None)
     (tmp_path / "generation_config.json").unlink()
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<pad>"}))
-    assert train.Tokenizer({"kind": "hf", "path": str(tmp_path)}).eot == 0
+    assert data.Tokenizer({"kind": "hf", "path": str(tmp_path)}).eot == 0
     (tmp_path / "tokenizer_config.json").unlink()
     with pytest.raises(ValueError, match="no eos_token_id"):
-        train.Tokenizer({"kind": "hf", "path": str(tmp_path)})
+        data.Tokenizer({"kind": "hf", "path": str(tmp_path)})
     (tmp_path / "tokenizer.json").unlink()
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
-        train.Tokenizer({"kind": "hf", "path": str(tmp_path)})
+        data.Tokenizer({"kind": "hf", "path": str(tmp_path)})
     monkeypatch.setitem(sys.modules, "tokenizers", None)
     with pytest.raises(ImportError, match="pip install tokenizers"):
-        train.Tokenizer({"kind": "hf", "path": str(tmp_path)})
+        data.Tokenizer({"kind": "hf", "path": str(tmp_path)})
 
 
 def test_train_finetunes_an_hf_checkpoint_with_itself_as_teacher(tmp_path):
@@ -288,7 +289,7 @@ def test_train_finetunes_an_hf_checkpoint_with_itself_as_teacher(tmp_path):
     assert not torch.equal(tuned.blocks[0].attn.q_proj.weight, imported.blocks[0].attn.q_proj.weight)
     # the corpus was tokenized with the checkpoint's tokenizer.json: BOS before every document, EOS after
     cache = next((tmp_path / "cache").iterdir())
-    tokens = train.read_shard(cache / json.loads((cache / "meta.json").read_text())["train"]["shards"][0])
+    tokens = data.read_shard(cache / json.loads((cache / "meta.json").read_text())["train"]["shards"][0])
     assert tokens[0] == 1 and tokens[-1] == 2 and (tokens == 2).sum() == (tokens == 1).sum()
     # a teacher with another tokenizer is refused
     with pytest.raises(ValueError, match="must be the same"):

@@ -39,11 +39,34 @@ def test_every_order_imports_cleanly():
     assert res.stdout.split() == ["ok", str(n + n * (n - 1))]
 
 
+def import_graph() -> dict[str, set[str]]:
+    """module -> the modules of this repository it imports."""
+    return {m: imported_modules(ROOT / f"{m}.py") & set(MODULES) - {m} for m in MODULES}
+
+
+def reachable(graph, src) -> set[str]:
+    """Every module src imports, directly or through the modules it imports."""
+    seen, todo = set(), [src]
+    while todo:
+        for n in graph[todo.pop()] - seen:
+            seen.add(n)
+            todo.append(n)
+    return seen
+
+
 def test_import_graph_has_no_cycle_and_models_do_not_import_train():
-    graph = {m: imported_modules(ROOT / f"{m}.py") & set(MODULES) - {m} for m in MODULES}
+    graph = import_graph()
     for m in ARCH_FILES:
         assert not graph[m] & {"train", "serve", "bench"}, f"{m}.py imports {graph[m] & {'train', 'serve', 'bench'}}"
     for a, b in itertools.permutations(MODULES, 2):  # a cycle of length 2 or more shows up as mutual reachability
-        def reach(src, dst, seen=()):
-            return dst in graph[src] or any(reach(n, dst, seen + (src,)) for n in graph[src] if n not in seen)
-        assert not (reach(a, b) and reach(b, a)), f"import cycle through {a} and {b}"
+        assert not (b in reachable(graph, a) and a in reachable(graph, b)), f"import cycle through {a} and {b}"
+
+
+def test_library_modules_do_not_import_the_scripts():
+    """data.py (tokenizer, corpus, batches), checkpoint.py (architecture table, checkpoint files) and cli.py (the error
+    contract) are what the scripts share: none of them reaches train.py, serve.py or bench.py, not even through
+    another module, so a script can use them without loading another script."""
+    graph = import_graph()
+    for m in ["data", "cli"]:
+        assert not reachable(graph, m) & {"train", "serve", "bench"}, \
+            f"{m}.py reaches {reachable(graph, m) & {'train', 'serve', 'bench'}}"

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import model as model_lib
+import data
 import train
 from conftest import ROOT, write_jsonl
 
@@ -17,7 +18,7 @@ from conftest import ROOT, write_jsonl
 
 
 def corpus_texts(n_files=30):
-    _, files = train.stdlib_files()
+    _, files = data.stdlib_files()
     return [f.read_text(encoding="utf-8") for f in files[:200] if f.stat().st_size > 2000][:n_files]
 
 
@@ -40,20 +41,20 @@ def base_args(corpus, tmp, *extra):
 
 
 def test_cut_tokenizer_round_trips_and_stays_in_range():
-    tok = train.Tokenizer.from_args(1000, None)
+    tok = data.Tokenizer.from_args(1000, None)
     assert tok.n_vocab == 1001 and tok.eot == 1000
     text = "def f(x):\n    return x ** 2  # héllo wörld, 日本語 🙂\n"
     ids = tok.encode(text)
     assert max(ids) < 1000 and tok.decode(ids) == text
-    full = train.Tokenizer.from_args(train.CL100K_RANKS, None)  # every rank: the full encoding
+    full = data.Tokenizer.from_args(data.CL100K_RANKS, None)  # every rank: the full encoding
     assert full.spec["n"] is None
     assert len(full.encode(text)) < len(ids)  # more merges, fewer tokens
     assert full.decode(full.encode(text)) == text
-    assert train.padded_vocab(tok.n_vocab) > tok.n_vocab  # a spare row for pads
+    assert data.padded_vocab(tok.n_vocab) > tok.n_vocab  # a spare row for pads
     with pytest.raises(ValueError, match="cut"):
-        train.Tokenizer.from_args(100, None)
+        data.Tokenizer.from_args(100, None)
     with pytest.raises(ValueError, match="--vocab-size 200000 exceeds the 100,256 merge ranks"):
-        train.Tokenizer.from_args(200_000, None)  # not silently the full encoding
+        data.Tokenizer.from_args(200_000, None)  # not silently the full encoding
 
 
 # ---- corpus readers ---------------------------------------------------------------------------------------------
@@ -70,8 +71,8 @@ def test_jsonl_and_zst_readers_skip_and_count_bad_lines(tmp_path):
     (tmp_path / "a.jsonl").write_bytes(raw)
     (tmp_path / "b.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(raw))
     for name in ("a.jsonl", "b.jsonl.zst"):
-        stats = train.SkipStats()
-        docs = list(train.iter_jsonl_docs(tmp_path / name, stats, {"RedPajamaGithub"}))
+        stats = data.SkipStats()
+        docs = list(data.iter_jsonl_docs(tmp_path / name, stats, {"RedPajamaGithub"}))
         assert docs == ["good one", "good two"]
         assert stats.counts == {"malformed json": 1, "no text field": 2, "undecodable bytes": 1, "excluded set": 1}
     # the warning names the file and line of the first bad line of each kind
@@ -91,18 +92,18 @@ def test_truncated_zst_is_an_error_naming_the_file(tmp_path):
     d.mkdir()
     (d / "example_train_0.jsonl.zst").write_bytes(whole[: len(whole) // 2])  # the usual broken download
     write_jsonl(d / "example_train_1.jsonl", docs[:50])
-    tok = train.Tokenizer.from_args(512, None)
+    tok = data.Tokenizer.from_args(512, None)
     with pytest.raises(train.DataError, match=r"example_train_0.jsonl.zst is truncated"):
-        train.prepare_corpus(str(d), tok, str(tmp_path / "cache"), verbose=False)
+        data.prepare_corpus(str(d), tok, str(tmp_path / "cache"), verbose=False)
     # several frames in one file (zstd allows it) are read through, and the cut is found in the last one
     half = len(raw) // 2
     c = zstandard.ZstdCompressor()
     two = c.compress(raw[:half]) + c.compress(raw[half:])
     (d / "example_train_0.jsonl.zst").write_bytes(two)
-    assert list(train.iter_jsonl_docs(d / "example_train_0.jsonl.zst", train.SkipStats())) == docs
+    assert list(data.iter_jsonl_docs(d / "example_train_0.jsonl.zst", data.SkipStats())) == docs
     (d / "example_train_0.jsonl.zst").write_bytes(two[:-5])
     with pytest.raises(train.DataError, match="truncated"):
-        list(train.iter_jsonl_docs(d / "example_train_0.jsonl.zst", train.SkipStats()))
+        list(data.iter_jsonl_docs(d / "example_train_0.jsonl.zst", data.SkipStats()))
 
 
 def test_corrupt_zst_names_the_file(tmp_path):
@@ -110,56 +111,56 @@ def test_corrupt_zst_names_the_file(tmp_path):
     bad.parent.mkdir()
     bad.write_bytes(b"\x28\xb5\x2f\xfd" + os.urandom(64))
     with pytest.raises(train.DataError, match="example_train_3.jsonl.zst"):
-        list(train.iter_jsonl_docs(bad, train.SkipStats()))
+        list(data.iter_jsonl_docs(bad, data.SkipStats()))
 
 
 def test_find_shards_keeps_repeated_names_apart(tmp_path):
     for c in ("chunk1", "chunk2", "chunk10"):
         write_jsonl(tmp_path / "train" / c / "example_train_0.jsonl", ["x"])
-    root, files = train.find_shards(str(tmp_path / "train"))
+    root, files = data.find_shards(str(tmp_path / "train"))
     assert len(files) == 3 and len({f.name for f in files}) == 1
-    _, globbed = train.find_shards(str(tmp_path / "train" / "chunk1*" / "*.jsonl"))
+    _, globbed = data.find_shards(str(tmp_path / "train" / "chunk1*" / "*.jsonl"))
     assert len(globbed) == 2
     with pytest.raises(train.DataError, match="no .jsonl"):
-        train.find_shards(str(tmp_path / "nothing"))
+        data.find_shards(str(tmp_path / "nothing"))
 
 
 def test_empty_corpus_is_a_clear_error(tmp_path):
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "a.jsonl").write_text("")
     (tmp_path / "d" / "b.jsonl").write_text("{broken\n")
-    tok = train.Tokenizer.from_args(512, None)
+    tok = data.Tokenizer.from_args(512, None)
     with pytest.warns(UserWarning, match="skipped documents: 1 malformed json"), \
             pytest.raises(train.DataError, match="the training and validation splits are empty: no file of .* gave a "
                                                  "usable document; skipped lines: 1 malformed json"):
-        train.prepare_corpus(str(tmp_path / "d"), tok, str(tmp_path / "cache"), verbose=False)
+        data.prepare_corpus(str(tmp_path / "d"), tok, str(tmp_path / "cache"), verbose=False)
 
 
 def test_empty_split_message_says_how_the_split_was_made(tmp_path):
-    tok = train.Tokenizer.from_args(512, None)
+    tok = data.Tokenizer.from_args(512, None)
     one = write_jsonl(tmp_path / "one" / "docs.jsonl", [f"doc {i}" for i in range(10)])
     with pytest.raises(train.DataError, match=r"docs.jsonl is the only file, so the split is by document \(every "
                                               r"33rd document .*only 10 usable documents"):
-        train.prepare_corpus(str(one), tok, str(tmp_path / "cache"), verbose=False)
+        data.prepare_corpus(str(one), tok, str(tmp_path / "cache"), verbose=False)
     write_jsonl(tmp_path / "val.jsonl", [])
     with pytest.raises(train.DataError, match="--val-data .*val.jsonl' gave no usable document"):
-        train.prepare_corpus(str(one), tok, str(tmp_path / "cache"), val_data=str(tmp_path / "val.jsonl"),
+        data.prepare_corpus(str(one), tok, str(tmp_path / "cache"), val_data=str(tmp_path / "val.jsonl"),
                              verbose=False)
 
 
 def test_damaged_token_cache_names_its_meta_json(tmp_path, corpus):
-    tok = train.Tokenizer.from_args(512, None)
-    out = train.prepare_corpus(str(corpus), tok, str(tmp_path / "cache"), verbose=False)
+    tok = data.Tokenizer.from_args(512, None)
+    out = data.prepare_corpus(str(corpus), tok, str(tmp_path / "cache"), verbose=False)
     (out / "meta.json").write_text("{broken")
     with pytest.raises(train.DataError, match=f"token cache {out / 'meta.json'} is damaged"):
-        train.prepare_corpus(str(corpus), tok, str(tmp_path / "cache"), verbose=False)
+        data.prepare_corpus(str(corpus), tok, str(tmp_path / "cache"), verbose=False)
     with pytest.raises(train.DataError, match="meta.json is damaged"):
-        train.TokenData(out, "train")
+        data.TokenData(out, "train")
 
 
 def test_prepare_corpus_split_cache_and_interrupted_write(tmp_path, corpus, monkeypatch):
-    tok = train.Tokenizer.from_args(512, None)
-    real_write = train.write_shard
+    tok = data.Tokenizer.from_args(512, None)
+    real_write = data.write_shard
     calls = []
 
     def dying_write(path, tokens):  # the process dies while the first shard is being written
@@ -168,28 +169,28 @@ def test_prepare_corpus_split_cache_and_interrupted_write(tmp_path, corpus, monk
         tmp.write_bytes(b"half a shard")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(train, "write_shard", dying_write)
+    monkeypatch.setattr(data, "write_shard", dying_write)
     with pytest.raises(KeyboardInterrupt):
-        train.prepare_corpus(str(corpus), tok, str(tmp_path / "cache"), verbose=False)
+        data.prepare_corpus(str(corpus), tok, str(tmp_path / "cache"), verbose=False)
     assert not list((tmp_path / "cache").rglob("*.bin")) and not list((tmp_path / "cache").rglob("meta.json"))
-    monkeypatch.setattr(train, "write_shard", real_write)
-    out = train.prepare_corpus(str(corpus), tok, str(tmp_path / "cache"), verbose=False)
+    monkeypatch.setattr(data, "write_shard", real_write)
+    out = data.prepare_corpus(str(corpus), tok, str(tmp_path / "cache"), verbose=False)
     meta = json.loads((out / "meta.json").read_text())
     assert meta["train"]["tokens"] > 0 and meta["val"]["tokens"] > 0
     # every document ends with end-of-text, and train + val hold every document once
     n_docs = len(corpus_texts())
-    eots = sum(int((train.read_shard(out / s) == tok.eot).sum()) for sp in ("train", "val")
+    eots = sum(int((data.read_shard(out / s) == tok.eot).sum()) for sp in ("train", "val")
                for s in meta[sp]["shards"])
     assert eots == n_docs
     # a second call reuses the cache
-    assert train.prepare_corpus(str(corpus), tok, str(tmp_path / "cache"), verbose=False) == out
+    assert data.prepare_corpus(str(corpus), tok, str(tmp_path / "cache"), verbose=False) == out
 
 
 def test_stdlib_split_is_deterministic_and_disjoint():
-    root, files = train.stdlib_files()
+    root, files = data.stdlib_files()
     assert files == sorted(files) and len(files) > 100
-    tr, va = train.split_files(root, files)
-    tr2, va2 = train.split_files(root, files)
+    tr, va = data.split_files(root, files)
+    tr2, va2 = data.split_files(root, files)
     assert tr == tr2 and va == va2 and va and not set(tr) & set(va) and len(tr) + len(va) == len(files)
 
 
@@ -198,35 +199,35 @@ def test_stdlib_split_is_deterministic_and_disjoint():
 
 @pytest.mark.parametrize("n_vocab,dtype", [(5000, np.uint16), (100_300, np.uint32)])
 def test_token_shard_round_trip(tmp_path, n_vocab, dtype):
-    w = train.ShardWriter(tmp_path, "train", n_vocab, shard_tokens=50)
+    w = data.ShardWriter(tmp_path, "train", n_vocab, shard_tokens=50)
     rng = np.random.default_rng(0)
     docs = [rng.integers(0, n_vocab - 1, size=int(n)).tolist() for n in rng.integers(1, 40, size=12)]
     for d in docs:
         w.add(d, n_vocab - 1)
     w.flush()
-    got = np.concatenate([train.read_shard(tmp_path / p) for p in w.paths])
+    got = np.concatenate([data.read_shard(tmp_path / p) for p in w.paths])
     want = np.concatenate([np.array(d + [n_vocab - 1]) for d in docs])
     assert len(w.paths) > 1 and got.dtype == dtype and np.array_equal(got, want)
 
 
 def test_corrupt_token_shard(tmp_path):
     p = tmp_path / "s.bin"
-    train.write_shard(p, np.arange(10, dtype=np.uint16))
-    data = p.read_bytes()
-    p.write_bytes(data[:-4])
+    data.write_shard(p, np.arange(10, dtype=np.uint16))
+    raw = p.read_bytes()
+    p.write_bytes(raw[:-4])
     with pytest.raises(train.DataError, match="corrupt"):
-        train.read_shard(p)
-    p.write_bytes(b"XXXX" + data[4:])
+        data.read_shard(p)
+    p.write_bytes(b"XXXX" + raw[4:])
     with pytest.raises(train.DataError, match="not a token shard"):
-        train.read_shard(p)
+        data.read_shard(p)
 
 
 def test_batches_are_deterministic_windows(tmp_path, corpus):
-    tok = train.Tokenizer.from_args(512, None)
-    data = train.TokenData(train.prepare_corpus(str(corpus), tok, str(tmp_path / "c"), verbose=False), "train")
-    x1, y1 = data.get_batch(3, 32, train.step_generator(1, 5))
-    x2, y2 = data.get_batch(3, 32, train.step_generator(1, 5))
-    x3, _ = data.get_batch(3, 32, train.step_generator(1, 6))
+    tok = data.Tokenizer.from_args(512, None)
+    windows = data.TokenData(data.prepare_corpus(str(corpus), tok, str(tmp_path / "c"), verbose=False), "train")
+    x1, y1 = windows.get_batch(3, 32, data.step_generator(1, 5))
+    x2, y2 = windows.get_batch(3, 32, data.step_generator(1, 5))
+    x3, _ = windows.get_batch(3, 32, data.step_generator(1, 6))
     assert torch.equal(x1, x2) and torch.equal(y1, y2) and not torch.equal(x1, x3)
     assert torch.equal(x1[:, 1:], y1[:, :-1])
 
@@ -433,9 +434,9 @@ def test_init_from_same_arch_applies_post_training_flags(tmp_path, corpus, relax
     # the weights are the checkpoint's: the first training loss equals the source model's loss on that batch
     ck = train.load_checkpoint(src)
     m = train.model_from_checkpoint(ck).train()
-    data = train.TokenData(train.prepare_corpus(str(corpus), train.Tokenizer(ck["tokenizer"]),
-                                                str(tmp_path / "cache"), verbose=False), "train")
-    x, y = data.get_batch(4, 64, train.step_generator(1337, 0, 0, 0))
+    windows = data.TokenData(data.prepare_corpus(str(corpus), data.Tokenizer(ck["tokenizer"]),
+                                                 str(tmp_path / "cache"), verbose=False), "train")
+    x, y = windows.get_batch(4, 64, data.step_generator(1337, 0, 0, 0))
     with torch.no_grad():
         assert m(x, y)[1].item() == pytest.approx(v["loss"], abs=1e-4)
     with pytest.raises(train.UsageError, match="lora_rank_q 16 -> 4.*would change its parameters"):
