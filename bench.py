@@ -37,8 +37,9 @@ import torch
 import torch.nn.functional as F
 
 import kernels as K
-from model import (GPT, LINEAR_PROBE_BYTES, PRESETS, GPTConfig, cpu_key, force_linear, linear_report, param_bytes,
-                   pick_device, pick_dtype, sync, timeit)
+from cli import DTYPES, ArgumentParser, UsageError, check_device, number, run_cli, user_input
+from model import (GPT, LINEAR_PROBE_BYTES, LINEAR_PRODUCTS, PRESETS, GPTConfig, cpu_key, force_linear, linear_report,
+                   param_bytes, pick_device, pick_dtype, sync, timeit)
 
 # ----------------------------------------------------------------------------------------------------------------
 # Protocol: interleaved rounds, median and spread
@@ -318,12 +319,14 @@ def bench_double(args):
     P, N, R = args.prompt_len, args.new_tokens, args.rollover
     prefix = args.shared_prefix if args.shared_prefix is not None else P // 2
     if not 1 <= prefix < P:
-        raise ValueError(f"--shared-prefix must be in [1, {P - 1}], got {prefix}")
+        raise UsageError(f"--shared-prefix must be in [1, {P - 1}] (below --prompt-len), got {prefix}" if P > 1 else
+                         "--prompt-len 1: the cached-prefix timing needs a prompt of at least 2 tokens")
     over = {"max_seq_len": P + N + 8, **({"vocab_size": args.vocab_size} if args.vocab_size else {})}
     for name in ("ctx_layers", "gen_layers"):
         if getattr(args, name) is not None:
             over.update({name: getattr(args, name), "n_layer": None})
-    cfg = dd.DoubleConfig(**{**dd.PRESETS[args.preset], **over})
+    with user_input():  # layer counts the flags make impossible: one line
+        cfg = dd.DoubleConfig(**{**dd.PRESETS[args.preset], **over})
     L = cfg.n_layer
     for dtype in [pick_dtype(device, d) for d in args.dtype.split(",")]:
         torch.manual_seed(0)
@@ -377,7 +380,7 @@ def bench_double_eval(args):
     a = cks[0]["args"]
     for p, ck in zip(paths, cks):
         if ck["tokenizer"] != cks[0]["tokenizer"] or ck["args"]["data"] != a["data"]:
-            raise ValueError(f"{p} was trained with another tokenizer or corpus than {paths[0]}")
+            raise UsageError(f"{p} was trained with another tokenizer or corpus than {paths[0]}")
     tok = Tokenizer(cks[0]["tokenizer"])
     models = [model_from_checkpoint(ck).to(device).eval() for ck in cks]
     if args.sample is not None:
@@ -463,7 +466,8 @@ def bench_archs(args):
     device = pick_device(args.device)
     for dtype in [pick_dtype(device, d) for d in args.dtype.split(",")]:
         torch.manual_seed(0)
-        models = {k: m.to(device, dtype).eval() for k, m in arch_models(args.preset, rank=args.rank).items()}
+        with user_input():  # a --rank above full rank: one line
+            models = {k: m.to(device, dtype).eval() for k, m in arch_models(args.preset, rank=args.rank).items()}
         header("architectures side by side", device, dtype, f"preset {args.preset}, random weights | non-embedding "
                "params " + ", ".join(f"{k} {m.num_params() / 1e6:.2f}M" for k, m in models.items())
                + f" | median (min..max) of {args.repeats} interleaved rounds")
@@ -513,8 +517,9 @@ def bench_serve(args):
             torch.manual_seed(0)
             van = GPT(cfg)
             ranks = {f"lora_rank_{c}": args.lora_rank for c in ("q", "kv", "o", "mlp")} if args.lora_rank else {}
-            rel = from_vanilla(van, n_loops=B, init="average", lora_init="svd", log=lambda *_: None, exit_gate=True,
-                               **ranks)
+            with user_input():  # a --lora-rank above full rank: one line
+                rel = from_vanilla(van, n_loops=B, init="average", lora_init="svd", log=lambda *_: None,
+                                   exit_gate=True, **ranks)
             with torch.no_grad():  # a random gate: its cost is real, its decisions are calibrated to the exit rate
                 rel.exit_gate.weight.normal_(0, cfg.n_embd ** -0.5)
             van, rel = van.to(device, dtype).eval(), rel.to(device, dtype).eval()
@@ -719,11 +724,11 @@ def eval_block_targets(args):
     runs = [load_run(p, device) for p in args.eval]
     blocks = [r for r in runs if isinstance(r[1], bt.BlockTransformer)]
     if not blocks:
-        raise ValueError("--eval needs at least one Block Transformer checkpoint (its targets define the evaluation)")
+        raise UsageError("--eval needs at least one Block Transformer checkpoint (its targets define the evaluation)")
     cfg = blocks[0][1].config
     key = lambda c: (c.block_len, c.pad, c.eot_id, c.random_pad)  # noqa: E731  what decides the layout
     if any(key(r[1].config) != key(cfg) for r in blocks):
-        raise ValueError("the Block Transformer checkpoints lay windows out differently (block_len, pad, eot_id)")
+        raise UsageError("the Block Transformer checkpoints lay windows out differently (block_len, pad, eot_id)")
     ck0, _, tok0 = runs[0]
     sums = {p: [0.0, 0.0] for p in args.eval}  # loss on the shared targets, loss on all of its own targets
     n_shared, n_all = 0, 0
@@ -794,7 +799,7 @@ def bench_exits(args):
     device = pick_device(args.device)
     ck, model, tok = load_run(args.ckpt, device)
     if not isinstance(model, recursive.RecursiveGPT):
-        raise ValueError(f"{args.ckpt} holds a {ck['arch']} model, not a recursive/relaxed one")
+        raise UsageError(f"{args.ckpt} holds a {ck['arch']} model, not a recursive/relaxed one")
     L = model.config.n_loops
     seq = min(args.seq_len, model.config.max_seq_len)
     rules = [r for r in args.rules.split(",") if r != "gate" or model.exit_gate is not None]
@@ -841,10 +846,10 @@ def bench_energy(args):
 
     ck, model, _ = load_run(args.ckpt, "cpu")
     if ck["arch"] != "vanilla":
-        raise ValueError(f"{args.ckpt} holds a {ck['arch']} model, not a vanilla one")
+        raise UsageError(f"{args.ckpt} holds a {ck['arch']} model, not a vanilla one")
     N = model.config.n_layer
     if N % args.loops:
-        raise ValueError(f"n_layer={N} is not divisible by --loops {args.loops}")
+        raise UsageError(f"{args.ckpt}: its n_layer={N} is not divisible by --loops {args.loops}")
     ranks = [int(r) for r in args.ranks.split(",")]
     res = residual_energy(list(model.blocks), recursive.tying_sources(N, N // args.loops, args.init), ranks)
     print(f"{args.ckpt}: N={N}, B={args.loops}, init={args.init}; share of ||W_l - W'||_F^2 in the top-r singular "
@@ -920,7 +925,7 @@ def bench_aot(args):
     GPU needed): per kernel, launch case and target the shared memory against the target's limit, registers and
     spills (kernels.aot_report; ~3 minutes for every case of every preset on 2 cores)."""
     if os.environ.get("TRITON_INTERPRET"):
-        raise ValueError("--aot compiles for a GPU: run it without TRITON_INTERPRET in the environment")
+        raise UsageError("--aot compiles for a GPU: run it without TRITON_INTERPRET in the environment")
     targets = tuple(int(t) for t in args.aot_targets.split(","))
     cases = [c for c in K.aot_cases() if not args.only or any(k in c.name for k in args.only.split(","))]
     print(f"triton {K.triton.__version__} | ahead-of-time compilation for {', '.join(f'sm_{t}' for t in targets)} | "
@@ -1112,152 +1117,205 @@ def bench_kernels(args):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+def comma_list(item):
+    """argparse type of a comma list each of whose items passes `item` (a cli.number(...) or one_of(...) type); the
+    text is kept (each benchmark splits it itself)."""
+    def parse(text):
+        for part in text.split(","):
+            item(part.strip())
+        return text
+
+    parse.__name__ = "list"
+    return parse
+
+
+def one_of(choices):
+    """argparse type of one name of `choices` (used alone or in a comma_list)."""
+    def parse(text):
+        if text not in choices:
+            raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(choices)}")
+        return text
+
+    parse.__name__ = "name"
+    return parse
+
+
+def settings(text):
+    """--settings of archs: a comma list of prompt/new with prompt >= 1 and new >= 2 (the decode time of a round is
+    the difference of a 1-token and a new-token generate)."""
+    for part in text.split(","):
+        p, sep, g = part.partition("/")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"expected prompt/new pairs like 160/8, got {part!r}")
+        number(int, min=1)(p)
+        number(int, min=2)(g)
+    return text
+
+
+def build_parser():
+    """Every subcommand and flag, each number with its bound (cli.number): a bad value is one line `error: ...`."""
+    import block_transformer as bt
+    import double_decoder as dd
+    import plt
+
+    pos, nonneg, two = number(int, min=1), number(int, min=0), number(int, min=2)  # two: >= 2 tokens
+    dtypes, rules = comma_list(one_of(DTYPES)), comma_list(one_of(list(EXIT_RULE_TEXT)))
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     sub = ap.add_subparsers(dest="what", required=True)
 
     def machine(p):
         p.add_argument("--device", default="auto", help="cpu | cuda | mps | auto")
-        p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+        p.add_argument("--threads", type=pos, default=None, help="CPU threads (default: torch's)")
 
-    def common(p, preset="base"):
+    def common(p, preset="base", presets=PRESETS):
         machine(p)
-        p.add_argument("--preset", default=preset, help=f"model.py preset (default {preset})")
-        p.add_argument("--repeats", type=int, default=5, help="interleaved timed rounds (median and min..max)")
+        p.add_argument("--preset", default=preset, choices=sorted(presets), help=f"preset (default {preset})")
+        p.add_argument("--repeats", type=pos, default=5, help="interleaved timed rounds (median and min..max)")
 
     def generation(p, dtype, batch, prompt_len, new_tokens):  # what a generate() timing runs
-        p.add_argument("--dtype", default=dtype, help="comma list of dtypes")
-        p.add_argument("--batch", default=batch, help="comma list of batch sizes")
-        p.add_argument("--prompt-len", type=int, default=prompt_len, help="prompt tokens")
-        p.add_argument("--new-tokens", type=int, default=new_tokens, help="generated tokens per run")
+        p.add_argument("--dtype", type=dtypes, default=dtype, help="comma list of dtypes")
+        p.add_argument("--batch", type=comma_list(pos), default=batch, help="comma list of batch sizes")
+        p.add_argument("--prompt-len", type=pos, default=prompt_len, help="prompt tokens")
+        p.add_argument("--new-tokens", type=two, default=new_tokens, help="generated tokens per run (>= 2)")
 
     p = sub.add_parser("decode", help="vanilla decode vs the machine's bandwidth and transformers' generate")
     common(p)
     generation(p, "float32,bfloat16", "1", 128, 64)
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip the transformers comparison")
     p.add_argument("--compile", action="store_true", help="ours: GPT.compile_decode() (static cache, compiled step)")
-    p.add_argument("--linear", default="auto", help="comma list of model.linear products to time, each forced in turn: "
+    p.add_argument("--linear", type=comma_list(one_of(["auto", *LINEAR_PRODUCTS])), default="auto",
+                   help="comma list of model.linear products to time, each forced in turn: "
                    "auto (the measured choice), linear, mv, mm, xwt, dnn")
     p.set_defaults(fn=bench_decode)
 
     p = sub.add_parser("train", help="training tok/s vs nanoGPT's model.py at the same shape")
     common(p, "small")
     p.add_argument("--nanogpt", default=None, help="a nanoGPT checkout (its model.py is imported from there)")
-    p.add_argument("--train-batch", type=int, default=8, help="sequences per step")
-    p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
+    p.add_argument("--train-batch", type=pos, default=8, help="sequences per step")
+    p.add_argument("--seq-len", type=pos, default=256, help="tokens per sequence")
     p.add_argument("--no-fused-adamw", dest="fused_adamw", action="store_false", help="plain AdamW for ours on CPU")
     p.add_argument("--compile", action="store_true", help="torch.compile both models (the warm-up covers it)")
-    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 (autocast, both models)")
+    p.add_argument("--dtype", default="float32", choices=DTYPES, help="float32 | bfloat16 (autocast, both models)")
     p.set_defaults(fn=bench_train)
 
     p = sub.add_parser("plt", help="PLT-2 vs vanilla vs loop-2 per-token decode latency (Table 3)")
-    common(p)
+    common(p, presets=plt.PRESETS)
     generation(p, "float32,bfloat16", "1,4,16", 256, 32)
-    p.add_argument("--variants", default="vanilla,loop,plt", help="comma list of Table 2 rows: vanilla, loop, clp, "
-                                                                   "kv_share, plt")
+    p.add_argument("--variants", type=comma_list(one_of(list(plt.VARIANTS))), default="vanilla,loop,plt",
+                   help="comma list of Table 2 rows: vanilla, loop, clp, kv_share, plt")
     p.set_defaults(fn=bench_plt)
 
     p = sub.add_parser("double", help="double decoder vs decoder-only: TTFT (also after a cached prefix), "
                                       "per-token latency, KV bytes")
-    common(p)
+    common(p, presets=dd.PRESETS)
     generation(p, "float32,bfloat16", "1,8", 256, 32)
-    p.add_argument("--shared-prefix", type=int, default=None, help="cached prefix tokens (default: prompt / 2)")
-    p.add_argument("--rollover", type=int, default=None, help="double: fold the block into the context every N "
+    p.add_argument("--shared-prefix", type=pos, default=None, help="cached prefix tokens (default: prompt / 2)")
+    p.add_argument("--rollover", type=pos, default=None, help="double: fold the block into the context every N "
                                                               "tokens")
-    p.add_argument("--vocab-size", type=int, default=None, help="override the preset's vocabulary (the head is read "
-                                                                 "every step; 4160 = this repository's tokenizer)")
-    p.add_argument("--ctx-layers", type=int, default=None, help="override the preset's context layers")
-    p.add_argument("--gen-layers", type=int, default=None, help="override the preset's generation layers")
+    p.add_argument("--vocab-size", type=number(int, min=2), default=None,
+                   help="override the preset's vocabulary (the head is read every step; 4160 = this repository's "
+                        "tokenizer)")
+    p.add_argument("--ctx-layers", type=pos, default=None, help="override the preset's context layers")
+    p.add_argument("--gen-layers", type=pos, default=None, help="override the preset's generation layers")
     p.set_defaults(fn=bench_double)
 
     p = sub.add_parser("double-eval", help="validation losses of double and decoder-only checkpoints on the same "
                                            "windows (native and prefix-LM suffix); --sample: generations")
     p.add_argument("ckpt", nargs="+", metavar="CKPT", help="train.py checkpoints (double, vanilla); the first is "
                                                            "the reference of the paired differences")
-    p.add_argument("--batches", type=int, default=50, help="validation batches")
-    p.add_argument("--batch-size", type=int, default=16, help="sequences per batch")
-    p.add_argument("--seed", type=int, default=1337, help="seeds the windows, the splits and the samples")
+    p.add_argument("--batches", type=pos, default=50, help="validation batches")
+    p.add_argument("--batch-size", type=pos, default=16, help="sequences per batch")
+    p.add_argument("--seed", type=nonneg, default=1337, help="seeds the windows, the splits and the samples")
     p.add_argument("--sample", default=None, metavar="PROMPT", help="instead: generate from each checkpoint")
-    p.add_argument("--new-tokens", type=int, default=128, help="--sample: generated tokens")
-    p.add_argument("--rollover", type=int, default=None, help="--sample: the double decoder folds its block into the "
+    p.add_argument("--new-tokens", type=pos, default=128, help="--sample: generated tokens")
+    p.add_argument("--rollover", type=pos, default=None, help="--sample: the double decoder folds its block into the "
                                                               "context every N tokens")
-    p.add_argument("--temperature", type=float, default=0.8, help="--sample: temperature (0 = greedy)")
-    p.add_argument("--top-k", type=int, default=50, help="--sample: top-k")
+    p.add_argument("--temperature", type=number(float, min=0), default=0.8, help="--sample: temperature (0 = greedy)")
+    p.add_argument("--top-k", type=pos, default=50, help="--sample: top-k")
     machine(p)
     p.set_defaults(fn=bench_double_eval)
 
     p = sub.add_parser("archs", help="all six architectures side by side: TTFT, per-token latency, KV bytes")
     common(p, "tiny")
-    p.add_argument("--dtype", default="float32", help="comma list of dtypes")
-    p.add_argument("--rank", type=int, default=8, help="LoRA rank of the relaxed model")
-    p.add_argument("--settings", default="160/8,16/48", help="comma list of prompt/new (prefill-, decode-heavy)")
-    p.add_argument("--batch", default="1,8", help="comma list of batch sizes")
+    p.add_argument("--dtype", type=dtypes, default="float32", help="comma list of dtypes")
+    p.add_argument("--rank", type=pos, default=8, help="LoRA rank of the relaxed model")
+    p.add_argument("--settings", type=settings, default="160/8,16/48",
+                   help="comma list of prompt/new (prefill-, decode-heavy)")
+    p.add_argument("--batch", type=comma_list(pos), default="1,8", help="comma list of batch sizes")
     p.set_defaults(fn=bench_archs)
 
     p = sub.add_parser("serve", help="depth-wise batching + early exit vs continuous sequence-wise batching")
     common(p)
-    p.add_argument("--dtype", default="float32,bfloat16", help="comma list: float32, bfloat16")
-    p.add_argument("--loops", default="2,3", help="comma list of B (loops of the depth-wise model)")
-    p.add_argument("--rules", default="gate,softmax", help="comma list of exit rules: gate, saturation, softmax")
-    p.add_argument("--vocab-size", type=int, default=4160, help="vocabulary (default: this repository's tokenizer)")
-    p.add_argument("--lora-rank", type=int, default=64, help="relaxed model's LoRA rank (0 = recursive)")
-    p.add_argument("--slots", type=int, default=16, help="batch slots of every server")
-    p.add_argument("--batch-memory-mb", type=float, default=None,
+    p.add_argument("--dtype", type=dtypes, default="float32,bfloat16", help="comma list: float32, bfloat16")
+    p.add_argument("--loops", type=comma_list(number(int, min=2)), default="2,3",
+                   help="comma list of B (loops of the depth-wise model)")
+    p.add_argument("--rules", type=rules, default="gate,softmax", help="comma list of exit rules: gate, saturation, "
+                                                                       "softmax")
+    p.add_argument("--vocab-size", type=number(int, min=2), default=4160,
+                   help="vocabulary (default: this repository's tokenizer)")
+    p.add_argument("--lora-rank", type=nonneg, default=64, help="relaxed model's LoRA rank (0 = recursive)")
+    p.add_argument("--slots", type=pos, default=16, help="batch slots of every server")
+    p.add_argument("--batch-memory-mb", type=number(float, above=0), default=None,
                    help="instead of --slots: each system gets the slots that fit this many MiB of weights + KV")
-    p.add_argument("--requests", type=int, default=48, help="requests (all arrive at once)")
-    p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens")
-    p.add_argument("--gen-len", type=int, default=64, help="generated tokens per request")
-    p.add_argument("--exit-rate", type=float, default=0.5, help="share of tokens exiting at loop 1 to simulate")
+    p.add_argument("--requests", type=pos, default=48, help="requests (all arrive at once)")
+    p.add_argument("--prompt-len", type=pos, default=64, help="prompt tokens")
+    p.add_argument("--gen-len", type=pos, default=64, help="generated tokens per request")
+    p.add_argument("--exit-rate", type=number(float, above=0, max=1), default=0.5,
+                   help="share of tokens exiting at loop 1 to simulate, in (0, 1]")
     p.add_argument("--exit-source", default="--exit-rate as given", help="where the exit rate was measured")
     p.set_defaults(fn=bench_serve)
 
     p = sub.add_parser("block", help="Block Transformer vs vanilla: throughput at the largest batch of a memory "
                                      "budget (decode-heavy, prefill-heavy); --eval: val loss on the block targets")
-    p.add_argument("--preset", default="t3-19m", help="block_transformer.py preset (default t3-19m: Table 3's 19M)")
-    p.add_argument("--vanilla", default=None, help="model.py preset of the vanilla model (default: the block "
-                                                   "preset's counterpart at equal non-embedding parameters)")
+    p.add_argument("--preset", default="t3-19m", choices=sorted(bt.PRESETS),
+                   help="block_transformer.py preset (default t3-19m: Table 3's 19M)")
+    p.add_argument("--vanilla", default=None, choices=sorted(PRESETS), help="model.py preset of the vanilla model "
+                   "(default: the block preset's counterpart at equal non-embedding parameters)")
     p.add_argument("--setting", default="both", choices=["both", *BLOCK_SETTINGS], help="run one setting alone")
-    p.add_argument("--scale", type=float, default=0.25,
+    p.add_argument("--scale", type=number(float, above=0), default=0.25,
                    help="multiply the paper's prompt/generated lengths (128/2048, 2048/128); 1 = the paper's")
-    p.add_argument("--budget-mib", type=int, default=None, help="memory for generate()'s caches per model: the "
+    p.add_argument("--budget-mib", type=pos, default=None, help="memory for generate()'s caches per model: the "
                    "batch search goes up to the largest batch that fits (default 2048 x scale: the same batches at "
                    "every scale)")
-    p.add_argument("--search-tokens", type=int, default=32, help="tokens per batch-search run (0: no search, time "
-                                                                 "the largest batch)")
-    p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",") if x], default=[],
-                   help="comma list of more batch sizes to time (besides 1 and the best)")
-    p.add_argument("--dtype", default="bfloat16", help="float32 | bfloat16 | auto")
-    p.add_argument("--repeats", type=int, default=3, help="interleaved timed rounds (median and min..max)")
+    p.add_argument("--search-tokens", type=nonneg, default=32, help="tokens per batch-search run (0: no search, time "
+                                                                    "the largest batch)")
+    p.add_argument("--batches", type=lambda s: [int(x) for x in comma_list(pos)(s).split(",")] if s else [],
+                   default=[], help="comma list of more batch sizes to time (besides 1 and the best)")
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="float32 | bfloat16 | auto")
+    p.add_argument("--repeats", type=pos, default=3, help="interleaved timed rounds (median and min..max)")
     machine(p)
     p.add_argument("--profile", action="store_true", help="also profile one generate per model at its best batch")
     p.add_argument("--eval", nargs="+", default=None, metavar="CKPT",
                    help="instead: validation loss of these block and vanilla checkpoints on the block model's targets")
-    p.add_argument("--eval-batches", type=int, default=20, help="--eval: validation batches")
-    p.add_argument("--eval-batch-size", type=int, default=16, help="--eval: windows per batch")
-    p.add_argument("--seq-len", type=int, default=256, help="--eval: tokens per window (a multiple of L_B)")
-    p.add_argument("--seed", type=int, default=1337, help="--eval: seeds the windows and the padding layout")
+    p.add_argument("--eval-batches", type=pos, default=20, help="--eval: validation batches")
+    p.add_argument("--eval-batch-size", type=pos, default=16, help="--eval: windows per batch")
+    p.add_argument("--seq-len", type=pos, default=256, help="--eval: tokens per window (a multiple of L_B)")
+    p.add_argument("--seed", type=nonneg, default=1337, help="--eval: seeds the windows and the padding layout")
     p.set_defaults(fn=bench_block)
 
     p = sub.add_parser("exits", help="early exit of a recursive/relaxed checkpoint: per loop, oracle, threshold curve")
     p.add_argument("--ckpt", required=True, help="a recursive/relaxed checkpoint written by train.py")
-    p.add_argument("--thresholds", default="0.3,0.5,0.7,0.8,0.9,0.95",
-                   help="comma list of thresholds of the softmax and gate rules")
-    p.add_argument("--saturation-thresholds", default="0.5,0.7,0.8,0.9,0.95,0.98",
-                   help="comma list of cosine thresholds of the saturation rule")
-    p.add_argument("--rules", default="softmax,gate,saturation", help="comma list of exit rules, side by side")
-    p.add_argument("--batches", type=int, default=4, help="validation batches")
-    p.add_argument("--batch-size", type=int, default=8, help="windows per batch")
-    p.add_argument("--seq-len", type=int, default=256, help="tokens per window")
-    p.add_argument("--seed", type=int, default=1337, help="seeds the windows")
+    p.add_argument("--thresholds", type=comma_list(number(float, min=0, max=1)), default="0.3,0.5,0.7,0.8,0.9,0.95",
+                   help="comma list of thresholds of the softmax and gate rules (probabilities, in [0, 1])")
+    p.add_argument("--saturation-thresholds", type=comma_list(number(float, min=-1, max=1)),
+                   default="0.5,0.7,0.8,0.9,0.95,0.98",
+                   help="comma list of cosine thresholds of the saturation rule, in [-1, 1]")
+    p.add_argument("--rules", type=rules, default="softmax,gate,saturation", help="comma list of exit rules, side by "
+                                                                                  "side")
+    p.add_argument("--batches", type=pos, default=4, help="validation batches")
+    p.add_argument("--batch-size", type=pos, default=8, help="windows per batch")
+    p.add_argument("--seq-len", type=two, default=256, help="tokens per window (>= 2)")
+    p.add_argument("--seed", type=nonneg, default=1337, help="seeds the windows")
     machine(p)
     p.set_defaults(fn=bench_exits)
 
     p = sub.add_parser("energy", help="residual energy a rank-r SVD captures when relaxing a vanilla checkpoint")
     p.add_argument("--ckpt", required=True, help="a vanilla checkpoint written by train.py")
-    p.add_argument("--loops", type=int, default=2, help="number of loops B")
+    p.add_argument("--loops", type=number(int, min=2), default=2, help="number of loops B (>= 2: one loop has no "
+                                                                         "residual)")
     p.add_argument("--init", default="average", choices=["stepwise", "average", "lower"], help="tying strategy")
-    p.add_argument("--ranks", default="4,8,16,32,64,128", help="comma-separated ranks")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    p.add_argument("--ranks", type=comma_list(pos), default="4,8,16,32,64,128", help="comma-separated ranks")
+    p.add_argument("--threads", type=pos, default=None, help="CPU threads (default: torch's)")
     p.set_defaults(fn=bench_energy)
 
     p = sub.add_parser("kernels", help="(CUDA) Triton kernels vs their references and stock PyTorch")
@@ -1265,18 +1323,28 @@ def main(argv=None):
                                               "substrings of the case names, e.g. lora/tiny,bfloat16")
     p.add_argument("--aot", action="store_true",
                    help="compile every kernel ahead of time for GPU targets (no GPU needed): shared memory, registers")
-    p.add_argument("--aot-targets", default="80,90", help="comma list of CUDA compute capabilities for --aot")
+    p.add_argument("--aot-targets", type=comma_list(pos), default="80,90",
+                   help="comma list of CUDA compute capabilities for --aot")
     p.add_argument("--device", default="auto", help="cpu | cuda | auto")
-    p.add_argument("--dtype", default="auto", help="bfloat16 | float16 | float32 | auto (bf16 on CUDA)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed calls first (default: 10 on CUDA, 1 on CPU)")
-    p.add_argument("--iters", type=int, default=None, help="timed calls (default: 50 on CUDA, 3 on CPU)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    p.add_argument("--dtype", default="auto", choices=DTYPES, help="bfloat16 | float16 | float32 | auto (bf16 on CUDA)")
+    p.add_argument("--warmup", type=nonneg, default=None, help="untimed calls first (default: 10 on CUDA, 1 on CPU)")
+    p.add_argument("--iters", type=pos, default=None, help="timed calls (default: 50 on CUDA, 3 on CPU)")
+    p.add_argument("--threads", type=pos, default=None, help="CPU threads (default: torch's)")
     p.set_defaults(fn=bench_kernels)
+    return ap
 
-    args = ap.parse_args(argv)
+
+def run(argv=None):
+    args = build_parser().parse_args(argv)
+    check_device(getattr(args, "device", "auto"))
     if args.threads:
         torch.set_num_threads(args.threads)
-    args.fn(args)
+    return args.fn(args)
+
+
+def main(argv=None):
+    """The command: a mistake (a flag, a file, a checkpoint) is one line `error: ...` and exit code 2 (cli.run_cli)."""
+    return run_cli(run, argv)
 
 
 if __name__ == "__main__":

