@@ -11,11 +11,12 @@ import sys
 import pytest
 import torch
 
+import checkpoint
+import data
 import hf
 import plt
 import recursive
 import serve
-import data
 import train
 from conftest import ROOT, write_jsonl
 
@@ -213,7 +214,7 @@ def test_hf_py_device_without_cuda(hf_dir, capsys, monkeypatch):
 def test_train_source_mistakes_name_the_culprit(files, hf_dir, capsys, tmp_path):
     run_dir = tmp_path / "run"  # a train.py out-dir, given without its ckpt.pt
     run_dir.mkdir()
-    torch.save({"format": train.CKPT_FORMAT}, run_dir / "ckpt.pt")
+    torch.save({"format": checkpoint.CKPT_FORMAT}, run_dir / "ckpt.pt")
     _one_error_line(capsys, train.main, _train_args(files, "--init-from", str(run_dir)),
                     f"is a directory, not a checkpoint file: give {run_dir / 'ckpt.pt'} (the checkpoint in it), or "
                     f"hf:{run_dir}")
@@ -224,7 +225,7 @@ def test_train_source_mistakes_name_the_culprit(files, hf_dir, capsys, tmp_path)
     _one_error_line(capsys, train.main, _train_args(files, "--init-from", str(run_dir / "ckpt.pt")),
                     f"checkpoint {run_dir / 'ckpt.pt'} holds no model (no arch, config, model)")
     odd = tmp_path / "odd.pt"  # a checkpoint whose config has a field this code does not know
-    torch.save({"format": train.CKPT_FORMAT, "arch": "vanilla", "config": {"n_layer": 1, "warp_drive": 9}, "model": {},
+    torch.save({"format": checkpoint.CKPT_FORMAT, "arch": "vanilla", "config": {"n_layer": 1, "warp_drive": 9}, "model": {},
                 "tokenizer": {"kind": "tiktoken", "name": data.DEFAULT_BASE, "n": 512}}, odd)
     _one_error_line(capsys, train.main, _train_args(files, "--init-from", str(odd)),
                     f"checkpoint {odd}: its vanilla config does not fit this code (GPTConfig got unknown fields "
@@ -362,7 +363,7 @@ def test_a_failed_checkpoint_write_keeps_the_last_good_one(files, capsys, tmp_pa
                                                     "--eval-interval", "2"),
                     f"writing checkpoint {out / 'ckpt.pt'} failed ({type(error).__name__}: ")
     assert sorted(p.name for p in out.iterdir()) == ["ckpt.pt"]  # the temporary file is gone
-    assert train.load_checkpoint(out / "ckpt.pt")["step"] == 2  # the last good checkpoint
+    assert checkpoint.load_checkpoint(out / "ckpt.pt")["step"] == 2  # the last good checkpoint
 
 
 def _stop_a_run(files, out, flags, env, sig) -> int:
@@ -378,7 +379,7 @@ def _stop_a_run(files, out, flags, env, sig) -> int:
     _, err = p.communicate(timeout=300)
     err = [line for line in err.splitlines() if line.strip()]
     assert p.returncode == 130 and len(err) == 1, err
-    n = train.load_checkpoint(out / "ckpt.pt")["step"]
+    n = checkpoint.load_checkpoint(out / "ckpt.pt")["step"]
     assert err[0] == (f"stopped: {sig.name} after step {n}: checkpoint {out / 'ckpt.pt'} (step {n}) written; continue "
                       f"with: python train.py --resume --out-dir {out}")
     assert n >= 3 and sorted(x.name for x in out.iterdir()) == ["ckpt.pt"]
@@ -399,7 +400,7 @@ def test_sigterm_finishes_the_step_writes_the_checkpoint_and_resume_continues(fi
         r = subprocess.run([sys.executable, "train.py", *cmd], cwd=ROOT, env=env, capture_output=True, text=True,
                            timeout=300)
         assert r.returncode == 0, r.stderr
-    resumed, expect = (train.load_checkpoint(d / "ckpt.pt") for d in (out, ref))
+    resumed, expect = (checkpoint.load_checkpoint(d / "ckpt.pt") for d in (out, ref))
     assert resumed["step"] == expect["step"] == n + 2
     assert all(torch.equal(v, expect["model"][k]) for k, v in resumed["model"].items())
 

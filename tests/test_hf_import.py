@@ -17,8 +17,9 @@ from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizer
 from transformers import (GemmaConfig, GemmaForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig,
                           LlamaForCausalLM)
 
-import hf
+import checkpoint
 import data
+import hf
 import train
 from conftest import write_jsonl
 
@@ -246,7 +247,7 @@ def hf_dir_with_tokenizer(path):
 
 def test_tokenizer_of_the_checkpoint(tmp_path, monkeypatch):
     _, hf_tok = hf_dir_with_tokenizer(tmp_path)
-    tok = data.Tokenizer(train.load_source_tokenizer(f"hf:{tmp_path}"))
+    tok = data.Tokenizer(checkpoint.load_source_tokenizer(f"hf:{tmp_path}"))
     assert tok.spec == {"kind": "hf", "path": str(tmp_path.resolve())}
     assert tok.eot == 2 and tok.n_vocab == hf_tok.get_vocab_size()
     text = "the lazy fox writes python"
@@ -280,12 +281,12 @@ def test_train_finetunes_an_hf_checkpoint_with_itself_as_teacher(tmp_path):
     res = train.train(common + ["--init-from", f"hf:{d}", "--teacher", str(d), "--out-dir", str(out),
                                 "--sample-tokens", "4"])
     assert res["loss"] == res["loss"] and res["best_val_loss"] < 20  # finite
-    ck = train.load_checkpoint(out / "ckpt.pt")
+    ck = checkpoint.load_checkpoint(out / "ckpt.pt")
     imported = hf.from_pretrained(d)
     assert ck["arch"] == "vanilla" and ck["step"] == 2
     assert ck["tokenizer"] == {"kind": "hf", "path": str(d.resolve())}
     assert ck["config"] == asdict(imported.config)
-    tuned = train.model_from_checkpoint(ck)
+    tuned = checkpoint.model_from_checkpoint(ck)
     assert not torch.equal(tuned.blocks[0].attn.q_proj.weight, imported.blocks[0].attn.q_proj.weight)
     # the corpus was tokenized with the checkpoint's tokenizer.json: BOS before every document, EOS after
     cache = next((tmp_path / "cache").iterdir())
@@ -356,8 +357,8 @@ def test_train_converts_an_hf_checkpoint(tmp_path, arch, extra):
                        "--seq-len", "16", "--eval-iters", "1", "--device", "cpu", "--dtype", "float32",
                        "--sample-tokens", "4", "--lr", "0"] + extra)  # lr 0: the weights stay the converted ones
     assert res["best_val_loss"] < 20  # finite
-    ck = train.load_checkpoint(out / "ckpt.pt")
+    ck = checkpoint.load_checkpoint(out / "ckpt.pt")
     assert ck["arch"] == arch and ck["tokenizer"] == {"kind": "hf", "path": str(d.resolve())}
-    model = train.model_from_checkpoint(ck)
+    model = checkpoint.model_from_checkpoint(ck)
     imported = hf.from_pretrained(d)
     assert torch.equal(model.tok_emb.weight, imported.tok_emb.weight)  # copied by the conversion  # the imported vocabulary, not the run's default tokenizer

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-import tasks
 import data
+import tasks
 import train
 from model import IGNORE
 

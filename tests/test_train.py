@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-import model as model_lib
+import checkpoint
+import cli
 import data
+import model as model_lib
 import train
 from conftest import ROOT, write_jsonl
 
@@ -93,7 +95,7 @@ def test_truncated_zst_is_an_error_naming_the_file(tmp_path):
     (d / "example_train_0.jsonl.zst").write_bytes(whole[: len(whole) // 2])  # the usual broken download
     write_jsonl(d / "example_train_1.jsonl", docs[:50])
     tok = data.Tokenizer.from_args(512, None)
-    with pytest.raises(train.DataError, match=r"example_train_0.jsonl.zst is truncated"):
+    with pytest.raises(cli.DataError, match=r"example_train_0.jsonl.zst is truncated"):
         data.prepare_corpus(str(d), tok, str(tmp_path / "cache"), verbose=False)
     # several frames in one file (zstd allows it) are read through, and the cut is found in the last one
     half = len(raw) // 2
@@ -102,7 +104,7 @@ def test_truncated_zst_is_an_error_naming_the_file(tmp_path):
     (d / "example_train_0.jsonl.zst").write_bytes(two)
     assert list(data.iter_jsonl_docs(d / "example_train_0.jsonl.zst", data.SkipStats())) == docs
     (d / "example_train_0.jsonl.zst").write_bytes(two[:-5])
-    with pytest.raises(train.DataError, match="truncated"):
+    with pytest.raises(cli.DataError, match="truncated"):
         list(data.iter_jsonl_docs(d / "example_train_0.jsonl.zst", data.SkipStats()))
 
 
@@ -110,7 +112,7 @@ def test_corrupt_zst_names_the_file(tmp_path):
     bad = tmp_path / "chunk1" / "example_train_3.jsonl.zst"
     bad.parent.mkdir()
     bad.write_bytes(b"\x28\xb5\x2f\xfd" + os.urandom(64))
-    with pytest.raises(train.DataError, match="example_train_3.jsonl.zst"):
+    with pytest.raises(cli.DataError, match="example_train_3.jsonl.zst"):
         list(data.iter_jsonl_docs(bad, data.SkipStats()))
 
 
@@ -121,7 +123,7 @@ def test_find_shards_keeps_repeated_names_apart(tmp_path):
     assert len(files) == 3 and len({f.name for f in files}) == 1
     _, globbed = data.find_shards(str(tmp_path / "train" / "chunk1*" / "*.jsonl"))
     assert len(globbed) == 2
-    with pytest.raises(train.DataError, match="no .jsonl"):
+    with pytest.raises(cli.DataError, match="no .jsonl"):
         data.find_shards(str(tmp_path / "nothing"))
 
 
@@ -131,7 +133,7 @@ def test_empty_corpus_is_a_clear_error(tmp_path):
     (tmp_path / "d" / "b.jsonl").write_text("{broken\n")
     tok = data.Tokenizer.from_args(512, None)
     with pytest.warns(UserWarning, match="skipped documents: 1 malformed json"), \
-            pytest.raises(train.DataError, match="the training and validation splits are empty: no file of .* gave a "
+            pytest.raises(cli.DataError, match="the training and validation splits are empty: no file of .* gave a "
                                                  "usable document; skipped lines: 1 malformed json"):
         data.prepare_corpus(str(tmp_path / "d"), tok, str(tmp_path / "cache"), verbose=False)
 
@@ -139,11 +141,11 @@ def test_empty_corpus_is_a_clear_error(tmp_path):
 def test_empty_split_message_says_how_the_split_was_made(tmp_path):
     tok = data.Tokenizer.from_args(512, None)
     one = write_jsonl(tmp_path / "one" / "docs.jsonl", [f"doc {i}" for i in range(10)])
-    with pytest.raises(train.DataError, match=r"docs.jsonl is the only file, so the split is by document \(every "
+    with pytest.raises(cli.DataError, match=r"docs.jsonl is the only file, so the split is by document \(every "
                                               r"33rd document .*only 10 usable documents"):
         data.prepare_corpus(str(one), tok, str(tmp_path / "cache"), verbose=False)
     write_jsonl(tmp_path / "val.jsonl", [])
-    with pytest.raises(train.DataError, match="--val-data .*val.jsonl' gave no usable document"):
+    with pytest.raises(cli.DataError, match="--val-data .*val.jsonl' gave no usable document"):
         data.prepare_corpus(str(one), tok, str(tmp_path / "cache"), val_data=str(tmp_path / "val.jsonl"),
                              verbose=False)
 
@@ -152,9 +154,9 @@ def test_damaged_token_cache_names_its_meta_json(tmp_path, corpus):
     tok = data.Tokenizer.from_args(512, None)
     out = data.prepare_corpus(str(corpus), tok, str(tmp_path / "cache"), verbose=False)
     (out / "meta.json").write_text("{broken")
-    with pytest.raises(train.DataError, match=f"token cache {out / 'meta.json'} is damaged"):
+    with pytest.raises(cli.DataError, match=f"token cache {out / 'meta.json'} is damaged"):
         data.prepare_corpus(str(corpus), tok, str(tmp_path / "cache"), verbose=False)
-    with pytest.raises(train.DataError, match="meta.json is damaged"):
+    with pytest.raises(cli.DataError, match="meta.json is damaged"):
         data.TokenData(out, "train")
 
 
@@ -215,10 +217,10 @@ def test_corrupt_token_shard(tmp_path):
     data.write_shard(p, np.arange(10, dtype=np.uint16))
     raw = p.read_bytes()
     p.write_bytes(raw[:-4])
-    with pytest.raises(train.DataError, match="corrupt"):
+    with pytest.raises(cli.DataError, match="corrupt"):
         data.read_shard(p)
     p.write_bytes(b"XXXX" + raw[4:])
-    with pytest.raises(train.DataError, match="not a token shard"):
+    with pytest.raises(cli.DataError, match="not a token shard"):
         data.read_shard(p)
 
 
@@ -241,17 +243,17 @@ def test_training_lowers_the_loss(tmp_path, corpus, capsys):
     losses = [float(line.split()[3]) for line in out.splitlines() if line.startswith("step ")]
     assert len(losses) == 30 and sum(losses[-5:]) / 5 < losses[0] - 1.0
     assert all(k in out for k in ("lr ", "ms ", "tok/s ")) and "val step 30 loss" in out and "sample" in out
-    ck = train.load_checkpoint(tmp_path / "out" / "ckpt.pt")
+    ck = checkpoint.load_checkpoint(tmp_path / "out" / "ckpt.pt")
     assert ck["step"] == 30 and ck["arch"] == "vanilla" and ck["tokenizer"]["n"] == 512
     assert ck["best_val_loss"] == pytest.approx(res["best_val_loss"])
-    m = train.model_from_checkpoint(ck)
+    m = checkpoint.model_from_checkpoint(ck)
     assert isinstance(m, model_lib.GPT) and "optimizer" in ck
 
 
 def test_resume_equals_uninterrupted(tmp_path, corpus, monkeypatch):
     common = ["--max-iters", "12", "--eval-interval", "6", "--warmup-iters", "2"]
     straight = train.train(base_args(corpus, tmp_path / "a", *common))
-    real_save = train.save_checkpoint
+    real_save = checkpoint.save_checkpoint
 
     def save_then_die(path, obj):
         real_save(path, obj)
@@ -270,7 +272,7 @@ def test_resume_equals_uninterrupted(tmp_path, corpus, monkeypatch):
 
 
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, corpus, monkeypatch):
-    real_loss, real_save = model_lib.lm_loss, train.save_checkpoint
+    real_loss, real_save = model_lib.lm_loss, checkpoint.save_checkpoint
     state = {"poison": False}
     monkeypatch.setattr(model_lib, "lm_loss", lambda l, t: real_loss(l, t) * (float("nan") if state["poison"] else 1))
 
@@ -281,7 +283,7 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, corpus, 
     monkeypatch.setattr(train, "save_checkpoint", save_and_poison)
     with pytest.raises(FloatingPointError, match="non-finite loss nan at step 5"):
         train.train(base_args(corpus, tmp_path, "--max-iters", "8", "--eval-interval", "4"))
-    ck = train.load_checkpoint(tmp_path / "out" / "ckpt.pt")
+    ck = checkpoint.load_checkpoint(tmp_path / "out" / "ckpt.pt")
     assert ck["step"] == 4 and all(torch.isfinite(v).all() for v in ck["model"].values())
 
 
@@ -289,21 +291,21 @@ def test_corrupt_and_foreign_checkpoints(tmp_path):
     p = tmp_path / "ckpt.pt"
     p.write_bytes(os.urandom(256))
     with pytest.raises(train.CheckpointError, match="corrupt"):
-        train.load_checkpoint(p)
+        checkpoint.load_checkpoint(p)
     torch.save({"weights": torch.zeros(2)}, p)
     with pytest.raises(train.CheckpointError, match="not a checkpoint written by train.py"):
-        train.load_checkpoint(p)
-    good = {"format": train.CKPT_FORMAT, "arch": "vanilla", "config": vars(model_lib.GPTConfig()),
+        checkpoint.load_checkpoint(p)
+    good = {"format": checkpoint.CKPT_FORMAT, "arch": "vanilla", "config": vars(model_lib.GPTConfig()),
             "model": model_lib.GPT(model_lib.GPTConfig()).state_dict()}
-    train.save_checkpoint(p, good)
+    checkpoint.save_checkpoint(p, good)
     p.write_bytes(p.read_bytes()[:1000])  # truncated
     with pytest.raises(train.CheckpointError, match="corrupt"):
-        train.load_checkpoint(p)
+        checkpoint.load_checkpoint(p)
     with pytest.raises(train.CheckpointError, match="does not exist"):
-        train.load_checkpoint(tmp_path / "missing.pt")
+        checkpoint.load_checkpoint(tmp_path / "missing.pt")
     good["config"] = {**good["config"], "n_embd": 64, "n_head": 4}
     with pytest.raises(train.CheckpointError, match="do not fit"):
-        train.model_from_checkpoint(good)
+        checkpoint.model_from_checkpoint(good)
 
 
 def test_knowledge_distillation_run_and_tokenizer_mismatch(tmp_path, corpus, capsys):
@@ -326,7 +328,7 @@ def test_torchrun_two_processes_gloo(tmp_path, corpus):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "world 2" in r.stdout and "step 3 loss" in r.stdout
     assert r.stdout.count("val step 3 loss") == 1  # only rank 0 logs
-    assert train.load_checkpoint(tmp_path / "out" / "ckpt.pt")["step"] == 3
+    assert checkpoint.load_checkpoint(tmp_path / "out" / "ckpt.pt")["step"] == 3
 
 
 # ---- resume restores the run's flags; --init-from of the same arch applies the recipe ---------------------------
@@ -340,7 +342,7 @@ def teacher(corpus, tmp_path_factory):
 
 
 def _kill_after_step(monkeypatch, step):
-    real_save = train.save_checkpoint
+    real_save = checkpoint.save_checkpoint
 
     def save_then_die(path, obj):
         real_save(path, obj)
@@ -396,7 +398,7 @@ def test_resume_refuses_contradicting_flags_and_extends_the_run_length(tmp_path,
     train.train(out + ["--vocab-size", "512", "--max-iters", "6", "--eval-interval", "3"])  # same value: fine
     log = capsys.readouterr().out
     assert "resume: --max-iters 6 (the run had 4)" in log and "step 5 loss" in log and "step 4 loss" not in log
-    assert train.load_checkpoint(tmp_path / "out" / "ckpt.pt")["step"] == 6
+    assert checkpoint.load_checkpoint(tmp_path / "out" / "ckpt.pt")["step"] == 6
 
 
 @pytest.fixture(scope="module")
@@ -415,7 +417,7 @@ def test_resume_accepts_a_flag_equal_to_the_checkpoint_config(tmp_path, corpus, 
     with pytest.raises(train.UsageError, match="--loops 4 \\(the run had None\\)"):
         train.train(out + ["--loops", "4"])
     train.train(out + ["--loops", "2", "--max-iters", "3"])  # the run left --loops at the preset's 2
-    assert train.load_checkpoint(tmp_path / "r" / "out" / "ckpt.pt")["step"] == 3
+    assert checkpoint.load_checkpoint(tmp_path / "r" / "out" / "ckpt.pt")["step"] == 3
 
 
 def test_init_from_same_arch_applies_post_training_flags(tmp_path, corpus, relaxed_ckpt, capsys):
@@ -423,7 +425,7 @@ def test_init_from_same_arch_applies_post_training_flags(tmp_path, corpus, relax
     train.train(base_args(corpus, tmp_path, "--arch", "relaxed", "--init-from", src, "--exit-loss", "aggressive",
                           "--exit-coef", "0.3", "--self-distill", "--max-iters", "1"))
     log = capsys.readouterr().out
-    cfg = train.load_checkpoint(tmp_path / "out" / "ckpt.pt")["config"]
+    cfg = checkpoint.load_checkpoint(tmp_path / "out" / "ckpt.pt")["config"]
     assert cfg["exit_loss"] == "aggressive" and cfg["exit_coef"] == 0.3 and cfg["self_distill"] is True
     assert "exit_loss 'none' -> 'aggressive'" in log
     assert "objective: LM cross-entropy + exit loss aggressive coef 0.3 + self-distill" in log
@@ -432,8 +434,8 @@ def test_init_from_same_arch_applies_post_training_flags(tmp_path, corpus, relax
     assert v["loss"] == v["loss_l2"] and v["total"] == pytest.approx(0.3 * (v["loss_l1"] + v["kd_l1"]) + v["loss"],
                                                                      abs=2e-4)
     # the weights are the checkpoint's: the first training loss equals the source model's loss on that batch
-    ck = train.load_checkpoint(src)
-    m = train.model_from_checkpoint(ck).train()
+    ck = checkpoint.load_checkpoint(src)
+    m = checkpoint.model_from_checkpoint(ck).train()
     windows = data.TokenData(data.prepare_corpus(str(corpus), data.Tokenizer(ck["tokenizer"]),
                                                  str(tmp_path / "cache"), verbose=False), "train")
     x, y = windows.get_batch(4, 64, data.step_generator(1337, 0, 0, 0))
@@ -463,7 +465,7 @@ def test_logged_loss_is_the_lm_loss_and_the_header_names_the_extra_terms(tmp_pat
 
 
 def test_nan_validation_loss_is_never_written(tmp_path, corpus, monkeypatch):
-    real_loss, real_save = model_lib.lm_loss, train.save_checkpoint
+    real_loss, real_save = model_lib.lm_loss, checkpoint.save_checkpoint
     state = {"poison": False}
 
     def loss(logits, targets):  # finite in training, NaN in evaluation (no grad) once poisoned
@@ -478,7 +480,7 @@ def test_nan_validation_loss_is_never_written(tmp_path, corpus, monkeypatch):
     monkeypatch.setattr(train, "save_checkpoint", save_and_poison)
     with pytest.raises(FloatingPointError, match=r"non-finite validation loss nan at step 4; .*stays at .* \(step 2\)"):
         train.train(base_args(corpus, tmp_path, "--max-iters", "6", "--eval-interval", "2"))
-    ck = train.load_checkpoint(tmp_path / "out" / "ckpt.pt")
+    ck = checkpoint.load_checkpoint(tmp_path / "out" / "ckpt.pt")
     assert ck["step"] == 2 and math.isfinite(ck["val_loss"])
     # a real divergence: whichever guard fires, no checkpoint holds a non-finite loss or weight
     monkeypatch.setattr(model_lib, "lm_loss", real_loss)
@@ -488,7 +490,7 @@ def test_nan_validation_loss_is_never_written(tmp_path, corpus, monkeypatch):
                               "--eval-interval", "1"))
     path = tmp_path / "d" / "out" / "ckpt.pt"
     if path.exists():
-        ck = train.load_checkpoint(path)
+        ck = checkpoint.load_checkpoint(path)
         assert math.isfinite(ck["val_loss"]) and all(torch.isfinite(v).all() for v in ck["model"].values())
 
 
@@ -500,7 +502,7 @@ def test_step_memory_estimate_matches_the_activations_of_a_full_batch(arch):
     import argparse
     import contextlib
 
-    table = train.arch_table()
+    table = checkpoint.arch_table()
     spec = table[arch]
     T = 192
     model = spec.model_cls(spec.make_config("tiny", vocab_size=576, max_seq_len=T))
@@ -529,7 +531,7 @@ def test_init_from_same_arch_keeps_settings_no_flag_was_typed_for(tmp_path, corp
     src = str(tmp_path / "a" / "out" / "ckpt.pt")
     train.train(base_args(corpus, tmp_path / "b", "--arch", "plt", "--init-from", src, "--plt-window", "16",
                           "--max-iters", "1"))
-    cfg = train.load_checkpoint(tmp_path / "b" / "out" / "ckpt.pt")["config"]
+    cfg = checkpoint.load_checkpoint(tmp_path / "b" / "out" / "ckpt.pt")["config"]
     assert (cfg["clp"], cfg["kv_share"], cfg["gswa"], cfg["window"]) == (True, False, False, 16)
     with pytest.raises(train.UsageError, match="holds a plt model, and gswa False -> True would change its param"):
         train.train(base_args(corpus, tmp_path / "c", "--arch", "plt", "--init-from", src, "--plt-variant", "plt"))

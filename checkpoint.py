@@ -1,0 +1,159 @@
+"""
+checkpoint.py -- the architecture table and the checkpoint files of train.py, shared by serve.py and bench.py.
+
+The table: each architecture module (ARCH_MODULES) exposes ARCH_SPECS, a list of model.ArchSpec (config class, model
+class, presets, and optional hooks: extra flags, config overrides from flags, conversion from a vanilla model, batch
+preparation); arch_table() maps every spec's name to it. Architectures register here as they land.
+
+A checkpoint is one torch.save'd dict, read back with weights_only=True (no code runs on load):
+    format          CKPT_FORMAT (anything else is not ours)
+    arch, config    the table's name and the config as a dict (config_cls.from_dict rebuilds it)
+    model           the state dict
+    optimizer       AdamW's state (what --resume needs to continue exactly), step, best_val_loss, val_loss
+    tokenizer       data.Tokenizer's spec
+    args            the run's flags (--resume restores them)
+It is written to a temporary name and renamed, so a crash or a full disk never leaves half a checkpoint and the last
+good one stays. Every problem with a file is a cli.CheckpointError naming it. --init-from and --teacher also take
+hf:DIR, a local Hugging Face checkpoint (hf.py), through load_source_model.
+"""
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+from cli import CheckpointError, one_line
+from data import hf_tokenizer_spec, is_hf_source
+from hf import from_pretrained
+from model import ArchSpec
+
+# ----------------------------------------------------------------------------------------------------------------
+# The architecture table
+
+ARCH_MODULES = ["model", "recursive", "block_transformer", "plt", "double_decoder"]
+
+
+def arch_table() -> dict[str, ArchSpec]:
+    table = {}
+    for name in ARCH_MODULES:
+        for spec in importlib.import_module(name).ARCH_SPECS:
+            table[spec.name] = spec
+    return table
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Checkpoints
+
+CKPT_FORMAT = "nano-efficient-inference/ckpt"
+
+
+def save_checkpoint(path: Path, obj: dict):
+    """torch.save to a temp name in the same directory, then rename: a crash never leaves half a checkpoint, and the
+    previous checkpoint stays until the new one is whole. A write that fails (a full disk: torch reports it as a
+    RuntimeError "unexpected pos") removes its temp file and is a CheckpointError."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, (OSError, RuntimeError)):
+            raise CheckpointError(f"writing checkpoint {path} failed ({type(e).__name__}: {one_line(e)}; a full "
+                                  f"disk?); its temporary file {tmp.name} was removed") from e
+        raise
+
+
+def load_checkpoint(path) -> dict:
+    """torch.load(weights_only=True) of a train.py checkpoint. Anything else is a CheckpointError naming the file; the
+    reason is one line (never torch's advice to retry with weights_only=False: that runs arbitrary code). The dict
+    gains "loaded_from" (the path), so that later errors about its contents can name the file."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    if path.is_dir():
+        inside = f"give {path / 'ckpt.pt'} (the checkpoint in it), or " if (path / "ckpt.pt").is_file() else "give "
+        raise CheckpointError(f"checkpoint {path} is a directory, not a checkpoint file: {inside}hf:{path} if it is a "
+                              f"Hugging Face checkpoint directory")
+    try:
+        with warnings.catch_warnings():  # e.g. torch's "Detected pickle protocol 4" on files that are not ours
+            warnings.simplefilter("ignore")
+            ck = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {path} is corrupt or not a PyTorch checkpoint "
+                              f"({type(e).__name__}: {_torch_load_reason(e)})") from e
+    if not isinstance(ck, dict) or ck.get("format") != CKPT_FORMAT:
+        raise CheckpointError(f"{path} is a PyTorch file but not a checkpoint written by train.py")
+    ck["loaded_from"] = str(path)
+    return ck
+
+
+def check_resumable(ck: dict, path) -> dict:
+    """--resume needs what train.py writes at every evaluation: a step >= 0, the optimizer state, the weights, the
+    config, the tokenizer and the run's flags. A checkpoint without them is a CheckpointError naming the part."""
+    missing = [k for k in ("arch", "config", "model", "optimizer", "tokenizer", "step") if ck.get(k) is None]
+    if missing:
+        what = "optimizer state" if missing == ["optimizer"] else "field(s) " + ", ".join(missing)
+        raise CheckpointError(f"checkpoint {path} has no {what}: it cannot be resumed exactly; start a new run from "
+                              f"its weights with --init-from {path} (and another --out-dir)")
+    step, best = ck["step"], ck.get("best_val_loss", math.inf)
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"checkpoint {path} holds step {step!r}: not a step count (an int >= 0)")
+    if not isinstance(best, (int, float)):
+        raise CheckpointError(f"checkpoint {path} holds best_val_loss {best!r}: not a number")
+    return ck
+
+
+def _torch_load_reason(e: Exception) -> str:
+    """The informative part of torch.load's error: the unpickler's own reason, else the first sentence."""
+    msg = str(e)
+    if "WeightsUnpickler error:" in msg:
+        msg = msg.split("WeightsUnpickler error:", 1)[1].split("Check the documentation")[0]
+    msg = " ".join(msg.split())
+    return msg.split(". ")[0].rstrip(".") or "unreadable"
+
+
+def model_from_checkpoint(ck: dict, table=None):
+    """Rebuild the model of a checkpoint (config and weights); the optimizer state is left to the caller."""
+    table = table or arch_table()
+    name = f"checkpoint {ck.get('loaded_from', '')}".rstrip()
+    missing = [k for k in ("arch", "config", "model") if k not in ck]
+    if missing:
+        raise CheckpointError(f"{name} holds no model (no {', '.join(missing)})")
+    if ck["arch"] not in table:
+        raise CheckpointError(f"{name}: architecture {ck['arch']!r} is unknown here; known: {sorted(table)}")
+    spec = table[ck["arch"]]
+    try:
+        cfg = spec.config_cls.from_dict(ck["config"])
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"{name}: its {ck['arch']} config does not fit this code ({e}); was it written by "
+                              f"another version of the repository?") from e
+    model = spec.model_cls(cfg)
+    try:
+        model.load_state_dict(ck["model"])
+    except RuntimeError as e:
+        raise CheckpointError(f"{name}: weights do not fit its {ck['arch']} config: {e}") from e
+    return model
+
+
+def load_source_model(src: str, table=None):
+    """--init-from / --teacher: a train.py checkpoint, or hf:DIR (a local Hugging Face checkpoint).
+
+    -> (model, arch name, tokenizer spec)
+    """
+    if is_hf_source(src):  # a plain model.GPT (fp32, CPU); conversions start from it like from a vanilla checkpoint
+        model = from_pretrained(src[3:] if src.startswith("hf:") else src)
+        return model, "vanilla", model.tokenizer_spec
+    ck = load_checkpoint(src)
+    return model_from_checkpoint(ck, table), ck["arch"], ck["tokenizer"]
+
+
+def load_source_tokenizer(src):
+    """The tokenizer spec of --init-from: a Hugging Face checkpoint's tokenizer.json, or a checkpoint's own spec."""
+    if is_hf_source(src):
+        return hf_tokenizer_spec(src)
+    return load_checkpoint(src)["tokenizer"]
