@@ -6,7 +6,8 @@ Ops, and the model path that calls each
   multi_lora            y[t] = B[idx[t]] @ (A[idx[t]] @ x[t]): one LoRA per row (BGMV, as punica and vLLM): what
                         continuous depth-wise batching needs, rows sitting at different loops (svd_lora.LoRALinear
                         with a per-row loop index, serve.py's depth-wise server). idx = -1: no adapter. Without a GPU:
-                        all adapters stacked into one masked LoRA (multi_lora_stacked).
+                        all adapters stacked into one masked LoRA (multi_lora_stacked) or one adapter's rows at a
+                        time (multi_lora_grouped), whichever this machine runs faster (lora_form).
   attention_lse         masked attention that also returns the log-sum-exp of each query row (any mask: reference).
   flex_attention_lse    FlexAttention (any block mask) that also returns the log-sum-exp (double decoder training).
   merge_lse             exact merge of two attentions over disjoint key sets into one softmax (double decoder).
@@ -51,6 +52,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import time
 
 import torch
 import torch.nn.functional as F
@@ -293,30 +295,83 @@ def multi_lora_triton(x, A, B, idx, *, split_k=None, block_m=None):
 
 def multi_lora_stacked(x, A, B, idx):
     """Same contract as multi_lora_ref, computed as ONE LoRA of rank n*r over all adapters stacked, with each row's
-    hidden units of the other adapters zeroed: h = x [A_0; ..; A_n-1]^T (N, T, n r), y = (h * mask) [B_0 .. B_n-1]^T.
+    hidden units of the other adapters zeroed: h = x [A_0; ..; A_n-1]^T (N, T, n r), y = sum_a (h_a * mask_a) B_a^T.
 
     This is the paper's own way of batching rows at different loops ("we merge multiple LoRAs into a single, large
-    LoRA module", Appendix K): every adapter's weights are read once per call and nothing is gathered per row, at n
-    times the (small) LoRA FLOPs. Without a GPU kernel it is the fast path: the gather of the reference copies r x in
-    + out x r weights PER ROW. Equal to the reference up to summation order (the masked terms are exact zeros).
+    LoRA module", Appendix K): every adapter's weights are read once per call (views, no copy) and nothing is
+    gathered per row, at n times the (small) LoRA FLOPs. Equal to the reference up to summation order (the masked
+    terms are exact zeros).
     """
     n, r, d_in = A.shape
     squeeze = x.dim() == 2
     if squeeze:
         x = x[:, None]
+    N, T = x.shape[:2]
     h = x @ A.reshape(n * r, d_in).t().to(x.dtype)  # (N, T, n r)
     keep = (torch.arange(n, device=x.device)[None, :] == idx[:, None]).to(h.dtype)  # (N, n); idx -1 keeps nothing
-    h = h * keep.repeat_interleave(r, dim=1)[:, None, :]
-    y = h @ B.permute(1, 0, 2).reshape(B.size(1), n * r).t().to(h.dtype)  # (N, T, out)
+    h = (h.view(N, T, n, r) * keep[:, None, :, None]).view(N * T, n, r).transpose(0, 1)  # (n, N T, r)
+    y = torch.bmm(h, B.transpose(1, 2).to(h.dtype)).sum(0).view(N, T, -1)  # (N, T, out)
     return y[:, 0] if squeeze else y
 
 
+def multi_lora_grouped(x, A, B, idx):
+    """Same contract as multi_lora_ref, one adapter at a time: the rows of adapter a (found with one nonzero per
+    adapter, not per row) go through its two thin matmuls and are scattered back. Exactly the LoRA FLOPs, n small
+    gathers and scatters of activations; a host sync per adapter (CPU only: on a GPU the Triton kernel runs)."""
+    squeeze = x.dim() == 2
+    if squeeze:
+        x = x[:, None]
+    y = x.new_zeros(*x.shape[:2], B.size(1))  # (N, T, out); rows with idx -1 stay zero
+    for a in range(A.size(0)):
+        rows = (idx == a).nonzero().squeeze(1)
+        if rows.numel():
+            y[rows] = F.linear(F.linear(x[rows], A[a].to(x.dtype)), B[a].to(x.dtype))
+    return y[:, 0] if squeeze else y
+
+
+LORA_FORMS = {"stacked": multi_lora_stacked, "grouped": multi_lora_grouped}
+_lora_form: dict[tuple, str] = {}  # (dtype, row bucket, T, n, r, in, out) -> the faster form, for this process
+
+
+def lora_form(x, A, B, timer=None) -> str:
+    """Which CPU form multi_lora runs at these shapes: 'stacked' (n x the LoRA FLOPs, no gathers) or 'grouped' (the
+    FLOPs once, a gather and scatter per adapter), whichever this machine runs faster. Timed once per (dtype, row
+    count rounded up to a power of two, shapes) on random inputs whose rows are spread evenly over the adapters (the
+    mix of a depth-wise step): a warm-up, then 5 interleaved rounds of 20 calls each, median. `timer(form) -> seconds`
+    replaces the measurement (tests)."""
+    N = x.size(0)
+    bucket = 1 << max(0, N - 1).bit_length()
+    key = (x.dtype, bucket, x[0].numel() // x.size(-1), *A.shape, B.size(1))
+    if key not in _lora_form:
+        def run(form):
+            xs = torch.randn(bucket, *x.shape[1:], dtype=x.dtype)
+            As, Bs = torch.randn_like(A), torch.randn_like(B)
+            ids = torch.arange(bucket) % A.size(0)
+            t0 = time.perf_counter()
+            for _ in range(20):
+                LORA_FORMS[form](xs, As, Bs, ids)
+            return time.perf_counter() - t0
+
+        timer = timer or run
+        times = {form: [] for form in LORA_FORMS}
+        for form in times:
+            timer(form)  # warm-up
+        for _ in range(5):
+            for form in times:
+                times[form].append(timer(form))
+        _lora_form[key] = min(times, key=lambda f: sorted(times[f])[2])
+    return _lora_form[key]
+
+
 def multi_lora(x, A, B, idx):
-    """Dispatch (same contract as multi_lora_ref): the Triton kernel on CUDA at inference, else multi_lora_stacked
-    when it reads less than the reference would gather (a few adapters; always the case for the loops of a
-    recursive model), else the reference."""
+    """Dispatch (same contract as multi_lora_ref): the Triton kernel on CUDA at inference; on CPU without gradients
+    the faster of the stacked and grouped forms as measured on this machine (lora_form); else (training) the stacked
+    form when it reads less than the reference would gather (always the case for the loops of a recursive model),
+    or the reference."""
     if use_triton(x, A, B, idx) and _kernel_fits(x, A, B, rank=A.size(1)):
         return multi_lora_triton(x, A, B, idx)
+    if x.device.type == "cpu" and not torch.is_grad_enabled() and A.size(0) > 1:
+        return LORA_FORMS[lora_form(x, A, B)](x, A, B, idx)
     if A.size(0) <= x.size(0):  # the reference gathers one adapter per row: stacking reads fewer weights
         return multi_lora_stacked(x, A, B, idx)
     return multi_lora_ref(x, A, B, idx)

@@ -479,16 +479,39 @@ def test_module_docstring_states_gradient_choice():
     assert "needs a gradient" in doc and "Training therefore runs through the references" in doc
 
 
+@pytest.mark.parametrize("form", sorted(K.LORA_FORMS))
 @pytest.mark.parametrize("shape", [(7, 12), (5, 3, 12)])
-def test_multi_lora_stacked_equals_reference_values_and_gradients(shape):
-    """The CPU path of multi_lora (all adapters stacked, other adapters' hidden units masked) == the gather reference,
-    rows without an adapter (-1) included, in values and in every gradient."""
+def test_multi_lora_cpu_forms_equal_reference_values_and_gradients(shape, form):
+    """Both CPU forms of multi_lora (all adapters stacked with the other adapters' hidden units masked; one adapter's
+    rows at a time) == the gather reference, rows without an adapter (-1) included, in values and every gradient."""
     x = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
     A = torch.randn(3, 4, 12, dtype=torch.float64, requires_grad=True)
     B = torch.randn(3, 9, 4, dtype=torch.float64, requires_grad=True)
     idx = torch.tensor([0, 2, -1, 1, 2, 0, -1][:shape[0]])
-    y1, y2 = K.multi_lora_stacked(x, A, B, idx), K.multi_lora_ref(x, A, B, idx)
+    y1, y2 = K.LORA_FORMS[form](x, A, B, idx), K.multi_lora_ref(x, A, B, idx)
     close(y1, y2, rtol=1e-12, atol=1e-12)
     g = torch.randn_like(y1)
     close(torch.autograd.grad(y1, (x, A, B), g), torch.autograd.grad(y2, (x, A, B), g), rtol=1e-12, atol=1e-12)
     assert torch.all(y1[idx == -1] == 0)
+
+
+@pytest.mark.parametrize("faster", ["stacked", "grouped"])
+def test_multi_lora_runs_the_form_measured_faster(monkeypatch, faster):
+    """At CPU inference multi_lora runs the form lora_form measured faster at these shapes (timed once, then kept),
+    and its result equals the reference whichever it is."""
+    monkeypatch.setattr(K, "_lora_form", {})
+    timed = []
+
+    def timer(form):
+        timed.append(form)
+        return 1.0 if form == faster else 2.0
+
+    x, A, B = torch.randn(6, 16), torch.randn(2, 4, 16), torch.randn(2, 8, 4)
+    idx = torch.tensor([0, 1, 1, 0, -1, 1])
+    assert K.lora_form(x, A, B, timer=timer) == faster and len(timed) == 12  # warm-up + 5 rounds of both
+    calls = []
+    monkeypatch.setitem(K.LORA_FORMS, faster, lambda *a: calls.append(1) or K.multi_lora_ref(*a))
+    with torch.no_grad():
+        y = K.multi_lora(x, A, B, idx)
+    assert calls == [1] and len(timed) == 12  # the kept choice, not timed again
+    close(y, K.multi_lora_ref(x, A, B, idx), rtol=0, atol=0)
