@@ -14,7 +14,8 @@ A checkpoint is one torch.save'd dict, read back with weights_only=True (no code
     args            the run's flags (--resume restores them)
 It is written to a temporary name and renamed, so a crash or a full disk never leaves half a checkpoint and the last
 good one stays. Every problem with a file is a cli.CheckpointError naming it. --init-from and --teacher also take
-hf:DIR, a local Hugging Face checkpoint (hf.py), through load_source_model.
+hf:DIR, a local Hugging Face checkpoint (hf.py), through load_source_model; --init-from a checkpoint of the same
+architecture keeps its shapes and takes the config fields of the recipe flags typed (init_same_arch).
 """
 from __future__ import annotations
 
@@ -22,11 +23,12 @@ import importlib
 import math
 import os
 import warnings
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from cli import CheckpointError, one_line
+from cli import CheckpointError, UsageError, one_line
 from data import hf_tokenizer_spec, is_hf_source
 from hf import from_pretrained
 from model import ArchSpec
@@ -157,3 +159,55 @@ def load_source_tokenizer(src):
     if is_hf_source(src):
         return hf_tokenizer_spec(src)
     return load_checkpoint(src)["tokenizer"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# --init-from a checkpoint of the same architecture
+
+ADDED_MODULES = ("exit_gate.",)  # parameters a recipe flag may add to a checkpoint of the same architecture
+
+
+def init_same_arch(src, spec: ArchSpec, overrides: dict, seq_len: int, path) -> tuple[torch.nn.Module, str]:
+    """--init-from a checkpoint of this architecture: its config and weights, plus `overrides`, the config fields set by
+    the flags typed now (train.recipe_overrides; the checkpoint's own settings stay otherwise). A field that leaves
+    every parameter shape as it is takes effect: an exit loss, self-distillation, an exit threshold, a longer
+    max_seq_len (RoPE tables are rebuilt), so the early-exit post-training of Appendix J runs from a trained relaxed
+    checkpoint. One that would change a parameter (a LoRA rank, the loops, the width) is refused with the fields that
+    cause it: new shapes come from a conversion. -> (the model, the line train.py logs about it)"""
+    base = asdict(src.config)
+    target = {**base, **overrides, "max_seq_len": max(base["max_seq_len"], seq_len)}
+    changed = {k: (base.get(k), v) for k, v in target.items() if base.get(k) != v}
+    config = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items())
+    if not changed:
+        return src, f"init from {path}: {spec.name} weights"
+
+    def shapes(fields):
+        with torch.device("meta"):  # no memory, no RNG draws
+            m = spec.model_cls(spec.config_cls.from_dict(fields))
+        return {k: tuple(v.shape) for k, v in m.state_dict().items()}
+
+    have = {k: tuple(v.shape) for k, v in src.state_dict().items()}
+    want = shapes(target)
+    added = set(want) - set(have)
+    if added and all(k.startswith(ADDED_MODULES) for k in added) and all(want.get(k) == v for k, v in have.items()):
+        # a field that only adds a fresh module (an exit gate to train in the post-training phase): the checkpoint's
+        # weights load, the new module keeps its init
+        model = spec.model_cls(spec.config_cls.from_dict(target))
+        missing = model.load_state_dict(src.state_dict(), strict=False).missing_keys
+        return model, f"init from {path}: {spec.name} weights; new {', '.join(sorted(missing))}; config {config}"
+    if want != have:
+        culprits = []
+        for k in changed:
+            try:
+                if shapes({**base, k: target[k]}) != have:
+                    culprits.append(k)
+            except ValueError:
+                culprits.append(k)
+        what = ", ".join(f"{k} {changed[k][0]!r} -> {changed[k][1]!r}" for k in culprits or changed)
+        raise UsageError(f"--init-from {path} holds a {spec.name} model, and {what} would change its "
+                         f"parameters: a checkpoint of the same architecture keeps its shape, only training-recipe "
+                         f"flags (exit loss, self-distillation, KD, ...) apply; drop the flag, or convert a vanilla "
+                         f"checkpoint to get the new shape")
+    model = spec.model_cls(spec.config_cls.from_dict(target))
+    model.load_state_dict(src.state_dict())
+    return model, f"init from {path}: {spec.name} weights; config {config}"

@@ -14,7 +14,9 @@ import argparse
 import contextlib
 import math
 import os
+import signal
 import sys
+import threading
 import warnings
 
 import torch
@@ -97,6 +99,30 @@ def user_input():
         raise
     except ValueError as e:
         raise UsageError(str(e)) from e
+
+
+@contextlib.contextmanager
+def stop_signals():
+    """Ctrl-C (SIGINT) and SIGTERM during the training loop: the first asks the loop to stop after the current step
+    (it writes the checkpoint and exits with code 130, Stopped); a second one stops at once (KeyboardInterrupt).
+    Yields the list the handler appends the signal's name to. Outside the main thread, where Python delivers no
+    signal, the list stays empty."""
+    asked = []
+    if threading.current_thread() is not threading.main_thread():
+        yield asked
+        return
+
+    def on_signal(signum, frame):
+        if asked:
+            raise KeyboardInterrupt
+        asked.append(signal.Signals(signum).name)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield asked
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def one_line(msg) -> str:

@@ -56,12 +56,10 @@ import math
 import os
 import sys
 import shutil
-import signal
 import tempfile
-import threading
 import time
 import warnings
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -70,11 +68,350 @@ from tqdm import tqdm
 
 import tasks
 from cli import (DTYPES, ArgumentParser, CheckpointError, Stopped, UsageError, check_device, number, run_cli,
-                 user_input)
-from checkpoint import (CKPT_FORMAT, arch_table, check_resumable, load_checkpoint, load_source_model,
+                 stop_signals, user_input)
+from checkpoint import (CKPT_FORMAT, arch_table, check_resumable, init_same_arch, load_checkpoint, load_source_model,
                         load_source_tokenizer, model_from_checkpoint, save_checkpoint)
 from data import TokenData, Tokenizer, padded_vocab, prepare_corpus, step_generator
 from model import ArchSpec, distill_loss, lm_loss, peak_flops, pick_device, pick_dtype
+
+# ----------------------------------------------------------------------------------------------------------------
+# The training loop
+
+
+def train(argv=None):
+    """One run: setup_run builds everything from the flags (and refuses what cannot work before the first step), then
+    the loop. A step is --grad-accum micro-batches, each drawn by its own step_generator (a resumed run draws the
+    batches an uninterrupted one would), then one AdamW step at the schedule's lr; a log line every --log-interval
+    steps, an evaluation and a checkpoint every --eval-interval steps. Ctrl-C or SIGTERM ends the run after the
+    current step with a checkpoint (cli.Stopped). -> the last logged losses, the best validation loss and, on a task,
+    the last validation accuracies."""
+    run = setup_run(argv)
+    args, model, raw_model, optimizer, task, master = run.args, run.model, run.raw_model, run.optimizer, run.task, \
+        run.master
+    tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * run.world
+    peak = peak_flops(run.device)
+    flops_per_step = raw_model.flops_per_token(args.seq_len) * tokens_per_step
+    uniform, warned_uniform = math.log(run.tok.n_vocab), False  # the validation loss of a uniform guess
+    model.train()
+    bar = tqdm(total=args.max_iters, initial=run.start_step, desc=f"train {args.arch}",
+               disable=None if master else True, file=sys.stderr, leave=False)
+    last_loss, last_total, last_acc, t0 = None, None, None, time.perf_counter()
+    with stop_signals() as asked:
+        for step in range(run.start_step, args.max_iters):
+            lr = lr_at(step, args.lr, args.warmup_iters, args.lr_decay_iters, args.min_lr)
+            set_lr(optimizer, lr)
+            total, lm_total, kd_total, counts = 0.0, 0.0, 0.0, {}
+            for micro in range(args.grad_accum):
+                x, y, kw = batch_on_device(run, run.train_data, step_generator(args.seed, step, micro, run.rank))
+                sync = contextlib.nullcontext() if (not run.ddp or micro == args.grad_accum - 1) else model.no_sync()
+                with sync:
+                    loss, lm, kd, logits = loss_of(run, x, y, kw)
+                    (loss / args.grad_accum).backward()
+                if task is not None:
+                    tasks.add_counts(counts, task.score(logits.detach(), x, y))
+                total += loss.detach() / args.grad_accum
+                lm_total += lm.detach() / args.grad_accum
+                if kd is not None:
+                    kd_total += kd.detach() / args.grad_accum
+            if args.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+            if not torch.isfinite(total):
+                raise FloatingPointError(stopped(run, f"non-finite loss {total.item()}", step + 1))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            bar.update(1)
+            done = step + 1
+            if done % args.log_interval == 0 or done == args.max_iters or step == run.start_step:
+                if run.device.type == "cuda":
+                    torch.cuda.synchronize()
+                t1 = time.perf_counter()
+                n = done - run.start_step if step == run.start_step else min(args.log_interval, done - run.start_step)
+                dt = (t1 - t0) / max(1, n)
+                t0 = t1
+                last_loss, last_total = lm_total.item(), total.item()
+                terms = (f" kd {kd_total.item():.4f}" if run.teacher is not None else "") + \
+                    (f" total {last_total:.4f}" if run.extra_terms else "")
+                extra = "".join(f" {k} {v:.4f}" for k, v in getattr(raw_model, "metrics", {}).items())
+                mfu = f"{flops_per_step / dt / (peak * run.world) * 100:.1f}%" if peak else "n/a"
+                acc = f" {tasks.accuracy_text(counts)}" if task is not None else ""
+                log(f"step {done} loss {last_loss:.4f}{terms}{acc} lr {lr:.2e} ms {dt * 1000:.1f} "
+                    f"tok/s {tokens_per_step / dt:.0f} mfu {mfu}{extra}", master)
+            if done % args.eval_interval == 0 or done == args.max_iters:
+                val, val_counts = evaluate(run)
+                acc = f" {tasks.accuracy_text(val_counts)}" if task is not None else ""
+                last_acc = tasks.accuracies(val_counts) if task is not None else None
+                log(f"val step {done} loss {val:.4f} ppl {math.exp(min(val, 30)):.2f}{acc}", master)
+                if not math.isfinite(val):  # the NaN guard covers the evaluation: a diverged model is never saved
+                    raise FloatingPointError(stopped(run, f"non-finite validation loss {val}", done))
+                if val > uniform + 1 and not warned_uniform:  # divergence (the module docstring): one warning
+                    warned_uniform = True
+                    warnings.warn(f"validation loss {val:.4f} at step {done} is above ln({run.tok.n_vocab}) + 1 = "
+                                  f"{uniform + 1:.4f}, a nat worse than a uniform guess: the run has diverged (lower "
+                                  f"--lr, now {args.lr:g}) or starts from a model worse than guessing", stacklevel=2)
+                write_checkpoint(run, done, val)
+                run.best_val = min(run.best_val, val)
+                t0 = time.perf_counter()
+            stop = bool(asked)
+            if run.ddp:  # every rank stops after the same step
+                flag = torch.tensor([float(stop)], device=run.device)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                stop = flag.item() > 0
+            if stop and done < args.max_iters:
+                if run.last_good != done:
+                    write_checkpoint(run, done, None)
+                raise Stopped(f"{asked[0] if asked else 'another rank was signalled'} after step {done}: checkpoint "
+                              f"{run.ck_file} (step {done}) written; continue with: python train.py --resume "
+                              f"--out-dir {args.out_dir}")
+    bar.close()
+    if master and task is not None:
+        show_task(raw_model, task, run.val_data, run.device, args)
+    elif master and args.sample_tokens > 0:
+        sample(raw_model, run.tok, run.device, args)
+    if run.ddp:
+        dist.barrier()
+        dist.destroy_process_group()
+    return {"loss": last_loss, "total": last_total, "best_val_loss": run.best_val, "acc": last_acc}
+
+
+def batch_on_device(run, data, gen):
+    """-> x, y on the run's device and the arch's extra model inputs (spec.prepare_batch re-lays some out)."""
+    x, y = data.get_batch(run.args.batch_size, run.args.seq_len, gen)
+    kwargs = {}
+    if run.spec.prepare_batch is not None:
+        x, y, kwargs = run.spec.prepare_batch(x, y, gen, run.raw_model.config)
+    return x.to(run.device, non_blocking=True), y.to(run.device, non_blocking=True), kwargs
+
+
+def loss_of(run, x, y, kwargs):
+    """-> (the objective, the LM cross-entropy, the unweighted KD term or None, the logits)."""
+    args = run.args
+    with run.autocast:
+        logits, loss = run.model(x, y, **kwargs)
+        lm, kd = loss, None
+        if run.exit_on:  # the model's loss holds the exit terms: the final loop's CE alone is what val measures
+            with torch.no_grad():
+                lm = lm_loss(logits, y)
+        if run.teacher is not None:
+            with torch.no_grad():
+                t_logits, _ = run.teacher(x)
+            v = run.tok.n_vocab
+            kd = distill_loss(logits[..., :v], t_logits[..., :v], args.kd, args.kd_temperature,
+                              mask=(y != -100).float())
+            loss = loss + args.kd_weight * kd
+    return loss, lm, kd, logits
+
+
+@torch.no_grad()
+def evaluate(run):
+    """-> the mean validation loss and, on a task, {p: (correct, labels)} over the validation batches."""
+    model = run.model
+    model.eval()
+    losses, counts = [], {}
+    for i in tqdm(range(run.args.eval_iters), desc="eval", leave=False, disable=None if run.master else True,
+                  file=sys.stderr):
+        x, y, kw = batch_on_device(run, run.val_data, step_generator(run.args.seed, -1, i, run.rank))
+        with run.autocast:
+            logits, loss = model(x, y, **kw)
+        losses.append(loss.float())
+        if run.task is not None:
+            tasks.add_counts(counts, run.task.score(logits, x, y))
+    loss = torch.stack(losses).mean()
+    if run.ddp:
+        dist.all_reduce(loss)
+        loss /= run.world
+    model.train()
+    return loss.item(), counts
+
+
+def kept(run) -> str:
+    """What is on disk when the run stops without writing its checkpoint."""
+    return (f"the last good checkpoint stays at {run.ck_file} (step {run.last_good})" if run.last_good is not None
+            else "no checkpoint was written")
+
+
+def stopped(run, what, step) -> str:
+    return f"{what} at step {step}; stopping without writing a checkpoint: {kept(run)}"
+
+
+def write_checkpoint(run, step, val_loss):
+    """The run at `step` to run.ck_file (val_loss None: a stop between evaluations), unless a weight is not finite: a
+    diverged model is never saved. A failed write keeps the last good checkpoint."""
+    args, raw_model = run.args, run.raw_model
+    bad = [n for n, p in raw_model.named_parameters() if not torch.isfinite(p).all()]
+    if bad:
+        raise FloatingPointError(stopped(run, f"non-finite weights in {bad[0]}"
+                                         + (f" and {len(bad) - 1} more tensors" if len(bad) > 1 else ""), step))
+    if run.master:
+        try:
+            save_checkpoint(run.ck_file, {
+                "format": CKPT_FORMAT, "arch": args.arch, "config": asdict(raw_model.config),
+                "model": raw_model.state_dict(), "optimizer": run.optimizer.state_dict(), "step": step,
+                "best_val_loss": run.best_val if val_loss is None else min(run.best_val, val_loss),
+                "val_loss": val_loss, "tokenizer": run.tok.spec,
+                "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}})
+        except CheckpointError as e:
+            raise CheckpointError(f"{e} at step {step}; {kept(run)}") from e
+    run.last_good = step
+
+
+@dataclass
+class Run:
+    """What the loop and its helpers share, built by setup_run. `model` runs the steps (compiled and/or DDP-wrapped);
+    `raw_model` is the module itself (its config, weights and state dict)."""
+    args: argparse.Namespace
+    spec: ArchSpec
+    tok: Tokenizer
+    task: object  # tasks.Task of --data task:..., else None
+    device: torch.device
+    autocast: object  # torch.autocast, or a null context in fp32
+    ddp: bool
+    rank: int
+    world: int
+    raw_model: torch.nn.Module
+    model: torch.nn.Module
+    teacher: torch.nn.Module | None
+    optimizer: torch.optim.Optimizer
+    train_data: object  # TokenData or tasks.TaskData
+    val_data: object
+    exit_on: bool  # the model's loss holds per-loop exit terms (objective_line)
+    extra_terms: bool  # the objective has terms beyond the LM loss: the step line logs `total`
+    start_step: int
+    best_val: float
+    last_good: int | None  # the step of the checkpoint on disk, None before the first is written
+
+    @property
+    def master(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def ck_file(self) -> Path:
+        return self.args.out_dir / "ckpt.pt"
+
+
+def setup_run(argv) -> Run:
+    """Flags (and --resume's), device, tokenizer, model, teacher, optimizer and data, in that order: every check that
+    can fail comes before the corpus is tokenized and before the first step."""
+    table = arch_table()
+    ap = build_parser(table)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = ap.parse_args(argv)
+    given = given_flags(table, argv)
+    resume_ck, notes = None, []
+    if args.resume:
+        args.out_dir = args.out_dir or f"out/{args.arch}"
+        ck_path = Path(args.out_dir) / "ckpt.pt"
+        resume_ck = check_resumable(load_checkpoint(ck_path), ck_path)
+        if resume_ck["arch"] not in table:
+            raise CheckpointError(f"{ck_path} holds a {resume_ck['arch']!r} model, unknown here; known: "
+                                  f"{sorted(table)}")
+        notes = restore_run_args(ap, args, given, resume_ck, ck_path, table)
+    spec = table[args.arch]
+    resolve_defaults(args, spec)
+    args.out_dir = Path(args.out_dir or f"out/{args.arch}")
+    check_device(args.device)
+    check_writable_dir(args.out_dir, "--out-dir")
+    if not tasks.is_task_source(args.data):
+        check_writable_dir(Path(args.cache_dir), "--cache-dir")
+    start_step, best_val = (resume_ck["step"], resume_ck.get("best_val_loss", math.inf)) if resume_ck is not None \
+        else (0, math.inf)
+    if resume_ck is not None and args.max_iters < start_step:
+        raise UsageError(f"--max-iters {args.max_iters} is below the step {start_step} of {ck_path}: nothing to "
+                         f"resume; give --max-iters above {start_step} to continue the run")
+    ddp, rank, local_rank, world, device = setup_distributed(args.device)
+    master = rank == 0
+    if master:
+        warn_inapplicable(ap, args, given)
+        for n in notes:
+            log(f"resume: {n}")
+        if resume_ck is not None and args.max_iters == start_step:
+            log(f"resume: the run in {args.out_dir} is complete (step {start_step} = --max-iters); nothing to "
+                f"train (give a larger --max-iters to continue)")
+        elif resume_ck is not None and args.max_iters > args.lr_decay_iters and "lr_decay_iters" not in given:
+            log(f"resume: the cosine schedule still ends at step {args.lr_decay_iters} (--lr-decay-iters); later "
+                f"steps use --min-lr {args.min_lr:g}")
+    torch.manual_seed(args.seed)
+    dtype = pick_dtype(device, args.dtype)
+    autocast = (torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext())
+
+    # -- tokenizer, model, teacher: every flag is checked here, before the corpus is tokenized --
+    with user_input():
+        task = tasks.task_from_args(args) if tasks.is_task_source(args.data) else None
+        if task is not None and "seq_len" not in given and resume_ck is None:
+            args.seq_len = -(-task.seq_len // 8) * 8  # a multiple of 8: block models need whole blocks
+        if resume_ck is not None:
+            tok = Tokenizer(resume_ck["tokenizer"])
+        elif task is not None:
+            tok = tasks.TaskTokenizer(task.spec())
+        elif args.init_from and not args.tokenizer and not args.vocab_size:
+            tok = Tokenizer(load_source_tokenizer(args.init_from))
+        else:
+            tok = Tokenizer.from_args(args.vocab_size, args.tokenizer)
+        check_memory(least_step_memory(args, padded_vocab(tok.n_vocab), dtype), device, args, at_least=True)
+        if resume_ck is not None:
+            model = model_from_checkpoint(resume_ck, table)
+        else:
+            model = build_model(args, spec, tok, table, ap, given, master)
+        if task is not None:
+            task = tok.task  # on resume: the checkpoint's task
+            task.check_seq_len(args.seq_len)
+        if model.config.vocab_size < tok.n_vocab:
+            raise UsageError(f"model vocabulary {model.config.vocab_size} is smaller than the tokenizer's "
+                             f"{tok.n_vocab}")
+        teacher = None
+        if args.teacher:
+            if not spec.kd_ok:
+                raise UsageError(f"--teacher is not supported for --arch {args.arch}: its training inputs are "
+                                 f"re-laid out, so teacher and student logits would not align")
+            teacher, _, t_tok = load_source_model(args.teacher, table)
+            check_tokenizer(tok.spec, t_tok, f"teacher {args.teacher}")
+    model.to(device)
+    if teacher is not None:
+        teacher.to(device).eval().requires_grad_(False)
+    check_memory(least_step_memory(args, model.config.vocab_size, dtype, model), device, args, at_least=True)
+    need = step_memory(model, spec, args, tok.n_vocab, device, autocast, teacher)
+    avail = check_memory(need, device, args)
+    if master:
+        check_disk_space(model, args.out_dir)
+    optimizer = make_optimizer(model, args.lr, args.weight_decay, device)
+    if resume_ck is not None:
+        optimizer.load_state_dict(resume_ck["optimizer"])
+
+    # -- corpus (rank 0 tokenizes, the others wait), or a synthetic task generated per batch --
+    if task is not None:
+        train_data, val_data = tasks.TaskData(task, "train"), tasks.TaskData(task, "val")
+    else:
+        exclude = [s for s in args.exclude_sets.split(",") if s]
+        if master:
+            cache = prepare_corpus(args.data, tok, args.cache_dir, exclude, args.val_data)
+        if ddp:
+            obj = [str(cache) if master else None]
+            dist.broadcast_object_list(obj, src=0)
+            cache = Path(obj[0])
+        train_data, val_data = TokenData(cache, "train"), TokenData(cache, "val")
+    data_line = (f"task {json.dumps(task.spec())} seq_len {args.seq_len}" if task is not None else
+                 f"tokens train {sum(len(s) for s in train_data.shards):,} val "
+                 f"{sum(len(s) for s in val_data.shards):,}")
+
+    objective, exit_on, extra_terms = objective_line(args, model.config, teacher)
+    if master:
+        log(f"config {json.dumps(asdict(model.config))}")
+        log(f"arch {args.arch} | params {model.num_params(False) / 1e6:.2f}M total, "
+            f"{model.num_params() / 1e6:.2f}M non-embedding | device {device} {dtype} | world {world} | "
+            f"{data_line} | step memory ~{need['total'] / 1e9:.2f} GB (estimate)"
+            + (f" of {avail / 1e9:.1f} GB available" if avail else ""))
+        if objective:
+            log(objective)
+    raw_model = model
+    if args.compile:
+        model = torch.compile(model)
+    if ddp:
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda"
+                                                          else None)
+    return Run(args=args, spec=spec, tok=tok, task=task, device=device, autocast=autocast, ddp=ddp, rank=rank,
+               world=world, raw_model=raw_model, model=model, teacher=teacher, optimizer=optimizer,
+               train_data=train_data, val_data=val_data, exit_on=exit_on, extra_terms=extra_terms,
+               start_step=start_step, best_val=best_val, last_good=start_step if resume_ck is not None else None)
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # Optimizer and schedule
@@ -309,31 +646,7 @@ def check_disk_space(model, path: Path):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Training
-
-
-@contextlib.contextmanager
-def stop_signals():
-    """Ctrl-C (SIGINT) and SIGTERM during the training loop: the first asks the loop to stop after the current step
-    (it writes the checkpoint and exits with code 130, cli.Stopped); a second one stops at once (KeyboardInterrupt).
-    Yields the list the handler appends the signal's name to. Outside the main thread, where Python delivers no
-    signal, the list stays empty."""
-    asked = []
-    if threading.current_thread() is not threading.main_thread():
-        yield asked
-        return
-
-    def on_signal(signum, frame):
-        if asked:
-            raise KeyboardInterrupt
-        asked.append(signal.Signals(signum).name)
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield asked
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+# Processes and models: DDP, the log, the model from the preset or --init-from
 
 
 def setup_distributed(device_flag):
@@ -364,64 +677,14 @@ def build_model(args, spec: ArchSpec, tok: Tokenizer, table, ap, given, master):
         return spec.model_cls(spec.make_config(args.preset, **overrides))
     src, src_arch, _ = load_source_model(args.init_from, table)
     if src_arch == spec.name:
-        return init_same_arch(args, spec, src, ap, given, master)
+        model, note = init_same_arch(src, spec, recipe_overrides(args, spec, ap, given), args.seq_len, args.init_from)
+        log(note, master)
+        return model
     if src_arch != "vanilla" or spec.convert is None:
         raise UsageError(f"cannot initialise a {spec.name} model from a {src_arch} checkpoint "
                          f"({'conversion starts from a vanilla model' if spec.convert else 'no conversion exists'})")
     log(f"init from {args.init_from}: converting vanilla -> {spec.name}", master)
     return spec.convert(args, src, tok=tok)
-
-
-ADDED_MODULES = ("exit_gate.",)  # parameters a recipe flag may add to a checkpoint of the same architecture
-
-
-def init_same_arch(args, spec: ArchSpec, src, ap, given, master):
-    """--init-from a checkpoint of this architecture: its config and weights, plus the config fields set by the flags
-    typed now (the checkpoint's own settings stay otherwise). A field that leaves every parameter shape as it is takes
-    effect: an exit loss, self-distillation, an exit threshold, a longer max_seq_len (RoPE tables are rebuilt), so the
-    early-exit post-training of Appendix J runs from a trained relaxed checkpoint. One that would change a parameter
-    (a LoRA rank, the loops, the width) is refused with the fields that cause it: new shapes come from a conversion."""
-    base = asdict(src.config)
-    target = {**base, **recipe_overrides(args, spec, ap, given), "max_seq_len": max(base["max_seq_len"], args.seq_len)}
-    changed = {k: (base.get(k), v) for k, v in target.items() if base.get(k) != v}
-    if not changed:
-        log(f"init from {args.init_from}: {spec.name} weights", master)
-        return src
-
-    def shapes(fields):
-        with torch.device("meta"):  # no memory, no RNG draws
-            m = spec.model_cls(spec.config_cls.from_dict(fields))
-        return {k: tuple(v.shape) for k, v in m.state_dict().items()}
-
-    have = {k: tuple(v.shape) for k, v in src.state_dict().items()}
-    want = shapes(target)
-    added = set(want) - set(have)
-    if added and all(k.startswith(ADDED_MODULES) for k in added) and all(want.get(k) == v for k, v in have.items()):
-        # a field that only adds a fresh module (an exit gate to train in the post-training phase): the checkpoint's
-        # weights load, the new module keeps its init
-        model = spec.model_cls(spec.config_cls.from_dict(target))
-        missing = model.load_state_dict(src.state_dict(), strict=False).missing_keys
-        log(f"init from {args.init_from}: {spec.name} weights; new {', '.join(sorted(missing))}; config " +
-            ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()), master)
-        return model
-    if want != have:
-        culprits = []
-        for k in changed:
-            try:
-                if shapes({**base, k: target[k]}) != have:
-                    culprits.append(k)
-            except ValueError:
-                culprits.append(k)
-        what = ", ".join(f"{k} {changed[k][0]!r} -> {changed[k][1]!r}" for k in culprits or changed)
-        raise UsageError(f"--init-from {args.init_from} holds a {spec.name} model, and {what} would change its "
-                         f"parameters: a checkpoint of the same architecture keeps its shape, only training-recipe "
-                         f"flags (exit loss, self-distillation, KD, ...) apply; drop the flag, or convert a vanilla "
-                         f"checkpoint to get the new shape")
-    model = spec.model_cls(spec.config_cls.from_dict(target))
-    model.load_state_dict(src.state_dict())
-    log(f"init from {args.init_from}: {spec.name} weights; config " +
-        ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()), master)
-    return model
 
 
 def recipe_overrides(args, spec: ArchSpec, ap, given) -> dict:
@@ -574,284 +837,6 @@ def objective_line(args, cfg, teacher) -> tuple[str, bool, bool]:
     if getattr(cfg, "self_distill", False) and not exit_on:
         warnings.warn("self_distill has no effect without an exit loss (--exit-loss weighted|aggressive)", stacklevel=2)
     return line, exit_on, bool(terms)
-
-
-def train(argv=None):
-    table = arch_table()
-    ap = build_parser(table)
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = ap.parse_args(argv)
-    given = given_flags(table, argv)
-    resume_ck, notes = None, []
-    if args.resume:
-        args.out_dir = args.out_dir or f"out/{args.arch}"
-        ck_path = Path(args.out_dir) / "ckpt.pt"
-        resume_ck = check_resumable(load_checkpoint(ck_path), ck_path)
-        if resume_ck["arch"] not in table:
-            raise CheckpointError(f"{ck_path} holds a {resume_ck['arch']!r} model, unknown here; known: "
-                                  f"{sorted(table)}")
-        notes = restore_run_args(ap, args, given, resume_ck, ck_path, table)
-    spec = table[args.arch]
-    resolve_defaults(args, spec)
-    args.out_dir = Path(args.out_dir or f"out/{args.arch}")
-    check_device(args.device)
-    check_writable_dir(args.out_dir, "--out-dir")
-    if not tasks.is_task_source(args.data):
-        check_writable_dir(Path(args.cache_dir), "--cache-dir")
-    start_step, best_val = (resume_ck["step"], resume_ck.get("best_val_loss", math.inf)) if resume_ck is not None \
-        else (0, math.inf)
-    if resume_ck is not None and args.max_iters < start_step:
-        raise UsageError(f"--max-iters {args.max_iters} is below the step {start_step} of {ck_path}: nothing to "
-                         f"resume; give --max-iters above {start_step} to continue the run")
-    ddp, rank, local_rank, world, device = setup_distributed(args.device)
-    master = rank == 0
-    if master:
-        warn_inapplicable(ap, args, given)
-        for n in notes:
-            log(f"resume: {n}")
-        if resume_ck is not None and args.max_iters == start_step:
-            log(f"resume: the run in {args.out_dir} is complete (step {start_step} = --max-iters); nothing to "
-                f"train (give a larger --max-iters to continue)")
-        elif resume_ck is not None and args.max_iters > args.lr_decay_iters and "lr_decay_iters" not in given:
-            log(f"resume: the cosine schedule still ends at step {args.lr_decay_iters} (--lr-decay-iters); later "
-                f"steps use --min-lr {args.min_lr:g}")
-    torch.manual_seed(args.seed)
-    dtype = pick_dtype(device, args.dtype)
-    autocast = (torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext())
-
-    # -- tokenizer, model, teacher: every flag is checked here, before the corpus is tokenized --
-    with user_input():
-        task = tasks.task_from_args(args) if tasks.is_task_source(args.data) else None
-        if task is not None and "seq_len" not in given and resume_ck is None:
-            args.seq_len = -(-task.seq_len // 8) * 8  # a multiple of 8: block models need whole blocks
-        if resume_ck is not None:
-            tok = Tokenizer(resume_ck["tokenizer"])
-        elif task is not None:
-            tok = tasks.TaskTokenizer(task.spec())
-        elif args.init_from and not args.tokenizer and not args.vocab_size:
-            tok = Tokenizer(load_source_tokenizer(args.init_from))
-        else:
-            tok = Tokenizer.from_args(args.vocab_size, args.tokenizer)
-        check_memory(least_step_memory(args, padded_vocab(tok.n_vocab), dtype), device, args, at_least=True)
-        if resume_ck is not None:
-            model = model_from_checkpoint(resume_ck, table)
-        else:
-            model = build_model(args, spec, tok, table, ap, given, master)
-        if task is not None:
-            task = tok.task  # on resume: the checkpoint's task
-            task.check_seq_len(args.seq_len)
-        if model.config.vocab_size < tok.n_vocab:
-            raise UsageError(f"model vocabulary {model.config.vocab_size} is smaller than the tokenizer's "
-                             f"{tok.n_vocab}")
-        teacher = None
-        if args.teacher:
-            if not spec.kd_ok:
-                raise UsageError(f"--teacher is not supported for --arch {args.arch}: its training inputs are "
-                                 f"re-laid out, so teacher and student logits would not align")
-            teacher, _, t_tok = load_source_model(args.teacher, table)
-            check_tokenizer(tok.spec, t_tok, f"teacher {args.teacher}")
-    model.to(device)
-    if teacher is not None:
-        teacher.to(device).eval().requires_grad_(False)
-    check_memory(least_step_memory(args, model.config.vocab_size, dtype, model), device, args, at_least=True)
-    need = step_memory(model, spec, args, tok.n_vocab, device, autocast, teacher)
-    avail = check_memory(need, device, args)
-    if master:
-        check_disk_space(model, args.out_dir)
-    optimizer = make_optimizer(model, args.lr, args.weight_decay, device)
-    if resume_ck is not None:
-        optimizer.load_state_dict(resume_ck["optimizer"])
-
-    # -- corpus (rank 0 tokenizes, the others wait), or a synthetic task generated per batch --
-    if task is not None:
-        train_data, val_data = tasks.TaskData(task, "train"), tasks.TaskData(task, "val")
-    else:
-        exclude = [s for s in args.exclude_sets.split(",") if s]
-        if master:
-            cache = prepare_corpus(args.data, tok, args.cache_dir, exclude, args.val_data)
-        if ddp:
-            obj = [str(cache) if master else None]
-            dist.broadcast_object_list(obj, src=0)
-            cache = Path(obj[0])
-        train_data, val_data = TokenData(cache, "train"), TokenData(cache, "val")
-    data_line = (f"task {json.dumps(task.spec())} seq_len {args.seq_len}" if task is not None else
-                 f"tokens train {sum(len(s) for s in train_data.shards):,} val "
-                 f"{sum(len(s) for s in val_data.shards):,}")
-
-    objective, exit_on, extra_terms = objective_line(args, model.config, teacher)
-    if master:
-        log(f"config {json.dumps(asdict(model.config))}")
-        log(f"arch {args.arch} | params {model.num_params(False) / 1e6:.2f}M total, "
-            f"{model.num_params() / 1e6:.2f}M non-embedding | device {device} {dtype} | world {world} | "
-            f"{data_line} | step memory ~{need['total'] / 1e9:.2f} GB (estimate)"
-            + (f" of {avail / 1e9:.1f} GB available" if avail else ""))
-        if objective:
-            log(objective)
-    raw_model = model
-    if args.compile:
-        model = torch.compile(model)
-    if ddp:
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda"
-                                                          else None)
-
-    def batch_on_device(data, gen):
-        x, y = data.get_batch(args.batch_size, args.seq_len, gen)
-        kwargs = {}
-        if spec.prepare_batch is not None:
-            x, y, kwargs = spec.prepare_batch(x, y, gen, raw_model.config)
-        return x.to(device, non_blocking=True), y.to(device, non_blocking=True), kwargs
-
-    def loss_of(x, y, kwargs):
-        """-> (the objective, the LM cross-entropy, the unweighted KD term or None, the logits)."""
-        with autocast:
-            logits, loss = model(x, y, **kwargs)
-            lm, kd = loss, None
-            if exit_on:  # the model's loss holds the exit terms: the final loop's CE alone is what val measures
-                with torch.no_grad():
-                    lm = lm_loss(logits, y)
-            if teacher is not None:
-                with torch.no_grad():
-                    t_logits, _ = teacher(x)
-                v = tok.n_vocab
-                kd = distill_loss(logits[..., :v], t_logits[..., :v], args.kd, args.kd_temperature,
-                                  mask=(y != -100).float())
-                loss = loss + args.kd_weight * kd
-        return loss, lm, kd, logits
-
-    @torch.no_grad()
-    def evaluate():
-        """-> the mean validation loss and, on a task, {p: (correct, labels)} over the validation batches."""
-        model.eval()
-        losses, counts = [], {}
-        for i in tqdm(range(args.eval_iters), desc="eval", leave=False, disable=None if master else True,
-                      file=sys.stderr):
-            x, y, kw = batch_on_device(val_data, step_generator(args.seed, -1, i, rank))
-            with autocast:
-                logits, loss = model(x, y, **kw)
-            losses.append(loss.float())
-            if task is not None:
-                tasks.add_counts(counts, task.score(logits, x, y))
-        loss = torch.stack(losses).mean()
-        if ddp:
-            dist.all_reduce(loss)
-            loss /= world
-        model.train()
-        return loss.item(), counts
-
-    ck_file = args.out_dir / "ckpt.pt"
-    last_good = start_step if resume_ck is not None else None
-    uniform, warned_uniform = math.log(tok.n_vocab), False  # the validation loss of a uniform guess
-
-    def kept():
-        return (f"the last good checkpoint stays at {ck_file} (step {last_good})" if last_good is not None else
-                "no checkpoint was written")
-
-    def stopped(what, step):
-        return f"{what} at step {step}; stopping without writing a checkpoint: {kept()}"
-
-    def checkpoint(step, val_loss):
-        """The run at `step` to ck_file (val_loss None: a stop between evaluations), unless a weight is not finite: a
-        diverged model is never saved. A failed write keeps the last good checkpoint."""
-        nonlocal last_good
-        bad = [n for n, p in raw_model.named_parameters() if not torch.isfinite(p).all()]
-        if bad:
-            raise FloatingPointError(stopped(f"non-finite weights in {bad[0]}"
-                                             + (f" and {len(bad) - 1} more tensors" if len(bad) > 1 else ""), step))
-        if master:
-            try:
-                save_checkpoint(ck_file, {
-                    "format": CKPT_FORMAT, "arch": args.arch, "config": asdict(raw_model.config),
-                    "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                    "best_val_loss": best_val if val_loss is None else min(best_val, val_loss), "val_loss": val_loss,
-                    "tokenizer": tok.spec,
-                    "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}})
-            except CheckpointError as e:
-                raise CheckpointError(f"{e} at step {step}; {kept()}") from e
-        last_good = step
-
-    # -- the loop --
-    tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * world
-    peak = peak_flops(device)
-    flops_per_step = raw_model.flops_per_token(args.seq_len) * tokens_per_step
-    model.train()
-    bar = tqdm(total=args.max_iters, initial=start_step, desc=f"train {args.arch}", disable=None if master else True,
-               file=sys.stderr, leave=False)
-    last_loss, last_total, last_acc, t0 = None, None, None, time.perf_counter()
-    with stop_signals() as asked:
-        for step in range(start_step, args.max_iters):
-            lr = lr_at(step, args.lr, args.warmup_iters, args.lr_decay_iters, args.min_lr)
-            set_lr(optimizer, lr)
-            total, lm_total, kd_total, counts = 0.0, 0.0, 0.0, {}
-            for micro in range(args.grad_accum):
-                x, y, kw = batch_on_device(train_data, step_generator(args.seed, step, micro, rank))
-                sync = contextlib.nullcontext() if (not ddp or micro == args.grad_accum - 1) else model.no_sync()
-                with sync:
-                    loss, lm, kd, logits = loss_of(x, y, kw)
-                    (loss / args.grad_accum).backward()
-                if task is not None:
-                    tasks.add_counts(counts, task.score(logits.detach(), x, y))
-                total += loss.detach() / args.grad_accum
-                lm_total += lm.detach() / args.grad_accum
-                if kd is not None:
-                    kd_total += kd.detach() / args.grad_accum
-            if args.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-            if not torch.isfinite(total):
-                raise FloatingPointError(stopped(f"non-finite loss {total.item()}", step + 1))
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            bar.update(1)
-            done = step + 1
-            if done % args.log_interval == 0 or done == args.max_iters or step == start_step:
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                t1 = time.perf_counter()
-                n = done - start_step if step == start_step else min(args.log_interval, done - start_step)
-                dt = (t1 - t0) / max(1, n)
-                t0 = t1
-                last_loss, last_total = lm_total.item(), total.item()
-                terms = (f" kd {kd_total.item():.4f}" if teacher is not None else "") + \
-                    (f" total {last_total:.4f}" if extra_terms else "")
-                extra = "".join(f" {k} {v:.4f}" for k, v in getattr(raw_model, "metrics", {}).items())
-                mfu = f"{flops_per_step / dt / (peak * world) * 100:.1f}%" if peak else "n/a"
-                acc = f" {tasks.accuracy_text(counts)}" if task is not None else ""
-                log(f"step {done} loss {last_loss:.4f}{terms}{acc} lr {lr:.2e} ms {dt * 1000:.1f} "
-                    f"tok/s {tokens_per_step / dt:.0f} mfu {mfu}{extra}", master)
-            if done % args.eval_interval == 0 or done == args.max_iters:
-                val, val_counts = evaluate()
-                acc = f" {tasks.accuracy_text(val_counts)}" if task is not None else ""
-                last_acc = tasks.accuracies(val_counts) if task is not None else None
-                log(f"val step {done} loss {val:.4f} ppl {math.exp(min(val, 30)):.2f}{acc}", master)
-                if not math.isfinite(val):  # the NaN guard covers the evaluation: a diverged model is never saved
-                    raise FloatingPointError(stopped(f"non-finite validation loss {val}", done))
-                if val > uniform + 1 and not warned_uniform:  # divergence (the module docstring): one warning
-                    warned_uniform = True
-                    warnings.warn(f"validation loss {val:.4f} at step {done} is above ln({tok.n_vocab}) + 1 = "
-                                  f"{uniform + 1:.4f}, a nat worse than a uniform guess: the run has diverged (lower "
-                                  f"--lr, now {args.lr:g}) or starts from a model worse than guessing", stacklevel=2)
-                checkpoint(done, val)
-                best_val = min(best_val, val)
-                t0 = time.perf_counter()
-            stop = bool(asked)
-            if ddp:  # every rank stops after the same step
-                flag = torch.tensor([float(stop)], device=device)
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-                stop = flag.item() > 0
-            if stop and done < args.max_iters:
-                if last_good != done:
-                    checkpoint(done, None)
-                raise Stopped(f"{asked[0] if asked else 'another rank was signalled'} after step {done}: checkpoint "
-                              f"{ck_file} (step {done}) written; continue with: python train.py --resume --out-dir "
-                              f"{args.out_dir}")
-    bar.close()
-    if master and task is not None:
-        show_task(raw_model, task, val_data, device, args)
-    elif master and args.sample_tokens > 0:
-        sample(raw_model, tok, device, args)
-    if ddp:
-        dist.barrier()
-        dist.destroy_process_group()
-    return {"loss": last_loss, "total": last_total, "best_val_loss": best_val, "acc": last_acc}
 
 
 @torch.no_grad()
