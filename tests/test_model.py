@@ -274,3 +274,59 @@ def test_attention_precision_is_measured_once_per_shape(monkeypatch):
     assert got in ("fp32", "bf16") and len(model_lib._attention_choice) == 1
     calls = []
     assert model_lib.attention_precision(q, k, None, True, None, False, timer=calls.append) == got and not calls
+
+
+@pytest.mark.parametrize("mask_shape", [None, (3, 1, 2, 11), (3, 4, 2, 11), (2, 11), (1, 1, 1, 11)])
+@pytest.mark.parametrize("heads", [(4, 2), (4, 4)])
+def test_attend_grouped_equals_sdpa(mask_shape, heads):
+    """The decode form of attention (grouped batched matmuls, fp32 accumulation) == SDPA for every mask broadcast
+    and GQA: fp64 to 1e-12; bf16 inputs to the rounding of the bf16 output (2^-8 relative); a query with no visible
+    key gives 0 as SDPA does."""
+    from model import attend_grouped
+
+    H, Hkv = heads
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(3, H, 2, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(3, Hkv, 11, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    mask = None if mask_shape is None else torch.rand(mask_shape, generator=g) < 0.6
+    if mask is not None:
+        mask[..., 0] = True
+        if mask.dim() == 4 and mask.size(0) == 3:
+            mask[1, :, 0] = False  # row 1's first query sees nothing
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=H != Hkv)
+    torch.testing.assert_close(attend_grouped(q, k, v, mask), ref, rtol=1e-12, atol=1e-12)
+    if mask is not None and mask.dim() == 4 and mask.size(0) == 3:
+        assert torch.all(attend_grouped(q, k, v, mask)[1, :, 0] == 0)
+    qb, kb, vb = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    yb = attend_grouped(qb, kb, vb, mask)
+    refb = F.scaled_dot_product_attention(qb.double(), kb.double(), vb.double(), attn_mask=mask, enable_gqa=H != Hkv)
+    assert yb.dtype == torch.bfloat16
+    assert torch.all((yb.double() - refb).abs() <= 2 ** -8 * refb.abs() + 1e-6)
+
+
+@pytest.mark.parametrize("form", ["sdpa", "grouped"])
+def test_decoding_attention_runs_the_form_measured_faster(form, monkeypatch):
+    """No-grad CPU attention with one query per row runs the form decode_attention measured faster at the shape
+    (timed once, then kept): exactly that form's output; with gradients it is SDPA whatever was measured."""
+    import model as model_lib
+
+    monkeypatch.setattr(model_lib, "_decode_choice", {})
+    q, k, v = torch.randn(2, 4, 1, 8), torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 8)
+    mask = torch.ones(2, 1, 1, 7, dtype=torch.bool)
+    mask[0, ..., 5:] = False
+    times = {"sdpa": 1.0, "grouped": 2.0} if form == "sdpa" else {"sdpa": 2.0, "grouped": 1.0}
+    assert model_lib.decode_attention(q, k, mask, timer=times.__getitem__) == form
+    sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    with torch.no_grad():
+        y = attend(q, k, v, mask=mask)
+    assert torch.equal(y, sdpa if form == "sdpa" else model_lib.attend_grouped(q, k, v, mask))
+    assert len(model_lib._decode_choice) == 1  # kept, not timed again
+    assert torch.equal(attend(q.requires_grad_(), k, v, mask=mask), sdpa)
+
+
+def test_fastest_keeps_the_default_unless_beaten_by_the_gain():
+    from model import fastest
+
+    assert fastest({"a": 1.0, "b": 0.5}.__getitem__, ("a", "b")) == "b"
+    assert fastest({"a": 1.0, "b": 0.95}.__getitem__, ("a", "b"), gain=1.10) == "a"
+    assert fastest({"a": 1.0, "b": 2.0}.__getitem__, ("a", "b")) == "a"
