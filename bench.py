@@ -534,6 +534,9 @@ def bench_serve(args):
             for rule in args.rules.split(","):
                 thr = serve.calibrate_threshold(rel, reqs, exit_rate=args.exit_rate, rule=rule)
                 servers[f"depth-wise + exit ({rule})"] = serve.DepthWiseServer(rel, slots["rel"], thr, rule)
+            serve.check_cache_memory({n: s.model for n, s in servers.items()}, {n: s.slots for n, s in servers.items()},
+                                     elem, device, f"--batch-memory-mb {args.batch_memory_mb:g}" if args.batch_memory_mb
+                                     else f"--slots {args.slots:,}")
             header(f"serving B={B}", device, dtype,
                    f"preset {args.preset} shape (N={cfg.n_layer}, d {cfg.n_embd}), vocabulary {cfg.vocab_size} | "
                    f"vanilla {param_bytes(van) / 1e6:.0f} MB, {'relaxed rank ' + str(args.lora_rank) if ranks else 'recursive'}"

@@ -11,12 +11,14 @@ Pieces, simplest first:
   * Requests: prompt token ids + max_new_tokens + an arrival time. Synthetic (all at once, or Poisson at --rate,
     seeded; lengths uniform in "a:b" ranges), windows of the validation corpus (train.prepare_corpus/TokenData), or a
     JSONL file of {"prompt": str | "prompt_ids": [...], "max_new_tokens": n[, "arrival": s]}. A bad request (empty
-    prompt, ids outside the vocabulary, prompt + max_new_tokens longer than the context, max_new_tokens <= 0, a bad
-    JSONL line) gets an error of its own; the others are served. The summary counts the errors by reason under the
+    prompt, prompt_ids that are not a list, ids outside the vocabulary, prompt + max_new_tokens longer than the
+    context, max_new_tokens <= 0, a bad JSONL line: not UTF-8, not JSON, an arrival that is not a time in
+    [0, MAX_ARRIVAL_S] seconds) gets an error of its own; the others are served (the file is read line by line). The summary counts the errors by reason under the
     table (with a few examples), and --json gives every system's `request_errors` {request id: reason, naming the
     file:line} and `errors_by_reason`. Flags are checked before anything runs: an impossible value or combination
-    (e.g. --slots 0, --prompt-len 10:5, prompt + gen lengths beyond the context), a corrupt --ckpt or a missing file is
-    one line `error: ...` on stderr and exit code 2.
+    (e.g. --slots 0, --prompt-len 10:5, prompt + gen lengths beyond the context, more than MAX_REQUESTS requests,
+    Poisson arrivals spread beyond MAX_ARRIVAL_S), a corrupt --ckpt, a missing file or a directory, and KV caches the
+    memory cannot hold (checked before any is allocated) are one line `error: ...` on stderr and exit code 2.
   * Sampling: greedy, or sampled with ONE seeded torch.Generator per request (`request_generator(seed, rid)`), so the
     output of a request does not depend on the schedule, and equals model.generate(prompt, n, generator=that one).
   * Servers, all with a fixed number of batch slots and a pre-allocated KV cache with one row per slot:
@@ -69,12 +71,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from cli import DTYPES, ArgumentParser, UsageError, check_device, number, run_cli, user_input
 from model import GPT, PRESETS, GPTConfig, param_bytes, pick_device, pick_dtype, sample_next, sync
 from recursive import RELAXED_RANK, RecursiveGPT, from_vanilla
 import train
@@ -87,6 +91,12 @@ except ImportError:  # pragma: no cover - tqdm is in requirements.txt
 
 # ----------------------------------------------------------------------------------------------------------------
 # Requests
+
+# What a run may be asked to do. A request arriving later than MAX_ARRIVAL_S seconds after the start (a file's arrival,
+# or Poisson arrivals at a tiny --rate) would keep every server idle that long: an error, not a wait. MAX_REQUESTS
+# bounds the request table (each request keeps its prompt, outputs and token times in Python lists, a few KB).
+MAX_ARRIVAL_S = 3600.0
+MAX_REQUESTS = 100_000
 
 
 @dataclass
@@ -129,7 +139,9 @@ def request_problem(r: Request, vocab_size: int, max_seq_len: int) -> tuple[str,
         return "bad request line", r.invalid
     if not isinstance(r.max_new_tokens, int) or isinstance(r.max_new_tokens, bool) or r.max_new_tokens <= 0:
         return "bad max_new_tokens", f"max_new_tokens={r.max_new_tokens!r} must be a positive integer"
-    if not isinstance(r.prompt, list) or not r.prompt:
+    if not isinstance(r.prompt, list):
+        return "prompt ids not a list", "prompt_ids must be a list of token ids"
+    if not r.prompt:
         return "empty prompt", "empty prompt: a request needs at least one prompt token"
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in r.prompt):
         return "prompt ids not integers", "prompt ids must be integers"
@@ -169,7 +181,11 @@ def arrival_times(n: int, process: str, rate: float, gen: torch.Generator) -> li
         if rate <= 0:
             raise ValueError(f"--rate must be > 0 for Poisson arrivals, got {rate}")
         gaps = -torch.log1p(-torch.rand(n, generator=gen, dtype=torch.float64)) / rate
-        return torch.cumsum(gaps, 0).tolist()
+        times = torch.cumsum(gaps, 0).tolist()
+        if times and times[-1] > MAX_ARRIVAL_S:
+            raise UsageError(f"--rate {rate:g}: the {n} Poisson arrivals span {times[-1]:.3g} s, beyond the "
+                             f"{MAX_ARRIVAL_S:g} s a run may wait for its requests; raise --rate")
+        return times
     raise ValueError(f"unknown arrival process {process!r}; choose all or poisson")
 
 
@@ -198,17 +214,40 @@ def corpus_requests(n, tok, data="stdlib", cache_dir="data_cache", prompt_len="8
     return reqs
 
 
+def read_lines(path) -> list[tuple[int, bytes]]:
+    """The non-empty lines of a requests file as (line number, bytes), read line by line (each decoded on its own, so
+    one bad line is one bad request). A file that cannot be opened, or holds more than MAX_REQUESTS lines, is one
+    UsageError naming it."""
+    try:
+        with open(path, "rb") as f:
+            lines = []
+            for n, ln in enumerate(f, 1):
+                if ln.strip():
+                    lines.append((n, ln))
+                    if len(lines) > MAX_REQUESTS:
+                        raise UsageError(f"--requests-file {path} holds more than {MAX_REQUESTS:,} requests (line {n})")
+    except IsADirectoryError:
+        raise UsageError(f"--requests-file {path} is a directory, not a JSONL file") from None
+    except OSError as e:
+        raise UsageError(f"--requests-file {path}: cannot read it ({e.strerror or e})") from None
+    return lines
+
+
 def jsonl_requests(path, tok=None, default_gen=32, arrival="all", rate=10.0, seed=0):
     """{"prompt": str | "prompt_ids": [...], "max_new_tokens": n, "arrival": s (optional)} per line. A line that
-    cannot be read becomes a request with an error (served as an error, never silently dropped). Request ids count
-    the non-empty lines from 0; each request remembers its file:line (`source`) for its error message."""
-    with open(path, encoding="utf-8") as f:
-        lines = [(n, ln) for n, ln in enumerate(f.read().splitlines(), 1) if ln.strip()]
+    cannot be read (not UTF-8, not JSON, an arrival that is not a time in [0, MAX_ARRIVAL_S] seconds) becomes a request
+    with an error (served as an error, never silently dropped). Request ids count the non-empty lines from 0; each
+    request remembers its file:line (`source`) for its error message."""
+    lines = read_lines(path)
     times = arrival_times(len(lines), arrival, rate, torch.Generator().manual_seed(seed))
     reqs = []
-    for i, (lineno, ln) in enumerate(lines):
+    for i, (lineno, raw) in enumerate(lines):
         r = Request(i, [], default_gen, times[i], source=f"{path}:{lineno}")
         try:
+            try:
+                ln = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"not UTF-8 text ({e.reason} at byte {e.start})") from None
             d = json.loads(ln)
             if not isinstance(d, dict):
                 raise ValueError("not a JSON object")
@@ -221,7 +260,10 @@ def jsonl_requests(path, tok=None, default_gen=32, arrival="all", rate=10.0, see
             else:
                 raise ValueError("no 'prompt' or 'prompt_ids'")
             r.max_new_tokens = d.get("max_new_tokens", default_gen)
-            r.arrival = float(d.get("arrival", r.arrival))
+            t = float(d.get("arrival", r.arrival))
+            if not 0 <= t <= MAX_ARRIVAL_S:  # NaN too: it would never arrive
+                raise ValueError(f"arrival {d['arrival']!r} must be a time in [0, {MAX_ARRIVAL_S:g}] seconds")
+            r.arrival = t
         except (ValueError, TypeError) as e:
             r.invalid = f"bad request line {lineno} of {path}: {e}"
         reqs.append(r)
@@ -323,6 +365,9 @@ class Server:
     @torch.no_grad()
     def run(self, requests, clock="wall", progress=False) -> list[Request]:
         """Serve fresh copies of `requests`; returns them with outputs, exits, times and errors."""
+        bad = next((r for r in requests if not 0 <= r.arrival < math.inf), None)  # NaN, inf, < 0: it never arrives
+        if bad is not None:
+            raise ValueError(f"request {bad.rid}: arrival {bad.arrival} is not a time >= 0")
         reqs = sorted((r.fresh() for r in requests), key=lambda r: (r.arrival, r.rid))
         for r in reqs:
             r.gen = request_generator(self.seed, r.rid, self.device) if self.temperature > 0 else None
@@ -679,12 +724,12 @@ def build_serving_models(args, device, dtype):
     if args.vanilla_ckpt:
         vanilla = train.model_from_checkpoint(train.load_checkpoint(args.vanilla_ckpt))
         if type(vanilla) is not GPT:
-            raise train.UsageError(f"--vanilla-ckpt {args.vanilla_ckpt} is not a vanilla checkpoint (it holds "
+            raise UsageError(f"--vanilla-ckpt {args.vanilla_ckpt} is not a vanilla checkpoint (it holds "
                                    f"{type(vanilla).__name__})")
     if args.ckpt:
         rec = train.model_from_checkpoint(train.load_checkpoint(args.ckpt))
         if not isinstance(rec, RecursiveGPT):
-            raise train.UsageError(f"--ckpt {args.ckpt} is not a recursive/relaxed checkpoint (it holds "
+            raise UsageError(f"--ckpt {args.ckpt} is not a recursive/relaxed checkpoint (it holds "
                                    f"{type(rec).__name__})")
     if vanilla is None:
         base = dict(PRESETS[args.preset])
@@ -705,9 +750,37 @@ def slots_for_memory(model, budget_mb, max_len, elem) -> int:
     per_slot = model.kv_cache_bytes(1, max_len, elem)
     left = budget_mb * 2 ** 20 - param_bytes(model)
     if left < per_slot:
-        raise train.UsageError(f"--batch-memory-mb {budget_mb} does not hold the parameters and one slot of "
+        raise UsageError(f"--batch-memory-mb {budget_mb} does not hold the parameters and one slot of "
                                f"{type(model).__name__} ({(param_bytes(model) + per_slot) / 2 ** 20:.1f} MiB)")
     return int(left // per_slot)
+
+
+def memory_available(device) -> tuple[int | None, str]:
+    """(bytes the device can still allocate, where the figure comes from), or (None, "") where it is not known: CUDA
+    free memory, MemAvailable of /proc/meminfo on a CPU (train.available_memory's figure; one helper for cli.py)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0], f"free on {device}"
+    if device.type == "cpu" and os.path.exists("/proc/meminfo"):
+        with open("/proc/meminfo") as f:
+            kb = next((int(ln.split()[1]) for ln in f if ln.startswith("MemAvailable:")), None)
+        if kb is not None:
+            return kb * 1024, "MemAvailable"
+    return None, ""
+
+
+def check_cache_memory(models: dict, slots: dict, elem: int, device, flag: str):
+    """Before any cache is allocated: the KV caches of the servers (one full-context row per slot each, every server
+    keeping its own: the vanilla static and continuous servers, one or two depth-wise ones) plus one prefill's
+    temporary cache of an admitted group (at most as large as the largest) against the memory available; too much is
+    one UsageError with both figures. models/slots: {server name: model / slots}."""
+    caches = {name: m.kv_cache_bytes(slots[name], m.config.max_seq_len, elem) for name, m in models.items()}
+    need = sum(caches.values()) + max(caches.values())
+    avail, source = memory_available(device)
+    if avail is not None and need > avail:
+        parts = ", ".join(f"{name} {b / 1e9:.3g} GB" for name, b in caches.items())
+        raise UsageError(f"{flag}: the servers' KV caches need {need / 1e9:.3g} GB ({need:,} bytes: {parts}, and one "
+                         f"prefill's temporary cache), but {device} has {avail / 1e9:.3g} GB ({avail:,} bytes) "
+                         f"available ({source}); lower it")
 
 
 def enable_compile(model, device):
@@ -720,7 +793,7 @@ def enable_compile(model, device):
 
 
 def serve_compare(args, device, dtype, requests=None) -> list[dict]:
-    with train.user_input():  # a config the flags make impossible (a LoRA rank above full rank, ...): one line
+    with user_input():  # a config the flags make impossible (a LoRA rank above full rank, ...): one line
         vanilla, rec = build_serving_models(args, device, dtype)
     elem = torch.empty((), dtype=dtype).element_size()
     if args.compile:
@@ -735,7 +808,7 @@ def serve_compare(args, device, dtype, requests=None) -> list[dict]:
             requests = jsonl_requests(args.requests_file, tok, parse_range(args.gen_len)[1], args.arrival, args.rate,
                                       args.seed)
             if not requests:
-                raise train.UsageError(f"--requests-file {args.requests_file} holds no request (no non-empty line)")
+                raise UsageError(f"--requests-file {args.requests_file} holds no request (no non-empty line)")
         elif args.prompts == "corpus":
             requests = corpus_requests(args.requests, tok, args.data, args.cache_dir, args.prompt_len, args.gen_len,
                                        args.arrival, args.rate, args.seed)
@@ -744,7 +817,7 @@ def serve_compare(args, device, dtype, requests=None) -> list[dict]:
                                           args.arrival, args.rate, args.seed)
     rule = args.exit_rule or ("gate" if rec.exit_gate is not None else "softmax")
     if rule == "gate" and rec.exit_gate is None:
-        raise train.UsageError("--exit-rule gate needs a checkpoint trained with --exit-gate (--ckpt); this model has "
+        raise UsageError("--exit-rule gate needs a checkpoint trained with --exit-gate (--ckpt); this model has "
                                "no exit gate")
     thr = args.exit_threshold
     if thr == "auto":
@@ -764,6 +837,9 @@ def serve_compare(args, device, dtype, requests=None) -> list[dict]:
                DepthWiseServer(rec, slots["rec"], None, **kw)]
     if thr is not None:
         servers.append(DepthWiseServer(rec, slots["rec"], thr, rule, **kw))
+    check_cache_memory({s.name: s.model for s in servers}, {s.name: s.slots for s in servers}, elem, device,
+                       f"--batch-memory-mb {args.batch_memory_mb:g} (slots {slots['vanilla']:,} vanilla, "
+                       f"{slots['rec']:,} depth-wise)" if args.batch_memory_mb else f"--slots {args.slots:,}")
     rc = rec.config
     print(f"device {device} dtype {dtype} | vanilla {vanilla.config.n_layer} layers, {vanilla.num_params() / 1e6:.2f}M "
           f"non-emb params | {'relaxed' if rc.relaxed else 'recursive'} B={rc.n_loops} K={rc.n_shared} "
@@ -822,9 +898,19 @@ def threshold(text: str) -> str:
     return text
 
 
+def request_count(text: str) -> int:
+    """--requests: an integer in [1, MAX_REQUESTS]; '1e8' is read as the integer it writes (and refused by the bound)."""
+    try:
+        v = float(text)
+        text = str(int(v)) if v.is_integer() else text
+    except (ValueError, OverflowError):
+        pass
+    return number(int, min=1, max=MAX_REQUESTS)(text)
+
+
 def build_parser():
-    num, pos, nonneg = train.number, train.number(int, min=1), train.number(int, min=0)
-    ap = train.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    num, pos, nonneg = number, number(int, min=1), number(int, min=0)
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     g = ap.add_argument_group("models")
     g.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
                    help="model.py preset of the random-weight models (default tiny)")
@@ -834,10 +920,11 @@ def build_parser():
     g.add_argument("--lora-rank", type=nonneg, default=None,
                    help="LoRA rank of the random relaxed model (0 = recursive)")
     g.add_argument("--device", default="auto", help="auto (cuda > mps > cpu) | cpu | cuda | mps")
-    g.add_argument("--dtype", default="auto", choices=train.DTYPES, help="auto (bf16 on GPU, fp32 on CPU) | ...")
+    g.add_argument("--dtype", default="auto", choices=DTYPES, help="auto (bf16 on GPU, fp32 on CPU) | ...")
     g.add_argument("--compile", action="store_true", help="torch.compile the decode step (ignored on CPU)")
     g = ap.add_argument_group("requests")
-    g.add_argument("--requests", type=pos, default=32, help="synthetic / corpus requests")
+    g.add_argument("--requests", type=request_count, default=32,
+                   help=f"synthetic / corpus requests (at most {MAX_REQUESTS:,})")
     g.add_argument("--prompts", default="synthetic", choices=["synthetic", "corpus"], help="prompt token source")
     g.add_argument("--requests-file", default=None, help="JSONL requests (overrides --prompts)")
     g.add_argument("--data", default="stdlib", help="--prompts corpus: train.py corpus")
@@ -871,22 +958,22 @@ def build_parser():
 def check_args(args):
     """Flag combinations that cannot work, found before any model is built (lengths against a context: below)."""
     if args.exit_rate > 1:
-        raise train.UsageError(f"--exit-rate {args.exit_rate} is a share of tokens: it must be in (0, 1]")
-    train.check_device(args.device)
+        raise UsageError(f"--exit-rate {args.exit_rate} is a share of tokens: it must be in (0, 1]")
+    check_device(args.device)
 
 
 def check_lengths_fit(args, vanilla, rec):
     """Synthetic and corpus requests are ours: every one must fit the context of both models (a requests file may
     hold requests that do not; those get their own error)."""
     if vanilla.config.vocab_size != rec.config.vocab_size:
-        raise train.UsageError(f"the vanilla model has {vanilla.config.vocab_size} vocabulary rows and the recursive "
+        raise UsageError(f"the vanilla model has {vanilla.config.vocab_size} vocabulary rows and the recursive "
                                f"one {rec.config.vocab_size}: they must serve the same token ids")
     if args.requests_file:
         return
     ctx = min(vanilla.config.max_seq_len, rec.config.max_seq_len)
     P, G = parse_range(args.prompt_len)[1], parse_range(args.gen_len)[1]
     if P + G > ctx:
-        raise train.UsageError(f"--prompt-len {args.prompt_len} + --gen-len {args.gen_len}: a request of {P} prompt "
+        raise UsageError(f"--prompt-len {args.prompt_len} + --gen-len {args.gen_len}: a request of {P} prompt "
                                f"+ {G} new tokens exceeds the context of {ctx} positions; lower them")
 
 
@@ -914,7 +1001,7 @@ def json_safe(obj):
 
 def main(argv=None):
     """The command: an expected error (a flag, a file, a checkpoint) is one line `error: ...` and exit code 2."""
-    return train.run_cli(run, argv)
+    return run_cli(run, argv)
 
 
 if __name__ == "__main__":

@@ -134,6 +134,8 @@ BENCH_MISTAKES = [  # (argv, the message); {d}: the ckpts directory
     (["serve", "--batch-memory-mb", "0"], "argument --batch-memory-mb: must be > 0, got 0"),
     (["serve", "--preset", "tiny", "--dtype", "float32", "--loops", "2", "--lora-rank", "1000"],
      "lora_rank_q=1000 exceeds"),
+    (["serve", "--preset", "tiny", "--dtype", "float32", "--loops", "2", "--lora-rank", "0", "--rules", "softmax",
+      "--requests", "2", "--slots", "100000000"], "--slots 100,000,000: the servers' KV caches need"),
     (["block", "--preset", "huge"], "argument --preset: invalid choice: 'huge'"),
     (["block", "--scale", "0"], "argument --scale: must be > 0, got 0"),
     (["block", "--batches", "4,0"], "argument --batches: must be >= 1, got 0"),

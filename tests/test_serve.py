@@ -233,3 +233,95 @@ def test_depthwise_with_o_d_exit_rules_equals_sequential(rule, temperature):
     for r in out:
         ref, ref_exits = serve.sequential_generate(rel, r, exit_threshold=thr, exit_rule=rule, **kw)
         assert r.output == ref and r.exits == ref_exits, r.rid
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Hostile inputs: nothing hangs, nothing is silently wrong; a bad request is its own error, a bad run one line
+
+
+def test_bad_arrivals_and_lines_of_a_requests_file_are_per_request_errors(tmp_path):
+    """A requests file read line by line: an arrival that is no time in [0, MAX_ARRIVAL_S] (NaN, Infinity, 1e9, -1),
+    prompt_ids that are not a list, a line that is not UTF-8 -- each is its own error; the good lines are served."""
+    ok = {"prompt_ids": [1, 2, 3], "max_new_tokens": 2}
+    lines = [json.dumps(ok).encode(), json.dumps({**ok, "arrival": float("nan")}).encode(),
+             b'{"prompt_ids": [1], "arrival": Infinity}', json.dumps({**ok, "arrival": 1e9}).encode(),
+             json.dumps({**ok, "arrival": -1}).encode(), b'{"prompt_ids": "abc"}',
+             b'{"prompt_ids": [1, 2], "note": "caf\xe9"}', json.dumps({**ok, "arrival": 3}).encode()]
+    f = tmp_path / "r.jsonl"
+    f.write_bytes(b"\n".join(lines) + b"\n")
+    out = serve.ContinuousServer(VAN, 2).run(serve.jsonl_requests(f), clock="step")
+    expect = {1: "line 2 of", 2: "line 3 of", 3: "line 4 of", 4: "line 5 of", 5: "r.jsonl:6: prompt_ids must be a list "
+              "of token ids", 6: "bad request line 7 of"}
+    for rid, what in expect.items():
+        assert what in out[rid].error and not out[rid].output, (rid, out[rid].error)
+    for rid, arrival in ((1, "nan"), (2, "inf"), (3, "1000000000.0"), (4, "-1")):
+        assert f"arrival {arrival} must be a time in [0, 3600] seconds" in out[rid].error
+    assert "not UTF-8 text" in out[6].error and out[5].error_kind == "prompt ids not a list"
+    assert [len(out[i].output) for i in (0, 7)] == [2, 2] and out[7].t_arrive is not None
+
+
+def test_a_request_that_never_arrives_is_refused_not_waited_for():
+    for t in (float("nan"), float("inf"), -1.0):
+        reqs = _requests(3, seed=9)
+        reqs[1].arrival = t
+        with pytest.raises(ValueError, match=f"request 1: arrival {t} is not a time >= 0"):
+            serve.ContinuousServer(VAN, 2).run(reqs, clock="step")
+
+
+def test_binary_files_directories_and_spans(tmp_path):
+    """A binary file: one error per line (each names its line), none served; a directory or a missing file: one
+    UsageError naming it; Poisson arrivals spread beyond MAX_ARRIVAL_S (--rate 1e-9): one UsageError naming --rate."""
+    f = tmp_path / "bin.jsonl"
+    f.write_bytes(bytes(range(11, 256)) * 8 + b"\n\xff\xfe{\n")  # no \n (10) in the first line
+    reqs = serve.jsonl_requests(f)
+    assert len(reqs) == 2 and all(f"line {i + 1} of {f}: not UTF-8 text" in r.invalid for i, r in enumerate(reqs))
+    with pytest.raises(serve.UsageError, match=f"--requests-file {tmp_path} is a directory"):
+        serve.jsonl_requests(tmp_path)
+    with pytest.raises(serve.UsageError, match="cannot read it"):
+        serve.jsonl_requests(tmp_path / "none.jsonl")
+    with pytest.raises(serve.UsageError, match="--rate 1e-09: the 4 Poisson arrivals span .* beyond the 3600 s"):
+        serve.arrival_times(4, "poisson", 1e-9, torch.Generator().manual_seed(0))
+
+
+SERVE_LIMITS = [  # the run's own limits: one line, before any server runs
+    (["--requests", "1e8"], "argument --requests: must be <= 100000, got 100000000"),
+    (["--requests", "100000000"], "argument --requests: must be <= 100000, got 100000000"),
+    (["--requests", "2.5"], "argument --requests: expected an integer, got '2.5'"),
+    (["--arrival", "poisson", "--rate", "1e-9"], "--rate 1e-09: the 2 Poisson arrivals span"),
+    (["--slots", "100000000"], "--slots 100,000,000: the servers' KV caches need"),
+    (["--batch-memory-mb", "1e12"], "--batch-memory-mb 1e+12 (slots "),
+    (["--preset", "base", "--slots", "100000"], "--slots 100,000: the servers' KV caches need"),
+]
+
+
+@pytest.mark.parametrize("argv,match", SERVE_LIMITS, ids=[" ".join(a) for a, _ in SERVE_LIMITS])
+def test_serve_limits_are_one_line_before_serving(capsys, argv, match):
+    from test_cli_errors import _one_error_line
+
+    _one_error_line(capsys, serve.main, ["--warmup", "0", "--requests", "2", "--lora-rank", "0", *argv], match)
+
+
+def test_memory_check_counts_every_servers_cache(capsys, monkeypatch):
+    """The KV bytes of the message are the caches' own: tiny (4 layers, 2 KV heads of 32, 256 positions, fp32) is
+    2 * 4 * 256 * 2 * 32 * 4 = 0.5 MiB per slot (the relaxed model's B*K = 4 cache layers alike); 16 slots x 4 servers
+    + one prefill's temporary cache = 5 x 8 MiB."""
+    monkeypatch.setattr(serve, "memory_available", lambda device: (10 ** 6, "test"))
+    with pytest.raises(SystemExit):
+        serve.main(["--warmup", "0", "--requests", "2", "--lora-rank", "0", "--dtype", "float32"])
+    err = capsys.readouterr().err
+    assert f"need 0.0419 GB ({5 * 8 * 2 ** 20:,} bytes" in err and "has 0.001 GB (1,000,000 bytes) available (test)" \
+        in err
+
+
+def test_serve_command_with_a_directory(tmp_path):
+    """Through the interpreter: exit code 2, one stderr line naming the directory, no traceback."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    r = subprocess.run([sys.executable, str(ROOT / "serve.py"), "--requests-file", str(tmp_path), "--warmup", "0",
+                        "--lora-rank", "0"], capture_output=True, text=True, timeout=120)
+    err = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2 and err == [f"error: --requests-file {tmp_path} is a directory, not a JSONL file"], \
+        r.stderr
