@@ -371,8 +371,8 @@ def bench_double_eval(args):
     --sample PROMPT: instead, print a generation of each checkpoint (the double decoder's with --rollover)."""
     import double_decoder as dd
     from model import IGNORE
-    from train import (Tokenizer, TokenData, load_checkpoint, model_from_checkpoint, prepare_corpus,
-                       step_generator)
+    from checkpoint import load_checkpoint, model_from_checkpoint
+    from data import TokenData, Tokenizer, prepare_corpus, step_generator
 
     device = pick_device(args.device)
     paths, batches = args.ckpt, args.batches
@@ -772,24 +772,24 @@ def eval_block_targets(args):
 
 def load_run(path, device):
     """A train.py checkpoint -> (checkpoint dict, model in eval mode on device, tokenizer)."""
-    import train
+    from checkpoint import load_checkpoint, model_from_checkpoint
+    from data import Tokenizer
 
-    ck = train.load_checkpoint(path)
-    return ck, train.model_from_checkpoint(ck).to(device).eval(), train.Tokenizer(ck["tokenizer"])
+    ck = load_checkpoint(path)
+    return ck, model_from_checkpoint(ck).to(device).eval(), Tokenizer(ck["tokenizer"])
 
 
 def val_windows(ck, tok, n_batches, batch, seq_len, seed, device):
     """The validation windows of the checkpoint's corpus (its run arguments; the token cache is reused), drawn from
     seeded generators: every checkpoint of the same corpus and tokenizer sees the same windows."""
-    import train
+    from data import TokenData, prepare_corpus, step_generator
 
     a = ck.get("args", {})
-    cache = train.prepare_corpus(a.get("data", "stdlib"), tok, a.get("cache_dir", "data_cache"),
-                                 [s for s in a.get("exclude_sets", "").split(",") if s], a.get("val_data"),
-                                 verbose=False)
-    val = train.TokenData(cache, "val")
+    cache = prepare_corpus(a.get("data", "stdlib"), tok, a.get("cache_dir", "data_cache"),
+                           [s for s in a.get("exclude_sets", "").split(",") if s], a.get("val_data"), verbose=False)
+    val = TokenData(cache, "val")
     for i in range(n_batches):
-        x, y = val.get_batch(batch, seq_len, train.step_generator(seed, -1, i, 0))
+        x, y = val.get_batch(batch, seq_len, step_generator(seed, -1, i, 0))
         yield x.to(device), y.to(device)
 
 

@@ -125,6 +125,23 @@ def stop_signals():
             signal.signal(s, handler)
 
 
+def available_memory(device) -> tuple[int | None, str]:
+    """(bytes the device can still allocate, where the figure comes from), or (None, "") where it is not known: CUDA
+    free memory, MemAvailable of /proc/meminfo on a CPU. The one figure train.py's step-memory check and serve.py's
+    KV-cache check compare against (a batch that cannot fit is refused as a UsageError before it is allocated)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0], f"free on {device}"
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024, "MemAvailable"
+        except OSError:
+            pass
+    return None, ""
+
+
 def one_line(msg) -> str:
     return "; ".join(part.strip() for part in str(msg).splitlines() if part.strip())
 

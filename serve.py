@@ -9,7 +9,7 @@ schedule runs for real, with confidence-based exits and state propagation.
 
 Pieces, simplest first:
   * Requests: prompt token ids + max_new_tokens + an arrival time. Synthetic (all at once, or Poisson at --rate,
-    seeded; lengths uniform in "a:b" ranges), windows of the validation corpus (train.prepare_corpus/TokenData), or a
+    seeded; lengths uniform in "a:b" ranges), windows of the validation corpus (data.prepare_corpus/TokenData), or a
     JSONL file of {"prompt": str | "prompt_ids": [...], "max_new_tokens": n[, "arrival": s]}. A bad request (empty
     prompt, prompt_ids that are not a list, ids outside the vocabulary, prompt + max_new_tokens longer than the
     context, max_new_tokens <= 0, a bad JSONL line: not UTF-8, not JSON, an arrival that is not a time in
@@ -71,17 +71,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from cli import DTYPES, ArgumentParser, UsageError, check_device, number, run_cli, user_input
+from checkpoint import load_checkpoint, model_from_checkpoint
+from cli import DTYPES, ArgumentParser, UsageError, available_memory, check_device, number, run_cli, user_input
+from data import TokenData, Tokenizer, prepare_corpus, step_generator
 from model import GPT, PRESETS, GPTConfig, param_bytes, pick_device, pick_dtype, sample_next, sync
 from recursive import RELAXED_RANK, RecursiveGPT, from_vanilla
-import train
 
 try:
     from tqdm import tqdm
@@ -205,10 +205,10 @@ def synthetic_requests(n, vocab_size, prompt_len="8:48", gen_len="8:64", arrival
 def corpus_requests(n, tok, data="stdlib", cache_dir="data_cache", prompt_len="8:48", gen_len="8:64", arrival="all",
                     rate=10.0, seed=0):
     """Prompts are windows of the validation split of train.py's corpus (tokenized once, cached)."""
-    cache = train.prepare_corpus(data, tok, cache_dir)
-    val = train.TokenData(cache, "val")
+    cache = prepare_corpus(data, tok, cache_dir)
+    val = TokenData(cache, "val")
     reqs = synthetic_requests(n, 2, prompt_len, gen_len, arrival, rate, seed)  # lengths and arrivals
-    x, _ = val.get_batch(n, parse_range(prompt_len)[1], train.step_generator(seed, -7))
+    x, _ = val.get_batch(n, parse_range(prompt_len)[1], step_generator(seed, -7))
     for r in reqs:
         r.prompt = x[r.rid, :len(r.prompt)].tolist()
     return reqs
@@ -722,12 +722,12 @@ def build_serving_models(args, device, dtype):
     Average + SVD relaxed conversion (B = --loops, ranks of the relaxed preset unless --lora-rank)."""
     vanilla = rec = None
     if args.vanilla_ckpt:
-        vanilla = train.model_from_checkpoint(train.load_checkpoint(args.vanilla_ckpt))
+        vanilla = model_from_checkpoint(load_checkpoint(args.vanilla_ckpt))
         if type(vanilla) is not GPT:
             raise UsageError(f"--vanilla-ckpt {args.vanilla_ckpt} is not a vanilla checkpoint (it holds "
                                    f"{type(vanilla).__name__})")
     if args.ckpt:
-        rec = train.model_from_checkpoint(train.load_checkpoint(args.ckpt))
+        rec = model_from_checkpoint(load_checkpoint(args.ckpt))
         if not isinstance(rec, RecursiveGPT):
             raise UsageError(f"--ckpt {args.ckpt} is not a recursive/relaxed checkpoint (it holds "
                                    f"{type(rec).__name__})")
@@ -755,19 +755,6 @@ def slots_for_memory(model, budget_mb, max_len, elem) -> int:
     return int(left // per_slot)
 
 
-def memory_available(device) -> tuple[int | None, str]:
-    """(bytes the device can still allocate, where the figure comes from), or (None, "") where it is not known: CUDA
-    free memory, MemAvailable of /proc/meminfo on a CPU (train.available_memory's figure; one helper for cli.py)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0], f"free on {device}"
-    if device.type == "cpu" and os.path.exists("/proc/meminfo"):
-        with open("/proc/meminfo") as f:
-            kb = next((int(ln.split()[1]) for ln in f if ln.startswith("MemAvailable:")), None)
-        if kb is not None:
-            return kb * 1024, "MemAvailable"
-    return None, ""
-
-
 def check_cache_memory(models: dict, slots: dict, elem: int, device, flag: str):
     """Before any cache is allocated: the KV caches of the servers (one full-context row per slot each, every server
     keeping its own: the vanilla static and continuous servers, one or two depth-wise ones) plus one prefill's
@@ -775,7 +762,7 @@ def check_cache_memory(models: dict, slots: dict, elem: int, device, flag: str):
     one UsageError with both figures. models/slots: {server name: model / slots}."""
     caches = {name: m.kv_cache_bytes(slots[name], m.config.max_seq_len, elem) for name, m in models.items()}
     need = sum(caches.values()) + max(caches.values())
-    avail, source = memory_available(device)
+    avail, source = available_memory(device)
     if avail is not None and need > avail:
         parts = ", ".join(f"{name} {b / 1e9:.3g} GB" for name, b in caches.items())
         raise UsageError(f"{flag}: the servers' KV caches need {need / 1e9:.3g} GB ({need:,} bytes: {parts}, and one "
@@ -803,7 +790,7 @@ def serve_compare(args, device, dtype, requests=None) -> list[dict]:
     if requests is None:
         check_lengths_fit(args, vanilla, rec)
         if args.requests_file or args.prompts == "corpus":
-            tok = train.Tokenizer.from_args(None if vanilla.config.vocab_size >= 100256 else 4096, None)
+            tok = Tokenizer.from_args(None if vanilla.config.vocab_size >= 100256 else 4096, None)
         if args.requests_file:
             requests = jsonl_requests(args.requests_file, tok, parse_range(args.gen_len)[1], args.arrival, args.rate,
                                       args.seed)

@@ -67,8 +67,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import tasks
-from cli import (DTYPES, ArgumentParser, CheckpointError, Stopped, UsageError, check_device, number, run_cli,
-                 stop_signals, user_input)
+from cli import (DTYPES, ArgumentParser, CheckpointError, Stopped, UsageError, available_memory, check_device, number,
+                 run_cli, stop_signals, user_input)
 from checkpoint import (CKPT_FORMAT, arch_table, check_resumable, init_same_arch, load_checkpoint, load_source_model,
                         load_source_tokenizer, model_from_checkpoint, save_checkpoint)
 from data import TokenData, Tokenizer, padded_vocab, prepare_corpus, step_generator
@@ -722,22 +722,8 @@ def check_tokenizer(tok_spec, other_spec, what):
 #     mask; flash/SDPA paths give c = 0) and scaled to batch x seq_len;
 #   * one more logits-sized tensor for the gradient of the loss, and the teacher's logits with KD.
 # Temporaries inside a layer and allocator slack are not counted: a run that passes may still be tight, one that is
-# refused cannot fit. Available: MemAvailable of /proc/meminfo (CPU, times the processes of this machine under
-# torchrun), torch.cuda.mem_get_info (CUDA); elsewhere the check is skipped.
-
-
-def available_memory(device) -> tuple[int | None, str]:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0], f"free on {device}"
-    if device.type == "cpu":
-        try:
-            with open("/proc/meminfo") as f:
-                for line in f:
-                    if line.startswith("MemAvailable:"):
-                        return int(line.split()[1]) * 1024, "MemAvailable"
-        except OSError:
-            pass
-    return None, ""
+# refused cannot fit. Available (cli.available_memory): MemAvailable of /proc/meminfo (CPU, times the processes of this
+# machine under torchrun), torch.cuda.mem_get_info (CUDA); elsewhere the check is skipped.
 
 
 def saved_activation_bytes(model, spec: ArchSpec, B, T, n_vocab, device, autocast) -> tuple[int, float]:

@@ -305,7 +305,7 @@ def test_memory_check_counts_every_servers_cache(capsys, monkeypatch):
     """The KV bytes of the message are the caches' own: tiny (4 layers, 2 KV heads of 32, 256 positions, fp32) is
     2 * 4 * 256 * 2 * 32 * 4 = 0.5 MiB per slot (the relaxed model's B*K = 4 cache layers alike); 16 slots x 4 servers
     + one prefill's temporary cache = 5 x 8 MiB."""
-    monkeypatch.setattr(serve, "memory_available", lambda device: (10 ** 6, "test"))
+    monkeypatch.setattr(serve, "available_memory", lambda device: (10 ** 6, "test"))
     with pytest.raises(SystemExit):
         serve.main(["--warmup", "0", "--requests", "2", "--lora-rank", "0", "--dtype", "float32"])
     err = capsys.readouterr().err
