@@ -312,10 +312,6 @@ class Decoder(nn.Module):
     def forward(self, x, pos, mask=None):  # x (B, T, C), pos (T,) or (B, T)
         return run_blocks(self.blocks, self.rope(pos), x, mask)
 
-    def new_cache(self, batch: int, max_len: int, dtype, device) -> KVCache:
-        c = self.config
-        return KVCache(c.n_layer, batch, max_len, c.n_kv_head, c.hd, dtype, device)
-
     def forward_cached(self, x, cache: KVCache, fresh: bool = False):
         return run_cached(self.blocks, self.rope, x, cache, fresh)
 
@@ -327,15 +323,21 @@ class Decoder(nn.Module):
 class BlockCache:
     """What generate() carries between steps of the two-level loop (section 2.1):
 
-    blocks  the block decoder's KVCache, one position per block (ceil(seq_len / L_B) + 1 positions);
+    blocks  the block decoder's KVCache, one position per block (ceil(max_len / L_B) + 1 positions: room for a
+            left-padded prompt);
     local   the token decoder's KVCache of P + L_B - 1 entries, reset at every block;
     slots   the context slots (B, n_ctx, D_tok) of the block being decoded (its P prefix vectors or L_B summands);
     tokens  (B, L_B) the tokens of that block decoded so far, `k` of them.
+
+    GPT.new_cache(batch, max_len) builds it for max_len tokens. static: both KV caches attend over all their
+    positions at every step (KVCache).
     """
 
-    def __init__(self, blocks: KVCache, local: KVCache, block_len: int):
-        self.blocks, self.local = blocks, local
-        self.tokens = torch.zeros(blocks.batch, block_len, dtype=torch.long, device=blocks.k.device)
+    def __init__(self, cfg: BlockConfig, batch: int, max_len: int, dtype, device, static=False):
+        b, n_blocks = cfg.block_decoder_config(), -(-max_len // cfg.block_len) + 1
+        self.blocks = KVCache(b.n_layer, batch, n_blocks, b.n_kv_head, b.hd, dtype, device, static)
+        self.local = KVCache(cfg.n_layer, batch, cfg.local_len, cfg.n_kv_head, cfg.hd, dtype, device, static)
+        self.tokens = torch.zeros(batch, cfg.block_len, dtype=torch.long, device=device)
         self.slots, self.k = None, 0
 
     def nbytes(self) -> int:
@@ -469,17 +471,10 @@ class BlockTransformer(GPT):
 
     # -- inference (section 2.1, Appendix E): GPT.generate over these methods ------------------------------------
 
-    def new_caches(self, batch: int, seq_len: int, dtype=None, device=None) -> BlockCache:
-        """The block decoder's cache over ceil(seq_len / L_B) + 1 block positions (room for a left-padded prompt) and
-        the token decoder's local cache of P + L_B - 1 entries (reset at every block)."""
-        p = self.lm_head.weight
-        dtype, device = dtype or p.dtype, device or p.device
-        n_blocks = -(-seq_len // self.config.block_len) + 1
-        return BlockCache(self.block_decoder.new_cache(batch, n_blocks, dtype, device),
-                          self.new_cache(batch, self.config.local_len, dtype, device), self.config.block_len)
+    cache_cls = BlockCache  # GPT.new_cache(batch, max_len) builds it from the config (cache_kwargs)
 
-    def generation_cache(self, batch: int, prompt_len: int, max_new_tokens: int, **step_kwargs) -> BlockCache:
-        return self.new_caches(batch, prompt_len + max_new_tokens)
+    def cache_kwargs(self) -> dict:
+        return dict(cfg=self.config)
 
     @torch.no_grad()
     def prefill_blocks(self, idx, cache: KVCache):

@@ -352,17 +352,19 @@ class DualAttention(Attention):
 class DoubleCache:
     """Everything generation keeps (Appendix A.1), all rows at the same positions:
 
-    ctx      KVCache (ctx_layers, B, H_kv, max_context, D): the context decoder's K/V, index = position. Kept only when
+    ctx      KVCache (ctx_layers, B, H_kv, max_len, D): the context decoder's K/V, index = position. Kept only when
              the context will be extended (rollover, prefix reuse); a one-shot prompt needs none (keep_context=False).
-    cross    KVCache (gen_layers, B, H_kv, max_context, D): each generation layer's K/V of the latents h_0..h_{n-1}.
+    cross    KVCache (gen_layers, B, H_kv, max_len, D): each generation layer's K/V of the latents h_0..h_{n-1}.
     self_kv  KVCache (gen_layers, B, H_kv, max_block, D): the current block's K/V, index = position - ctx_len.
     tokens   (B, max_block) the current block's tokens (folded into the context by a rollover).
     ctx_len  n, the context's length = the position where the current block starts; block_len its tokens so far.
     """
 
-    def __init__(self, cfg: DoubleConfig, batch: int, max_context: int, max_block: int, keep_context: bool, dtype,
-                 device):
-        H, D, S = cfg.n_kv_head, cfg.hd, max(max_context, 1)
+    def __init__(self, cfg: DoubleConfig, batch: int, max_len: int, max_block: int, keep_context: bool, dtype, device,
+                 static=False):
+        check(not static, "the double decoder's cache cannot be static: its steps read the block and the context at "
+                          "their lengths (Python ints), so GPT.compile_decode does not apply", "cache")
+        H, D, S = cfg.n_kv_head, cfg.hd, max(max_len, 1)
         self.config = cfg
         self.ctx = KVCache(cfg.ctx_layers, batch, S, H, D, dtype, device) if keep_context else None
         self.cross = KVCache(cfg.gen_layers, batch, S, H, D, dtype, device)
@@ -509,12 +511,12 @@ class DoubleDecoder(GPT):
 
     # -- inference -----------------------------------------------------------------------------------------------
 
-    def new_cache(self, batch: int, max_context: int, max_block: int, keep_context: bool = False, dtype=None,
-                  device=None) -> DoubleCache:
-        """Caches for up to max_context context positions and a block of up to max_block tokens."""
-        p = self.lm_head.weight
-        return DoubleCache(self.config, batch, max_context, max_block, keep_context, dtype or p.dtype,
-                           device or p.device)
+    cache_cls = DoubleCache  # GPT.new_cache(batch, max_context, max_block, keep_context=False) builds it
+
+    def cache_kwargs(self, max_block: int, keep_context: bool = False) -> dict:
+        """new_cache's max_len is the context's positions; max_block the block's tokens; keep_context keeps the
+        context decoder's K/V (to extend the context: rollover, a shared prefix)."""
+        return dict(cfg=self.config, max_block=max_block, keep_context=keep_context)
 
     def generation_cache(self, batch: int, prompt_len: int, max_new_tokens: int, rollover: int | None = None):
         """GPT.generate's hook: the context holds prompt[:-1] (and, with rollover N, every folded block: it is kept
@@ -535,8 +537,7 @@ class DoubleDecoder(GPT):
             raise ValueError("the context can only be extended between blocks; this cache holds an open block")
         if B != cache.batch:
             raise ValueError(f"{B} rows of tokens for a cache of {cache.batch} rows")
-        if start + n > cache.cross.max_len:
-            raise ValueError(f"the cache holds {cache.cross.max_len} context positions; extending needs {start + n}")
+        cache.cross.fits(start + n, "extending the context needs")
         self.check_length(start + n)
         if start > 0 and cache.ctx is None:
             raise ValueError("this cache was built with keep_context=False: the context decoder's K/V were not kept, "
@@ -560,9 +561,7 @@ class DoubleDecoder(GPT):
         """Tokens tok (B, n) join the current block -> final hidden states (B, n, C) before the final norm."""
         B, n = tok.shape
         S1, S2 = cache.block_len + n, cache.ctx_len
-        if S1 > cache.self_kv.max_len:
-            raise ValueError(f"the block cache holds {cache.self_kv.max_len} tokens; this step needs {S1} "
-                             f"(a larger max_block, or a rollover)")
+        cache.self_kv.fits(S1, "the block (a larger max_block, or a rollover) needs")
         if S2 + S1 > self.config.max_seq_len:
             raise ValueError(f"position {S2 + S1 - 1} exceeds max_seq_len={self.config.max_seq_len}")
         dev = tok.device

@@ -433,8 +433,7 @@ def start_prefill(idx, cache, lengths=None) -> torch.Tensor:
     lengths = torch.full((B,), T, device=idx.device) if lengths is None else lengths.to(idx.device)
     if int(lengths.min()) < 1 or int(lengths.max()) > T:
         raise ValueError(f"prompt lengths must be in [1, {T}]: every prompt needs at least one token")
-    if T > cache.max_len:
-        raise ValueError(f"KV cache holds {cache.max_len} positions; the prompts need {T}")
+    cache.fits(T, "the prompts need")
     cache.reset()
     return lengths
 
@@ -587,6 +586,21 @@ class KVCache:
     def max_len(self) -> int:
         return self.k.size(3)
 
+    def kv_len(self, q_pos: torch.Tensor | int = 1) -> int:
+        """How many keys a cached step reads: all max_len for a static cache (no host sync, fixed shapes); else up
+        to its last query, max(q_pos) + 1 for queries at positions q_pos (any shape), or max(lengths) + T for T new
+        tokens per row at lengths + (0..T-1). Raises the overflow error (`fits`) when the cache is too short."""
+        if self.static:
+            return self.max_len
+        n = int(q_pos.max()) + 1 if isinstance(q_pos, torch.Tensor) else int(self.lengths.max()) + q_pos
+        return self.fits(n)
+
+    def fits(self, n: int, what: str = "this step needs") -> int:
+        """n positions, checked against max_len: the one overflow error of every cache of this repository."""
+        if n > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} positions; {what} {n}")
+        return n
+
     def layer(self, layer, rows=None) -> "LayerCache":
         """View of one layer (an int, or a LongTensor (B,) with one layer per row) for `rows` (default: all)."""
         return LayerCache(self, layer, self.all_rows if rows is None else rows)
@@ -657,9 +671,7 @@ def run_cached(blocks, rope: RotaryEmbedding, x, cache: KVCache, fresh: bool = F
     q_pos = cache.lengths[:, None] + torch.arange(T, device=x.device)  # (B, T)
     mask = None
     if not fresh:
-        kv_len = cache.max_len if cache.static else int(cache.lengths.max()) + T
-        if kv_len > cache.max_len:
-            raise ValueError(f"KV cache holds {cache.max_len} positions; this step needs {kv_len}")
+        kv_len = cache.kv_len(T)
         mask = causal_mask_from_positions(q_pos, kv_len)  # (B, 1, T, kv_len)
     cos_sin = rope(q_pos)
     for i, block in enumerate(blocks):
@@ -992,14 +1004,26 @@ class GPT(nn.Module):
 
     # -- inference -----------------------------------------------------------------------------------------------
 
+    cache_cls = KVCache  # what new_cache builds; an architecture with another cache names its class here
     static_cache = False  # set by compile_decode(): new caches are static (fixed shapes for the compiled step)
 
-    def new_cache(self, batch: int, max_len: int | None = None, dtype=None, device=None, static=None) -> KVCache:
-        cfg, p = self.config, self.lm_head.weight
-        max_len = max_len or cfg.max_seq_len
+    def new_cache(self, batch: int, max_len: int | None = None, *args, dtype=None, device=None, static=None,
+                  **kwargs):
+        """The one cache constructor of every architecture: cache_cls(batch, max_len, dtype, device, static, **the
+        cache's own arguments from cache_kwargs(*args, **kwargs)). max_len positions (default max_seq_len), the
+        model's dtype and device by default; static (default: static_cache) attends over all max_len positions at
+        every step (see KVCache); a cache that cannot be static refuses it."""
+        p = self.lm_head.weight
+        max_len = self.config.max_seq_len if max_len is None else max_len
         self.check_length(max_len)
-        return KVCache(cfg.n_layer, batch, max_len, cfg.n_kv_head, cfg.hd, dtype or p.dtype, device or p.device,
-                       self.static_cache if static is None else static)
+        return self.cache_cls(batch=batch, max_len=max_len, dtype=dtype or p.dtype, device=device or p.device,
+                              static=self.static_cache if static is None else static,
+                              **self.cache_kwargs(*args, **kwargs))
+
+    def cache_kwargs(self) -> dict:
+        """What cache_cls takes besides batch, max_len, dtype, device and static: a KVCache's layers and heads."""
+        c = self.config
+        return dict(n_layer=c.n_layer, n_kv_head=c.n_kv_head, head_dim=c.hd)
 
     def forward_cached(self, idx, cache: KVCache, fresh: bool = False):
         """Tokens idx (B, T) at positions cache.lengths + (0..T-1) -> final hidden states (B, T, C), before the final
@@ -1033,7 +1057,7 @@ class GPT(nn.Module):
         return self
 
     def generation_cache(self, batch: int, prompt_len: int, max_new_tokens: int, **step_kwargs):
-        """The cache generate() allocates (an architecture with another cache overrides this)."""
+        """The cache generate() allocates (an architecture whose cache is sized otherwise overrides this)."""
         return self.new_cache(batch, prompt_len + max_new_tokens)
 
     @torch.no_grad()
@@ -1041,9 +1065,9 @@ class GPT(nn.Module):
                  **step_kwargs):
         """idx (B, T) -> (B, T + max_new_tokens): prefill, then one decode_step per new token. temperature 0 is
         greedy (argmax); else sampled with `generator`. The one generate loop of this repository: every architecture
-        overrides new_cache/generation_cache, prefill and decode_step, and `step_kwargs` reach every decode_step
-        (e.g. recursive.py's exit_threshold, double_decoder.py's rollover). `cache`: a cache to use instead of a new
-        one (e.g. one holding a shared prefix)."""
+        names its cache (cache_cls, sized by generation_cache) and overrides prefill and decode_step, and
+        `step_kwargs` reach every decode_step (e.g. recursive.py's exit_threshold, double_decoder.py's rollover).
+        `cache`: a cache to use instead of a new one (e.g. one holding a shared prefix)."""
         B, T = idx.shape
         self.check_length(T + max_new_tokens)
         if max_new_tokens <= 0:

@@ -375,24 +375,31 @@ class PLTCache:
     hidden  (B, L-1, C): h^(l) at the last position, for the inputs e_i + h^(l)_(i-1) of the next step (CLP only).
     lengths (B,) tokens seen per row = the position of the next token.
     static  attend over the whole pre-allocated cache (masked) instead of its filled prefix: fixed shapes and no
-            host sync per step, for torch.compile / CUDA graphs.
+            host sync per step, for torch.compile / CUDA graphs (kv's: kv.kv_len reads all max_len positions).
     """
 
     def __init__(self, cfg: PLTConfig, batch, max_len, dtype, device, static=False):
         L, N, H, D = cfg.n_loops, cfg.n_layer, cfg.n_kv_head, cfg.hd
-        self.n_loops, self.n_layer, self.static = L, N, static
+        self.n_loops, self.n_layer = L, N
         self.shares_kv, self.parallel = cfg.shares_kv, cfg.parallel
         if self.shares_kv:
-            self.kv = KVCache(N, batch, max_len, H, D, dtype, device)
+            self.kv = KVCache(N, batch, max_len, H, D, dtype, device, static)
         elif self.parallel:
-            self.kv = KVCache(N, batch * L, max_len, H, D, dtype, device)
+            self.kv = KVCache(N, batch * L, max_len, H, D, dtype, device, static)
         else:
-            self.kv = KVCache(L * N, batch, max_len, H, D, dtype, device)
+            self.kv = KVCache(L * N, batch, max_len, H, D, dtype, device, static)
         w = min(cfg.window, max_len)
         self.ring = RingKV(N, batch, L - 1, H, w, D, dtype, device) if cfg.uses_gswa else None
         self.hidden = torch.zeros(batch, L - 1, cfg.n_embd, dtype=dtype, device=device) if self.parallel else None
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self.batch, self.max_len = batch, max_len
+
+    @property
+    def static(self) -> bool:
+        return self.kv.static
+
+    def fits(self, n: int, what: str = "this step needs") -> int:  # the full cache's overflow check (KVCache.fits)
+        return self.kv.fits(n, what)
 
     def own_layer(self, loop, layer) -> int:  # sequential layout without kv_share
         return loop * self.n_layer + layer
@@ -507,11 +514,10 @@ class PLT(GPT):
 
     # -- inference (Algorithm 1) ---------------------------------------------------------------------------------
 
-    def new_cache(self, batch: int, max_len: int | None = None, dtype=None, device=None, static=False) -> PLTCache:
-        p = self.lm_head.weight
-        max_len = max_len or self.config.max_seq_len
-        self.check_length(max_len)
-        return PLTCache(self.config, batch, max_len, dtype or p.dtype, device or p.device, static)
+    cache_cls = PLTCache  # GPT.new_cache builds it from the config (cache_kwargs)
+
+    def cache_kwargs(self) -> dict:
+        return dict(cfg=self.config)
 
     def forward_cached(self, *args, **kwargs):
         raise NotImplementedError("PLT decodes with prefill(idx, cache) and decode_step(tok, cache)")
@@ -547,12 +553,7 @@ class PLT(GPT):
 
     def _step(self, cache: PLTCache) -> DecodeStep:
         q_pos = cache.lengths.clone()
-        if cache.static:
-            kv_len = cache.max_len
-        else:
-            kv_len = int(q_pos.max()) + 1
-            if kv_len > cache.max_len:
-                raise ValueError(f"cache holds {cache.max_len} positions; this step needs {kv_len}")
+        kv_len = cache.kv.kv_len(q_pos)
         st = DecodeStep(cache, q_pos, kv_len, causal_mask_from_positions(q_pos[:, None], kv_len))
         if cache.ring is not None:
             cache.ring.advance(q_pos)

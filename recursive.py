@@ -197,6 +197,8 @@ class RecursiveGPT(GPT):
     new_cache -> prefill -> decode_step (or loop_step / exit_logits / propagate for a scheduler) -> generate.
     """
 
+    cache_cls = RecursiveCache  # GPT.new_cache builds it: one cache layer per (loop, shared layer), N = B*K of them
+
     def __init__(self, cfg: RecursiveConfig):
         super().__init__(cfg)  # init_weights scales the residual projections by the effective depth N
         for m in self.modules():
@@ -306,14 +308,6 @@ class RecursiveGPT(GPT):
 
     # -- inference -----------------------------------------------------------------------------------------------
 
-    def new_cache(self, batch: int, max_len: int | None = None, dtype=None, device=None, static=False):
-        """One cache layer per (loop, shared layer): n_layer = B*K of them; cache layer l*K + k."""
-        cfg, p = self.config, self.lm_head.weight
-        max_len = max_len or cfg.max_seq_len
-        self.check_length(max_len)
-        return RecursiveCache(cfg.n_layer, batch, max_len, cfg.n_kv_head, cfg.hd, dtype or p.dtype,
-                              device or p.device, static)
-
     @torch.no_grad()
     def prefill(self, idx, cache: KVCache, lengths=None):
         """Prompts idx (B, T), right-padded, true lengths (B,) (default T) -> logits (B, V) of each row's last prompt
@@ -335,12 +329,11 @@ class RecursiveGPT(GPT):
 
         x (b, T, C) hidden states (embeddings for loop 0); loops: an int, or a LongTensor (b,) with one loop per
         row; q_pos (b, T) absolute positions; rows (b,) the cache rows of x (default all rows of the cache);
-        kv_len: keys to read (default max(q_pos) + 1). Writes K/V of cache layers loops*K + k at q_pos, attends
-        causally over each row's cache prefix, returns h (b, T, C). cache.lengths is not touched.
+        kv_len: keys to read (default cache.kv_len(q_pos): max(q_pos) + 1, or max_len for a static cache). Writes
+        K/V of cache layers loops*K + k at q_pos, attends causally over each row's cache prefix, returns h (b, T, C).
+        cache.lengths is not touched.
         """
-        kv_len = int(q_pos.max()) + 1 if kv_len is None else kv_len
-        if kv_len > cache.max_len:
-            raise ValueError(f"KV cache holds {cache.max_len} positions; this step needs {kv_len}")
+        kv_len = cache.kv_len(q_pos) if kv_len is None else cache.fits(kv_len)
         mask = causal_mask_from_positions(q_pos, kv_len)
         return self.run_loop(x, loops, self.rope(q_pos), cache=cache, rows=rows, mask=mask, q_pos=q_pos)
 
@@ -434,7 +427,7 @@ class RecursiveGPT(GPT):
         cfg = self.config
         B, L = tok.size(0), cfg.n_loops
         q_pos = cache.lengths[:, None]  # (B, 1)
-        kv_len = cache.max_len if cache.static else int(cache.lengths.max()) + 1
+        kv_len = cache.kv_len(1)
         x = self.embed(tok[:, None])
         logits = torch.empty(B, cfg.vocab_size, dtype=self.lm_head.weight.dtype, device=tok.device)
         exits = torch.full((B,), L - 1, dtype=torch.long, device=tok.device)

@@ -80,9 +80,19 @@ def test_sampled_generation_is_seeded_and_draws_from_the_model():
     assert (top5 == a[:, 6:, None]).any(-1).all()
 
 
+def test_static_caches_give_the_same_generation():
+    """GPT.new_cache builds the BlockCache; static=True makes both its KV caches static (every step attends over all
+    positions, masked): the same greedy tokens."""
+    m = tiny_model()
+    idx = real_tokens(2, 6)
+    cache = m.new_cache(2, 26, static=True)
+    assert isinstance(cache, bt.BlockCache) and cache.blocks.static and cache.local.static
+    assert torch.equal(m.generate(idx, 20, cache=cache), m.generate(idx, 20))
+
+
 def test_generation_caches_are_small_and_kv_bytes_match_them():
     m = tiny_model()
-    cache = m.new_caches(batch=3, seq_len=32, dtype=torch.bfloat16)
+    cache = m.new_cache(3, 32, dtype=torch.bfloat16)
     blk, loc = cache.blocks, cache.local
     assert loc.max_len == m.config.prefix_len + m.config.block_len - 1  # P + L_B - 1 <= P + L_B entries
     assert blk.max_len == 32 // 4 + 1  # block positions (+1 for a left-padded prompt)

@@ -546,14 +546,16 @@ def test_bad_generation_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="between blocks"):
         m.extend_context(idx, one_shot)
     m.decode_step(idx[:, 0], one_shot)  # the block now holds 2 tokens: full
-    with pytest.raises(ValueError, match="block cache holds"):
+    with pytest.raises(ValueError, match=r"KV cache holds 2 positions; the block \(a larger max_block, or a"):
         m.decode_step(idx[:, 0], one_shot)  # no rollover: no room for a third
     one_shot.reset()
     m.extend_context(idx, one_shot)
     with pytest.raises(ValueError, match="keep_context=False"):
         m.extend_context(idx, one_shot)
+    with pytest.raises(ValueError, match="the double decoder's cache cannot be static"):
+        m.new_cache(1, 8, 2, static=True)
     kept = m.new_cache(1, 8, 2, keep_context=True)
-    with pytest.raises(ValueError, match="holds 8 context positions"):
+    with pytest.raises(ValueError, match="KV cache holds 8 positions; extending the context needs 9"):
         m.extend_context(torch.randint(0, V, (1, 9)), kept)
     with pytest.raises(ValueError, match="rows"):
         m.generate(torch.randint(0, V, (2, 3)), 2, cache=kept)

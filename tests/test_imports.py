@@ -70,3 +70,13 @@ def test_library_modules_do_not_import_the_scripts():
     for m in ["data", "checkpoint", "cli"]:
         assert not reachable(graph, m) & {"train", "serve", "bench"}, \
             f"{m}.py reaches {reachable(graph, m) & {'train', 'serve', 'bench'}}"
+
+
+def test_one_cache_constructor_and_one_overflow_error():
+    """Every architecture builds its cache through GPT.new_cache (it names cache_cls and, if needed, cache_kwargs), and
+    every cache reports an overflow through KVCache.fits: `def new_cache` and the overflow message are written once,
+    in model.py, across the repository's modules."""
+    sources = {p.stem: p.read_text() for p in ROOT.glob("*.py")}
+    for needle in ("def new_cache(", "KV cache holds"):
+        where = {m: s.count(needle) for m, s in sources.items() if needle in s}
+        assert where == {"model": 1}, f"{needle!r} written in {where}"

@@ -221,6 +221,25 @@ def test_static_cache_and_compiled_decode_equal_eager_generation():
     assert torch.equal(m.generate(idx, 9), ref)
 
 
+def test_kv_len_reads_up_to_the_last_query_and_raises_the_one_overflow_error():
+    """KVCache.kv_len: max(lengths) + T for T new tokens, max(q_pos) + 1 for explicit positions, max_len when static;
+    past max_len the overflow error names both counts. new_cache honours static (default: the model's static_cache)."""
+    m = GPT(tiny())
+    cache = m.new_cache(3, 10)
+    assert isinstance(cache, KVCache) and not cache.static and cache.max_len == 10
+    cache.lengths.copy_(torch.tensor([2, 7, 4]))
+    assert cache.kv_len(1) == 8 and cache.kv_len(3) == 10 and cache.kv_len(torch.tensor([[3], [5], [0]])) == 6
+    with pytest.raises(ValueError, match="KV cache holds 10 positions; this step needs 11"):
+        cache.kv_len(4)
+    with pytest.raises(ValueError, match="KV cache holds 10 positions; this step needs 12"):
+        cache.kv_len(torch.tensor([11]))
+    static = m.new_cache(3, 10, static=True)
+    static.lengths.copy_(torch.tensor([2, 7, 4]))
+    assert static.static and static.kv_len(1) == static.kv_len(torch.tensor([0])) == 10
+    m.static_cache = True
+    assert m.new_cache(1, 4).static and not m.new_cache(1, 4, static=False).static
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 2, 5, 64, 65])
 def test_linear_inference_paths_equal_f_linear(dtype, rows):

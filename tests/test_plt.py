@@ -336,7 +336,7 @@ def test_runtime_errors():
     with pytest.raises(ValueError, match="lengths"):
         model.prefill(idx, cache, torch.tensor([0, 6]))
     model.prefill(idx, cache)
-    with pytest.raises(ValueError, match="cache holds 6 positions"):
+    with pytest.raises(ValueError, match="KV cache holds 6 positions; this step needs 7"):
         model.decode_step(idx[:, 0], cache)
     with pytest.raises(ValueError, match="max_seq_len"):
         model(torch.randint(SHAPE["vocab_size"], (1, SHAPE["max_seq_len"] + 1)))

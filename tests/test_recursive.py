@@ -7,8 +7,8 @@ import torch
 
 from conftest import write_jsonl
 from model import GPT, GPTConfig, KVCache, distill_loss, lm_loss
-from recursive import (ARCH_SPECS, RecursiveConfig, RecursiveGPT, exit_analysis, exit_coefficients, from_vanilla,
-                       params_table, stepwise_layers, tying_sources)
+from recursive import (ARCH_SPECS, RecursiveCache, RecursiveConfig, RecursiveGPT, exit_analysis, exit_coefficients,
+                       from_vanilla, params_table, stepwise_layers, tying_sources)
 from svd_lora import LoRALinear, lora_params, max_ranks
 
 SMALL = dict(n_layer=6, n_head=4, n_kv_head=2, n_embd=32, mlp_hidden=48, vocab_size=96, max_seq_len=48)
@@ -209,6 +209,24 @@ def test_cached_generation_equals_full_forward_and_no_exit_threshold():
     assert torch.equal(full[:, 5:-1], out[:, 6:])
     out2, exits = m.generate(idx, 12, exit_threshold=1.01, return_exits=True)  # threshold > 1: never exits
     assert torch.equal(out, out2) and torch.all(exits == 2)
+
+
+def test_static_cache_gives_the_same_generation_with_and_without_exits():
+    """GPT.new_cache builds the RecursiveCache and honours static (decode_step reads all max_len positions): the same
+    greedy tokens and exit loops as the dynamic cache."""
+    m = relaxed_model("llama")
+    idx = torch.randint(0, 96, (3, 6))
+    cache = m.new_cache(3, 14, static=True)
+    assert isinstance(cache, RecursiveCache) and cache.static
+    with torch.no_grad():  # about half the prompt tokens are that confident after loop 1
+        mid = float(m.exit_confidence(m.loop_logits(idx)[0]).median())
+    for thr in (None, mid):
+        ref = m.generate(idx, 8, exit_threshold=thr, return_exits=True)
+        m.static_cache = True  # the cache generate() builds is static now
+        out = m.generate(idx, 8, exit_threshold=thr, return_exits=True)
+        m.static_cache = False
+        assert thr is None or 0 < int((ref[1][:, 1:] < 2).sum()) < ref[1][:, 1:].numel()  # some exit early, not all
+        assert all(torch.equal(a, b) for a, b in zip(out, ref))
 
 
 def forward_with_exits(m, idx, exit_loops):
