@@ -95,8 +95,8 @@ import torch.nn.functional as F
 import model
 from cli import ArgumentParser, run_cli
 from kernels import gated_swa, gated_swa_decode, plt_gate
-from model import (GPT, ArchSpec, Attention, Block, GPTConfig, KVCache, attend, causal_mask_from_positions,
-                   init_weights, kv_bytes, lm_loss, make_norm, start_prefill)
+from model import (GPT, ArchSpec, Attention, Block, GPTConfig, KVCache, attend, causal_mask_from_positions, kv_bytes,
+                   lm_loss, make_norm, start_prefill)
 
 # ----------------------------------------------------------------------------------------------------------------
 # Config
@@ -453,15 +453,15 @@ class PLT(GPT):
     """
 
     def __init__(self, cfg: PLTConfig):
-        super().__init__(cfg)
-        self.blocks = nn.ModuleList(Block(cfg, attn_cls=PLTAttention) for _ in range(cfg.n_layer))
+        super().__init__(cfg)  # GPT's init (GPT-2) and weight tie, over make_blocks' stack; the gates stay at g = 0.5
         # the loop-input norms (n_E, n_H) of loop_input_norm; they start at weight 1: E and H^(l-1) at unit rms each
         self.loop_norms = nn.ModuleList(nn.ModuleList([make_norm(cfg), make_norm(cfg)])
                                         for _ in range(cfg.n_loop_norm_pairs))
-        init_weights(self, cfg.n_layer)  # the GPT-2 init again, now over these blocks (the gates stay at g = 0.5)
-        if cfg.tie_embeddings:
-            self.lm_head.weight = self.tok_emb.weight
         self.metrics = {}
+
+    def make_blocks(self, cfg: PLTConfig) -> nn.ModuleList:
+        """The N-layer stack every loop runs: model.Block with PLTAttention."""
+        return nn.ModuleList(Block(cfg, attn_cls=PLTAttention) for _ in range(cfg.n_layer))
 
     # -- training forward (Algorithm 2) --------------------------------------------------------------------------
 
