@@ -133,164 +133,6 @@ def request_generator(seed: int, rid: int, device="cpu") -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed * 1_000_003 + rid)
 
 
-def request_problem(r: Request, vocab_size: int, max_seq_len: int) -> tuple[str, str] | None:
-    """(short reason, clear message) why this request cannot be served, or None."""
-    if r.invalid:
-        return "bad request line", r.invalid
-    if not isinstance(r.max_new_tokens, int) or isinstance(r.max_new_tokens, bool) or r.max_new_tokens <= 0:
-        return "bad max_new_tokens", f"max_new_tokens={r.max_new_tokens!r} must be a positive integer"
-    if not isinstance(r.prompt, list):
-        return "prompt ids not a list", "prompt_ids must be a list of token ids"
-    if not r.prompt:
-        return "empty prompt", "empty prompt: a request needs at least one prompt token"
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in r.prompt):
-        return "prompt ids not integers", "prompt ids must be integers"
-    bad = [t for t in r.prompt if not 0 <= t < vocab_size]
-    if bad:
-        return "token id outside vocabulary", f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
-    if len(r.prompt) >= max_seq_len:
-        return "prompt longer than context", (f"prompt of {len(r.prompt)} tokens is longer than the context "
-                                              f"({max_seq_len} positions, one kept for a new token)")
-    if len(r.prompt) + r.max_new_tokens > max_seq_len:
-        return "prompt + output longer than context", (
-            f"prompt of {len(r.prompt)} tokens + max_new_tokens={r.max_new_tokens} exceeds the context of "
-            f"{max_seq_len} positions")
-    return None
-
-
-def check_request(r: Request, vocab_size: int, max_seq_len: int) -> str | None:
-    """A clear reason why this request cannot be served, or None."""
-    problem = request_problem(r, vocab_size, max_seq_len)
-    return None if problem is None else problem[1]
-
-
-def parse_range(spec: str) -> tuple[int, int]:
-    """'a:b' -> (a, b) (uniform integers, both included); 'a' -> (a, a)."""
-    lo, _, hi = str(spec).partition(":")
-    lo, hi = int(lo), int(hi or lo)
-    if lo > hi:
-        raise ValueError(f"bad range {spec!r}: {lo} > {hi}")
-    return lo, hi
-
-
-def arrival_times(n: int, process: str, rate: float, gen: torch.Generator) -> list[float]:
-    """'all': everything at 0; 'poisson': exponential gaps of mean 1/rate."""
-    if process == "all":
-        return [0.0] * n
-    if process == "poisson":
-        if rate <= 0:
-            raise ValueError(f"--rate must be > 0 for Poisson arrivals, got {rate}")
-        gaps = -torch.log1p(-torch.rand(n, generator=gen, dtype=torch.float64)) / rate
-        times = torch.cumsum(gaps, 0).tolist()
-        if times and times[-1] > MAX_ARRIVAL_S:
-            raise UsageError(f"--rate {rate:g}: the {n} Poisson arrivals span {times[-1]:.3g} s, beyond the "
-                             f"{MAX_ARRIVAL_S:g} s a run may wait for its requests; raise --rate")
-        return times
-    raise ValueError(f"unknown arrival process {process!r}; choose all or poisson")
-
-
-def synthetic_requests(n, vocab_size, prompt_len="8:48", gen_len="8:64", arrival="all", rate=10.0, seed=0):
-    """n requests with random token ids (never the last vocabulary row, which some archs use as a pad)."""
-    g = torch.Generator().manual_seed(seed)
-    (p0, p1), (g0, g1) = parse_range(prompt_len), parse_range(gen_len)
-    times = arrival_times(n, arrival, rate, g)
-    out = []
-    for i in range(n):
-        T = int(torch.randint(p0, p1 + 1, (1,), generator=g))
-        G = int(torch.randint(g0, g1 + 1, (1,), generator=g))
-        out.append(Request(i, torch.randint(0, vocab_size - 1, (T,), generator=g).tolist(), G, times[i]))
-    return out
-
-
-def corpus_requests(n, tok, data="stdlib", cache_dir="data_cache", prompt_len="8:48", gen_len="8:64", arrival="all",
-                    rate=10.0, seed=0):
-    """Prompts are windows of the validation split of train.py's corpus (tokenized once, cached)."""
-    cache = prepare_corpus(data, tok, cache_dir)
-    val = TokenData(cache, "val")
-    reqs = synthetic_requests(n, 2, prompt_len, gen_len, arrival, rate, seed)  # lengths and arrivals
-    x, _ = val.get_batch(n, parse_range(prompt_len)[1], step_generator(seed, -7))
-    for r in reqs:
-        r.prompt = x[r.rid, :len(r.prompt)].tolist()
-    return reqs
-
-
-def read_lines(path) -> list[tuple[int, bytes]]:
-    """The non-empty lines of a requests file as (line number, bytes), read line by line (each decoded on its own, so
-    one bad line is one bad request). A file that cannot be opened, or holds more than MAX_REQUESTS lines, is one
-    UsageError naming it."""
-    try:
-        with open(path, "rb") as f:
-            lines = []
-            for n, ln in enumerate(f, 1):
-                if ln.strip():
-                    lines.append((n, ln))
-                    if len(lines) > MAX_REQUESTS:
-                        raise UsageError(f"--requests-file {path} holds more than {MAX_REQUESTS:,} requests (line {n})")
-    except IsADirectoryError:
-        raise UsageError(f"--requests-file {path} is a directory, not a JSONL file") from None
-    except OSError as e:
-        raise UsageError(f"--requests-file {path}: cannot read it ({e.strerror or e})") from None
-    return lines
-
-
-def jsonl_requests(path, tok=None, default_gen=32, arrival="all", rate=10.0, seed=0):
-    """{"prompt": str | "prompt_ids": [...], "max_new_tokens": n, "arrival": s (optional)} per line. A line that
-    cannot be read (not UTF-8, not JSON, an arrival that is not a time in [0, MAX_ARRIVAL_S] seconds) becomes a request
-    with an error (served as an error, never silently dropped). Request ids count the non-empty lines from 0; each
-    request remembers its file:line (`source`) for its error message."""
-    lines = read_lines(path)
-    times = arrival_times(len(lines), arrival, rate, torch.Generator().manual_seed(seed))
-    reqs = []
-    for i, (lineno, raw) in enumerate(lines):
-        r = Request(i, [], default_gen, times[i], source=f"{path}:{lineno}")
-        try:
-            try:
-                ln = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"not UTF-8 text ({e.reason} at byte {e.start})") from None
-            d = json.loads(ln)
-            if not isinstance(d, dict):
-                raise ValueError("not a JSON object")
-            if "prompt_ids" in d:
-                r.prompt = d["prompt_ids"]
-            elif "prompt" in d:
-                if tok is None:
-                    raise ValueError("a text prompt needs a tokenizer")
-                r.prompt = tok.encode(str(d["prompt"]))
-            else:
-                raise ValueError("no 'prompt' or 'prompt_ids'")
-            r.max_new_tokens = d.get("max_new_tokens", default_gen)
-            t = float(d.get("arrival", r.arrival))
-            if not 0 <= t <= MAX_ARRIVAL_S:  # NaN too: it would never arrive
-                raise ValueError(f"arrival {d['arrival']!r} must be a time in [0, {MAX_ARRIVAL_S:g}] seconds")
-            r.arrival = t
-        except (ValueError, TypeError) as e:
-            r.invalid = f"bad request line {lineno} of {path}: {e}"
-        reqs.append(r)
-    return reqs
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Bytes moved per decode step (the memory roofline)
-
-PEAK_BW = [("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12), ("A100-SXM4-40GB", 1.555e12),
-           ("A100-PCIE-40GB", 1.555e12), ("A100", 2.039e12), ("L40S", 0.864e12), ("A10G", 0.6e12),
-           ("4090", 1.008e12)]
-
-
-def peak_bandwidth(device: torch.device) -> float | None:
-    """HBM peak (bytes/s) of known CUDA devices, None elsewhere."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_BW if k in name), None)
-
-
-def kv_token_bytes(cfg, elem: int) -> int:
-    """K and V of one token in one layer."""
-    return 2 * cfg.n_kv_head * cfg.hd * elem
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Servers
 
@@ -587,6 +429,168 @@ class DepthWiseServer(SlotServer):
         sync(self.device)
         self.record_step(time.perf_counter() - t0, len(slots),
                          self.block_bytes + self.head_bytes + len(slots) * kv_len * self.kv_tok, int(out.numel()))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reading requests: validation, arrivals, synthetic, corpus and JSONL requests
+
+
+def request_problem(r: Request, vocab_size: int, max_seq_len: int) -> tuple[str, str] | None:
+    """(short reason, clear message) why this request cannot be served, or None."""
+    if r.invalid:
+        return "bad request line", r.invalid
+    if not isinstance(r.max_new_tokens, int) or isinstance(r.max_new_tokens, bool) or r.max_new_tokens <= 0:
+        return "bad max_new_tokens", f"max_new_tokens={r.max_new_tokens!r} must be a positive integer"
+    if not isinstance(r.prompt, list):
+        return "prompt ids not a list", "prompt_ids must be a list of token ids"
+    if not r.prompt:
+        return "empty prompt", "empty prompt: a request needs at least one prompt token"
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in r.prompt):
+        return "prompt ids not integers", "prompt ids must be integers"
+    bad = [t for t in r.prompt if not 0 <= t < vocab_size]
+    if bad:
+        return "token id outside vocabulary", f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
+    if len(r.prompt) >= max_seq_len:
+        return "prompt longer than context", (f"prompt of {len(r.prompt)} tokens is longer than the context "
+                                              f"({max_seq_len} positions, one kept for a new token)")
+    if len(r.prompt) + r.max_new_tokens > max_seq_len:
+        return "prompt + output longer than context", (
+            f"prompt of {len(r.prompt)} tokens + max_new_tokens={r.max_new_tokens} exceeds the context of "
+            f"{max_seq_len} positions")
+    return None
+
+
+def check_request(r: Request, vocab_size: int, max_seq_len: int) -> str | None:
+    """A clear reason why this request cannot be served, or None."""
+    problem = request_problem(r, vocab_size, max_seq_len)
+    return None if problem is None else problem[1]
+
+
+def parse_range(spec: str) -> tuple[int, int]:
+    """'a:b' -> (a, b) (uniform integers, both included); 'a' -> (a, a)."""
+    lo, _, hi = str(spec).partition(":")
+    lo, hi = int(lo), int(hi or lo)
+    if lo > hi:
+        raise ValueError(f"bad range {spec!r}: {lo} > {hi}")
+    return lo, hi
+
+
+def arrival_times(n: int, process: str, rate: float, gen: torch.Generator) -> list[float]:
+    """'all': everything at 0; 'poisson': exponential gaps of mean 1/rate."""
+    if process == "all":
+        return [0.0] * n
+    if process == "poisson":
+        if rate <= 0:
+            raise ValueError(f"--rate must be > 0 for Poisson arrivals, got {rate}")
+        gaps = -torch.log1p(-torch.rand(n, generator=gen, dtype=torch.float64)) / rate
+        times = torch.cumsum(gaps, 0).tolist()
+        if times and times[-1] > MAX_ARRIVAL_S:
+            raise UsageError(f"--rate {rate:g}: the {n} Poisson arrivals span {times[-1]:.3g} s, beyond the "
+                             f"{MAX_ARRIVAL_S:g} s a run may wait for its requests; raise --rate")
+        return times
+    raise ValueError(f"unknown arrival process {process!r}; choose all or poisson")
+
+
+def synthetic_requests(n, vocab_size, prompt_len="8:48", gen_len="8:64", arrival="all", rate=10.0, seed=0):
+    """n requests with random token ids (never the last vocabulary row, which some archs use as a pad)."""
+    g = torch.Generator().manual_seed(seed)
+    (p0, p1), (g0, g1) = parse_range(prompt_len), parse_range(gen_len)
+    times = arrival_times(n, arrival, rate, g)
+    out = []
+    for i in range(n):
+        T = int(torch.randint(p0, p1 + 1, (1,), generator=g))
+        G = int(torch.randint(g0, g1 + 1, (1,), generator=g))
+        out.append(Request(i, torch.randint(0, vocab_size - 1, (T,), generator=g).tolist(), G, times[i]))
+    return out
+
+
+def corpus_requests(n, tok, data="stdlib", cache_dir="data_cache", prompt_len="8:48", gen_len="8:64", arrival="all",
+                    rate=10.0, seed=0):
+    """Prompts are windows of the validation split of train.py's corpus (tokenized once, cached)."""
+    cache = prepare_corpus(data, tok, cache_dir)
+    val = TokenData(cache, "val")
+    reqs = synthetic_requests(n, 2, prompt_len, gen_len, arrival, rate, seed)  # lengths and arrivals
+    x, _ = val.get_batch(n, parse_range(prompt_len)[1], step_generator(seed, -7))
+    for r in reqs:
+        r.prompt = x[r.rid, :len(r.prompt)].tolist()
+    return reqs
+
+
+def read_lines(path) -> list[tuple[int, bytes]]:
+    """The non-empty lines of a requests file as (line number, bytes), read line by line (each decoded on its own, so
+    one bad line is one bad request). A file that cannot be opened, or holds more than MAX_REQUESTS lines, is one
+    UsageError naming it."""
+    try:
+        with open(path, "rb") as f:
+            lines = []
+            for n, ln in enumerate(f, 1):
+                if ln.strip():
+                    lines.append((n, ln))
+                    if len(lines) > MAX_REQUESTS:
+                        raise UsageError(f"--requests-file {path} holds more than {MAX_REQUESTS:,} requests (line {n})")
+    except IsADirectoryError:
+        raise UsageError(f"--requests-file {path} is a directory, not a JSONL file") from None
+    except OSError as e:
+        raise UsageError(f"--requests-file {path}: cannot read it ({e.strerror or e})") from None
+    return lines
+
+
+def jsonl_requests(path, tok=None, default_gen=32, arrival="all", rate=10.0, seed=0):
+    """{"prompt": str | "prompt_ids": [...], "max_new_tokens": n, "arrival": s (optional)} per line. A line that
+    cannot be read (not UTF-8, not JSON, an arrival that is not a time in [0, MAX_ARRIVAL_S] seconds) becomes a request
+    with an error (served as an error, never silently dropped). Request ids count the non-empty lines from 0; each
+    request remembers its file:line (`source`) for its error message."""
+    lines = read_lines(path)
+    times = arrival_times(len(lines), arrival, rate, torch.Generator().manual_seed(seed))
+    reqs = []
+    for i, (lineno, raw) in enumerate(lines):
+        r = Request(i, [], default_gen, times[i], source=f"{path}:{lineno}")
+        try:
+            try:
+                ln = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"not UTF-8 text ({e.reason} at byte {e.start})") from None
+            d = json.loads(ln)
+            if not isinstance(d, dict):
+                raise ValueError("not a JSON object")
+            if "prompt_ids" in d:
+                r.prompt = d["prompt_ids"]
+            elif "prompt" in d:
+                if tok is None:
+                    raise ValueError("a text prompt needs a tokenizer")
+                r.prompt = tok.encode(str(d["prompt"]))
+            else:
+                raise ValueError("no 'prompt' or 'prompt_ids'")
+            r.max_new_tokens = d.get("max_new_tokens", default_gen)
+            t = float(d.get("arrival", r.arrival))
+            if not 0 <= t <= MAX_ARRIVAL_S:  # NaN too: it would never arrive
+                raise ValueError(f"arrival {d['arrival']!r} must be a time in [0, {MAX_ARRIVAL_S:g}] seconds")
+            r.arrival = t
+        except (ValueError, TypeError) as e:
+            r.invalid = f"bad request line {lineno} of {path}: {e}"
+        reqs.append(r)
+    return reqs
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Bytes moved per decode step (the memory roofline)
+
+PEAK_BW = [("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12), ("A100-SXM4-40GB", 1.555e12),
+           ("A100-PCIE-40GB", 1.555e12), ("A100", 2.039e12), ("L40S", 0.864e12), ("A10G", 0.6e12),
+           ("4090", 1.008e12)]
+
+
+def peak_bandwidth(device: torch.device) -> float | None:
+    """HBM peak (bytes/s) of known CUDA devices, None elsewhere."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BW if k in name), None)
+
+
+def kv_token_bytes(cfg, elem: int) -> int:
+    """K and V of one token in one layer."""
+    return 2 * cfg.n_kv_head * cfg.hd * elem
 
 
 # ----------------------------------------------------------------------------------------------------------------
