@@ -51,7 +51,7 @@ else torch.svd_lowrank (randomized, q = r + 16, 4 power iterations) in float32. 
 and recursive.py logs them.
 
 Run:
-    python bench.py energy --ckpt out/vanilla/ckpt.pt --loops 2 --init average   # residual energy captured per rank
+    python eval.py energy --ckpt out/vanilla/ckpt.pt --loops 2 --init average   # residual energy captured per rank
     python -m pytest -q tests/test_svd_lora.py
 """
 from __future__ import annotations
