@@ -5,14 +5,19 @@ A Llama/Gemma-style decoder, written to be read top to bottom:
 
     RMSNorm / LayerNorm -> rotary embedding from explicit positions -> GQA attention through
     scaled_dot_product_attention (explicit mask, optional pre-allocated KV cache) -> gated MLP
-    (SwiGLU or GeGLU) -> Block -> KVCache -> run_cached (the one cached layer stack) -> GPT (forward, prefill,
-    decode_step, generate).
+    (SwiGLU or GeGLU) -> Block -> KVCache (kv_len: the keys a cached step reads, and the one overflow error) ->
+    run_cached (the one cached layer stack) -> GPT (forward, new_cache, prefill, decode_step, generate).
+
+After the model: sampling, the losses, the architecture table's row (ArchSpec), parameter and FLOP accounting, and
+last the machinery underneath: device, dtype and timing helpers, and the CPU forms chosen by measurement on this
+machine (attention's form and precision, `linear`'s product).
 
 The other architectures of this repository (recursive.py, block_transformer.py, plt.py, double_decoder.py) do not
 re-write any of this math. They import `Block`, `Attention`, `MLP`, `RMSNorm`, `RotaryEmbedding`, `KVCache`,
-`run_cached`, `attend` and `sample_next`, subclass `GPT` for its embedding, head and generate loop, and pass what is
-special about them as arguments: RoPE positions that are block indices or offsets, a LoRA index per row (`lora_idx`,
-used by svd_lora.py), an explicit attention mask, a cache layer.
+`run_cached`, `attend` and `sample_next`, subclass `GPT` for its embedding, head, cache constructor (`new_cache`
+builds the class they name in `cache_cls`) and generate loop, and pass what is special about them as arguments:
+RoPE positions that are block indices or offsets, a LoRA index per row (`lora_idx`, used by svd_lora.py), an
+explicit attention mask, a cache layer.
 
 Switches on `GPTConfig` also cover the three pretrained families of the papers (Llama/TinyLlama, Gemma, GPT-NeoX/
 Pythia), so that hf.py can load a local Hugging Face checkpoint into GPT:
@@ -146,59 +151,6 @@ PRESETS: dict[str, dict] = {
                       rotary_pct=0.25, parallel_residual=True, attn_bias=True, mlp_bias=True, tie_embeddings=False,
                       vocab_size=50304, max_seq_len=2048),
 }
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Device and dtype
-
-
-def pick_device(flag: str = "auto") -> torch.device:
-    """cuda > mps > cpu unless a device is named."""
-    if flag != "auto":
-        return torch.device(flag)
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
-
-
-def pick_dtype(device: torch.device, flag: str = "auto") -> torch.dtype:
-    """bf16 where the device supports it (CUDA with bf16, MPS), else fp32; or the named dtype."""
-    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16}
-    if flag != "auto":
-        check(flag in names, f"unknown dtype {flag!r}; choose auto or one of {sorted(names)}", "--dtype")
-        return names[flag]
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
-        return torch.bfloat16
-    if device.type == "mps":
-        return torch.bfloat16
-    return torch.float32
-
-
-def sync(device):
-    """Wait for the device's queued work (CUDA is asynchronous; the CPU is not): call before reading a clock."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()
-
-
-def timeit(fn, device, warmup: int = 1, repeats: int = 5) -> list[float]:
-    """Seconds per call of fn() for `repeats` timed calls after `warmup` untimed ones, the device synchronised around
-    each call. The one timing helper of the benchmarks (they report the median and the spread of this list)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return times
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -354,88 +306,6 @@ def attend_grouped(q, k, v, mask=None, scale=None):
         s = s.view(B, Hkv, G, T, S).masked_fill(~m, float("-inf")).view(B, Hkv, G * T, S)
     p = torch.softmax(s, dim=-1).nan_to_num_(0.0)  # a row with every key masked: all -inf -> NaN -> 0
     return (p @ v.to(acc)).to(q.dtype).view(B, H, T, D)
-
-
-DECODE_QUERIES = 16  # attend measures SDPA against attend_grouped for at most this many queries per row
-_decode_choice: dict[tuple, str] = {}  # (shapes with keys rounded up to a power of two, dtype, mask) -> the form
-
-
-def decode_attention(q, k, mask, timer=None) -> str:
-    """Which form runs no-grad CPU attention with few queries at these shapes: "sdpa" or "grouped" (attend_grouped),
-    whichever this machine runs faster, timed once per (q's shape, k's shape with the key count rounded up to a power
-    of two, dtype, mask shape) on random tensors. On the AMD EPYC of the README, bf16 SDPA with a mask at one query
-    was 4-5x slower than the grouped form (3.98 vs 0.76 ms at 16 x 12 heads x 128 keys), fp32 equal; another CPU or
-    torch may differ, hence the measurement. `timer(form) -> seconds` replaces it (tests)."""
-    S = 1 << max(0, k.size(2) - 1).bit_length()
-    mshape = None if mask is None else tuple(mask.shape[:-1])
-    key = (tuple(q.shape), tuple(k.shape[:2]), S, k.size(3), q.dtype, mshape)
-    if key not in _decode_choice:
-        def run(form):
-            qq = torch.randn(q.shape, dtype=q.dtype)
-            kk, vv = (torch.randn(*k.shape[:2], S, k.size(3), dtype=q.dtype) for _ in range(2))
-            m = None if mask is None else torch.ones(*mask.shape[:-1], S, dtype=torch.bool)
-            t0 = time.perf_counter()
-            for _ in range(5):
-                if form == "sdpa":
-                    F.scaled_dot_product_attention(qq, kk, vv, attn_mask=m, enable_gqa=qq.size(1) != kk.size(1))
-                else:
-                    attend_grouped(qq, kk, vv, m)
-            return time.perf_counter() - t0
-
-        _decode_choice[key] = fastest(timer or run, ("sdpa", "grouped"))
-    return _decode_choice[key]
-
-
-def fastest(timer, kinds, rounds: int = 3, gain: float = 1.0) -> str:
-    """The kind with the least median time over `rounds` interleaved calls of timer(kind) -> seconds after one
-    warm-up call each; a kind other than the first must beat the first by `gain` (the first is the default)."""
-    times = {kind: [] for kind in kinds}
-    for kind in kinds:
-        timer(kind)
-    for _ in range(rounds):
-        for kind in kinds:
-            times[kind].append(timer(kind))
-    med = {kind: sorted(ts)[len(ts) // 2] for kind, ts in times.items()}
-    best = min(kinds, key=med.__getitem__)
-    return best if med[best] * gain < med[kinds[0]] else kinds[0]
-
-
-_attention_choice: dict[tuple, str] = {}  # (shapes, dtype, mask, causal) -> "fp32" | "bf16", for this process
-
-
-def attention_precision(q, k, mask, causal, scale, gqa, timer=None) -> str:
-    """The precision of CPU autocast-training attention at q's and k's shapes: forward + backward of SDPA timed once
-    in fp32 and in q's dtype on random tensors of those shapes (warm-up, 3 interleaved runs, median); "bf16" only
-    when it beats fp32 by more than 10%. A compiled graph takes fp32 (no timing while tracing). `timer(kind) ->
-    seconds` replaces the measurement (tests)."""
-    if torch.compiler.is_compiling():
-        return "fp32"
-    key = (tuple(q.shape), tuple(k.shape), q.dtype, None if mask is None else tuple(mask.shape), causal)
-    if key not in _attention_choice:
-        def run(kind):
-            dt = torch.float32 if kind == "fp32" else q.dtype
-            qq, kk, vv = (torch.randn(t.shape, dtype=dt).requires_grad_() for t in (q, k, k))
-            m = None if mask is None else torch.ones(mask.shape, dtype=torch.bool)
-            t0 = time.perf_counter()
-            with torch.autocast("cpu", enabled=False):
-                F.scaled_dot_product_attention(qq, kk, vv, attn_mask=m, is_causal=causal, scale=scale,
-                                               enable_gqa=gqa).sum().backward()
-            return time.perf_counter() - t0
-
-        _attention_choice[key] = fastest(timer or run, ("fp32", "bf16"), gain=1.10)
-    return _attention_choice[key]
-
-
-def start_prefill(idx, cache, lengths=None) -> torch.Tensor:
-    """The checks of every architecture's prefill: prompts idx (B, T), right-padded, true lengths (B,) (default T)
-    in [1, T], T within the cache's positions. Empties the cache; -> lengths on idx's device."""
-    B, T = idx.shape
-    lengths = torch.full((B,), T, device=idx.device) if lengths is None else lengths.to(idx.device)
-    if int(lengths.min()) < 1 or int(lengths.max()) > T:
-        raise ValueError(f"prompt lengths must be in [1, {T}]: every prompt needs at least one token")
-    cache.fits(T, "the prompts need")
-    cache.reset()
-    return lengths
 
 
 def causal_mask_from_positions(q_pos: torch.Tensor, kv_len: int) -> torch.Tensor:
@@ -657,6 +527,18 @@ class LayerCache:
         return tuple(t.flatten(0, 1)[:, :, :kv_len].index_select(0, pairs) for t in (c.k, c.v))
 
 
+def start_prefill(idx, cache, lengths=None) -> torch.Tensor:
+    """The checks of every architecture's prefill: prompts idx (B, T), right-padded, true lengths (B,) (default T)
+    in [1, T], T within the cache's positions. Empties the cache; -> lengths on idx's device."""
+    B, T = idx.shape
+    lengths = torch.full((B,), T, device=idx.device) if lengths is None else lengths.to(idx.device)
+    if int(lengths.min()) < 1 or int(lengths.max()) > T:
+        raise ValueError(f"prompt lengths must be in [1, {T}]: every prompt needs at least one token")
+    cache.fits(T, "the prompts need")
+    cache.reset()
+    return lengths
+
+
 def run_cached(blocks, rope: RotaryEmbedding, x, cache: KVCache, fresh: bool = False, layers=None):
     """The cached layer stack: inputs x (B, T, C) at positions cache.lengths + (0..T-1) through `blocks`, each block
     writing its K/V into its cache layer (layers[i], default i) -> hidden states (B, T, C). cache.lengths is left to
@@ -682,6 +564,162 @@ def run_cached(blocks, rope: RotaryEmbedding, x, cache: KVCache, fresh: bool = F
 def kv_bytes(n_layer, batch, seq_len, n_kv_head, head_dim, dtype_bytes=2) -> int:
     """Bytes of keys plus values for n_layer layers of full attention."""
     return 2 * n_layer * batch * seq_len * n_kv_head * head_dim * dtype_bytes
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The vanilla decoder
+
+
+class GPT(nn.Module):
+    """Decoder-only language model.
+
+    forward(idx, targets=None) -> (logits, loss), nanoGPT's convention.
+    Inference is explicit: new_cache(batch, max_len) -> prefill(idx, cache, lengths) -> decode_step(tok, cache),
+    and generate() strings them together.
+    """
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.config = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.blocks = self.make_blocks(cfg)
+        self.norm = make_norm(cfg)
+        self.lm_head = Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.rope = RotaryEmbedding(cfg.rot_dim, cfg.max_seq_len, cfg.rope_theta)
+        init_weights(self, cfg.n_layer)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+
+    def make_blocks(self, cfg) -> nn.ModuleList:
+        """The layer stack (a subclass with other layers -- shared, LoRA, another attention -- overrides this)."""
+        return nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+
+    # -- pieces --------------------------------------------------------------------------------------------------
+
+    def embed(self, idx):  # (B, T) -> (B, T, C)
+        x = self.tok_emb(idx)
+        if self.config.embed_scale:
+            x = x * torch.tensor(self.config.n_embd ** 0.5, dtype=x.dtype)
+        return x
+
+    def head(self, h):  # (B, T, C) -> (B, T, V), final norm included
+        return self.lm_head(self.norm(h))
+
+    def check_length(self, n: int):
+        if n > self.config.max_seq_len:
+            raise ValueError(f"sequence of {n} tokens exceeds max_seq_len={self.config.max_seq_len}")
+
+    # -- training forward ----------------------------------------------------------------------------------------
+
+    def forward(self, idx, targets=None):
+        """idx (B, T) token ids -> logits (B, T, V) and, with targets (B, T), the mean next-token loss."""
+        B, T = idx.shape
+        self.check_length(T)
+        rope = self.rope(torch.arange(T, device=idx.device))
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x, rope)
+        logits = self.head(x)
+        return logits, (lm_loss(logits, targets) if targets is not None else None)
+
+    # -- inference -----------------------------------------------------------------------------------------------
+
+    cache_cls = KVCache  # what new_cache builds; an architecture with another cache names its class here
+    static_cache = False  # set by compile_decode(): new caches are static (fixed shapes for the compiled step)
+
+    def new_cache(self, batch: int, max_len: int | None = None, *args, dtype=None, device=None, static=None,
+                  **kwargs):
+        """The one cache constructor of every architecture: cache_cls(batch, max_len, dtype, device, static, **the
+        cache's own arguments from cache_kwargs(*args, **kwargs)). max_len positions (default max_seq_len), the
+        model's dtype and device by default; static (default: static_cache) attends over all max_len positions at
+        every step (see KVCache); a cache that cannot be static refuses it."""
+        p = self.lm_head.weight
+        max_len = self.config.max_seq_len if max_len is None else max_len
+        self.check_length(max_len)
+        return self.cache_cls(batch=batch, max_len=max_len, dtype=dtype or p.dtype, device=device or p.device,
+                              static=self.static_cache if static is None else static,
+                              **self.cache_kwargs(*args, **kwargs))
+
+    def cache_kwargs(self) -> dict:
+        """What cache_cls takes besides batch, max_len, dtype, device and static: a KVCache's layers and heads."""
+        c = self.config
+        return dict(n_layer=c.n_layer, n_kv_head=c.n_kv_head, head_dim=c.hd)
+
+    def forward_cached(self, idx, cache: KVCache, fresh: bool = False):
+        """Tokens idx (B, T) at positions cache.lengths + (0..T-1) -> final hidden states (B, T, C), before the final
+        norm; K/V written (run_cached). fresh=True: the prefill of an empty cache."""
+        return run_cached(self.blocks, self.rope, self.embed(idx), cache, fresh)
+
+    @torch.no_grad()
+    def prefill(self, idx, cache: KVCache, lengths=None):
+        """Prompts idx (B, T), right-padded, with true lengths (B,) (default T) -> logits (B, V) of each row's last
+        prompt token. The cache must be empty; afterwards cache.lengths == lengths."""
+        B = idx.size(0)
+        lengths = start_prefill(idx, cache, lengths)
+        h = self.forward_cached(idx, cache, fresh=True)  # pads write K/V past each row's length: masked later
+        cache.lengths.copy_(lengths)
+        last = h[torch.arange(B, device=idx.device), lengths - 1]  # (B, C)
+        return self.head(last[:, None])[:, 0]
+
+    @torch.no_grad()
+    def decode_step(self, tok, cache: KVCache):
+        """One new token per row tok (B,) at position cache.lengths -> logits (B, V); lengths advance by one."""
+        h = self.forward_cached(tok[:, None], cache)
+        cache.lengths += 1
+        return self.head(h)[:, 0]
+
+    def compile_decode(self, mode: str | None = None):
+        """torch.compile the decode step (gpt-fast's recipe): from now on new caches are static, so every step has
+        the same shapes and compiles once; mode='reduce-overhead' adds CUDA graphs on a GPU. The prefill stays eager
+        (its shapes change with every prompt). `python bench.py decode --compile` measures what it buys."""
+        self.static_cache = True
+        self.decode_step = torch.compile(self.decode_step, mode=mode, fullgraph=True, dynamic=False)
+        return self
+
+    def generation_cache(self, batch: int, prompt_len: int, max_new_tokens: int, **step_kwargs):
+        """The cache generate() allocates (an architecture whose cache is sized otherwise overrides this)."""
+        return self.new_cache(batch, prompt_len + max_new_tokens)
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens: int, temperature: float = 0.0, top_k=None, generator=None, cache=None,
+                 **step_kwargs):
+        """idx (B, T) -> (B, T + max_new_tokens): prefill, then one decode_step per new token. temperature 0 is
+        greedy (argmax); else sampled with `generator`. The one generate loop of this repository: every architecture
+        names its cache (cache_cls, sized by generation_cache) and overrides prefill and decode_step, and
+        `step_kwargs` reach every decode_step (e.g. recursive.py's exit_threshold, double_decoder.py's rollover).
+        `cache`: a cache to use instead of a new one (e.g. one holding a shared prefix)."""
+        B, T = idx.shape
+        self.check_length(T + max_new_tokens)
+        if max_new_tokens <= 0:
+            return idx
+        if cache is None:
+            cache = self.generation_cache(B, T, max_new_tokens, **step_kwargs)
+        logits = self.prefill(idx, cache)
+        out = [idx]
+        for i in range(max_new_tokens):
+            tok = sample_next(logits, temperature, top_k, generator)
+            out.append(tok[:, None])
+            if i + 1 < max_new_tokens:
+                logits = self.decode_step(tok, cache, **step_kwargs)
+        return torch.cat(out, dim=1)
+
+    # -- accounting ----------------------------------------------------------------------------------------------
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        """Parameter count; non-embedding excludes the token embedding and an untied head (Kaplan et al.)."""
+        return count_params(self, (self.tok_emb, self.lm_head) if non_embedding else ())
+
+    def kv_cache_bytes(self, batch: int, seq_len: int, dtype_bytes: int = 2) -> int:
+        c = self.config
+        return kv_bytes(c.n_layer, batch, seq_len, c.n_kv_head, c.hd, dtype_bytes)
+
+    def flops_per_token(self, seq_len: int, training: bool = True) -> float:
+        """6N + 12 L H D T per trained token (PaLM, Appendix B), N = matmul parameters incl. the head; 1/3 of it for
+        a forward pass alone."""
+        c = self.config
+        n = self.num_params(non_embedding=True) + c.n_embd * c.vocab_size
+        f = 6 * n + 12 * c.n_layer * c.n_head * c.hd * seq_len
+        return f if training else f / 3
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -738,6 +776,40 @@ def lm_loss(logits, targets):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# How train.py and serve.py see an architecture
+
+
+@dataclass
+class ArchSpec:
+    """One row of train.py's architecture table. Every architecture file exposes `ARCH_SPECS = [ArchSpec(...)]`.
+
+    The model class takes its config and provides forward(idx, targets=None, **kw) -> (logits, loss),
+    generate(idx, max_new_tokens, temperature, top_k, generator), num_params(non_embedding), kv_cache_bytes(batch,
+    seq_len) and flops_per_token(seq_len). The config is a dataclass with vocab_size and max_seq_len fields and a
+    from_dict classmethod.
+    """
+
+    name: str
+    config_cls: type
+    model_cls: type
+    presets: dict
+    add_args: Callable | None = None  # (argparse parser) -> None: flags of this architecture
+    config_overrides: Callable | None = None  # (args, tok=None) -> config fields set by the flags (tok: train.py's)
+    convert: Callable | None = None  # (args, vanilla GPT, tok=None) -> model: --init-from a vanilla checkpoint
+    prepare_batch: Callable | None = None  # (x, y, generator, config) -> (x, y, forward kwargs)
+    train_defaults: dict = field(default_factory=dict)  # defaults of train.py flags, e.g. {"max_iters": 200}
+    kd_ok: bool = True  # False when prepare_batch re-lays the inputs out, so teacher logits would not align
+
+    def make_config(self, preset: str, **overrides):
+        if preset not in self.presets:
+            raise ValueError(f"unknown preset {preset!r} for {self.name}; choose one of {sorted(self.presets)}")
+        return self.config_cls(**{**self.presets[preset], **overrides})
+
+
+ARCH_SPECS = [ArchSpec("vanilla", GPTConfig, GPT, PRESETS)]
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Parameter, memory and FLOP accounting (shared by every model in this repository)
 
 
@@ -782,6 +854,133 @@ def peak_flops(device: torch.device) -> float | None:
         return None
     name = torch.cuda.get_device_name(device)
     return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Device and dtype
+
+
+def pick_device(flag: str = "auto") -> torch.device:
+    """cuda > mps > cpu unless a device is named."""
+    if flag != "auto":
+        return torch.device(flag)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def pick_dtype(device: torch.device, flag: str = "auto") -> torch.dtype:
+    """bf16 where the device supports it (CUDA with bf16, MPS), else fp32; or the named dtype."""
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if flag != "auto":
+        check(flag in names, f"unknown dtype {flag!r}; choose auto or one of {sorted(names)}", "--dtype")
+        return names[flag]
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    if device.type == "mps":
+        return torch.bfloat16
+    return torch.float32
+
+
+def sync(device):
+    """Wait for the device's queued work (CUDA is asynchronous; the CPU is not): call before reading a clock."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def timeit(fn, device, warmup: int = 1, repeats: int = 5) -> list[float]:
+    """Seconds per call of fn() for `repeats` timed calls after `warmup` untimed ones, the device synchronised around
+    each call. The one timing helper of the benchmarks (they report the median and the spread of this list)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# CPU attention chosen by measurement (what `attend` runs at CPU training and decoding)
+
+
+DECODE_QUERIES = 16  # attend measures SDPA against attend_grouped for at most this many queries per row
+_decode_choice: dict[tuple, str] = {}  # (shapes with keys rounded up to a power of two, dtype, mask) -> the form
+
+
+def decode_attention(q, k, mask, timer=None) -> str:
+    """Which form runs no-grad CPU attention with few queries at these shapes: "sdpa" or "grouped" (attend_grouped),
+    whichever this machine runs faster, timed once per (q's shape, k's shape with the key count rounded up to a power
+    of two, dtype, mask shape) on random tensors. On the AMD EPYC of the README, bf16 SDPA with a mask at one query
+    was 4-5x slower than the grouped form (3.98 vs 0.76 ms at 16 x 12 heads x 128 keys), fp32 equal; another CPU or
+    torch may differ, hence the measurement. `timer(form) -> seconds` replaces it (tests)."""
+    S = 1 << max(0, k.size(2) - 1).bit_length()
+    mshape = None if mask is None else tuple(mask.shape[:-1])
+    key = (tuple(q.shape), tuple(k.shape[:2]), S, k.size(3), q.dtype, mshape)
+    if key not in _decode_choice:
+        def run(form):
+            qq = torch.randn(q.shape, dtype=q.dtype)
+            kk, vv = (torch.randn(*k.shape[:2], S, k.size(3), dtype=q.dtype) for _ in range(2))
+            m = None if mask is None else torch.ones(*mask.shape[:-1], S, dtype=torch.bool)
+            t0 = time.perf_counter()
+            for _ in range(5):
+                if form == "sdpa":
+                    F.scaled_dot_product_attention(qq, kk, vv, attn_mask=m, enable_gqa=qq.size(1) != kk.size(1))
+                else:
+                    attend_grouped(qq, kk, vv, m)
+            return time.perf_counter() - t0
+
+        _decode_choice[key] = fastest(timer or run, ("sdpa", "grouped"))
+    return _decode_choice[key]
+
+
+def fastest(timer, kinds, rounds: int = 3, gain: float = 1.0) -> str:
+    """The kind with the least median time over `rounds` interleaved calls of timer(kind) -> seconds after one
+    warm-up call each; a kind other than the first must beat the first by `gain` (the first is the default)."""
+    times = {kind: [] for kind in kinds}
+    for kind in kinds:
+        timer(kind)
+    for _ in range(rounds):
+        for kind in kinds:
+            times[kind].append(timer(kind))
+    med = {kind: sorted(ts)[len(ts) // 2] for kind, ts in times.items()}
+    best = min(kinds, key=med.__getitem__)
+    return best if med[best] * gain < med[kinds[0]] else kinds[0]
+
+
+_attention_choice: dict[tuple, str] = {}  # (shapes, dtype, mask, causal) -> "fp32" | "bf16", for this process
+
+
+def attention_precision(q, k, mask, causal, scale, gqa, timer=None) -> str:
+    """The precision of CPU autocast-training attention at q's and k's shapes: forward + backward of SDPA timed once
+    in fp32 and in q's dtype on random tensors of those shapes (warm-up, 3 interleaved runs, median); "bf16" only
+    when it beats fp32 by more than 10%. A compiled graph takes fp32 (no timing while tracing). `timer(kind) ->
+    seconds` replaces the measurement (tests)."""
+    if torch.compiler.is_compiling():
+        return "fp32"
+    key = (tuple(q.shape), tuple(k.shape), q.dtype, None if mask is None else tuple(mask.shape), causal)
+    if key not in _attention_choice:
+        def run(kind):
+            dt = torch.float32 if kind == "fp32" else q.dtype
+            qq, kk, vv = (torch.randn(t.shape, dtype=dt).requires_grad_() for t in (q, k, k))
+            m = None if mask is None else torch.ones(mask.shape, dtype=torch.bool)
+            t0 = time.perf_counter()
+            with torch.autocast("cpu", enabled=False):
+                F.scaled_dot_product_attention(qq, kk, vv, attn_mask=m, is_causal=causal, scale=scale,
+                                               enable_gqa=gqa).sum().backward()
+            return time.perf_counter() - t0
+
+        _attention_choice[key] = fastest(timer or run, ("fp32", "bf16"), gain=1.10)
+    return _attention_choice[key]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -944,196 +1143,6 @@ def linear_report() -> tuple[list[dict], int]:
                  gbps={k: o * i * d.itemsize / s / 1e9 for k, s in t.items()})
             for (d, b, o, i), t in _linear_times.items()]
     return rows, sum(c.numel() * c.element_size() for cs in _weight_copies.values() for _, c in cs.values())
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The vanilla decoder
-
-
-class GPT(nn.Module):
-    """Decoder-only language model.
-
-    forward(idx, targets=None) -> (logits, loss), nanoGPT's convention.
-    Inference is explicit: new_cache(batch, max_len) -> prefill(idx, cache, lengths) -> decode_step(tok, cache),
-    and generate() strings them together.
-    """
-
-    def __init__(self, cfg: GPTConfig):
-        super().__init__()
-        self.config = cfg
-        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.blocks = self.make_blocks(cfg)
-        self.norm = make_norm(cfg)
-        self.lm_head = Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        self.rope = RotaryEmbedding(cfg.rot_dim, cfg.max_seq_len, cfg.rope_theta)
-        init_weights(self, cfg.n_layer)
-        if cfg.tie_embeddings:
-            self.lm_head.weight = self.tok_emb.weight
-
-    def make_blocks(self, cfg) -> nn.ModuleList:
-        """The layer stack (a subclass with other layers -- shared, LoRA, another attention -- overrides this)."""
-        return nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-
-    # -- pieces --------------------------------------------------------------------------------------------------
-
-    def embed(self, idx):  # (B, T) -> (B, T, C)
-        x = self.tok_emb(idx)
-        if self.config.embed_scale:
-            x = x * torch.tensor(self.config.n_embd ** 0.5, dtype=x.dtype)
-        return x
-
-    def head(self, h):  # (B, T, C) -> (B, T, V), final norm included
-        return self.lm_head(self.norm(h))
-
-    def check_length(self, n: int):
-        if n > self.config.max_seq_len:
-            raise ValueError(f"sequence of {n} tokens exceeds max_seq_len={self.config.max_seq_len}")
-
-    # -- training forward ----------------------------------------------------------------------------------------
-
-    def forward(self, idx, targets=None):
-        """idx (B, T) token ids -> logits (B, T, V) and, with targets (B, T), the mean next-token loss."""
-        B, T = idx.shape
-        self.check_length(T)
-        rope = self.rope(torch.arange(T, device=idx.device))
-        x = self.embed(idx)
-        for block in self.blocks:
-            x = block(x, rope)
-        logits = self.head(x)
-        return logits, (lm_loss(logits, targets) if targets is not None else None)
-
-    # -- inference -----------------------------------------------------------------------------------------------
-
-    cache_cls = KVCache  # what new_cache builds; an architecture with another cache names its class here
-    static_cache = False  # set by compile_decode(): new caches are static (fixed shapes for the compiled step)
-
-    def new_cache(self, batch: int, max_len: int | None = None, *args, dtype=None, device=None, static=None,
-                  **kwargs):
-        """The one cache constructor of every architecture: cache_cls(batch, max_len, dtype, device, static, **the
-        cache's own arguments from cache_kwargs(*args, **kwargs)). max_len positions (default max_seq_len), the
-        model's dtype and device by default; static (default: static_cache) attends over all max_len positions at
-        every step (see KVCache); a cache that cannot be static refuses it."""
-        p = self.lm_head.weight
-        max_len = self.config.max_seq_len if max_len is None else max_len
-        self.check_length(max_len)
-        return self.cache_cls(batch=batch, max_len=max_len, dtype=dtype or p.dtype, device=device or p.device,
-                              static=self.static_cache if static is None else static,
-                              **self.cache_kwargs(*args, **kwargs))
-
-    def cache_kwargs(self) -> dict:
-        """What cache_cls takes besides batch, max_len, dtype, device and static: a KVCache's layers and heads."""
-        c = self.config
-        return dict(n_layer=c.n_layer, n_kv_head=c.n_kv_head, head_dim=c.hd)
-
-    def forward_cached(self, idx, cache: KVCache, fresh: bool = False):
-        """Tokens idx (B, T) at positions cache.lengths + (0..T-1) -> final hidden states (B, T, C), before the final
-        norm; K/V written (run_cached). fresh=True: the prefill of an empty cache."""
-        return run_cached(self.blocks, self.rope, self.embed(idx), cache, fresh)
-
-    @torch.no_grad()
-    def prefill(self, idx, cache: KVCache, lengths=None):
-        """Prompts idx (B, T), right-padded, with true lengths (B,) (default T) -> logits (B, V) of each row's last
-        prompt token. The cache must be empty; afterwards cache.lengths == lengths."""
-        B = idx.size(0)
-        lengths = start_prefill(idx, cache, lengths)
-        h = self.forward_cached(idx, cache, fresh=True)  # pads write K/V past each row's length: masked later
-        cache.lengths.copy_(lengths)
-        last = h[torch.arange(B, device=idx.device), lengths - 1]  # (B, C)
-        return self.head(last[:, None])[:, 0]
-
-    @torch.no_grad()
-    def decode_step(self, tok, cache: KVCache):
-        """One new token per row tok (B,) at position cache.lengths -> logits (B, V); lengths advance by one."""
-        h = self.forward_cached(tok[:, None], cache)
-        cache.lengths += 1
-        return self.head(h)[:, 0]
-
-    def compile_decode(self, mode: str | None = None):
-        """torch.compile the decode step (gpt-fast's recipe): from now on new caches are static, so every step has
-        the same shapes and compiles once; mode='reduce-overhead' adds CUDA graphs on a GPU. The prefill stays eager
-        (its shapes change with every prompt). `python bench.py decode --compile` measures what it buys."""
-        self.static_cache = True
-        self.decode_step = torch.compile(self.decode_step, mode=mode, fullgraph=True, dynamic=False)
-        return self
-
-    def generation_cache(self, batch: int, prompt_len: int, max_new_tokens: int, **step_kwargs):
-        """The cache generate() allocates (an architecture whose cache is sized otherwise overrides this)."""
-        return self.new_cache(batch, prompt_len + max_new_tokens)
-
-    @torch.no_grad()
-    def generate(self, idx, max_new_tokens: int, temperature: float = 0.0, top_k=None, generator=None, cache=None,
-                 **step_kwargs):
-        """idx (B, T) -> (B, T + max_new_tokens): prefill, then one decode_step per new token. temperature 0 is
-        greedy (argmax); else sampled with `generator`. The one generate loop of this repository: every architecture
-        names its cache (cache_cls, sized by generation_cache) and overrides prefill and decode_step, and
-        `step_kwargs` reach every decode_step (e.g. recursive.py's exit_threshold, double_decoder.py's rollover).
-        `cache`: a cache to use instead of a new one (e.g. one holding a shared prefix)."""
-        B, T = idx.shape
-        self.check_length(T + max_new_tokens)
-        if max_new_tokens <= 0:
-            return idx
-        if cache is None:
-            cache = self.generation_cache(B, T, max_new_tokens, **step_kwargs)
-        logits = self.prefill(idx, cache)
-        out = [idx]
-        for i in range(max_new_tokens):
-            tok = sample_next(logits, temperature, top_k, generator)
-            out.append(tok[:, None])
-            if i + 1 < max_new_tokens:
-                logits = self.decode_step(tok, cache, **step_kwargs)
-        return torch.cat(out, dim=1)
-
-    # -- accounting ----------------------------------------------------------------------------------------------
-
-    def num_params(self, non_embedding: bool = True) -> int:
-        """Parameter count; non-embedding excludes the token embedding and an untied head (Kaplan et al.)."""
-        return count_params(self, (self.tok_emb, self.lm_head) if non_embedding else ())
-
-    def kv_cache_bytes(self, batch: int, seq_len: int, dtype_bytes: int = 2) -> int:
-        c = self.config
-        return kv_bytes(c.n_layer, batch, seq_len, c.n_kv_head, c.hd, dtype_bytes)
-
-    def flops_per_token(self, seq_len: int, training: bool = True) -> float:
-        """6N + 12 L H D T per trained token (PaLM, Appendix B), N = matmul parameters incl. the head; 1/3 of it for
-        a forward pass alone."""
-        c = self.config
-        n = self.num_params(non_embedding=True) + c.n_embd * c.vocab_size
-        f = 6 * n + 12 * c.n_layer * c.n_head * c.hd * seq_len
-        return f if training else f / 3
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# How train.py and serve.py see an architecture
-
-
-@dataclass
-class ArchSpec:
-    """One row of train.py's architecture table. Every architecture file exposes `ARCH_SPECS = [ArchSpec(...)]`.
-
-    The model class takes its config and provides forward(idx, targets=None, **kw) -> (logits, loss),
-    generate(idx, max_new_tokens, temperature, top_k, generator), num_params(non_embedding), kv_cache_bytes(batch,
-    seq_len) and flops_per_token(seq_len). The config is a dataclass with vocab_size and max_seq_len fields and a
-    from_dict classmethod.
-    """
-
-    name: str
-    config_cls: type
-    model_cls: type
-    presets: dict
-    add_args: Callable | None = None  # (argparse parser) -> None: flags of this architecture
-    config_overrides: Callable | None = None  # (args, tok=None) -> config fields set by the flags (tok: train.py's)
-    convert: Callable | None = None  # (args, vanilla GPT, tok=None) -> model: --init-from a vanilla checkpoint
-    prepare_batch: Callable | None = None  # (x, y, generator, config) -> (x, y, forward kwargs)
-    train_defaults: dict = field(default_factory=dict)  # defaults of train.py flags, e.g. {"max_iters": 200}
-    kd_ok: bool = True  # False when prepare_batch re-lays the inputs out, so teacher logits would not align
-
-    def make_config(self, preset: str, **overrides):
-        if preset not in self.presets:
-            raise ValueError(f"unknown preset {preset!r} for {self.name}; choose one of {sorted(self.presets)}")
-        return self.config_cls(**{**self.presets[preset], **overrides})
-
-
-ARCH_SPECS = [ArchSpec("vanilla", GPTConfig, GPT, PRESETS)]
 
 
 # ----------------------------------------------------------------------------------------------------------------
