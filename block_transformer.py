@@ -57,7 +57,7 @@ Run:
     python bench.py block                                    # throughput vs vanilla at the best batch of a cache
                                                              # budget, both settings at 1/4 length (~5 min, CPU)
     python bench.py block --scale 1 --setting decode-heavy   # the paper's 128/2048 setting (~15 min on 2 cores)
-    python bench.py block --eval out/block/ckpt.pt out/vanilla/ckpt.pt   # val loss on the block model's targets
+    python eval.py block --eval out/block/ckpt.pt out/vanilla/ckpt.pt   # val loss on the block model's targets
     python -m pytest -q tests/test_block_transformer.py
 """
 from __future__ import annotations

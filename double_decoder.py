@@ -97,14 +97,14 @@ Run:
     python double_decoder.py                                  # presets: parameters, KV bytes, FLOPs vs decoder-only
     python train.py --arch double                             # pretrain tiny with random block partitions (~5 min)
     python train.py --arch double --objective prefixlm        # the prefix-LM objective of section 4
-    python bench.py double-eval out/double/ckpt.pt --sample "def " --rollover 16   # generate, folding every 16 tokens
+    python eval.py double-eval out/double/ckpt.pt --sample "def " --rollover 16   # generate, folding every 16 tokens
     python -m pytest -q tests/test_double_decoder.py
   Validation loss vs the decoder-only model of the same non-embedding parameters and tokens (300 steps x 16 x 256;
   tiny = 4 + 2 layers vs model.py's tiny6, 1.18M each; mini = 6 + 3 layers at d 256 vs model.py's mini, 7.08M each),
   own objective and the prefix-LM suffix loss on the same windows and splits (add --ctx-lr 1 for the paper's dynamics):
     python train.py --arch vanilla --preset tiny6 --max-iters 300 --seed 1337 --out-dir out/dd_cmp/vanilla
     python train.py --arch double --max-iters 300 --seed 1337 --out-dir out/dd_cmp/double
-    python bench.py double-eval out/dd_cmp/double/ckpt.pt out/dd_cmp/vanilla/ckpt.pt --batches 50
+    python eval.py double-eval out/dd_cmp/double/ckpt.pt out/dd_cmp/vanilla/ckpt.pt --batches 50
   Serving: TTFT, TTFT after a cached shared prefix, per-token decode latency and KV bytes vs decoder-only of the same
   parameters (random weights; preset small = 8 + 4 layers vs 12), bench.py's interleaved rounds:
     python bench.py double --preset small --threads 1 --dtype float32 --batch 1 --prompt-len 128

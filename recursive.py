@@ -22,7 +22,7 @@ The model, top to bottom:
     every intermediate output, with the same coefficient. All of it is returned as the single loss of forward() in
     training mode; train.py adds its teacher KD on the final logits. `self.metrics` holds the per-loop CE (and KD)
     terms. In eval mode forward() returns the final loop's cross-entropy (train.py's val loss compares across
-    settings); `exit_analysis` (`python bench.py exits`) gives the validation loss of every loop.
+    settings); `exit_analysis` (`python eval.py exits`) gives the validation loss of every loop.
   * Inference (section 2.4): a KV cache with one "layer" per (loop, layer) pair, cache layer l*K + k.
       - `prefill(idx, cache, lengths)` runs all loops over prompts;
       - `loop_step(x, loops, q_pos, cache, rows)` runs ONE pass of the shared block over rows that may sit at
@@ -47,7 +47,7 @@ Run:
     python train.py --arch relaxed --init-from out/vanilla/ckpt.pt --loops 2 --init average --lora-rank 16
     python train.py --arch relaxed --init-from out/relaxed/ckpt.pt --exit-loss aggressive --exit-coef 0.1 \
         --self-distill --out-dir out/relaxed-exit                   # early-exit post-training (Appendix J)
-    python bench.py exits --ckpt out/relaxed-exit/ckpt.pt           # per-loop losses, oracle, threshold curve
+    python eval.py exits --ckpt out/relaxed-exit/ckpt.pt           # per-loop losses, oracle, threshold curve
     python recursive.py --preset tiny                               # parameter counts: vanilla, recursive, relaxed
     python serve.py --ckpt out/relaxed-exit/ckpt.pt                 # depth-wise batching with early exit
     python -m pytest -q tests/test_recursive.py tests/test_svd_lora.py
@@ -692,7 +692,7 @@ ARCH_SPECS = [_spec("recursive", RECURSIVE_PRESETS, False), _spec("relaxed", REL
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Command line: parameter counts (checkpoints are evaluated by `python bench.py exits`, served by serve.py)
+# Command line: parameter counts (checkpoints are evaluated by `python eval.py exits`, served by serve.py)
 
 
 def params_table(args):
