@@ -57,6 +57,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from model import fastest  # the one interleaved-timing rule of the choices made by measurement
+
 try:
     import triton
     import triton.language as tl
@@ -352,14 +354,7 @@ def lora_form(x, A, B, timer=None) -> str:
                 LORA_FORMS[form](xs, As, Bs, ids)
             return time.perf_counter() - t0
 
-        timer = timer or run
-        times = {form: [] for form in LORA_FORMS}
-        for form in times:
-            timer(form)  # warm-up
-        for _ in range(5):
-            for form in times:
-                times[form].append(timer(form))
-        _lora_form[key] = min(times, key=lambda f: sorted(times[f])[2])
+        _lora_form[key] = fastest(timer or run, tuple(LORA_FORMS), rounds=5)
     return _lora_form[key]
 
 
