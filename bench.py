@@ -31,7 +31,6 @@ import os
 import statistics
 import sys
 import time
-import warnings
 from functools import partial
 from types import SimpleNamespace
 
@@ -428,7 +427,7 @@ def bench_serve(args):
     vanilla continuous sequence-wise batching (CSB) and continuous depth-wise batching of the relaxed model of the
     same effective depth (B loops of N/B shared layers), without and with early exit, per dtype and B. Weights are
     random, so exits are SIMULATED: each exit rule's threshold is calibrated so that --exit-rate of the prompt tokens
-    leave at loop 1 (the rate measured on a trained checkpoint by `python eval.py exits`/`bench.py exits`; the output
+    leave at loop 1 (the rate measured on a trained checkpoint by `python eval.py exits`; the output
     says which). The learned gate here has random weights: what is measured is its cost, not its accuracy.
 
     Two throughputs: end to end (all tokens / wall time, the drain of the last requests included) and loaded (tokens
@@ -1053,18 +1052,15 @@ def build_parser():
     return ap
 
 
-# The checkpoint evaluations live in eval.py; their old spellings here run there, with one warning line naming the new
-# command (tests/test_double_decoder.py and double_decoder.py's docstring still call `bench.py double-eval`).
+# The checkpoint evaluations live in eval.py; their old spellings here are one line naming the new command.
 MOVED_TO_EVAL = ("exits", "energy", "double-eval")
 
 
 def run(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] and argv[0] in MOVED_TO_EVAL or argv[:1] == ["block"] and "--eval" in argv:
-        import eval
-
-        warnings.warn(f"`bench.py {argv[0]}` moved to eval.py: python eval.py {' '.join(argv)}")
-        return eval.run(argv)
+        raise UsageError(f"`bench.py {argv[0]}` evaluates a checkpoint, which eval.py does: python eval.py "
+                         f"{' '.join(argv)}")
     return run_subcommand(build_parser(), argv)
 
 

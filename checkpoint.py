@@ -15,10 +15,13 @@ A checkpoint is one torch.save'd dict, read back with weights_only=True (no code
 It is written to a temporary name and renamed, so a crash or a full disk never leaves half a checkpoint and the last
 good one stays. Every problem with a file is a cli.CheckpointError naming it. --init-from and --teacher also take
 hf:DIR, a local Hugging Face checkpoint (hf.py), through load_source_model; --init-from a checkpoint of the same
-architecture keeps its shapes and takes the config fields of the recipe flags typed (init_same_arch).
+architecture keeps its shapes and takes the config fields of the recipe flags typed (init_same_arch). --resume takes
+the run's flags back from the checkpoint and refuses, naming them, flags typed now that contradict it
+(restore_run_args).
 """
 from __future__ import annotations
 
+import argparse
 import importlib
 import math
 import os
@@ -28,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from cli import CheckpointError, UsageError, one_line
-from data import hf_tokenizer_spec, is_hf_source
+from cli import CheckpointError, UsageError, flag_name, one_line
+from data import Tokenizer, hf_tokenizer_spec, is_hf_source
 from hf import from_pretrained
 from model import ArchSpec
 
@@ -211,3 +214,65 @@ def init_same_arch(src, spec: ArchSpec, overrides: dict, seq_len: int, path) -> 
     model = spec.model_cls(spec.config_cls.from_dict(target))
     model.load_state_dict(src.state_dict())
     return model, f"init from {path}: {spec.name} weights; config {config}"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# --resume: the run's flags from its checkpoint
+
+
+# --resume restores every flag of the run from the checkpoint. A flag typed again with the same value is fine; with
+# another value it is an error, except these: the environment (taken as given) and the run length (extended, with a
+# printed note). The checkpoint's own directory is where it is now (--out-dir is never restored).
+RESUME_ENVIRONMENT = {"resume", "out_dir", "device", "dtype", "compile", "cache_dir", "sample_tokens",
+                      "log_interval", "eval_iters"}
+RESUME_LENGTH = {"max_iters", "eval_interval", "lr_decay_iters"}
+
+
+def _same_value(new, old) -> bool:
+    if new == old:
+        return True
+    if isinstance(new, str) and isinstance(old, str) and os.path.exists(new):  # a path written another way
+        return Path(new).resolve() == Path(old).resolve()
+    return False
+
+
+def restore_run_args(ap, args, given, ck, path, table):
+    """--resume: args <- the checkpoint's run arguments, except the flags typed now (checked against them)."""
+    saved = ck.get("args") or {}
+    notes, clash = [], []
+    for dest, old in saved.items():
+        if not hasattr(args, dest) or dest in ("resume", "out_dir"):
+            continue
+        if dest not in given:
+            setattr(args, dest, old)
+        elif not _same_value(given[dest], old):
+            if dest in RESUME_ENVIRONMENT or dest in RESUME_LENGTH:
+                notes.append(f"{flag_name(ap, dest)} {given[dest]} (the run had {old})")
+            else:
+                clash.append(dest)
+    clash = [d for d in clash if not _consistent_with_checkpoint(ap, d, args, saved, ck, table)]
+    if clash:
+        what = ", ".join(f"{flag_name(ap, d)} {given[d]} (the run had {saved[d]})" for d in clash)
+        raise UsageError(f"--resume continues the run in {path} with its own flags; these contradict it: {what}. "
+                         f"Drop them, or start a new run in another --out-dir (--init-from {path} keeps the weights)")
+    return notes
+
+
+def _consistent_with_checkpoint(ap, dest, args, saved, ck, table) -> bool:
+    """A flag the run left at its default (None) may be typed with the value the checkpoint has anyway: the same
+    tokenizer, or config fields (through the arch's config_overrides) equal to the checkpoint's config."""
+    if saved.get(dest) is not None:
+        return False
+    if dest in ("vocab_size", "tokenizer"):
+        return Tokenizer.spec_from_args(args.vocab_size, args.tokenizer) == ck["tokenizer"]
+    if dest not in ap.arch_flags:  # --teacher, --init-from, ...: the run had none
+        return False
+    spec = table.get(ck["arch"])
+    if spec is None or ck["arch"] not in ap.arch_flags[dest] or spec.config_overrides is None:
+        return True  # a flag this architecture never reads: warned about and ignored
+    try:
+        before = spec.config_overrides(argparse.Namespace(**{**vars(args), **saved, "resume": True}))
+        after = spec.config_overrides(argparse.Namespace(**{**vars(args), "resume": True}))
+    except ValueError:
+        return False
+    return all(ck["config"].get(k) == v for k, v in after.items() if before.get(k, object()) != v)

@@ -6,7 +6,8 @@ A mistake the user can fix (a flag, a file, a checkpoint, a batch that cannot fi
 `error: ...` on stderr naming the flag, value or file, and exit code 2; a run stopped by Ctrl-C or SIGTERM is one line
 `stopped: ...` and exit code 130; warnings are one line `warning: ...` each. Anything else is a bug and keeps its
 traceback. The pieces live here, not in train.py, so that the architecture files (which never import train.py) can
-route their own command lines through them; train.py re-exports every name.
+route their own command lines through them. The checks made before a run's first step live here too: a directory
+that must be writable (check_writable_dir) and the disk space a checkpoint needs (check_disk_space).
 """
 from __future__ import annotations
 
@@ -14,10 +15,13 @@ import argparse
 import contextlib
 import math
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -173,6 +177,37 @@ def available_memory(device) -> tuple[int | None, str]:
         except OSError:
             pass
     return None, ""
+
+
+def flag_name(ap, dest) -> str:
+    return next((a.option_strings[0] for a in ap._actions if a.dest == dest and a.option_strings),
+                "--" + dest.replace("_", "-"))
+
+
+def check_writable_dir(path: Path, flag: str):
+    """--out-dir / --cache-dir: create the directory now and write a probe file in it, so that a file in the way or a
+    read-only file system is one line before any work, not a traceback after the training steps."""
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{flag} {path} is a file, not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".write-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise UsageError(f"{flag} {path} is not a writable directory ({e.strerror or e})") from None
+
+
+def check_disk_space(model, path: Path):
+    """A checkpoint holds the weights (and buffers) of the state dict plus AdamW's two moments per trainable
+    parameter; it is written next to the last good one (then renamed), so that many bytes must be free in path before
+    the first step, not found missing at the first evaluation."""
+    need = sum(t.numel() * t.element_size() for t in model.state_dict().values()) + \
+        2 * sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    free = shutil.disk_usage(path).free
+    if free < need:
+        raise UsageError(f"--out-dir {path} has {free / 1e6:,.1f} MB free, but a checkpoint of this model needs about "
+                         f"{need / 1e6:,.1f} MB (weights + AdamW moments): free space or give another --out-dir")
 
 
 def one_line(msg) -> str:

@@ -3,8 +3,9 @@ train.py -- pretraining and uptraining for every architecture of this repository
 
 One script, read top to bottom: the training loop first (AdamW with warmup + cosine, knowledge distillation, an
 evaluation and a checkpoint every --eval-interval steps, single process or DDP under torchrun), then what it calls:
-flags, resume, model building, the memory estimate. The tokenizer, the corpus and the batches are data.py; the
-architecture table and checkpoint files are checkpoint.py; the error contract is cli.py.
+flags, model building, the memory estimate. The tokenizer, the corpus and the batches are data.py; the
+architecture table, checkpoint files and --resume's flag reconciliation are checkpoint.py; the error contract and
+the checks made before the first step (directories, disk space) are cli.py.
 
 Runs (each finishes in about 5 minutes on 2 CPU cores with the defaults):
     python train.py --arch vanilla                                  # the baseline, on the offline default corpus
@@ -55,8 +56,6 @@ import json
 import math
 import os
 import sys
-import shutil
-import tempfile
 import time
 import warnings
 from dataclasses import asdict, dataclass
@@ -67,10 +66,10 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import tasks
-from cli import (DTYPES, ArgumentParser, CheckpointError, Stopped, UsageError, available_memory, check_device, number,
-                 run_cli, stop_signals, user_input)
+from cli import (DTYPES, ArgumentParser, CheckpointError, Stopped, UsageError, available_memory, check_device,
+                 check_disk_space, check_writable_dir, flag_name, number, run_cli, stop_signals, user_input)
 from checkpoint import (CKPT_FORMAT, arch_table, check_resumable, init_same_arch, load_checkpoint, load_source_model,
-                        load_source_tokenizer, model_from_checkpoint, save_checkpoint)
+                        load_source_tokenizer, model_from_checkpoint, restore_run_args, save_checkpoint)
 from data import TokenData, Tokenizer, padded_vocab, prepare_corpus, step_generator
 from model import ArchSpec, distill_loss, lm_loss, peak_flops, pick_device, pick_dtype
 
@@ -519,11 +518,6 @@ def build_parser(table) -> ArgumentParser:
     return ap
 
 
-def flag_name(ap, dest) -> str:
-    return next((a.option_strings[0] for a in ap._actions if a.dest == dest and a.option_strings),
-                "--" + dest.replace("_", "-"))
-
-
 def given_flags(table, argv) -> dict:
     """The flags typed on the command line: argv parsed again with every default suppressed -> {dest: value}."""
     ap = build_parser(table)
@@ -543,64 +537,6 @@ def warn_inapplicable(ap, args, given):
         warnings.warn(f"flags that do not apply to --arch {args.arch} are ignored: {what}", stacklevel=2)
 
 
-# --resume restores every flag of the run from the checkpoint. A flag typed again with the same value is fine; with
-# another value it is an error, except these: the environment (taken as given) and the run length (extended, with a
-# printed note). The checkpoint's own directory is where it is now (--out-dir is never restored).
-RESUME_ENVIRONMENT = {"resume", "out_dir", "device", "dtype", "compile", "cache_dir", "sample_tokens",
-                      "log_interval", "eval_iters"}
-RESUME_LENGTH = {"max_iters", "eval_interval", "lr_decay_iters"}
-
-
-def _same_value(new, old) -> bool:
-    if new == old:
-        return True
-    if isinstance(new, str) and isinstance(old, str) and os.path.exists(new):  # a path written another way
-        return Path(new).resolve() == Path(old).resolve()
-    return False
-
-
-def restore_run_args(ap, args, given, ck, path, table):
-    """--resume: args <- the checkpoint's run arguments, except the flags typed now (checked against them)."""
-    saved = ck.get("args") or {}
-    notes, clash = [], []
-    for dest, old in saved.items():
-        if not hasattr(args, dest) or dest in ("resume", "out_dir"):
-            continue
-        if dest not in given:
-            setattr(args, dest, old)
-        elif not _same_value(given[dest], old):
-            if dest in RESUME_ENVIRONMENT or dest in RESUME_LENGTH:
-                notes.append(f"{flag_name(ap, dest)} {given[dest]} (the run had {old})")
-            else:
-                clash.append(dest)
-    clash = [d for d in clash if not _consistent_with_checkpoint(ap, d, args, saved, ck, table)]
-    if clash:
-        what = ", ".join(f"{flag_name(ap, d)} {given[d]} (the run had {saved[d]})" for d in clash)
-        raise UsageError(f"--resume continues the run in {path} with its own flags; these contradict it: {what}. "
-                         f"Drop them, or start a new run in another --out-dir (--init-from {path} keeps the weights)")
-    return notes
-
-
-def _consistent_with_checkpoint(ap, dest, args, saved, ck, table) -> bool:
-    """A flag the run left at its default (None) may be typed with the value the checkpoint has anyway: the same
-    tokenizer, or config fields (through the arch's config_overrides) equal to the checkpoint's config."""
-    if saved.get(dest) is not None:
-        return False
-    if dest in ("vocab_size", "tokenizer"):
-        return Tokenizer.spec_from_args(args.vocab_size, args.tokenizer) == ck["tokenizer"]
-    if dest not in ap.arch_flags:  # --teacher, --init-from, ...: the run had none
-        return False
-    spec = table.get(ck["arch"])
-    if spec is None or ck["arch"] not in ap.arch_flags[dest] or spec.config_overrides is None:
-        return True  # a flag this architecture never reads: warned about and ignored
-    try:
-        before = spec.config_overrides(argparse.Namespace(**{**vars(args), **saved, "resume": True}))
-        after = spec.config_overrides(argparse.Namespace(**{**vars(args), "resume": True}))
-    except ValueError:
-        return False
-    return all(ck["config"].get(k) == v for k, v in after.items() if before.get(k, object()) != v)
-
-
 def resolve_defaults(args, spec):
     for k, v in spec.train_defaults.items():
         if getattr(args, k) is None:
@@ -617,32 +553,6 @@ def resolve_defaults(args, spec):
         raise UsageError("--kd needs --teacher")
     if args.teacher and args.kd == "none":
         args.kd = "fkl"
-
-
-def check_writable_dir(path: Path, flag: str):
-    """--out-dir / --cache-dir: create the directory now and write a probe file in it, so that a file in the way or a
-    read-only file system is one line before any work, not a traceback after the training steps."""
-    if path.exists() and not path.is_dir():
-        raise UsageError(f"{flag} {path} is a file, not a directory")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=path, prefix=".write-probe-")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        raise UsageError(f"{flag} {path} is not a writable directory ({e.strerror or e})") from None
-
-
-def check_disk_space(model, path: Path):
-    """A checkpoint holds the weights (and buffers) of the state dict plus AdamW's two moments per trainable
-    parameter; it is written next to the last good one (then renamed), so that many bytes must be free in path before
-    the first step, not found missing at the first evaluation."""
-    need = sum(t.numel() * t.element_size() for t in model.state_dict().values()) + \
-        2 * sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    free = shutil.disk_usage(path).free
-    if free < need:
-        raise UsageError(f"--out-dir {path} has {free / 1e6:,.1f} MB free, but a checkpoint of this model needs about "
-                         f"{need / 1e6:,.1f} MB (weights + AdamW moments): free space or give another --out-dir")
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -177,18 +177,17 @@ def test_eval_mistakes_are_one_line_and_exit_code_2(ckpts, capsys, argv, match):
     _one_error_line(capsys, eval.main, [a.format(d=d) for a in argv], match.format(d=d))
 
 
-def test_moved_bench_commands_run_in_eval_with_one_warning(ckpts, capsys):
-    """`bench.py exits|energy|double-eval|block --eval` (the old spellings) run eval.py's command: one warning line
-    naming it, then eval.py's own error line (and exit code 2) for a missing checkpoint."""
+def test_moved_bench_commands_name_their_eval_command(ckpts, capsys):
+    """`bench.py exits|energy|double-eval|block --eval` (the old spellings): one error line giving the eval.py command
+    to type instead, exit code 2, nothing run."""
     d = str(ckpts)
     for argv in (["exits", "--ckpt", f"{d}/missing.pt"], ["energy", "--ckpt", f"{d}/missing.pt"],
                  ["double-eval", f"{d}/missing.pt"], ["block", "--eval", f"{d}/missing.pt"]):
         with pytest.raises(SystemExit) as e:
             bench.main(argv)
         err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-        assert e.value.code == 2 and len(err) == 2, err
-        assert err[0] == f"warning: `bench.py {argv[0]}` moved to eval.py: python eval.py {' '.join(argv)}"
-        assert err[1] == f"error: checkpoint {d}/missing.pt does not exist"
+        assert e.value.code == 2 and err == [f"error: `bench.py {argv[0]}` evaluates a checkpoint, which eval.py "
+                                             f"does: python eval.py {' '.join(argv)}"], err
 
 
 def test_eval_command_itself(ckpts):

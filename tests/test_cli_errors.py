@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import checkpoint
+import cli
 import data
 import hf
 import plt
@@ -280,7 +281,7 @@ def test_out_dir_and_cache_dir_are_checked_before_any_work(files, capsys, tmp_pa
     monkeypatch.undo()
     # as root a chmod does not make a directory read-only: the probe file's creation is refused instead
     denied = lambda **kw: (_ for _ in ()).throw(PermissionError(13, "Permission denied"))  # noqa: E731
-    monkeypatch.setattr(train.tempfile, "mkstemp", denied)
+    monkeypatch.setattr(cli.tempfile, "mkstemp", denied)
     _one_error_line(capsys, train.main, _train_args(files, "--out-dir", str(tmp_path / "ro")),
                     f"--out-dir {tmp_path / 'ro'} is not a writable directory (Permission denied)")
 
@@ -295,7 +296,7 @@ def test_directories_named_like_shards_are_searched_not_opened(tmp_path):
 def test_disk_space_for_a_checkpoint_is_checked_before_the_first_step(files, capsys, tmp_path, monkeypatch):
     steps = []
     monkeypatch.setattr(train, "make_optimizer", lambda *a: steps.append(a))
-    monkeypatch.setattr(train.shutil, "disk_usage", lambda p: type("Usage", (), {"free": 1_000_000})())
+    monkeypatch.setattr(cli.shutil, "disk_usage", lambda p: type("Usage", (), {"free": 1_000_000})())
     # the tiny preset at 512 + 1 tokens: ~0.8M non-embedding + 2 x 576 x 128 embedding parameters, x 3 (weights and
     # two AdamW moments) x 4 bytes = about 11 MB
     _one_error_line(capsys, train.main, _train_args(files, "--out-dir", str(tmp_path / "o")),

@@ -585,12 +585,12 @@ def test_train_runs_both_objectives_and_evaluates(tmp_path, capsys):
         assert (model.config.ctx_layers, model.config.gen_layers, model.config.n_layer) == (2, 1, 3)
         cks.append(str(out_dir / "ckpt.pt"))
     capsys.readouterr()
-    import bench
+    import eval
 
     # same windows and splits for both; the second line is paired against the first
-    bench.main(["double-eval", *cks, "--batches", "2", "--batch-size", "2", "--device", "cpu", "--seed", "0"])
+    eval.main(["double-eval", *cks, "--batches", "2", "--batch-size", "2", "--device", "cpu", "--seed", "0"])
     lines = [ln for ln in capsys.readouterr().out.splitlines() if "prefix-LM suffix loss" in ln]
     assert len(lines) == 2 and all("nan" not in ln for ln in lines) and "minus the first" in lines[1]
-    bench.main(["double-eval", cks[0], "--sample", "def ", "--new-tokens", "6", "--rollover", "2", "--device", "cpu"])
+    eval.main(["double-eval", cks[0], "--sample", "def ", "--new-tokens", "6", "--rollover", "2", "--device", "cpu"])
     out = capsys.readouterr().out
     assert out.startswith("== double") and "def " in out

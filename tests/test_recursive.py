@@ -440,10 +440,10 @@ def test_train_converts_and_uptrains_relaxed(corpus, capsys):
     model = train.model_from_checkpoint(ck)
     torch.testing.assert_close(model.exit_gate.weight, ck["model"]["exit_gate.weight"])
     assert isinstance(model, RecursiveGPT) and isinstance(model.blocks[0].attn.q_proj, LoRALinear)
-    # `python bench.py exits` reads it back: per-loop losses, the oracle and the threshold curve on validation text
-    import bench
+    # `python eval.py exits` reads it back: per-loop losses, the oracle and the threshold curve on validation text
+    import eval
 
-    bench.main(["exits", "--ckpt", str(d / "relaxed" / "ckpt.pt"), "--device", "cpu", "--batches", "1",
+    eval.main(["exits", "--ckpt", str(d / "relaxed" / "ckpt.pt"), "--device", "cpu", "--batches", "1",
                 "--batch-size", "2", "--seq-len", "32", "--thresholds", "0.5,1"])
     out = capsys.readouterr().out
     assert "62 validation tokens" in out and "oracle exit" in out and "loop 2: loss" in out
