@@ -496,8 +496,53 @@ def bench_serve(args):
                       f"{loops:.2f}  end-to-end {spread([r['tok_per_s'] for r in rs], fmt='.0f')} tok/s "
                       f"{spread(e2e, fmt='.2f')}x  loaded {spread([r['loaded_tok_per_s'] for r in rs], fmt='.0f')} "
                       f"tok/s {spread(loaded, fmt='.2f')}x  {ceiling}")
+            for name, srv in servers.items():
+                if args.profile and name != "vanilla CSB":
+                    shares = step_shares(srv, reqs)
+                    machinery = shares["exit score"] + shares["state propagation"]
+                    print(f"   profile of {name}: " + ", ".join(f"{k} {v:.1%}" for k, v in shares.items())
+                          + (f" | exit machinery (score + propagation) {machinery:.1%} of a step (issue 20's target: "
+                             f"<= 10%)" if srv.threshold is not None else ""))
     print("   paper (Table K.2/K.4, simulated on an A100 from oracle exits, blocks only): depth-wise + early exit "
           "1.4-1.9x continuous sequence-wise batching; measured batched early exit on GPUs (Miao et al. 2024): <= 1.25x")
+
+# --profile: where a depth-wise step's time goes. The parts of RecursiveGPT.exit_pass (and the server's sampler) are
+# timed from outside, on the instances, for one more run after the timed rounds; shares are of the decode steps' time.
+STEP_PARTS = (("loop_step", "shared block"), ("exit_score", "exit score"), ("propagate", "state propagation"),
+              ("exit_logits", "head on leaving rows"), ("sample", "sampling"))
+
+
+def step_shares(srv, reqs) -> dict[str, float]:
+    """Run srv once with its step's parts timed -> {part: share of the step time} (outermost calls only; host-side
+    wall time, the CPU runs every op synchronously)."""
+    spent = dict.fromkeys([label for _, label in STEP_PARTS], 0.0)
+    depth = [0]
+
+    def timed(fn, label):
+        def run(*a, **k):
+            depth[0] += 1
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                depth[0] -= 1
+                if depth[0] == 0:
+                    spent[label] += time.perf_counter() - t
+        return run
+
+    owners = {"sample": srv}
+    for name, label in STEP_PARTS:
+        owner = owners.get(name, srv.model)
+        setattr(owner, name, timed(getattr(owner, name), label))
+    try:
+        srv.run(reqs, clock="step")
+    finally:
+        for name, _ in STEP_PARTS:
+            delattr(owners.get(name, srv.model), name)
+    shares = {label: t / srv.step_time for label, t in spent.items()}
+    shares["the rest (state updates, bookkeeping)"] = 1 - sum(shares.values())
+    return shares
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # Block Transformer vs vanilla: throughput at the largest batch a memory budget allows (paper 002, section 3.2)
@@ -1012,6 +1057,9 @@ def build_parser():
     p.add_argument("--exit-rate", type=number(float, above=0, max=1), default=0.5,
                    help="share of tokens exiting at loop 1 to simulate, in (0, 1]")
     p.add_argument("--exit-source", default="--exit-rate as given", help="where the exit rate was measured")
+    p.add_argument("--profile", action="store_true", help="after the timed rounds, one more run of each depth-wise "
+                   "server with the parts of its step timed: the share of the shared block, the exit score, state "
+                   "propagation, the head, sampling and the rest")
     p.set_defaults(fn=bench_serve)
 
     p = sub.add_parser("block", help="Block Transformer vs vanilla: throughput at the largest batch of a memory "

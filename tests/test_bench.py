@@ -57,6 +57,38 @@ def test_plt_double_and_serve_sections_run(capsys):
     assert "== serving B=3: skipped, the 4 layers" in out  # tiny's 4 layers do not split into 3 loops
 
 
+def test_serve_profile_times_the_parts_of_a_step_and_leaves_the_model_as_it_was(capsys):
+    """`bench.py serve --profile`: each depth-wise server's step split into its parts; the shares add up to the step,
+    a server without exits spends nothing on the exit score or propagation, one with exits does, and the timers are
+    removed afterwards (the same tokens as a run without them)."""
+    import serve
+    from model import GPT, GPTConfig
+    from recursive import from_vanilla
+
+    torch.manual_seed(0)
+    van = GPT(GPTConfig.from_preset("tiny", vocab_size=64, max_seq_len=32))
+    rel = from_vanilla(van, n_loops=2, init="average", log=lambda *_: None, exit_gate=True).eval()
+    with torch.no_grad():
+        rel.exit_gate.weight.normal_(0, 1.0)
+    reqs = serve.synthetic_requests(6, 64, "6", "6", seed=0)
+    thr = serve.calibrate_threshold(rel, reqs, exit_rate=0.5, rule="gate")
+    for threshold in (None, thr):
+        srv = serve.DepthWiseServer(rel, 3, threshold, "gate")
+        before = [r.output for r in srv.run(reqs, clock="step")]
+        shares = bench.step_shares(srv, reqs)
+        assert abs(sum(shares.values()) - 1) < 1e-9 and shares["shared block"] > 0 and shares["sampling"] > 0
+        machinery = shares["exit score"] + shares["state propagation"]
+        assert (machinery == 0) if threshold is None else (shares["exit score"] > 0 and shares["state propagation"] > 0)
+        assert not {"loop_step", "exit_score", "propagate", "exit_logits"} & set(vars(rel)) and "sample" not in vars(srv)
+        assert [r.output for r in srv.run(reqs, clock="step")] == before
+    bench.main(["serve", "--device", "cpu", "--preset", "tiny", "--repeats", "1", "--dtype", "float32", "--loops", "2",
+                "--requests", "4", "--prompt-len", "4", "--gen-len", "4", "--slots", "2", "--lora-rank", "0",
+                "--rules", "gate", "--exit-rate", "0.5", "--profile"])
+    out = capsys.readouterr().out
+    assert "profile of depth-wise, no exit: shared block" in out
+    assert "profile of depth-wise + exit (gate): shared block" in out and "exit machinery (score + propagation)" in out
+
+
 def test_double_bench_reports_ttft_prefix_per_token_and_kv(capsys):
     """The double decoder's serving numbers at a toy size, with and without rollover: 2 + 1 layers -> KV bytes 1/3."""
     common = ["double", "--device", "cpu", "--preset", "tiny", "--repeats", "1", "--dtype", "float32", "--batch", "1",
