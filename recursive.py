@@ -395,24 +395,36 @@ class RecursiveGPT(GPT):
     def propagate(self, h, from_loop, q_pos, cache: KVCache, rows=None):
         """State propagation for exited tokens (CALM): fill every deeper cache layer (l' > from_loop, k) with K/V
         projected from the exit hidden state h (b, T, C) through layer k's attn_norm and k/v projections, with loop
-        l''s LoRA. from_loop: an int or a LongTensor (b,); q_pos (b, T); rows (b,) cache rows (default all)."""
+        l''s LoRA. from_loop: an int or a LongTensor (b,); q_pos (b, T); rows (b,) cache rows (default all).
+
+        Where layer k's K/V projections carry no LoRA (the recursive model; a relaxed one without K/V ranks) the K/V
+        of h are the same at every loop: they are projected once for all the rows and written to each layer a row
+        skips (with B = 3 loops half the projections of projecting per loop; the result is the same)."""
         cfg = self.config
         K = cfg.n_shared
         rows = cache.all_rows if rows is None else rows
+        if not isinstance(from_loop, torch.Tensor):
+            from_loop = torch.full((h.size(0),), from_loop, device=h.device)
+        deeper = {}  # loop l' -> the rows that skipped it (None = all rows)
         for lp in range(1, cfg.n_loops):
-            if isinstance(from_loop, torch.Tensor):
-                sel = (from_loop < lp).nonzero().squeeze(1)
-                if sel.numel() == 0:
-                    continue
-                hh, rr, pos = h[sel], rows[sel], q_pos[sel]
-            elif from_loop < lp:
-                hh, rr, pos = h, rows, q_pos
-            else:
-                continue
-            rope = self.rope(pos)
-            for k, block in enumerate(self.blocks):
-                kk, vv = block.attn.project_kv(block.attn_norm(hh), rope, lora_idx=lp)
-                cache.layer(lp * K + k, rr).write(pos, kk, vv)
+            sel = (from_loop < lp).nonzero().squeeze(1)
+            if sel.numel():
+                deeper[lp] = None if sel.numel() == h.size(0) else sel
+        if not deeper:
+            return
+        rope = self.rope(q_pos)  # cos, sin (b, 1, T, rot)
+        pick = lambda t, sel: t if sel is None else t[sel]  # noqa: E731
+        for k, block in enumerate(self.blocks):
+            xn = block.attn_norm(h)
+            once = not any(isinstance(p, LoRALinear) for p in (block.attn.k_proj, block.attn.v_proj))
+            if once:
+                kk, vv = block.attn.project_kv(xn, rope)
+            for lp, sel in deeper.items():
+                if once:
+                    ks, vs = pick(kk, sel), pick(vv, sel)
+                else:
+                    ks, vs = block.attn.project_kv(pick(xn, sel), tuple(pick(t, sel) for t in rope), lora_idx=lp)
+                cache.layer(lp * K + k, pick(rows, sel)).write(pick(q_pos, sel), ks, vs)
 
     @torch.no_grad()
     def decode_step(self, tok, cache: RecursiveCache, exit_threshold: float | None = None, return_exits=False,

@@ -201,6 +201,39 @@ def test_per_row_loops_equal_running_each_loop_separately():
         assert not torch.equal(c_a.k, cache.k)
 
 
+@pytest.mark.parametrize("r", [0, 4])
+def test_state_propagation_writes_each_skipped_layers_kv(r):
+    """propagate: for every row, every loop l' it skips and every shared layer k, cache layer l' * K + k holds layer
+    k's K/V of the exit state (attn_norm, k/v projections, loop l''s LoRA) at the row's position; the layers of the
+    loops it ran are untouched. r = 0 is the recursive model, whose K/V are projected once for all loops."""
+    m = relaxed_model("neox", r=r) if r else from_vanilla(vanilla("neox"), n_loops=3, init="average", **quiet).eval()
+    assert any(isinstance(b.attn.k_proj, LoRALinear) for b in m.blocks) == (r > 0)
+    K, L = m.config.n_shared, m.config.n_loops
+    torch.manual_seed(2)
+    cache = m.new_cache(4, 12)
+    m.prefill(torch.randint(0, 96, (4, 6)), cache, torch.tensor([6, 2, 5, 3]))
+    h = torch.randn(4, 1, 32)
+    q_pos = cache.lengths[:, None].clone()
+    for frm in (torch.tensor([0, 1, 0, 1]), 0):
+        c = clone_cache(cache)
+        with torch.no_grad():
+            m.propagate(h, frm, q_pos, c)
+            for row in range(4):
+                f = int(frm[row]) if isinstance(frm, torch.Tensor) else frm
+                p = int(q_pos[row])
+                for lp in range(L):
+                    for k, block in enumerate(m.blocks):
+                        layer = lp * K + k
+                        got_k, got_v = c.k[layer, row, :, p], c.v[layer, row, :, p]  # (H_kv, D)
+                        if lp <= f:  # a loop the row ran: what the prefill left there
+                            assert torch.equal(got_k, cache.k[layer, row, :, p])
+                            continue
+                        kk, vv = block.attn.project_kv(block.attn_norm(h[row:row + 1]), m.rope(q_pos[row:row + 1]),
+                                                       lora_idx=lp)
+                        torch.testing.assert_close(got_k, kk[0, :, 0], rtol=1e-5, atol=1e-6)
+                        torch.testing.assert_close(got_v, vv[0, :, 0], rtol=1e-5, atol=1e-6)
+
+
 def test_cached_generation_equals_full_forward_and_no_exit_threshold():
     m = relaxed_model("llama")
     idx = torch.randint(0, 96, (3, 6))
