@@ -18,6 +18,7 @@ Run:
     python bench.py train --nanogpt DIR          # training tok/s vs nanoGPT's model.py (a checkout you provide)
     python bench.py archs                        # all six architectures side by side (tiny presets)
     python bench.py double --rollover 16         # double decoder vs decoder-only: TTFT, cached prefix, per token, KV
+    python bench.py serve --exit-rate 0.633 --profile   # depth-wise + exit vs continuous batching; a step's parts
     python bench.py kernels                      # (CUDA) every Triton kernel vs its reference and stock PyTorch
 
 What a trained checkpoint does on validation text (early exits, SVD residual energy, double-eval, block --eval) is
