@@ -325,3 +325,16 @@ def test_serve_command_with_a_directory(tmp_path):
     err = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 2 and err == [f"error: --requests-file {tmp_path} is a directory, not a JSONL file"], \
         r.stderr
+
+
+def test_demo_without_checkpoint_says_random_weights_and_when_the_model_is_too_small(capsys, monkeypatch):
+    """`python serve.py` alone: the table is labelled RANDOM WEIGHTS / SIMULATED exits, and at the tiny preset it
+    names the command where the depth-wise bargain can show; above the size limit that line is not printed."""
+    serve.main(["--warmup", "0", "--requests", "2", "--lora-rank", "0", "--dtype", "float32", "--gen-len", "2"])
+    out = capsys.readouterr().out
+    assert "RANDOM WEIGHTS (no --ckpt)" in out and "exits SIMULATED" in out
+    assert "SMALL MODEL (" in out and "python serve.py --preset base --lora-rank 0" in out
+    monkeypatch.setattr(serve, "SMALL_MODEL_PARAMS", 0)
+    serve.main(["--warmup", "0", "--requests", "2", "--lora-rank", "0", "--dtype", "float32", "--gen-len", "2"])
+    out = capsys.readouterr().out
+    assert "RANDOM WEIGHTS (no --ckpt)" in out and "SMALL MODEL" not in out
