@@ -514,10 +514,11 @@ STEP_PARTS = (("loop_step", "shared block"), ("exit_score", "exit score"), ("pro
 
 
 def step_shares(srv, reqs) -> dict[str, float]:
-    """Run srv once with its step's parts timed -> {part: share of the step time} (outermost calls only; host-side
-    wall time, the CPU runs every op synchronously)."""
+    """Run srv once with its step's parts timed -> {part: share of the decode steps' time}. Only calls made inside
+    srv.step count (admission also samples, outside the steps), and a part called by another part is not counted
+    again; host-side wall time, the CPU runs every op synchronously. The instances are left as they were."""
     spent = dict.fromkeys([label for _, label in STEP_PARTS], 0.0)
-    depth = [0]
+    depth = [0]  # 1 inside srv.step, 2 inside one of its parts
 
     def timed(fn, label):
         def run(*a, **k):
@@ -526,20 +527,24 @@ def step_shares(srv, reqs) -> dict[str, float]:
             try:
                 return fn(*a, **k)
             finally:
-                depth[0] -= 1
-                if depth[0] == 0:
+                if depth[0] == 2 and label is not None:
                     spent[label] += time.perf_counter() - t
+                depth[0] -= 1
         return run
 
-    owners = {"sample": srv}
-    for name, label in STEP_PARTS:
-        owner = owners.get(name, srv.model)
+    targets = [(srv, "step", None)] + [(srv if name == "sample" else srv.model, name, label)
+                                       for name, label in STEP_PARTS]
+    before = [(owner, name, owner.__dict__.get(name)) for owner, name, _ in targets]
+    for owner, name, label in targets:
         setattr(owner, name, timed(getattr(owner, name), label))
     try:
         srv.run(reqs, clock="step")
     finally:
-        for name, _ in STEP_PARTS:
-            delattr(owners.get(name, srv.model), name)
+        for owner, name, old in before:
+            if old is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, old)
     shares = {label: t / srv.step_time for label, t in spent.items()}
     shares["the rest (state updates, bookkeeping)"] = 1 - sum(shares.values())
     return shares

@@ -79,7 +79,8 @@ def test_serve_profile_times_the_parts_of_a_step_and_leaves_the_model_as_it_was(
         assert abs(sum(shares.values()) - 1) < 1e-9 and shares["shared block"] > 0 and shares["sampling"] > 0
         machinery = shares["exit score"] + shares["state propagation"]
         assert (machinery == 0) if threshold is None else (shares["exit score"] > 0 and shares["state propagation"] > 0)
-        assert not {"loop_step", "exit_score", "propagate", "exit_logits"} & set(vars(rel)) and "sample" not in vars(srv)
+        assert not {"loop_step", "exit_score", "propagate", "exit_logits"} & set(vars(rel))
+        assert not {"sample", "step"} & set(vars(srv))
         assert [r.output for r in srv.run(reqs, clock="step")] == before
     bench.main(["serve", "--device", "cpu", "--preset", "tiny", "--repeats", "1", "--dtype", "float32", "--loops", "2",
                 "--requests", "4", "--prompt-len", "4", "--gen-len", "4", "--slots", "2", "--lora-rank", "0",
@@ -87,6 +88,42 @@ def test_serve_profile_times_the_parts_of_a_step_and_leaves_the_model_as_it_was(
     out = capsys.readouterr().out
     assert "profile of depth-wise, no exit: shared block" in out
     assert "profile of depth-wise + exit (gate): shared block" in out and "exit machinery (score + propagation)" in out
+
+
+def test_serve_profile_counts_only_the_decode_steps_and_restores_instance_attributes():
+    """The admission's sampling (after each prefill) is not part of a decode step, so it is not in the step's shares:
+    with a sampler that takes 20 ms a call, the sampling share is the calls made inside steps x 20 ms. Methods
+    already replaced on the instances (here: the slow sampler, a counting step) are put back afterwards."""
+    import time
+
+    import serve
+    from model import GPT, GPTConfig
+    from recursive import from_vanilla
+
+    torch.manual_seed(0)
+    rel = from_vanilla(GPT(GPTConfig.from_preset("tiny", vocab_size=64, max_seq_len=32)), n_loops=2,
+                       init="average", log=lambda *_: None).eval()
+    srv = serve.DepthWiseServer(rel, 2)
+    calls, inside = {"in": 0, "out": 0}, [False]
+
+    def slow_sample(logits, reqs):
+        calls["in" if inside[0] else "out"] += 1
+        time.sleep(0.02)
+        return serve.DepthWiseServer.sample(srv, logits, reqs)
+
+    def counting_step():
+        inside[0] = True
+        try:
+            return serve.DepthWiseServer.step(srv)
+        finally:
+            inside[0] = False
+
+    srv.sample, srv.step = slow_sample, counting_step
+    shares = bench.step_shares(srv, serve.synthetic_requests(4, 64, "4", "3", seed=0))
+    assert calls["out"] > 0 and calls["in"] > 0  # admissions sampled too
+    sampled = shares["sampling"] * srv.step_time
+    assert calls["in"] * 0.02 <= sampled < (calls["in"] + 0.5) * 0.02, (sampled, calls)
+    assert srv.sample is slow_sample and srv.step is counting_step
 
 
 def test_double_bench_reports_ttft_prefix_per_token_and_kv(capsys):
