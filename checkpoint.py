@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 
 from cli import CheckpointError, UsageError, flag_name, one_line
-from data import Tokenizer, hf_tokenizer_spec, is_hf_source
-from hf import from_pretrained
+from data import Tokenizer, hf_tokenizer_spec, is_gguf_source, is_hf_source
+from hf import from_gguf, from_pretrained, gguf_tokenizer_spec
 from model import ArchSpec
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -146,10 +146,14 @@ def model_from_checkpoint(ck: dict, table=None):
 
 
 def load_source_model(src: str, table=None):
-    """--init-from / --teacher: a train.py checkpoint, or hf:DIR (a local Hugging Face checkpoint).
+    """--init-from / --teacher: a train.py checkpoint, hf:DIR (a local Hugging Face checkpoint) or gguf:PATH (a GGUF
+    file, or the short name of a packaged one).
 
     -> (model, arch name, tokenizer spec)
     """
+    if is_gguf_source(src):  # dequantized to fp32
+        model = from_gguf(src)
+        return model, "vanilla", model.tokenizer_spec
     if is_hf_source(src):  # a plain model.GPT (fp32, CPU); conversions start from it like from a vanilla checkpoint
         model = from_pretrained(src[3:] if src.startswith("hf:") else src)
         return model, "vanilla", model.tokenizer_spec
@@ -158,7 +162,10 @@ def load_source_model(src: str, table=None):
 
 
 def load_source_tokenizer(src):
-    """The tokenizer spec of --init-from: a Hugging Face checkpoint's tokenizer.json, or a checkpoint's own spec."""
+    """The tokenizer spec of --init-from: a Hugging Face checkpoint's tokenizer.json, a GGUF file's vocabulary, or a
+    checkpoint's own spec."""
+    if is_gguf_source(src):
+        return gguf_tokenizer_spec(src)
     if is_hf_source(src):
         return hf_tokenizer_spec(src)
     return load_checkpoint(src)["tokenizer"]
