@@ -72,6 +72,7 @@ from checkpoint import (CKPT_FORMAT, arch_table, check_resumable, init_same_arch
                         load_source_tokenizer, model_from_checkpoint, restore_run_args, save_checkpoint)
 from data import TokenData, Tokenizer, padded_vocab, prepare_corpus, step_generator
 from model import ArchSpec, distill_loss, lm_loss, peak_flops, pick_device, pick_dtype
+from recursive import keep_layers
 
 # ----------------------------------------------------------------------------------------------------------------
 # The training loop
@@ -498,6 +499,9 @@ def build_parser(table) -> ArgumentParser:
                     help="start from weights: a checkpoint of the same arch (its shape, this run's training-recipe "
                          "flags), a vanilla checkpoint to convert, hf:DIR (a local Hugging Face checkpoint) or "
                          "gguf:PATH (a GGUF file; gguf:smollm2-135m is the packaged SmolLM2-135M)")
+    ap.add_argument("--keep-layers", default=None, metavar="SPEC",
+                    help="with --init-from a vanilla model: keep only these of its layers (stepwise:K, lower:K or a "
+                         "comma list): the reduced-size baseline of the recursive paper from pretrained layers")
     ap.add_argument("--teacher", default=None, help="checkpoint (or hf:DIR, gguf:PATH) of a teacher for knowledge "
                                                           "distillation")
     ap.add_argument("--kd", default="none", choices=["none", "fkl", "rkl", "jsd", "tvd"],
@@ -555,6 +559,8 @@ def resolve_defaults(args, spec):
         raise UsageError(f"--min-lr {args.min_lr} is above --lr {args.lr}")
     if args.kd != "none" and not args.teacher:
         raise UsageError("--kd needs --teacher")
+    if args.keep_layers and not args.init_from:
+        raise UsageError("--keep-layers needs --init-from (the model whose layers are kept)")
     if args.teacher and args.kd == "none":
         args.kd = "fkl"
 
@@ -590,6 +596,11 @@ def build_model(args, spec: ArchSpec, tok: Tokenizer, table, ap, given, master):
     if not args.init_from:
         return spec.model_cls(spec.make_config(args.preset, **overrides))
     src, src_arch, _ = load_source_model(args.init_from, table)
+    if args.keep_layers:
+        if src_arch != "vanilla":
+            raise UsageError(f"--keep-layers takes layers of a vanilla model; {args.init_from} holds a {src_arch} one")
+        src = keep_layers(src, args.keep_layers)
+        log(f"init from {args.init_from}: keeping layers {args.keep_layers} ({src.config.n_layer} layers)", master)
     if src_arch == spec.name:
         model, note = init_same_arch(src, spec, recipe_overrides(args, spec, ap, given), args.seq_len, args.init_from)
         log(note, master)
