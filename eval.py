@@ -47,7 +47,7 @@ import block_transformer as bt
 import double_decoder as dd
 import recursive
 from checkpoint import load_checkpoint, load_source_model, model_from_checkpoint
-from cli import ArgumentParser, UsageError, comma_list, number, one_of, run_cli, run_subcommand
+from cli import ArgumentParser, UsageError, comma_list, number, one_of, run_cli, run_subcommand, user_input
 from data import TokenData, Tokenizer, is_gguf_source, is_hf_source, prepare_corpus, step_generator
 from model import IGNORE, pick_device
 from svd_lora import max_ranks, residual_energy
@@ -133,7 +133,8 @@ def eval_loss(args):
     """Mean next-token cross-entropy of one model on the evaluation set (first_tokens_windows), with its parameter
     counts; --results appends the row as one JSON line."""
     device = pick_device(args.device)
-    model, label, spec = loss_model(args)
+    with user_input():  # a bad source, conversion or layer list: one line
+        model, label, spec = loss_model(args)
     model = model.to(device).eval()
     tok = Tokenizer(spec)
     x, y = first_tokens_windows(tok, args)
