@@ -761,15 +761,17 @@ def _random_blocks(T, n_blocks, gen, device):
 def bench_aot(args):
     """`bench.py kernels --aot`: every Triton kernel compiled ahead of time for real GPU targets on this machine (no
     GPU needed): per kernel, launch case and target the shared memory against the target's limit, registers and
-    spills (kernels.aot_report; ~3 minutes for every case of every preset on 2 cores)."""
+    spills (kernels_aot.aot_report; ~3 minutes for every case of every preset on 2 cores)."""
+    import kernels_aot
+
     if os.environ.get("TRITON_INTERPRET"):
         raise UsageError("--aot compiles for a GPU: run it without TRITON_INTERPRET in the environment")
     targets = tuple(int(t) for t in args.aot_targets.split(","))
-    cases = [c for c in K.aot_cases() if not args.only or any(k in c.name for k in args.only.split(","))]
+    cases = [c for c in kernels_aot.aot_cases() if not args.only or any(k in c.name for k in args.only.split(","))]
     print(f"triton {K.triton.__version__} | ahead-of-time compilation for {', '.join(f'sm_{t}' for t in targets)} | "
           f"{len(cases)} launch cases (the presets' shapes, decode and prefill, fp32/bf16/fp16)")
     print(f"{'kernel':28s} {'case':34s} {'target':6s} {'dtype':8s} {'shared':>14s} {'regs':>5s} {'spills':>7s}  error")
-    rows = K.aot_report(targets, cases)
+    rows = kernels_aot.aot_report(targets, cases)
     for r in rows:
         shared = f"{r['shared']}/{r['shared_limit']}" if r["shared"] is not None else "-"
         print(f"{r['kernel']:28s} {r['case'][:34]:34s} {r['target']:6s} {r['dtype']:8s} {shared:>14s} "
