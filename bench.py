@@ -38,10 +38,11 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
+import cpu_tuning
 import kernels as K
 from cli import DTYPES, ArgumentParser, UsageError, comma_list, number, one_of, run_cli, run_subcommand, user_input
-from model import (GPT, LINEAR_PROBE_BYTES, LINEAR_PRODUCTS, PRESETS, GPTConfig, cpu_key, force_linear, linear_report,
-                   param_bytes, pick_device, pick_dtype, sync, timeit)
+from cpu_tuning import LINEAR_PROBE_BYTES, LINEAR_PRODUCTS, cpu_key, force_linear, linear_report
+from model import GPT, PRESETS, GPTConfig, param_bytes, pick_device, pick_dtype, sync, timeit
 
 # ----------------------------------------------------------------------------------------------------------------
 # Protocol: interleaved rounds, median and spread
@@ -103,11 +104,12 @@ def hf_llama(cfg: GPTConfig, dtype):
 
 
 @torch.no_grad()
+@cpu_tuning.switched_on()
 def bench_decode(args):
     device = pick_device(args.device)
     cfg = GPTConfig.from_preset(args.preset)
     P, N = args.prompt_len, args.new_tokens
-    products = args.linear.split(",")  # "auto" = model.linear's measured choice, else a forced product
+    products = args.linear.split(",")  # "auto" = cpu_tuning's measured choice, else a forced product
     bw = read_bandwidth(device)
     for dtype in [pick_dtype(device, d) for d in args.dtype.split(",")]:
         torch.manual_seed(0)
@@ -153,16 +155,16 @@ def decode_name(product: str) -> str:
 
 
 def forced_generate(model, product: str, idx, new_tokens: int):
-    """model.generate with `product` forced in model.linear ("auto": the measured choice)."""
+    """model.generate with `product` forced in cpu_tuning.linear ("auto": the measured choice)."""
     force_linear(None if product == "auto" else product)
     return model.generate(idx, new_tokens)
 
 
 def print_linear_choices(dtype):
-    """model.linear's measurements in this dtype: per (rows, weight shape) the GB/s of weights each candidate read and
-    the pick, and the bytes of the weight copies alive (what "xwt" and "dnn" cost in memory)."""
+    """cpu_tuning's linear measurements in this dtype: per (rows, weight shape) the GB/s of weights each candidate
+    read and the pick, and the bytes of the weight copies alive (what "xwt" and "dnn" cost in memory)."""
     rows, copies = linear_report()
-    print(f"   model.linear's choice per (rows, out x in) in {dtype} (GB/s of weights read, timed once over "
+    print(f"   cpu_tuning's linear product per (rows, out x in) in {dtype} (GB/s of weights read, timed once over "
           f">= {LINEAR_PROBE_BYTES >> 20} MiB of copies; * = picked; cpu {cpu_key()}):")
     for r in rows:
         if r["dtype"] == str(dtype).removeprefix("torch."):
@@ -250,6 +252,7 @@ def ratio(a, b, fmt=".2f") -> str:
 
 
 @torch.no_grad()
+@cpu_tuning.switched_on()
 def bench_plt(args):
     """Table 3 of the PLT paper on this machine: per-token decode latency of PLT-2 against the vanilla model of the
     same parameters (the N-layer stack run once) and against the sequential loop-2 baseline, at several batches."""
@@ -310,6 +313,7 @@ def prefix_prefills(gpt, dm, idx, prefix: int) -> dict:
 
 
 @torch.no_grad()
+@cpu_tuning.switched_on()
 def bench_double(args):
     """The double decoder's serving claims (section 3.3, Appendix A.1) against the decoder-only model of the same
     parameters (ctx + gen layers): time to first token, TTFT after a cached shared prefix, per-token latency (each
@@ -395,6 +399,7 @@ def arch_models(preset: str, loops=2, rank=8, max_seq_len=None) -> dict:
 
 
 @torch.no_grad()
+@cpu_tuning.switched_on()
 def bench_archs(args):
     """Every architecture's own generate() at matched non-embedding parameters: time to first token, per-token decode
     latency and KV bytes per sequence, in a prefill-heavy and a decode-heavy setting."""
@@ -423,6 +428,7 @@ def bench_archs(args):
 
 
 @torch.no_grad()
+@cpu_tuning.switched_on()
 def bench_serve(args):
     """Section 2.4 / 3.8 of the Relaxed Recursive Transformers paper, run for real: the same requests through
     vanilla continuous sequence-wise batching (CSB) and continuous depth-wise batching of the relaxed model of the
@@ -632,6 +638,7 @@ def profile_generate(model, idx, n_tokens) -> str:
 
 
 @torch.no_grad()
+@cpu_tuning.switched_on()
 def bench_block(args):
     """Tokens generated per second, prefill included (the paper's throughput), of the Block Transformer and vanilla
     in the paper's decode-heavy and prefill-heavy settings. Per model: the largest batch whose generation caches fit
@@ -1002,7 +1009,7 @@ def build_parser():
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip the transformers comparison")
     p.add_argument("--compile", action="store_true", help="ours: GPT.compile_decode() (static cache, compiled step)")
     p.add_argument("--linear", type=comma_list(one_of(["auto", *LINEAR_PRODUCTS])), default="auto",
-                   help="comma list of model.linear products to time, each forced in turn: "
+                   help="comma list of cpu_tuning's linear products to time, each forced in turn: "
                    "auto (the measured choice), linear, mv, mm, xwt, dnn")
     p.set_defaults(fn=bench_decode)
 

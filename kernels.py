@@ -6,8 +6,8 @@ Ops, and the model path that calls each
   multi_lora            y[t] = B[idx[t]] @ (A[idx[t]] @ x[t]): one LoRA per row (BGMV, as punica and vLLM): what
                         continuous depth-wise batching needs, rows sitting at different loops (svd_lora.LoRALinear
                         with a per-row loop index, serve.py's depth-wise server). idx = -1: no adapter. Without a GPU:
-                        all adapters stacked into one masked LoRA (multi_lora_stacked) or one adapter's rows at a
-                        time (multi_lora_grouped), whichever this machine runs faster (lora_form).
+                        all adapters stacked into one masked LoRA (multi_lora_stacked); one adapter's rows at a time
+                        (multi_lora_grouped) is the other CPU form, which cpu_tuning.py may pick by measurement.
   attention_lse         masked attention that also returns the log-sum-exp of each query row (any mask: reference).
   flex_attention_lse    FlexAttention (any block mask) that also returns the log-sum-exp (double decoder training).
   merge_lse             exact merge of two attentions over disjoint key sets into one softmax (double decoder).
@@ -52,12 +52,9 @@ from __future__ import annotations
 import functools
 import math
 import os
-import time
 
 import torch
 import torch.nn.functional as F
-
-from model import fastest  # the one interleaved-timing rule of the choices made by measurement
 
 try:
     import triton
@@ -332,41 +329,19 @@ def multi_lora_grouped(x, A, B, idx):
 
 
 LORA_FORMS = {"stacked": multi_lora_stacked, "grouped": multi_lora_grouped}
-_lora_form: dict[tuple, str] = {}  # (dtype, row bucket, T, n, r, in, out) -> the faster form, for this process
-
-
-def lora_form(x, A, B, timer=None) -> str:
-    """Which CPU form multi_lora runs at these shapes: 'stacked' (n x the LoRA FLOPs, no gathers) or 'grouped' (the
-    FLOPs once, a gather and scatter per adapter), whichever this machine runs faster. Timed once per (dtype, row
-    count rounded up to a power of two, shapes) on random inputs whose rows are spread evenly over the adapters (the
-    mix of a depth-wise step): a warm-up, then 5 interleaved rounds of 20 calls each, median. `timer(form) -> seconds`
-    replaces the measurement (tests)."""
-    N = x.size(0)
-    bucket = 1 << max(0, N - 1).bit_length()
-    key = (x.dtype, bucket, x[0].numel() // x.size(-1), *A.shape, B.size(1))
-    if key not in _lora_form:
-        def run(form):
-            xs = torch.randn(bucket, *x.shape[1:], dtype=x.dtype)
-            As, Bs = torch.randn_like(A), torch.randn_like(B)
-            ids = torch.arange(bucket) % A.size(0)
-            t0 = time.perf_counter()
-            for _ in range(20):
-                LORA_FORMS[form](xs, As, Bs, ids)
-            return time.perf_counter() - t0
-
-        _lora_form[key] = fastest(timer or run, tuple(LORA_FORMS), rounds=5)
-    return _lora_form[key]
+# At CPU inference the tuned form: cpu_tuning.enable() puts here a function (x, A, B) -> "stacked" | "grouped" that
+# names the form measured faster on this machine at these shapes. None: the plain dispatch below.
+cpu_lora_form = None
 
 
 def multi_lora(x, A, B, idx):
-    """Dispatch (same contract as multi_lora_ref): the Triton kernel on CUDA at inference; on CPU without gradients
-    the faster of the stacked and grouped forms as measured on this machine (lora_form); else (training) the stacked
-    form when it reads less than the reference would gather (always the case for the loops of a recursive model),
-    or the reference."""
+    """Dispatch (same contract as multi_lora_ref): the Triton kernel on CUDA at inference; else the stacked form when
+    it reads less than the reference would gather (always the case for the loops of a recursive model), or the
+    reference. On CPU without gradients, where cpu_tuning is enabled, the form it measured faster (cpu_lora_form)."""
     if use_triton(x, A, B, idx) and _kernel_fits(x, A, B, rank=A.size(1)):
         return multi_lora_triton(x, A, B, idx)
-    if x.device.type == "cpu" and not torch.is_grad_enabled() and A.size(0) > 1:
-        return LORA_FORMS[lora_form(x, A, B)](x, A, B, idx)
+    if cpu_lora_form is not None and x.device.type == "cpu" and not torch.is_grad_enabled() and A.size(0) > 1:
+        return LORA_FORMS[cpu_lora_form(x, A, B)](x, A, B, idx)
     if A.size(0) <= x.size(0):  # the reference gathers one adapter per row: stacking reads fewer weights
         return multi_lora_stacked(x, A, B, idx)
     return multi_lora_ref(x, A, B, idx)
