@@ -145,6 +145,45 @@ def multi_lora_ref(x, A, B, idx):
     return y[:, 0] if squeeze else y
 
 
+def multi_lora_stacked(x, A, B, idx):
+    """Same contract as multi_lora_ref, computed as ONE LoRA of rank n*r over all adapters stacked, with each row's
+    hidden units of the other adapters zeroed: h = x [A_0; ..; A_n-1]^T (N, T, n r), y = sum_a (h_a * mask_a) B_a^T.
+
+    This is the paper's own way of batching rows at different loops ("we merge multiple LoRAs into a single, large
+    LoRA module", Appendix K): every adapter's weights are read once per call (views, no copy) and nothing is
+    gathered per row, at n times the (small) LoRA FLOPs. Equal to the reference up to summation order (the masked
+    terms are exact zeros).
+    """
+    n, r, d_in = A.shape
+    squeeze = x.dim() == 2
+    if squeeze:
+        x = x[:, None]
+    N, T = x.shape[:2]
+    h = x @ A.reshape(n * r, d_in).t().to(x.dtype)  # (N, T, n r)
+    keep = (torch.arange(n, device=x.device)[None, :] == idx[:, None]).to(h.dtype)  # (N, n); idx -1 keeps nothing
+    h = (h.view(N, T, n, r) * keep[:, None, :, None]).view(N * T, n, r).transpose(0, 1)  # (n, N T, r)
+    y = torch.bmm(h, B.transpose(1, 2).to(h.dtype)).sum(0).view(N, T, -1)  # (N, T, out)
+    return y[:, 0] if squeeze else y
+
+
+def multi_lora_grouped(x, A, B, idx):
+    """Same contract as multi_lora_ref, one adapter at a time: the rows of adapter a (found with one nonzero per
+    adapter, not per row) go through its two thin matmuls and are scattered back. Exactly the LoRA FLOPs, n small
+    gathers and scatters of activations; a host sync per adapter (CPU only: on a GPU the Triton kernel runs)."""
+    squeeze = x.dim() == 2
+    if squeeze:
+        x = x[:, None]
+    y = x.new_zeros(*x.shape[:2], B.size(1))  # (N, T, out); rows with idx -1 stay zero
+    for a in range(A.size(0)):
+        rows = (idx == a).nonzero().squeeze(1)
+        if rows.numel():
+            y[rows] = F.linear(F.linear(x[rows], A[a].to(x.dtype)), B[a].to(x.dtype))
+    return y[:, 0] if squeeze else y
+
+
+LORA_FORMS = {"stacked": multi_lora_stacked, "grouped": multi_lora_grouped}
+
+
 # Kernels. Rows are the M = N*T token rows of x viewed as (M, in); row m uses adapter idx[m // T] (BGMV). The shrink
 # writes h (splits, M, r) in fp32; the expand reads it back, rounds it to the input dtype (as the reference's first
 # bmm does) and multiplies by B^T.
@@ -292,43 +331,6 @@ def multi_lora_triton(x, A, B, idx, *, split_k=None, block_m=None):
     return y if squeeze else y.view(N, T, -1)
 
 
-def multi_lora_stacked(x, A, B, idx):
-    """Same contract as multi_lora_ref, computed as ONE LoRA of rank n*r over all adapters stacked, with each row's
-    hidden units of the other adapters zeroed: h = x [A_0; ..; A_n-1]^T (N, T, n r), y = sum_a (h_a * mask_a) B_a^T.
-
-    This is the paper's own way of batching rows at different loops ("we merge multiple LoRAs into a single, large
-    LoRA module", Appendix K): every adapter's weights are read once per call (views, no copy) and nothing is
-    gathered per row, at n times the (small) LoRA FLOPs. Equal to the reference up to summation order (the masked
-    terms are exact zeros).
-    """
-    n, r, d_in = A.shape
-    squeeze = x.dim() == 2
-    if squeeze:
-        x = x[:, None]
-    N, T = x.shape[:2]
-    h = x @ A.reshape(n * r, d_in).t().to(x.dtype)  # (N, T, n r)
-    keep = (torch.arange(n, device=x.device)[None, :] == idx[:, None]).to(h.dtype)  # (N, n); idx -1 keeps nothing
-    h = (h.view(N, T, n, r) * keep[:, None, :, None]).view(N * T, n, r).transpose(0, 1)  # (n, N T, r)
-    y = torch.bmm(h, B.transpose(1, 2).to(h.dtype)).sum(0).view(N, T, -1)  # (N, T, out)
-    return y[:, 0] if squeeze else y
-
-
-def multi_lora_grouped(x, A, B, idx):
-    """Same contract as multi_lora_ref, one adapter at a time: the rows of adapter a (found with one nonzero per
-    adapter, not per row) go through its two thin matmuls and are scattered back. Exactly the LoRA FLOPs, n small
-    gathers and scatters of activations; a host sync per adapter (CPU only: on a GPU the Triton kernel runs)."""
-    squeeze = x.dim() == 2
-    if squeeze:
-        x = x[:, None]
-    y = x.new_zeros(*x.shape[:2], B.size(1))  # (N, T, out); rows with idx -1 stay zero
-    for a in range(A.size(0)):
-        rows = (idx == a).nonzero().squeeze(1)
-        if rows.numel():
-            y[rows] = F.linear(F.linear(x[rows], A[a].to(x.dtype)), B[a].to(x.dtype))
-    return y[:, 0] if squeeze else y
-
-
-LORA_FORMS = {"stacked": multi_lora_stacked, "grouped": multi_lora_grouped}
 # At CPU inference the tuned form: cpu_tuning.enable() puts here a function (x, A, B) -> "stacked" | "grouped" that
 # names the form measured faster on this machine at these shapes. None: the plain dispatch below.
 cpu_lora_form = None
@@ -576,6 +578,22 @@ def gated_swa_ref(q, k, v, k_shared, v_shared, gate_w, gate_b, window, scale=Non
     return gate_mix(q, gate_w, gate_b, y_local, y_global).to(q.dtype)
 
 
+def gated_swa_sdpa(q, k, v, k_shared, v_shared, gate_w, gate_b, window, scale=None):
+    """The training path: gated_swa_ref's math on torch's fused attention (same contract, differentiable).
+
+    y_local is SDPA with the banded bool mask swa_mask, y_global is SDPA with is_causal; GQA through enable_gqa (K/V
+    never copied), then the same gate and fp32 mix as the reference. On CPU both branches run SDPA's flash kernel,
+    forward and backward (bool mask and GQA included), which never materialises the (T, T) scores in fp32 as the
+    reference's einsums do: ~5x faster than gated_swa_ref at the tiny preset's training shapes (B 16, T 256).
+    """
+    T = q.size(2)
+    gqa = q.size(1) != k.size(1)
+    y_local = F.scaled_dot_product_attention(q, k, v, attn_mask=swa_mask(T, window, q.device), scale=scale,
+                                             enable_gqa=gqa)
+    y_global = F.scaled_dot_product_attention(q, k_shared, v_shared, is_causal=True, scale=scale, enable_gqa=gqa)
+    return gate_mix(q, gate_w, gate_b, y_local, y_global).to(q.dtype)
+
+
 # Prefill kernel: one program computes, for its row tile, y_local (interval [t - window + 1, t] over the loop's own
 # K/V), y_global (interval [0, t] over the shared K/V), the gate from the q tile it already holds, and the mix, and
 # writes only the mixed output: no y_local / y_global / gate tensors go through memory.
@@ -651,22 +669,6 @@ def gated_swa_triton(q, k, v, k_shared, v_shared, gate_w, gate_b, window, scale=
         *v_shared.stride(), *gate_w.stride(), gate_b.stride(0), *out.stride(), H_kv, T, D, int(window), scale * LOG2E,
         G=G, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, DOT_PREC=_dot_precision(q.dtype), num_warps=warps, num_stages=stages)
     return out
-
-
-def gated_swa_sdpa(q, k, v, k_shared, v_shared, gate_w, gate_b, window, scale=None):
-    """The training path: gated_swa_ref's math on torch's fused attention (same contract, differentiable).
-
-    y_local is SDPA with the banded bool mask swa_mask, y_global is SDPA with is_causal; GQA through enable_gqa (K/V
-    never copied), then the same gate and fp32 mix as the reference. On CPU both branches run SDPA's flash kernel,
-    forward and backward (bool mask and GQA included), which never materialises the (T, T) scores in fp32 as the
-    reference's einsums do: ~5x faster than gated_swa_ref at the tiny preset's training shapes (B 16, T 256).
-    """
-    T = q.size(2)
-    gqa = q.size(1) != k.size(1)
-    y_local = F.scaled_dot_product_attention(q, k, v, attn_mask=swa_mask(T, window, q.device), scale=scale,
-                                             enable_gqa=gqa)
-    y_global = F.scaled_dot_product_attention(q, k_shared, v_shared, is_causal=True, scale=scale, enable_gqa=gqa)
-    return gate_mix(q, gate_w, gate_b, y_local, y_global).to(q.dtype)
 
 
 def gated_swa(q, k, v, k_shared, v_shared, gate_w, gate_b, window, scale=None):
