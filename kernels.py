@@ -43,9 +43,14 @@ How the kernels work (each section says more)
     row can see are never loaded, and key tiles that every row sees run without a mask.
   * Head dims that are not powers of two are padded to the next power of two (>= 16) with masked loads.
 
+Each op's section reads in one order: the reference (the math), other PyTorch forms of it (CPU, training), the Triton
+kernel, the dispatch. This file imports no other module of this repository; kernels_aot.py compiles its kernels ahead
+of time for GPUs, and cpu_tuning.py may pick multi_lora's CPU form by measurement (cpu_lora_form).
+
 Run:
     TRITON_INTERPRET=1 python -m pytest -q tests/test_kernels.py   # the kernels on CPU tensors, against the references
     python bench.py kernels            # (CUDA) each kernel against its reference and the best stock alternative
+    python bench.py kernels --aot      # every kernel compiled for sm_80 / sm_90 without a GPU (kernels_aot.py)
 """
 from __future__ import annotations
 
