@@ -2,25 +2,13 @@
 serve.py -- a small serving loop: continuous depth-wise batching with early exit for Recursive Transformers, and the
 vanilla baselines (static and continuous sequence-wise batching) on the same requests.
 
-Paper: "Relaxed Recursive Transformers" (Bae et al., 2024), ../shared/papers/001_*.txt, section 2.4 (Continuous
-Depth-wise Batching and Early-Exiting, Figure 3), section 3.8 and Appendix K (Tables K.1-K.4). The paper only
-*simulates* the throughput of depth-wise batching from measured per-token times and oracle exit trajectories; here the
-schedule runs for real, with confidence-based exits and state propagation.
+Paper: "Relaxed Recursive Transformers: Effective Parameter Sharing with Layer-wise LoRA" (Bae et al.,
+arXiv:2410.20672), section 2.4 (Continuous Depth-wise Batching and Early-Exiting, Figure 3), section 3.8 and
+Appendix K (Tables K.1-K.4). The paper only *simulates* the throughput of depth-wise batching from measured per-token
+times and oracle exit trajectories; here the schedule runs for real, with confidence-based exits and state
+propagation.
 
-Pieces, simplest first:
-  * Requests: prompt token ids + max_new_tokens + an arrival time. Synthetic (all at once, or Poisson at --rate,
-    seeded; lengths uniform in "a:b" ranges), windows of the validation corpus (data.prepare_corpus/TokenData), or a
-    JSONL file of {"prompt": str | "prompt_ids": [...], "max_new_tokens": n[, "arrival": s]}. A bad request (empty
-    prompt, prompt_ids that are not a list, ids outside the vocabulary, prompt + max_new_tokens longer than the
-    context, max_new_tokens <= 0, a bad JSONL line: not UTF-8, not JSON, an arrival that is not a time in
-    [0, MAX_ARRIVAL_S] seconds) gets an error of its own; the others are served (the file is read line by line). The summary counts the errors by reason under the
-    table (with a few examples), and --json gives every system's `request_errors` {request id: reason, naming the
-    file:line} and `errors_by_reason`. Flags are checked before anything runs: an impossible value or combination
-    (e.g. --slots 0, --prompt-len 10:5, prompt + gen lengths beyond the context, more than MAX_REQUESTS requests,
-    Poisson arrivals spread beyond MAX_ARRIVAL_S), a corrupt --ckpt, a missing file or a directory, and KV caches the
-    memory cannot hold (checked before any is allocated) are one line `error: ...` on stderr and exit code 2.
-  * Sampling: greedy, or sampled with ONE seeded torch.Generator per request (`request_generator(seed, rid)`), so the
-    output of a request does not depend on the schedule, and equals model.generate(prompt, n, generator=that one).
+The servers come first, then what runs them:
   * Servers, all with a fixed number of batch slots and a pre-allocated KV cache with one row per slot:
       - StaticServer (vanilla, static batching): waits until the batch is empty, takes up to `slots` arrived
         requests, prefills them together and decodes (GPT.decode_step) until the longest is done.
@@ -33,21 +21,33 @@ Pieces, simplest first:
         loop (RecursiveGPT.loop_step: per-row LoRA index through kernels.multi_lora, per-row cache writes at
         (loop, slot, position), per-row attention lengths from the positional mask). Afterwards a row exits when it
         is at the last loop or, with a threshold, when its exit score reaches it (RecursiveGPT.exit_pass, the one
-        exit rule of generate too: max softmax, the learned exit gate or saturation); an early exit fills the deeper loops' caches of that token by state propagation
-        (RecursiveGPT.propagate). An exited row emits its token and starts the next token at loop 0 in the same slot;
-        a finished request frees the slot, refilled at once by the queue. Other rows just move to the next loop.
-        With threshold None it is "depth-wise batching without early exit". The slots' state (position, loop, hidden
-        state) lives in tensors and every step updates all rows at once: no per-row tensor work, one host transfer.
+        exit rule of generate too: max softmax, the learned exit gate or saturation); an early exit fills the deeper
+        loops' caches of that token by state propagation (RecursiveGPT.propagate). An exited row emits its token and
+        starts the next token at loop 0 in the same slot; a finished request frees the slot, refilled at once by the
+        queue. Other rows just move to the next loop. With threshold None it is "depth-wise batching without early
+        exit". The slots' state (position, loop, hidden state) lives in tensors and every step updates all rows at
+        once: no per-row tensor work, one host transfer.
     Prefill of newly admitted requests is a SEPARATE batched pass (the model's own prefill on a temporary cache of
     the admitted group, right-padded, copied into the slots' rows); it is not chunked, so a long prompt stalls the
     decode steps of that iteration (its time shows up in the other requests' per-token latency).
+  * Requests (serve_requests.py): synthetic, corpus windows or a JSONL file; a bad request gets an error of its own
+    and the others are served; the summary counts the errors by reason under the table, and --json gives every
+    system's `request_errors` {request id: reason, naming the file:line} and `errors_by_reason`.
+  * Sampling: greedy, or sampled with ONE seeded torch.Generator per request (`request_generator(seed, rid)`), so the
+    output of a request does not depend on the schedule, and equals model.generate(prompt, n, generator=that one).
   * Metrics: generated tok/s (all generated tokens / wall time from the first arrival to the last token), loaded
     tok/s (tokens emitted in the decode steps that had every slot busy / those steps' time: what a server with a
     queue sustains; end to end, the drain at the end weighs in: a slot whose requests happen to exit less finishes
-    last, and the others idle meanwhile), time to
-    first token (from arrival), per-token latency p50/p99 (gaps between a request's tokens), mean exit loop
-    (1-based), slot occupancy (active slots / slots per decode step) and, on CUDA, achieved memory bandwidth
-    (parameter bytes + KV bytes read per decode step) / step time against the device's peak.
+    last, and the others idle meanwhile), time to first token (from arrival), per-token latency p50/p99 (gaps
+    between a request's tokens), mean exit loop (1-based), slot occupancy (active slots / slots per decode step)
+    and, on CUDA, achieved memory bandwidth (parameter bytes + KV bytes read per decode step) / step time against
+    the device's peak.
+  * The command: build the models and the requests, calibrate the exits, run every server (serve_compare). Flags
+    are checked before anything runs: an impossible value or combination (e.g. --slots 0, --prompt-len 10:5, prompt
+    + gen lengths beyond the context, more than MAX_REQUESTS requests, Poisson arrivals spread beyond MAX_ARRIVAL_S),
+    a corrupt --ckpt, a missing file or a directory, and KV caches the memory cannot hold (checked before any is
+    allocated) are one line `error: ...` on stderr and exit code 2. On a CPU the command runs with cpu_tuning's
+    measured forms switched on.
 The speed claims of the four papers, measured on this machine at memory-bound sizes, are in bench.py (`python
 bench.py serve` runs these servers at the `base` shape; `python bench.py archs` is the six architectures side by side).
 
@@ -576,41 +576,62 @@ def enable_compile(model, device):
 
 
 def serve_compare(args, device, dtype, requests=None) -> list[dict]:
+    """serve.py's comparison: build the models and the requests, calibrate the exits, run every server -> its rows."""
+    vanilla, rec, requests = build_comparison(args, device, dtype, requests)
+    rule, thr, how = calibrate_exits(args, rec, requests)
+    return run_comparison(args, device, dtype, vanilla, rec, requests, rule, thr, how)
+
+
+def build_comparison(args, device, dtype, requests=None):
+    """The two models (checkpoints or random weights; torch.compile'd with --compile) and the requests (`requests`
+    when given, else a JSONL file, corpus windows or synthetic ones) -> (vanilla, rec, requests)."""
     with user_input():  # a config the flags make impossible (a LoRA rank above full rank, ...): one line
         vanilla, rec = build_serving_models(args, device, dtype)
-    elem = torch.empty((), dtype=dtype).element_size()
     if args.compile:
         enable_compile(vanilla, device)
         enable_compile(rec, device)
+    if requests is not None:
+        return vanilla, rec, requests
+    check_lengths_fit(args, vanilla, rec)
     tok = None
-    if requests is None:
-        check_lengths_fit(args, vanilla, rec)
-        if args.requests_file or args.prompts == "corpus":
-            tok = Tokenizer.from_args(None if vanilla.config.vocab_size >= 100256 else 4096, None)
-        if args.requests_file:
-            requests = jsonl_requests(args.requests_file, tok, parse_range(args.gen_len)[1], args.arrival, args.rate,
-                                      args.seed)
-            if not requests:
-                raise UsageError(f"--requests-file {args.requests_file} holds no request (no non-empty line)")
-        elif args.prompts == "corpus":
-            requests = corpus_requests(args.requests, tok, args.data, args.cache_dir, args.prompt_len, args.gen_len,
-                                       args.arrival, args.rate, args.seed)
-        else:
-            requests = synthetic_requests(args.requests, vanilla.config.vocab_size, args.prompt_len, args.gen_len,
-                                          args.arrival, args.rate, args.seed)
+    if args.requests_file or args.prompts == "corpus":
+        tok = Tokenizer.from_args(None if vanilla.config.vocab_size >= 100256 else 4096, None)
+    if args.requests_file:
+        requests = jsonl_requests(args.requests_file, tok, parse_range(args.gen_len)[1], args.arrival, args.rate,
+                                  args.seed)
+        if not requests:
+            raise UsageError(f"--requests-file {args.requests_file} holds no request (no non-empty line)")
+    elif args.prompts == "corpus":
+        requests = corpus_requests(args.requests, tok, args.data, args.cache_dir, args.prompt_len, args.gen_len,
+                                   args.arrival, args.rate, args.seed)
+    else:
+        requests = synthetic_requests(args.requests, vanilla.config.vocab_size, args.prompt_len, args.gen_len,
+                                      args.arrival, args.rate, args.seed)
+    return vanilla, rec, requests
+
+
+def calibrate_exits(args, rec, requests) -> tuple[str, float | None, str]:
+    """The exit rule (--exit-rule, else the learned gate when the model has one, else softmax) and the threshold
+    (given, or 'auto': calibrated so that --exit-rate of the prompt tokens leave after loop 1) -> (rule, threshold or
+    None when no request is valid, how the threshold was set)."""
     rule = args.exit_rule or ("gate" if rec.exit_gate is not None else "softmax")
     if rule == "gate" and rec.exit_gate is None:
         raise UsageError("--exit-rule gate needs a checkpoint trained with --exit-gate (--ckpt); this model has "
-                               "no exit gate")
-    thr = args.exit_threshold
-    if thr == "auto":
-        try:
-            thr = calibrate_threshold(rec, requests, args.exit_rate, rule=rule)
-            how = f"auto: ~{args.exit_rate:.0%} of prompt tokens leave after loop 1"
-        except NoValidRequest:  # every request is an error: they are reported below, nothing to calibrate on
-            thr, how = None, "auto: no valid request to calibrate on"
-    else:
-        thr, how = float(thr), "given"
+                         "no exit gate")
+    if args.exit_threshold != "auto":
+        return rule, float(args.exit_threshold), "given"
+    try:
+        thr = calibrate_threshold(rec, requests, args.exit_rate, rule=rule)
+        return rule, thr, f"auto: ~{args.exit_rate:.0%} of prompt tokens leave after loop 1"
+    except NoValidRequest:  # every request is an error: they are reported below, nothing to calibrate on
+        return rule, None, "auto: no valid request to calibrate on"
+
+
+def run_comparison(args, device, dtype, vanilla, rec, requests, rule, thr, how) -> list[dict]:
+    """The servers (vanilla static and continuous, depth-wise without and with early exit) on `--slots` each or the
+    slots of --batch-memory-mb, their caches checked against the memory first; every server serves the same requests
+    after an untimed warm-up -> one summary row per server, printed as the serving table."""
+    elem = torch.empty((), dtype=dtype).element_size()
     slots = {"vanilla": args.slots, "rec": args.slots}
     if args.batch_memory_mb:
         slots = {"vanilla": slots_for_memory(vanilla, args.batch_memory_mb, vanilla.config.max_seq_len, elem),
@@ -658,7 +679,7 @@ def serve_compare(args, device, dtype, requests=None) -> list[dict]:
 
 
 # Below this many non-embedding parameters the demo says that its model is too small to show the bargain (the tiny
-# preset, 0.8M: depth-wise 0.69x / 0.42x; the base preset, 125M: 0.99x / 1.10x end to end, README Serving).
+# preset, 0.8M: depth-wise 0.69x / 0.42x; the base preset, 125M: 0.99x / 1.10x end to end, RESULTS.md Serving).
 SMALL_MODEL_PARAMS = 10_000_000
 
 
