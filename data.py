@@ -46,7 +46,6 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-import tasks
 from cli import DataError
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -65,11 +64,9 @@ class Tokenizer:
     spec = {"kind": "hf", "path": "/models/TinyLlama"}                       # tokenizer.json of a HF checkpoint
     """
 
-    def __new__(cls, spec: dict):
-        # a synthetic task's vocabulary (tasks.py) is stored in checkpoints as a spec of kind "task"
-        return tasks.TaskTokenizer(spec) if spec.get("kind") == "task" else super().__new__(cls)
-
     def __init__(self, spec: dict):
+        if spec.get("kind") not in ("tiktoken", "hf"):  # a task's vocabulary: checkpoint.tokenizer_from_spec
+            raise ValueError(f"tokenizer spec of kind {spec.get('kind')!r} is not a text tokenizer (tiktoken or hf)")
         self.spec = dict(spec)
         if spec["kind"] == "hf":
             self._init_hf(spec["path"])

@@ -38,9 +38,9 @@ import torch.nn.functional as F
 import block_transformer as bt
 import double_decoder as dd
 import recursive
-from checkpoint import load_checkpoint, model_from_checkpoint
+from checkpoint import load_checkpoint, model_from_checkpoint, tokenizer_from_spec
 from cli import ArgumentParser, UsageError, comma_list, number, one_of, run_cli, run_subcommand
-from data import TokenData, Tokenizer, prepare_corpus, step_generator
+from data import TokenData, prepare_corpus, step_generator
 from model import IGNORE, pick_device
 from svd_lora import residual_energy
 
@@ -52,7 +52,7 @@ from svd_lora import residual_energy
 def load_run(path, device):
     """A train.py checkpoint -> (checkpoint dict, model in eval mode on device, tokenizer)."""
     ck = load_checkpoint(path)
-    return ck, model_from_checkpoint(ck).to(device).eval(), Tokenizer(ck["tokenizer"])
+    return ck, model_from_checkpoint(ck).to(device).eval(), tokenizer_from_spec(ck["tokenizer"])
 
 
 def val_windows(ck, tok, n_batches, batch, seq_len, seed, device):
@@ -154,7 +154,7 @@ def eval_double(args):
     for p, ck in zip(paths, cks):
         if ck["tokenizer"] != cks[0]["tokenizer"] or ck["args"]["data"] != a["data"]:
             raise UsageError(f"{p} was trained with another tokenizer or corpus than {paths[0]}")
-    tok = Tokenizer(cks[0]["tokenizer"])
+    tok = tokenizer_from_spec(cks[0]["tokenizer"])
     models = [model_from_checkpoint(ck).to(device).eval() for ck in cks]
     if args.sample is not None:
         for p, ck, m in zip(paths, cks, models):

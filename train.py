@@ -69,7 +69,8 @@ import tasks
 from cli import (DTYPES, ArgumentParser, CheckpointError, Stopped, UsageError, available_memory, check_device,
                  check_disk_space, check_writable_dir, flag_name, number, run_cli, stop_signals, user_input)
 from checkpoint import (CKPT_FORMAT, arch_table, check_resumable, init_same_arch, load_checkpoint, load_source_model,
-                        load_source_tokenizer, model_from_checkpoint, restore_run_args, save_checkpoint)
+                        load_source_tokenizer, model_from_checkpoint, restore_run_args, save_checkpoint,
+                        tokenizer_from_spec)
 from data import TokenData, Tokenizer, padded_vocab, prepare_corpus, step_generator
 from model import ArchSpec, distill_loss, lm_loss, peak_flops, pick_device, pick_dtype
 
@@ -338,11 +339,11 @@ def setup_run(argv) -> Run:
         if task is not None and "seq_len" not in given and resume_ck is None:
             args.seq_len = -(-task.seq_len // 8) * 8  # a multiple of 8: block models need whole blocks
         if resume_ck is not None:
-            tok = Tokenizer(resume_ck["tokenizer"])
+            tok = tokenizer_from_spec(resume_ck["tokenizer"])
         elif task is not None:
             tok = tasks.TaskTokenizer(task.spec())
         elif args.init_from and not args.tokenizer and not args.vocab_size:
-            tok = Tokenizer(load_source_tokenizer(args.init_from))
+            tok = tokenizer_from_spec(load_source_tokenizer(args.init_from))
         else:
             tok = Tokenizer.from_args(args.vocab_size, args.tokenizer)
         check_memory(least_step_memory(args, padded_vocab(tok.n_vocab), dtype), device, args, at_least=True)
