@@ -30,7 +30,6 @@ import argparse
 import math
 import os
 import statistics
-import sys
 import time
 from functools import partial
 from types import SimpleNamespace
@@ -48,17 +47,20 @@ from model import GPT, PRESETS, GPTConfig, param_bytes, pick_device, pick_dtype,
 # Protocol: interleaved rounds, median and spread
 
 
-def rounds(systems: dict, repeats: int, warmup: int = 1) -> dict[str, list[float]]:
-    """systems: name -> fn() (one timed unit of work). Each fn is warmed up, then the systems are timed in turn,
-    `repeats` rounds -> name -> list of seconds (one per round)."""
+def rounds(systems: dict, repeats: int, device, warmup: int = 1) -> dict[str, list[float]]:
+    """systems: name -> fn() (one timed unit of work on `device`). Each fn is warmed up, then the systems are timed in
+    turn, `repeats` rounds, the device synchronised around each call as model.timeit does -> name -> list of seconds
+    (one per round)."""
     for fn in systems.values():
         for _ in range(warmup):
             fn()
     out = {name: [] for name in systems}
     for _ in range(repeats):
         for name, fn in systems.items():
+            sync(device)
             t0 = time.perf_counter()
             fn()
+            sync(device)
             out[name].append(time.perf_counter() - t0)
     return out
 
@@ -131,8 +133,8 @@ def bench_decode(args):
             if hf is not None:
                 systems["transformers: LlamaForCausalLM.generate"] = lambda: hf.generate(
                     idx, max_new_tokens=N, min_new_tokens=N, do_sample=False, pad_token_id=0)
-            pre = rounds({"prefill": lambda: ours.generate(idx, 1)}, args.repeats)["prefill"]
-            res = rounds(systems, args.repeats)
+            pre = rounds({"prefill": lambda: ours.generate(idx, 1)}, args.repeats, device)["prefill"]
+            res = rounds(systems, args.repeats, device)
             for p in products:
                 name = decode_name(p)
                 t_dec = [t - med(pre) for t in res[name]]  # the decode steps alone
@@ -219,7 +221,7 @@ def bench_train(args):
     header("training step", device, dtype, f"compile {args.compile} | preset {args.preset} shape (layers {cfg.n_layer}, d "
            f"{cfg.n_embd}, heads {cfg.n_head}) batch {B} x {T} | params " + ", ".join(
                f"{k} {v / 1e6:.2f}M" for k, v in n_params.items()))
-    res = rounds(steps, args.repeats, warmup=2)
+    res = rounds(steps, args.repeats, device, warmup=2)
     for name, ts in res.items():
         print(f"   {name:8s} {spread([B * T / t for t in ts], fmt='.0f')} tok/s")
     if "nanoGPT" in res:
@@ -240,7 +242,7 @@ def generation_times(models: dict, idx, new_tokens: int, repeats: int) -> dict[s
     for name, m in models.items():
         systems[name + "/1"] = lambda m=m: m.generate(idx, 1)
         systems[name + "/n"] = lambda m=m: m.generate(idx, new_tokens)
-    res = rounds(systems, repeats)
+    res = rounds(systems, repeats, idx.device)
     return {name: {"ttft": res[name + "/1"],
                    "token": [(tn - t1) / (new_tokens - 1) for t1, tn in zip(res[name + "/1"], res[name + "/n"])]}
             for name in models}
@@ -353,7 +355,7 @@ def bench_double(args):
             idx = torch.randint(0, cfg.vocab_size - 1, (B, P), device=device)
             timed = {"decoder-only": gm, "double": SimpleNamespace(generate=partial(dm.generate, rollover=R))}
             t = generation_times(timed, idx, N, args.repeats)
-            pre = rounds(prefix_prefills(gm, dm, idx, prefix), args.repeats)
+            pre = rounds(prefix_prefills(gm, dm, idx, prefix), args.repeats, device)
             kv = {name: m.kv_cache_bytes(B, P + N, dbytes) for name, m in models.items()}  # Appendix A.1
             dc = dm.generation_cache(B, P, N, rollover=R)  # what generate() allocates
             alloc = {"decoder-only": gm.generation_cache(B, P, N).nbytes(), "double": dc.nbytes() + dc.context_nbytes()}
@@ -683,7 +685,7 @@ def bench_block(args):
                 idx = torch.randint(0, m.config.vocab_size - 1, (B, P), device=device)
                 m.generate(idx, min(G, 2))  # warm-up: allocations, kernels
                 systems[f"{k} {B}"], batch[f"{k} {B}"] = (lambda m=m, idx=idx: m.generate(idx, G)), B
-        res = rounds(systems, args.repeats, warmup=0)
+        res = rounds(systems, args.repeats, device, warmup=0)
         tput = {s: [batch[s] * G / t for t in ts] for s, ts in res.items()}
         print(f"   {'model':8s} {'batch':>5s} {'caches MiB':>10s} {'ms/token step':>14s} {'tok/s':>26s}")
         for s, ts in res.items():
@@ -1115,15 +1117,7 @@ def build_parser():
     return ap
 
 
-# The checkpoint evaluations live in eval.py; their old spellings here are one line naming the new command.
-MOVED_TO_EVAL = ("exits", "energy", "double-eval")
-
-
 def run(argv=None):
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] and argv[0] in MOVED_TO_EVAL or argv[:1] == ["block"] and "--eval" in argv:
-        raise UsageError(f"`bench.py {argv[0]}` evaluates a checkpoint, which eval.py does: python eval.py "
-                         f"{' '.join(argv)}")
     return run_subcommand(build_parser(), argv)
 
 
