@@ -510,7 +510,7 @@ def bench_serve(args):
                     shares = step_shares(srv, reqs)
                     machinery = shares["exit score"] + shares["state propagation"]
                     print(f"   profile of {name}: " + ", ".join(f"{k} {v:.1%}" for k, v in shares.items())
-                          + (f" | exit machinery (score + propagation) {machinery:.1%} of a step (issue 20's target: "
+                          + (f" | exit machinery (score + propagation) {machinery:.1%} of a step (target: "
                              f"<= 10%)" if srv.threshold is not None else ""))
     print("   paper (Table K.2/K.4, simulated on an A100 from oracle exits, blocks only): depth-wise + early exit "
           "1.4-1.9x continuous sequence-wise batching; measured batched early exit on GPUs (Miao et al. 2024): <= 1.25x")

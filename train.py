@@ -46,7 +46,7 @@ Resume and errors:
     converted random model, --lr 0) is not a diverged one, and the run cannot tell the two apart from one
     evaluation. A non-finite loss or weight still stops the run without writing its checkpoint. The nat of slack
     is for an untrained model, which sits slightly above ln(V): random logits add about half their variance (tiny
-    presets: 0.01-0.2 nat, measured); the runs of issue 22 (--lr 1 / --lr 3) reached 22 and 93 against ln(V) = 8.3.
+    presets: 0.01-0.2 nat, measured); diverged runs (--lr 1 / --lr 3) reached 22 and 93 against ln(V) = 8.3.
 """
 from __future__ import annotations
 
