@@ -214,32 +214,6 @@ class DualIds:
     c_blk: torch.Tensor
 
 
-def flex_block_masks(blk: torch.Tensor, T: int):
-    """blk (T,), (1, T) or (B, T) on the device -> (self BlockMask, cross BlockMask), built once per batch for all
-    layers. A shared partition gives a batch-broadcast mask (B=None) whose mask_mod never indexes by batch: FlexAttention
-    calls it with the batch index of q (0..B-1), so indexing a (1, T) tensor by it failed for B > 1.
-
-    self: kv <= q and same block; cross: block(kv) < block(q) -- the official code's masks (without its sink).
-    """
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    if blk.dim() == 2 and blk.size(0) == 1:
-        blk = blk[0]
-    if blk.dim() == 1:  # one partition for the whole batch: a broadcast mask whose mask_mod ignores b
-        nb, bid = None, lambda b, i: blk[i]
-    else:
-        nb, bid = blk.size(0), lambda b, i: blk[b, i]
-
-    def self_mod(b, h, q, kv):
-        return (kv <= q) & (bid(b, kv) == bid(b, q))
-
-    def cross_mod(b, h, q, kv):
-        return bid(b, kv) < bid(b, q)
-
-    return (create_block_mask(self_mod, nb, None, T, T, device=blk.device),
-            create_block_mask(cross_mod, nb, None, T, T, device=blk.device))
-
-
 class DualAttention(Attention):
     """A generation-decoder layer's attention: model.Attention (q/k/v/o projections, RoPE, GQA) plus the cross keys.
 
@@ -281,6 +255,32 @@ class DualAttention(Attention):
             k_c, v_c = self.project_cross(ctx, rope, lora_idx)
         y, _ = kernels.dual_attention(q, ids.q_pos, ids.q_blk, k_s, v_s, ids.s_pos, ids.s_blk, k_c, v_c, ids.c_blk)
         return self.project_out(y, lora_idx)
+
+
+def flex_block_masks(blk: torch.Tensor, T: int):
+    """blk (T,), (1, T) or (B, T) on the device -> (self BlockMask, cross BlockMask), built once per batch for all
+    layers. A shared partition gives a batch-broadcast mask (B=None) whose mask_mod never indexes by batch: FlexAttention
+    calls it with the batch index of q (0..B-1), so indexing a (1, T) tensor by it failed for B > 1.
+
+    self: kv <= q and same block; cross: block(kv) < block(q) -- the official code's masks (without its sink).
+    """
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    if blk.dim() == 2 and blk.size(0) == 1:
+        blk = blk[0]
+    if blk.dim() == 1:  # one partition for the whole batch: a broadcast mask whose mask_mod ignores b
+        nb, bid = None, lambda b, i: blk[i]
+    else:
+        nb, bid = blk.size(0), lambda b, i: blk[b, i]
+
+    def self_mod(b, h, q, kv):
+        return (kv <= q) & (bid(b, kv) == bid(b, q))
+
+    def cross_mod(b, h, q, kv):
+        return bid(b, kv) < bid(b, q)
+
+    return (create_block_mask(self_mod, nb, None, T, T, device=blk.device),
+            create_block_mask(cross_mod, nb, None, T, T, device=blk.device))
 
 
 # ----------------------------------------------------------------------------------------------------------------
