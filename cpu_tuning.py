@@ -22,9 +22,8 @@ Every candidate computes the same math in another summation order: results agree
 tests/test_cpu_tuning.py checks each one against its plain counterpart. Timing goes through one rule, `fastest`
 (interleaved rounds after a warm-up, median; the plain form is the default and keeps a tie).
 
-Who switches it on: bench.py's inference benchmarks, serve.py's command and hf.py's generation command, each for its
-own run (switched_on, which restores the state before it); train.py never does, and the tests run plain PyTorch
-unless a test switches it on.
+Who switches it on: bench.py's inference benchmarks and serve.py's command, each for its own run (switched_on, which
+restores the state before it); train.py never does, and the tests run plain PyTorch unless a test switches it on.
 
 Run:
     python bench.py decode --linear auto,linear --repeats 5   # each product's GB/s, the choice, vs transformers

@@ -30,7 +30,6 @@ from typing import Callable
 
 import torch
 
-import cpu_tuning
 from cli import DTYPES, ArgumentParser, UsageError, check_device, number, run_cli, user_input
 from model import GPT, GPTConfig, RotaryEmbedding, pick_device, pick_dtype
 
@@ -367,8 +366,7 @@ def generate(argv=None):
     if n < args.max_new_tokens:
         warnings.warn(f"--max-new-tokens {args.max_new_tokens}: only {n} fit after the {len(ids)}-token prompt in the "
                       f"model's context of {c.max_seq_len} positions; generating {n}", stacklevel=2)
-    with cpu_tuning.switched_on():  # on a CPU: the linear and attention forms measured fastest here
-        out = model.generate(torch.tensor([ids], device=device), n)[0].tolist()
+    out = model.generate(torch.tensor([ids], device=device), n)[0].tolist()
     new = out[len(ids):]
     if eos in new:
         new = new[:new.index(eos)]

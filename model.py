@@ -223,7 +223,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 # The one hook of this file. None: `linear` and `attend` below are plain PyTorch. cpu_tuning.enable() puts an object
 # here whose linear(x, weight, bias) and attend(q, k, v, mask, is_causal, scale) compute the same math in the forms
-# measured fastest on this CPU (bench.py, serve.py and hf.py's generation switch it on; train.py does not).
+# measured fastest on this CPU (bench.py's inference benchmarks and serve.py switch it on; train.py does not).
 tuned_ops = None
 
 
