@@ -12,6 +12,10 @@ of the papers' memory-bound arguments apply to it. The default sizes here are th
 presets (hundreds of MB of weights, far more than the caches): decoding them one token at a time is memory-bound
 on a CPU as on a GPU. (`--preset tiny` is for a quick check.)
 
+CPU forms. The inference benchmarks (decode, plt, double, archs, serve, block) run with cpu_tuning.py switched on: the
+linear products, attention and LoRA forms measured fastest on this CPU (decode --linear forces a product instead).
+`train` measures what train.py runs: plain PyTorch.
+
 Run:
     python bench.py decode                       # vanilla decode: tok/s, bandwidth vs this machine's, vs transformers
     python bench.py decode --dtype bfloat16 --batch 1,8
