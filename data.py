@@ -65,8 +65,6 @@ class Tokenizer:
     """
 
     def __init__(self, spec: dict):
-        if spec.get("kind") not in ("tiktoken", "hf"):  # a task's vocabulary: checkpoint.tokenizer_from_spec
-            raise ValueError(f"tokenizer spec of kind {spec.get('kind')!r} is not a text tokenizer (tiktoken or hf)")
         self.spec = dict(spec)
         if spec["kind"] == "hf":
             self._init_hf(spec["path"])
