@@ -46,9 +46,9 @@ from tqdm import tqdm
 import block_transformer as bt
 import double_decoder as dd
 import recursive
-from checkpoint import load_checkpoint, load_source_model, model_from_checkpoint
+from checkpoint import load_checkpoint, load_source_model, model_from_checkpoint, tokenizer_from_spec
 from cli import ArgumentParser, UsageError, comma_list, number, one_of, run_cli, run_subcommand, user_input
-from data import TokenData, Tokenizer, is_gguf_source, is_hf_source, prepare_corpus, step_generator
+from data import TokenData, is_gguf_source, is_hf_source, prepare_corpus, step_generator
 from model import IGNORE, pick_device
 from svd_lora import max_ranks, residual_energy
 
@@ -60,7 +60,7 @@ from svd_lora import max_ranks, residual_energy
 def load_run(path, device):
     """A train.py checkpoint -> (checkpoint dict, model in eval mode on device, tokenizer)."""
     ck = load_checkpoint(path)
-    return ck, model_from_checkpoint(ck).to(device).eval(), Tokenizer(ck["tokenizer"])
+    return ck, model_from_checkpoint(ck).to(device).eval(), tokenizer_from_spec(ck["tokenizer"])
 
 
 def val_windows(ck, tok, n_batches, batch, seq_len, seed, device):
@@ -136,7 +136,7 @@ def eval_loss(args):
     with user_input():  # a bad source, conversion or layer list: one line
         model, label, spec = loss_model(args)
     model = model.to(device).eval()
-    tok = Tokenizer(spec)
+    tok = tokenizer_from_spec(spec)
     x, y = first_tokens_windows(tok, args)
     if args.seq_len > model.config.max_seq_len:
         raise UsageError(f"--seq-len {args.seq_len} exceeds the model's context of {model.config.max_seq_len}")
@@ -245,7 +245,7 @@ def eval_double(args):
     for p, ck in zip(paths, cks):
         if ck["tokenizer"] != cks[0]["tokenizer"] or ck["args"]["data"] != a["data"]:
             raise UsageError(f"{p} was trained with another tokenizer or corpus than {paths[0]}")
-    tok = Tokenizer(cks[0]["tokenizer"])
+    tok = tokenizer_from_spec(cks[0]["tokenizer"])
     models = [model_from_checkpoint(ck).to(device).eval() for ck in cks]
     if args.sample is not None:
         for p, ck, m in zip(paths, cks, models):

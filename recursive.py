@@ -2,8 +2,9 @@
 recursive.py -- Recursive and Relaxed Recursive Transformers: looped layer tying, conversion from a vanilla model,
 per-loop LoRA, early-exit training and confidence-based early exit with per-loop KV caches.
 
-Paper: "Relaxed Recursive Transformers: Effective Parameter Sharing with Layer-wise LoRA" (Bae et al., 2024),
-sections 2.2-2.4, 3.4-3.7, Appendices B, C, E, F, J, K. The LoRA layer and its SVD init live in svd_lora.py.
+Paper: "Relaxed Recursive Transformers: Effective Parameter Sharing with Layer-wise LoRA" (Bae et al.,
+arXiv:2410.20672), sections 2.2-2.4, 3.4-3.7, Appendices B, C, E, F, J, K. The LoRA layer and its SVD init live in
+svd_lora.py.
 
 The model, top to bottom:
   * Looped layer tying, CYCLE (eq. 2, Appendix B): one block of K = N / B unique layers, looped B times. Loop l runs
