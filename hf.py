@@ -490,6 +490,15 @@ GGUF_PRE_SPLITS = {  # tokenizer.ggml.pre -> does it isolate every digit before 
 }
 
 
+def gguf_chat_template(path) -> str:
+    """tokenizer.chat_template of a GGUF file (a Jinja template); ValueError when the file has none."""
+    reader = read_gguf(Path(str(path)))
+    template = _gguf_value(reader, "tokenizer.chat_template", None)
+    if not template:
+        raise ValueError(f"{path} has no tokenizer.chat_template")
+    return template
+
+
 def gguf_tokenizer_spec(src: str) -> dict:
     """'gguf:PATH', PATH or a short name -> the tokenizer spec of that file (absolute path: specs compare equal)."""
     return {"kind": "gguf", "path": str((gguf_file(src) or Path(src)).resolve())}

@@ -77,13 +77,14 @@ import time
 import torch
 
 import cpu_tuning
-from checkpoint import load_checkpoint, model_from_checkpoint
+from checkpoint import load_checkpoint, load_source_model, model_from_checkpoint, tokenizer_from_spec
 from cli import DTYPES, ArgumentParser, UsageError, available_memory, check_device, number, run_cli, user_input
 from data import Tokenizer
 from model import GPT, PRESETS, GPTConfig, param_bytes, pick_device, pick_dtype, sample_next, sync
-from recursive import RELAXED_RANK, RecursiveGPT, from_vanilla
-from serve_requests import (MAX_REQUESTS, Request, check_request, corpus_requests, error_counts, jsonl_requests,
-                            parse_range, print_errors, request_generator, request_problem, synthetic_requests)
+from recursive import RecursiveGPT, from_vanilla
+from serve_requests import (MAX_REQUESTS, Request, chat_requests, chat_template, check_request, corpus_requests,
+                            error_counts, jsonl_requests, parse_range, print_errors, request_generator,
+                            request_problem, synthetic_requests)
 
 try:
     from tqdm import tqdm
@@ -456,6 +457,18 @@ def calibrate_threshold(model: RecursiveGPT, reqs, exit_rate=0.5, n=8, rule=None
 # Metrics
 
 
+def prefix_agreement(out: dict, ref: dict) -> float:
+    """Mean over requests of the share of the generated tokens before the first one that differs from `ref`'s
+    (request id -> token ids): 1.0 = the same greedy text. After a first difference the two continue from different
+    contexts, so later positions are not compared."""
+    shares = []
+    for rid, toks in out.items():
+        if rid in ref and toks:
+            n = next((i for i, (a, b) in enumerate(zip(toks, ref[rid])) if a != b), min(len(toks), len(ref[rid])))
+            shares.append(n / len(toks))
+    return sum(shares) / len(shares) if shares else float("nan")
+
+
 def _pct(xs, q):
     if not xs:
         return float("nan")
@@ -504,7 +517,8 @@ def print_table(rows: list[dict], cols: list[tuple[str, str, str]], title: str):
 SERVE_COLS = [("system", "system", ""), ("slots", "slots", "d"), ("errors", "errors", "d"), ("tokens", "tokens", "d"),
               ("tok_per_s", "tok/s", ".1f"), ("ttft_ms_p50", "TTFT p50 ms", ".1f"), ("ttft_ms_p99", "TTFT p99 ms", ".1f"),
               ("tpot_ms_p50", "tok lat p50", ".2f"), ("tpot_ms_p99", "tok lat p99", ".2f"),
-              ("mean_exit_loop", "exit loop", ".2f"), ("occupancy", "occupancy", ".2f"), ("steps", "steps", "d"),
+              ("mean_exit_loop", "exit loop", ".2f"), ("agree_vanilla", "= vanilla", ".1%"),
+              ("agree_full", "= no exit", ".1%"), ("occupancy", "occupancy", ".2f"), ("steps", "steps", "d"),
               ("step_ms", "step ms", ".2f"), ("loaded_tok_per_s", "loaded tok/s", ".1f"), ("bandwidth_GBs", "GB/s", ".0f"),
               ("bandwidth_pct_peak", "% peak", ".1f")]
 
@@ -514,19 +528,25 @@ SERVE_COLS = [("system", "system", ""), ("slots", "slots", "d"), ("errors", "err
 
 
 def build_serving_models(args, device, dtype):
-    """-> (vanilla GPT, recursive/relaxed model). Checkpoints by path, or random weights: a vanilla preset and its
-    Average + SVD relaxed conversion (B = --loops, ranks of the relaxed preset unless --lora-rank)."""
-    vanilla = rec = None
+    """-> (vanilla GPT, recursive/relaxed model, tokenizer spec or None). Checkpoints by path (the vanilla one may be
+    a pretrained model: hf:DIR, gguf:PATH, smollm2-135m), or random weights: a vanilla preset and its Average + SVD
+    relaxed conversion (B = --loops, ranks of the relaxed preset unless --lora-rank). The tokenizer is the
+    checkpoints' own (they must agree); random weights have none."""
+    vanilla = rec = v_spec = r_spec = None
     if args.vanilla_ckpt:
-        vanilla = model_from_checkpoint(load_checkpoint(args.vanilla_ckpt))
+        vanilla, _, v_spec = load_source_model(args.vanilla_ckpt)
         if type(vanilla) is not GPT:
             raise UsageError(f"--vanilla-ckpt {args.vanilla_ckpt} is not a vanilla checkpoint (it holds "
                                    f"{type(vanilla).__name__})")
     if args.ckpt:
-        rec = model_from_checkpoint(load_checkpoint(args.ckpt))
+        ck = load_checkpoint(args.ckpt)
+        rec, r_spec = model_from_checkpoint(ck), ck["tokenizer"]
         if not isinstance(rec, RecursiveGPT):
             raise UsageError(f"--ckpt {args.ckpt} is not a recursive/relaxed checkpoint (it holds "
                                    f"{type(rec).__name__})")
+    if v_spec and r_spec and v_spec != r_spec:
+        raise UsageError(f"--ckpt {args.ckpt} and --vanilla-ckpt {args.vanilla_ckpt} use different tokenizers "
+                         f"({r_spec} vs {v_spec}): they must serve the same token ids")
     if vanilla is None:
         base = dict(PRESETS[args.preset])
         if rec is not None:  # a vanilla model of the recursive one's shape (random weights)
@@ -534,11 +554,14 @@ def build_serving_models(args, device, dtype):
         torch.manual_seed(args.seed)
         vanilla = GPT(GPTConfig(**base))
     if rec is None:
-        rank = args.lora_rank if args.lora_rank is not None else RELAXED_RANK.get(args.preset, 16)
+        rank = args.lora_rank
         ranks = {f"lora_rank_{c}": rank for c in ("q", "kv", "o", "mlp")} if rank > 0 else {}
         rec = from_vanilla(vanilla, n_loops=args.loops, init="average", lora_init="svd", log=lambda *_: None,
                            **ranks)
-    return vanilla.to(device=device, dtype=dtype).eval(), rec.to(device=device, dtype=dtype).eval()
+    for m in (vanilla, rec):  # --context: the KV positions a slot holds (a pretrained model's 8k is far too many)
+        m.config.max_seq_len = min(m.config.max_seq_len, args.context or m.config.max_seq_len)
+    return (vanilla.to(device=device, dtype=dtype).eval(), rec.to(device=device, dtype=dtype).eval(),
+            r_spec or v_spec)
 
 
 def slots_for_memory(model, budget_mb, max_len, elem) -> int:
@@ -586,7 +609,7 @@ def build_comparison(args, device, dtype, requests=None):
     """The two models (checkpoints or random weights; torch.compile'd with --compile) and the requests (`requests`
     when given, else a JSONL file, corpus windows or synthetic ones) -> (vanilla, rec, requests)."""
     with user_input():  # a config the flags make impossible (a LoRA rank above full rank, ...): one line
-        vanilla, rec = build_serving_models(args, device, dtype)
+        vanilla, rec, spec = build_serving_models(args, device, dtype)
     if args.compile:
         enable_compile(vanilla, device)
         enable_compile(rec, device)
@@ -594,8 +617,10 @@ def build_comparison(args, device, dtype, requests=None):
         return vanilla, rec, requests
     check_lengths_fit(args, vanilla, rec)
     tok = None
-    if args.requests_file or args.prompts == "corpus":
-        tok = Tokenizer.from_args(None if vanilla.config.vocab_size >= 100256 else 4096, None)
+    if args.requests_file or args.prompts != "synthetic":
+        with user_input():
+            tok = tokenizer_from_spec(spec) if spec else Tokenizer.from_args(
+                None if vanilla.config.vocab_size >= 100256 else 4096, None)
     if args.requests_file:
         requests = jsonl_requests(args.requests_file, tok, parse_range(args.gen_len)[1], args.arrival, args.rate,
                                   args.seed)
@@ -604,27 +629,33 @@ def build_comparison(args, device, dtype, requests=None):
     elif args.prompts == "corpus":
         requests = corpus_requests(args.requests, tok, args.data, args.cache_dir, args.prompt_len, args.gen_len,
                                    args.arrival, args.rate, args.seed)
+    elif args.prompts == "chat":
+        with user_input():
+            template = chat_template(spec)
+        requests = chat_requests(args.requests, tok, template, args.data, args.cache_dir, args.prompt_len,
+                                 args.gen_len, args.arrival, args.rate, args.seed)
     else:
         requests = synthetic_requests(args.requests, vanilla.config.vocab_size, args.prompt_len, args.gen_len,
                                       args.arrival, args.rate, args.seed)
     return vanilla, rec, requests
 
 
-def calibrate_exits(args, rec, requests) -> tuple[str, float | None, str]:
-    """The exit rule (--exit-rule, else the learned gate when the model has one, else softmax) and the threshold
-    (given, or 'auto': calibrated so that --exit-rate of the prompt tokens leave after loop 1) -> (rule, threshold or
-    None when no request is valid, how the threshold was set)."""
+def calibrate_exits(args, rec, requests) -> tuple[str, list[float], str]:
+    """The exit rule (--exit-rule, else the learned gate when the model has one, else softmax) and the thresholds
+    (given, or 'auto': calibrated so that --exit-rate of the prompt tokens leave after loop 1) -> (rule, thresholds,
+    empty when no request is valid to calibrate on, how they were set)."""
     rule = args.exit_rule or ("gate" if rec.exit_gate is not None else "softmax")
     if rule == "gate" and rec.exit_gate is None:
         raise UsageError("--exit-rule gate needs a checkpoint trained with --exit-gate (--ckpt); this model has "
                          "no exit gate")
-    if args.exit_threshold != "auto":
-        return rule, float(args.exit_threshold), "given"
+    given = args.exit_threshold.split(",")
+    if "auto" not in given:
+        return rule, [float(t) for t in given], "given"
     try:
         thr = calibrate_threshold(rec, requests, args.exit_rate, rule=rule)
-        return rule, thr, f"auto: ~{args.exit_rate:.0%} of prompt tokens leave after loop 1"
+        return rule, [thr], f"auto: ~{args.exit_rate:.0%} of prompt tokens leave after loop 1"
     except NoValidRequest:  # every request is an error: they are reported below, nothing to calibrate on
-        return rule, None, "auto: no valid request to calibrate on"
+        return rule, [], "auto: no valid request to calibrate on"
 
 
 def run_comparison(args, device, dtype, vanilla, rec, requests, rule, thr, how) -> list[dict]:
@@ -639,8 +670,7 @@ def run_comparison(args, device, dtype, vanilla, rec, requests, rule, thr, how) 
     kw = dict(temperature=args.temperature, top_k=args.top_k, seed=args.seed)
     servers = [StaticServer(vanilla, slots["vanilla"], **kw), ContinuousServer(vanilla, slots["vanilla"], **kw),
                DepthWiseServer(rec, slots["rec"], None, **kw)]
-    if thr is not None:
-        servers.append(DepthWiseServer(rec, slots["rec"], thr, rule, **kw))
+    servers += [DepthWiseServer(rec, slots["rec"], t, rule, **kw) for t in thr]
     check_cache_memory({s.name: s.model for s in servers}, {s.name: s.slots for s in servers}, elem, device,
                        f"--batch-memory-mb {args.batch_memory_mb:g} (slots {slots['vanilla']:,} vanilla, "
                        f"{slots['rec']:,} depth-wise)" if args.batch_memory_mb else f"--slots {args.slots:,}")
@@ -649,23 +679,32 @@ def run_comparison(args, device, dtype, vanilla, rec, requests, rule, thr, how) 
           f"non-emb params | {'relaxed' if rc.relaxed else 'recursive'} B={rc.n_loops} K={rc.n_shared} "
           f"ranks {rc.lora_ranks}, {rec.num_params() / 1e6:.2f}M | {len(requests)} requests, arrivals "
           f"{args.arrival}{f' at {args.rate}/s' if args.arrival == 'poisson' else ''} | exit rule {rule}, threshold "
-          f"{'-' if thr is None else format(thr, '.4g')} "
+          f"{','.join(format(t, '.4g') for t in thr) or '-'} "
           f"({how})" + (f" | batch memory {args.batch_memory_mb} MiB -> slots {slots}" if args.batch_memory_mb else ""))
     if not args.ckpt:
-        print("RANDOM WEIGHTS (no --ckpt): the outputs are noise and the exits SIMULATED (a threshold calibrated to "
-              "--exit-rate); give --ckpt (trained with --exit-gate) to serve real exits")
+        what = (f"--vanilla-ckpt {args.vanilla_ckpt} converted without training (Average tying" +
+                (", SVD LoRA)" if rc.relaxed else ")") if args.vanilla_ckpt else "RANDOM WEIGHTS, outputs are noise")
+        print(f"EXITS SIMULATED: no --ckpt, the depth-wise model is {what}; its exit scores mean nothing, so a "
+              f"threshold is set to make a chosen share of tokens leave (--exit-rate); give --ckpt (trained with "
+              f"--exit-gate) to serve real exits")
         if vanilla.num_params() < SMALL_MODEL_PARAMS:
             print(f"SMALL MODEL ({vanilla.num_params() / 1e6:.2f}M): a decode step here is per-operator overhead, not "
                   f"weight reads, so half the layers per step save little and the exit path costs more; the depth-wise "
-                  f"bargain shows where weights dominate a step: python serve.py --preset base --lora-rank 0 "
-                  f"--exit-rate 0.633 (about a minute on 2 cores)")
+                  f"bargain shows where weights dominate a step: python serve.py (the base preset)")
+    else:
+        print(f"EXITS REAL: --ckpt {args.ckpt}, rule {rule}")
     peak = args.peak_bw * 1e9 if args.peak_bw else peak_bandwidth(device)
-    rows = []
+    rows, outputs = [], []
     for srv in servers:
         if args.warmup:  # untimed: allocator, cuBLAS, compile
             srv.run(requests[:args.warmup], clock="step")
         reqs = srv.run(requests, clock="wall", progress=not args.json)
         rows.append(summarize(srv, reqs, peak))
+        outputs.append({r.rid: r.output for r in reqs if r.error is None})
+    if args.temperature == 0:  # greedy: what the exits change in the text
+        for row, out in zip(rows, outputs):
+            row["agree_vanilla"] = prefix_agreement(out, outputs[1])
+            row["agree_full"] = prefix_agreement(out, outputs[2])
     print_table(rows, SERVE_COLS, "serving: the same requests through every system (tok lat = per-token latency ms, "
                                   "exit loop 1-based)")
     if peak:
@@ -700,15 +739,16 @@ def length_range(text: str) -> str:
 
 
 def threshold(text: str) -> str:
-    """--exit-threshold: 'auto' or a probability in (0, 1]."""
+    """--exit-threshold: 'auto' or a comma list of probabilities in (0, 1] (one depth-wise server each)."""
     if text == "auto":
         return text
-    try:
-        v = float(text)
-    except ValueError:
-        v = math.nan
-    if not 0.0 < v <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or a probability in (0, 1], got {text!r}")
+    for part in text.split(","):
+        try:
+            v = float(part)
+        except ValueError:
+            v = math.nan
+        if not 0.0 < v <= 1.0:
+            raise argparse.ArgumentTypeError(f"expected 'auto' or probabilities in (0, 1], got {part!r}")
     return text
 
 
@@ -726,20 +766,26 @@ def build_parser():
     num, pos, nonneg = number, number(int, min=1), number(int, min=0)
     ap = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     g = ap.add_argument_group("models")
-    g.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
-                   help="model.py preset of the random-weight models (default tiny)")
+    g.add_argument("--preset", default="base", choices=sorted(PRESETS),
+                   help="model.py preset of the random-weight models (default base: 125M, where weight reads dominate "
+                        "a decode step and depth-wise batching pays; tiny is per-operator overhead)")
     g.add_argument("--ckpt", default=None, help="recursive/relaxed checkpoint (train.py) for the depth-wise server")
-    g.add_argument("--vanilla-ckpt", default=None, help="vanilla checkpoint for the vanilla baselines")
+    g.add_argument("--vanilla-ckpt", default=None, help="vanilla checkpoint for the vanilla baselines, or a pretrained "
+                                                        "model: hf:DIR, gguf:PATH, smollm2-135m")
+    g.add_argument("--context", type=pos, default=None,
+                   help="KV positions per slot (default: the model's context; cap a pretrained model's 8k with it)")
     g.add_argument("--loops", type=pos, default=2, help="B of the random-weight recursive models")
-    g.add_argument("--lora-rank", type=nonneg, default=None,
-                   help="LoRA rank of the random relaxed model (0 = recursive)")
+    g.add_argument("--lora-rank", type=nonneg, default=0,
+                   help="LoRA rank of the random-weight relaxed model (default 0: recursive)")
     g.add_argument("--device", default="auto", help="auto (cuda > mps > cpu) | cpu | cuda | mps")
     g.add_argument("--dtype", default="auto", choices=DTYPES, help="auto (bf16 on GPU, fp32 on CPU) | ...")
     g.add_argument("--compile", action="store_true", help="torch.compile the decode step (ignored on CPU)")
     g = ap.add_argument_group("requests")
     g.add_argument("--requests", type=request_count, default=32,
                    help=f"synthetic / corpus requests (at most {MAX_REQUESTS:,})")
-    g.add_argument("--prompts", default="synthetic", choices=["synthetic", "corpus"], help="prompt token source")
+    g.add_argument("--prompts", default="synthetic", choices=["synthetic", "corpus", "chat"],
+                   help="prompt token source: random ids, validation corpus windows, or those windows as a chat "
+                        "question in the tokenizer's chat template (a GGUF file's)")
     g.add_argument("--requests-file", default=None, help="JSONL requests (overrides --prompts)")
     g.add_argument("--data", default="stdlib", help="--prompts corpus: train.py corpus")
     g.add_argument("--cache-dir", default="data_cache", help="--prompts corpus: token cache directory")
@@ -752,12 +798,14 @@ def build_parser():
     g.add_argument("--batch-memory-mb", type=num(float, above=0), default=None,
                    help="instead of --slots: slots that fit this many MiB of parameters + full-context KV")
     g.add_argument("--exit-threshold", type=threshold, default="auto",
-                   help="confidence threshold in (0, 1], or 'auto' (calibrated)")
+                   help="confidence threshold in (0, 1], a comma list of them (one server each), or 'auto' "
+                        "(calibrated)")
     g.add_argument("--exit-rule", default=None, choices=["softmax", "gate", "saturation"],
                    help="exit score: softmax (max probability), gate (learned; default when --ckpt has one), "
                         "saturation (cos of a loop's input and output)")
-    g.add_argument("--exit-rate", type=num(float, above=0), default=0.5,
-                   help="--exit-threshold auto: target share exiting at loop 1, in (0, 1]")
+    g.add_argument("--exit-rate", type=num(float, above=0), default=0.633,
+                   help="--exit-threshold auto: target share exiting at loop 1, in (0, 1] (default: the oracle share "
+                        "of a trained tiny recursive model, RESULTS.md)")
     g.add_argument("--temperature", type=num(float, min=0), default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=pos, default=None)
     g.add_argument("--warmup", type=nonneg, default=4, help="untimed warm-up requests per system")

@@ -5,7 +5,8 @@ serve_requests.py -- the requests serve.py serves: what a request is, where requ
     loops, times, an error). `request_generator(seed, rid)` is ONE seeded torch.Generator per request, so a sampled
     request's output does not depend on the schedule.
   * Sources: synthetic (all at once, or Poisson at a rate, seeded; lengths uniform in "a:b" ranges), windows of the
-    validation corpus (data.prepare_corpus / TokenData), or a JSONL file of
+    validation corpus (data.prepare_corpus / TokenData), those windows asked about in the model's chat template
+    (chat_requests), or a JSONL file of
     {"prompt": str | "prompt_ids": [...], "max_new_tokens": n[, "arrival": s]}, read line by line.
   * Validation: a bad request (empty prompt, prompt_ids that are not a list, ids outside the vocabulary, prompt +
     max_new_tokens longer than the context, max_new_tokens <= 0, a bad JSONL line: not UTF-8, not JSON, an arrival
@@ -151,6 +152,35 @@ def corpus_requests(n, tok, data="stdlib", cache_dir="data_cache", prompt_len="8
     x, _ = val.get_batch(n, parse_range(prompt_len)[1], step_generator(seed, -7))
     for r in reqs:
         r.prompt = x[r.rid, :len(r.prompt)].tolist()
+    return reqs
+
+
+CHAT_QUESTION = "What does this Python code do? Explain briefly.\n\n```python\n{code}\n```"
+
+
+def chat_template(spec) -> str:
+    """The chat template of a tokenizer spec: a GGUF file's tokenizer.chat_template (Hugging Face directories keep
+    theirs in tokenizer_config.json, not read here). ValueError when there is none."""
+    if not spec or spec.get("kind") != "gguf":
+        raise ValueError("--prompts chat needs a model whose tokenizer has a chat template (a GGUF file's: "
+                         "--vanilla-ckpt smollm2-135m, or a --ckpt converted from one)")
+    from hf import gguf_chat_template
+
+    return gguf_chat_template(spec["path"])
+
+
+def chat_requests(n, tok, template, data="stdlib", cache_dir="data_cache", prompt_len="8:48", gen_len="8:64",
+                  arrival="all", rate=10.0, seed=0):
+    """Chat prompts: each corpus window (corpus_requests) becomes a user question about that code, rendered with the
+    model's chat template (its default system prompt included) and the assistant turn opened, as a chat front end
+    sends it. The prompt is longer than the window by the template's tokens."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment  # the template comes from a model file: no side effects
+
+    render = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(template).render
+    reqs = corpus_requests(n, tok, data, cache_dir, prompt_len, gen_len, arrival, rate, seed)
+    for r in reqs:
+        question = CHAT_QUESTION.format(code=tok.decode(r.prompt).strip())
+        r.prompt = tok.encode(render(messages=[{"role": "user", "content": question}], add_generation_prompt=True))
     return reqs
 
 

@@ -107,21 +107,22 @@ SERVE_MISTAKES = [
     (["--rate", "0", "--arrival", "poisson"], "argument --rate: must be > 0"),
     (["--batch-memory-mb", "0.001"], "does not hold the parameters and one slot"),
     (["--lora-rank", "1000"], "lora_rank_q=1000 exceeds"),
+    (["--exit-threshold", "0.5,2"], "probabilities in (0, 1], got '2'"),
     (["--loops", "3"], "n_layer=4 is not divisible by n_loops=3"),
 ]
 
 
 @pytest.mark.parametrize("argv,match", SERVE_MISTAKES, ids=[" ".join(a) for a, _ in SERVE_MISTAKES])
 def test_serve_mistakes_are_one_line_and_exit_code_2(capsys, argv, match):
-    _one_error_line(capsys, serve.main, ["--warmup", "0", "--requests", "2", *argv], match)
+    _one_error_line(capsys, serve.main, ["--preset", "tiny", "--warmup", "0", "--requests", "2", *argv], match)
 
 
 def test_serve_checkpoint_mistakes(files, capsys):
     rnd = str(files / "random.pt")
-    _one_error_line(capsys, serve.main, ["--ckpt", rnd], f"checkpoint {rnd} is corrupt")
+    _one_error_line(capsys, serve.main, ["--preset", "tiny", "--ckpt", rnd], f"checkpoint {rnd} is corrupt")
     empty = files / "empty.jsonl"
     empty.write_text("\n")
-    _one_error_line(capsys, serve.main, ["--requests-file", str(empty)], "holds no request")
+    _one_error_line(capsys, serve.main, ["--preset", "tiny", "--requests-file", str(empty)], "holds no request")
 
 
 def test_the_commands_themselves(files):

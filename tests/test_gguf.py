@@ -93,13 +93,17 @@ def stored(name: str, w: np.ndarray, kind, g) -> np.ndarray:
     return quantize(w, kind)
 
 
-def write_tiny_gguf(path, arch="llama", drop=(), retype=None, pre="smollm", add_bos=False):
+CHAT = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def write_tiny_gguf(path, arch="llama", drop=(), retype=None, pre="smollm", add_bos=False, chat=CHAT):
     """The tiny model as a GGUF file; q/k permuted as llama.cpp stores them. -> the HF-layout fp32 weights that the
     F32 tensors hold exactly."""
     weights, g = tiny_weights(), np.random.default_rng(1)
     wr = GGUFWriter(str(path), arch)
     wr.add_block_count(LAYERS)
-    wr.add_context_length(64)
+    wr.add_context_length(512)
     wr.add_embedding_length(D)
     wr.add_feed_forward_length(M)
     wr.add_head_count(H)
@@ -116,6 +120,8 @@ def write_tiny_gguf(path, arch="llama", drop=(), retype=None, pre="smollm", add_
     wr.add_bos_token_id(1)
     wr.add_eos_token_id(2)
     wr.add_add_bos_token(add_bos)
+    if chat:
+        wr.add_chat_template(chat)
     for name, w in weights.items():
         if name in drop:
             continue
@@ -414,3 +420,46 @@ def test_keep_layers_is_the_chosen_layers_of_the_source(tmp_path, tiny):
     assert torch.equal(ck["model"]["blocks.0.attn.q_proj.weight"], src.blocks[0].attn.q_proj.weight)
     with pytest.raises(cli.UsageError, match="needs --init-from"):
         train.train(["--keep-layers", "lower:1", "--out-dir", str(tmp_path / "o2")])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# serve.py on a pretrained model: the GGUF file as the vanilla baseline, its tokenizer and chat template
+
+
+def test_serve_a_gguf_vanilla_with_chat_prompts_thresholds_and_agreement(tmp_path, tiny, capsys):
+    import serve
+
+    path, _ = tiny
+    corpus = write_jsonl(tmp_path / "data" / "c.jsonl", [f"def f{i}(x):\n    return x * {i}\n" * 8 for i in range(40)])
+    common = ["--vanilla-ckpt", f"gguf:{path}", "--context", "256", "--data", str(corpus), "--cache-dir",
+              str(tmp_path / "cache"), "--requests", "3", "--prompt-len", "6:10", "--gen-len", "5", "--warmup", "0",
+              "--slots", "2", "--dtype", "float32", "--device", "cpu"]
+    res = serve.main(common + ["--prompts", "chat", "--exit-threshold", "0.2,0.99", "--json"])
+    out = capsys.readouterr().out
+    assert "EXITS SIMULATED: no --ckpt, the depth-wise model is --vanilla-ckpt gguf:" in out
+    rows = {r["system"]: r for r in res["serve"]}
+    assert len(rows) == 5 and all(r["errors"] == 0 and r["tokens"] == 15 for r in rows.values())
+    assert rows["vanilla continuous"]["agree_vanilla"] == 1.0 and rows["depth-wise no exit"]["agree_full"] == 1.0
+    assert rows["vanilla static"]["agree_vanilla"] == 1.0  # static batching: the same greedy text
+    # the chat prompts: the template around a corpus window, the assistant turn opened
+    import serve_requests
+
+    tok = data.Tokenizer(hf.gguf_tokenizer_spec(str(path)))
+    reqs = serve_requests.chat_requests(3, tok, CHAT, str(corpus), str(tmp_path / "cache"), "6:10", "5")
+    text = tok.hf.decode(reqs[0].prompt, skip_special_tokens=False)
+    assert text.startswith("<|im_start|>user\nWhat does this Python code do?") and \
+        text.endswith("```<|im_end|>\n<|im_start|>assistant\n")
+    # a tokenizer without a chat template, and models of two tokenizers, are one line each
+    bare = tmp_path / "bare.gguf"
+    write_tiny_gguf(bare, chat=None)
+    with pytest.raises(SystemExit):
+        serve.main(common[:1] + [f"gguf:{bare}"] + common[2:] + ["--prompts", "chat"])
+    assert "has no tokenizer.chat_template" in capsys.readouterr().err
+
+
+def test_prefix_agreement_counts_tokens_before_the_first_difference():
+    import serve
+
+    ref = {0: [1, 2, 3, 4], 1: [5, 6], 2: [7]}
+    assert serve.prefix_agreement({0: [1, 2, 9, 4], 1: [5, 6], 2: [8]}, ref) == pytest.approx((0.5 + 1 + 0) / 3)
+    assert serve.prefix_agreement(ref, ref) == 1.0

@@ -174,7 +174,7 @@ def test_each_bad_request_reason_in_the_table_and_in_json(tmp_path, capsys):
              {"prompt_ids": [1, 99999], "max_new_tokens": 3}, {"prompt_ids": [], "max_new_tokens": 3},
              {"prompt_ids": [1, 2], "max_new_tokens": 0}, {"prompt_ids": [5] * 300, "max_new_tokens": 2}]
     f.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n")
-    serve.main(["--requests-file", str(f), "--warmup", "0", "--json"])
+    serve.main(["--preset", "tiny", "--requests-file", str(f), "--warmup", "0", "--json"])
     out = capsys.readouterr().out
     rows = json.loads(out.splitlines()[-1])["serve"]
     expect = {"1": "bad request line 2 of", "2": "line 4 of", "3": "r.jsonl:5: prompt token id 99999 is outside",
@@ -194,7 +194,7 @@ def test_no_valid_request_with_a_given_threshold_reports_zeros(tmp_path, capsys)
     f = tmp_path / "bad.jsonl"
     f.write_text('{"prompt_ids": []}\n{oops\n')
     for thr in ("0.9", "auto"):
-        res = serve.main(["--requests-file", str(f), "--exit-threshold", thr, "--json"])
+        res = serve.main(["--preset", "tiny", "--requests-file", str(f), "--exit-threshold", thr, "--json"])
         out = capsys.readouterr().out
         assert all(r["tokens"] == 0 and r["errors"] == 2 for r in res["serve"])
         assert "throughput vs vanilla" not in out and "request errors (every system): 1 bad request line, 1 empty " \
@@ -291,7 +291,7 @@ SERVE_LIMITS = [  # the run's own limits: one line, before any server runs
     (["--arrival", "poisson", "--rate", "1e-9"], "--rate 1e-09: the 2 Poisson arrivals span"),
     (["--slots", "100000000"], "--slots 100,000,000: the servers' KV caches need"),
     (["--batch-memory-mb", "1e12"], "--batch-memory-mb 1e+12 (slots "),
-    (["--preset", "base", "--slots", "100000"], "--slots 100,000: the servers' KV caches need"),
+    (["--preset", "base", "--slots", "100000"], "--slots 100,000: the servers' KV caches need"),  # the last --preset wins
 ]
 
 
@@ -299,7 +299,7 @@ SERVE_LIMITS = [  # the run's own limits: one line, before any server runs
 def test_serve_limits_are_one_line_before_serving(capsys, argv, match):
     from test_cli_errors import _one_error_line
 
-    _one_error_line(capsys, serve.main, ["--warmup", "0", "--requests", "2", "--lora-rank", "0", *argv], match)
+    _one_error_line(capsys, serve.main, ["--preset", "tiny", "--warmup", "0", "--requests", "2", *argv], match)
 
 
 def test_memory_check_counts_every_servers_cache(capsys, monkeypatch):
@@ -308,7 +308,7 @@ def test_memory_check_counts_every_servers_cache(capsys, monkeypatch):
     + one prefill's temporary cache = 5 x 8 MiB."""
     monkeypatch.setattr(serve, "available_memory", lambda device: (10 ** 6, "test"))
     with pytest.raises(SystemExit):
-        serve.main(["--warmup", "0", "--requests", "2", "--lora-rank", "0", "--dtype", "float32"])
+        serve.main(["--preset", "tiny", "--warmup", "0", "--requests", "2", "--dtype", "float32"])
     err = capsys.readouterr().err
     assert f"need 0.0419 GB ({5 * 8 * 2 ** 20:,} bytes" in err and "has 0.001 GB (1,000,000 bytes) available (test)" \
         in err
@@ -322,20 +322,23 @@ def test_serve_command_with_a_directory(tmp_path):
     from conftest import ROOT
 
     r = subprocess.run([sys.executable, str(ROOT / "serve.py"), "--requests-file", str(tmp_path), "--warmup", "0",
-                        "--lora-rank", "0"], capture_output=True, text=True, timeout=120)
+                        "--preset", "tiny"], capture_output=True, text=True, timeout=120)
     err = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 2 and err == [f"error: --requests-file {tmp_path} is a directory, not a JSONL file"], \
         r.stderr
 
 
-def test_demo_without_checkpoint_says_random_weights_and_when_the_model_is_too_small(capsys, monkeypatch):
-    """`python serve.py` alone: the table is labelled RANDOM WEIGHTS / SIMULATED exits, and at the tiny preset it
-    names the command where the depth-wise bargain can show; above the size limit that line is not printed."""
-    serve.main(["--warmup", "0", "--requests", "2", "--lora-rank", "0", "--dtype", "float32", "--gen-len", "2"])
+def test_demo_says_where_the_exits_come_from_and_when_the_model_is_too_small(capsys, monkeypatch):
+    """`python serve.py` alone serves the base preset with simulated exits (RESULTS.md: depth-wise + exits ahead of
+    continuous batching there); every table says whether its exits are SIMULATED (no --ckpt: random weights, or the
+    pretrained vanilla model converted without training) or REAL, and at the tiny preset it names the command where
+    the depth-wise bargain shows."""
+    args = serve.build_parser().parse_args([])
+    assert (args.preset, args.lora_rank, args.exit_rate, args.exit_threshold) == ("base", 0, 0.633, "auto")
+    serve.main(["--preset", "tiny", "--warmup", "0", "--requests", "2", "--dtype", "float32", "--gen-len", "2"])
     out = capsys.readouterr().out
-    assert "RANDOM WEIGHTS (no --ckpt)" in out and "exits SIMULATED" in out
-    assert "SMALL MODEL (" in out and "python serve.py --preset base --lora-rank 0" in out
+    assert "EXITS SIMULATED: no --ckpt, the depth-wise model is RANDOM WEIGHTS" in out
+    assert "SMALL MODEL (" in out and "python serve.py (the base preset)" in out
     monkeypatch.setattr(serve, "SMALL_MODEL_PARAMS", 0)
-    serve.main(["--warmup", "0", "--requests", "2", "--lora-rank", "0", "--dtype", "float32", "--gen-len", "2"])
-    out = capsys.readouterr().out
-    assert "RANDOM WEIGHTS (no --ckpt)" in out and "SMALL MODEL" not in out
+    serve.main(["--preset", "tiny", "--warmup", "0", "--requests", "2", "--dtype", "float32", "--gen-len", "2"])
+    assert "SMALL MODEL (" not in capsys.readouterr().out
