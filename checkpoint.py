@@ -12,19 +12,22 @@ A checkpoint is one torch.save'd dict, read back with weights_only=True (no code
     optimizer       AdamW's state (what --resume needs to continue exactly), step, best_val_loss, val_loss
     tokenizer       data.Tokenizer's spec
     args            the run's flags (--resume restores them)
-It is written to a temporary name and renamed, so a crash or a full disk never leaves half a checkpoint and the last
-good one stays. Every problem with a file is a cli.CheckpointError naming it. --init-from and --teacher also take
-hf:DIR, a local Hugging Face checkpoint (hf.py), through load_source_model; --init-from a checkpoint of the same
-architecture keeps its shapes and takes the config fields of the recipe flags typed (init_same_arch). --resume takes
-the run's flags back from the checkpoint and refuses, naming them, flags typed now that contradict it
-(restore_run_args).
+It is written to a fresh temporary file in the same directory (created exclusively: never a link already there) and
+renamed, so a crash or a full disk never leaves half a checkpoint and the last good one stays. Every problem with a
+file is a cli.CheckpointError naming it. --init-from and --teacher also take hf:DIR, a local Hugging Face checkpoint
+(hf.py), through load_source_model; --init-from a checkpoint of the same architecture keeps its shapes and takes the
+config fields of the recipe flags typed (init_same_arch). --resume takes the run's flags back from the checkpoint and
+refuses, naming them, flags typed now that contradict it (restore_run_args).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import importlib
 import math
 import os
+import tempfile
 import warnings
 from dataclasses import asdict
 from pathlib import Path
@@ -57,20 +60,37 @@ CKPT_FORMAT = "nano-efficient-inference/ckpt"
 
 
 def save_checkpoint(path: Path, obj: dict):
-    """torch.save to a temp name in the same directory, then rename: a crash never leaves half a checkpoint, and the
-    previous checkpoint stays until the new one is whole. A write that fails (a full disk: torch reports it as a
-    RuntimeError "unexpected pos") removes its temp file and is a CheckpointError."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
+    """torch.save (with the CRC-32 of every record switched on, whatever torch's global setting) to a fresh temporary
+    file in the same directory, then rename: a crash never leaves half a checkpoint, and the previous checkpoint stays
+    until the new one is whole. The temporary file is created exclusively (mkstemp: a link or file already there is
+    never followed or overwritten). A write that fails (a full disk: torch reports it as a RuntimeError "unexpected
+    pos"; a directory that cannot be written) removes the temporary file and is a CheckpointError."""
+    tmp = None
+    crc = torch.serialization.get_crc32_options()
     try:
-        torch.save(obj, tmp)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        with open(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o666 & ~_UMASK)  # mkstemp's 0600 -> what open() would give the checkpoint
+            torch.serialization.set_crc32_options(True)
+            torch.save(obj, f)
         os.replace(tmp, path)
     except BaseException as e:
-        tmp.unlink(missing_ok=True)
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
         if isinstance(e, (OSError, RuntimeError)):
-            raise CheckpointError(f"writing checkpoint {path} failed ({type(e).__name__}: {one_line(e)}; a full "
-                                  f"disk?); its temporary file {tmp.name} was removed") from e
+            full = "; a full disk?" if isinstance(e, RuntimeError) or getattr(e, "errno", None) == errno.ENOSPC else ""
+            gone = f"; its temporary file {Path(tmp).name} was removed" if tmp is not None else ""
+            raise CheckpointError(f"writing checkpoint {path} failed ({type(e).__name__}: {one_line(e)}{full}){gone}") \
+                from e
         raise
+    finally:
+        torch.serialization.set_crc32_options(crc)
+
+
+_UMASK = os.umask(0o22)  # read once at import (os.umask can only be read by setting it)
+os.umask(_UMASK)
 
 
 def load_checkpoint(path) -> dict:

@@ -354,8 +354,7 @@ def test_a_failed_checkpoint_write_keeps_the_last_good_one(files, capsys, tmp_pa
     def disk_full_at_step_4(obj, f):
         if obj["step"] != 4:
             return real_save(obj, f)
-        with open(f, "wb") as fh:
-            fh.write(b"\0" * 960)  # part of the checkpoint, then the disk is full
+        f.write(b"\0" * 960)  # part of the checkpoint (into the temporary file), then the disk is full
         raise error
 
     monkeypatch.setattr(torch, "save", disk_full_at_step_4)
@@ -423,3 +422,39 @@ def test_a_diverged_run_says_so_in_one_warning(files, capsys, tmp_path):
     assert len(err) == 1 and err[0].startswith(f"warning: validation loss {vals[1]:.4f} at step 2 is above ln(513) + 1 "
                                                f"= 7.2403, a nat worse than a uniform guess: the run has diverged "
                                                f"(lower --lr, now 3)"), err
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The checkpoint's temporary file: a fresh name, created exclusively; a failure there is one line
+
+
+def test_a_link_at_the_old_temporary_name_is_never_followed(files, capsys, tmp_path):
+    out, victim = tmp_path / "o", tmp_path / "victim.txt"
+    out.mkdir()
+    victim.write_text("keep me")
+    (out / "ckpt.pt.tmp").symlink_to(victim)
+    train.main(_train_args(files, "--out-dir", str(out)))
+    assert victim.read_text() == "keep me" and (out / "ckpt.pt.tmp").is_symlink()
+    assert sorted(p.name for p in out.iterdir()) == ["ckpt.pt", "ckpt.pt.tmp"] and not (out / "ckpt.pt").is_symlink()
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (out / "ckpt.pt").stat().st_mode & 0o777 == 0o666 & ~umask  # not mkstemp's 0600
+    assert checkpoint.load_checkpoint(out / "ckpt.pt")["step"] == 1
+
+
+def test_file_system_failures_at_the_temporary_file_are_checkpoint_errors(tmp_path, monkeypatch):
+    obj = {"format": checkpoint.CKPT_FORMAT, "w": torch.ones(3)}
+    (tmp_path / "ckpt.pt").mkdir()  # the rename onto a directory fails: the temporary file is removed
+    with pytest.raises(cli.CheckpointError, match=r"writing checkpoint .*ckpt.pt failed \(IsADirectoryError: .*\); "
+                                                  r"its temporary file \.ckpt\.pt\..*\.tmp was removed$"):
+        checkpoint.save_checkpoint(tmp_path / "ckpt.pt", obj)
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
+    denied = lambda **kw: (_ for _ in ()).throw(PermissionError(13, "Permission denied"))  # noqa: E731
+    monkeypatch.setattr(checkpoint.tempfile, "mkstemp", denied)
+    with pytest.raises(cli.CheckpointError, match=r"writing checkpoint .*other.pt failed \(PermissionError: \[Errno "
+                                                  r"13\] Permission denied\)$"):
+        checkpoint.save_checkpoint(tmp_path / "other.pt", obj)
+    monkeypatch.undo()
+    (tmp_path / "file").write_text("x")  # a file where the checkpoint's directory should be
+    with pytest.raises(cli.CheckpointError, match="writing checkpoint .* failed"):
+        checkpoint.save_checkpoint(tmp_path / "file" / "ckpt.pt", obj)
