@@ -39,7 +39,8 @@ import torch
 import torch.nn.functional as F
 
 import kernels as K
-from cli import DTYPES, ArgumentParser, UsageError, comma_list, number, one_of, run_cli, run_subcommand, user_input
+from cli import (DTYPES, ArgumentParser, UsageError, comma_list, number, one_of, path_arg, run_cli, run_subcommand,
+                 threads_arg, user_input)
 from model import (GPT, LINEAR_PROBE_BYTES, LINEAR_PRODUCTS, PRESETS, GPTConfig, cpu_key, force_linear, linear_report,
                    param_bytes, pick_device, pick_dtype, sync, timeit)
 
@@ -981,7 +982,7 @@ def build_parser():
 
     def machine(p):
         p.add_argument("--device", default="auto", help="cpu | cuda | mps | auto")
-        p.add_argument("--threads", type=pos, default=None, help="CPU threads (default: torch's)")
+        p.add_argument("--threads", type=threads_arg, default=None, help="CPU threads (default: torch's)")
 
     def common(p, preset="base", presets=PRESETS):
         machine(p)
@@ -1006,7 +1007,8 @@ def build_parser():
 
     p = sub.add_parser("train", help="training tok/s vs nanoGPT's model.py at the same shape")
     common(p, "small")
-    p.add_argument("--nanogpt", default=None, help="a nanoGPT checkout (its model.py is imported from there)")
+    p.add_argument("--nanogpt", type=path_arg, default=None,
+                   help="a nanoGPT checkout (its model.py is imported from there)")
     p.add_argument("--train-batch", type=pos, default=8, help="sequences per step")
     p.add_argument("--seq-len", type=pos, default=256, help="tokens per sequence")
     p.add_argument("--no-fused-adamw", dest="fused_adamw", action="store_false", help="plain AdamW for ours on CPU")
@@ -1101,7 +1103,7 @@ def build_parser():
     p.add_argument("--dtype", default="auto", choices=DTYPES, help="bfloat16 | float16 | float32 | auto (bf16 on CUDA)")
     p.add_argument("--warmup", type=nonneg, default=None, help="untimed calls first (default: 10 on CUDA, 1 on CPU)")
     p.add_argument("--iters", type=pos, default=None, help="timed calls (default: 50 on CUDA, 3 on CPU)")
-    p.add_argument("--threads", type=pos, default=None, help="CPU threads (default: torch's)")
+    p.add_argument("--threads", type=threads_arg, default=None, help="CPU threads (default: torch's)")
     p.set_defaults(fn=bench_kernels)
     return ap
 

@@ -78,7 +78,8 @@ from dataclasses import dataclass, field
 import torch
 
 from checkpoint import load_checkpoint, model_from_checkpoint
-from cli import DTYPES, ArgumentParser, UsageError, available_memory, check_device, number, run_cli, user_input
+from cli import (DTYPES, ArgumentParser, UsageError, available_memory, check_device, number, path_arg, run_cli,
+                 seed_arg, user_input)
 from data import TokenData, Tokenizer, prepare_corpus, step_generator
 from model import GPT, PRESETS, GPTConfig, param_bytes, pick_device, pick_dtype, sample_next, sync
 from recursive import RELAXED_RANK, RecursiveGPT, from_vanilla
@@ -130,7 +131,7 @@ class Request:
 
 def request_generator(seed: int, rid: int, device="cpu") -> torch.Generator:
     """The sampling generator of request rid: outputs do not depend on the schedule."""
-    return torch.Generator(device=device).manual_seed(seed * 1_000_003 + rid)
+    return torch.Generator(device=device).manual_seed((seed * 1_000_003 + rid) % 2 ** 64)  # what torch takes
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -915,8 +916,9 @@ def build_parser():
     g = ap.add_argument_group("models")
     g.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
                    help="model.py preset of the random-weight models (default tiny)")
-    g.add_argument("--ckpt", default=None, help="recursive/relaxed checkpoint (train.py) for the depth-wise server")
-    g.add_argument("--vanilla-ckpt", default=None, help="vanilla checkpoint for the vanilla baselines")
+    g.add_argument("--ckpt", type=path_arg, default=None,
+                   help="recursive/relaxed checkpoint (train.py) for the depth-wise server")
+    g.add_argument("--vanilla-ckpt", type=path_arg, default=None, help="vanilla checkpoint for the vanilla baselines")
     g.add_argument("--loops", type=pos, default=2, help="B of the random-weight recursive models")
     g.add_argument("--lora-rank", type=nonneg, default=None,
                    help="LoRA rank of the random relaxed model (0 = recursive)")
@@ -927,9 +929,9 @@ def build_parser():
     g.add_argument("--requests", type=request_count, default=32,
                    help=f"synthetic / corpus requests (at most {MAX_REQUESTS:,})")
     g.add_argument("--prompts", default="synthetic", choices=["synthetic", "corpus"], help="prompt token source")
-    g.add_argument("--requests-file", default=None, help="JSONL requests (overrides --prompts)")
-    g.add_argument("--data", default="stdlib", help="--prompts corpus: train.py corpus")
-    g.add_argument("--cache-dir", default="data_cache", help="--prompts corpus: token cache directory")
+    g.add_argument("--requests-file", type=path_arg, default=None, help="JSONL requests (overrides --prompts)")
+    g.add_argument("--data", type=path_arg, default="stdlib", help="--prompts corpus: train.py corpus")
+    g.add_argument("--cache-dir", type=path_arg, default="data_cache", help="--prompts corpus: token cache directory")
     g.add_argument("--prompt-len", type=length_range, default="8:48", help="prompt lengths, 'a:b' uniform or 'a'")
     g.add_argument("--gen-len", type=length_range, default="8:32", help="max_new_tokens, 'a:b' uniform or 'a'")
     g.add_argument("--arrival", default="all", choices=["all", "poisson"], help="arrival process")
@@ -952,7 +954,7 @@ def build_parser():
                    help="device peak bandwidth in GB/s (default: known GPUs)")
     g = ap.add_argument_group("output")
     g.add_argument("--json", action="store_true", help="print one JSON line with every result at the end")
-    g.add_argument("--seed", type=nonneg, default=1337)
+    g.add_argument("--seed", type=seed_arg, default=1337)
     return ap
 
 

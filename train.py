@@ -67,7 +67,8 @@ from tqdm import tqdm
 
 import tasks
 from cli import (DTYPES, ArgumentParser, CheckpointError, Stopped, UsageError, available_memory, check_device,
-                 check_disk_space, check_writable_dir, flag_name, number, run_cli, stop_signals, user_input)
+                 check_disk_space, check_writable_dir, flag_name, number, path_arg, run_cli, seed_arg,
+                 stop_signals, user_input)
 from checkpoint import (CKPT_FORMAT, arch_table, check_resumable, init_same_arch, load_checkpoint,
                         load_optimizer_state, load_source_model, load_source_tokenizer, model_from_checkpoint,
                         restore_run_args, save_checkpoint)
@@ -462,15 +463,16 @@ def build_parser(table) -> ArgumentParser:
     pos, nonneg = number(int, min=1), number(int, min=0)
     ap.add_argument("--arch", default="vanilla", choices=sorted(table), help="architecture to train")
     ap.add_argument("--preset", default="tiny", help="config preset of the architecture (tiny, small, base, ...)")
-    ap.add_argument("--data", default="stdlib",
+    ap.add_argument("--data", type=path_arg, default="stdlib",
                     help="'stdlib' (offline default corpus), a directory / glob / file of .jsonl(.zst) shards, or "
                          "task:phop (a synthetic task that needs depth, tasks.py)")
-    ap.add_argument("--val-data", default=None, help="validation shards (default: a split of --data by file)")
+    ap.add_argument("--val-data", type=path_arg, default=None,
+                    help="validation shards (default: a split of --data by file)")
     ap.add_argument("--exclude-sets", default="", help="comma-separated redpajama_set_name values to skip")
-    ap.add_argument("--cache-dir", default="data_cache", help="where tokenized shards are kept")
+    ap.add_argument("--cache-dir", type=path_arg, default="data_cache", help="where tokenized shards are kept")
     ap.add_argument("--vocab-size", type=number(int, min=256), default=None,
                     help="cut cl100k to this many merge ranks (+1 end-of-text id); default 4096")
-    ap.add_argument("--tokenizer", default=None, help="a full tiktoken encoding name, or hf:DIR")
+    ap.add_argument("--tokenizer", type=path_arg, default=None, help="a full tiktoken encoding name, or hf:DIR")
     ap.add_argument("--max-iters", type=pos, default=None, help="optimizer steps (default: the arch's)")
     ap.add_argument("--batch-size", type=pos, default=16, help="sequences per micro-batch per process")
     ap.add_argument("--seq-len", type=pos, default=256, help="tokens per sequence")
@@ -486,17 +488,18 @@ def build_parser(table) -> ArgumentParser:
     ap.add_argument("--eval-interval", type=pos, default=None, help="steps between evaluations and checkpoints")
     ap.add_argument("--eval-iters", type=pos, default=10, help="validation batches per evaluation")
     ap.add_argument("--log-interval", type=pos, default=10, help="steps between log lines")
-    ap.add_argument("--out-dir", default=None, help="checkpoint directory (default out/ARCH)")
+    ap.add_argument("--out-dir", type=path_arg, default=None, help="checkpoint directory (default out/ARCH)")
     ap.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | mps | auto")
     ap.add_argument("--dtype", default="auto", choices=DTYPES, help="auto (bf16 autocast where supported) | ...")
     ap.add_argument("--compile", action="store_true", help="torch.compile the model (off on CPU by default)")
-    ap.add_argument("--seed", type=nonneg, default=1337, help="seeds init, data order and sampling")
+    ap.add_argument("--seed", type=seed_arg, default=1337, help="seeds init, data order and sampling")
     ap.add_argument("--resume", action="store_true",
                     help="continue OUT_DIR/ckpt.pt exactly, with the flags of its run (restored from the checkpoint)")
-    ap.add_argument("--init-from", default=None,
+    ap.add_argument("--init-from", type=path_arg, default=None,
                     help="start from weights: a checkpoint of the same arch (its shape, this run's training-recipe "
                          "flags), a vanilla checkpoint to convert, or hf:DIR (a local Hugging Face checkpoint)")
-    ap.add_argument("--teacher", default=None, help="checkpoint (or hf:DIR) of a teacher for knowledge distillation")
+    ap.add_argument("--teacher", type=path_arg, default=None,
+                    help="checkpoint (or hf:DIR) of a teacher for knowledge distillation")
     ap.add_argument("--kd", default="none", choices=["none", "fkl", "rkl", "jsd", "tvd"],
                     help="divergence between teacher and student")
     ap.add_argument("--kd-weight", type=number(float, min=0), default=1.0, help="weight of the distillation term")

@@ -581,3 +581,67 @@ def test_file_system_failures_at_the_temporary_file_are_checkpoint_errors(tmp_pa
     (tmp_path / "file").write_text("x")  # a file where the checkpoint's directory should be
     with pytest.raises(cli.CheckpointError, match="writing checkpoint .* failed"):
         checkpoint.save_checkpoint(tmp_path / "file" / "ckpt.pt", obj)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Ambiguous and out-of-range values: empty paths, devices this build cannot run, seeds, recipe values
+
+
+EMPTY_PATHS = [(train.main, ["--" + f, ""], f"argument --{f}: expected a path, got ''")
+               for f in ("init-from", "teacher", "tokenizer", "out-dir", "data", "val-data", "cache-dir")]
+EMPTY_PATHS += [(serve.main, ["--" + f, ""], f"argument --{f}: expected a path, got ''")
+                for f in ("ckpt", "vanilla-ckpt", "requests-file", "data", "cache-dir")]
+EMPTY_PATHS += [(lambda a: __import__("eval").main(a), ["exits", "--ckpt", ""], "argument --ckpt: expected a path"),
+                (lambda a: __import__("eval").main(a), ["double-eval", ""], "argument CKPT: expected a path"),
+                (lambda a: __import__("eval").main(a), ["block", "--eval", ""], "argument --eval: expected a path"),
+                (lambda a: __import__("bench").main(a), ["train", "--nanogpt", ""], "argument --nanogpt: expected a "
+                                                                                     "path"),
+                (hf.main, [""], "argument dir: expected a path, got ''")]
+
+
+@pytest.mark.parametrize("run,argv,match", EMPTY_PATHS, ids=[" ".join(a) for _, a, _ in EMPTY_PATHS])
+def test_an_empty_path_is_an_error_naming_the_flag(capsys, run, argv, match):
+    _one_error_line(capsys, run, argv, match)
+
+
+DEVICE_COMMANDS = {"train": train.main, "serve": serve.main, "hf": lambda a: hf.main(["some/dir", *a]),
+                   "bench": lambda a: __import__("bench").main(["decode", *a]),
+                   "eval": lambda a: __import__("eval").main(["exits", "--ckpt", "x.pt", *a])}
+
+
+@pytest.mark.parametrize("device", ["xla", "vulkan", "xpu", "meta", "hpu"])
+@pytest.mark.parametrize("command", sorted(DEVICE_COMMANDS))
+def test_devices_this_build_cannot_run_are_one_line(capsys, monkeypatch, command, device):
+    monkeypatch.setattr(train, "setup_distributed", lambda *a: pytest.fail("work started"))
+    _one_error_line(capsys, DEVICE_COMMANDS[command], ["--device", device],
+                    f"--device {device}: the commands run on cpu, cuda, mps (or auto), not {device}")
+
+
+def test_other_device_mistakes(capsys, monkeypatch):
+    _one_error_line(capsys, train.main, ["--device", "cpu:1"], "--device cpu:1: there is one CPU device (cpu)")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    _one_error_line(capsys, serve.main, ["--device", "cuda:3"], "--device cuda:3: this machine has 1 CUDA device(s)")
+
+
+def test_more_threads_than_cpus_is_one_line(capsys):
+    """torch.set_num_threads takes 100000 and starts them all (the interpreter then crashes); 1e12 overflows it."""
+    import bench
+    import eval as eval_py
+
+    match = f"argument --threads: must be <= {os.cpu_count()}, got 100000"
+    _one_error_line(capsys, bench.main, ["decode", "--threads", "100000"], match)
+    _one_error_line(capsys, eval_py.main, ["energy", "--ckpt", "x", "--threads", "100000"], match)
+
+
+SEED_MAX = 2 ** 64 - 1
+
+
+def test_the_largest_seed_works_where_seeds_are_derived(capsys):
+    """serve.py seeds every request's generator from --seed and the request id, eval.py its windows from --seed and
+    the batch: at the largest seed torch takes, both stay within what manual_seed accepts."""
+    torch.manual_seed(SEED_MAX)
+    assert serve.request_generator(SEED_MAX, 7).initial_seed() == (SEED_MAX * 1_000_003 + 7) % 2 ** 64
+    serve.main(["--warmup", "0", "--requests", "2", "--prompt-len", "2", "--gen-len", "2", "--temperature", "1",
+                "--seed", str(SEED_MAX)])
+    assert "throughput vs vanilla continuous" in capsys.readouterr().out
