@@ -426,6 +426,84 @@ def test_a_diverged_run_says_so_in_one_warning(files, capsys, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# tasks.py joins the contract: every subcommand's mistakes are one line and exit code 2, before any run starts
+
+import tasks  # noqa: E402
+
+
+@pytest.fixture
+def results_files(tmp_path):
+    """Results files of `tasks.py depth`: none, a directory, empty, malformed lines, a record of something else."""
+    good = json.dumps({"row": "plt-2", "seed": 0, "argv": [], "acc": {"1": 1.0, "2": 0.5}})
+    for name, text in [("empty.jsonl", "\n"), ("not_json.jsonl", good + "\n{oops\n"),
+                       ("deep.jsonl", "[" * 100_000 + "]" * 100_000 + "\n"),
+                       ("other.jsonl", json.dumps({"row": "plt-2", "seed": 0, "loss": 3.2}) + "\n")]:
+        (tmp_path / name).write_text(text)
+    return tmp_path
+
+
+TASKS_MISTAKES = [
+    ([], "the following arguments are required: what"),
+    (["nosuch"], "argument what: invalid choice: 'nosuch'"),
+    (["show", "--n", "0"], "argument --n: must be >= 1, got 0"),
+    (["show", "--task-p", "x"], "argument --task-p: 'x': expected numbers and ranges"),
+    (["show", "--task-p", "1-1000000000000"], "argument --task-p: '1-1000000000000': hops must lie in 1..8"),
+    (["show", "--task-alphabet", "1"], "argument --task-alphabet: must be >= 2, got 1"),
+    (["show", "--seed", str(2 ** 64)], f"argument --seed: must be <= {2 ** 64 - 1}"),
+    (["show", "--n", "100000"], "--n 100000 sequences of 49 tokens is more than the 1,000,000 tokens show prints"),
+    (["depth", "--seeds", "a"], "argument --seeds: expected an integer, got 'a'"),
+    (["depth", "--seeds", ""], "argument --seeds: expected an integer, got ''"),
+    (["depth", "--rows", ""], "--rows '' names no row; known: vanilla-2, "),
+    (["depth", "--rows", "plt-2,nope"], "--rows: unknown rows ['nope']"),
+    (["depth", "--out", ""], "argument --out: expected a path, got ''"),
+    (["depth", "--rows", "relaxed-2 (from vanilla-4)", "--out", "{d}/depth"],
+     "row 'relaxed-2 (from vanilla-4)' starts from 'vanilla-4', and {d}/depth/vanilla-4-s0/ckpt.pt does not exist"),
+    (["depth", "--rows", "plt-2", "--out", "{d}/empty.jsonl"], "--out {d}/empty.jsonl is a file, not a directory"),
+    (["table", "--results", ""], "argument --results: expected a path, got ''"),
+    (["table", "--results", "{d}/none.jsonl"], "--results {d}/none.jsonl does not exist"),
+    (["table", "--results", "{d}"], "--results {d} is a directory, not a results file"),
+    (["table", "--results", "{d}/empty.jsonl"], "--results {d}/empty.jsonl holds no results"),
+    (["table", "--results", "{d}/not_json.jsonl"], "--results {d}/not_json.jsonl line 2 is not a JSON line"),
+    (["table", "--results", "{d}/deep.jsonl"], "line 1 is not a JSON line (RecursionError)"),
+    (["table", "--results", "{d}/other.jsonl"], "line 1 is not a result of tasks.py depth"),
+]
+
+
+@pytest.mark.parametrize("argv,match", TASKS_MISTAKES, ids=[" ".join(a) or "(none)" for a, _ in TASKS_MISTAKES])
+def test_tasks_py_mistakes_are_one_line_and_exit_code_2(results_files, capsys, monkeypatch, argv, match):
+    monkeypatch.setattr(tasks.subprocess, "Popen", lambda *a, **k: pytest.fail("a run started"))
+    d = str(results_files)
+    _one_error_line(capsys, tasks.main, [a.replace("{d}", d) for a in argv], match.replace("{d}", d))
+
+
+def test_tasks_py_depth_passes_a_refused_run_on_and_table_reads_its_results(tmp_path, capsys, monkeypatch):
+    """A run that refuses its flags (--extra) has said why in its own one line: depth exits with code 2 and adds none;
+    `table` prints the rows (a p that a row lacks is '-')."""
+    class Refused:  # train.py refusing --extra: its error line went to stderr already
+        stdout, returncode = [], 2
+
+        def __init__(self, argv, **kw):
+            assert argv[-2:] == ["--max-iters", "x"]
+
+        def wait(self):
+            return 2
+
+    monkeypatch.setattr(tasks.subprocess, "Popen", Refused)
+    with pytest.raises(SystemExit) as e:
+        tasks.main(["depth", "--rows", "plt-2", "--seeds", "0", "--out", str(tmp_path / "d"), "--extra",
+                    "--max-iters x"])
+    assert e.value.code == 2 and not capsys.readouterr().err
+    assert not (tmp_path / "d" / "results.jsonl").exists()
+    f = tmp_path / "r.jsonl"
+    f.write_text("".join(json.dumps({"row": r, "seed": s, "acc": a}) + "\n" for r, s, a in [
+        ("plt-2", 0, {"1": 1.0, "2": 0.5}), ("plt-2", 1, {"1": 0.8, "2": 0.7}), ("loop-2", 0, {"1": 0.9})]))
+    tasks.main(["table", "--results", str(f)])
+    out = capsys.readouterr().out.splitlines()
+    assert out[2:] == ["| loop-2 | 0.900 ± 0.000 | - |", "| plt-2 | 0.900 ± 0.100 | 0.600 ± 0.100 |",
+                       "seeds: loop-2: [0]; plt-2: [0, 1]"], out
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Checkpoint integrity: the CRC-32 of every record, verified at every load; every field checked
 
 
@@ -635,6 +713,15 @@ def test_more_threads_than_cpus_is_one_line(capsys):
 
 
 SEED_MAX = 2 ** 64 - 1
+
+
+@pytest.mark.parametrize("run,argv", [(train.main, []), (serve.main, []), (lambda a: tasks.main(["show", *a]), []),
+                                      (lambda a: __import__("eval").main(["exits", "--ckpt", "x.pt", *a]), [])],
+                         ids=["train", "serve", "tasks", "eval"])
+def test_seeds_beyond_what_torch_takes(capsys, run, argv):
+    _one_error_line(capsys, run, [*argv, "--seed", str(SEED_MAX + 1)],
+                    f"argument --seed: must be <= {SEED_MAX}, got {SEED_MAX + 1}")
+    _one_error_line(capsys, run, [*argv, "--seed", "-1"], "argument --seed: must be >= 0, got -1")
 
 
 def test_the_largest_seed_works_where_seeds_are_derived(capsys):
