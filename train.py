@@ -533,10 +533,14 @@ def given_flags(table, argv) -> dict:
 def warn_inapplicable(ap, args, given):
     """Flags that the chosen architecture never reads: one warning line naming them (they are ignored)."""
     odd = sorted(d for d in given if d in ap.arch_flags and args.arch not in ap.arch_flags[d])
+    needs = {}  # flags read only with another flag -> what they need
     if args.teacher is None:
-        odd += [d for d in ("kd_weight", "kd_temperature") if d in given]
+        needs.update(dict.fromkeys(("kd_weight", "kd_temperature"), "needs --teacher"))
+    if not tasks.is_task_source(args.data):
+        needs.update(dict.fromkeys(tasks.TASK_FLAGS, "needs --data task:phop"))
+    odd += [d for d in needs if d in given]
     if odd:
-        owner = lambda d: "/".join(sorted(ap.arch_flags[d])) if d in ap.arch_flags else "needs --teacher"  # noqa: E731
+        owner = lambda d: "/".join(sorted(ap.arch_flags[d])) if d in ap.arch_flags else needs[d]  # noqa: E731
         what = ", ".join(f"{flag_name(ap, d)} ({owner(d)})" for d in odd)
         warnings.warn(f"flags that do not apply to --arch {args.arch} are ignored: {what}", stacklevel=2)
 

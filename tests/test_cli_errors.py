@@ -732,3 +732,31 @@ def test_the_largest_seed_works_where_seeds_are_derived(capsys):
     serve.main(["--warmup", "0", "--requests", "2", "--prompt-len", "2", "--gen-len", "2", "--temperature", "1",
                 "--seed", str(SEED_MAX)])
     assert "throughput vs vanilla continuous" in capsys.readouterr().out
+
+
+RECIPE_MISTAKES = [
+    (["--arch", "relaxed", "--exit-threshold", "1.5"], "argument --exit-threshold: must be <= 1, got 1.5"),
+    (["--arch", "relaxed", "--exit-threshold", "0"], "argument --exit-threshold: must be > 0, got 0"),
+    (["--arch", "relaxed", "--exit-coef", "inf"], "argument --exit-coef: must be a finite number, got inf"),
+    (["--arch", "double", "--ctx-lr", "inf"], "argument --ctx-lr: must be a finite number, got inf"),
+    (["--arch", "double", "--ctx-lr", "0"], "argument --ctx-lr: must be > 0, got 0"),
+    (["--data", "task:phop", "--task-p", "9"], "argument --task-p: '9': hops must lie in 1..8"),
+    (["--data", "task:phop", "--task-length", "1"], "argument --task-length: must be >= 2, got 1"),
+]
+
+
+@pytest.mark.parametrize("argv,match", RECIPE_MISTAKES, ids=[" ".join(a) for a, _ in RECIPE_MISTAKES])
+def test_recipe_values_out_of_range_before_any_step(files, capsys, monkeypatch, argv, match):
+    monkeypatch.setattr(train, "make_optimizer", lambda *a: pytest.fail("work started"))
+    _one_error_line(capsys, train.main, _train_args(files, *argv), match)
+
+
+def test_task_flags_without_a_task_are_named_in_the_warning():
+    table = checkpoint.arch_table()
+    argv = ["--task-p", "2", "--task-pause", "1", "--kd-weight", "2"]
+    args = train.build_parser(table).parse_args(argv)
+    with pytest.warns(UserWarning) as seen:
+        train.warn_inapplicable(train.build_parser(table), args, train.given_flags(table, argv))
+    assert [str(w.message) for w in seen] == [
+        "flags that do not apply to --arch vanilla are ignored: --kd-weight (needs --teacher), --task-p (needs --data "
+        "task:phop), --task-pause (needs --data task:phop)"]
