@@ -32,6 +32,7 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 from functools import partial
 from types import SimpleNamespace
 
@@ -189,6 +190,8 @@ def nanogpt_model(path: str, cfg: GPTConfig, seq_len: int):
 
 
 def bench_train(args):
+    if args.nanogpt and not (Path(args.nanogpt) / "model.py").is_file():
+        raise UsageError(f"--nanogpt {args.nanogpt} is not a nanoGPT checkout (a directory with its model.py)")
     device = pick_device(args.device)
     cfg = GPTConfig.from_preset(args.preset, max_seq_len=args.seq_len)
     B, T = args.train_batch, args.seq_len
@@ -767,6 +770,9 @@ def bench_aot(args):
         raise UsageError("--aot compiles for a GPU: run it without TRITON_INTERPRET in the environment")
     targets = tuple(int(t) for t in args.aot_targets.split(","))
     cases = [c for c in K.aot_cases() if not args.only or any(k in c.name for k in args.only.split(","))]
+    if not cases:
+        raise UsageError(f"--only {args.only}: no launch case name contains it (python bench.py kernels --aot runs "
+                         f"them all)")
     print(f"triton {K.triton.__version__} | ahead-of-time compilation for {', '.join(f'sm_{t}' for t in targets)} | "
           f"{len(cases)} launch cases (the presets' shapes, decode and prefill, fp32/bf16/fp16)")
     print(f"{'kernel':28s} {'case':34s} {'target':6s} {'dtype':8s} {'shared':>14s} {'regs':>5s} {'spills':>7s}  error")
@@ -780,9 +786,15 @@ def bench_aot(args):
           f"{sum(1 for r in rows if r['spills'])} with register spills")
 
 
+KERNELS = ("lora", "gswa", "gswa_decode", "dual")  # bench.py kernels --only
+
+
 def bench_kernels(args):
     if args.aot:
         return bench_aot(args)
+    unknown = [k for k in args.only.split(",") if args.only and k not in KERNELS]
+    if unknown:
+        raise UsageError(f"--only {args.only}: {', '.join(unknown)} is not one of {', '.join(KERNELS)}")
     dev = pick_device(args.device)
     dtype = pick_dtype(dev, args.dtype)
     cuda = dev.type == "cuda"
@@ -795,7 +807,7 @@ def bench_kernels(args):
     esz = torch.finfo(dtype).bits // 8
     run_triton = cuda and K.triton is not None
     flex = _flex_lse() if cuda else None
-    want = set(args.only.split(",")) if args.only else {"lora", "gswa", "gswa_decode", "dual"}
+    want = set(args.only.split(",")) if args.only else set(KERNELS)
     warmup = args.warmup if args.warmup is not None else (10 if cuda else 1)
     iters = args.iters if args.iters is not None else (50 if cuda else 3)
     print(f"warm-up {warmup} calls, then the median (CUDA events) / mean (CPU clock) of {iters} timed calls")

@@ -74,12 +74,13 @@ import math
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from checkpoint import load_checkpoint, model_from_checkpoint
-from cli import (DTYPES, ArgumentParser, UsageError, available_memory, check_device, number, path_arg, run_cli,
-                 seed_arg, user_input)
+from cli import (DTYPES, ArgumentParser, UsageError, available_memory, check_device, check_writable_dir, number,
+                 path_arg, run_cli, seed_arg, user_input)
 from data import TokenData, Tokenizer, prepare_corpus, step_generator
 from model import GPT, PRESETS, GPTConfig, param_bytes, pick_device, pick_dtype, sample_next, sync
 from recursive import RELAXED_RANK, RecursiveGPT, from_vanilla
@@ -963,6 +964,8 @@ def check_args(args):
     if args.exit_rate > 1:
         raise UsageError(f"--exit-rate {args.exit_rate} is a share of tokens: it must be in (0, 1]")
     check_device(args.device)
+    if args.prompts == "corpus" and not args.requests_file:  # the corpus is tokenized into it
+        check_writable_dir(Path(args.cache_dir), "--cache-dir")
 
 
 def check_lengths_fit(args, vanilla, rec):

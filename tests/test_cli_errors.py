@@ -760,3 +760,34 @@ def test_task_flags_without_a_task_are_named_in_the_warning():
     assert [str(w.message) for w in seen] == [
         "flags that do not apply to --arch vanilla are ignored: --kd-weight (needs --teacher), --task-p (needs --data "
         "task:phop), --task-pause (needs --data task:phop)"]
+
+
+def test_inputs_of_bench_and_serve_that_are_files_or_names_of_nothing(files, capsys, tmp_path):
+    import bench
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    _one_error_line(capsys, bench.main, ["kernels", "--only", "lora,nosuch"],
+                    "--only lora,nosuch: nosuch is not one of lora, gswa, gswa_decode, dual")
+    _one_error_line(capsys, bench.main, ["train", "--nanogpt", str(a_file)],
+                    f"--nanogpt {a_file} is not a nanoGPT checkout (a directory with its model.py)")
+    _one_error_line(capsys, serve.main, ["--prompts", "corpus", "--cache-dir", str(a_file)],
+                    f"--cache-dir {a_file} is a file, not a directory")
+
+
+def test_an_unreadable_data_file_is_one_line_before_any_step(files, capsys, tmp_path, monkeypatch):
+    """As root a chmod does not make a file unreadable: data.py's open is refused instead, for the corpus files."""
+    real_open = open
+    corpus = str(files / "corpus")
+
+    def denied(f, *a, **k):
+        if str(f).startswith(corpus):
+            raise PermissionError(13, "Permission denied", str(f))
+        return real_open(f, *a, **k)
+
+    monkeypatch.setattr(data, "open", denied, raising=False)
+    monkeypatch.setattr(train, "batch_on_device", lambda *a: pytest.fail("a step ran"))
+    _one_error_line(capsys, train.main, _train_args(files, "--cache-dir", str(tmp_path / "cache"), "--out-dir",
+                                                    str(tmp_path / "o")),
+                    f"cannot read {files / 'corpus'}/")
+    assert not (tmp_path / "o" / "ckpt.pt").exists()
