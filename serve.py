@@ -80,7 +80,7 @@ import torch
 
 from checkpoint import load_checkpoint, model_from_checkpoint
 from cli import (DTYPES, ArgumentParser, UsageError, available_memory, check_device, check_writable_dir, number,
-                 path_arg, run_cli, seed_arg, user_input)
+                 one_line, path_arg, run_cli, seed_arg, user_input)
 from data import TokenData, Tokenizer, prepare_corpus, step_generator
 from model import GPT, PRESETS, GPTConfig, param_bytes, pick_device, pick_dtype, sample_next, sync
 from recursive import RELAXED_RANK, RecursiveGPT, from_vanilla
@@ -568,8 +568,9 @@ def jsonl_requests(path, tok=None, default_gen=32, arrival="all", rate=10.0, see
             if not 0 <= t <= MAX_ARRIVAL_S:  # NaN too: it would never arrive
                 raise ValueError(f"arrival {d['arrival']!r} must be a time in [0, {MAX_ARRIVAL_S:g}] seconds")
             r.arrival = t
-        except (ValueError, TypeError) as e:
-            r.invalid = f"bad request line {lineno} of {path}: {e}"
+        except Exception as e:  # anything one line raises (a RecursionError from JSON nested too deep) is its own
+            why = e if isinstance(e, (ValueError, TypeError)) else f"{type(e).__name__}: {one_line(e)}"
+            r.invalid = f"bad request line {lineno} of {path}: {why}"
         reqs.append(r)
     return reqs
 

@@ -791,3 +791,13 @@ def test_an_unreadable_data_file_is_one_line_before_any_step(files, capsys, tmp_
                                                     str(tmp_path / "o")),
                     f"cannot read {files / 'corpus'}/")
     assert not (tmp_path / "o" / "ckpt.pt").exists()
+
+
+def test_a_request_line_that_breaks_the_json_parser_is_that_requests_reason(tmp_path, capsys):
+    f = tmp_path / "r.jsonl"
+    f.write_text(json.dumps({"prompt_ids": [1, 2, 3], "max_new_tokens": 2}) + "\n" + "[" * 100_000 + "]" * 100_000
+                 + "\n" + json.dumps({"prompt_ids": [4, 5], "max_new_tokens": 3}) + "\n")
+    rows = serve.run(["--requests-file", str(f), "--warmup", "0"])["serve"]
+    for r in rows:
+        assert r["errors_by_reason"] == {"bad request line": 1} and r["tokens"] == 5, r
+        assert r["request_errors"][1].startswith(f"bad request line 2 of {f}: RecursionError: maximum recursion")
