@@ -48,8 +48,8 @@ from pathlib import Path
 import torch
 
 from cli import CheckpointError, UsageError, flag_name, one_line
-from data import Tokenizer, hf_tokenizer_spec, is_hf_source
-from hf import from_pretrained
+from data import Tokenizer, hf_tokenizer_spec, is_gguf_source, is_hf_source
+from hf import from_gguf, from_pretrained, gguf_tokenizer_spec
 from model import ArchSpec
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -196,10 +196,10 @@ def tokenizer_spec_problem(spec) -> str | None:
     """What is wrong with a checkpoint's tokenizer spec (data.Tokenizer's), or None."""
     if not isinstance(spec, dict) or not isinstance(spec.get("kind"), str):
         return f"tokenizer spec {_shown(spec)} is not a dict with a 'kind'"
-    need = {"tiktoken": {"name": str}, "hf": {"path": str},
+    need = {"tiktoken": {"name": str}, "hf": {"path": str}, "gguf": {"path": str},
             "task": {"name": str, "hops": list, "alphabet": int, "length": int, "pause": int}}.get(spec["kind"])
     if need is None:
-        return f"tokenizer kind {_shown(spec['kind'])} is not one of tiktoken, hf, task"
+        return f"tokenizer kind {_shown(spec['kind'])} is not one of tiktoken, hf, gguf, task"
     for key, kind in need.items():
         v = spec.get(key)
         if not isinstance(v, kind) or isinstance(v, bool) or v in ("", []):
@@ -325,10 +325,14 @@ def model_from_checkpoint(ck: dict, table=None):
 
 
 def load_source_model(src: str, table=None):
-    """--init-from / --teacher: a train.py checkpoint, or hf:DIR (a local Hugging Face checkpoint).
+    """--init-from / --teacher: a train.py checkpoint, hf:DIR (a local Hugging Face checkpoint) or gguf:PATH (a GGUF
+    file, or the short name of a packaged one).
 
     -> (model, arch name, tokenizer spec)
     """
+    if is_gguf_source(src):  # dequantized to fp32
+        model = from_gguf(src)
+        return model, "vanilla", model.tokenizer_spec
     if is_hf_source(src):  # a plain model.GPT (fp32, CPU); conversions start from it like from a vanilla checkpoint
         model = from_pretrained(src[3:] if src.startswith("hf:") else src)
         return model, "vanilla", model.tokenizer_spec
@@ -337,7 +341,10 @@ def load_source_model(src: str, table=None):
 
 
 def load_source_tokenizer(src):
-    """The tokenizer spec of --init-from: a Hugging Face checkpoint's tokenizer.json, or a checkpoint's own spec."""
+    """The tokenizer spec of --init-from: a Hugging Face checkpoint's tokenizer.json, a GGUF file's vocabulary, or a
+    checkpoint's own spec."""
+    if is_gguf_source(src):
+        return gguf_tokenizer_spec(src)
     if is_hf_source(src):
         return hf_tokenizer_spec(src)
     return load_checkpoint(src)["tokenizer"]

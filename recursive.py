@@ -570,6 +570,7 @@ def from_vanilla(src: GPT, n_loops: int = 2, init: str = "stepwise", lora_init: 
         log(f"convert: LoRA ranks {cfg.lora_ranks}, init {lora_init}: {total['svd']} residuals by torch.linalg.svd "
             f"(float64), {total['lowrank']} by torch.svd_lowrank, {total['zero_residual']} exactly zero (standard "
             f"init), {total['standard']} standard init by request"
+            + (f"; {total['revived']} dead norm channel(s) revived" if total["revived"] else "")
             + ("; per-loop bias deltas (the source has biases)" if cfg.lora_bias else ""))
     return model
 

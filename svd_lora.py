@@ -43,8 +43,13 @@ the map differs as well; `LoRALinear` then carries a per-loop bias delta (out fl
 
 which is exact at any rank for the constant term. It exists only when the source has such biases.
 
-Guard: a shared norm scale |s'_j| below 1e-3 * mean|s'| cannot carry channel j (its input is ~0 in every loop).
-Those channels fall back to the plain eq. 4 column (ratio 1) with a warning; reproduction is then not exact.
+Dead channels: a shared RMSNorm scale |s'_j| below 1e-3 * mean|s'| would silence channel j in every loop, while
+a loop's vanilla layer may read it at full scale (pretrained LLMs have such channels: SmolLM2-135M's MLP norms hold
+scales of ~1e-5 on the channel of its massive activations, and Stepwise ties such a layer to one that reads the
+channel). Before the residuals are taken, `revive_channels` moves the scale of such a channel into the shared
+projections that read it: s'_j := mean|s'|, W'[:, j] *= s'_j(old) / s'_j(new). The shared block computes the same
+function, and every loop's residual can now carry channel j, so eq. 5 stays exact. A LayerNorm (its shift would have
+to grow as the scale shrinks) keeps the plain eq. 4 column (ratio 1) with a warning; reproduction is then not exact.
 
 SVD: torch.linalg.svd in float64 when the matrix is small (min(out, in) <= 1024) or the rank is a large share of it;
 else torch.svd_lowrank (randomized, q = r + 16, 4 power iterations) in float32. `init_lora` returns counts of both,
@@ -268,16 +273,45 @@ def scale_ratio(s_src: torch.Tensor, s_shared: torch.Tensor, rel_tol: float = 1e
 
 
 @torch.no_grad()
+def revive_channels(shared: Block, rel_tol: float = 1e-3) -> int:
+    """Give every ~0 channel of the shared block's RMSNorm scales the mean scale, and divide it back out of the
+    columns of the projections that read that norm (q, k, v after attn_norm; gate, up after mlp_norm): the block's
+    function is unchanged (see the module docstring). -> the number of channels revived."""
+    revived = 0
+    for norm_name in sorted(set(NORM_OF.values())):
+        norm = _get(shared, norm_name)
+        if not isinstance(norm, RMSNorm):
+            continue
+        s, _ = norm_affine(norm)
+        dead = s.abs() < rel_tol * s.abs().mean().clamp(min=1e-30)
+        if not dead.any():
+            continue
+        new = torch.where(dead, s.abs().mean(), s)
+        for path, of in NORM_OF.items():
+            if of == norm_name and (path != "mlp.gate_proj" or hasattr(shared.mlp, "gate_proj")):
+                w = _get(shared, path).weight
+                w.copy_(w.double() * (s / new)[None, :])
+        norm.weight.copy_(new - norm.offset)
+        revived += int(dead.sum())
+    return revived
+
+
+@torch.no_grad()
 def init_lora(shared: Block, sources: list[Block], mode: str = "svd", method: str = "auto", generator=None) -> dict:
     """Initialise every LoRA of the shared block `shared` from `sources[l]`, the vanilla block loop l stands for.
 
     mode 'svd' (eq. 4 on the effective linear map, see the module docstring) or 'zero' (standard init everywhere,
     so the relaxed model starts as the plain recursive one). Returns counts: {'svd', 'lowrank', 'zero_residual',
-    'standard', 'norm_fallback'}.
+    'standard', 'norm_fallback', 'revived'}.
     """
     if mode not in ("svd", "zero"):
         raise ValueError(f"unknown LoRA init {mode!r}; choose svd or zero")
-    stats = dict(svd=0, lowrank=0, zero_residual=0, standard=0, norm_fallback=0)
+    stats = dict(svd=0, lowrank=0, zero_residual=0, standard=0, norm_fallback=0, revived=0)
+    # the loops whose vanilla layer *is* the shared layer (loop 1 of Stepwise or Lower), told before any revival
+    mine = shared.state_dict()
+    same = [all(torch.equal(mine[k], v) for k, v in src.state_dict().items()) for src in sources]
+    if mode == "svd":
+        stats["revived"] = revive_channels(shared)
     for path in [p for paths in COMPONENTS.values() for p in paths]:
         if path == "mlp.gate_proj" and not hasattr(shared.mlp, "gate_proj"):
             continue
@@ -307,7 +341,7 @@ def init_lora(shared: Block, sources: list[Block], mode: str = "svd", method: st
                     const = const + W @ shift_src
                 W = W * ratio[None, :]  # W_l diag(s_l / s')
             R = W - W_sh
-            if not torch.any(R != 0):  # the shared layer is this vanilla layer: standard init (Appendix C)
+            if same[l] or not torch.any(R != 0):  # the shared layer is this vanilla layer: standard init (App. C)
                 lin.reset_lora([l], generator)
                 stats["zero_residual"] += 1
                 Bm = torch.zeros_like(R[:, :lin.rank])

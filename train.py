@@ -472,7 +472,9 @@ def build_parser(table) -> ArgumentParser:
     ap.add_argument("--cache-dir", type=path_arg, default="data_cache", help="where tokenized shards are kept")
     ap.add_argument("--vocab-size", type=number(int, min=256), default=None,
                     help="cut cl100k to this many merge ranks (+1 end-of-text id); default 4096")
-    ap.add_argument("--tokenizer", type=path_arg, default=None, help="a full tiktoken encoding name, or hf:DIR")
+    ap.add_argument("--tokenizer", type=path_arg, default=None,
+                    help="a full tiktoken encoding name, hf:DIR or gguf:PATH (a GGUF file's vocabulary; "
+                         "gguf:smollm2-135m is the packaged SmolLM2-135M)")
     ap.add_argument("--max-iters", type=pos, default=None, help="optimizer steps (default: the arch's)")
     ap.add_argument("--batch-size", type=pos, default=16, help="sequences per micro-batch per process")
     ap.add_argument("--seq-len", type=pos, default=256, help="tokens per sequence")
@@ -497,9 +499,10 @@ def build_parser(table) -> ArgumentParser:
                     help="continue OUT_DIR/ckpt.pt exactly, with the flags of its run (restored from the checkpoint)")
     ap.add_argument("--init-from", type=path_arg, default=None,
                     help="start from weights: a checkpoint of the same arch (its shape, this run's training-recipe "
-                         "flags), a vanilla checkpoint to convert, or hf:DIR (a local Hugging Face checkpoint)")
+                         "flags), a vanilla checkpoint to convert, hf:DIR (a local Hugging Face checkpoint) or "
+                         "gguf:PATH (a GGUF file; gguf:smollm2-135m is the packaged SmolLM2-135M)")
     ap.add_argument("--teacher", type=path_arg, default=None,
-                    help="checkpoint (or hf:DIR) of a teacher for knowledge distillation")
+                    help="checkpoint (or hf:DIR, gguf:PATH) of a teacher for knowledge distillation")
     ap.add_argument("--kd", default="none", choices=["none", "fkl", "rkl", "jsd", "tvd"],
                     help="divergence between teacher and student")
     ap.add_argument("--kd-weight", type=number(float, min=0), default=1.0, help="weight of the distillation term")

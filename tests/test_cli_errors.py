@@ -619,7 +619,7 @@ def test_malformed_fields_are_one_line_naming_file_and_field(trained, capsys, tm
 def test_malformed_tokenizer_is_refused_by_serve_and_init_from(files, trained, capsys, tmp_path):
     path = tmp_path / "ckpt.pt"
     torch.save({**torch.load(trained, weights_only=True), "tokenizer": {"kind": "bpe"}}, path)
-    match = f"checkpoint {path}: its tokenizer kind 'bpe' is not one of tiktoken, hf, task"
+    match = f"checkpoint {path}: its tokenizer kind 'bpe' is not one of tiktoken, hf, gguf, task"
     _one_error_line(capsys, serve.main, ["--vanilla-ckpt", str(path)], match)
     args = _train_args(files, "--init-from", str(path), "--out-dir", str(tmp_path / "o"))
     _one_error_line(capsys, train.main, [a for a in args if a not in ("--vocab-size", "512")], match)

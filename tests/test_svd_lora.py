@@ -146,8 +146,45 @@ def test_init_lora_zero_residual_and_zero_mode_use_standard_init():
         init_lora(shared, src, "pissa")
 
 
-def test_init_lora_near_zero_shared_norm_scale_falls_back_with_warning():
+def _block_out(block, x, loop=None):
+    from model import RotaryEmbedding
+
+    rope = RotaryEmbedding(block.attn.head_dim, 16)(torch.arange(x.size(1)))  # (cos, sin)
+    return block(x, rope, lora_idx=loop)
+
+
+@pytest.mark.parametrize("dead_in", ["shared", "source"])
+def test_dead_rmsnorm_channel_is_revived_and_full_rank_stays_exact(dead_in):
+    """A ~0 channel of the shared RMSNorm scale (as in SmolLM2's MLP norms) is moved into the shared projections'
+    columns: the shared block computes the same function, no fallback, and full-rank LoRA reproduces each loop's
+    vanilla layer, including the one that reads the channel at full scale. A dead channel in a *source* layer alone
+    needs nothing."""
+    from svd_lora import revive_channels
+
     cfg = GPTConfig(n_layer=2, n_head=2, n_kv_head=1, n_embd=16, mlp_hidden=24)
+    src = _blocks(cfg, 2)
+    with torch.no_grad():
+        (src[0] if dead_in == "shared" else src[1]).mlp_norm.weight[3] = 1e-6
+        src[0].attn_norm.weight[5] = 0.0
+    shared = Block(cfg)
+    shared.load_state_dict(src[0].state_dict())  # Stepwise: loop 1's layer is the shared one
+    x = torch.randn(2, 7, 16)
+    with torch.no_grad():
+        before = _block_out(shared, x)
+        probe = Block(cfg)
+        probe.load_state_dict(shared.state_dict())
+        assert revive_channels(probe) == (2 if dead_in == "shared" else 1)
+        torch.testing.assert_close(_block_out(probe, x), before, rtol=1e-5, atol=1e-6)  # same function
+        add_lora(shared, 2, max_ranks(cfg))
+        stats = init_lora(shared, src, "svd")
+    assert stats["norm_fallback"] == 0 and stats["zero_residual"] == 7  # loop 1 keeps the standard init
+    with torch.no_grad():
+        for l in range(2):
+            torch.testing.assert_close(_block_out(shared, x, l), _block_out(src[l], x), rtol=1e-4, atol=1e-5)
+
+
+def test_init_lora_near_zero_shared_layernorm_scale_falls_back_with_warning():
+    cfg = GPTConfig(n_layer=2, n_head=2, n_kv_head=1, n_embd=16, mlp_hidden=24, norm="layer")
     src = _blocks(cfg, 2)
     shared = _blocks(cfg, 1, seed=3)[0]
     with torch.no_grad():
@@ -155,7 +192,7 @@ def test_init_lora_near_zero_shared_norm_scale_falls_back_with_warning():
     add_lora(shared, 2, {"q": 16, "kv": 8, "o": 16, "mlp": 16})
     with pytest.warns(UserWarning, match="~0"):
         stats = init_lora(shared, src, "svd")
-    assert stats["norm_fallback"] == 3 * 2  # q, k, v x 2 loops, one channel each
+    assert stats["norm_fallback"] == 3 * 2 and stats["revived"] == 0  # q, k, v x 2 loops, one channel each
     assert all(torch.isfinite(p).all() for p in shared.parameters())
     # the fallback column is the plain eq. 4 residual
     R = src[1].attn.q_proj.weight[:, 3] - shared.attn.q_proj.weight[:, 3]
