@@ -12,6 +12,10 @@ of the papers' memory-bound arguments apply to it. The default sizes here are th
 presets (hundreds of MB of weights, far more than the caches): decoding them one token at a time is memory-bound
 on a CPU as on a GPU. (`--preset tiny` is for a quick check.)
 
+CPU forms. The inference benchmarks (decode, plt, double, archs, serve, block) run with cpu_tuning.py switched on: the
+linear products, attention and LoRA forms measured fastest on this CPU (decode --linear forces a product instead).
+`train` measures what train.py runs: plain PyTorch.
+
 Run:
     python bench.py decode                       # vanilla decode: tok/s, bandwidth vs this machine's, vs transformers
     python bench.py decode --dtype bfloat16 --batch 1,8
@@ -30,7 +34,6 @@ import argparse
 import math
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 from functools import partial
@@ -39,27 +42,31 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
+import cpu_tuning
 import kernels as K
 from cli import (DTYPES, ArgumentParser, UsageError, comma_list, number, one_of, path_arg, run_cli, run_subcommand,
                  threads_arg, user_input)
-from model import (GPT, LINEAR_PROBE_BYTES, LINEAR_PRODUCTS, PRESETS, GPTConfig, cpu_key, force_linear, linear_report,
-                   param_bytes, pick_device, pick_dtype, sync, timeit)
+from cpu_tuning import LINEAR_PROBE_BYTES, LINEAR_PRODUCTS, cpu_key, force_linear, linear_report
+from model import GPT, PRESETS, GPTConfig, param_bytes, pick_device, pick_dtype, sync, timeit
 
 # ----------------------------------------------------------------------------------------------------------------
 # Protocol: interleaved rounds, median and spread
 
 
-def rounds(systems: dict, repeats: int, warmup: int = 1) -> dict[str, list[float]]:
-    """systems: name -> fn() (one timed unit of work). Each fn is warmed up, then the systems are timed in turn,
-    `repeats` rounds -> name -> list of seconds (one per round)."""
+def rounds(systems: dict, repeats: int, device, warmup: int = 1) -> dict[str, list[float]]:
+    """systems: name -> fn() (one timed unit of work on `device`). Each fn is warmed up, then the systems are timed in
+    turn, `repeats` rounds, the device synchronised around each call as model.timeit does -> name -> list of seconds
+    (one per round)."""
     for fn in systems.values():
         for _ in range(warmup):
             fn()
     out = {name: [] for name in systems}
     for _ in range(repeats):
         for name, fn in systems.items():
+            sync(device)
             t0 = time.perf_counter()
             fn()
+            sync(device)
             out[name].append(time.perf_counter() - t0)
     return out
 
@@ -105,11 +112,12 @@ def hf_llama(cfg: GPTConfig, dtype):
 
 
 @torch.no_grad()
+@cpu_tuning.switched_on()
 def bench_decode(args):
     device = pick_device(args.device)
     cfg = GPTConfig.from_preset(args.preset)
     P, N = args.prompt_len, args.new_tokens
-    products = args.linear.split(",")  # "auto" = model.linear's measured choice, else a forced product
+    products = args.linear.split(",")  # "auto" = cpu_tuning's measured choice, else a forced product
     bw = read_bandwidth(device)
     for dtype in [pick_dtype(device, d) for d in args.dtype.split(",")]:
         torch.manual_seed(0)
@@ -131,8 +139,8 @@ def bench_decode(args):
             if hf is not None:
                 systems["transformers: LlamaForCausalLM.generate"] = lambda: hf.generate(
                     idx, max_new_tokens=N, min_new_tokens=N, do_sample=False, pad_token_id=0)
-            pre = rounds({"prefill": lambda: ours.generate(idx, 1)}, args.repeats)["prefill"]
-            res = rounds(systems, args.repeats)
+            pre = rounds({"prefill": lambda: ours.generate(idx, 1)}, args.repeats, device)["prefill"]
+            res = rounds(systems, args.repeats, device)
             for p in products:
                 name = decode_name(p)
                 t_dec = [t - med(pre) for t in res[name]]  # the decode steps alone
@@ -155,16 +163,16 @@ def decode_name(product: str) -> str:
 
 
 def forced_generate(model, product: str, idx, new_tokens: int):
-    """model.generate with `product` forced in model.linear ("auto": the measured choice)."""
+    """model.generate with `product` forced in cpu_tuning.linear ("auto": the measured choice)."""
     force_linear(None if product == "auto" else product)
     return model.generate(idx, new_tokens)
 
 
 def print_linear_choices(dtype):
-    """model.linear's measurements in this dtype: per (rows, weight shape) the GB/s of weights each candidate read and
-    the pick, and the bytes of the weight copies alive (what "xwt" and "dnn" cost in memory)."""
+    """cpu_tuning's linear measurements in this dtype: per (rows, weight shape) the GB/s of weights each candidate
+    read and the pick, and the bytes of the weight copies alive (what "xwt" and "dnn" cost in memory)."""
     rows, copies = linear_report()
-    print(f"   model.linear's choice per (rows, out x in) in {dtype} (GB/s of weights read, timed once over "
+    print(f"   cpu_tuning's linear product per (rows, out x in) in {dtype} (GB/s of weights read, timed once over "
           f">= {LINEAR_PROBE_BYTES >> 20} MiB of copies; * = picked; cpu {cpu_key()}):")
     for r in rows:
         if r["dtype"] == str(dtype).removeprefix("torch."):
@@ -221,7 +229,7 @@ def bench_train(args):
     header("training step", device, dtype, f"compile {args.compile} | preset {args.preset} shape (layers {cfg.n_layer}, d "
            f"{cfg.n_embd}, heads {cfg.n_head}) batch {B} x {T} | params " + ", ".join(
                f"{k} {v / 1e6:.2f}M" for k, v in n_params.items()))
-    res = rounds(steps, args.repeats, warmup=2)
+    res = rounds(steps, args.repeats, device, warmup=2)
     for name, ts in res.items():
         print(f"   {name:8s} {spread([B * T / t for t in ts], fmt='.0f')} tok/s")
     if "nanoGPT" in res:
@@ -242,7 +250,7 @@ def generation_times(models: dict, idx, new_tokens: int, repeats: int) -> dict[s
     for name, m in models.items():
         systems[name + "/1"] = lambda m=m: m.generate(idx, 1)
         systems[name + "/n"] = lambda m=m: m.generate(idx, new_tokens)
-    res = rounds(systems, repeats)
+    res = rounds(systems, repeats, idx.device)
     return {name: {"ttft": res[name + "/1"],
                    "token": [(tn - t1) / (new_tokens - 1) for t1, tn in zip(res[name + "/1"], res[name + "/n"])]}
             for name in models}
@@ -254,6 +262,7 @@ def ratio(a, b, fmt=".2f") -> str:
 
 
 @torch.no_grad()
+@cpu_tuning.switched_on()
 def bench_plt(args):
     """Table 3 of the PLT paper on this machine: per-token decode latency of PLT-2 against the vanilla model of the
     same parameters (the N-layer stack run once) and against the sequential loop-2 baseline, at several batches."""
@@ -314,6 +323,7 @@ def prefix_prefills(gpt, dm, idx, prefix: int) -> dict:
 
 
 @torch.no_grad()
+@cpu_tuning.switched_on()
 def bench_double(args):
     """The double decoder's serving claims (section 3.3, Appendix A.1) against the decoder-only model of the same
     parameters (ctx + gen layers): time to first token, TTFT after a cached shared prefix, per-token latency (each
@@ -353,7 +363,7 @@ def bench_double(args):
             idx = torch.randint(0, cfg.vocab_size - 1, (B, P), device=device)
             timed = {"decoder-only": gm, "double": SimpleNamespace(generate=partial(dm.generate, rollover=R))}
             t = generation_times(timed, idx, N, args.repeats)
-            pre = rounds(prefix_prefills(gm, dm, idx, prefix), args.repeats)
+            pre = rounds(prefix_prefills(gm, dm, idx, prefix), args.repeats, device)
             kv = {name: m.kv_cache_bytes(B, P + N, dbytes) for name, m in models.items()}  # Appendix A.1
             dc = dm.generation_cache(B, P, N, rollover=R)  # what generate() allocates
             alloc = {"decoder-only": gm.generation_cache(B, P, N).nbytes(), "double": dc.nbytes() + dc.context_nbytes()}
@@ -399,6 +409,7 @@ def arch_models(preset: str, loops=2, rank=8, max_seq_len=None) -> dict:
 
 
 @torch.no_grad()
+@cpu_tuning.switched_on()
 def bench_archs(args):
     """Every architecture's own generate() at matched non-embedding parameters: time to first token, per-token decode
     latency and KV bytes per sequence, in a prefill-heavy and a decode-heavy setting."""
@@ -427,6 +438,7 @@ def bench_archs(args):
 
 
 @torch.no_grad()
+@cpu_tuning.switched_on()
 def bench_serve(args):
     """Section 2.4 / 3.8 of the Relaxed Recursive Transformers paper, run for real: the same requests through
     vanilla continuous sequence-wise batching (CSB) and continuous depth-wise batching of the relaxed model of the
@@ -506,7 +518,7 @@ def bench_serve(args):
                     shares = step_shares(srv, reqs)
                     machinery = shares["exit score"] + shares["state propagation"]
                     print(f"   profile of {name}: " + ", ".join(f"{k} {v:.1%}" for k, v in shares.items())
-                          + (f" | exit machinery (score + propagation) {machinery:.1%} of a step (issue 20's target: "
+                          + (f" | exit machinery (score + propagation) {machinery:.1%} of a step (target: "
                              f"<= 10%)" if srv.threshold is not None else ""))
     print("   paper (Table K.2/K.4, simulated on an A100 from oracle exits, blocks only): depth-wise + early exit "
           "1.4-1.9x continuous sequence-wise batching; measured batched early exit on GPUs (Miao et al. 2024): <= 1.25x")
@@ -636,6 +648,7 @@ def profile_generate(model, idx, n_tokens) -> str:
 
 
 @torch.no_grad()
+@cpu_tuning.switched_on()
 def bench_block(args):
     """Tokens generated per second, prefill included (the paper's throughput), of the Block Transformer and vanilla
     in the paper's decode-heavy and prefill-heavy settings. Per model: the largest batch whose generation caches fit
@@ -680,7 +693,7 @@ def bench_block(args):
                 idx = torch.randint(0, m.config.vocab_size - 1, (B, P), device=device)
                 m.generate(idx, min(G, 2))  # warm-up: allocations, kernels
                 systems[f"{k} {B}"], batch[f"{k} {B}"] = (lambda m=m, idx=idx: m.generate(idx, G)), B
-        res = rounds(systems, args.repeats, warmup=0)
+        res = rounds(systems, args.repeats, device, warmup=0)
         tput = {s: [batch[s] * G / t for t in ts] for s, ts in res.items()}
         print(f"   {'model':8s} {'batch':>5s} {'caches MiB':>10s} {'ms/token step':>14s} {'tok/s':>26s}")
         for s, ts in res.items():
@@ -765,18 +778,20 @@ def _random_blocks(T, n_blocks, gen, device):
 def bench_aot(args):
     """`bench.py kernels --aot`: every Triton kernel compiled ahead of time for real GPU targets on this machine (no
     GPU needed): per kernel, launch case and target the shared memory against the target's limit, registers and
-    spills (kernels.aot_report; ~3 minutes for every case of every preset on 2 cores)."""
+    spills (kernels_aot.aot_report; ~3 minutes for every case of every preset on 2 cores)."""
+    import kernels_aot
+
     if os.environ.get("TRITON_INTERPRET"):
         raise UsageError("--aot compiles for a GPU: run it without TRITON_INTERPRET in the environment")
     targets = tuple(int(t) for t in args.aot_targets.split(","))
-    cases = [c for c in K.aot_cases() if not args.only or any(k in c.name for k in args.only.split(","))]
+    cases = [c for c in kernels_aot.aot_cases() if not args.only or any(k in c.name for k in args.only.split(","))]
     if not cases:
         raise UsageError(f"--only {args.only}: no launch case name contains it (python bench.py kernels --aot runs "
                          f"them all)")
     print(f"triton {K.triton.__version__} | ahead-of-time compilation for {', '.join(f'sm_{t}' for t in targets)} | "
           f"{len(cases)} launch cases (the presets' shapes, decode and prefill, fp32/bf16/fp16)")
     print(f"{'kernel':28s} {'case':34s} {'target':6s} {'dtype':8s} {'shared':>14s} {'regs':>5s} {'spills':>7s}  error")
-    rows = K.aot_report(targets, cases)
+    rows = kernels_aot.aot_report(targets, cases)
     for r in rows:
         shared = f"{r['shared']}/{r['shared_limit']}" if r["shared"] is not None else "-"
         print(f"{r['kernel']:28s} {r['case'][:34]:34s} {r['target']:6s} {r['dtype']:8s} {shared:>14s} "
@@ -1013,7 +1028,7 @@ def build_parser():
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip the transformers comparison")
     p.add_argument("--compile", action="store_true", help="ours: GPT.compile_decode() (static cache, compiled step)")
     p.add_argument("--linear", type=comma_list(one_of(["auto", *LINEAR_PRODUCTS])), default="auto",
-                   help="comma list of model.linear products to time, each forced in turn: "
+                   help="comma list of cpu_tuning's linear products to time, each forced in turn: "
                    "auto (the measured choice), linear, mv, mm, xwt, dnn")
     p.set_defaults(fn=bench_decode)
 
@@ -1120,15 +1135,7 @@ def build_parser():
     return ap
 
 
-# The checkpoint evaluations live in eval.py; their old spellings here are one line naming the new command.
-MOVED_TO_EVAL = ("exits", "energy", "double-eval")
-
-
 def run(argv=None):
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] and argv[0] in MOVED_TO_EVAL or argv[:1] == ["block"] and "--eval" in argv:
-        raise UsageError(f"`bench.py {argv[0]}` evaluates a checkpoint, which eval.py does: python eval.py "
-                         f"{' '.join(argv)}")
     return run_subcommand(build_parser(), argv)
 
 

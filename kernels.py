@@ -6,8 +6,8 @@ Ops, and the model path that calls each
   multi_lora            y[t] = B[idx[t]] @ (A[idx[t]] @ x[t]): one LoRA per row (BGMV, as punica and vLLM): what
                         continuous depth-wise batching needs, rows sitting at different loops (svd_lora.LoRALinear
                         with a per-row loop index, serve.py's depth-wise server). idx = -1: no adapter. Without a GPU:
-                        all adapters stacked into one masked LoRA (multi_lora_stacked) or one adapter's rows at a
-                        time (multi_lora_grouped), whichever this machine runs faster (lora_form).
+                        all adapters stacked into one masked LoRA (multi_lora_stacked); one adapter's rows at a time
+                        (multi_lora_grouped) is the other CPU form, which cpu_tuning.py may pick by measurement.
   attention_lse         masked attention that also returns the log-sum-exp of each query row (any mask: reference).
   flex_attention_lse    FlexAttention (any block mask) that also returns the log-sum-exp (double decoder training).
   merge_lse             exact merge of two attentions over disjoint key sets into one softmax (double decoder).
@@ -43,21 +43,23 @@ How the kernels work (each section says more)
     row can see are never loaded, and key tiles that every row sees run without a mask.
   * Head dims that are not powers of two are padded to the next power of two (>= 16) with masked loads.
 
+Each op's section reads in one order: the reference (the math), other PyTorch forms of it (CPU, training), the Triton
+kernel, the dispatch. This file imports no other module of this repository; kernels_aot.py compiles its kernels ahead
+of time for GPUs, and cpu_tuning.py may pick multi_lora's CPU form by measurement (cpu_lora_form).
+
 Run:
     TRITON_INTERPRET=1 python -m pytest -q tests/test_kernels.py   # the kernels on CPU tensors, against the references
     python bench.py kernels            # (CUDA) each kernel against its reference and the best stock alternative
+    python bench.py kernels --aot      # every kernel compiled for sm_80 / sm_90 without a GPU (kernels_aot.py)
 """
 from __future__ import annotations
 
 import functools
 import math
 import os
-import time
 
 import torch
 import torch.nn.functional as F
-
-from model import fastest  # the one interleaved-timing rule of the choices made by measurement
 
 try:
     import triton
@@ -146,6 +148,45 @@ def multi_lora_ref(x, A, B, idx):
     y = torch.bmm(h, B[safe].transpose(1, 2))  # (N, T, out)
     y = y * (idx >= 0).to(y.dtype)[:, None, None]
     return y[:, 0] if squeeze else y
+
+
+def multi_lora_stacked(x, A, B, idx):
+    """Same contract as multi_lora_ref, computed as ONE LoRA of rank n*r over all adapters stacked, with each row's
+    hidden units of the other adapters zeroed: h = x [A_0; ..; A_n-1]^T (N, T, n r), y = sum_a (h_a * mask_a) B_a^T.
+
+    This is the paper's own way of batching rows at different loops ("we merge multiple LoRAs into a single, large
+    LoRA module", Appendix K): every adapter's weights are read once per call (views, no copy) and nothing is
+    gathered per row, at n times the (small) LoRA FLOPs. Equal to the reference up to summation order (the masked
+    terms are exact zeros).
+    """
+    n, r, d_in = A.shape
+    squeeze = x.dim() == 2
+    if squeeze:
+        x = x[:, None]
+    N, T = x.shape[:2]
+    h = x @ A.reshape(n * r, d_in).t().to(x.dtype)  # (N, T, n r)
+    keep = (torch.arange(n, device=x.device)[None, :] == idx[:, None]).to(h.dtype)  # (N, n); idx -1 keeps nothing
+    h = (h.view(N, T, n, r) * keep[:, None, :, None]).view(N * T, n, r).transpose(0, 1)  # (n, N T, r)
+    y = torch.bmm(h, B.transpose(1, 2).to(h.dtype)).sum(0).view(N, T, -1)  # (N, T, out)
+    return y[:, 0] if squeeze else y
+
+
+def multi_lora_grouped(x, A, B, idx):
+    """Same contract as multi_lora_ref, one adapter at a time: the rows of adapter a (found with one nonzero per
+    adapter, not per row) go through its two thin matmuls and are scattered back. Exactly the LoRA FLOPs, n small
+    gathers and scatters of activations; a host sync per adapter (CPU only: on a GPU the Triton kernel runs)."""
+    squeeze = x.dim() == 2
+    if squeeze:
+        x = x[:, None]
+    y = x.new_zeros(*x.shape[:2], B.size(1))  # (N, T, out); rows with idx -1 stay zero
+    for a in range(A.size(0)):
+        rows = (idx == a).nonzero().squeeze(1)
+        if rows.numel():
+            y[rows] = F.linear(F.linear(x[rows], A[a].to(x.dtype)), B[a].to(x.dtype))
+    return y[:, 0] if squeeze else y
+
+
+LORA_FORMS = {"stacked": multi_lora_stacked, "grouped": multi_lora_grouped}
 
 
 # Kernels. Rows are the M = N*T token rows of x viewed as (M, in); row m uses adapter idx[m // T] (BGMV). The shrink
@@ -295,78 +336,19 @@ def multi_lora_triton(x, A, B, idx, *, split_k=None, block_m=None):
     return y if squeeze else y.view(N, T, -1)
 
 
-def multi_lora_stacked(x, A, B, idx):
-    """Same contract as multi_lora_ref, computed as ONE LoRA of rank n*r over all adapters stacked, with each row's
-    hidden units of the other adapters zeroed: h = x [A_0; ..; A_n-1]^T (N, T, n r), y = sum_a (h_a * mask_a) B_a^T.
-
-    This is the paper's own way of batching rows at different loops ("we merge multiple LoRAs into a single, large
-    LoRA module", Appendix K): every adapter's weights are read once per call (views, no copy) and nothing is
-    gathered per row, at n times the (small) LoRA FLOPs. Equal to the reference up to summation order (the masked
-    terms are exact zeros).
-    """
-    n, r, d_in = A.shape
-    squeeze = x.dim() == 2
-    if squeeze:
-        x = x[:, None]
-    N, T = x.shape[:2]
-    h = x @ A.reshape(n * r, d_in).t().to(x.dtype)  # (N, T, n r)
-    keep = (torch.arange(n, device=x.device)[None, :] == idx[:, None]).to(h.dtype)  # (N, n); idx -1 keeps nothing
-    h = (h.view(N, T, n, r) * keep[:, None, :, None]).view(N * T, n, r).transpose(0, 1)  # (n, N T, r)
-    y = torch.bmm(h, B.transpose(1, 2).to(h.dtype)).sum(0).view(N, T, -1)  # (N, T, out)
-    return y[:, 0] if squeeze else y
-
-
-def multi_lora_grouped(x, A, B, idx):
-    """Same contract as multi_lora_ref, one adapter at a time: the rows of adapter a (found with one nonzero per
-    adapter, not per row) go through its two thin matmuls and are scattered back. Exactly the LoRA FLOPs, n small
-    gathers and scatters of activations; a host sync per adapter (CPU only: on a GPU the Triton kernel runs)."""
-    squeeze = x.dim() == 2
-    if squeeze:
-        x = x[:, None]
-    y = x.new_zeros(*x.shape[:2], B.size(1))  # (N, T, out); rows with idx -1 stay zero
-    for a in range(A.size(0)):
-        rows = (idx == a).nonzero().squeeze(1)
-        if rows.numel():
-            y[rows] = F.linear(F.linear(x[rows], A[a].to(x.dtype)), B[a].to(x.dtype))
-    return y[:, 0] if squeeze else y
-
-
-LORA_FORMS = {"stacked": multi_lora_stacked, "grouped": multi_lora_grouped}
-_lora_form: dict[tuple, str] = {}  # (dtype, row bucket, T, n, r, in, out) -> the faster form, for this process
-
-
-def lora_form(x, A, B, timer=None) -> str:
-    """Which CPU form multi_lora runs at these shapes: 'stacked' (n x the LoRA FLOPs, no gathers) or 'grouped' (the
-    FLOPs once, a gather and scatter per adapter), whichever this machine runs faster. Timed once per (dtype, row
-    count rounded up to a power of two, shapes) on random inputs whose rows are spread evenly over the adapters (the
-    mix of a depth-wise step): a warm-up, then 5 interleaved rounds of 20 calls each, median. `timer(form) -> seconds`
-    replaces the measurement (tests)."""
-    N = x.size(0)
-    bucket = 1 << max(0, N - 1).bit_length()
-    key = (x.dtype, bucket, x[0].numel() // x.size(-1), *A.shape, B.size(1))
-    if key not in _lora_form:
-        def run(form):
-            xs = torch.randn(bucket, *x.shape[1:], dtype=x.dtype)
-            As, Bs = torch.randn_like(A), torch.randn_like(B)
-            ids = torch.arange(bucket) % A.size(0)
-            t0 = time.perf_counter()
-            for _ in range(20):
-                LORA_FORMS[form](xs, As, Bs, ids)
-            return time.perf_counter() - t0
-
-        _lora_form[key] = fastest(timer or run, tuple(LORA_FORMS), rounds=5)
-    return _lora_form[key]
+# At CPU inference the tuned form: cpu_tuning.enable() puts here a function (x, A, B) -> "stacked" | "grouped" that
+# names the form measured faster on this machine at these shapes. None: the plain dispatch below.
+cpu_lora_form = None
 
 
 def multi_lora(x, A, B, idx):
-    """Dispatch (same contract as multi_lora_ref): the Triton kernel on CUDA at inference; on CPU without gradients
-    the faster of the stacked and grouped forms as measured on this machine (lora_form); else (training) the stacked
-    form when it reads less than the reference would gather (always the case for the loops of a recursive model),
-    or the reference."""
+    """Dispatch (same contract as multi_lora_ref): the Triton kernel on CUDA at inference; else the stacked form when
+    it reads less than the reference would gather (always the case for the loops of a recursive model), or the
+    reference. On CPU without gradients, where cpu_tuning is enabled, the form it measured faster (cpu_lora_form)."""
     if use_triton(x, A, B, idx) and _kernel_fits(x, A, B, rank=A.size(1)):
         return multi_lora_triton(x, A, B, idx)
-    if x.device.type == "cpu" and not torch.is_grad_enabled() and A.size(0) > 1:
-        return LORA_FORMS[lora_form(x, A, B)](x, A, B, idx)
+    if cpu_lora_form is not None and x.device.type == "cpu" and not torch.is_grad_enabled() and A.size(0) > 1:
+        return LORA_FORMS[cpu_lora_form(x, A, B)](x, A, B, idx)
     if A.size(0) <= x.size(0):  # the reference gathers one adapter per row: stacking reads fewer weights
         return multi_lora_stacked(x, A, B, idx)
     return multi_lora_ref(x, A, B, idx)
@@ -601,6 +583,22 @@ def gated_swa_ref(q, k, v, k_shared, v_shared, gate_w, gate_b, window, scale=Non
     return gate_mix(q, gate_w, gate_b, y_local, y_global).to(q.dtype)
 
 
+def gated_swa_sdpa(q, k, v, k_shared, v_shared, gate_w, gate_b, window, scale=None):
+    """The training path: gated_swa_ref's math on torch's fused attention (same contract, differentiable).
+
+    y_local is SDPA with the banded bool mask swa_mask, y_global is SDPA with is_causal; GQA through enable_gqa (K/V
+    never copied), then the same gate and fp32 mix as the reference. On CPU both branches run SDPA's flash kernel,
+    forward and backward (bool mask and GQA included), which never materialises the (T, T) scores in fp32 as the
+    reference's einsums do: ~5x faster than gated_swa_ref at the tiny preset's training shapes (B 16, T 256).
+    """
+    T = q.size(2)
+    gqa = q.size(1) != k.size(1)
+    y_local = F.scaled_dot_product_attention(q, k, v, attn_mask=swa_mask(T, window, q.device), scale=scale,
+                                             enable_gqa=gqa)
+    y_global = F.scaled_dot_product_attention(q, k_shared, v_shared, is_causal=True, scale=scale, enable_gqa=gqa)
+    return gate_mix(q, gate_w, gate_b, y_local, y_global).to(q.dtype)
+
+
 # Prefill kernel: one program computes, for its row tile, y_local (interval [t - window + 1, t] over the loop's own
 # K/V), y_global (interval [0, t] over the shared K/V), the gate from the q tile it already holds, and the mix, and
 # writes only the mixed output: no y_local / y_global / gate tensors go through memory.
@@ -676,22 +674,6 @@ def gated_swa_triton(q, k, v, k_shared, v_shared, gate_w, gate_b, window, scale=
         *v_shared.stride(), *gate_w.stride(), gate_b.stride(0), *out.stride(), H_kv, T, D, int(window), scale * LOG2E,
         G=G, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, DOT_PREC=_dot_precision(q.dtype), num_warps=warps, num_stages=stages)
     return out
-
-
-def gated_swa_sdpa(q, k, v, k_shared, v_shared, gate_w, gate_b, window, scale=None):
-    """The training path: gated_swa_ref's math on torch's fused attention (same contract, differentiable).
-
-    y_local is SDPA with the banded bool mask swa_mask, y_global is SDPA with is_causal; GQA through enable_gqa (K/V
-    never copied), then the same gate and fp32 mix as the reference. On CPU both branches run SDPA's flash kernel,
-    forward and backward (bool mask and GQA included), which never materialises the (T, T) scores in fp32 as the
-    reference's einsums do: ~5x faster than gated_swa_ref at the tiny preset's training shapes (B 16, T 256).
-    """
-    T = q.size(2)
-    gqa = q.size(1) != k.size(1)
-    y_local = F.scaled_dot_product_attention(q, k, v, attn_mask=swa_mask(T, window, q.device), scale=scale,
-                                             enable_gqa=gqa)
-    y_global = F.scaled_dot_product_attention(q, k_shared, v_shared, is_causal=True, scale=scale, enable_gqa=gqa)
-    return gate_mix(q, gate_w, gate_b, y_local, y_global).to(q.dtype)
 
 
 def gated_swa(q, k, v, k_shared, v_shared, gate_w, gate_b, window, scale=None):
@@ -1055,208 +1037,3 @@ def dual_attention(q, q_pos, q_blk, k_s, v_s, s_pos, s_blk, k_c, v_c, c_blk, sca
             _kernel_fits(q, k_s, v_s, k_c, v_c, head_dim=q.size(-1)):
         return dual_attention_triton(q, q_pos, q_blk, k_s, v_s, s_pos, s_blk, k_c, v_c, c_blk, scale)
     return dual_attention_ref(q, q_pos, q_blk, k_s, v_s, s_pos, s_blk, k_c, v_c, c_blk, scale)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Ahead-of-time compilation for real GPUs, without a GPU
-#
-# A case calls a public launcher (multi_lora_triton, gated_swa_triton, gated_swa_decode_triton,
-# dual_attention_triton) on CPU tensors of a preset's shapes and layouts while the kernels are replaced by recorders,
-# so what is compiled is exactly what the launcher passes (tile sizes, constexprs, num_warps / num_stages, strides).
-# Triton's own argument binder then specializes those arguments as a launch on a GPU would (dtypes; ints equal to 1
-# become constexprs; pointers and ints divisible by 16 get the divisibility hint), and triton.compile lowers them to
-# PTX and a cubin (Triton's bundled ptxas) for the target. The SM count the launch heuristics read is the target's.
-# Lengths that vary at run time (KV length, split counts) are specialized by Triton on ==1 and %16: a case fixes one
-# representative value of each. Needs the real compiler: Triton imported without TRITON_INTERPRET=1.
-
-AOT_TARGETS = {  # capability -> SMs, opt-in max shared memory per block (bytes)
-    80: dict(sms=108, shared=166912),  # A100
-    90: dict(sms=132, shared=232448),  # H100 SXM
-}
-
-
-# The kernel shapes of the presets that launch kernels (written out: this module imports no model file;
-# tests/test_aot.py derives them from plt.PRESETS, double_decoder.PRESETS and recursive.RELAXED_PRESETS and checks
-# they are equal). LoRA: model width d, loops, the ranks <= MAX_LORA_RANK; PLT: heads, head dim, window, non-first
-# loops L1; double decoder: heads and head dim.
-AOT_PRESETS = {
-    "lora": {"tiny": dict(d=128, n_loops=2, ranks=(16,)), "tiny6": dict(d=128, n_loops=2, ranks=(64,)),
-             "mini": dict(d=256, n_loops=2, ranks=(64,)), "small": dict(d=512, n_loops=2, ranks=(64,)),
-             "base": dict(d=768, n_loops=2, ranks=(128,)), "gemma-2b": dict(d=2048, n_loops=2, ranks=(256,)),
-             "tinyllama-1.1b": dict(d=2048, n_loops=2, ranks=(256,))},
-    "plt": {"tiny": dict(H=4, H_kv=2, D=32, window=32, L1=1), "small": dict(H=8, H_kv=2, D=64, window=64, L1=1),
-            "base": dict(H=12, H_kv=3, D=64, window=64, L1=1),
-            "ablation-dense": dict(H=16, H_kv=4, D=96, window=64, L1=1),
-            "dense-1.2b": dict(H=32, H_kv=8, D=64, window=64, L1=1)},
-    "dd": {"tiny": dict(H=4, H_kv=2, D=32), "mini": dict(H=4, H_kv=2, D=64), "small": dict(H=8, H_kv=4, D=64),
-           "base": dict(H=12, H_kv=4, D=64)},
-}
-
-
-def _aot_heads(B, H, T, D, dtype, transposed=False):
-    """(B, H, T, D) in the model's layouts: contiguous (after RoPE), or split_heads' transposed view of (B, T, H*D)."""
-    if transposed:
-        return torch.empty(B, T, H, D, dtype=dtype).transpose(1, 2)
-    return torch.empty(B, H, T, D, dtype=dtype)
-
-
-def _aot_lora(N, T, d, n_loops, rank, dtype):
-    """svd_lora.LoRALinear on a d x d projection: x (N, T, d), one loop index per row."""
-    A, B = torch.empty(n_loops, rank, d, dtype=dtype), torch.empty(n_loops, d, rank, dtype=dtype)
-    multi_lora_triton(torch.empty(N, T, d, dtype=dtype), A, B, torch.zeros(N, dtype=torch.long))
-
-
-def _aot_gated_swa(B, T, H, H_kv, D, window, dtype):
-    """plt.PLTAttention over a prompt of T tokens."""
-    q = _aot_heads(B, H, T, D, dtype)
-    k, v, ks, vs = (_aot_heads(B, H_kv, T, D, dtype, transposed=i % 2 == 1) for i in range(4))
-    gated_swa_triton(q, k, v, ks, vs, torch.empty(H, D, dtype=dtype), torch.empty(H, dtype=dtype), window)
-
-
-def _aot_gated_swa_decode(B, L1, H, H_kv, D, window, kv_len, max_len, dtype):
-    """plt.PLTAttention's decode step: the non-first loops' queries of (B, H, L, D), the rings (B, L1, H_kv, W, D),
-    the shared cache read as (B, H_kv, kv_len, D) out of (B, H_kv, max_len, D)."""
-    q = _aot_heads(B, H, L1 + 1, D, dtype)[:, :, 1:].transpose(1, 2)
-    ring = torch.empty(B, L1, H_kv, window, D, dtype=dtype)
-    ks = torch.empty(B, H_kv, max_len, D, dtype=dtype)[:, :, :kv_len]
-    gated_swa_decode_triton(q, ring, ring, torch.empty(B, window, dtype=torch.long), ks, ks,
-                            torch.empty(B, dtype=torch.long), torch.empty(H, D, dtype=dtype),
-                            torch.empty(H, dtype=dtype), window)
-
-
-def _aot_dual(B, T, S1, S2, H, H_kv, D, dtype):
-    """double_decoder's generation layer: T queries, S1 self keys, S2 cross keys; ids as DualIds builds them."""
-    ids = torch.arange(max(T, S1, S2)).expand(B, -1)
-    q = _aot_heads(B, H, T, D, dtype)
-    k_s, v_s = _aot_heads(B, H_kv, S1, D, dtype), _aot_heads(B, H_kv, S1, D, dtype, transposed=True)
-    k_c, v_c = _aot_heads(B, H_kv, S2, D, dtype), _aot_heads(B, H_kv, S2, D, dtype, transposed=True)
-    dual_attention_triton(q, ids[:, :T], ids[:, :T], k_s, v_s, ids[:, :S1], ids[:, :S1], k_c, v_c, ids[:, :S2])
-
-
-class AOTCase:
-    """One launch of the models: `launch()` calls a public launcher on CPU tensors of the case's shapes."""
-
-    def __init__(self, name, dtype, launch):
-        self.name, self.dtype, self.launch = name, dtype, launch
-
-    def __repr__(self):
-        return f"AOTCase({self.name})"
-
-
-def aot_cases():
-    """Every kernel launch of the presets' inference paths, per dtype -> [AOTCase]. Decode (one token: a batch of 1
-    and a depth-wise serving batch of 8 rows for LoRA) and prefill (a 256-token prompt); the PLT decode reads a
-    shared cache of 200 of 1024 positions; the double decoder's layer sees 256 self keys and 512 cross keys."""
-    cases = []
-    for dtype in KERNEL_DTYPES:
-        dt = str(dtype).removeprefix("torch.")
-        for name, s in AOT_PRESETS["lora"].items():
-            for rank in s["ranks"]:
-                for phase, N, T in (("decode", 1, 1), ("serve8", 8, 1), ("prefill", 1, 256)):
-                    cases.append(AOTCase(f"lora/{name}/r{rank}/{phase}/{dt}", dtype, functools.partial(
-                        _aot_lora, N, T, s["d"], s["n_loops"], rank, dtype)))
-        for name, s in AOT_PRESETS["plt"].items():
-            cases.append(AOTCase(f"plt/{name}/prefill/{dt}", dtype, functools.partial(
-                _aot_gated_swa, 1, 256, s["H"], s["H_kv"], s["D"], s["window"], dtype)))
-            cases.append(AOTCase(f"plt/{name}/decode/{dt}", dtype, functools.partial(
-                _aot_gated_swa_decode, 1, s["L1"], s["H"], s["H_kv"], s["D"], s["window"], 200, 1024, dtype)))
-        for name, s in AOT_PRESETS["dd"].items():
-            for phase, T, S1 in (("decode", 1, 16), ("prefill", 256, 256)):
-                cases.append(AOTCase(f"dd/{name}/{phase}/{dt}", dtype, functools.partial(
-                    _aot_dual, 1, T, S1, 512, s["H"], s["H_kv"], s["D"], dtype)))
-    return cases
-
-
-def _aot_record(case, sms):
-    """-> [(kernel name, args, kwargs)] of the launches case.launch() makes with `sms` SMs, no kernel run: every
-    Triton function of this module is replaced by a recorder meanwhile (not thread-safe)."""
-    calls = []
-
-    class Recorder:
-        def __init__(self, name):
-            self.name = name
-
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: calls.append((self.name, args, kwargs))
-
-    g = globals()
-    saved = {n: f for n, f in g.items() if isinstance(f, triton.runtime.KernelInterface)}
-    saved["_num_sms"] = _num_sms
-    try:
-        g.update({n: Recorder(n) for n in saved if n != "_num_sms"}, _num_sms=lambda device: sms)
-        case.launch()
-    finally:
-        g.update(saved)
-    return calls
-
-
-def aot_kernels(case):
-    """Names of the kernels a case launches, in launch order."""
-    return [name for name, _, _ in _aot_record(case, AOT_TARGETS[90]["sms"])]
-
-
-def aot_compile(kernel_name, target, case):
-    """Compile kernel `kernel_name` as `case` launches it, for a GPU of capability `target` (80 or 90) -> Triton's
-    CompiledKernel: .asm["ptx"], .asm["cubin"], .metadata.shared (bytes), .metadata.num_warps / num_stages."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, make_backend
-    from triton.runtime.jit import JITFunction, create_function_from_signature
-
-    fn = globals()[kernel_name]
-    if not isinstance(fn, JITFunction):
-        raise RuntimeError(f"{kernel_name} is a {type(fn).__name__}: kernels.py was imported with TRITON_INTERPRET=1; "
-                           "compile in a process without it")
-    launches = [(args, kwargs) for name, args, kwargs in _aot_record(case, AOT_TARGETS[target]["sms"])
-                if name == kernel_name]
-    if not launches:
-        raise ValueError(f"{case.name} does not launch {kernel_name}")
-    args, kwargs = launches[0]
-    gpu = GPUTarget("cuda", target, 32)
-    backend = make_backend(gpu)
-    bound, specialization, options = create_function_from_signature(fn.signature, fn.params, backend)(*args, **kwargs)
-    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
-    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=gpu, options=options.__dict__)
-
-
-def _cubin_resources(cubin: bytes, kernel_name: str):
-    """-> (registers per thread, stack frame bytes per thread) read from the cubin by Triton's bundled cuobjdump.
-    The stack frame is where ptxas spills registers (the same figure as ptxas -v's "bytes stack frame", which it
-    prints next to the spill stores): CompiledKernel.n_regs / n_spills need a GPU (they come from loading it)."""
-    import re
-    import subprocess
-    import tempfile
-
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-    m = re.search(rf"Function {kernel_name}:\s*REG:(\d+) STACK:(\d+)", out)
-    return int(m.group(1)), int(m.group(2))
-
-
-def aot_report(targets=(80, 90), cases=None):
-    """Compile every kernel of every case (default: aot_cases()) for each target -> rows (dicts): kernel, case,
-    target ("sm_90"), dtype, shared (bytes), shared_limit, regs, spills (stack frame bytes per thread, ptxas -v's
-    figure), ptx_entry (the PTX defines the kernel's entry), seconds (compile time; ~0 on a Triton cache hit), error (None,
-    or the compile error: one failing kernel does not stop the report)."""
-    import time
-
-    rows = []
-    for case in aot_cases() if cases is None else cases:
-        for kernel in dict.fromkeys(aot_kernels(case)):
-            for target in targets:
-                row = dict(kernel=kernel, case=case.name, target=f"sm_{target}",
-                           dtype=str(case.dtype).removeprefix("torch."), shared=None,
-                           shared_limit=AOT_TARGETS[target]["shared"], regs=None, spills=None, ptx_entry=None,
-                           seconds=None, error=None)
-                t0 = time.perf_counter()
-                try:
-                    ck = aot_compile(kernel, target, case)
-                    row["regs"], row["spills"] = _cubin_resources(ck.asm["cubin"], ck.metadata.name)
-                    row["shared"], row["ptx_entry"] = ck.metadata.shared, f".entry {kernel}(" in ck.asm["ptx"]
-                except Exception as e:  # reported in its row
-                    row["error"] = f"{type(e).__name__}: {e}"
-                row["seconds"] = round(time.perf_counter() - t0, 3)
-                rows.append(row)
-    return rows

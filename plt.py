@@ -1,8 +1,8 @@
 """
 plt.py -- the Parallel Loop Transformer (PLT): a looped transformer that decodes as fast as a plain one.
 
-Paper: "Parallel Loop Transformer for Efficient Test-Time Computation Scaling" (ByteDance Seed); the summary is in
-../shared/papers/003_*.txt. What this file implements, in the paper's order:
+Paper: "Parallel Loop Transformer for Efficient Test-Time Computation Scaling" (Wu et al., ByteDance Seed,
+arXiv:2510.24824). What this file implements, in the paper's order:
 
   * the looped transformer (section 2.1): the WHOLE N-layer stack is applied L times with the same weights;
   * cross-loop parallelism, CLP (section 2.2.1, Algorithm 2 for training, Algorithm 1 for decoding): loop l >= 2
@@ -38,18 +38,13 @@ Conventions of this file (where the paper, public code and libraries differ):
   * Positions: every loop sees the tokens at their own positions 0..T-1 (RoPE); the shift only moves the hidden
     states, never the positions.
 
-Deviation: the loop input (config field loop_input_norm, --plt-loop-norm; "none" is the paper's raw sum). With the
-raw sum E + shift_right(H), CLP did not learn at this scale: at 150 steps x 16 x 128 tokens (tiny preset, lr 2e-3) every
-CLP row ended near the unigram loss (clp 6.34, kv_share 6.30, plt 6.31; unigram cross-entropy 6.58) while the
-sequential loop reached 5.29. The reason is scale: H is the un-normalised residual stream, and over those 150 steps
-rms(H^(1)) grows from 0.02 to ~1.7 while rms(E) stays ~0.03, so token i is ~2% of its own loop-2 input (replacing it
-moves the logits at i by 0.08, against 4.1 in the sequential loop model). Normalising each summand without parameters,
-r * n(E) + n(shift H), gives clp 6.46 / 5.73 / 5.35 at r = 0.03 / 0.3 / 1 (a dose response in the weight of E); two
-learned RMSNorms, n_E(E) + n_H(shift_right(H)), give 5.36 (scaling E by sqrt(d) alone: 6.09; normalising H alone:
-6.49). The default is "shared": one learned pair for every loop >= 2 ("per_loop": one pair per loop). Training and
-decode_step both go through PLT.clp_input, so decoding still equals the forward exactly (tests/test_plt.py), and
-tests/test_plt.py trains a CLP model briefly and checks that its logits at i depend on token i. The 800-step results
-with and without it are in the README.
+Deviation: the loop input (config field loop_input_norm, --plt-loop-norm; "none" is the paper's raw sum
+E + shift_right(H)). With the raw sum the CLP rows did not learn at this scale: H is the un-normalised residual stream
+and outgrows the embeddings early in training, so token i all but vanishes from its own loop-2 input. The
+default "shared" normalises the two summands with one learned pair of RMSNorms for every loop >= 2,
+n_E(E) + n_H(shift_right(H)); "per_loop" gives each loop its own pair. Training and decode_step both go through
+PLT.clp_input, so decoding still equals the forward exactly; tests/test_plt.py also trains a CLP model briefly and
+checks that its logits at i depend on token i. The measurements behind it: RESULTS.md, "The loop input".
 
 Decoding (Algorithm 1): `prefill` runs the training forward on the prompt and keeps K_share/V_share (one KV cache
 layer per stack layer), each non-first loop's last w keys/values (ring buffers: slot = position % w), and each
@@ -68,10 +63,9 @@ otherwise (training); both follow the conventions above (gate from q after RoPE,
 gate_b (H,), exactly w keys). tests/test_plt.py forces the Triton path on CPU (TRITON_INTERPRET=1) and checks it
 against the reference. Loop 1 and the non-G-SWA variants use model.attend (SDPA).
 
-Table 2 at equal parameters and tokens (the `tiny` preset: 2 layers, looped L=2 times; vanilla = the same 2 layers
-once; 800 steps x 16 x 256 tokens at lr 4e-3, window 32, the main job's protocol): the same command per row, e.g.
+Table 2 at equal parameters and tokens, one command per row (`--loops 3` for PLT-3), the protocol and the results in
+RESULTS.md:
     python train.py --arch plt --plt-variant loop --eval-iters 20 --seed 1337 --out-dir out/plt-loop
-with --plt-variant vanilla|loop|clp|kv_share|plt, and `--loops 3` for PLT-3 (row 6); results in the README.
 
 Run:
     python train.py --arch plt                                  # PLT-2 tiny on the default corpus (~5 min, 2 CPUs)
@@ -656,7 +650,7 @@ def convert(args, gpt: GPT, tok=None) -> PLT:
 
 # The main job (`python train.py --arch plt`): 800 steps of 16 x 256 tokens at lr 4e-3, about 5 minutes on 2 cores
 # (a PLT-2 tiny step costs ~1.1x a vanilla tiny step since G-SWA trains through SDPA, kernels.gated_swa_sdpa).
-# lr 4e-3 rather than train.py's 2e-3: at 800 steps it is better for both PLT-2 and the 2-layer vanilla (README).
+# lr 4e-3 rather than train.py's 2e-3: at 800 steps it is better for both PLT-2 and the 2-layer vanilla (RESULTS.md).
 ARCH_SPECS = [ArchSpec("plt", PLTConfig, PLT, PRESETS, add_args=add_args, config_overrides=config_overrides,
                        convert=convert, train_defaults={"max_iters": 800, "lr": 4e-3})]
 

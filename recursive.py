@@ -2,8 +2,9 @@
 recursive.py -- Recursive and Relaxed Recursive Transformers: looped layer tying, conversion from a vanilla model,
 per-loop LoRA, early-exit training and confidence-based early exit with per-loop KV caches.
 
-Paper: "Relaxed Recursive Transformers: Effective Parameter Sharing with Layer-wise LoRA" (Bae et al., 2024),
-sections 2.2-2.4, 3.4-3.7, Appendices B, C, E, F, J, K. The LoRA layer and its SVD init live in svd_lora.py.
+Paper: "Relaxed Recursive Transformers: Effective Parameter Sharing with Layer-wise LoRA" (Bae et al.,
+arXiv:2410.20672), sections 2.2-2.4, 3.4-3.7, Appendices B, C, E, F, J, K. The LoRA layer and its SVD init live in
+svd_lora.py.
 
 The model, top to bottom:
   * Looped layer tying, CYCLE (eq. 2, Appendix B): one block of K = N / B unique layers, looped B times. Loop l runs
@@ -56,15 +57,15 @@ from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from cli import ArgumentParser, number, run_cli, user_input
-from model import (GPT, IGNORE, PRESETS, ArchSpec, Block, GPTConfig, KVCache, causal_mask_from_positions, count_params, distill_loss, kv_bytes, lm_loss,
-                   start_prefill)
+from model import (GPT, IGNORE, PRESETS, ArchSpec, Block, GPTConfig, KVCache, RotaryEmbedding,
+                   causal_mask_from_positions, count_params, distill_loss, kv_bytes, lm_loss, start_prefill)
 from svd_lora import COMPONENTS, LoRALinear, add_lora, init_lora, max_ranks
 
 INITS = ("stepwise", "average", "lower", "random")
@@ -165,6 +166,39 @@ def tying_sources(N: int, K: int, init: str) -> list[list[int]]:
     if init == "average":
         return [[l * K + k for l in range(B)] for k in range(K)]
     raise ValueError(f"unknown tying init {init!r}; choose one of {INITS}")
+
+
+def keep_layers(src: GPT, spec: str) -> GPT:
+    """The reduced-size baseline of section 3.2 built from pretrained layers: a vanilla GPT made of some of src's
+    layers, in their order, with its embedding, final norm and head. spec: 'stepwise:K' (the K layers Stepwise ties,
+    i.e. the unique layers of the recursive model), 'lower:K' (the first K), or a comma list of layer indices. The
+    paper pretrains its reduced-size models from scratch; starting them from the same pretrained layers as the
+    recursive model isolates what looping adds."""
+    N = src.config.n_layer
+    kind, _, k = spec.partition(":")
+    if kind in ("stepwise", "lower"):
+        if not k.isdigit() or not 1 <= int(k) <= N:
+            raise ValueError(f"--keep-layers {spec}: give {kind}:K with 1 <= K <= {N} (the source's layers)")
+        layers = stepwise_layers(N, int(k)) if kind == "stepwise" else list(range(int(k)))
+    else:
+        try:
+            layers = [int(i) for i in spec.split(",")]
+        except ValueError:
+            raise ValueError(f"--keep-layers {spec!r}: give stepwise:K, lower:K or a comma list of layer indices")
+        if not layers or any(not 0 <= i < N for i in layers) or len(set(layers)) != len(layers):
+            raise ValueError(f"--keep-layers {spec}: layer indices must be distinct and in [0, {N})")
+    cfg = replace(src.config, n_layer=len(layers))
+    p = src.tok_emb.weight
+    with torch.device("meta"):
+        model = GPT(cfg)
+    sd = {k: v for k, v in src.state_dict().items() if not k.startswith("blocks.")}
+    for new, old in enumerate(layers):
+        sd.update({f"blocks.{new}.{k}": v for k, v in src.blocks[old].state_dict().items()})
+    model.load_state_dict({k: v.clone() for k, v in sd.items()}, assign=True)
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.tok_emb.weight
+    model.rope = RotaryEmbedding(cfg.rot_dim, cfg.max_seq_len, cfg.rope_theta).to(p.device)  # fp32 tables
+    return model
 
 
 def exit_coefficients(kind: str, n_loops: int, coef: float) -> list[float]:

@@ -2,25 +2,13 @@
 serve.py -- a small serving loop: continuous depth-wise batching with early exit for Recursive Transformers, and the
 vanilla baselines (static and continuous sequence-wise batching) on the same requests.
 
-Paper: "Relaxed Recursive Transformers" (Bae et al., 2024), ../shared/papers/001_*.txt, section 2.4 (Continuous
-Depth-wise Batching and Early-Exiting, Figure 3), section 3.8 and Appendix K (Tables K.1-K.4). The paper only
-*simulates* the throughput of depth-wise batching from measured per-token times and oracle exit trajectories; here the
-schedule runs for real, with confidence-based exits and state propagation.
+Paper: "Relaxed Recursive Transformers: Effective Parameter Sharing with Layer-wise LoRA" (Bae et al.,
+arXiv:2410.20672), section 2.4 (Continuous Depth-wise Batching and Early-Exiting, Figure 3), section 3.8 and
+Appendix K (Tables K.1-K.4). The paper only *simulates* the throughput of depth-wise batching from measured per-token
+times and oracle exit trajectories; here the schedule runs for real, with confidence-based exits and state
+propagation.
 
-Pieces, simplest first:
-  * Requests: prompt token ids + max_new_tokens + an arrival time. Synthetic (all at once, or Poisson at --rate,
-    seeded; lengths uniform in "a:b" ranges), windows of the validation corpus (data.prepare_corpus/TokenData), or a
-    JSONL file of {"prompt": str | "prompt_ids": [...], "max_new_tokens": n[, "arrival": s]}. A bad request (empty
-    prompt, prompt_ids that are not a list, ids outside the vocabulary, prompt + max_new_tokens longer than the
-    context, max_new_tokens <= 0, a bad JSONL line: not UTF-8, not JSON, an arrival that is not a time in
-    [0, MAX_ARRIVAL_S] seconds) gets an error of its own; the others are served (the file is read line by line). The summary counts the errors by reason under the
-    table (with a few examples), and --json gives every system's `request_errors` {request id: reason, naming the
-    file:line} and `errors_by_reason`. Flags are checked before anything runs: an impossible value or combination
-    (e.g. --slots 0, --prompt-len 10:5, prompt + gen lengths beyond the context, more than MAX_REQUESTS requests,
-    Poisson arrivals spread beyond MAX_ARRIVAL_S), a corrupt --ckpt, a missing file or a directory, and KV caches the
-    memory cannot hold (checked before any is allocated) are one line `error: ...` on stderr and exit code 2.
-  * Sampling: greedy, or sampled with ONE seeded torch.Generator per request (`request_generator(seed, rid)`), so the
-    output of a request does not depend on the schedule, and equals model.generate(prompt, n, generator=that one).
+The servers come first, then what runs them:
   * Servers, all with a fixed number of batch slots and a pre-allocated KV cache with one row per slot:
       - StaticServer (vanilla, static batching): waits until the batch is empty, takes up to `slots` arrived
         requests, prefills them together and decodes (GPT.decode_step) until the longest is done.
@@ -33,21 +21,33 @@ Pieces, simplest first:
         loop (RecursiveGPT.loop_step: per-row LoRA index through kernels.multi_lora, per-row cache writes at
         (loop, slot, position), per-row attention lengths from the positional mask). Afterwards a row exits when it
         is at the last loop or, with a threshold, when its exit score reaches it (RecursiveGPT.exit_pass, the one
-        exit rule of generate too: max softmax, the learned exit gate or saturation); an early exit fills the deeper loops' caches of that token by state propagation
-        (RecursiveGPT.propagate). An exited row emits its token and starts the next token at loop 0 in the same slot;
-        a finished request frees the slot, refilled at once by the queue. Other rows just move to the next loop.
-        With threshold None it is "depth-wise batching without early exit". The slots' state (position, loop, hidden
-        state) lives in tensors and every step updates all rows at once: no per-row tensor work, one host transfer.
+        exit rule of generate too: max softmax, the learned exit gate or saturation); an early exit fills the deeper
+        loops' caches of that token by state propagation (RecursiveGPT.propagate). An exited row emits its token and
+        starts the next token at loop 0 in the same slot; a finished request frees the slot, refilled at once by the
+        queue. Other rows just move to the next loop. With threshold None it is "depth-wise batching without early
+        exit". The slots' state (position, loop, hidden state) lives in tensors and every step updates all rows at
+        once: no per-row tensor work, one host transfer.
     Prefill of newly admitted requests is a SEPARATE batched pass (the model's own prefill on a temporary cache of
     the admitted group, right-padded, copied into the slots' rows); it is not chunked, so a long prompt stalls the
     decode steps of that iteration (its time shows up in the other requests' per-token latency).
+  * Requests (serve_requests.py): synthetic, corpus windows or a JSONL file; a bad request gets an error of its own
+    and the others are served; the summary counts the errors by reason under the table, and --json gives every
+    system's `request_errors` {request id: reason, naming the file:line} and `errors_by_reason`.
+  * Sampling: greedy, or sampled with ONE seeded torch.Generator per request (`request_generator(seed, rid)`), so the
+    output of a request does not depend on the schedule, and equals model.generate(prompt, n, generator=that one).
   * Metrics: generated tok/s (all generated tokens / wall time from the first arrival to the last token), loaded
     tok/s (tokens emitted in the decode steps that had every slot busy / those steps' time: what a server with a
     queue sustains; end to end, the drain at the end weighs in: a slot whose requests happen to exit less finishes
-    last, and the others idle meanwhile), time to
-    first token (from arrival), per-token latency p50/p99 (gaps between a request's tokens), mean exit loop
-    (1-based), slot occupancy (active slots / slots per decode step) and, on CUDA, achieved memory bandwidth
-    (parameter bytes + KV bytes read per decode step) / step time against the device's peak.
+    last, and the others idle meanwhile), time to first token (from arrival), per-token latency p50/p99 (gaps
+    between a request's tokens), mean exit loop (1-based), slot occupancy (active slots / slots per decode step)
+    and, on CUDA, achieved memory bandwidth (parameter bytes + KV bytes read per decode step) / step time against
+    the device's peak.
+  * The command: build the models and the requests, calibrate the exits, run every server (serve_compare). Flags
+    are checked before anything runs: an impossible value or combination (e.g. --slots 0, --prompt-len 10:5, prompt
+    + gen lengths beyond the context, more than MAX_REQUESTS requests, Poisson arrivals spread beyond MAX_ARRIVAL_S),
+    a corrupt --ckpt, a missing file or a directory, and KV caches the memory cannot hold (checked before any is
+    allocated) are one line `error: ...` on stderr and exit code 2. On a CPU the command runs with cpu_tuning's
+    measured forms switched on.
 The speed claims of the four papers, measured on this machine at memory-bound sizes, are in bench.py (`python
 bench.py serve` runs these servers at the `base` shape; `python bench.py archs` is the six architectures side by side).
 
@@ -73,66 +73,24 @@ import json
 import math
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+import cpu_tuning
 from checkpoint import load_checkpoint, model_from_checkpoint
 from cli import (DTYPES, ArgumentParser, UsageError, available_memory, check_device, check_writable_dir, number,
-                 one_line, path_arg, run_cli, seed_arg, user_input)
-from data import TokenData, Tokenizer, prepare_corpus, step_generator
+                 path_arg, run_cli, seed_arg, user_input)
+from data import Tokenizer
 from model import GPT, PRESETS, GPTConfig, param_bytes, pick_device, pick_dtype, sample_next, sync
 from recursive import RELAXED_RANK, RecursiveGPT, from_vanilla
+from serve_requests import (MAX_REQUESTS, Request, check_request, corpus_requests, error_counts, jsonl_requests,
+                            parse_range, print_errors, request_generator, request_problem, synthetic_requests)
 
 try:
     from tqdm import tqdm
 except ImportError:  # pragma: no cover - tqdm is in requirements.txt
     tqdm = None
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Requests
-
-# What a run may be asked to do. A request arriving later than MAX_ARRIVAL_S seconds after the start (a file's arrival,
-# or Poisson arrivals at a tiny --rate) would keep every server idle that long: an error, not a wait. MAX_REQUESTS
-# bounds the request table (each request keeps its prompt, outputs and token times in Python lists, a few KB).
-MAX_ARRIVAL_S = 3600.0
-MAX_REQUESTS = 100_000
-
-
-@dataclass
-class Request:
-    rid: int
-    prompt: list  # token ids
-    max_new_tokens: int
-    arrival: float = 0.0  # seconds after the start (clock='wall') or decode steps (clock='step')
-    error: str | None = None
-    invalid: str | None = None  # a reason found while reading the request (bad JSONL line)
-    error_kind: str | None = None  # the short reason of `error` (the summaries count requests by it)
-    source: str | None = None  # where the request came from ("reqs.jsonl:3"), named in its error
-    finished: bool = False
-    output: list = field(default_factory=list)  # generated ids
-    exits: list = field(default_factory=list)  # 0-based loop that produced each generated token (None: vanilla)
-    t_arrive: float | None = None  # wall times (perf_counter)
-    t_first: float | None = None
-    t_done: float | None = None
-    token_times: list = field(default_factory=list)
-    gen: torch.Generator | None = None
-
-    @property
-    def done(self) -> bool:
-        return self.error is not None or self.finished
-
-    def fresh(self) -> "Request":
-        """The same request, not yet served (prompt, length, arrival and any reading error kept)."""
-        return Request(self.rid, list(self.prompt) if isinstance(self.prompt, list) else self.prompt,
-                       self.max_new_tokens, self.arrival, invalid=self.invalid, source=self.source)
-
-
-def request_generator(seed: int, rid: int, device="cpu") -> torch.Generator:
-    """The sampling generator of request rid: outputs do not depend on the schedule."""
-    return torch.Generator(device=device).manual_seed((seed * 1_000_003 + rid) % 2 ** 64)  # what torch takes
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -434,148 +392,6 @@ class DepthWiseServer(SlotServer):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Reading requests: validation, arrivals, synthetic, corpus and JSONL requests
-
-
-def request_problem(r: Request, vocab_size: int, max_seq_len: int) -> tuple[str, str] | None:
-    """(short reason, clear message) why this request cannot be served, or None."""
-    if r.invalid:
-        return "bad request line", r.invalid
-    if not isinstance(r.max_new_tokens, int) or isinstance(r.max_new_tokens, bool) or r.max_new_tokens <= 0:
-        return "bad max_new_tokens", f"max_new_tokens={r.max_new_tokens!r} must be a positive integer"
-    if not isinstance(r.prompt, list):
-        return "prompt ids not a list", "prompt_ids must be a list of token ids"
-    if not r.prompt:
-        return "empty prompt", "empty prompt: a request needs at least one prompt token"
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in r.prompt):
-        return "prompt ids not integers", "prompt ids must be integers"
-    bad = [t for t in r.prompt if not 0 <= t < vocab_size]
-    if bad:
-        return "token id outside vocabulary", f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
-    if len(r.prompt) >= max_seq_len:
-        return "prompt longer than context", (f"prompt of {len(r.prompt)} tokens is longer than the context "
-                                              f"({max_seq_len} positions, one kept for a new token)")
-    if len(r.prompt) + r.max_new_tokens > max_seq_len:
-        return "prompt + output longer than context", (
-            f"prompt of {len(r.prompt)} tokens + max_new_tokens={r.max_new_tokens} exceeds the context of "
-            f"{max_seq_len} positions")
-    return None
-
-
-def check_request(r: Request, vocab_size: int, max_seq_len: int) -> str | None:
-    """A clear reason why this request cannot be served, or None."""
-    problem = request_problem(r, vocab_size, max_seq_len)
-    return None if problem is None else problem[1]
-
-
-def parse_range(spec: str) -> tuple[int, int]:
-    """'a:b' -> (a, b) (uniform integers, both included); 'a' -> (a, a)."""
-    lo, _, hi = str(spec).partition(":")
-    lo, hi = int(lo), int(hi or lo)
-    if lo > hi:
-        raise ValueError(f"bad range {spec!r}: {lo} > {hi}")
-    return lo, hi
-
-
-def arrival_times(n: int, process: str, rate: float, gen: torch.Generator) -> list[float]:
-    """'all': everything at 0; 'poisson': exponential gaps of mean 1/rate."""
-    if process == "all":
-        return [0.0] * n
-    if process == "poisson":
-        if rate <= 0:
-            raise ValueError(f"--rate must be > 0 for Poisson arrivals, got {rate}")
-        gaps = -torch.log1p(-torch.rand(n, generator=gen, dtype=torch.float64)) / rate
-        times = torch.cumsum(gaps, 0).tolist()
-        if times and times[-1] > MAX_ARRIVAL_S:
-            raise UsageError(f"--rate {rate:g}: the {n} Poisson arrivals span {times[-1]:.3g} s, beyond the "
-                             f"{MAX_ARRIVAL_S:g} s a run may wait for its requests; raise --rate")
-        return times
-    raise ValueError(f"unknown arrival process {process!r}; choose all or poisson")
-
-
-def synthetic_requests(n, vocab_size, prompt_len="8:48", gen_len="8:64", arrival="all", rate=10.0, seed=0):
-    """n requests with random token ids (never the last vocabulary row, which some archs use as a pad)."""
-    g = torch.Generator().manual_seed(seed)
-    (p0, p1), (g0, g1) = parse_range(prompt_len), parse_range(gen_len)
-    times = arrival_times(n, arrival, rate, g)
-    out = []
-    for i in range(n):
-        T = int(torch.randint(p0, p1 + 1, (1,), generator=g))
-        G = int(torch.randint(g0, g1 + 1, (1,), generator=g))
-        out.append(Request(i, torch.randint(0, vocab_size - 1, (T,), generator=g).tolist(), G, times[i]))
-    return out
-
-
-def corpus_requests(n, tok, data="stdlib", cache_dir="data_cache", prompt_len="8:48", gen_len="8:64", arrival="all",
-                    rate=10.0, seed=0):
-    """Prompts are windows of the validation split of train.py's corpus (tokenized once, cached)."""
-    cache = prepare_corpus(data, tok, cache_dir)
-    val = TokenData(cache, "val")
-    reqs = synthetic_requests(n, 2, prompt_len, gen_len, arrival, rate, seed)  # lengths and arrivals
-    x, _ = val.get_batch(n, parse_range(prompt_len)[1], step_generator(seed, -7))
-    for r in reqs:
-        r.prompt = x[r.rid, :len(r.prompt)].tolist()
-    return reqs
-
-
-def read_lines(path) -> list[tuple[int, bytes]]:
-    """The non-empty lines of a requests file as (line number, bytes), read line by line (each decoded on its own, so
-    one bad line is one bad request). A file that cannot be opened, or holds more than MAX_REQUESTS lines, is one
-    UsageError naming it."""
-    try:
-        with open(path, "rb") as f:
-            lines = []
-            for n, ln in enumerate(f, 1):
-                if ln.strip():
-                    lines.append((n, ln))
-                    if len(lines) > MAX_REQUESTS:
-                        raise UsageError(f"--requests-file {path} holds more than {MAX_REQUESTS:,} requests (line {n})")
-    except IsADirectoryError:
-        raise UsageError(f"--requests-file {path} is a directory, not a JSONL file") from None
-    except OSError as e:
-        raise UsageError(f"--requests-file {path}: cannot read it ({e.strerror or e})") from None
-    return lines
-
-
-def jsonl_requests(path, tok=None, default_gen=32, arrival="all", rate=10.0, seed=0):
-    """{"prompt": str | "prompt_ids": [...], "max_new_tokens": n, "arrival": s (optional)} per line. A line that
-    cannot be read (not UTF-8, not JSON, an arrival that is not a time in [0, MAX_ARRIVAL_S] seconds) becomes a request
-    with an error (served as an error, never silently dropped). Request ids count the non-empty lines from 0; each
-    request remembers its file:line (`source`) for its error message."""
-    lines = read_lines(path)
-    times = arrival_times(len(lines), arrival, rate, torch.Generator().manual_seed(seed))
-    reqs = []
-    for i, (lineno, raw) in enumerate(lines):
-        r = Request(i, [], default_gen, times[i], source=f"{path}:{lineno}")
-        try:
-            try:
-                ln = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"not UTF-8 text ({e.reason} at byte {e.start})") from None
-            d = json.loads(ln)
-            if not isinstance(d, dict):
-                raise ValueError("not a JSON object")
-            if "prompt_ids" in d:
-                r.prompt = d["prompt_ids"]
-            elif "prompt" in d:
-                if tok is None:
-                    raise ValueError("a text prompt needs a tokenizer")
-                r.prompt = tok.encode(str(d["prompt"]))
-            else:
-                raise ValueError("no 'prompt' or 'prompt_ids'")
-            r.max_new_tokens = d.get("max_new_tokens", default_gen)
-            t = float(d.get("arrival", r.arrival))
-            if not 0 <= t <= MAX_ARRIVAL_S:  # NaN too: it would never arrive
-                raise ValueError(f"arrival {d['arrival']!r} must be a time in [0, {MAX_ARRIVAL_S:g}] seconds")
-            r.arrival = t
-        except Exception as e:  # anything one line raises (a RecursionError from JSON nested too deep) is its own
-            why = e if isinstance(e, (ValueError, TypeError)) else f"{type(e).__name__}: {one_line(e)}"
-            r.invalid = f"bad request line {lineno} of {path}: {why}"
-        reqs.append(r)
-    return reqs
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # Bytes moved per decode step (the memory roofline)
 
 PEAK_BW = [("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12), ("A100-SXM4-40GB", 1.555e12),
@@ -672,31 +488,6 @@ def summarize(server: Server, reqs, peak_bw=None) -> dict:
     return d
 
 
-def error_counts(reqs) -> dict:
-    """{short reason: number of requests} of the requests that got an error, most frequent first."""
-    counts = {}
-    for r in reqs:
-        if r.error is not None:
-            counts[r.error_kind or "error"] = counts.get(r.error_kind or "error", 0) + 1
-    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
-
-
-def print_errors(rows: list[dict], show=3):
-    """Under the serving table: the request errors by reason (once if every system saw the same), and a few of them."""
-    groups = {}
-    for r in rows:
-        if r.get("request_errors"):
-            groups.setdefault(json.dumps(r["request_errors"], sort_keys=True), []).append(r)
-    for same in groups.values():
-        d = same[0]
-        who = "every system" if len(same) == len(rows) else ", ".join(r["system"] for r in same)
-        print(f"request errors ({who}): " + ", ".join(f"{n} {k}" for k, n in d["errors_by_reason"].items()))
-        for rid, msg in list(d["request_errors"].items())[:show]:
-            print(f"  request {rid}: {msg}")
-        if len(d["request_errors"]) > show:
-            print(f"  ... {len(d['request_errors']) - show} more (--json lists every request id -> reason)")
-
-
 def print_table(rows: list[dict], cols: list[tuple[str, str, str]], title: str):
     """cols: (key, header, format)."""
     print(f"\n{title}")
@@ -787,41 +578,62 @@ def enable_compile(model, device):
 
 
 def serve_compare(args, device, dtype, requests=None) -> list[dict]:
+    """serve.py's comparison: build the models and the requests, calibrate the exits, run every server -> its rows."""
+    vanilla, rec, requests = build_comparison(args, device, dtype, requests)
+    rule, thr, how = calibrate_exits(args, rec, requests)
+    return run_comparison(args, device, dtype, vanilla, rec, requests, rule, thr, how)
+
+
+def build_comparison(args, device, dtype, requests=None):
+    """The two models (checkpoints or random weights; torch.compile'd with --compile) and the requests (`requests`
+    when given, else a JSONL file, corpus windows or synthetic ones) -> (vanilla, rec, requests)."""
     with user_input():  # a config the flags make impossible (a LoRA rank above full rank, ...): one line
         vanilla, rec = build_serving_models(args, device, dtype)
-    elem = torch.empty((), dtype=dtype).element_size()
     if args.compile:
         enable_compile(vanilla, device)
         enable_compile(rec, device)
+    if requests is not None:
+        return vanilla, rec, requests
+    check_lengths_fit(args, vanilla, rec)
     tok = None
-    if requests is None:
-        check_lengths_fit(args, vanilla, rec)
-        if args.requests_file or args.prompts == "corpus":
-            tok = Tokenizer.from_args(None if vanilla.config.vocab_size >= 100256 else 4096, None)
-        if args.requests_file:
-            requests = jsonl_requests(args.requests_file, tok, parse_range(args.gen_len)[1], args.arrival, args.rate,
-                                      args.seed)
-            if not requests:
-                raise UsageError(f"--requests-file {args.requests_file} holds no request (no non-empty line)")
-        elif args.prompts == "corpus":
-            requests = corpus_requests(args.requests, tok, args.data, args.cache_dir, args.prompt_len, args.gen_len,
-                                       args.arrival, args.rate, args.seed)
-        else:
-            requests = synthetic_requests(args.requests, vanilla.config.vocab_size, args.prompt_len, args.gen_len,
-                                          args.arrival, args.rate, args.seed)
+    if args.requests_file or args.prompts == "corpus":
+        tok = Tokenizer.from_args(None if vanilla.config.vocab_size >= 100256 else 4096, None)
+    if args.requests_file:
+        requests = jsonl_requests(args.requests_file, tok, parse_range(args.gen_len)[1], args.arrival, args.rate,
+                                  args.seed)
+        if not requests:
+            raise UsageError(f"--requests-file {args.requests_file} holds no request (no non-empty line)")
+    elif args.prompts == "corpus":
+        requests = corpus_requests(args.requests, tok, args.data, args.cache_dir, args.prompt_len, args.gen_len,
+                                   args.arrival, args.rate, args.seed)
+    else:
+        requests = synthetic_requests(args.requests, vanilla.config.vocab_size, args.prompt_len, args.gen_len,
+                                      args.arrival, args.rate, args.seed)
+    return vanilla, rec, requests
+
+
+def calibrate_exits(args, rec, requests) -> tuple[str, float | None, str]:
+    """The exit rule (--exit-rule, else the learned gate when the model has one, else softmax) and the threshold
+    (given, or 'auto': calibrated so that --exit-rate of the prompt tokens leave after loop 1) -> (rule, threshold or
+    None when no request is valid, how the threshold was set)."""
     rule = args.exit_rule or ("gate" if rec.exit_gate is not None else "softmax")
     if rule == "gate" and rec.exit_gate is None:
         raise UsageError("--exit-rule gate needs a checkpoint trained with --exit-gate (--ckpt); this model has "
-                               "no exit gate")
-    thr = args.exit_threshold
-    if thr == "auto":
-        try:
-            thr = calibrate_threshold(rec, requests, args.exit_rate, rule=rule)
-            how = f"auto: ~{args.exit_rate:.0%} of prompt tokens leave after loop 1"
-        except NoValidRequest:  # every request is an error: they are reported below, nothing to calibrate on
-            thr, how = None, "auto: no valid request to calibrate on"
-    else:
-        thr, how = float(thr), "given"
+                         "no exit gate")
+    if args.exit_threshold != "auto":
+        return rule, float(args.exit_threshold), "given"
+    try:
+        thr = calibrate_threshold(rec, requests, args.exit_rate, rule=rule)
+        return rule, thr, f"auto: ~{args.exit_rate:.0%} of prompt tokens leave after loop 1"
+    except NoValidRequest:  # every request is an error: they are reported below, nothing to calibrate on
+        return rule, None, "auto: no valid request to calibrate on"
+
+
+def run_comparison(args, device, dtype, vanilla, rec, requests, rule, thr, how) -> list[dict]:
+    """The servers (vanilla static and continuous, depth-wise without and with early exit) on `--slots` each or the
+    slots of --batch-memory-mb, their caches checked against the memory first; every server serves the same requests
+    after an untimed warm-up -> one summary row per server, printed as the serving table."""
+    elem = torch.empty((), dtype=dtype).element_size()
     slots = {"vanilla": args.slots, "rec": args.slots}
     if args.batch_memory_mb:
         slots = {"vanilla": slots_for_memory(vanilla, args.batch_memory_mb, vanilla.config.max_seq_len, elem),
@@ -869,7 +681,7 @@ def serve_compare(args, device, dtype, requests=None) -> list[dict]:
 
 
 # Below this many non-embedding parameters the demo says that its model is too small to show the bargain (the tiny
-# preset, 0.8M: depth-wise 0.69x / 0.42x; the base preset, 125M: 0.99x / 1.10x end to end, README Serving).
+# preset, 0.8M: depth-wise 0.69x / 0.42x; the base preset, 125M: 0.99x / 1.10x end to end, RESULTS.md Serving).
 SMALL_MODEL_PARAMS = 10_000_000
 
 
@@ -989,7 +801,8 @@ def run(argv=None):
     check_args(args)
     device = pick_device(args.device)
     dtype = pick_dtype(device, args.dtype)
-    out = {"serve": serve_compare(args, device, dtype)}
+    with cpu_tuning.switched_on():  # on a CPU: the linear, attention and LoRA forms measured fastest here
+        out = {"serve": serve_compare(args, device, dtype)}
     if args.json:
         print(json.dumps(json_safe(out)))
     return out

@@ -1,7 +1,8 @@
 """
 svd_lora.py -- layer-wise LoRA for the Relaxed Recursive Transformer and its truncated-SVD initialisation.
 
-Paper: "Relaxed Recursive Transformers" (Bae et al., 2024), section 2.3, eq. 3-5, Appendix C, Table G.1.
+Paper: "Relaxed Recursive Transformers: Effective Parameter Sharing with Layer-wise LoRA" (Bae et al.,
+arXiv:2410.20672), section 2.3, eq. 3-5, Appendix C, Table G.1.
 
 A Recursive Transformer (recursive.py) loops one block of K shared layers B times. The Relaxed variant gives every
 shared linear layer one small LoRA per loop, so loop l computes

@@ -1,14 +1,14 @@
 """Synthetic tasks that need depth: where looping a model's layers should buy what extra layers buy.
 
-On language modelling at CPU scale a loop adds nothing measurable (README, Table 2: loop-2 = the 2-layer vanilla), so
-the claim the looped papers sell (Relaxed Recursive Transformers section 1; PLT section 1: "loops add quality at
-almost no latency") cannot show there. Tasks that need many sequential steps can (Saunshi et al. 2025, "Reasoning
-with Latent Thoughts": on p-hop induction one layer looped k times matches k layers). This file generates one such
-task offline, seeded, as train.py's data:
+On language modelling at CPU scale a loop adds nothing measurable (RESULTS.md, Table 2: loop-2 = the 2-layer
+vanilla), so the claim the looped papers sell (Relaxed Recursive Transformers section 1; PLT section 1: "loops add
+quality at almost no latency") cannot show there. Tasks that need many sequential steps can (Saunshi et al. 2025,
+"Reasoning with Latent Thoughts": on p-hop induction one layer looped k times matches k layers). This file generates
+one such task offline, seeded, as train.py's data:
 
     python train.py --arch plt --data task:phop --task-p 1-4 --preset tiny --batch-size 32 --max-iters 800
     python tasks.py show --task-p 3              # one sequence with its labels, readable
-    python tasks.py depth --seeds 0,1,2          # the README's Depth table: every architecture on the task
+    python tasks.py depth --seeds 0,1,2          # RESULTS.md's Depth table: every architecture on the task
     python tasks.py table                        # the table again, from out/depth/results.jsonl
 
 Its command line keeps the contract of every command here (cli.py): a mistake is one line `error: ...` and exit code 2,
@@ -21,7 +21,7 @@ Dense p-hop induction (Saunshi et al., section 2, made dense: every position is 
   label (IGNORE) otherwise. One hop is an induction head (two attention layers); p hops compose p of them, so a model
   needs depth that grows with p.
 
-Pause tokens (`pause` = q, a remedy measured in the README's Depth section): every symbol is followed by q filler
+Pause tokens (`pause` = q, a remedy measured in RESULTS.md's Depth section): every symbol is followed by q filler
 tokens and the label sits on the last of them, so a model has q more positions of computation per answer. With
 cross-loop parallelism (plt.py) loop l at position i reads loop l-1 at position i-1: q >= L-1 fillers give the
 diagonal of L loops room to start at the symbol itself.
@@ -264,7 +264,7 @@ class TaskData:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The Depth experiment (README): every architecture on p-hop, several seeds; rows share one recipe
+# The Depth experiment (RESULTS.md): every architecture on p-hop, several seeds; rows share one recipe
 
 DEPTH_RECIPE = ["--data", "task:phop", "--task-p", "1-4", "--preset", "tiny", "--batch-size", "32", "--max-iters",
                 "800", "--lr", "2e-3", "--eval-iters", "60", "--eval-interval", "800", "--sample-tokens", "0"]
@@ -428,7 +428,7 @@ def build_parser():
     p.add_argument("--seed", type=seed_arg, default=0)
     p.set_defaults(fn=show)
 
-    p = sub.add_parser("depth", help="the README's Depth table: each row trained on p-hop for each seed")
+    p = sub.add_parser("depth", help="RESULTS.md's Depth table: each row trained on p-hop for each seed")
     p.add_argument("--seeds", type=comma_list(seed_arg), default="0,1,2", help="comma-separated seeds")
     p.add_argument("--rows", default=",".join(DEPTH_ROWS), help="comma-separated rows of the table")
     p.add_argument("--out", type=path_arg, default="out/depth",

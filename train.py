@@ -46,7 +46,7 @@ Resume and errors:
     converted random model, --lr 0) is not a diverged one, and the run cannot tell the two apart from one
     evaluation. A non-finite loss or weight still stops the run without writing its checkpoint. The nat of slack
     is for an untrained model, which sits slightly above ln(V): random logits add about half their variance (tiny
-    presets: 0.01-0.2 nat, measured); the runs of issue 22 (--lr 1 / --lr 3) reached 22 and 93 against ln(V) = 8.3.
+    presets: 0.01-0.2 nat, measured); diverged runs (--lr 1 / --lr 3) reached 22 and 93 against ln(V) = 8.3.
 """
 from __future__ import annotations
 
@@ -71,9 +71,10 @@ from cli import (DTYPES, ArgumentParser, CheckpointError, Stopped, UsageError, a
                  stop_signals, user_input)
 from checkpoint import (CKPT_FORMAT, arch_table, check_resumable, init_same_arch, load_checkpoint,
                         load_optimizer_state, load_source_model, load_source_tokenizer, model_from_checkpoint,
-                        restore_run_args, save_checkpoint)
+                        restore_run_args, save_checkpoint, tokenizer_from_spec)
 from data import TokenData, Tokenizer, padded_vocab, prepare_corpus, step_generator
 from model import ArchSpec, distill_loss, lm_loss, peak_flops, pick_device, pick_dtype
+from recursive import keep_layers
 
 # ----------------------------------------------------------------------------------------------------------------
 # The training loop
@@ -293,78 +294,19 @@ def setup_run(argv) -> Run:
     """Flags (and --resume's), device, tokenizer, model, teacher, optimizer and data, in that order: every check that
     can fail comes before the corpus is tokenized and before the first step."""
     table = arch_table()
-    ap = build_parser(table)
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = ap.parse_args(argv)
-    given = given_flags(table, argv)
-    resume_ck, notes = None, []
-    if args.resume:
-        args.out_dir = args.out_dir or f"out/{args.arch}"
-        ck_path = Path(args.out_dir) / "ckpt.pt"
-        resume_ck = check_resumable(load_checkpoint(ck_path), ck_path)
-        if resume_ck["arch"] not in table:
-            raise CheckpointError(f"{ck_path} holds a {resume_ck['arch']!r} model, unknown here; known: "
-                                  f"{sorted(table)}")
-        notes = restore_run_args(ap, args, given, resume_ck, ck_path, table)
+    ap, args, given, resume_ck, notes = parse_run_args(argv, table)
     spec = table[args.arch]
-    resolve_defaults(args, spec)
-    args.out_dir = Path(args.out_dir or f"out/{args.arch}")
-    check_device(args.device)
-    check_writable_dir(args.out_dir, "--out-dir")
-    if not tasks.is_task_source(args.data):
-        check_writable_dir(Path(args.cache_dir), "--cache-dir")
-    start_step, best_val = (resume_ck["step"], resume_ck.get("best_val_loss", math.inf)) if resume_ck is not None \
-        else (0, math.inf)
-    if resume_ck is not None and args.max_iters < start_step:
-        raise UsageError(f"--max-iters {args.max_iters} is below the step {start_step} of {ck_path}: nothing to "
-                         f"resume; give --max-iters above {start_step} to continue the run")
+    start_step, best_val = check_run_args(args, spec, resume_ck)
     ddp, rank, local_rank, world, device = setup_distributed(args.device)
     master = rank == 0
     if master:
         warn_inapplicable(ap, args, given)
-        for n in notes:
-            log(f"resume: {n}")
-        if resume_ck is not None and args.max_iters == start_step:
-            log(f"resume: the run in {args.out_dir} is complete (step {start_step} = --max-iters); nothing to "
-                f"train (give a larger --max-iters to continue)")
-        elif resume_ck is not None and args.max_iters > args.lr_decay_iters and "lr_decay_iters" not in given:
-            log(f"resume: the cosine schedule still ends at step {args.lr_decay_iters} (--lr-decay-iters); later "
-                f"steps use --min-lr {args.min_lr:g}")
+        log_resume(args, given, notes, resume_ck, start_step)
     torch.manual_seed(args.seed)
     dtype = pick_dtype(device, args.dtype)
     autocast = (torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext())
-
-    # -- tokenizer, model, teacher: every flag is checked here, before the corpus is tokenized --
-    with user_input():
-        task = tasks.task_from_args(args) if tasks.is_task_source(args.data) else None
-        if task is not None and "seq_len" not in given and resume_ck is None:
-            args.seq_len = -(-task.seq_len // 8) * 8  # a multiple of 8: block models need whole blocks
-        if resume_ck is not None:
-            tok = Tokenizer(resume_ck["tokenizer"])
-        elif task is not None:
-            tok = tasks.TaskTokenizer(task.spec())
-        elif args.init_from and not args.tokenizer and not args.vocab_size:
-            tok = Tokenizer(load_source_tokenizer(args.init_from))
-        else:
-            tok = Tokenizer.from_args(args.vocab_size, args.tokenizer)
-        check_memory(least_step_memory(args, padded_vocab(tok.n_vocab), dtype), device, args, at_least=True)
-        if resume_ck is not None:
-            model = model_from_checkpoint(resume_ck, table)
-        else:
-            model = build_model(args, spec, tok, table, ap, given, master)
-        if task is not None:
-            task = tok.task  # on resume: the checkpoint's task
-            task.check_seq_len(args.seq_len)
-        if model.config.vocab_size < tok.n_vocab:
-            raise UsageError(f"model vocabulary {model.config.vocab_size} is smaller than the tokenizer's "
-                             f"{tok.n_vocab}")
-        teacher = None
-        if args.teacher:
-            if not spec.kd_ok:
-                raise UsageError(f"--teacher is not supported for --arch {args.arch}: its training inputs are "
-                                 f"re-laid out, so teacher and student logits would not align")
-            teacher, _, t_tok = load_source_model(args.teacher, table)
-            check_tokenizer(tok.spec, t_tok, f"teacher {args.teacher}")
+    with user_input():  # every flag is checked here, before the corpus is tokenized
+        tok, task, model, teacher = build_models(args, spec, table, ap, given, resume_ck, dtype, device, master)
     model.to(device)
     if teacher is not None:
         teacher.to(device).eval().requires_grad_(False)
@@ -375,26 +317,14 @@ def setup_run(argv) -> Run:
         check_disk_space(model, args.out_dir)
     optimizer = make_optimizer(model, args.lr, args.weight_decay, device)
     if resume_ck is not None:
-        load_optimizer_state(optimizer, resume_ck, ck_path)
-
-    # -- corpus (rank 0 tokenizes, the others wait), or a synthetic task generated per batch --
-    if task is not None:
-        train_data, val_data = tasks.TaskData(task, "train"), tasks.TaskData(task, "val")
-    else:
-        exclude = [s for s in args.exclude_sets.split(",") if s]
-        if master:
-            cache = prepare_corpus(args.data, tok, args.cache_dir, exclude, args.val_data)
-        if ddp:
-            obj = [str(cache) if master else None]
-            dist.broadcast_object_list(obj, src=0)
-            cache = Path(obj[0])
-        train_data, val_data = TokenData(cache, "train"), TokenData(cache, "val")
-    data_line = (f"task {json.dumps(task.spec())} seq_len {args.seq_len}" if task is not None else
-                 f"tokens train {sum(len(s) for s in train_data.shards):,} val "
-                 f"{sum(len(s) for s in val_data.shards):,}")
+        load_optimizer_state(optimizer, resume_ck, resume_ck["loaded_from"])
+    train_data, val_data = load_data(args, task, tok, master, ddp)
 
     objective, exit_on, extra_terms = objective_line(args, model.config, teacher)
     if master:
+        data_line = (f"task {json.dumps(task.spec())} seq_len {args.seq_len}" if task is not None else
+                     f"tokens train {sum(len(s) for s in train_data.shards):,} val "
+                     f"{sum(len(s) for s in val_data.shards):,}")
         log(f"config {json.dumps(asdict(model.config))}")
         log(f"arch {args.arch} | params {model.num_params(False) / 1e6:.2f}M total, "
             f"{model.num_params() / 1e6:.2f}M non-embedding | device {device} {dtype} | world {world} | "
@@ -412,6 +342,105 @@ def setup_run(argv) -> Run:
                world=world, raw_model=raw_model, model=model, teacher=teacher, optimizer=optimizer,
                train_data=train_data, val_data=val_data, exit_on=exit_on, extra_terms=extra_terms,
                start_step=start_step, best_val=best_val, last_good=start_step if resume_ck is not None else None)
+
+
+def parse_run_args(argv, table):
+    """The flags; with --resume, the run's own flags restored from its checkpoint (restore_run_args) -> (parser, args,
+    the flags typed, the checkpoint to resume or None, notes about flags taken from the command line)."""
+    ap = build_parser(table)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = ap.parse_args(argv)
+    given = given_flags(table, argv)
+    resume_ck, notes = None, []
+    if args.resume:
+        args.out_dir = args.out_dir or f"out/{args.arch}"
+        ck_path = Path(args.out_dir) / "ckpt.pt"
+        resume_ck = check_resumable(load_checkpoint(ck_path), ck_path)
+        if resume_ck["arch"] not in table:
+            raise CheckpointError(f"{ck_path} holds a {resume_ck['arch']!r} model, unknown here; known: "
+                                  f"{sorted(table)}")
+        notes = restore_run_args(ap, args, given, resume_ck, ck_path, table)
+    return ap, args, given, resume_ck, notes
+
+
+def check_run_args(args, spec: ArchSpec, resume_ck) -> tuple[int, float]:
+    """The architecture's defaults, then the checks made before anything is built: --device, --out-dir and --cache-dir
+    writable, a resumed run not past --max-iters -> (the first step, the best validation loss so far)."""
+    resolve_defaults(args, spec)
+    args.out_dir = Path(args.out_dir or f"out/{args.arch}")
+    check_device(args.device)
+    check_writable_dir(args.out_dir, "--out-dir")
+    if not tasks.is_task_source(args.data):
+        check_writable_dir(Path(args.cache_dir), "--cache-dir")
+    if resume_ck is None:
+        return 0, math.inf
+    start_step = resume_ck["step"]
+    if args.max_iters < start_step:
+        raise UsageError(f"--max-iters {args.max_iters} is below the step {start_step} of "
+                         f"{resume_ck['loaded_from']}: nothing to resume; give --max-iters above {start_step} to "
+                         f"continue the run")
+    return start_step, resume_ck.get("best_val_loss", math.inf)
+
+
+def log_resume(args, given, notes, resume_ck, start_step):
+    """What --resume took from the command line, and a run that is complete or past its schedule."""
+    for n in notes:
+        log(f"resume: {n}")
+    if resume_ck is not None and args.max_iters == start_step:
+        log(f"resume: the run in {args.out_dir} is complete (step {start_step} = --max-iters); nothing to "
+            f"train (give a larger --max-iters to continue)")
+    elif resume_ck is not None and args.max_iters > args.lr_decay_iters and "lr_decay_iters" not in given:
+        log(f"resume: the cosine schedule still ends at step {args.lr_decay_iters} (--lr-decay-iters); later "
+            f"steps use --min-lr {args.min_lr:g}")
+
+
+def build_models(args, spec: ArchSpec, table, ap, given, resume_ck, dtype, device, master):
+    """The tokenizer (the checkpoint's, a task's, --init-from's or the flags'), the model (resumed, converted or new;
+    the step's memory checked before it is built) and the teacher -> (tok, task or None, model, teacher or None)."""
+    task = tasks.task_from_args(args) if tasks.is_task_source(args.data) else None
+    if task is not None and "seq_len" not in given and resume_ck is None:
+        args.seq_len = -(-task.seq_len // 8) * 8  # a multiple of 8: block models need whole blocks
+    if resume_ck is not None:
+        tok = tokenizer_from_spec(resume_ck["tokenizer"])
+    elif task is not None:
+        tok = tasks.TaskTokenizer(task.spec())
+    elif args.init_from and not args.tokenizer and not args.vocab_size:
+        tok = tokenizer_from_spec(load_source_tokenizer(args.init_from))
+    else:
+        tok = Tokenizer.from_args(args.vocab_size, args.tokenizer)
+    check_memory(least_step_memory(args, padded_vocab(tok.n_vocab), dtype), device, args, at_least=True)
+    if resume_ck is not None:
+        model = model_from_checkpoint(resume_ck, table)
+    else:
+        model = build_model(args, spec, tok, table, ap, given, master)
+    if task is not None:
+        task = tok.task  # on resume: the checkpoint's task
+        task.check_seq_len(args.seq_len)
+    if model.config.vocab_size < tok.n_vocab:
+        raise UsageError(f"model vocabulary {model.config.vocab_size} is smaller than the tokenizer's {tok.n_vocab}")
+    teacher = None
+    if args.teacher:
+        if not spec.kd_ok:
+            raise UsageError(f"--teacher is not supported for --arch {args.arch}: its training inputs are re-laid "
+                             f"out, so teacher and student logits would not align")
+        teacher, _, t_tok = load_source_model(args.teacher, table)
+        check_tokenizer(tok.spec, t_tok, f"teacher {args.teacher}")
+    return tok, task, model, teacher
+
+
+def load_data(args, task, tok, master, ddp):
+    """The corpus as token shards (rank 0 tokenizes, the others wait for it), or a synthetic task generated per
+    batch -> (train data, val data)."""
+    if task is not None:
+        return tasks.TaskData(task, "train"), tasks.TaskData(task, "val")
+    exclude = [s for s in args.exclude_sets.split(",") if s]
+    if master:
+        cache = prepare_corpus(args.data, tok, args.cache_dir, exclude, args.val_data)
+    if ddp:
+        obj = [str(cache) if master else None]
+        dist.broadcast_object_list(obj, src=0)
+        cache = Path(obj[0])
+    return TokenData(cache, "train"), TokenData(cache, "val")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -501,6 +530,9 @@ def build_parser(table) -> ArgumentParser:
                     help="start from weights: a checkpoint of the same arch (its shape, this run's training-recipe "
                          "flags), a vanilla checkpoint to convert, hf:DIR (a local Hugging Face checkpoint) or "
                          "gguf:PATH (a GGUF file; gguf:smollm2-135m is the packaged SmolLM2-135M)")
+    ap.add_argument("--keep-layers", default=None, metavar="SPEC",
+                    help="with --init-from a vanilla model: keep only these of its layers (stepwise:K, lower:K or a "
+                         "comma list): the reduced-size baseline of the recursive paper from pretrained layers")
     ap.add_argument("--teacher", type=path_arg, default=None,
                     help="checkpoint (or hf:DIR, gguf:PATH) of a teacher for knowledge distillation")
     ap.add_argument("--kd", default="none", choices=["none", "fkl", "rkl", "jsd", "tvd"],
@@ -562,6 +594,8 @@ def resolve_defaults(args, spec):
         raise UsageError(f"--min-lr {args.min_lr} is above --lr {args.lr}")
     if args.kd != "none" and not args.teacher:
         raise UsageError("--kd needs --teacher")
+    if args.keep_layers and not args.init_from:
+        raise UsageError("--keep-layers needs --init-from (the model whose layers are kept)")
     if args.teacher and args.kd == "none":
         args.kd = "fkl"
 
@@ -597,6 +631,11 @@ def build_model(args, spec: ArchSpec, tok: Tokenizer, table, ap, given, master):
     if not args.init_from:
         return spec.model_cls(spec.make_config(args.preset, **overrides))
     src, src_arch, _ = load_source_model(args.init_from, table)
+    if args.keep_layers:
+        if src_arch != "vanilla":
+            raise UsageError(f"--keep-layers takes layers of a vanilla model; {args.init_from} holds a {src_arch} one")
+        src = keep_layers(src, args.keep_layers)
+        log(f"init from {args.init_from}: keeping layers {args.keep_layers} ({src.config.n_layer} layers)", master)
     if src_arch == spec.name:
         model, note = init_same_arch(src, spec, recipe_overrides(args, spec, ap, given), args.seq_len, args.init_from)
         log(note, master)

@@ -90,6 +90,16 @@ def test_serve_profile_times_the_parts_of_a_step_and_leaves_the_model_as_it_was(
     assert "profile of depth-wise + exit (gate): shared block" in out and "exit machinery (score + propagation)" in out
 
 
+def test_rounds_synchronise_the_device_around_each_timed_call(monkeypatch):
+    """bench.rounds reads the clock between two synchronisations of the device, as model.timeit does (CUDA queues its
+    work: a clock read without one would time the launch), the warm-up untimed."""
+    events = []
+    monkeypatch.setattr(bench, "sync", lambda device: events.append(f"sync {device}"))
+    res = bench.rounds({"a": lambda: events.append("a"), "b": lambda: events.append("b")}, 2, "cuda:0")
+    assert events == ["a", "b"] + ["sync cuda:0", "a", "sync cuda:0", "sync cuda:0", "b", "sync cuda:0"] * 2
+    assert {k: len(v) for k, v in res.items()} == {"a": 2, "b": 2}
+
+
 def test_serve_profile_counts_only_the_decode_steps_and_restores_instance_attributes():
     """The admission's sampling (after each prefill) is not part of a decode step, so it is not in the step's shares:
     with a sampler that takes 20 ms a call, the sampling share is the calls made inside steps x 20 ms. Methods
@@ -244,19 +254,6 @@ def test_eval_mistakes_are_one_line_and_exit_code_2(ckpts, capsys, argv, match):
 
     d = str(ckpts)
     _one_error_line(capsys, eval.main, [a.format(d=d) for a in argv], match.format(d=d))
-
-
-def test_moved_bench_commands_name_their_eval_command(ckpts, capsys):
-    """`bench.py exits|energy|double-eval|block --eval` (the old spellings): one error line giving the eval.py command
-    to type instead, exit code 2, nothing run."""
-    d = str(ckpts)
-    for argv in (["exits", "--ckpt", f"{d}/missing.pt"], ["energy", "--ckpt", f"{d}/missing.pt"],
-                 ["double-eval", f"{d}/missing.pt"], ["block", "--eval", f"{d}/missing.pt"]):
-        with pytest.raises(SystemExit) as e:
-            bench.main(argv)
-        err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-        assert e.value.code == 2 and err == [f"error: `bench.py {argv[0]}` evaluates a checkpoint, which eval.py "
-                                             f"does: python eval.py {' '.join(argv)}"], err
 
 
 def test_eval_command_itself(ckpts):

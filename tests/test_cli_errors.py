@@ -671,6 +671,9 @@ EMPTY_PATHS += [(serve.main, ["--" + f, ""], f"argument --{f}: expected a path, 
                 for f in ("ckpt", "vanilla-ckpt", "requests-file", "data", "cache-dir")]
 EMPTY_PATHS += [(lambda a: __import__("eval").main(a), ["exits", "--ckpt", ""], "argument --ckpt: expected a path"),
                 (lambda a: __import__("eval").main(a), ["double-eval", ""], "argument CKPT: expected a path"),
+                (lambda a: __import__("eval").main(a), ["loss", "--model", ""], "argument --model: expected a path"),
+                (lambda a: __import__("eval").main(a), ["loss", "--model", "m", "--results", ""],
+                 "argument --results: expected a path"),
                 (lambda a: __import__("eval").main(a), ["block", "--eval", ""], "argument --eval: expected a path"),
                 (lambda a: __import__("bench").main(a), ["train", "--nanogpt", ""], "argument --nanogpt: expected a "
                                                                                      "path"),

@@ -20,6 +20,7 @@ from gguf.quants import quantize
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import checkpoint
+import cli
 import data
 import hf
 import train
@@ -342,3 +343,74 @@ def test_train_converts_and_distills_from_a_gguf_file(tmp_path, tiny):
                        "--seq-len", "16", "--eval-iters", "1", "--device", "cpu", "--sample-tokens", "2"])
     assert checkpoint.load_checkpoint(tmp_path / "o2" / "ckpt.pt")["tokenizer"]["kind"] == "gguf"
     assert asdict(hf.from_gguf(f"gguf:{path}").config)["n_layer"] == LAYERS
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The conversion table's tools: eval.py loss (a pretrained source as loaded, converted, or cut to some layers) and
+# train.py --keep-layers (the reduced-size baseline from pretrained layers)
+
+
+def test_eval_loss_rows_of_a_pretrained_source(tmp_path, tiny, capsys):
+    import eval as ev
+    import recursive
+
+    path, _ = tiny
+    corpus = write_jsonl(tmp_path / "data" / "c.jsonl", [f"the {i} theory of the {i * 7} things\n" * 20
+                                                          for i in range(60)])
+    common = ["--data", str(corpus), "--cache-dir", str(tmp_path / "cache"), "--tokens", "64", "--seq-len", "16",
+              "--device", "cpu", "--results", str(tmp_path / "rows.jsonl")]
+    src = hf.from_gguf(f"gguf:{path}").eval()
+    orig = ev.run(["loss", "--model", f"gguf:{path}"] + common)
+    full = ev.run(["loss", "--model", f"gguf:{path}", "--arch", "relaxed", "--loops", "2", "--lora-rank", "full"]
+                  + common)
+    rec = ev.run(["loss", "--model", f"gguf:{path}", "--arch", "recursive", "--init", "lower"] + common)
+    keep = ev.run(["loss", "--model", f"gguf:{path}", "--keep-layers", "lower:1"] + common)
+    rows = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    assert [r["label"] for r in rows] == ["pretrained", "relaxed B=2 init average rank full",
+                                          "recursive B=2 init lower", "layers lower:1"]
+    assert all(r["tokens"] == 64 for r in rows)  # 4 windows of 16, the same tokens for every row
+    assert abs(full["loss"] - orig["loss"]) < 1e-4  # full rank is the source (eq. 5)
+    assert rec["params"] < orig["params"] and rec["loss"] != orig["loss"]
+    # the recursive row and keep-layers lower:1 differ only by the second loop: keep's params are rec's
+    assert keep["params"] == rec["params"] == recursive.keep_layers(src, "lower:1").num_params(False)
+    # the loss is the mean next-token cross-entropy of the first tokens of the validation split
+    tok = data.Tokenizer(hf.gguf_tokenizer_spec(str(path)))
+    x, y = ev.first_tokens_windows(tok, ev.build_parser().parse_args(["loss", "--model", "m"] + common))
+    with torch.no_grad():
+        ce = torch.nn.functional.cross_entropy(src(x)[0].flatten(0, 1), y.flatten())
+    assert abs(ce.item() - orig["loss"]) < 1e-5 and torch.equal(x[1:, 0], y[:-1, -1])  # consecutive windows
+    capsys.readouterr()
+    for bad, msg in ((["--arch", "relaxed"], "needs --lora-rank"), (["--lora-rank", "4"], "convert to --arch"),
+                     (["--keep-layers", "stepwise:9"], "1 <= K <= 2"), (["--keep-layers", "0,0"], "distinct"),
+                     (["--tokens", "100000"], "has only")):
+        with pytest.raises(SystemExit):
+            ev.main(["loss", "--model", f"gguf:{path}"] + common + bad)
+        assert msg in capsys.readouterr().err
+
+
+def test_keep_layers_is_the_chosen_layers_of_the_source(tmp_path, tiny):
+    import recursive
+
+    path, _ = tiny
+    src = hf.from_gguf(f"gguf:{path}").eval()
+    for spec, layers in (("lower:1", [0]), ("stepwise:2", [0, 1]), ("1", [1]), ("1,0", [1, 0])):
+        kept = recursive.keep_layers(src, spec)
+        assert kept.config.n_layer == len(layers)
+        for new, old in enumerate(layers):
+            for (n, a), b in zip(kept.blocks[new].state_dict().items(), src.blocks[old].state_dict().values()):
+                assert torch.equal(a, b), (spec, n)
+    # one layer kept equals running the source's layer 1 alone: embedding -> block 1 -> norm -> head
+    x = torch.randint(0, len(TOKENS), (1, 9))
+    with torch.no_grad():
+        h = src.embed(x)
+        h = src.blocks[1](h, src.rope(torch.arange(9)))
+        torch.testing.assert_close(recursive.keep_layers(src, "1")(x)[0], src.head(h))
+    corpus = write_jsonl(tmp_path / "data" / "c.jsonl", [f"the {i} theory\n" * 30 for i in range(40)])
+    train.train(["--init-from", f"gguf:{path}", "--keep-layers", "lower:1", "--out-dir", str(tmp_path / "o"),
+                 "--data", str(corpus), "--cache-dir", str(tmp_path / "cache"), "--max-iters", "1", "--batch-size",
+                 "2", "--seq-len", "16", "--eval-iters", "1", "--device", "cpu", "--sample-tokens", "2", "--lr", "0"])
+    ck = checkpoint.load_checkpoint(tmp_path / "o" / "ckpt.pt")
+    assert ck["config"]["n_layer"] == 1
+    assert torch.equal(ck["model"]["blocks.0.attn.q_proj.weight"], src.blocks[0].attn.q_proj.weight)
+    with pytest.raises(cli.UsageError, match="needs --init-from"):
+        train.train(["--keep-layers", "lower:1", "--out-dir", str(tmp_path / "o2")])

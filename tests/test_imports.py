@@ -62,6 +62,14 @@ def test_import_graph_has_no_cycle_and_models_do_not_import_train():
         assert not (b in reachable(graph, a) and a in reachable(graph, b)), f"import cycle through {a} and {b}"
 
 
+def test_model_and_kernels_import_no_project_module():
+    """model.py and kernels.py are the ground floor: they import no module of this repository. The CPU forms chosen by
+    measurement (cpu_tuning.py) reach them through their hooks (model.tuned_ops, kernels.cpu_lora_form), never the
+    reverse."""
+    graph = import_graph()
+    assert graph["model"] == set() and graph["kernels"] == set(), (graph["model"], graph["kernels"])
+
+
 def test_library_modules_do_not_import_the_scripts():
     """data.py (tokenizer, corpus, batches), checkpoint.py (architecture table, checkpoint files) and cli.py (the error
     contract) are what the scripts share: none of them reaches train.py, serve.py or bench.py, not even through

@@ -493,25 +493,3 @@ def test_multi_lora_cpu_forms_equal_reference_values_and_gradients(shape, form):
     g = torch.randn_like(y1)
     close(torch.autograd.grad(y1, (x, A, B), g), torch.autograd.grad(y2, (x, A, B), g), rtol=1e-12, atol=1e-12)
     assert torch.all(y1[idx == -1] == 0)
-
-
-@pytest.mark.parametrize("faster", ["stacked", "grouped"])
-def test_multi_lora_runs_the_form_measured_faster(monkeypatch, faster):
-    """At CPU inference multi_lora runs the form lora_form measured faster at these shapes (timed once, then kept),
-    and its result equals the reference whichever it is."""
-    monkeypatch.setattr(K, "_lora_form", {})
-    timed = []
-
-    def timer(form):
-        timed.append(form)
-        return 1.0 if form == faster else 2.0
-
-    x, A, B = torch.randn(6, 16), torch.randn(2, 4, 16), torch.randn(2, 8, 4)
-    idx = torch.tensor([0, 1, 1, 0, -1, 1])
-    assert K.lora_form(x, A, B, timer=timer) == faster and len(timed) == 12  # warm-up + 5 rounds of both
-    calls = []
-    monkeypatch.setitem(K.LORA_FORMS, faster, lambda *a: calls.append(1) or K.multi_lora_ref(*a))
-    with torch.no_grad():
-        y = K.multi_lora(x, A, B, idx)
-    assert calls == [1] and len(timed) == 12  # the kept choice, not timed again
-    close(y, K.multi_lora_ref(x, A, B, idx), rtol=0, atol=0)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import serve
+import serve_requests
 from model import GPT, GPTConfig
 from recursive import from_vanilla
 
@@ -164,7 +165,7 @@ def test_metrics_and_bad_args():
     with pytest.raises(ValueError, match="range"):
         serve.parse_range("9:3")
     with pytest.raises(ValueError, match="rate"):
-        serve.arrival_times(3, "poisson", 0.0, torch.Generator())
+        serve_requests.arrival_times(3, "poisson", 0.0, torch.Generator())
 
 
 def test_each_bad_request_reason_in_the_table_and_in_json(tmp_path, capsys):
@@ -280,7 +281,7 @@ def test_binary_files_directories_and_spans(tmp_path):
     with pytest.raises(serve.UsageError, match="cannot read it"):
         serve.jsonl_requests(tmp_path / "none.jsonl")
     with pytest.raises(serve.UsageError, match="--rate 1e-09: the 4 Poisson arrivals span .* beyond the 3600 s"):
-        serve.arrival_times(4, "poisson", 1e-9, torch.Generator().manual_seed(0))
+        serve_requests.arrival_times(4, "poisson", 1e-9, torch.Generator().manual_seed(0))
 
 
 SERVE_LIMITS = [  # the run's own limits: one line, before any server runs

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-import data
+import checkpoint
 import tasks
 import train
 from model import IGNORE
@@ -89,7 +89,7 @@ def test_parse_hops():
 
 def test_task_tokenizer_round_trip_through_the_checkpoint_spec():
     task = tasks.PHopTask(hops=(1, 2), alphabet=5, length=8, pause=1)
-    tok = data.Tokenizer(task.spec())  # what resume and the other scripts do with a checkpoint's spec
+    tok = checkpoint.tokenizer_from_spec(task.spec())  # what resume and the other scripts do with a checkpoint's spec
     assert isinstance(tok, tasks.TaskTokenizer) and tok.n_vocab == task.n_vocab and tok.task == task
     x, _ = task.batch(1, torch.Generator().manual_seed(0))
     assert tok.encode(tok.decode(x[0].tolist())) == x[0].tolist()

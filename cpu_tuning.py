@@ -1,0 +1,405 @@
+"""
+cpu_tuning.py -- the CPU forms chosen by measurement on this machine, kept off the teaching path.
+
+model.linear, model.attend and kernels.multi_lora are plain PyTorch (F.linear; SDPA with GQA; the stacked LoRA).
+Decoding on a CPU multiplies a few rows by every weight matrix without gradients: the step is bound by reading the
+weights, and which form of the same math reads them fastest depends on the CPU, its vector extensions, the dtype,
+the row count and the shapes, by up to 2.5x (RESULTS.md, "CPU forms chosen by measurement"). This module times the
+candidate forms once per shape on random tensors and keeps the fastest; enable() installs them:
+
+  * linear (model.linear, model.tuned_ops): F.linear, torch.mv (one row), mm(W, x^T), x times a transposed copy of W,
+    oneDNN on a copy of W in its blocked layout (what inductor runs), per (dtype, row bucket, shape); a product that
+    reads a weight copy needs a > 10% lead; the times are kept on disk per machine (LINEAR_CACHE).
+  * decode attention (model.attend with few queries per row, no gradients): SDPA or attend_grouped, the same math as
+    two fp32-accumulated batched matmuls per KV head group (decode_attention).
+  * attention precision under CPU bf16 autocast training: the attention itself in fp32 or bf16, whichever forward +
+    backward is faster at the shape (bf16 only with a > 10% lead; attention_precision). train.py does not enable this
+    module, so its CPU bf16-autocast runs take SDPA in bf16; the choice stays here for a training loop that wants it.
+  * kernels.multi_lora's CPU inference form (kernels.cpu_lora_form): all adapters stacked into one masked LoRA, or one
+    adapter's rows at a time, per (dtype, row bucket, shapes) (lora_form).
+
+Every candidate computes the same math in another summation order: results agree to rounding, and
+tests/test_cpu_tuning.py checks each one against its plain counterpart. Timing goes through one rule, `fastest`
+(interleaved rounds after a warm-up, median; the plain form is the default and keeps a tie).
+
+Who switches it on: bench.py's inference benchmarks and serve.py's command, each for its own run (switched_on, which
+restores the state before it); train.py never does, and the tests run plain PyTorch unless a test switches it on.
+
+Run:
+    python bench.py decode --linear auto,linear --repeats 5   # each product's GB/s, the choice, vs transformers
+    python -m pytest -q tests/test_cpu_tuning.py
+"""
+from __future__ import annotations
+
+import bisect
+import contextlib
+import json
+import os
+import platform
+import time
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
+
+import kernels
+import model
+from model import check
+
+# ----------------------------------------------------------------------------------------------------------------
+# The switch
+
+
+def enable():
+    """From now on model.linear, model.attend and kernels.multi_lora run the forms measured fastest on this CPU (where
+    they apply: CPU tensors, no gradients for the products and decode attention, bf16 autocast training for the
+    attention precision); elsewhere they stay plain PyTorch."""
+    model.tuned_ops = TUNED
+    kernels.cpu_lora_form = lora_form
+
+
+def enabled() -> bool:
+    return model.tuned_ops is TUNED
+
+
+@contextlib.contextmanager
+def switched_on():
+    """enable() for a with block, or a function when used as a decorator; the state before it is restored after (so
+    a benchmark run inside a test leaves the next test on plain PyTorch)."""
+    before = model.tuned_ops, kernels.cpu_lora_form
+    enable()
+    try:
+        yield
+    finally:
+        model.tuned_ops, kernels.cpu_lora_form = before
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The tuned model.linear and model.attend
+
+
+def linear(x, weight, bias=None):
+    """model.linear's math at CPU inference in the product this machine runs fastest at x's shape: on CPU without
+    gradients, with x and W of one dtype (fp32 or bf16) and 1 to 64 rows, the product `linear_product` picked for
+    (dtype, row bucket, shape); F.linear otherwise (training, more rows, other devices, a compiled graph: torch.compile
+    picks its own kernel)."""
+    if (x.device.type == "cpu" and not torch.is_grad_enabled() and x.dtype in LINEAR_DTYPES
+            and weight.dtype == x.dtype and not torch.compiler.is_compiling()):
+        rows = x.numel() // x.size(-1)
+        name = linear_product(x.dtype, rows, *weight.shape) if 0 < rows <= LINEAR_ROW_BUCKETS[-1] else "linear"
+        if name != "linear":
+            copy = weight_copy(weight, name) if name in LINEAR_COPIES else None
+            y = LINEAR_PRODUCTS[name](x.reshape(rows, -1), weight, copy)  # (rows, out)
+            if bias is not None:
+                y = y + bias
+            return y.reshape(*x.shape[:-1], weight.size(0))
+    return F.linear(x, weight, bias)
+
+
+def attend(q, k, v, mask=None, is_causal=False, scale=None):
+    """model.attend's math in the form measured fastest on this CPU. CPU training under bf16 autocast runs the
+    attention itself in fp32 or bf16 (attention_precision); the projections around it stay in bf16. No-grad CPU
+    attention with few queries per row (decoding) runs SDPA or attend_grouped (decode_attention). Elsewhere SDPA."""
+    gqa = q.size(1) != k.size(1)
+    causal = is_causal and mask is None
+    if q.device.type == "cpu" and q.requires_grad and torch.is_autocast_enabled("cpu"):
+        if attention_precision(q, k, mask, causal, scale, gqa) == "fp32":
+            with torch.autocast("cpu", enabled=False):
+                y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
+                                                   is_causal=causal, scale=scale, enable_gqa=gqa)
+            return y.to(q.dtype)
+    if (q.device.type == "cpu" and not torch.is_grad_enabled() and not causal and q.size(2) <= DECODE_QUERIES
+            and not torch.compiler.is_compiling() and decode_attention(q, k, mask) == "grouped"):
+        return attend_grouped(q, k, v, mask, scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
+
+
+TUNED = SimpleNamespace(linear=linear, attend=attend)  # what enable() puts into model.tuned_ops
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Attention: the decode form and the training precision
+
+
+DECODE_QUERIES = 16  # attend measures SDPA against attend_grouped for at most this many queries per row
+_decode_choice: dict[tuple, str] = {}  # (shapes with keys rounded up to a power of two, dtype, mask) -> the form
+
+
+def attend_grouped(q, k, v, mask=None, scale=None):
+    """attend's math for a few queries (decode) as two batched matmuls per KV head group, accumulated in fp32 like
+    SDPA's flash kernel: the G = H / H_kv query heads of a KV head are stacked as G*T rows against its keys (no K/V
+    copy per query head). A query that sees no key gets 0, as SDPA on CPU gives. q (B, H, T, D) -> (B, H, T, D)."""
+    B, H, T, D = q.shape
+    Hkv, S = k.size(1), k.size(2)
+    G = H // Hkv
+    scale = scale if scale is not None else D ** -0.5
+    acc = torch.promote_types(q.dtype, torch.float32)  # fp32 (fp64 inputs: fp64)
+    s = q.reshape(B, Hkv, G * T, D).to(acc) @ k.to(acc).transpose(-1, -2) * scale  # (B, H_kv, G T, S)
+    if mask is not None:
+        m = mask.view((1,) * (4 - mask.dim()) + tuple(mask.shape))  # (B or 1, H or 1, T or 1, S)
+        m = m[:, :, None] if m.size(1) == 1 else m.view(m.size(0), Hkv, G, m.size(2), S)  # (., H_kv or 1, G or 1, ., S)
+        s = s.view(B, Hkv, G, T, S).masked_fill(~m, float("-inf")).view(B, Hkv, G * T, S)
+    p = torch.softmax(s, dim=-1).nan_to_num_(0.0)  # a row with every key masked: all -inf -> NaN -> 0
+    return (p @ v.to(acc)).to(q.dtype).view(B, H, T, D)
+
+
+def decode_attention(q, k, mask, timer=None) -> str:
+    """Which form runs no-grad CPU attention with few queries at these shapes: "sdpa" or "grouped" (attend_grouped),
+    whichever this machine runs faster, timed once per (q's shape, k's shape with the key count rounded up to a power
+    of two, dtype, mask shape) on random tensors. On the AMD EPYC of RESULTS.md, bf16 SDPA with a mask at one query
+    was 4-5x slower than the grouped form (3.98 vs 0.76 ms at 16 x 12 heads x 128 keys), fp32 equal; another CPU or
+    torch may differ, hence the measurement. `timer(form) -> seconds` replaces it (tests)."""
+    S = 1 << max(0, k.size(2) - 1).bit_length()
+    mshape = None if mask is None else tuple(mask.shape[:-1])
+    key = (tuple(q.shape), tuple(k.shape[:2]), S, k.size(3), q.dtype, mshape)
+    if key not in _decode_choice:
+        def run(form):
+            qq = torch.randn(q.shape, dtype=q.dtype)
+            kk, vv = (torch.randn(*k.shape[:2], S, k.size(3), dtype=q.dtype) for _ in range(2))
+            m = None if mask is None else torch.ones(*mask.shape[:-1], S, dtype=torch.bool)
+            t0 = time.perf_counter()
+            for _ in range(5):
+                if form == "sdpa":
+                    F.scaled_dot_product_attention(qq, kk, vv, attn_mask=m, enable_gqa=qq.size(1) != kk.size(1))
+                else:
+                    attend_grouped(qq, kk, vv, m)
+            return time.perf_counter() - t0
+
+        _decode_choice[key] = fastest(timer or run, ("sdpa", "grouped"))
+    return _decode_choice[key]
+
+
+_attention_choice: dict[tuple, str] = {}  # (shapes, dtype, mask, causal) -> "fp32" | "bf16", for this process
+
+
+def attention_precision(q, k, mask, causal, scale, gqa, timer=None) -> str:
+    """The precision of CPU autocast-training attention at q's and k's shapes: forward + backward of SDPA timed once
+    in fp32 and in q's dtype on random tensors of those shapes (warm-up, 3 interleaved runs, median); "bf16" only
+    when it beats fp32 by more than 10%. A compiled graph takes fp32 (no timing while tracing). `timer(kind) ->
+    seconds` replaces the measurement (tests)."""
+    if torch.compiler.is_compiling():
+        return "fp32"
+    key = (tuple(q.shape), tuple(k.shape), q.dtype, None if mask is None else tuple(mask.shape), causal)
+    if key not in _attention_choice:
+        def run(kind):
+            dt = torch.float32 if kind == "fp32" else q.dtype
+            qq, kk, vv = (torch.randn(t.shape, dtype=dt).requires_grad_() for t in (q, k, k))
+            m = None if mask is None else torch.ones(mask.shape, dtype=torch.bool)
+            t0 = time.perf_counter()
+            with torch.autocast("cpu", enabled=False):
+                F.scaled_dot_product_attention(qq, kk, vv, attn_mask=m, is_causal=causal, scale=scale,
+                                               enable_gqa=gqa).sum().backward()
+            return time.perf_counter() - t0
+
+        _attention_choice[key] = fastest(timer or run, ("fp32", "bf16"), gain=1.10)
+    return _attention_choice[key]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Linear products (what `linear` above runs)
+#
+# The candidates compute x W^T for x (rows, in) and W (out, in). Each (dtype, row bucket, shape) is timed once per
+# process, on the first call that needs it, and the fastest product is kept. The timing streams through enough copies
+# of a random matrix to exceed the caches, as a decode step streams through a model's weights.
+
+LINEAR_DTYPES = (torch.float32, torch.bfloat16)
+LINEAR_ROW_BUCKETS = (1, 2, 4, 16, 64)  # rows are timed at the smallest bucket >= them; more than 64 rows: F.linear
+LINEAR_PROBE_BYTES = 64 << 20  # bytes of weight copies one timed pass reads: more than the caches
+LINEAR_MAX_COPIES = 128  # at most this many: a small matrix's product is bound by per-call overhead (>= 512 KB: 64 MiB)
+# measured times on disk, per machine; the environment variable LINEAR_CHOICE_CACHE names another file ("": none)
+LINEAR_CACHE = os.path.expanduser("~/.cache/nano-efficient-inference/linear_choice.json")
+LINEAR_COPY_GAIN = 1.10  # a weight copy costs the weight's bytes again: kept only when > 10% faster than the rest
+LINEAR_COPIES = {  # product -> the copy of W it reads, made once per weight (weight_copy)
+    "xwt": lambda w: w.t().contiguous(),  # W^T (in, out)
+    "dnn": lambda w: torch.ops.mkldnn._reorder_linear_weight(w, 64),  # oneDNN's blocked layout (hint: 64 rows)
+}
+LINEAR_PRODUCTS = {  # name -> f(x (rows, in), W (out, in), the product's copy of W or None) -> (rows, out)
+    "linear": lambda x, w, c: F.linear(x, w),
+    "mv": lambda x, w, c: torch.mv(w, x[0])[None],  # one row only
+    # (rows, out) made contiguous (a few KB): a transposed view would push later ops (SDPA's CPU flash kernel needs
+    # unit stride in the last dim) onto slow strided paths
+    "mm": lambda x, w, c: torch.mm(w, x.t().contiguous()).t().contiguous(),
+    "xwt": lambda x, w, c: torch.mm(x, c),
+    "dnn": lambda x, w, c: torch.ops.mkldnn._linear_pointwise(x, c, None, "none", [], ""),  # what inductor runs
+}
+_linear_choice: dict[tuple, str] = {}  # (dtype, rows, out, in) -> product name, for this process
+_linear_times: dict[tuple, dict[str, float]] = {}  # (dtype, bucket, out, in) -> product -> seconds, as measured
+_linear_forced: list[str | None] = [os.environ.get("LINEAR_PRODUCT") or None]  # force_linear() sets it
+_weight_copies = WeakIdKeyDictionary()  # weight -> product -> ((version, data_ptr), copy of the weight)
+
+
+def force_linear(name: str | None):
+    """Run product `name` wherever it applies ("mv": one row) instead of the measured choice; None: the measured
+    choice again. The environment variable LINEAR_PRODUCT=name does the same for a whole process."""
+    check(name is None or name in LINEAR_PRODUCTS, f"{name!r} is not one of {sorted(LINEAR_PRODUCTS)}",
+          "linear product")
+    _linear_forced[0] = name
+
+
+def linear_candidates(dtype, rows: int) -> list[str]:
+    """The products timed for `rows` rows of dtype, F.linear first (a tie keeps it); "dnn" where torch has oneDNN
+    (and its bf16 support, for bf16)."""
+    dnn = torch.backends.mkldnn.is_available() and (dtype != torch.bfloat16
+                                                    or torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return ["linear"] + ["mv"] * (rows == 1) + ["mm", "xwt"] + ["dnn"] * dnn
+
+
+def pick_linear(times: dict[str, float]) -> str:
+    """The fastest product of `times` (name -> seconds, "linear" among them); one that reads a weight copy (memory)
+    only when it beats the fastest product without one by LINEAR_COPY_GAIN. Never slower than F.linear as measured."""
+    plain = min((k for k in times if k not in LINEAR_COPIES), key=times.__getitem__)
+    copy = min((k for k in times if k in LINEAR_COPIES), key=times.__getitem__, default=None)
+    return copy if copy is not None and times[copy] * LINEAR_COPY_GAIN < times[plain] else plain
+
+
+def time_linear_products(dtype, rows: int, out_f: int, in_f: int, names, repeats: int = 3) -> dict[str, float]:
+    """Seconds per product of each named product for x (rows, in_f) and W (out_f, in_f): after one warm-up call
+    each, `repeats` interleaved passes over n copies of W (LINEAR_PROBE_BYTES, at most LINEAR_MAX_COPIES), median."""
+    n = max(1, min(LINEAR_MAX_COPIES, -(-LINEAR_PROBE_BYTES // (out_f * in_f * dtype.itemsize))))
+    w = torch.randn(out_f, in_f, dtype=dtype).expand(n, out_f, in_f).contiguous().unbind(0)  # n x (out, in)
+    copies = {k: [LINEAR_COPIES[k](wi) for wi in w] if k in LINEAR_COPIES else [None] * n for k in names}
+    x = torch.randn(rows, in_f, dtype=dtype)
+    times = {k: [] for k in names}
+    for k in names:
+        LINEAR_PRODUCTS[k](x, w[0], copies[k][0])
+    for _ in range(repeats):
+        for k in names:
+            f, c = LINEAR_PRODUCTS[k], copies[k]
+            t0 = time.perf_counter()
+            for i in range(n):
+                f(x, w[i], c[i])
+            times[k].append((time.perf_counter() - t0) / n)
+    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+
+
+def linear_product(dtype, rows: int, out_f: int, in_f: int) -> str:
+    """The product `linear` runs for rows x (out_f, in_f) in dtype: the forced one, else the measured choice of the
+    row bucket (timed on first use by time_linear_products, picked by pick_linear)."""
+    forced = _linear_forced[0]
+    if forced is not None and (forced != "mv" or rows == 1):
+        return forced
+    key = (dtype, rows, out_f, in_f)
+    name = _linear_choice.get(key)
+    if name is None:
+        bucket = LINEAR_ROW_BUCKETS[bisect.bisect_left(LINEAR_ROW_BUCKETS, rows)]
+        name = _linear_choice[key] = pick_linear(linear_times(dtype, bucket, out_f, in_f))
+    return name
+
+
+def linear_times(dtype, bucket: int, out_f: int, in_f: int) -> dict[str, float]:
+    """Seconds per product of the candidates at (dtype, bucket, shape): this process's, else the disk cache's for this
+    machine (cpu_key), else measured now (time_linear_products) and added to the disk cache. A cold choice costs
+    ~0.7 s per dtype and row bucket at the base preset's 5 shapes, hence the disk cache."""
+    key = (dtype, bucket, out_f, in_f)
+    if key not in _linear_times:
+        path, names = os.environ.get("LINEAR_CHOICE_CACHE", LINEAR_CACHE), linear_candidates(dtype, bucket)
+        mkey, skey = cpu_key(), f"{str(dtype).removeprefix('torch.')} {bucket} {out_f}x{in_f}"
+        times = _read_json(path).get(mkey, {}).get(skey) if path else None
+        if times is None or sorted(times) != sorted(names):
+            times = time_linear_products(dtype, bucket, out_f, in_f, names)
+            if path:
+                disk = _read_json(path)
+                disk.setdefault(mkey, {})[skey] = times
+                _write_json(path, disk)
+        _linear_times[key] = times
+    return _linear_times[key]
+
+
+def weight_copy(weight: torch.Tensor, name: str) -> torch.Tensor:
+    """The copy of `weight` product `name` reads (LINEAR_COPIES), made once per weight and again whenever the weight
+    changed: in place (its version counter moved: an optimizer step, load_state_dict) or replaced (its storage
+    moved: .to()). Writes through `weight.data` bypass the version counter and are not seen."""
+    stamp = (weight._version, weight.data_ptr())
+    copies = _weight_copies.get(weight)
+    if copies is None:
+        copies = _weight_copies[weight] = {}
+    hit = copies.get(name)
+    if hit is None or hit[0] != stamp:
+        hit = copies[name] = (stamp, LINEAR_COPIES[name](weight))
+    return hit[1]
+
+
+def linear_report() -> tuple[list[dict], int]:
+    """What the chooser measured: one dict per (dtype, row bucket, shape) -- the pick and the GB/s of weights each
+    candidate read -- and the bytes of the weight copies alive now (elements x size: oneDNN's layout may pad)."""
+    rows = [dict(dtype=str(d).removeprefix("torch."), rows=b, shape=(o, i), pick=pick_linear(t),
+                 gbps={k: o * i * d.itemsize / s / 1e9 for k, s in t.items()})
+            for (d, b, o, i), t in _linear_times.items()]
+    return rows, sum(c.numel() * c.element_size() for cs in _weight_copies.values() for _, c in cs.values())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The LoRA form of kernels.multi_lora at CPU inference
+
+_lora_form: dict[tuple, str] = {}  # (dtype, row bucket, T, n, r, in, out) -> the faster form, for this process
+
+
+def lora_form(x, A, B, timer=None) -> str:
+    """Which CPU form multi_lora runs at these shapes: 'stacked' (n x the LoRA FLOPs, no gathers) or 'grouped' (the
+    FLOPs once, a gather and scatter per adapter), whichever this machine runs faster. Timed once per (dtype, row
+    count rounded up to a power of two, shapes) on random inputs whose rows are spread evenly over the adapters (the
+    mix of a depth-wise step): a warm-up, then 5 interleaved rounds of 20 calls each, median. `timer(form) -> seconds`
+    replaces the measurement (tests)."""
+    N = x.size(0)
+    bucket = 1 << max(0, N - 1).bit_length()
+    key = (x.dtype, bucket, x[0].numel() // x.size(-1), *A.shape, B.size(1))
+    if key not in _lora_form:
+        def run(form):
+            xs = torch.randn(bucket, *x.shape[1:], dtype=x.dtype)
+            As, Bs = torch.randn_like(A), torch.randn_like(B)
+            ids = torch.arange(bucket) % A.size(0)
+            t0 = time.perf_counter()
+            for _ in range(20):
+                kernels.LORA_FORMS[form](xs, As, Bs, ids)
+            return time.perf_counter() - t0
+
+        _lora_form[key] = fastest(timer or run, tuple(kernels.LORA_FORMS), rounds=5)
+    return _lora_form[key]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# One timing rule, and what a measurement holds for
+
+
+def fastest(timer, kinds, rounds: int = 3, gain: float = 1.0) -> str:
+    """The kind with the least median time over `rounds` interleaved calls of timer(kind) -> seconds after one
+    warm-up call each; a kind other than the first must beat the first by `gain` (the first is the default)."""
+    times = {kind: [] for kind in kinds}
+    for kind in kinds:
+        timer(kind)
+    for _ in range(rounds):
+        for kind in kinds:
+            times[kind].append(timer(kind))
+    med = {kind: sorted(ts)[len(ts) // 2] for kind, ts in times.items()}
+    best = min(kinds, key=med.__getitem__)
+    return best if med[best] * gain < med[kinds[0]] else kinds[0]
+
+
+def cpu_key() -> str:
+    """What a measured choice holds for: the CPU model, torch's version and CPU capability, the thread count."""
+    cpu = platform.processor()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    return (f"{cpu} | torch {torch.__version__} | {torch.backends.cpu.get_cpu_capability()} | "
+            f"{torch.get_num_threads()} threads")
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_json(path: str, obj: dict):
+    """Atomically (another process may read it meanwhile); a cache that cannot be written is skipped."""
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path + f".{os.getpid()}", "w") as f:
+            json.dump(obj, f, indent=1)
+        os.replace(path + f".{os.getpid()}", path)
+    except OSError:
+        pass

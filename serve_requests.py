@@ -1,0 +1,240 @@
+"""
+serve_requests.py -- the requests serve.py serves: what a request is, where requests come from, which ones are bad.
+
+  * Request: prompt token ids + max_new_tokens + an arrival time, and what serving records on it (outputs, exit
+    loops, times, an error). `request_generator(seed, rid)` is ONE seeded torch.Generator per request, so a sampled
+    request's output does not depend on the schedule.
+  * Sources: synthetic (all at once, or Poisson at a rate, seeded; lengths uniform in "a:b" ranges), windows of the
+    validation corpus (data.prepare_corpus / TokenData), or a JSONL file of
+    {"prompt": str | "prompt_ids": [...], "max_new_tokens": n[, "arrival": s]}, read line by line.
+  * Validation: a bad request (empty prompt, prompt_ids that are not a list, ids outside the vocabulary, prompt +
+    max_new_tokens longer than the context, max_new_tokens <= 0, a bad JSONL line: not UTF-8, not JSON, an arrival
+    that is not a time in [0, MAX_ARRIVAL_S] seconds) gets an error of its own (request_problem: a short reason and a
+    clear message naming the file:line); the others are served. A file that cannot be read, or holds more than
+    MAX_REQUESTS requests, is one UsageError.
+  * The error tables: the requests' errors counted by reason (error_counts, in every system's summary and --json)
+    and printed under the serving table with a few examples (print_errors).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import torch
+
+from cli import UsageError, one_line
+from data import TokenData, prepare_corpus, step_generator
+
+# ----------------------------------------------------------------------------------------------------------------
+# Requests
+
+# What a run may be asked to do. A request arriving later than MAX_ARRIVAL_S seconds after the start (a file's arrival,
+# or Poisson arrivals at a tiny --rate) would keep every server idle that long: an error, not a wait. MAX_REQUESTS
+# bounds the request table (each request keeps its prompt, outputs and token times in Python lists, a few KB).
+MAX_ARRIVAL_S = 3600.0
+MAX_REQUESTS = 100_000
+
+
+@dataclass
+class Request:
+    rid: int
+    prompt: list  # token ids
+    max_new_tokens: int
+    arrival: float = 0.0  # seconds after the start (clock='wall') or decode steps (clock='step')
+    error: str | None = None
+    invalid: str | None = None  # a reason found while reading the request (bad JSONL line)
+    error_kind: str | None = None  # the short reason of `error` (the summaries count requests by it)
+    source: str | None = None  # where the request came from ("reqs.jsonl:3"), named in its error
+    finished: bool = False
+    output: list = field(default_factory=list)  # generated ids
+    exits: list = field(default_factory=list)  # 0-based loop that produced each generated token (None: vanilla)
+    t_arrive: float | None = None  # wall times (perf_counter)
+    t_first: float | None = None
+    t_done: float | None = None
+    token_times: list = field(default_factory=list)
+    gen: torch.Generator | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.error is not None or self.finished
+
+    def fresh(self) -> "Request":
+        """The same request, not yet served (prompt, length, arrival and any reading error kept)."""
+        return Request(self.rid, list(self.prompt) if isinstance(self.prompt, list) else self.prompt,
+                       self.max_new_tokens, self.arrival, invalid=self.invalid, source=self.source)
+
+
+def request_generator(seed: int, rid: int, device="cpu") -> torch.Generator:
+    """The sampling generator of request rid: outputs do not depend on the schedule."""
+    return torch.Generator(device=device).manual_seed((seed * 1_000_003 + rid) % 2 ** 64)  # what torch takes
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reading requests: validation, arrivals, synthetic, corpus and JSONL requests
+
+
+def request_problem(r: Request, vocab_size: int, max_seq_len: int) -> tuple[str, str] | None:
+    """(short reason, clear message) why this request cannot be served, or None."""
+    if r.invalid:
+        return "bad request line", r.invalid
+    if not isinstance(r.max_new_tokens, int) or isinstance(r.max_new_tokens, bool) or r.max_new_tokens <= 0:
+        return "bad max_new_tokens", f"max_new_tokens={r.max_new_tokens!r} must be a positive integer"
+    if not isinstance(r.prompt, list):
+        return "prompt ids not a list", "prompt_ids must be a list of token ids"
+    if not r.prompt:
+        return "empty prompt", "empty prompt: a request needs at least one prompt token"
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in r.prompt):
+        return "prompt ids not integers", "prompt ids must be integers"
+    bad = [t for t in r.prompt if not 0 <= t < vocab_size]
+    if bad:
+        return "token id outside vocabulary", f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
+    if len(r.prompt) >= max_seq_len:
+        return "prompt longer than context", (f"prompt of {len(r.prompt)} tokens is longer than the context "
+                                              f"({max_seq_len} positions, one kept for a new token)")
+    if len(r.prompt) + r.max_new_tokens > max_seq_len:
+        return "prompt + output longer than context", (
+            f"prompt of {len(r.prompt)} tokens + max_new_tokens={r.max_new_tokens} exceeds the context of "
+            f"{max_seq_len} positions")
+    return None
+
+
+def check_request(r: Request, vocab_size: int, max_seq_len: int) -> str | None:
+    """A clear reason why this request cannot be served, or None."""
+    problem = request_problem(r, vocab_size, max_seq_len)
+    return None if problem is None else problem[1]
+
+
+def parse_range(spec: str) -> tuple[int, int]:
+    """'a:b' -> (a, b) (uniform integers, both included); 'a' -> (a, a)."""
+    lo, _, hi = str(spec).partition(":")
+    lo, hi = int(lo), int(hi or lo)
+    if lo > hi:
+        raise ValueError(f"bad range {spec!r}: {lo} > {hi}")
+    return lo, hi
+
+
+def arrival_times(n: int, process: str, rate: float, gen: torch.Generator) -> list[float]:
+    """'all': everything at 0; 'poisson': exponential gaps of mean 1/rate."""
+    if process == "all":
+        return [0.0] * n
+    if process == "poisson":
+        if rate <= 0:
+            raise ValueError(f"--rate must be > 0 for Poisson arrivals, got {rate}")
+        gaps = -torch.log1p(-torch.rand(n, generator=gen, dtype=torch.float64)) / rate
+        times = torch.cumsum(gaps, 0).tolist()
+        if times and times[-1] > MAX_ARRIVAL_S:
+            raise UsageError(f"--rate {rate:g}: the {n} Poisson arrivals span {times[-1]:.3g} s, beyond the "
+                             f"{MAX_ARRIVAL_S:g} s a run may wait for its requests; raise --rate")
+        return times
+    raise ValueError(f"unknown arrival process {process!r}; choose all or poisson")
+
+
+def synthetic_requests(n, vocab_size, prompt_len="8:48", gen_len="8:64", arrival="all", rate=10.0, seed=0):
+    """n requests with random token ids (never the last vocabulary row, which some archs use as a pad)."""
+    g = torch.Generator().manual_seed(seed)
+    (p0, p1), (g0, g1) = parse_range(prompt_len), parse_range(gen_len)
+    times = arrival_times(n, arrival, rate, g)
+    out = []
+    for i in range(n):
+        T = int(torch.randint(p0, p1 + 1, (1,), generator=g))
+        G = int(torch.randint(g0, g1 + 1, (1,), generator=g))
+        out.append(Request(i, torch.randint(0, vocab_size - 1, (T,), generator=g).tolist(), G, times[i]))
+    return out
+
+
+def corpus_requests(n, tok, data="stdlib", cache_dir="data_cache", prompt_len="8:48", gen_len="8:64", arrival="all",
+                    rate=10.0, seed=0):
+    """Prompts are windows of the validation split of train.py's corpus (tokenized once, cached)."""
+    cache = prepare_corpus(data, tok, cache_dir)
+    val = TokenData(cache, "val")
+    reqs = synthetic_requests(n, 2, prompt_len, gen_len, arrival, rate, seed)  # lengths and arrivals
+    x, _ = val.get_batch(n, parse_range(prompt_len)[1], step_generator(seed, -7))
+    for r in reqs:
+        r.prompt = x[r.rid, :len(r.prompt)].tolist()
+    return reqs
+
+
+def read_lines(path) -> list[tuple[int, bytes]]:
+    """The non-empty lines of a requests file as (line number, bytes), read line by line (each decoded on its own, so
+    one bad line is one bad request). A file that cannot be opened, or holds more than MAX_REQUESTS lines, is one
+    UsageError naming it."""
+    try:
+        with open(path, "rb") as f:
+            lines = []
+            for n, ln in enumerate(f, 1):
+                if ln.strip():
+                    lines.append((n, ln))
+                    if len(lines) > MAX_REQUESTS:
+                        raise UsageError(f"--requests-file {path} holds more than {MAX_REQUESTS:,} requests (line {n})")
+    except IsADirectoryError:
+        raise UsageError(f"--requests-file {path} is a directory, not a JSONL file") from None
+    except OSError as e:
+        raise UsageError(f"--requests-file {path}: cannot read it ({e.strerror or e})") from None
+    return lines
+
+
+def jsonl_requests(path, tok=None, default_gen=32, arrival="all", rate=10.0, seed=0):
+    """{"prompt": str | "prompt_ids": [...], "max_new_tokens": n, "arrival": s (optional)} per line. A line that
+    cannot be read (not UTF-8, not JSON, an arrival that is not a time in [0, MAX_ARRIVAL_S] seconds) becomes a request
+    with an error (served as an error, never silently dropped). Request ids count the non-empty lines from 0; each
+    request remembers its file:line (`source`) for its error message."""
+    lines = read_lines(path)
+    times = arrival_times(len(lines), arrival, rate, torch.Generator().manual_seed(seed))
+    reqs = []
+    for i, (lineno, raw) in enumerate(lines):
+        r = Request(i, [], default_gen, times[i], source=f"{path}:{lineno}")
+        try:
+            try:
+                ln = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"not UTF-8 text ({e.reason} at byte {e.start})") from None
+            d = json.loads(ln)
+            if not isinstance(d, dict):
+                raise ValueError("not a JSON object")
+            if "prompt_ids" in d:
+                r.prompt = d["prompt_ids"]
+            elif "prompt" in d:
+                if tok is None:
+                    raise ValueError("a text prompt needs a tokenizer")
+                r.prompt = tok.encode(str(d["prompt"]))
+            else:
+                raise ValueError("no 'prompt' or 'prompt_ids'")
+            r.max_new_tokens = d.get("max_new_tokens", default_gen)
+            t = float(d.get("arrival", r.arrival))
+            if not 0 <= t <= MAX_ARRIVAL_S:  # NaN too: it would never arrive
+                raise ValueError(f"arrival {d['arrival']!r} must be a time in [0, {MAX_ARRIVAL_S:g}] seconds")
+            r.arrival = t
+        except Exception as e:  # anything one line raises (a RecursionError from JSON nested too deep) is its own
+            why = e if isinstance(e, (ValueError, TypeError)) else f"{type(e).__name__}: {one_line(e)}"
+            r.invalid = f"bad request line {lineno} of {path}: {why}"
+        reqs.append(r)
+    return reqs
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The error tables
+
+
+def error_counts(reqs) -> dict:
+    """{short reason: number of requests} of the requests that got an error, most frequent first."""
+    counts = {}
+    for r in reqs:
+        if r.error is not None:
+            counts[r.error_kind or "error"] = counts.get(r.error_kind or "error", 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def print_errors(rows: list[dict], show=3):
+    """Under the serving table: the request errors by reason (once if every system saw the same), and a few of them."""
+    groups = {}
+    for r in rows:
+        if r.get("request_errors"):
+            groups.setdefault(json.dumps(r["request_errors"], sort_keys=True), []).append(r)
+    for same in groups.values():
+        d = same[0]
+        who = "every system" if len(same) == len(rows) else ", ".join(r["system"] for r in same)
+        print(f"request errors ({who}): " + ", ".join(f"{n} {k}" for k, n in d["errors_by_reason"].items()))
+        for rid, msg in list(d["request_errors"].items())[:show]:
+            print(f"  request {rid}: {msg}")
+        if len(d["request_errors"]) > show:
+            print(f"  ... {len(d['request_errors']) - show} more (--json lists every request id -> reason)")
