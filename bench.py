@@ -35,6 +35,7 @@ import math
 import os
 import statistics
 import time
+from pathlib import Path
 from functools import partial
 from types import SimpleNamespace
 
@@ -43,7 +44,8 @@ import torch.nn.functional as F
 
 import cpu_tuning
 import kernels as K
-from cli import DTYPES, ArgumentParser, UsageError, comma_list, number, one_of, run_cli, run_subcommand, user_input
+from cli import (DTYPES, ArgumentParser, UsageError, comma_list, number, one_of, path_arg, run_cli, run_subcommand,
+                 threads_arg, user_input)
 from cpu_tuning import LINEAR_PROBE_BYTES, LINEAR_PRODUCTS, cpu_key, force_linear, linear_report
 from model import GPT, PRESETS, GPTConfig, param_bytes, pick_device, pick_dtype, sync, timeit
 
@@ -196,6 +198,8 @@ def nanogpt_model(path: str, cfg: GPTConfig, seq_len: int):
 
 
 def bench_train(args):
+    if args.nanogpt and not (Path(args.nanogpt) / "model.py").is_file():
+        raise UsageError(f"--nanogpt {args.nanogpt} is not a nanoGPT checkout (a directory with its model.py)")
     device = pick_device(args.device)
     cfg = GPTConfig.from_preset(args.preset, max_seq_len=args.seq_len)
     B, T = args.train_batch, args.seq_len
@@ -781,6 +785,9 @@ def bench_aot(args):
         raise UsageError("--aot compiles for a GPU: run it without TRITON_INTERPRET in the environment")
     targets = tuple(int(t) for t in args.aot_targets.split(","))
     cases = [c for c in kernels_aot.aot_cases() if not args.only or any(k in c.name for k in args.only.split(","))]
+    if not cases:
+        raise UsageError(f"--only {args.only}: no launch case name contains it (python bench.py kernels --aot runs "
+                         f"them all)")
     print(f"triton {K.triton.__version__} | ahead-of-time compilation for {', '.join(f'sm_{t}' for t in targets)} | "
           f"{len(cases)} launch cases (the presets' shapes, decode and prefill, fp32/bf16/fp16)")
     print(f"{'kernel':28s} {'case':34s} {'target':6s} {'dtype':8s} {'shared':>14s} {'regs':>5s} {'spills':>7s}  error")
@@ -794,9 +801,15 @@ def bench_aot(args):
           f"{sum(1 for r in rows if r['spills'])} with register spills")
 
 
+KERNELS = ("lora", "gswa", "gswa_decode", "dual")  # bench.py kernels --only
+
+
 def bench_kernels(args):
     if args.aot:
         return bench_aot(args)
+    unknown = [k for k in args.only.split(",") if args.only and k not in KERNELS]
+    if unknown:
+        raise UsageError(f"--only {args.only}: {', '.join(unknown)} is not one of {', '.join(KERNELS)}")
     dev = pick_device(args.device)
     dtype = pick_dtype(dev, args.dtype)
     cuda = dev.type == "cuda"
@@ -809,7 +822,7 @@ def bench_kernels(args):
     esz = torch.finfo(dtype).bits // 8
     run_triton = cuda and K.triton is not None
     flex = _flex_lse() if cuda else None
-    want = set(args.only.split(",")) if args.only else {"lora", "gswa", "gswa_decode", "dual"}
+    want = set(args.only.split(",")) if args.only else set(KERNELS)
     warmup = args.warmup if args.warmup is not None else (10 if cuda else 1)
     iters = args.iters if args.iters is not None else (50 if cuda else 3)
     print(f"warm-up {warmup} calls, then the median (CUDA events) / mean (CPU clock) of {iters} timed calls")
@@ -996,7 +1009,7 @@ def build_parser():
 
     def machine(p):
         p.add_argument("--device", default="auto", help="cpu | cuda | mps | auto")
-        p.add_argument("--threads", type=pos, default=None, help="CPU threads (default: torch's)")
+        p.add_argument("--threads", type=threads_arg, default=None, help="CPU threads (default: torch's)")
 
     def common(p, preset="base", presets=PRESETS):
         machine(p)
@@ -1021,7 +1034,8 @@ def build_parser():
 
     p = sub.add_parser("train", help="training tok/s vs nanoGPT's model.py at the same shape")
     common(p, "small")
-    p.add_argument("--nanogpt", default=None, help="a nanoGPT checkout (its model.py is imported from there)")
+    p.add_argument("--nanogpt", type=path_arg, default=None,
+                   help="a nanoGPT checkout (its model.py is imported from there)")
     p.add_argument("--train-batch", type=pos, default=8, help="sequences per step")
     p.add_argument("--seq-len", type=pos, default=256, help="tokens per sequence")
     p.add_argument("--no-fused-adamw", dest="fused_adamw", action="store_false", help="plain AdamW for ours on CPU")
@@ -1116,7 +1130,7 @@ def build_parser():
     p.add_argument("--dtype", default="auto", choices=DTYPES, help="bfloat16 | float16 | float32 | auto (bf16 on CUDA)")
     p.add_argument("--warmup", type=nonneg, default=None, help="untimed calls first (default: 10 on CUDA, 1 on CPU)")
     p.add_argument("--iters", type=pos, default=None, help="timed calls (default: 50 on CUDA, 3 on CPU)")
-    p.add_argument("--threads", type=pos, default=None, help="CPU threads (default: torch's)")
+    p.add_argument("--threads", type=threads_arg, default=None, help="CPU threads (default: torch's)")
     p.set_defaults(fn=bench_kernels)
     return ap
 

@@ -12,19 +12,35 @@ A checkpoint is one torch.save'd dict, read back with weights_only=True (no code
     optimizer       AdamW's state (what --resume needs to continue exactly), step, best_val_loss, val_loss
     tokenizer       data.Tokenizer's spec
     args            the run's flags (--resume restores them)
-It is written to a temporary name and renamed, so a crash or a full disk never leaves half a checkpoint and the last
-good one stays. Every problem with a file is a cli.CheckpointError naming it. --init-from and --teacher also take
-hf:DIR, a local Hugging Face checkpoint (hf.py), through load_source_model; --init-from a checkpoint of the same
-architecture keeps its shapes and takes the config fields of the recipe flags typed (init_same_arch). --resume takes
-the run's flags back from the checkpoint and refuses, naming them, flags typed now that contradict it
-(restore_run_args).
+It is written to a fresh temporary file in the same directory (created exclusively: never a link already there) and
+renamed, so a crash or a full disk never leaves half a checkpoint and the last good one stays. Every problem with a
+file is a cli.CheckpointError naming it. --init-from and --teacher also take hf:DIR, a local Hugging Face checkpoint
+(hf.py), through load_source_model; --init-from a checkpoint of the same architecture keeps its shapes and takes the
+config fields of the recipe flags typed (init_same_arch). --resume takes the run's flags back from the checkpoint and
+refuses, naming them, flags typed now that contradict it (restore_run_args).
+
+Integrity: torch.save writes the dict as a zip archive of records (the pickle, then one record per tensor storage) and
+stores the CRC-32 of every record in the archive's directory: per-tensor checksums, which torch.load never reads.
+load_checkpoint verifies every record against its CRC-32 before torch.load runs (a byte changed anywhere in the
+weights, the optimizer state or the metadata is an error naming the file and the record), then the type of every
+field (check_fields: a missing or mistyped field is an error naming it, never a KeyError later). Checkpoints written
+before this check existed carry the checksums too (torch.save writes them by default), so they are verified alike; a
+file without any (torch's legacy format, or saved with torch.serialization.set_crc32_options(False)) still loads,
+with one warning that its contents were not verified.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import math
+import mmap
 import os
+import struct
+import tempfile
 import warnings
+import zipfile
+import zlib
 from dataclasses import asdict
 from pathlib import Path
 
@@ -62,26 +78,44 @@ CKPT_FORMAT = "nano-efficient-inference/ckpt"
 
 
 def save_checkpoint(path: Path, obj: dict):
-    """torch.save to a temp name in the same directory, then rename: a crash never leaves half a checkpoint, and the
-    previous checkpoint stays until the new one is whole. A write that fails (a full disk: torch reports it as a
-    RuntimeError "unexpected pos") removes its temp file and is a CheckpointError."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
+    """torch.save (with the CRC-32 of every record, which load_checkpoint verifies) to a fresh temporary file in the
+    same directory, then rename: a crash never leaves half a checkpoint, and the previous checkpoint stays until the
+    new one is whole. The temporary file is created exclusively (mkstemp: a link or file already there is never
+    followed or overwritten). A write that fails (a full disk: torch reports it as a RuntimeError "unexpected pos";
+    a directory that cannot be written) removes the temporary file and is a CheckpointError."""
+    tmp = None
+    crc = torch.serialization.get_crc32_options()
     try:
-        torch.save(obj, tmp)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        with open(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o666 & ~_UMASK)  # mkstemp's 0600 -> what open() would give the checkpoint
+            torch.serialization.set_crc32_options(True)
+            torch.save(obj, f)
         os.replace(tmp, path)
     except BaseException as e:
-        tmp.unlink(missing_ok=True)
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
         if isinstance(e, (OSError, RuntimeError)):
-            raise CheckpointError(f"writing checkpoint {path} failed ({type(e).__name__}: {one_line(e)}; a full "
-                                  f"disk?); its temporary file {tmp.name} was removed") from e
+            full = "; a full disk?" if isinstance(e, RuntimeError) or getattr(e, "errno", None) == errno.ENOSPC else ""
+            gone = f"; its temporary file {Path(tmp).name} was removed" if tmp is not None else ""
+            raise CheckpointError(f"writing checkpoint {path} failed ({type(e).__name__}: {one_line(e)}{full}){gone}") \
+                from e
         raise
+    finally:
+        torch.serialization.set_crc32_options(crc)
+
+
+_UMASK = os.umask(0o22)  # read once at import (os.umask can only be read by setting it)
+os.umask(_UMASK)
 
 
 def load_checkpoint(path) -> dict:
-    """torch.load(weights_only=True) of a train.py checkpoint. Anything else is a CheckpointError naming the file; the
-    reason is one line (never torch's advice to retry with weights_only=False: that runs arbitrary code). The dict
-    gains "loaded_from" (the path), so that later errors about its contents can name the file."""
+    """torch.load(weights_only=True) of a train.py checkpoint, after the CRC-32 of every record is verified
+    (verify_records) and before its fields are used (check_fields). Anything else is a CheckpointError naming the
+    file; the reason is one line (never torch's advice to retry with weights_only=False: that runs arbitrary code).
+    The dict gains "loaded_from" (the path), so that later errors about its contents can name the file."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist")
@@ -89,6 +123,10 @@ def load_checkpoint(path) -> dict:
         inside = f"give {path / 'ckpt.pt'} (the checkpoint in it), or " if (path / "ckpt.pt").is_file() else "give "
         raise CheckpointError(f"checkpoint {path} is a directory, not a checkpoint file: {inside}hf:{path} if it is a "
                               f"Hugging Face checkpoint directory")
+    try:
+        verified = verify_records(path)
+    except OSError as e:
+        raise CheckpointError(f"checkpoint {path} cannot be read ({e.strerror or e})") from None
     try:
         with warnings.catch_warnings():  # e.g. torch's "Detected pickle protocol 4" on files that are not ours
             warnings.simplefilter("ignore")
@@ -98,8 +136,154 @@ def load_checkpoint(path) -> dict:
                               f"({type(e).__name__}: {_torch_load_reason(e)})") from e
     if not isinstance(ck, dict) or ck.get("format") != CKPT_FORMAT:
         raise CheckpointError(f"{path} is a PyTorch file but not a checkpoint written by train.py")
+    if not verified:
+        warnings.warn(f"checkpoint {path} carries no checksums (torch's legacy format, or saved with CRC-32 switched "
+                      f"off): loaded without verifying its contents", stacklevel=2)
+    check_fields(ck, path)
     ck["loaded_from"] = str(path)
     return ck
+
+
+def verify_records(path) -> bool:
+    """Every record of torch.save's zip archive against the CRC-32 stored with it (read through a memory map, no
+    copy). -> True when verified, False when the file carries no checksums (not a zip archive: torch's legacy format
+    or not a PyTorch file, which torch.load then judges; or every CRC-32 zero: saved with CRC-32 switched off). A
+    record that does not match, or an archive whose records cannot be located, is a CheckpointError naming the file."""
+    try:
+        archive = zipfile.ZipFile(path)
+    except zipfile.BadZipFile:
+        return False
+    with archive:
+        records = archive.infolist()
+    if not any(r.CRC for r in records if r.file_size):
+        return False
+
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        problem = next(filter(None, (_record_problem(mm, r) for r in records)), None)
+    if problem:
+        raise CheckpointError(f"checkpoint {path} is damaged: {problem}; it changed after it was written (a disk or "
+                              f"copy error?): restore it from a copy, or train again")
+    return True
+
+
+def _record_problem(mm, r: zipfile.ZipInfo) -> str | None:
+    """Why record r of the archive mapped at mm fails its CRC-32 (or cannot be located), or None."""
+    name = r.filename.split("/", 1)[-1]
+    what = "the pickled dict" if name == "data.pkl" else "a tensor's data" if name.startswith("data/") else "metadata"
+    head = mm[r.header_offset:r.header_offset + 30]
+    if len(head) < 30 or head[:4] != b"PK\x03\x04" or r.compress_type != zipfile.ZIP_STORED:
+        return f"record {name} ({what}) is not where the archive's directory says"
+    start = r.header_offset + 30 + sum(struct.unpack("<HH", head[26:30]))  # after the file name and extra field
+    if start + r.file_size > len(mm):
+        return f"record {name} ({what}) ends past the end of the file"
+    with memoryview(mm) as view, view[start:start + r.file_size] as data:  # no copy; released before the map closes
+        if zlib.crc32(data) != r.CRC:
+            return f"record {name} ({what}) does not match its CRC-32"
+    return None
+
+
+def _shown(v) -> str:
+    """A field's value in an error message: short values as they are, containers by their type."""
+    if v is None or isinstance(v, (bool, int, float)) or (isinstance(v, str) and len(v) <= 40):
+        return repr(v)
+    return f"a {type(v).__name__}"
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def tokenizer_spec_problem(spec) -> str | None:
+    """What is wrong with a checkpoint's tokenizer spec (data.Tokenizer's), or None."""
+    if not isinstance(spec, dict) or not isinstance(spec.get("kind"), str):
+        return f"tokenizer spec {_shown(spec)} is not a dict with a 'kind'"
+    need = {"tiktoken": {"name": str}, "hf": {"path": str}, "gguf": {"path": str},
+            "task": {"name": str, "hops": list, "alphabet": int, "length": int, "pause": int}}.get(spec["kind"])
+    if need is None:
+        return f"tokenizer kind {_shown(spec['kind'])} is not one of tiktoken, hf, gguf, task"
+    for key, kind in need.items():
+        v = spec.get(key)
+        if not isinstance(v, kind) or isinstance(v, bool) or v in ("", []):
+            return f"{spec['kind']} tokenizer spec has {key} {_shown(v)}, not a {'non-empty ' * (kind is not int)}" \
+                   f"{kind.__name__}"
+    if spec["kind"] == "tiktoken" and spec.get("n") is not None and not (_is_int(spec["n"]) and spec["n"] >= 256):
+        return f"tiktoken tokenizer spec has n {_shown(spec['n'])}, not None or an int >= 256"
+    if spec["kind"] == "task" and not all(_is_int(p) for p in spec["hops"]):
+        return f"task tokenizer spec has hops {_shown(spec['hops'])}, not a list of ints"
+    return None
+
+
+def check_fields(ck: dict, path):
+    """Every field a loader reads has the type train.py writes: arch, config, model (a state dict) and tokenizer
+    must be there; args, optimizer, step and the losses may be absent (or None: optimizer, val_loss), and are checked
+    when present. A missing or mistyped field is a CheckpointError naming the file and the field."""
+    missing = [k for k in ("arch", "config", "model", "tokenizer") if k not in ck]
+    if missing:
+        raise CheckpointError(f"checkpoint {path} holds no {', '.join(missing)}: not a whole train.py checkpoint")
+
+    def bad(field, want):
+        return CheckpointError(f"checkpoint {path} holds {field} {_shown(ck[field])}: not {want}")
+
+    str_keys = lambda d: isinstance(d, dict) and all(isinstance(k, str) for k in d)  # noqa: E731
+    if not isinstance(ck["arch"], str):
+        raise bad("arch", "an architecture name")
+    if not str_keys(ck["config"]):
+        raise bad("config", "a dict of config fields")
+    if not str_keys(ck["model"]) or not all(isinstance(v, torch.Tensor) for v in ck["model"].values()):
+        raise bad("model", "a state dict (parameter name -> tensor)")
+    problem = tokenizer_spec_problem(ck["tokenizer"])
+    if problem:
+        raise CheckpointError(f"checkpoint {path}: its {problem}")
+    if "args" in ck and not str_keys(ck["args"]):
+        raise bad("args", "a dict of the run's flags")
+    if "step" in ck and ck["step"] is not None and not (_is_int(ck["step"]) and ck["step"] >= 0):
+        raise bad("step", "a step count (an int >= 0)")
+    for k in ("best_val_loss", "val_loss"):  # val_loss None: a checkpoint written between evaluations
+        if k in ck and not (_is_number(ck[k]) or (k == "val_loss" and ck[k] is None)):
+            raise bad(k, "a number")
+    opt = ck.get("optimizer")
+    if opt is not None and not (isinstance(opt, dict) and isinstance(opt.get("state"), dict)
+                                and isinstance(opt.get("param_groups"), list)
+                                and all(isinstance(g, dict) and isinstance(g.get("params"), list)
+                                        for g in opt["param_groups"])):
+        raise bad("optimizer", "an optimizer state (state and param_groups)")
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, ck: dict, path):
+    """--resume: the checkpoint's AdamW state into `optimizer` (built for the checkpoint's model), after checking that
+    it fits: the same parameter groups, of the same sizes, the same kinds of settings, and moments of the
+    parameters' shapes. A state that does not fit is a CheckpointError naming the file and the group or parameter."""
+    saved, groups = ck["optimizer"], optimizer.param_groups
+    where = f"checkpoint {path}: its optimizer state"
+    if len(saved["param_groups"]) != len(groups):
+        raise CheckpointError(f"{where} has {len(saved['param_groups'])} parameter groups, the model's optimizer "
+                              f"{len(groups)}")
+    for i, (old, new) in enumerate(zip(saved["param_groups"], groups)):
+        if len(old["params"]) != len(new["params"]):
+            raise CheckpointError(f"{where}: group {i} holds {len(old['params'])} parameters, the model's "
+                                  f"{len(new['params'])}")
+        odd = [k for k, v in new.items() if k in old and (  # the numeric settings: lr, betas, eps, weight decay
+            (_is_number(v) and not _is_number(old[k])) or (isinstance(v, tuple) and not (
+                isinstance(old[k], (tuple, list)) and len(old[k]) == len(v) and all(map(_is_number, old[k])))))]
+        if odd:
+            raise CheckpointError(f"{where}: group {i} has {odd[0]} {_shown(old[odd[0]])}, not "
+                                  f"{'a number' if _is_number(new[odd[0]]) else f'{len(new[odd[0]])} numbers'}")
+        for pid, p in zip(old["params"], new["params"]):
+            state = saved["state"].get(pid, {})
+            if not isinstance(state, dict):
+                raise CheckpointError(f"{where}: parameter {pid} has state {_shown(state)}, not a dict")
+            for k, v in state.items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape != p.shape:
+                    raise CheckpointError(f"{where}: {k} of parameter {pid} has shape {tuple(v.shape)}, the "
+                                          f"parameter {tuple(p.shape)}")
+    try:
+        optimizer.load_state_dict(saved)
+    except (ValueError, KeyError, TypeError, RuntimeError) as e:
+        raise CheckpointError(f"{where} does not fit the model ({type(e).__name__}: {one_line(e)})") from e
 
 
 def check_resumable(ck: dict, path) -> dict:
@@ -110,11 +294,6 @@ def check_resumable(ck: dict, path) -> dict:
         what = "optimizer state" if missing == ["optimizer"] else "field(s) " + ", ".join(missing)
         raise CheckpointError(f"checkpoint {path} has no {what}: it cannot be resumed exactly; start a new run from "
                               f"its weights with --init-from {path} (and another --out-dir)")
-    step, best = ck["step"], ck.get("best_val_loss", math.inf)
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise CheckpointError(f"checkpoint {path} holds step {step!r}: not a step count (an int >= 0)")
-    if not isinstance(best, (int, float)):
-        raise CheckpointError(f"checkpoint {path} holds best_val_loss {best!r}: not a number")
     return ck
 
 

@@ -79,6 +79,21 @@ def number(kind=int, min=None, above=None, max=None):  # noqa: A002 - argparse-s
     return parse
 
 
+def path_arg(text):
+    """argparse type of a path flag (a file, a directory, a checkpoint, hf:DIR, a tokenizer name): an empty string is
+    an error, never "not given" (an unset shell variable would silently change the run)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a path, got {text!r} (an unset variable?)")
+    return text
+
+
+# --seed of every command: what torch.manual_seed accepts without wrapping (an unsigned 64-bit integer)
+SEED_MAX = 2 ** 64 - 1
+seed_arg = number(int, min=0, max=SEED_MAX)
+# --threads: at most one per CPU of the machine (torch takes more, and starts them all: 1e5 crash the interpreter)
+threads_arg = number(int, min=1, max=os.cpu_count() or 1)
+
+
 def comma_list(item):
     """argparse type of a comma list each of whose items passes `item` (a cli.number(...) or one_of(...) type); the
     text is kept (each command splits it itself)."""
@@ -102,15 +117,28 @@ def one_of(choices):
     return parse
 
 
+DEVICE_TYPES = ("cpu", "cuda", "mps")  # what the commands run on; torch parses more (xla, xpu, meta, ...)
+
+
 def check_device(flag):
-    """--device: a device torch knows and this machine has."""
+    """--device: auto, or a device of DEVICE_TYPES that this build of torch and this machine have."""
+    if flag == "auto":
+        return
     try:
-        device = torch.device(flag) if flag != "auto" else None
+        device = torch.device(flag)
     except RuntimeError as e:
-        raise UsageError(f"--device {flag!r} is not a device ({e})") from None
-    if device is not None and device.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError(f"--device {flag}: CUDA is not available on this machine")
-    if device is not None and device.type == "mps" and not (
+        raise UsageError(f"--device {flag!r} is not a device ({one_line(e)})") from None
+    if device.type not in DEVICE_TYPES:
+        raise UsageError(f"--device {flag}: the commands run on {', '.join(DEVICE_TYPES)} (or auto), not "
+                         f"{device.type}")
+    if device.type == "cpu" and device.index not in (None, 0):
+        raise UsageError(f"--device {flag}: there is one CPU device (cpu)")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {flag}: CUDA is not available on this machine")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise UsageError(f"--device {flag}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if device.type == "mps" and not (
             getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()):
         raise UsageError(f"--device {flag}: MPS is not available on this machine")
 

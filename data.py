@@ -199,7 +199,7 @@ def _zst_lines(path: Path):
     dctx = zstandard.ZstdDecompressor()
     obj, mid_frame, tail, n_out = dctx.decompressobj(), False, b"", 0
     try:
-        with open(path, "rb") as fh:
+        with open_data_file(path) as fh:
             for chunk in iter(lambda: fh.read(1 << 20), b""):
                 while chunk:
                     out = obj.decompress(chunk)
@@ -220,13 +220,21 @@ def _zst_lines(path: Path):
         yield tail
 
 
+def open_data_file(path: Path):
+    """open(path, "rb") of a corpus file; one that cannot be opened (no permission, ...) is a DataError naming it."""
+    try:
+        return open(path, "rb")
+    except OSError as e:
+        raise DataError(f"cannot read {path} ({e.strerror or e})") from None
+
+
 def open_shard_lines(path: Path):
     """Yield the raw byte lines of a .jsonl or .jsonl.zst file. A .zst that does not decompress or is truncated is a
     DataError naming the file."""
     if path.name.endswith(".zst"):
         yield from _zst_lines(path)
     else:
-        with open(path, "rb") as fh:
+        with open_data_file(path) as fh:
             yield from fh
 
 
@@ -259,8 +267,10 @@ def iter_jsonl_docs(path: Path, stats: SkipStats, exclude_sets=()):
 
 def iter_file_doc(path: Path, stats: SkipStats):
     """One whole text file as one document (the standard-library corpus)."""
+    with open_data_file(path) as fh:
+        raw = fh.read()
     try:
-        yield path.read_bytes().decode("utf-8")
+        yield raw.decode("utf-8")
     except UnicodeDecodeError:
         stats.add("undecodable bytes", str(path))
 

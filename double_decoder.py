@@ -60,6 +60,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import kernels
+from cli import number
 from model import (IGNORE, ArchSpec, Attention, Block, GPT, GPTConfig, KVCache, Linear, apply_rotary,
                    check, describe, init_weights, kv_bytes, lm_loss, make_norm, run_cached)
 
@@ -104,7 +105,7 @@ class DoubleConfig(GPTConfig):
         need(self.attn_impl in ("auto", "dense", "flex"), f"attn_impl={self.attn_impl!r} is not auto, dense or flex")
         need(self.init in ("gpt2", "xavier"), f"init={self.init!r} is not 'gpt2' or 'xavier'")
         need(self.latent_norm in ("rms", "layer"), f"latent_norm={self.latent_norm!r} is not 'rms' or 'layer'")
-        need(self.ctx_lr > 0, f"ctx_lr={self.ctx_lr} must be > 0")
+        need(0 < self.ctx_lr < math.inf, f"ctx_lr={self.ctx_lr} must be a finite number > 0")
         super().validate()
 
 
@@ -608,7 +609,7 @@ def add_args(ap: argparse.ArgumentParser):
                    help="double: weight init (gpt2: model.init_weights per stack; xavier: the paper's, gain sqrt 2)")
     g.add_argument("--latent-norm", choices=["rms", "layer"], default=None,
                    help="double: the context decoder's final norm (rms: as every other norm; layer: LayerNorm + bias)")
-    g.add_argument("--ctx-lr", type=float, default=None,
+    g.add_argument("--ctx-lr", type=number(float, above=0), default=None,
                    help="double: the context decoder's learning rate as a multiple of --lr (default 0.25; 1: the "
                         "paper's)")
     g.add_argument("--dd-attn", choices=["auto", "dense", "flex"], default=None,

@@ -47,7 +47,8 @@ import block_transformer as bt
 import double_decoder as dd
 import recursive
 from checkpoint import load_checkpoint, load_source_model, model_from_checkpoint, tokenizer_from_spec
-from cli import ArgumentParser, UsageError, comma_list, number, one_of, run_cli, run_subcommand, user_input
+from cli import (ArgumentParser, UsageError, comma_list, number, one_of, path_arg, run_cli, run_subcommand, seed_arg,
+                 threads_arg, user_input)
 from data import TokenData, is_gguf_source, is_hf_source, prepare_corpus, step_generator
 from model import IGNORE, pick_device
 from svd_lora import max_ranks, residual_energy
@@ -316,7 +317,7 @@ def eval_block_targets(args):
     n_shared, n_all = 0, 0
     for i, (x, y) in enumerate(val_windows(ck0, tok0, args.eval_batches, args.eval_batch_size, args.seq_len,
                                            args.seed, "cpu")):
-        gen = torch.Generator().manual_seed(args.seed + i)
+        gen = torch.Generator().manual_seed((args.seed + i) % 2 ** 64)  # what torch takes
         if cfg.random_pad and cfg.eot_id is not None:
             x2, y2, src = bt.random_pad_documents(x, y, gen, cfg.block_len, cfg.pad, cfg.eot_id, return_source=True)
         else:
@@ -362,10 +363,10 @@ def build_parser():
 
     def machine(p):
         p.add_argument("--device", default="auto", help="cpu | cuda | mps | auto")
-        p.add_argument("--threads", type=pos, default=None, help="CPU threads (default: torch's)")
+        p.add_argument("--threads", type=threads_arg, default=None, help="CPU threads (default: torch's)")
 
     p = sub.add_parser("exits", help="early exit of a recursive/relaxed checkpoint: per loop, oracle, threshold curve")
-    p.add_argument("--ckpt", required=True, help="a recursive/relaxed checkpoint written by train.py")
+    p.add_argument("--ckpt", type=path_arg, required=True, help="a recursive/relaxed checkpoint written by train.py")
     p.add_argument("--thresholds", type=comma_list(number(float, min=0, max=1)), default="0.3,0.5,0.7,0.8,0.9,0.95",
                    help="comma list of thresholds of the softmax and gate rules (probabilities, in [0, 1])")
     p.add_argument("--saturation-thresholds", type=comma_list(number(float, min=-1, max=1)),
@@ -376,13 +377,13 @@ def build_parser():
     p.add_argument("--batches", type=pos, default=4, help="validation batches")
     p.add_argument("--batch-size", type=pos, default=8, help="windows per batch")
     p.add_argument("--seq-len", type=two, default=256, help="tokens per window (>= 2)")
-    p.add_argument("--seed", type=nonneg, default=1337, help="seeds the windows")
+    p.add_argument("--seed", type=seed_arg, default=1337, help="seeds the windows")
     machine(p)
     p.set_defaults(fn=eval_exits)
 
     p = sub.add_parser("loss", help="loss of one model (a checkpoint, or a pretrained one as loaded or converted) on "
                                     "the first --tokens of a validation split")
-    p.add_argument("--model", required=True, help="train.py checkpoint, hf:DIR, gguf:PATH or smollm2-135m")
+    p.add_argument("--model", type=path_arg, required=True, help="train.py checkpoint, hf:DIR, gguf:PATH or smollm2-135m")
     p.add_argument("--arch", default=None, choices=["vanilla", "recursive", "relaxed"],
                    help="pretrained source: convert to this architecture first (no training)")
     p.add_argument("--loops", type=number(int, min=2), default=None, help="B of the conversion (default 2)")
@@ -391,31 +392,32 @@ def build_parser():
                                                                         "'full' (the relaxed model is the source)")
     p.add_argument("--keep-layers", default=None, metavar="SPEC", help="pretrained source: keep only these layers "
                                                                        "(stepwise:K, lower:K, a comma list)")
-    p.add_argument("--data", default="stdlib", help="corpus whose validation split is evaluated (train.py's --data)")
-    p.add_argument("--cache-dir", default="data_cache", help="token cache directory")
+    p.add_argument("--data", type=path_arg, default="stdlib",
+                   help="corpus whose validation split is evaluated (train.py's --data)")
+    p.add_argument("--cache-dir", type=path_arg, default="data_cache", help="token cache directory")
     p.add_argument("--tokens", type=number(int, min=2), default=51200, help="evaluated tokens (the first of the split)")
     p.add_argument("--seq-len", type=two, default=512, help="tokens per window")
     p.add_argument("--batch-size", type=pos, default=4, help="windows per forward pass")
-    p.add_argument("--results", default=None, help="append the row as one JSON line to this file")
+    p.add_argument("--results", type=path_arg, default=None, help="append the row as one JSON line to this file")
     machine(p)
     p.set_defaults(fn=eval_loss)
 
     p = sub.add_parser("energy", help="residual energy a rank-r SVD captures when relaxing a vanilla checkpoint")
-    p.add_argument("--ckpt", required=True, help="a vanilla checkpoint written by train.py")
+    p.add_argument("--ckpt", type=path_arg, required=True, help="a vanilla checkpoint written by train.py")
     p.add_argument("--loops", type=number(int, min=2), default=2, help="number of loops B (>= 2: one loop has no "
                                                                          "residual)")
     p.add_argument("--init", default="average", choices=["stepwise", "average", "lower"], help="tying strategy")
     p.add_argument("--ranks", type=comma_list(pos), default="4,8,16,32,64,128", help="comma-separated ranks")
-    p.add_argument("--threads", type=pos, default=None, help="CPU threads (default: torch's)")
+    p.add_argument("--threads", type=threads_arg, default=None, help="CPU threads (default: torch's)")
     p.set_defaults(fn=eval_energy)
 
     p = sub.add_parser("double-eval", help="validation losses of double and decoder-only checkpoints on the same "
                                            "windows (native and prefix-LM suffix); --sample: generations")
-    p.add_argument("ckpt", nargs="+", metavar="CKPT", help="train.py checkpoints (double, vanilla); the first is "
-                                                           "the reference of the paired differences")
+    p.add_argument("ckpt", type=path_arg, nargs="+", metavar="CKPT",
+                   help="train.py checkpoints (double, vanilla); the first is the reference of the paired differences")
     p.add_argument("--batches", type=pos, default=50, help="validation batches")
     p.add_argument("--batch-size", type=pos, default=16, help="sequences per batch")
-    p.add_argument("--seed", type=nonneg, default=1337, help="seeds the windows, the splits and the samples")
+    p.add_argument("--seed", type=seed_arg, default=1337, help="seeds the windows, the splits and the samples")
     p.add_argument("--sample", default=None, metavar="PROMPT", help="instead: generate from each checkpoint")
     p.add_argument("--new-tokens", type=pos, default=128, help="--sample: generated tokens")
     p.add_argument("--rollover", type=pos, default=None, help="--sample: the double decoder folds its block into the "
@@ -427,12 +429,12 @@ def build_parser():
 
     p = sub.add_parser("block", help="validation loss of Block Transformer and vanilla checkpoints on the block "
                                      "model's targets")
-    p.add_argument("--eval", nargs="+", required=True, metavar="CKPT",
+    p.add_argument("--eval", type=path_arg, nargs="+", required=True, metavar="CKPT",
                    help="block and vanilla checkpoints (at least one Block Transformer: its targets are evaluated)")
     p.add_argument("--eval-batches", type=pos, default=20, help="validation batches")
     p.add_argument("--eval-batch-size", type=pos, default=16, help="windows per batch")
     p.add_argument("--seq-len", type=pos, default=256, help="tokens per window (a multiple of L_B)")
-    p.add_argument("--seed", type=nonneg, default=1337, help="seeds the windows and the padding layout")
+    p.add_argument("--seed", type=seed_arg, default=1337, help="seeds the windows and the padding layout")
     machine(p)
     p.set_defaults(fn=eval_block_targets)
     return ap

@@ -42,7 +42,7 @@ from typing import Callable
 
 import torch
 
-from cli import DTYPES, ArgumentParser, UsageError, check_device, number, run_cli, user_input
+from cli import DTYPES, ArgumentParser, UsageError, check_device, number, path_arg, run_cli, user_input
 from model import GPT, GPTConfig, RotaryEmbedding, pick_device, pick_dtype
 
 HF_FAMILIES = ("llama", "gemma", "gpt_neox")
@@ -594,8 +594,9 @@ def hf_tokenizer(path):
 def generate(argv=None):
     """python hf.py DIR --prompt "...": load a checkpoint and print a greedy continuation (a sanity check)."""
     ap = ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("dir", help="local Hugging Face checkpoint directory, or gguf:PATH (a GGUF file; gguf:smollm2-135m "
-                                "is the packaged SmolLM2-135M)")
+    ap.add_argument("dir", type=path_arg,
+                    help="local Hugging Face checkpoint directory, or gguf:PATH (a GGUF file; gguf:smollm2-135m "
+                         "is the packaged SmolLM2-135M)")
     ap.add_argument("--prompt", default="The capital of France is", help="prompt text")
     ap.add_argument("--max-new-tokens", type=number(int, min=1), default=20, help="tokens to generate")
     ap.add_argument("--device", default="auto", help="cpu | cuda | mps | auto")

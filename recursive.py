@@ -56,6 +56,7 @@ Run:
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import asdict, dataclass, fields, replace
 
 import torch
@@ -111,7 +112,7 @@ class RecursiveConfig(GPTConfig):
             need(r <= top[c], f"lora_rank_{c}={r} exceeds min(out, in) = {top[c]} of the {c} projections "
                               f"(full rank); use --lora-rank-{c} {top[c]} or less")
         need(self.exit_loss in EXIT_LOSSES, f"exit_loss={self.exit_loss!r} is not one of {EXIT_LOSSES}")
-        need(self.exit_coef >= 0, f"exit_coef={self.exit_coef} must be >= 0")
+        need(0 <= self.exit_coef < math.inf, f"exit_coef={self.exit_coef} must be a finite number >= 0")
         need(not self.self_distill or self.exit_loss != "none",
              "self_distill needs an exit loss (weighted or aggressive) to weight the intermediate terms")
         need(self.exit_threshold is None or self.exit_threshold > 0, f"exit_threshold={self.exit_threshold} must "
@@ -674,12 +675,12 @@ def add_args(ap: argparse.ArgumentParser):
     g.add_argument("--lora-init", default=None, choices=["svd", "zero"],
                    help="relaxed conversion: truncated-SVD init (eq. 4, default) or standard zero init")
     g.add_argument("--exit-loss", default=None, choices=EXIT_LOSSES, help="early-exit training loss (section 3.7)")
-    g.add_argument("--exit-coef", type=float, default=None, help="intermediate-loop coefficient of --exit-loss "
-                                                                 "aggressive (default 0.1)")
+    g.add_argument("--exit-coef", type=number(float, min=0), default=None,
+                   help="intermediate-loop coefficient of --exit-loss aggressive (default 0.1)")
     g.add_argument("--self-distill", action="store_true", default=None,
                    help="KD from the detached final-loop logits into the intermediate ones")
-    g.add_argument("--exit-threshold", type=float, default=None,
-                   help="confidence threshold for early exit in generate (default: none)")
+    g.add_argument("--exit-threshold", type=number(float, above=0, max=1), default=None,
+                   help="confidence threshold in (0, 1] for early exit in generate (default: none)")
     g.add_argument("--exit-gate", action="store_true", default=None,
                    help="train a learned exit gate (one linear classifier per non-final loop, detached inputs)")
     g.add_argument("--exit-rule", default=None, choices=EXIT_RULES,

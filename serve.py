@@ -73,12 +73,14 @@ import json
 import math
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 import cpu_tuning
 from checkpoint import load_checkpoint, load_source_model, model_from_checkpoint, tokenizer_from_spec
-from cli import DTYPES, ArgumentParser, UsageError, available_memory, check_device, number, run_cli, user_input
+from cli import (DTYPES, ArgumentParser, UsageError, available_memory, check_device, check_writable_dir, number,
+                 path_arg, run_cli, seed_arg, user_input)
 from data import Tokenizer
 from model import GPT, PRESETS, GPTConfig, param_bytes, pick_device, pick_dtype, sample_next, sync
 from recursive import RecursiveGPT, from_vanilla
@@ -769,9 +771,11 @@ def build_parser():
     g.add_argument("--preset", default="base", choices=sorted(PRESETS),
                    help="model.py preset of the random-weight models (default base: 125M, where weight reads dominate "
                         "a decode step and depth-wise batching pays; tiny is per-operator overhead)")
-    g.add_argument("--ckpt", default=None, help="recursive/relaxed checkpoint (train.py) for the depth-wise server")
-    g.add_argument("--vanilla-ckpt", default=None, help="vanilla checkpoint for the vanilla baselines, or a pretrained "
-                                                        "model: hf:DIR, gguf:PATH, smollm2-135m")
+    g.add_argument("--ckpt", type=path_arg, default=None,
+                   help="recursive/relaxed checkpoint (train.py) for the depth-wise server")
+    g.add_argument("--vanilla-ckpt", type=path_arg, default=None,
+                   help="vanilla checkpoint for the vanilla baselines, or a pretrained model: hf:DIR, gguf:PATH, "
+                        "smollm2-135m")
     g.add_argument("--context", type=pos, default=None,
                    help="KV positions per slot (default: the model's context; cap a pretrained model's 8k with it)")
     g.add_argument("--loops", type=pos, default=2, help="B of the random-weight recursive models")
@@ -786,9 +790,9 @@ def build_parser():
     g.add_argument("--prompts", default="synthetic", choices=["synthetic", "corpus", "chat"],
                    help="prompt token source: random ids, validation corpus windows, or those windows as a chat "
                         "question in the tokenizer's chat template (a GGUF file's)")
-    g.add_argument("--requests-file", default=None, help="JSONL requests (overrides --prompts)")
-    g.add_argument("--data", default="stdlib", help="--prompts corpus: train.py corpus")
-    g.add_argument("--cache-dir", default="data_cache", help="--prompts corpus: token cache directory")
+    g.add_argument("--requests-file", type=path_arg, default=None, help="JSONL requests (overrides --prompts)")
+    g.add_argument("--data", type=path_arg, default="stdlib", help="--prompts corpus: train.py corpus")
+    g.add_argument("--cache-dir", type=path_arg, default="data_cache", help="--prompts corpus: token cache directory")
     g.add_argument("--prompt-len", type=length_range, default="8:48", help="prompt lengths, 'a:b' uniform or 'a'")
     g.add_argument("--gen-len", type=length_range, default="8:32", help="max_new_tokens, 'a:b' uniform or 'a'")
     g.add_argument("--arrival", default="all", choices=["all", "poisson"], help="arrival process")
@@ -813,7 +817,7 @@ def build_parser():
                    help="device peak bandwidth in GB/s (default: known GPUs)")
     g = ap.add_argument_group("output")
     g.add_argument("--json", action="store_true", help="print one JSON line with every result at the end")
-    g.add_argument("--seed", type=nonneg, default=1337)
+    g.add_argument("--seed", type=seed_arg, default=1337)
     return ap
 
 
@@ -822,6 +826,8 @@ def check_args(args):
     if args.exit_rate > 1:
         raise UsageError(f"--exit-rate {args.exit_rate} is a share of tokens: it must be in (0, 1]")
     check_device(args.device)
+    if args.prompts in ("corpus", "chat") and not args.requests_file:  # the corpus is tokenized into it
+        check_writable_dir(Path(args.cache_dir), "--cache-dir")
 
 
 def check_lengths_fit(args, vanilla, rec):

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cli import UsageError
+from cli import UsageError, one_line
 from data import TokenData, prepare_corpus, step_generator
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -67,7 +67,7 @@ class Request:
 
 def request_generator(seed: int, rid: int, device="cpu") -> torch.Generator:
     """The sampling generator of request rid: outputs do not depend on the schedule."""
-    return torch.Generator(device=device).manual_seed(seed * 1_000_003 + rid)
+    return torch.Generator(device=device).manual_seed((seed * 1_000_003 + rid) % 2 ** 64)  # what torch takes
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -234,8 +234,9 @@ def jsonl_requests(path, tok=None, default_gen=32, arrival="all", rate=10.0, see
             if not 0 <= t <= MAX_ARRIVAL_S:  # NaN too: it would never arrive
                 raise ValueError(f"arrival {d['arrival']!r} must be a time in [0, {MAX_ARRIVAL_S:g}] seconds")
             r.arrival = t
-        except (ValueError, TypeError) as e:
-            r.invalid = f"bad request line {lineno} of {path}: {e}"
+        except Exception as e:  # anything one line raises (a RecursionError from JSON nested too deep) is its own
+            why = e if isinstance(e, (ValueError, TypeError)) else f"{type(e).__name__}: {one_line(e)}"
+            r.invalid = f"bad request line {lineno} of {path}: {why}"
         reqs.append(r)
     return reqs
 

@@ -11,6 +11,9 @@ one such task offline, seeded, as train.py's data:
     python tasks.py depth --seeds 0,1,2          # RESULTS.md's Depth table: every architecture on the task
     python tasks.py table                        # the table again, from out/depth/results.jsonl
 
+Its command line keeps the contract of every command here (cli.py): a mistake is one line `error: ...` and exit code 2,
+found before the first run starts.
+
 Dense p-hop induction (Saunshi et al., section 2, made dense: every position is a question):
   a marker token names p, then `length` symbols from an alphabet of `alphabet`. For symbol position j (0-based among
   the symbols) hop(j) = 1 + k where k is the last symbol position before j holding the same symbol (undefined if the
@@ -30,6 +33,7 @@ model's forward(idx, targets) unchanged.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import statistics
@@ -40,6 +44,8 @@ from pathlib import Path
 
 import torch
 
+from cli import (ArgumentParser, Stopped, UsageError, check_writable_dir, comma_list, number, path_arg, run_cli,
+                 run_subcommand, seed_arg)
 from model import IGNORE
 
 MAX_P = 8  # markers in the vocabulary: a checkpoint trained on p <= 4 can be evaluated at p up to 8
@@ -48,15 +54,25 @@ MAX_P = 8  # markers in the vocabulary: a checkpoint trained on p <= 4 can be ev
 def parse_hops(text: str) -> tuple[int, ...]:
     """'1-4' -> (1, 2, 3, 4); '2,4' -> (2, 4)."""
     out = []
-    try:
-        for part in text.split(","):
-            lo, _, hi = part.partition("-")
-            out += range(int(lo), int(hi or lo) + 1)
-    except ValueError:
-        raise ValueError(f"--task-p {text!r}: expected numbers and ranges such as 1-4 or 2,4") from None
-    if not out or min(out) < 1 or max(out) > MAX_P:
-        raise ValueError(f"--task-p {text!r}: hops must lie in 1..{MAX_P}")
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        try:
+            lo, hi = int(lo), int(hi or lo)
+        except ValueError:
+            raise ValueError(f"--task-p {text!r}: expected numbers and ranges such as 1-4 or 2,4") from None
+        if not 1 <= lo <= hi <= MAX_P:  # checked before a range is expanded
+            raise ValueError(f"--task-p {text!r}: hops must lie in 1..{MAX_P}, ranges going up")
+        out += range(lo, hi + 1)
     return tuple(sorted(set(out)))
+
+
+def hops_arg(text: str) -> str:
+    """argparse type of --task-p: parse_hops must read it (the text is kept)."""
+    try:
+        parse_hops(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--task-p ")) from None
+    return text
 
 
 def previous_occurrence(sym: torch.Tensor) -> torch.Tensor:
@@ -200,12 +216,16 @@ def task_from_args(args) -> PHopTask:
     return PHopTask(parse_hops(args.task_p), args.task_alphabet, args.task_length, args.task_pause)
 
 
+TASK_FLAGS = ("task_p", "task_alphabet", "task_length", "task_pause")  # read only with --data task:...
+
+
 def add_args(ap):
     g = ap.add_argument_group("synthetic task (--data task:phop)")
-    g.add_argument("--task-p", default="1-4", help="hops p of dense p-hop induction: a range 1-4 or a list 2,4")
-    g.add_argument("--task-alphabet", type=int, default=4, help="symbols in the alphabet")
-    g.add_argument("--task-length", type=int, default=48, help="symbols per sequence")
-    g.add_argument("--task-pause", type=int, default=0,
+    g.add_argument("--task-p", type=hops_arg, default="1-4",
+                   help="hops p of dense p-hop induction: a range 1-4 or a list 2,4")
+    g.add_argument("--task-alphabet", type=number(int, min=2), default=4, help="symbols in the alphabet")
+    g.add_argument("--task-length", type=number(int, min=2), default=48, help="symbols per sequence")
+    g.add_argument("--task-pause", type=number(int, min=0), default=0,
                    help="filler tokens after every symbol; the label sits on the last (0: on the symbol)")
 
 
@@ -217,7 +237,10 @@ class TaskTokenizer:
         self.task = task_from_spec(spec)
         self.n_vocab = self.task.n_vocab
         self.eot = None  # no documents: nothing to separate
-        self.names = self.task.token_names()
+
+    @functools.cached_property
+    def names(self) -> list[str]:  # built when first read: a huge alphabet is refused (train.py) before
+        return self.task.token_names()
 
     def encode(self, text: str) -> list[int]:
         ids = {s: i for i, s in enumerate(self.names)}
@@ -269,30 +292,37 @@ DEPTH_ROWS = {
 }
 
 
-def depth(argv=None):
-    ap = argparse.ArgumentParser(description="RESULTS.md's Depth table: each row trained on p-hop for each seed.")
-    ap.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
-    ap.add_argument("--rows", default=",".join(DEPTH_ROWS), help="comma-separated rows of the table")
-    ap.add_argument("--out", default="out/depth", help="checkpoints go to OUT/ROW-sSEED; results to OUT/results.jsonl")
-    ap.add_argument("--extra", default="", help="flags appended to every run (e.g. '--max-iters 200')")
-    args = ap.parse_args(argv)
-    rows = [r for r in args.rows.split(",") if r]
+def depth(args):
+    """Every row of --rows for every seed of --seeds, one train.py run each, appended to OUT/results.jsonl. The rows,
+    the seeds, --out and every row's --init-from source are checked before the first run starts; a run that refuses
+    its flags (--extra) says so itself, in one line, before it trains."""
+    rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+    if not rows:
+        raise UsageError(f"--rows {args.rows!r} names no row; known: {', '.join(DEPTH_ROWS)}")
     unknown = [r for r in rows if r not in DEPTH_ROWS]
     if unknown:
-        raise SystemExit(f"error: unknown rows {unknown}; known: {list(DEPTH_ROWS)}")
+        raise UsageError(f"--rows: unknown rows {unknown}; known: {', '.join(DEPTH_ROWS)}")
     seeds = [int(s) for s in args.seeds.split(",")]
-    results = {}
-    for row in rows:
+    runs = []
+    for i, row in enumerate(rows):
         flags, parent = DEPTH_ROWS[row]
         for seed in seeds:
             out = f"{args.out}/{slug(row)}-s{seed}"
             argv_row = flags + DEPTH_RECIPE + ["--seed", str(seed), "--out-dir", out] + args.extra.split()
             if parent is not None:
-                argv_row += ["--init-from", f"{args.out}/{slug(parent)}-s{seed}/ckpt.pt"]
-            acc = run_train(argv_row)
-            results.setdefault(row, []).append(acc)
-            with open(f"{args.out}/results.jsonl", "a") as f:
-                f.write(json.dumps({"row": row, "seed": seed, "argv": argv_row, "acc": acc}) + "\n")
+                src = f"{args.out}/{slug(parent)}-s{seed}/ckpt.pt"
+                if parent not in rows[:i] and not Path(src).is_file():
+                    raise UsageError(f"row {row!r} starts from {parent!r}, and {src} does not exist: put {parent} "
+                                     f"before it in --rows, or run it first")
+                argv_row += ["--init-from", src]
+            runs.append((row, seed, argv_row))
+    check_writable_dir(Path(args.out), "--out")
+    results = {}
+    for row, seed, argv_row in runs:
+        acc = run_train(argv_row)
+        results.setdefault(row, []).append(acc)
+        with open(f"{args.out}/results.jsonl", "a") as f:
+            f.write(json.dumps({"row": row, "seed": seed, "argv": argv_row, "acc": acc}) + "\n")
     print(depth_table(results))
 
 
@@ -307,23 +337,55 @@ def run_train(argv: list[str]) -> dict[int, float]:
         print(line, end="", flush=True)
         if line.startswith("val step") and " acc " in line:
             acc = {int(q): float(v) for q, v in re.findall(r"p(\d+) ([\d.]+)", line.split(" acc ", 1)[1])}
-    if proc.wait() != 0 or acc is None:
-        raise SystemExit(f"error: the run failed (exit code {proc.returncode}): python train.py {' '.join(argv)}")
+    code = proc.wait()
+    if code == 2:  # train.py refused a flag or an input: its one `error: ...` line (just above) is the error
+        raise SystemExit(2)
+    if code == 130:
+        raise Stopped(f"the run was stopped: python train.py {' '.join(argv)}; continue it with --resume")
+    if code != 0 or acc is None:
+        raise UsageError(f"the run failed (exit code {code}): python train.py {' '.join(argv)}")
     return acc
 
 
-def table(argv=None):
-    ap = argparse.ArgumentParser(description="The Depth table from the results a `depth` run appended.")
-    ap.add_argument("--results", default="out/depth/results.jsonl")
-    args = ap.parse_args(argv)
-    results = {}
-    with open(args.results) as f:
-        for line in f:
-            r = json.loads(line)
-            results.setdefault(r["row"], {})[r["seed"]] = r["acc"]  # a rerun of a seed replaces it
+def table(args):
+    results = read_results(args.results)
     order = [r for r in DEPTH_ROWS if r in results] + [r for r in results if r not in DEPTH_ROWS]
     print(depth_table({r: list(results[r].values()) for r in order}))
     print("seeds: " + "; ".join(f"{r}: {sorted(results[r])}" for r in order))
+
+
+def read_results(path) -> dict[str, dict[int, dict]]:
+    """The lines `depth` appended to a results file -> {row: {seed: {p: accuracy}}} (a rerun of a seed replaces it).
+    A file that cannot be read, a line that is not such a record, or no record at all is a UsageError naming it."""
+    try:
+        with open(path, "rb") as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        raise UsageError(f"--results {path} does not exist (python tasks.py depth writes it)") from None
+    except IsADirectoryError:
+        raise UsageError(f"--results {path} is a directory, not a results file") from None
+    except OSError as e:
+        raise UsageError(f"--results {path}: cannot read it ({e.strerror or e})") from None
+    results = {}
+    for n, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            r = json.loads(raw.decode("utf-8"))
+        except Exception as e:  # not UTF-8, not JSON, nested too deep for the parser (RecursionError)
+            raise UsageError(f"--results {path} line {n} is not a JSON line ({type(e).__name__})") from None
+        acc = r.get("acc") if isinstance(r, dict) else None
+        seed = r.get("seed") if isinstance(r, dict) else None
+        if not (isinstance(r, dict) and isinstance(r.get("row"), str) and isinstance(seed, int) and not isinstance(seed, bool)
+                and isinstance(acc, dict) and acc and all(str(k).isdigit() for k in acc)
+                and all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1
+                        for v in acc.values())):
+            raise UsageError(f"--results {path} line {n} is not a result of tasks.py depth ({{\"row\": ..., "
+                             f"\"seed\": ..., \"acc\": {{p: accuracy in [0, 1]}}}})")
+        results.setdefault(r["row"], {})[r["seed"]] = acc
+    if not results:
+        raise UsageError(f"--results {path} holds no results")
+    return results
 
 
 def slug(row: str) -> str:
@@ -337,28 +399,57 @@ def depth_table(results: dict) -> str:
     for row, runs in results.items():
         cells = []
         for q in ps:
-            v = [acc[str(q)] if str(q) in acc else acc[q] for acc in runs]
-            cells.append(f"{statistics.mean(v):.3f} ± {(max(v) - min(v)) / 2:.3f}")
+            v = [acc[str(q)] if str(q) in acc else acc[q] for acc in runs if str(q) in acc or q in acc]
+            cells.append(f"{statistics.mean(v):.3f} ± {(max(v) - min(v)) / 2:.3f}" if v else "-")
         lines.append(f"| {row} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def show(argv=None):
-    ap = argparse.ArgumentParser(description="Print task sequences with their labels.")
-    add_args(ap)
-    ap.add_argument("--n", type=int, default=2, help="sequences")
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
+SHOW_MAX_TOKENS = 1_000_000  # `show` prints its sequences: more is a mistake, not a request
+
+
+def show(args):
     args.data = "task:phop"
     task = task_from_args(args)
+    if args.n * task.seq_len > SHOW_MAX_TOKENS:
+        raise UsageError(f"--n {args.n} sequences of {task.seq_len} tokens is more than the {SHOW_MAX_TOKENS:,} "
+                         f"tokens show prints; ask for fewer or shorter sequences")
     x, y = task.batch(args.n, torch.Generator().manual_seed(args.seed))
     for i in range(args.n):
         print(f"p = {int(task.hops_of(x)[i])}:\n{task.show(x[i], y[i])}\n")
 
 
+def build_parser():
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    sub = ap.add_subparsers(dest="what", required=True)
+    p = sub.add_parser("show", help="print task sequences with their labels")
+    add_args(p)
+    p.add_argument("--n", type=number(int, min=1), default=2, help="sequences")
+    p.add_argument("--seed", type=seed_arg, default=0)
+    p.set_defaults(fn=show)
+
+    p = sub.add_parser("depth", help="RESULTS.md's Depth table: each row trained on p-hop for each seed")
+    p.add_argument("--seeds", type=comma_list(seed_arg), default="0,1,2", help="comma-separated seeds")
+    p.add_argument("--rows", default=",".join(DEPTH_ROWS), help="comma-separated rows of the table")
+    p.add_argument("--out", type=path_arg, default="out/depth",
+                   help="checkpoints go to OUT/ROW-sSEED; results to OUT/results.jsonl")
+    p.add_argument("--extra", default="", help="flags appended to every run (e.g. '--max-iters 200')")
+    p.set_defaults(fn=depth)
+
+    p = sub.add_parser("table", help="the Depth table from the results a `depth` run appended")
+    p.add_argument("--results", type=path_arg, default="out/depth/results.jsonl")
+    p.set_defaults(fn=table)
+    return ap
+
+
+def run(argv=None):
+    return run_subcommand(build_parser(), argv)
+
+
+def main(argv=None):
+    """The command: a mistake (a flag, a file) is one line `error: ...` and exit code 2 (cli.run_cli)."""
+    return run_cli(run, argv)
+
+
 if __name__ == "__main__":
-    cmd = sys.argv[1] if len(sys.argv) > 1 else ""
-    commands = {"show": show, "depth": depth, "table": table}
-    if cmd not in commands:
-        raise SystemExit("usage: python tasks.py show|depth|table [flags]  (--help after the subcommand)")
-    commands[cmd](sys.argv[2:])
+    main()

