@@ -195,6 +195,80 @@ def nanogpt_model(path: str, cfg: GPTConfig, seq_len: int):
     return mod.GPT(conf)
 
 
+# --profile of `train`: where one training step's time goes, by operator group. Forward operators are grouped by the
+# module they run in (hooks open a profiler range per norm, attention and MLP module); a backward operator belongs to
+# the module of the forward operator that made its autograd node (the profiler gives both the same sequence number).
+TRAIN_GROUPS = (  # (group, test on (operator name, names of its enclosing ranges, module scope)), first match wins
+    ("matmul (every linear, fwd + bwd)", lambda op, up, scope: op in ("aten::mm", "aten::addmm", "aten::bmm")),
+    ("attention kernel (SDPA fwd + bwd)", lambda op, up, scope: any("scaled_dot_product" in n for n in (op, *up))),
+    ("loss over the vocabulary", lambda op, up, scope: any("log_softmax" in n or "nll_loss" in n for n in (op, *up))),
+    ("AdamW step", lambda op, up, scope: any(n.startswith("Optimizer.step") for n in up)),
+    ("zero_grad", lambda op, up, scope: any(n.startswith("Optimizer.zero_grad") for n in up)),
+    ("dtype casts", lambda op, up, scope: any(n in ("aten::_to_copy", "aten::to") for n in (op, *up))),
+    ("norms", lambda op, up, scope: scope == "norm"),
+    ("attention: RoPE, head reshapes", lambda op, up, scope: scope == "attention"),
+    ("MLP activation and product", lambda op, up, scope: scope == "mlp"),
+    ("embedding", lambda op, up, scope: any("embedding" in n for n in (op, *up))),
+    ("other (residual adds, grad accumulation)", lambda op, up, scope: True),
+)
+
+
+def module_scope(module) -> str | None:
+    """The profile scope of a module of either model: norm, attention or mlp (by class name), else None."""
+    name = type(module).__name__
+    return "norm" if "Norm" in name else "attention" if "Attention" in name else "mlp" if name == "MLP" else None
+
+
+def profile_train_step(model, step, n_steps: int = 2) -> dict[str, float]:
+    """Run step() n_steps times under torch.profiler -> {operator group (TRAIN_GROUPS): ms per step}, plus "total"."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    open_ranges, hooks = [], []
+    for m in model.modules():
+        scope = module_scope(m)
+        if scope is not None:
+            hooks.append(m.register_forward_pre_hook(
+                lambda mod, a, scope=scope: open_ranges.append(record_function(f"scope:{scope}").__enter__())))
+            hooks.append(m.register_forward_hook(lambda mod, a, out: open_ranges.pop().__exit__(None, None, None)))
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(n_steps):
+                step()
+    finally:
+        for h in hooks:
+            h.remove()
+    events = prof.events()
+    scope_of_seq = {}  # forward sequence number -> scope of the forward operator that made the autograd node
+    for e in events:
+        up = ancestors(e)
+        scope = next((n.removeprefix("scope:") for n in up if n.startswith("scope:")), None)
+        if scope is not None and e.sequence_nr >= 0 and not e.name.startswith("autograd::"):
+            scope_of_seq.setdefault(e.sequence_nr, scope)
+    out = dict.fromkeys([g for g, _ in TRAIN_GROUPS], 0.0)
+    for e in events:
+        up = ancestors(e)
+        scope = next((n.removeprefix("scope:") for n in up if n.startswith("scope:")), None)
+        if scope is None:  # backward: the scope of the forward operator of the nearest autograd node above
+            node = next((a for a in [e, *ancestor_events(e)] if a.name.startswith("autograd::engine::")), None)
+            scope = scope_of_seq.get(node.sequence_nr) if node is not None else None
+        group = next(g for g, test in TRAIN_GROUPS if test(e.name, up, scope))
+        out[group] += e.self_cpu_time_total / 1e3 / n_steps
+    out["total"] = sum(out.values())
+    return out
+
+
+def ancestor_events(e) -> list:
+    out, p = [], e.cpu_parent
+    while p is not None:
+        out.append(p)
+        p = p.cpu_parent
+    return out
+
+
+def ancestors(e) -> list[str]:
+    return [a.name for a in ancestor_events(e)]
+
+
 def bench_train(args):
     device = pick_device(args.device)
     cfg = GPTConfig.from_preset(args.preset, max_seq_len=args.seq_len)
@@ -226,6 +300,11 @@ def bench_train(args):
            f"{cfg.n_embd}, heads {cfg.n_head}) batch {B} x {T} | params " + ", ".join(
                f"{k} {v / 1e6:.2f}M" for k, v in n_params.items()))
     res = rounds(steps, args.repeats, device, warmup=2)
+    if args.profile:  # after the timed rounds: one profiled pair of steps per model, ms per step by operator group
+        prof = {name: profile_train_step(models[name], fn) for name, fn in steps.items()}
+        print("   profile, ms per step (self time of the operators, 2 steps each): " + ", ".join(prof))
+        for group in prof["ours"]:
+            print(f"      {group:42s} " + "  ".join(f"{p[group]:8.1f}" for p in prof.values()))
     for name, ts in res.items():
         print(f"   {name:8s} {spread([B * T / t for t in ts], fmt='.0f')} tok/s")
     if "nanoGPT" in res:
@@ -1027,6 +1106,8 @@ def build_parser():
     p.add_argument("--no-fused-adamw", dest="fused_adamw", action="store_false", help="plain AdamW for ours on CPU")
     p.add_argument("--compile", action="store_true", help="torch.compile both models (the warm-up covers it)")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="float32 | bfloat16 (autocast, both models)")
+    p.add_argument("--profile", action="store_true", help="after the timed rounds, profile two steps of each model: "
+                   "ms per step by operator group (matmuls, attention, loss, AdamW, norms, RoPE, MLP, casts, ...)")
     p.set_defaults(fn=bench_train)
 
     p = sub.add_parser("plt", help="PLT-2 vs vanilla vs loop-2 per-token decode latency (Table 3)")
