@@ -14,12 +14,14 @@ on a CPU as on a GPU. (`--preset tiny` is for a quick check.)
 
 CPU forms. The inference benchmarks (decode, plt, double, archs, serve, block) run with cpu_tuning.py switched on: the
 linear products, attention and LoRA forms measured fastest on this CPU (decode --linear forces a product instead).
-`train` measures what train.py runs: plain PyTorch.
+`train` and `kd` measure what train.py runs: plain PyTorch.
 
 Run:
     python bench.py decode                       # vanilla decode: tok/s, bandwidth vs this machine's, vs transformers
     python bench.py decode --dtype bfloat16 --batch 1,8
     python bench.py train --nanogpt DIR          # training tok/s vs nanoGPT's model.py (a checkout you provide)
+    python bench.py train --nanogpt DIR --profile   # ... and one step of each by operator group
+    python bench.py kd --weights smollm2-135m    # KD uptraining step of SmolLM2-135M vs the same in transformers
     python bench.py archs                        # all six architectures side by side (tiny presets)
     python bench.py double --rollover 16         # double decoder vs decoder-only: TTFT, cached prefix, per token, KV
     python bench.py serve --exit-rate 0.633 --profile   # depth-wise + exit vs continuous batching; a step's parts
@@ -35,8 +37,9 @@ import math
 import os
 import statistics
 import time
-from pathlib import Path
+from dataclasses import fields
 from functools import partial
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -97,9 +100,9 @@ def read_bandwidth(device, nbytes=2 ** 30, repeats=5) -> float:
 # Vanilla decode: this repository vs transformers' LlamaForCausalLM.generate, and vs the machine's bandwidth
 
 
-def hf_llama(cfg: GPTConfig, dtype):
-    """transformers' LlamaForCausalLM with the same dims as a vanilla GPTConfig (random weights), or None when
-    transformers is not installed (it is a dev dependency)."""
+def hf_llama(cfg: GPTConfig, dtype, **kwargs):
+    """transformers' LlamaForCausalLM with the same dims as a vanilla GPTConfig (random weights; kwargs: more
+    LlamaConfig fields), or None when transformers is not installed (it is a dev dependency)."""
     try:
         from transformers import LlamaConfig, LlamaForCausalLM
     except ImportError:
@@ -107,7 +110,7 @@ def hf_llama(cfg: GPTConfig, dtype):
     hc = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd, intermediate_size=cfg.mlp_hidden,
                      num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head,
                      head_dim=cfg.hd, max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
-                     tie_word_embeddings=cfg.tie_embeddings, rope_theta=cfg.rope_theta)
+                     tie_word_embeddings=cfg.tie_embeddings, rope_theta=cfg.rope_theta, **kwargs)
     return LlamaForCausalLM(hc).to(dtype).eval()
 
 
@@ -197,7 +200,83 @@ def nanogpt_model(path: str, cfg: GPTConfig, seq_len: int):
     return mod.GPT(conf)
 
 
+# --profile of `train`: where one training step's time goes, by operator group. Forward operators are grouped by the
+# module they run in (hooks open a profiler range per norm, attention and MLP module); a backward operator belongs to
+# the module of the forward operator that made its autograd node (the profiler gives both the same sequence number).
+TRAIN_GROUPS = (  # (group, test on (operator name, names of its enclosing ranges, module scope)), first match wins
+    ("matmul (every linear, fwd + bwd)", lambda op, up, scope: op in ("aten::mm", "aten::addmm", "aten::bmm")),
+    ("attention kernel (SDPA fwd + bwd)", lambda op, up, scope: any("scaled_dot_product" in n for n in (op, *up))),
+    ("loss over the vocabulary", lambda op, up, scope: any("log_softmax" in n or "nll_loss" in n for n in (op, *up))),
+    ("AdamW step", lambda op, up, scope: any(n.startswith("Optimizer.step") for n in up)),
+    ("zero_grad", lambda op, up, scope: any(n.startswith("Optimizer.zero_grad") for n in up)),
+    ("dtype casts", lambda op, up, scope: any(n in ("aten::_to_copy", "aten::to") for n in (op, *up))),
+    ("norms", lambda op, up, scope: scope == "norm"),
+    ("attention: RoPE, head reshapes", lambda op, up, scope: scope == "attention"),
+    ("MLP activation and product", lambda op, up, scope: scope == "mlp"),
+    ("embedding", lambda op, up, scope: any("embedding" in n for n in (op, *up))),
+    ("other (residual adds, grad accumulation)", lambda op, up, scope: True),
+)
+
+
+def module_scope(module) -> str | None:
+    """The profile scope of a module of either model: norm, attention or mlp (by class name), else None."""
+    name = type(module).__name__
+    return "norm" if "Norm" in name else "attention" if "Attention" in name else "mlp" if name == "MLP" else None
+
+
+def profile_train_step(model, step, n_steps: int = 2) -> dict[str, float]:
+    """Run step() n_steps times under torch.profiler -> {operator group (TRAIN_GROUPS): ms per step}, plus "total"."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    open_ranges, hooks = [], []
+    for m in model.modules():
+        scope = module_scope(m)
+        if scope is not None:
+            hooks.append(m.register_forward_pre_hook(
+                lambda mod, a, scope=scope: open_ranges.append(record_function(f"scope:{scope}").__enter__())))
+            hooks.append(m.register_forward_hook(lambda mod, a, out: open_ranges.pop().__exit__(None, None, None)))
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(n_steps):
+                step()
+    finally:
+        for h in hooks:
+            h.remove()
+    events = prof.events()
+    scope_of_seq = {}  # forward sequence number -> scope of the forward operator that made the autograd node
+    for e in events:
+        up = ancestors(e)
+        scope = next((n.removeprefix("scope:") for n in up if n.startswith("scope:")), None)
+        if scope is not None and e.sequence_nr >= 0 and not e.name.startswith("autograd::"):
+            scope_of_seq.setdefault(e.sequence_nr, scope)
+    out = dict.fromkeys([g for g, _ in TRAIN_GROUPS], 0.0)
+    for e in events:
+        up = ancestors(e)
+        scope = next((n.removeprefix("scope:") for n in up if n.startswith("scope:")), None)
+        if scope is None:  # backward: the scope of the forward operator of the nearest autograd node above
+            node = next((a for a in [e, *ancestor_events(e)] if a.name.startswith("autograd::engine::")), None)
+            scope = scope_of_seq.get(node.sequence_nr) if node is not None else None
+        group = next(g for g, test in TRAIN_GROUPS if test(e.name, up, scope))
+        out[group] += e.self_cpu_time_total / 1e3 / n_steps
+    out["total"] = sum(out.values())
+    return out
+
+
+def ancestor_events(e) -> list:
+    out, p = [], e.cpu_parent
+    while p is not None:
+        out.append(p)
+        p = p.cpu_parent
+    return out
+
+
+def ancestors(e) -> list[str]:
+    return [a.name for a in ancestor_events(e)]
+
+
 def bench_train(args):
+    from train import make_optimizer
+
     if args.nanogpt and not (Path(args.nanogpt) / "model.py").is_file():
         raise UsageError(f"--nanogpt {args.nanogpt} is not a nanoGPT checkout (a directory with its model.py)")
     device = pick_device(args.device)
@@ -212,9 +291,12 @@ def bench_train(args):
     dtype = pick_dtype(device, args.dtype)  # bf16: autocast for both models, fp32 weights and optimizer
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     steps = {}
-    for name, m in models.items():
-        fused = device.type == "cuda" or (name == "ours" and args.fused_adamw)
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=fused) if fused else torch.optim.AdamW(m.parameters())
+    for name, m in models.items():  # ours: train.py's AdamW (fused on CPU and CUDA); nanoGPT: its own choice, fused
+        # on CUDA only (its configure_optimizers), torch's per-tensor loop on CPU
+        if name == "ours" and args.fused_adamw:
+            opt = make_optimizer(m, 1e-4, 0.1, device)
+        else:
+            opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=device.type == "cuda")
         fwd = torch.compile(m) if args.compile else m  # both models alike
 
         def step(fwd=fwd, opt=opt):
@@ -230,11 +312,121 @@ def bench_train(args):
            f"{cfg.n_embd}, heads {cfg.n_head}) batch {B} x {T} | params " + ", ".join(
                f"{k} {v / 1e6:.2f}M" for k, v in n_params.items()))
     res = rounds(steps, args.repeats, device, warmup=2)
+    if args.profile:  # after the timed rounds: one profiled pair of steps per model, ms per step by operator group
+        prof = {name: profile_train_step(models[name], fn) for name, fn in steps.items()}
+        print("   profile, ms per step (self time of the operators, 2 steps each): " + ", ".join(prof))
+        for group in prof["ours"]:
+            print(f"      {group:42s} " + "  ".join(f"{p[group]:8.1f}" for p in prof.values()))
     for name, ts in res.items():
         print(f"   {name:8s} {spread([B * T / t for t in ts], fmt='.0f')} tok/s")
     if "nanoGPT" in res:
         ratio = [b / a for a, b in zip(res["ours"], res["nanoGPT"])]
         print(f"   ours / nanoGPT = {spread(ratio, fmt='.2f')}x tokens/s (per-round ratios)")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# One knowledge-distillation step of a real model: a recursive student converted from SmolLM2-135M, the original as
+# teacher; this repository's models against the same step written with transformers' LlamaForCausalLM
+
+# SmolLM2-135M's shape (hf.gguf_config of its GGUF file gives the same), for a run without the file
+SMOLLM2_135M = dict(n_layer=30, n_head=9, n_kv_head=3, n_embd=576, mlp_hidden=1536, vocab_size=49152,
+                    max_seq_len=2048, rope_theta=100000.0, tie_embeddings=True)
+
+
+def hf_twin(gpt: GPT, loops: int = 1):
+    """transformers' LlamaForCausalLM computing what `gpt` computes, with its weights copied (hf.hf_tensor_plan's
+    names, read backwards): a vanilla GPT, or (loops > 1) a RecursiveGPT's K shared layers run `loops` times, the
+    same layer modules listed once per loop. Its attention runs SDPA, as ours does."""
+    from transformers import LlamaForCausalLM
+
+    from hf import hf_tensor_plan
+
+    cfg = GPTConfig(**{f.name: getattr(gpt.config, f.name) for f in fields(GPTConfig)} | {"n_layer": len(gpt.blocks)})
+    ours = gpt.state_dict()
+    sd = {theirs: ours[name] for theirs, (_, fn) in hf_tensor_plan("llama", cfg).items() for name in fn(None)}
+    hf = hf_llama(cfg, torch.float32, attn_implementation="sdpa")
+    hf.load_state_dict(sd, strict=False)  # a tied head is the embedding
+    if loops > 1:
+        hf.model.layers = torch.nn.ModuleList(list(hf.model.layers) * loops)
+        hf.config.num_hidden_layers = len(hf.model.layers)
+    return hf.to(gpt.lm_head.weight.device).train()
+
+
+def kd_models(teacher: GPT, loops: int, device):
+    """The teacher (a vanilla GPT) and its recursive conversion (Stepwise, B = loops) as the student, ours and their
+    transformers twins (hf_twin: the same weights) -> {"ours": (teacher, student), "transformers": (...)}."""
+    import recursive
+
+    student = recursive.from_vanilla(teacher, n_loops=loops, init="stepwise", log=lambda *a: None)
+    teacher, student = teacher.to(device).eval().requires_grad_(False), student.to(device).train()
+    return {"ours": (teacher, student),
+            "transformers": (hf_twin(teacher).eval().requires_grad_(False), hf_twin(student, loops))}
+
+
+def kd_step(teacher, student, logits_of, x, y, autocast, device):
+    """One step of train.py's uptraining with --teacher and --kd fkl: the teacher's logits without gradients, the
+    student's, loss = cross-entropy + KD(fkl) (model.lm_loss, model.distill_loss), backward, AdamW
+    (train.make_optimizer), zero_grad -> step() returning the loss. logits_of(model) -> logits (B, T, V) of x."""
+    from model import distill_loss, lm_loss
+    from train import make_optimizer
+
+    opt = make_optimizer(student, 3e-4, 0.1, device)
+    mask = (y != -100).float()
+
+    def step():
+        with autocast:
+            with torch.no_grad():
+                t_logits = logits_of(teacher)
+            logits = logits_of(student)
+            loss = lm_loss(logits, y) + distill_loss(logits, t_logits, "fkl", mask=mask)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+    return step
+
+
+LOGITS_OF = {"ours": lambda x: lambda m: m(x)[0],  # GPT.forward -> (logits, loss)
+             "transformers": lambda x: lambda m: m(input_ids=x, use_cache=False).logits}
+
+
+def bench_kd(args):
+    """Tokens per second of one uptraining step as train.py runs it with --teacher and --kd fkl: the teacher's logits
+    without gradients, the student's forward, loss = cross-entropy + KD(fkl), backward, AdamW (train.make_optimizer),
+    zero_grad; the same step with transformers' LlamaForCausalLM for teacher and student (their logits, the same loss
+    functions, the same optimizer). Interleaved rounds; the ratio per round."""
+    device = pick_device(args.device)
+    dtype = pick_dtype(device, args.dtype)
+    if args.weights == "random":
+        torch.manual_seed(0)
+        teacher = GPT(GPTConfig(**SMOLLM2_135M))
+    else:
+        from hf import from_gguf
+        with user_input():
+            teacher = from_gguf(args.weights)
+    models = kd_models(teacher, args.loops, device)
+    c = teacher.config
+    B, T = args.train_batch, args.seq_len
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, c.vocab_size, (B, T), generator=gen).to(device)
+    y = torch.randint(0, c.vocab_size, (B, T), generator=gen).to(device)
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+    steps = {name: kd_step(*pair, LOGITS_OF[name](x), x, y, autocast, device) for name, pair in models.items()}
+    first = {name: step().item() for name, step in steps.items()}  # the warm-up: the same step on the same weights
+    student = models["ours"][1]
+    s = student.config
+    header("KD training step, SmolLM2-135M", device, dtype,
+           f"weights {args.weights} | teacher {c.n_layer} layers, d {c.n_embd}, heads {c.n_head}/{c.n_kv_head}, MLP "
+           f"{c.mlp_hidden}, vocab {c.vocab_size} ({teacher.num_params(False) / 1e6:.1f}M params) | student recursive "
+           f"B={s.n_loops}, {s.n_shared} shared layers, Stepwise ({student.num_params(False) / 1e6:.1f}M)"
+           f" | batch {B} x {T} | loss CE + KD fkl | AdamW (train.make_optimizer) | median (min..max) of "
+           f"{args.repeats} interleaved rounds after 1 warm-up")
+    res = rounds(steps, args.repeats, device, warmup=0)
+    print(f"   loss of the first (warm-up) step: ours {first['ours']:.5f}, transformers {first['transformers']:.5f} "
+          f"(the same step on the same weights)")
+    for name, ts in res.items():
+        print(f"   {name:13s} {spread([B * T / t for t in ts], fmt='.0f')} tok/s  ({spread(ts, fmt='.2f')} s/step)")
+    print(f"   ours / transformers = {ratio(res['transformers'], res['ours'])}x tokens/s (per-round ratios)")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1038,10 +1230,25 @@ def build_parser():
                    help="a nanoGPT checkout (its model.py is imported from there)")
     p.add_argument("--train-batch", type=pos, default=8, help="sequences per step")
     p.add_argument("--seq-len", type=pos, default=256, help="tokens per sequence")
-    p.add_argument("--no-fused-adamw", dest="fused_adamw", action="store_false", help="plain AdamW for ours on CPU")
+    p.add_argument("--no-fused-adamw", dest="fused_adamw", action="store_false",
+                   help="ours with nanoGPT's AdamW (torch's per-tensor loop on CPU) instead of train.py's fused one")
     p.add_argument("--compile", action="store_true", help="torch.compile both models (the warm-up covers it)")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="float32 | bfloat16 (autocast, both models)")
+    p.add_argument("--profile", action="store_true", help="after the timed rounds, profile two steps of each model: "
+                   "ms per step by operator group (matmuls, attention, loss, AdamW, norms, RoPE, MLP, casts, ...)")
     p.set_defaults(fn=bench_train)
+
+    p = sub.add_parser("kd", help="one KD training step of SmolLM2-135M (recursive student, original teacher) vs "
+                                  "the same step in transformers")
+    machine(p)
+    p.add_argument("--weights", default="random", help="random (SmolLM2-135M's shape) | smollm2-135m | gguf:PATH "
+                   "(a GGUF file of the Llama family: its shape and weights)")
+    p.add_argument("--loops", type=number(int, min=2), default=2, help="loops B of the recursive student")
+    p.add_argument("--train-batch", type=pos, default=4, help="sequences per step")
+    p.add_argument("--seq-len", type=pos, default=512, help="tokens per sequence")
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="float32 | bfloat16 (autocast, both)")
+    p.add_argument("--repeats", type=pos, default=5, help="interleaved timed rounds (median and min..max)")
+    p.set_defaults(fn=bench_kd)
 
     p = sub.add_parser("plt", help="PLT-2 vs vanilla vs loop-2 per-token decode latency (Table 3)")
     common(p, presets=plt.PRESETS)

@@ -715,11 +715,15 @@ def gated_swa_decode_ref(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos,
 
 
 def gated_swa_decode_sdpa(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b, window,
-                          scale=None):
+                          scale=None, attend=None):
     """The CPU decode path: gated_swa_decode_ref's math (same contract) on torch's fused attention, two SDPA calls
     (the rings with their slot mask, the shared cache with j <= q_pos) with GQA through enable_gqa, then the same
-    gate and fp32 mix. The reference's explicit softmax with log-sum-exp costs ~30 small ops per layer and step."""
+    gate and fp32 mix. The reference's explicit softmax with log-sum-exp costs ~30 small ops per layer and step.
+    `attend(q, k, v, mask=, scale=)` replaces SDPA in both calls: plt.py passes model.attend, the hook through which
+    the decode attention cpu_tuning.py measured fastest runs when it is switched on."""
     def sdpa(q, k, v, mask, scale):
+        if attend is not None:
+            return attend(q, k, v, mask=mask, scale=scale)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.size(1) != k.size(1))
 
     return _gated_swa_decode(sdpa, q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b, window,
@@ -884,14 +888,16 @@ def gated_swa_decode_triton(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_p
     return out
 
 
-def gated_swa_decode(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b, window, scale=None):
+def gated_swa_decode(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b, window, scale=None,
+                     attend=None):
     """Dispatch (contract of gated_swa_decode_ref): the Triton kernels where use_triton allows it, otherwise
-    gated_swa_decode_sdpa; the reference stays what the tests compare both against."""
+    gated_swa_decode_sdpa (with `attend`, its attention); the reference stays what the tests compare both against."""
     if use_triton(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b) and \
             _kernel_fits(q, k_ring, v_ring, k_shared, v_shared, head_dim=q.size(-1)):
         return gated_swa_decode_triton(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b,
                                        window, scale)
-    return gated_swa_decode_sdpa(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b, window, scale)
+    return gated_swa_decode_sdpa(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b, window, scale,
+                                 attend)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -61,7 +61,8 @@ kernels.gated_swa_decode (one query per non-first-loop row against its ring buff
 the Triton kernels on CUDA when nothing needs a gradient (prefill, decoding, evaluation) and the PyTorch reference
 otherwise (training); both follow the conventions above (gate from q after RoPE, per-head gate_w (H, D) and
 gate_b (H,), exactly w keys). tests/test_plt.py forces the Triton path on CPU (TRITON_INTERPRET=1) and checks it
-against the reference. Loop 1 and the non-G-SWA variants use model.attend (SDPA).
+against the reference. Loop 1, the non-G-SWA variants and the two attentions of gated_swa_decode's CPU path use
+model.attend (SDPA, or the decode form cpu_tuning.py measured fastest when a command switches it on).
 
 Table 2 at equal parameters and tokens, one command per row (`--loops 3` for PLT-3), the protocol and the results in
 RESULTS.md:
@@ -274,7 +275,7 @@ class PLTAttention(Attention):
         y0 = attend(q[:, :, :1], ks, vs, mask=step.mask)  # (B, H, 1, D)
         c.ring.write(layer, step.slot, k[:, :, 1:].transpose(1, 2), v[:, :, 1:].transpose(1, 2))
         y1 = gated_swa_decode(q[:, :, 1:].transpose(1, 2), c.ring.k[layer], c.ring.v[layer], c.ring.pos, ks, vs,
-                              step.q_pos, self.gate_w, self.gate_b, self.window)  # (B, L-1, H, D)
+                              step.q_pos, self.gate_w, self.gate_b, self.window, attend=attend)  # (B, L-1, H, D)
         return self.project_out(torch.cat([y0, y1.transpose(1, 2)], dim=2), lora_idx)
 
     def loop_step(self, x, rope, step, layer, loop, lora_idx=None):
@@ -294,7 +295,7 @@ class PLTAttention(Attention):
         c.ring.write(layer, step.slot, k[:, :, 0], v[:, :, 0], loop=loop - 1)
         r = slice(loop - 1, loop)
         y = gated_swa_decode(q.transpose(1, 2), c.ring.k[layer, :, r], c.ring.v[layer, :, r], c.ring.pos, ks, vs,
-                             step.q_pos, self.gate_w, self.gate_b, self.window)  # (B, 1, H, D)
+                             step.q_pos, self.gate_w, self.gate_b, self.window, attend=attend)  # (B, 1, H, D)
         return self.project_out(y.transpose(1, 2), lora_idx)
 
 

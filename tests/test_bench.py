@@ -11,6 +11,7 @@ import torch
 
 import bench
 import eval
+from model import GPT, GPTConfig
 
 
 def test_kernels_bench_runs_on_cpu(capsys):
@@ -264,3 +265,26 @@ def test_eval_command_itself(ckpts):
                        capture_output=True, text=True, timeout=120)
     err = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 2 and len(err) == 1 and err[0].startswith("error: checkpoint "), r.stderr
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kd_bench_times_the_same_step_in_ours_and_transformers(dtype):
+    """bench.py kd compares like with like: its transformers twins of a teacher and of the recursive student carry
+    the same weights and run the same loop of shared layers, so two KD steps (teacher logits, CE + KD, backward,
+    AdamW) give the same losses in both (the second after one optimizer step on each side)."""
+    torch.manual_seed(0)
+    teacher = GPT(GPTConfig(n_layer=4, n_head=4, n_kv_head=2, n_embd=32, mlp_hidden=48, vocab_size=97,
+                            max_seq_len=32, rope_theta=1e5))
+    with torch.no_grad():  # scores far from 0, so that RoPE (and its base) shapes the attention
+        for block in teacher.blocks:
+            block.attn.q_proj.weight.normal_(0, 0.5)
+            block.attn.k_proj.weight.normal_(0, 0.5)
+    models = bench.kd_models(teacher, 2, torch.device("cpu"))
+    assert len(models["transformers"][1].model.layers) == 4  # 2 shared layers, listed once per loop
+    x, y = torch.randint(0, 97, (2, 16)), torch.randint(0, 97, (2, 16))
+    autocast = torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32)
+    steps = {name: bench.kd_step(*pair, bench.LOGITS_OF[name](x), x, y, autocast, torch.device("cpu"))
+             for name, pair in models.items()}
+    tol = dict(rtol=0, atol=1e-5) if dtype == torch.float32 else dict(rtol=0, atol=2e-2)
+    for _ in range(2):
+        torch.testing.assert_close(steps["ours"](), steps["transformers"](), **tol)

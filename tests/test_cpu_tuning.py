@@ -337,6 +337,38 @@ def test_decoding_attention_runs_the_form_measured_faster(form, monkeypatch):
         assert torch.equal(attend(q.requires_grad_(), k, v, mask=mask), sdpa)
 
 
+def test_plt_decoding_sends_its_gated_window_attentions_through_the_measured_form(monkeypatch):
+    """A PLT decode step attends three times per layer (loop 1 over the shared cache; G-SWA's window over the rings
+    and its global branch over the shared cache): switched on, with the grouped form measured faster, all three run
+    attend_grouped, and the logits equal the plain path's to rounding."""
+    import plt
+
+    torch.manual_seed(0)
+    m = plt.PLT(plt.PLTConfig(**{**plt.PRESETS["tiny"], "n_loops": 3, "window": 4})).eval()
+    B, H, D = 3, m.config.n_head, m.config.hd
+    idx, steps = torch.randint(0, 4160, (B, 6)), torch.randint(0, 4160, (B, 3))
+
+    def logits():
+        cache = m.new_cache(B, 16)
+        out = [m.prefill(idx, cache)]
+        out += [m.decode_step(steps[:, i], cache) for i in range(steps.size(1))]
+        return torch.stack(out, 1)
+
+    with torch.no_grad():
+        plain = logits()
+        seen, grouped = [], cpu_tuning.attend_grouped
+        monkeypatch.setattr(cpu_tuning, "decode_attention", lambda *a, **kw: "grouped")
+        monkeypatch.setattr(cpu_tuning, "attend_grouped",
+                            lambda q, k, v, mask=None, scale=None: seen.append(tuple(q.shape)) or grouped(q, k, v, mask,
+                                                                                                        scale))
+        with cpu_tuning.switched_on():
+            tuned = logits()
+    torch.testing.assert_close(tuned, plain, rtol=1e-4, atol=1e-4)
+    # per decode step and layer: loop 1 (B, H, 1, D), the rings (B * 2, H, 1, D), the shared cache (B, H, 2, D)
+    assert sorted(set(seen)) == sorted({(B, H, 1, D), (2 * B, H, 1, D), (B, H, 2, D)})
+    assert len(seen) == 3 * steps.size(1) * m.config.n_layer
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The LoRA form, and the one timing rule
 

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels as K
+from cpu_tuning import attend_grouped
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 # Where to run the Triton kernels: the GPU when there is one (compiled), else CPU tensors under the interpreter.
@@ -269,6 +270,13 @@ def test_gated_swa_decode_matches_prefill_last_row(H, Hkv, L1, window, W):
                                    ks[b:b + 1, :, :p], vs[b:b + 1, :, :p], gw, gb, window)
             close(ref[b, l], full[0, :, -1])
     close(K.gated_swa_decode_sdpa(q_dec, k_ring, v_ring, ring_pos, ks, vs, q_pos, gw, gb, window), ref)  # CPU path
+    calls = []  # the CPU path with another attention: both attentions go through it, same result
+
+    def grouped(q, k, v, mask=None, scale=None):
+        calls.append(q.shape)
+        return attend_grouped(q, k, v, mask, scale)
+    close(K.gated_swa_decode_sdpa(q_dec, k_ring, v_ring, ring_pos, ks, vs, q_pos, gw, gb, window, attend=grouped), ref)
+    assert calls == [(B * L1, H, 1, D), (B, H, L1, D)]
     for splits in (None, 1, 3):
         close(tri(K.gated_swa_decode_triton, q_dec, k_ring, v_ring, ring_pos, ks, vs, q_pos, gw, gb, window,
                                         num_splits=splits, block_n=16), ref)

@@ -535,3 +535,27 @@ def test_init_from_same_arch_keeps_settings_no_flag_was_typed_for(tmp_path, corp
     assert (cfg["clp"], cfg["kv_share"], cfg["gswa"], cfg["window"]) == (True, False, False, 16)
     with pytest.raises(train.UsageError, match="holds a plt model, and gswa False -> True would change its param"):
         train.train(base_args(corpus, tmp_path / "c", "--arch", "plt", "--init-from", src, "--plt-variant", "plt"))
+
+
+def test_cpu_optimizer_is_the_fused_adamw_and_steps_like_the_per_tensor_loop():
+    """make_optimizer runs torch's fused AdamW on CPU (speed); three steps of it move every parameter as the plain
+    per-tensor AdamW with the same groups does, to rounding."""
+    torch.manual_seed(0)
+    cfg = model_lib.GPTConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, mlp_hidden=48, vocab_size=97,
+                              max_seq_len=16)
+    models = [model_lib.GPT(cfg) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    fused = train.make_optimizer(models[0], 1e-2, 0.1, torch.device("cpu"))
+    assert all(g["fused"] for g in fused.param_groups)
+    ps = list(models[1].parameters())
+    loop = torch.optim.AdamW([{"params": [p for p in ps if p.dim() >= 2], "weight_decay": 0.1},
+                              {"params": [p for p in ps if p.dim() < 2], "weight_decay": 0.0}],
+                             lr=1e-2, betas=(0.9, 0.95), foreach=False)
+    for step in range(3):
+        x, y = torch.randint(0, 97, (2, 16)), torch.randint(0, 97, (2, 16))
+        for m, opt in zip(models, (fused, loop)):
+            m(x, y)[1].backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
