@@ -50,7 +50,7 @@ import kernels as K
 from cli import (DTYPES, ArgumentParser, UsageError, comma_list, number, one_of, path_arg, run_cli, run_subcommand,
                  threads_arg, user_input)
 from cpu_tuning import LINEAR_PROBE_BYTES, LINEAR_PRODUCTS, cpu_key, force_linear, linear_report
-from model import GPT, PRESETS, GPTConfig, param_bytes, pick_device, pick_dtype, sync, timeit
+from model import GPT, PRESETS, GPTConfig, make_optimizer, param_bytes, pick_device, pick_dtype, sync, timeit
 
 # ----------------------------------------------------------------------------------------------------------------
 # Protocol: interleaved rounds, median and spread
@@ -275,8 +275,6 @@ def ancestors(e) -> list[str]:
 
 
 def bench_train(args):
-    from train import make_optimizer
-
     if args.nanogpt and not (Path(args.nanogpt) / "model.py").is_file():
         raise UsageError(f"--nanogpt {args.nanogpt} is not a nanoGPT checkout (a directory with its model.py)")
     device = pick_device(args.device)
@@ -366,10 +364,8 @@ def kd_models(teacher: GPT, loops: int, device):
 def kd_step(teacher, student, logits_of, x, y, autocast, device):
     """One step of train.py's uptraining with --teacher and --kd fkl: the teacher's logits without gradients, the
     student's, loss = cross-entropy + KD(fkl) (model.lm_loss, model.distill_loss), backward, AdamW
-    (train.make_optimizer), zero_grad -> step() returning the loss. logits_of(model) -> logits (B, T, V) of x."""
+    (model.make_optimizer), zero_grad -> step() returning the loss. logits_of(model) -> logits (B, T, V) of x."""
     from model import distill_loss, lm_loss
-    from train import make_optimizer
-
     opt = make_optimizer(student, 3e-4, 0.1, device)
     mask = (y != -100).float()
 
@@ -392,7 +388,7 @@ LOGITS_OF = {"ours": lambda x: lambda m: m(x)[0],  # GPT.forward -> (logits, los
 
 def bench_kd(args):
     """Tokens per second of one uptraining step as train.py runs it with --teacher and --kd fkl: the teacher's logits
-    without gradients, the student's forward, loss = cross-entropy + KD(fkl), backward, AdamW (train.make_optimizer),
+    without gradients, the student's forward, loss = cross-entropy + KD(fkl), backward, AdamW (model.make_optimizer),
     zero_grad; the same step with transformers' LlamaForCausalLM for teacher and student (their logits, the same loss
     functions, the same optimizer). Interleaved rounds; the ratio per round."""
     device = pick_device(args.device)
@@ -419,7 +415,7 @@ def bench_kd(args):
            f"weights {args.weights} | teacher {c.n_layer} layers, d {c.n_embd}, heads {c.n_head}/{c.n_kv_head}, MLP "
            f"{c.mlp_hidden}, vocab {c.vocab_size} ({teacher.num_params(False) / 1e6:.1f}M params) | student recursive "
            f"B={s.n_loops}, {s.n_shared} shared layers, Stepwise ({student.num_params(False) / 1e6:.1f}M)"
-           f" | batch {B} x {T} | loss CE + KD fkl | AdamW (train.make_optimizer) | median (min..max) of "
+           f" | batch {B} x {T} | loss CE + KD fkl | AdamW (model.make_optimizer) | median (min..max) of "
            f"{args.repeats} interleaved rounds after 1 warm-up")
     res = rounds(steps, args.repeats, device, warmup=0)
     print(f"   loss of the first (warm-up) step: ours {first['ours']:.5f}, transformers {first['transformers']:.5f} "

@@ -387,7 +387,7 @@ class DoubleDecoder(GPT):
         else:
             init_weights(self.ctx_blocks, cfg.ctx_layers)  # each residual stream scaled by its own depth
             init_weights(self.gen_blocks, cfg.gen_layers)
-        if cfg.ctx_lr != 1.0:  # train.py's make_optimizer gives these matrices lr x ctx_lr
+        if cfg.ctx_lr != 1.0:  # model.make_optimizer gives these matrices lr x ctx_lr
             for m in self.ctx_blocks.modules():
                 if isinstance(m, nn.Linear):
                     m.weight.lr_scale = cfg.ctx_lr

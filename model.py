@@ -730,6 +730,24 @@ def lm_loss(logits, targets):
     return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE)
 
 
+def make_optimizer(model, lr, weight_decay, device):
+    """AdamW; weight decay on matrices only; torch's fused kernel on CPU and CUDA (one pass over each tensor for the
+    whole update; the plain per-tensor loop elsewhere). Same update to rounding (tests/test_train.py). Shared by
+    train.py and bench.py's training benchmarks.
+
+    A parameter with an `lr_scale` attribute (double_decoder.py's context decoder) gets a group of its own that
+    trains at lr x lr_scale (the schedule multiplies it in: group["lr_scale"]); its weight decay is divided by the
+    same factor, so the decay per step (lr x weight decay) stays that of every other matrix."""
+    groups = {}
+    for p in model.parameters():
+        if p.requires_grad:
+            s = getattr(p, "lr_scale", 1.0)
+            groups.setdefault((p.dim() >= 2, s), []).append(p)
+    groups = [{"params": ps, "lr_scale": s, "lr": lr * s, "weight_decay": weight_decay / s if decay else 0.0}
+              for (decay, s), ps in groups.items()]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=device.type in ("cpu", "cuda"))
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # How train.py and serve.py see an architecture
 

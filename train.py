@@ -73,7 +73,7 @@ from checkpoint import (CKPT_FORMAT, arch_table, check_resumable, init_same_arch
                         load_optimizer_state, load_source_model, load_source_tokenizer, model_from_checkpoint,
                         restore_run_args, save_checkpoint, tokenizer_from_spec)
 from data import TokenData, Tokenizer, padded_vocab, prepare_corpus, step_generator
-from model import ArchSpec, distill_loss, lm_loss, peak_flops, pick_device, pick_dtype
+from model import ArchSpec, distill_loss, lm_loss, make_optimizer, peak_flops, pick_device, pick_dtype
 from recursive import keep_layers
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -445,24 +445,6 @@ def load_data(args, task, tok, master, ddp):
 
 # ----------------------------------------------------------------------------------------------------------------
 # Optimizer and schedule
-
-
-def make_optimizer(model, lr, weight_decay, device):
-    """AdamW; weight decay on matrices only; torch's fused kernel on CPU and CUDA (one pass over each tensor for the
-    whole update; the plain per-tensor loop elsewhere). Same update to rounding (tests/test_train.py): on the 2-core
-    AMD EPYC of RESULTS.md the fused step of the `small` preset takes a fifth of the loop's time (24 vs 110 ms).
-
-    A parameter with an `lr_scale` attribute (double_decoder.py's context decoder) gets a group of its own that
-    trains at lr x lr_scale (the schedule multiplies it in: group["lr_scale"]); its weight decay is divided by the
-    same factor, so the decay per step (lr x weight decay) stays that of every other matrix."""
-    groups = {}
-    for p in model.parameters():
-        if p.requires_grad:
-            s = getattr(p, "lr_scale", 1.0)
-            groups.setdefault((p.dim() >= 2, s), []).append(p)
-    groups = [{"params": ps, "lr_scale": s, "lr": lr * s, "weight_decay": weight_decay / s if decay else 0.0}
-              for (decay, s), ps in groups.items()]
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=device.type in ("cpu", "cuda"))
 
 
 def set_lr(optimizer, lr):
