@@ -744,6 +744,8 @@ def threshold(text: str) -> str:
     """--exit-threshold: 'auto' or a comma list of probabilities in (0, 1] (one depth-wise server each)."""
     if text == "auto":
         return text
+    if "auto" in text.split(","):
+        raise argparse.ArgumentTypeError(f"'auto' calibrates one threshold: give it alone, not in a list ({text!r})")
     for part in text.split(","):
         try:
             v = float(part)

@@ -103,6 +103,7 @@ SERVE_MISTAKES = [
     (["--slots", "0"], "argument --slots: must be >= 1"),
     (["--prompt-len", "10:5"], "argument --prompt-len: expected 'a:b'"),
     (["--exit-threshold", "1.5"], "probabilities in (0, 1]"),
+    (["--exit-threshold", "auto,0.5"], "give it alone"),
     (["--exit-rate", "2"], "--exit-rate 2.0 is a share of tokens"),
     (["--rate", "0", "--arrival", "poisson"], "argument --rate: must be > 0"),
     (["--batch-memory-mb", "0.001"], "does not hold the parameters and one slot"),
