@@ -26,6 +26,8 @@ Run:
     python bench.py double --rollover 16         # double decoder vs decoder-only: TTFT, cached prefix, per token, KV
     python bench.py serve --exit-rate 0.633 --profile   # depth-wise + exit vs continuous batching; a step's parts
     python bench.py kernels                      # (CUDA) every Triton kernel vs its reference and stock PyTorch
+    python bench.py roofline                     # this CPU's roofline; PLT-2 / vanilla from the matmuls alone
+    python bench.py ckpt                         # what verifying a checkpoint's CRC-32s costs beside torch.load
 
 What a trained checkpoint does on validation text (early exits, SVD residual energy, double-eval, block --eval) is
 measured by eval.py, not here.
@@ -37,7 +39,7 @@ import math
 import os
 import statistics
 import time
-from dataclasses import fields
+from dataclasses import asdict, fields
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
@@ -485,6 +487,72 @@ def bench_plt(args):
                       "0.63 at batch 4, 0.53 at 32-64)")
 
 
+def linear_shapes(model) -> tuple[list[tuple[int, int]], tuple[int, int]]:
+    """(out, in) of every linear layer of one block of `model` (q, k, v, o, gate, up, down, or their fused forms) and
+    of its head."""
+    layer = [tuple(m.weight.shape) for m in model.blocks[0].modules() if isinstance(m, torch.nn.Linear)]
+    return layer, tuple(model.lm_head.weight.shape)
+
+
+def fastest_ms(dtype, rows: int, shape, repeats: int) -> float:
+    """ms of the fastest of cpu_tuning's products (F.linear, mv, mm, x @ W^T, oneDNN) for x (rows, in) @ W^T, W
+    (out, in) = shape, weights streamed from memory (cpu_tuning.time_linear_products)."""
+    names = cpu_tuning.linear_candidates(dtype, rows)
+    return min(cpu_tuning.time_linear_products(dtype, rows, *shape, names, repeats).values()) * 1e3
+
+
+def matmul_ratios(layer_ms: dict[int, float], head_ms: dict[int, float], n_layer: int, loops: int, batch: int):
+    """The matmuls alone of one decode step at `batch` sequences -> (PLT-L / vanilla, loop-L / vanilla). Vanilla runs
+    n_layer layers at B rows; PLT-L the same layers once at L*B rows (its loops side by side); loop-L the layers L
+    times at B rows. Each runs the head once at B rows."""
+    B = batch
+    vanilla = n_layer * layer_ms[B] + head_ms[B]
+    return ((n_layer * layer_ms[loops * B] + head_ms[B]) / vanilla,
+            (loops * n_layer * layer_ms[B] + head_ms[B]) / vanilla)
+
+
+@torch.no_grad()
+def bench_roofline(args):
+    """This CPU's roofline and where PLT's decode sits on it: streaming read bandwidth, the speed of a large matmul
+    (the compute roof), the ridge between them in rows, the weight products of one layer and of the head at 1..32
+    rows, and the PLT-L / vanilla ratio the matmuls alone would give at each batch (what the PLT paper's Table 3
+    latency rests on: L loops side by side read each weight once for L times the rows)."""
+    import plt
+
+    device = pick_device("cpu")
+    with torch.device("meta"):
+        m = plt.PLT(plt.PLTConfig(**plt.PRESETS[args.preset]))
+    layer, head = linear_shapes(m)
+    cfg = plt.PRESETS[args.preset]
+    N, L = cfg["n_layer"], cfg["n_loops"]
+    batches = sorted({int(b) for b in args.batch.split(",")})
+    rows = sorted({int(r) for r in args.rows.split(",")} | set(batches) | {L * b for b in batches})
+    bw = read_bandwidth(device, repeats=args.repeats)
+    for dtype in [pick_dtype(device, d) for d in args.dtype.split(",")]:
+        torch.manual_seed(0)
+        big = (torch.randn(2048, 768, dtype=dtype), torch.randn(3072, 768, dtype=dtype))
+        t = timeit(lambda: F.linear(*big), device, warmup=2, repeats=args.repeats)
+        peak = 2 * 2048 * 768 * 3072 / med(t)
+        header("CPU roofline and PLT decode matmuls", device, dtype, f"preset {args.preset}: {N} layers x L={L}, "
+               f"layer products {layer}, head {head} | median of {args.repeats} passes per product")
+        print(f"   streaming read {bw / 1e9:.1f} GB/s (1 GiB sum); F.linear 2048x768 by 768x3072 {peak / 1e9:.0f} "
+              f"GFLOP/s ({spread([2 * 2048 * 768 * 3072 / x / 1e9 for x in t], fmt='.0f')}) -> ridge at "
+              f"{peak * dtype.itemsize / (2 * bw):.1f} rows (a weight read once for M rows: 2M FLOP per "
+              f"{dtype.itemsize} bytes)")
+        layer_ms = {r: sum(fastest_ms(dtype, r, s, args.repeats) for s in layer) for r in rows}
+        head_ms = {r: fastest_ms(dtype, r, head, args.repeats) for r in rows}
+        lbytes = sum(o * i for o, i in layer) * dtype.itemsize
+        print("   rows   layer ms  (GB/s of weights, GFLOP/s)   head ms  (GB/s, GFLOP/s)")
+        for r in rows:
+            print(f"   {r:4d}  {layer_ms[r]:8.3f}  ({lbytes / layer_ms[r] / 1e6:6.1f}, {2 * r * lbytes / dtype.itemsize / layer_ms[r] / 1e6:6.1f})"
+                  f"  {head_ms[r]:8.3f}  ({head[0] * head[1] * dtype.itemsize / head_ms[r] / 1e6:6.1f}, "
+                  f"{2 * r * head[0] * head[1] / head_ms[r] / 1e6:6.1f})")
+        for B in batches:
+            p, lp = matmul_ratios(layer_ms, head_ms, N, L, B)
+            print(f"   batch {B:3d}: matmuls alone PLT-{L} / vanilla {p:.2f}, loop-{L} / vanilla {lp:.2f} (paper, "
+                  f"whole step: PLT-2 / vanilla 1.02 at batch 4)")
+
+
 def prefix_prefills(gpt, dm, idx, prefix: int) -> dict:
     """TTFT after a cached shared prefix (section 3.3 item 3), the systems for `rounds`: idx[:, :prefix] is computed
     once, outside the timers (decoder-only: its K/V; double: the context decoder's K/V and the cross K/V); each timed
@@ -906,6 +974,45 @@ def bench_block(args):
 # Kernels: python bench.py kernels (CUDA; each Triton kernel of kernels.py vs its reference and stock PyTorch)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Checkpoint integrity: what verifying the CRC-32 of every record costs against the load itself
+
+
+def bench_ckpt(args):
+    """checkpoint.load_checkpoint verifies the CRC-32 of every record before torch.load: time the two apart on a
+    train.py-shaped checkpoint (the preset's GPT, its AdamW state after one step), interleaved rounds."""
+    import tempfile
+
+    import checkpoint
+
+    if args.dir is not None and not Path(args.dir).is_dir():
+        raise UsageError(f"--dir {args.dir} is not a directory")
+    device = pick_device("cpu")
+    torch.manual_seed(0)
+    cfg = GPTConfig.from_preset(args.preset)
+    model = GPT(cfg)
+    opt = make_optimizer(model, lr=1e-4, weight_decay=0.1, device=device)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()  # AdamW's two moments exist after a step
+    with tempfile.TemporaryDirectory(dir=args.dir) as d:
+        path = Path(d) / "ckpt.pt"
+        checkpoint.save_checkpoint(path, {"format": checkpoint.CKPT_FORMAT, "model": model.state_dict(),
+                                          "optimizer": opt.state_dict(), "config": asdict(cfg), "arch": "vanilla"})
+        del model, opt
+        if not checkpoint.verify_records(path):
+            raise RuntimeError(f"{path} was written without CRC-32s: nothing to time")
+        size = path.stat().st_size
+        header("checkpoint load: CRC-32 verification vs torch.load", device, "float32",
+               f"preset {args.preset}, {size / 2 ** 20:,.0f} MiB with AdamW state | median (min..max) of "
+               f"{args.repeats} interleaved rounds after 1 warm-up")
+        t = rounds({"torch.load": lambda: torch.load(path, map_location="cpu", weights_only=True),
+                    "verify": lambda: checkpoint.verify_records(path)}, args.repeats, device)
+    print(f"   torch.load(weights_only=True) {spread(t['torch.load'], fmt='.2f')} s, checkpoint.verify_records "
+          f"{spread(t['verify'], fmt='.2f')} s -> a verified load takes "
+          f"{(med(t['torch.load']) + med(t['verify'])) / med(t['torch.load']):.2f}x the time of a plain one")
+
+
 def kernel_us(fn, device, warmup=10, iters=50) -> float:
     """Median time of one fn() call in microseconds, warm-up excluded (the warm-up also covers torch.compile and the
     Triton JIT).
@@ -1252,6 +1359,24 @@ def build_parser():
     p.add_argument("--variants", type=comma_list(one_of(list(plt.VARIANTS))), default="vanilla,loop,plt",
                    help="comma list of Table 2 rows: vanilla, loop, clp, kv_share, plt")
     p.set_defaults(fn=bench_plt)
+
+    p = sub.add_parser("roofline", help="this CPU's read bandwidth and matmul speed; one layer's weight products "
+                                        "at 1..32 rows; PLT-L / vanilla from the matmuls alone")
+    p.add_argument("--preset", default="base", choices=sorted(plt.PRESETS), help="PLT preset (default base)")
+    p.add_argument("--dtype", type=dtypes, default="float32,bfloat16", help="comma list of dtypes")
+    p.add_argument("--rows", type=comma_list(pos), default="1,2,4,8,16,32", help="comma list of row counts")
+    p.add_argument("--batch", type=comma_list(pos), default="1,4,16", help="comma list of decode batches")
+    p.add_argument("--repeats", type=pos, default=5, help="timed passes per product (median)")
+    p.add_argument("--threads", type=threads_arg, default=None, help="CPU threads (default: torch's)")
+    p.set_defaults(fn=bench_roofline)
+
+    p = sub.add_parser("ckpt", help="checkpoint load: the CRC-32 verification of every record vs torch.load")
+    p.add_argument("--preset", default="base", choices=sorted(PRESETS), help="GPT preset (default base)")
+    p.add_argument("--dir", type=path_arg, default=None, help="where the temporary checkpoint is written "
+                   "(default: the system's temporary directory)")
+    p.add_argument("--repeats", type=pos, default=5, help="interleaved timed rounds (median and min..max)")
+    p.add_argument("--threads", type=threads_arg, default=None, help="CPU threads (default: torch's)")
+    p.set_defaults(fn=bench_ckpt)
 
     p = sub.add_parser("double", help="double decoder vs decoder-only: TTFT (also after a cached prefix), "
                                       "per-token latency, KV bytes")

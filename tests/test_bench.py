@@ -91,6 +91,29 @@ def test_serve_profile_times_the_parts_of_a_step_and_leaves_the_model_as_it_was(
     assert "profile of depth-wise + exit (gate): shared block" in out and "exit machinery (score + propagation)" in out
 
 
+def test_roofline_and_ckpt_sections_run(capsys):
+    bench.main(["roofline", "--preset", "tiny", "--dtype", "float32", "--rows", "1", "--batch", "1", "--repeats", "1"])
+    bench.main(["ckpt", "--preset", "tiny", "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert "ridge at" in out and "batch   1: matmuls alone PLT-2 / vanilla" in out
+    assert [ln.split()[0] for ln in out.split("head ms  (GB/s, GFLOP/s)\n")[1].splitlines()[:2]] == ["1", "2"]
+    assert "a verified load takes" in out
+
+
+def test_roofline_counts_every_weight_of_a_layer_and_its_matmul_ratios():
+    """linear_shapes finds every matrix of a block (the products a decode step streams); matmul_ratios: vanilla runs
+    N layers at B rows, PLT-L the same layers at L*B rows, loop-L the layers L times at B rows, each one head."""
+    import plt
+
+    with torch.device("meta"):
+        m = plt.PLT(plt.PLTConfig(**{**plt.PRESETS["tiny"], **plt.variant_fields("vanilla")}))  # no G-SWA gate
+    layer, head = bench.linear_shapes(m)
+    assert sum(o * i for o, i in layer) == sum(p.numel() for p in m.blocks[0].parameters() if p.dim() == 2)
+    assert head == (m.lm_head.weight.shape[0], m.lm_head.weight.shape[1])
+    p, lp = bench.matmul_ratios({1: 1.0, 2: 1.5}, {1: 2.0}, n_layer=4, loops=2, batch=1)
+    assert p == pytest.approx((4 * 1.5 + 2) / 6) and lp == pytest.approx((2 * 4 * 1.0 + 2) / 6)
+
+
 def test_rounds_synchronise_the_device_around_each_timed_call(monkeypatch):
     """bench.rounds reads the clock between two synchronisations of the device, as model.timeit does (CUDA queues its
     work: a clock read without one would time the launch), the warm-up untimed."""
@@ -218,6 +241,8 @@ BENCH_MISTAKES = [  # (argv, the message); {d}: the ckpts directory
     (["kernels", "--iters", "0"], "argument --iters: must be >= 1, got 0"),
     (["kernels", "--warmup", "-1"], "argument --warmup: must be >= 0, got -1"),
     (["kernels", "--dtype", "bogus"], "argument --dtype: invalid choice: 'bogus'"),
+    (["ckpt", "--dir", "/nonexistent/x"], "--dir /nonexistent/x is not a directory"),
+    (["roofline", "--rows", "1,0"], "argument --rows: must be >= 1, got 0"),
     (["nonsense"], "argument what: invalid choice: 'nonsense'"),
 ]
 
