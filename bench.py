@@ -523,8 +523,7 @@ def bench_roofline(args):
     with torch.device("meta"):
         m = plt.PLT(plt.PLTConfig(**plt.PRESETS[args.preset]))
     layer, head = linear_shapes(m)
-    cfg = plt.PRESETS[args.preset]
-    N, L = cfg["n_layer"], cfg["n_loops"]
+    N, L = m.config.n_layer, m.config.n_loops
     batches = sorted({int(b) for b in args.batch.split(",")})
     rows = sorted({int(r) for r in args.rows.split(",")} | set(batches) | {L * b for b in batches})
     bw = read_bandwidth(device, repeats=args.repeats)
@@ -532,11 +531,12 @@ def bench_roofline(args):
         torch.manual_seed(0)
         big = (torch.randn(2048, 768, dtype=dtype), torch.randn(3072, 768, dtype=dtype))
         t = timeit(lambda: F.linear(*big), device, warmup=2, repeats=args.repeats)
-        peak = 2 * 2048 * 768 * 3072 / med(t)
+        big_flops = 2 * 2048 * 768 * 3072
+        peak = big_flops / med(t)
         header("CPU roofline and PLT decode matmuls", device, dtype, f"preset {args.preset}: {N} layers x L={L}, "
                f"layer products {layer}, head {head} | median of {args.repeats} passes per product")
         print(f"   streaming read {bw / 1e9:.1f} GB/s (1 GiB sum); F.linear 2048x768 by 768x3072 {peak / 1e9:.0f} "
-              f"GFLOP/s ({spread([2 * 2048 * 768 * 3072 / x / 1e9 for x in t], fmt='.0f')}) -> ridge at "
+              f"GFLOP/s ({spread([big_flops / x / 1e9 for x in t], fmt='.0f')}) -> ridge at "
               f"{peak * dtype.itemsize / (2 * bw):.1f} rows (a weight read once for M rows: 2M FLOP per "
               f"{dtype.itemsize} bytes)")
         layer_ms = {r: sum(fastest_ms(dtype, r, s, args.repeats) for s in layer) for r in rows}
