@@ -28,6 +28,7 @@ Run:
     python bench.py kernels                      # (CUDA) every Triton kernel vs its reference and stock PyTorch
     python bench.py roofline                     # this CPU's roofline; PLT-2 / vanilla from the matmuls alone
     python bench.py ckpt                         # what verifying a checkpoint's CRC-32s costs beside torch.load
+    python bench.py presets --arch plt           # every preset's rows: parameters, KV bytes, FLOPs (no timing)
 
 What a trained checkpoint does on validation text (early exits, SVD residual energy, double-eval, block --eval) is
 measured by eval.py, not here.
@@ -52,7 +53,8 @@ import kernels as K
 from cli import (DTYPES, ArgumentParser, UsageError, comma_list, number, one_of, path_arg, run_cli, run_subcommand,
                  threads_arg, user_input)
 from cpu_tuning import LINEAR_PROBE_BYTES, LINEAR_PRODUCTS, cpu_key, force_linear, linear_report
-from model import GPT, PRESETS, GPTConfig, make_optimizer, param_bytes, pick_device, pick_dtype, sync, timeit
+from model import (GPT, PRESETS, GPTConfig, describe, make_optimizer, param_bytes, pick_device, pick_dtype, sync,
+                   timeit)
 
 # ----------------------------------------------------------------------------------------------------------------
 # Protocol: interleaved rounds, median and spread
@@ -1290,6 +1292,23 @@ def settings(text):
     return text
 
 
+def bench_presets(args):
+    """Every preset of the architectures asked for, through the architecture table: each ArchSpec's rows (the model
+    and its baseline, built on the meta device) printed by model.describe. Nothing is timed or allocated."""
+    from checkpoint import arch_table
+
+    table = arch_table()
+    names = args.arch.split(",") if args.arch else list(table)
+    for name in names:
+        spec = table[name]
+        if args.preset is not None and args.preset not in spec.presets:
+            raise UsageError(f"--preset {args.preset}: not a preset of {name}; choose one of {sorted(spec.presets)}")
+        print(f"{name}:")
+        for preset in [args.preset] if args.preset else spec.presets:
+            for label, m, baseline in spec.table(preset, args):
+                describe(label, m, baseline)
+
+
 def build_parser():
     """Every subcommand and flag, each number with its bound (cli.number): a bad value is one line `error: ...`."""
     import block_transformer as bt
@@ -1446,6 +1465,17 @@ def build_parser():
     machine(p)
     p.add_argument("--profile", action="store_true", help="also profile one generate per model at its best batch")
     p.set_defaults(fn=bench_block)
+
+    p = sub.add_parser("presets", help="every preset of an architecture: parameters, KV bytes, FLOPs per token, "
+                                       "beside its baseline (nothing timed)")
+    from checkpoint import arch_table
+    p.add_argument("--arch", type=comma_list(one_of(list(arch_table()))), default=None,
+                   help="comma list of architectures (default: all)")
+    p.add_argument("--preset", default=None, help="one preset (default: every preset of each architecture)")
+    p.add_argument("--loops", type=number(int, min=1), default=None, help="recursive / relaxed: B (default 2)")
+    p.add_argument("--ranks", type=comma_list(number(int, min=1)), default=None,
+                   help="relaxed: comma list of LoRA ranks to list (default 8,16,32,64)")
+    p.set_defaults(fn=bench_presets)
 
     p = sub.add_parser("kernels", help="(CUDA) Triton kernels vs their references and stock PyTorch")
     p.add_argument("--only", default="", help="comma list of: lora, gswa, gswa_decode, dual (default: all); with --aot: "

@@ -57,6 +57,12 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message):  # argparse prints usage + message and exits; raise instead (one line, testable)
         raise UsageError(message)
 
+    @staticmethod
+    def number(kind=int, min=None, above=None, max=None):  # noqa: A002
+        """`number` below, reachable from a parser: an architecture's add_args(ap) bounds its flags with ap.number(...)
+        without importing this module (the model files import no command-line code)."""
+        return number(kind, min=min, above=above, max=max)
+
 
 def number(kind=int, min=None, above=None, max=None):  # noqa: A002 - argparse-style names
     """An argparse type: a finite int/float, >= min or > above, <= max; else 'argument --x: must be >= 1, got 0'."""

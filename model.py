@@ -35,12 +35,10 @@ Conventions (shared by every file):
   * targets equal to IGNORE (-100) carry no loss.
 
 Run:
-    python model.py                       # print the presets: parameters, KV bytes, FLOPs per token
-    python model.py --preset small        # one preset
+    python bench.py presets --arch vanilla   # the presets: parameters, KV bytes, FLOPs per token
 """
 from __future__ import annotations
 
-import argparse
 import math
 import time
 from dataclasses import dataclass, field, fields
@@ -772,11 +770,21 @@ class ArchSpec:
     prepare_batch: Callable | None = None  # (x, y, generator, config) -> (x, y, forward kwargs)
     train_defaults: dict = field(default_factory=dict)  # defaults of train.py flags, e.g. {"max_iters": 200}
     kd_ok: bool = True  # False when prepare_batch re-lays the inputs out, so teacher logits would not align
+    # (preset, options) -> [(label, model, baseline or None)], built on the meta device: the rows `python bench.py
+    # presets` prints for this architecture (options: that command's parsed flags). None: one row, no baseline.
+    preset_rows: Callable | None = None
 
     def make_config(self, preset: str, **overrides):
         if preset not in self.presets:
             raise ValueError(f"unknown preset {preset!r} for {self.name}; choose one of {sorted(self.presets)}")
         return self.config_cls(**{**self.presets[preset], **overrides})
+
+    def table(self, preset: str, options=None) -> list[tuple[str, nn.Module, nn.Module | None]]:
+        """The preset's rows for `describe` (meta device: nothing is allocated)."""
+        if self.preset_rows is not None:
+            return self.preset_rows(preset, options)
+        with torch.device("meta"):
+            return [(preset, self.model_cls(self.make_config(preset)), None)]
 
 
 ARCH_SPECS = [ArchSpec("vanilla", GPTConfig, GPT, PRESETS)]
@@ -886,7 +894,7 @@ def timeit(fn, device, warmup: int = 1, repeats: int = 5) -> list[float]:
 
 
 def describe(name: str, model: nn.Module, baseline: nn.Module | None = None, seq_len: int | None = None):
-    """One line per preset (every architecture file's `main()` prints its presets with it): non-embedding
+    """One line per preset row (`python bench.py presets` prints every architecture's with it): non-embedding
     parameters, KV cache bytes of one sequence of seq_len tokens in bf16, training GFLOP per token -- and the same
     for a baseline model (e.g. the vanilla model of the same parameters) in brackets. Build the models on the meta
     device: nothing is allocated."""
@@ -902,15 +910,3 @@ def describe(name: str, model: nn.Module, baseline: nn.Module | None = None, seq
         line += f"   (baseline {bp:.2f}M, {bkv:.2f} MiB, {bfl:.3f})"
     print(line)
 
-
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--preset", default=None, help="print one preset (default: all)")
-    args = ap.parse_args()
-    for name in [args.preset] if args.preset else PRESETS:
-        with torch.device("meta"):
-            describe(name, GPT(GPTConfig.from_preset(name)))
-
-
-if __name__ == "__main__":
-    main()
