@@ -303,7 +303,7 @@ def init_lora(shared: Block, sources: list[Block], mode: str = "svd", method: st
                     const = const + W @ shift_src
                 W = W * ratio[None, :]  # W_l diag(s_l / s')
             R = W - W_sh
-            if is_shared_layer[l] or not torch.any(R != 0):  # loop l's source is the shared layer: standard init (App. C)
+            if is_shared_layer[l] or not torch.any(R != 0):  # the shared layer itself: standard init (App. C)
                 lin.reset_lora([l], generator)
                 stats["zero_residual"] += 1
                 Bm = torch.zeros_like(R[:, :lin.rank])
