@@ -626,9 +626,10 @@ def exit_analysis(model: RecursiveGPT, x, y, thresholds=(0.5, 0.7, 0.8, 0.9, 0.9
                             `mean_loop` (1-based).
     The curve runs the real cached decoding (decode_step with the threshold: confidence exits with state propagation,
     the code that generate() and serve.py run), teacher-forced on the windows: position 0 is a one-token prompt
-    (prefill, all loops, not scored), every later position a decode step; all statistics cover positions 1..T-1. So a token's loss is that of the loop it exited at, and later tokens
-    attend to the propagated K/V of exited ones. Threshold 0 exits everything after loop 1 and reproduces loop_loss[0];
-    a threshold above 1 never exits and reproduces the final loop's loss (tests check both).
+    (prefill, all loops, not scored), every later position a decode step; all statistics cover positions 1..T-1. So
+    a token's loss is that of the loop it exited at, and later tokens attend to the propagated K/V of exited ones.
+    Threshold 0 exits everything after loop 1 and reproduces loop_loss[0]; a threshold above 1 never exits and
+    reproduces the final loop's loss (tests check both).
     """
     B, T = x.shape
     L = model.config.n_loops
@@ -755,7 +756,8 @@ def preset_rows(preset: str, options=None, relaxed: bool = False) -> list:
 def _spec(name, presets, relaxed):
     return ArchSpec(name, RecursiveConfig, RecursiveGPT, presets, add_args=add_args,
                     config_overrides=lambda args, tok=None: config_overrides(args, relaxed),
-                    convert=lambda args, src, tok=None: convert(args, src, relaxed), train_defaults=TRAIN_DEFAULTS[name],
+                    convert=lambda args, src, tok=None: convert(args, src, relaxed),
+                    train_defaults=TRAIN_DEFAULTS[name],
                     preset_rows=lambda preset, options=None: preset_rows(preset, options, relaxed))
 
 
