@@ -50,13 +50,13 @@ decoder over the P prefix vectors; each decode step feeds one token to the token
 a block runs the block decoder once on it and starts the next block's token decoder from the new context embedding.
 
 Run:
-    python block_transformer.py                              # presets: parameters, KV bytes, vanilla counterparts
-    python train.py --arch block                             # pretrain the tiny preset (~5 min on 2 idle cores)
+    python bench.py presets --arch block                     # presets: parameters, KV bytes, vanilla counterparts
+    python train.py --arch block                             # pretrain the tiny preset
     python train.py --arch block --init-from out/vanilla/ckpt.pt --out-dir out/block-up   # uptrain (Appendix N)
     python train.py --arch block --preset tiny-matched       # the larger model with vanilla tiny's decode throughput
     python bench.py block                                    # throughput vs vanilla at the best batch of a cache
-                                                             # budget, both settings at 1/4 length (~5 min, CPU)
-    python bench.py block --scale 1 --setting decode-heavy   # the paper's 128/2048 setting (~15 min on 2 cores)
+                                                             # budget, both settings at 1/4 length
+    python bench.py block --scale 1 --setting decode-heavy   # the paper's 128/2048 setting (takes longer)
     python eval.py block --eval out/block/ckpt.pt out/vanilla/ckpt.pt   # val loss on the block model's targets
     python -m pytest -q tests/test_block_transformer.py
 """
@@ -71,6 +71,322 @@ import torch.nn.functional as F
 
 from model import (GPT, IGNORE, ArchSpec, Block, GPTConfig, KVCache, Linear, RotaryEmbedding, count_params,
                    init_weights, kv_bytes, lm_loss, make_norm, run_cached)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Embedder (section 2.2)
+
+
+class Embedder(nn.Module):
+    """L_B tokens -> one block embedding of width D_blk.
+
+    lookup:      a table of width D_blk / L_B; the L_B embeddings are concatenated (section 2.2).
+    lookup_proj: a table of width embed_dim; the L_B embeddings are concatenated and projected to D_blk by a Linear
+                 (Appendix G.8). With embed_dim = D and the projection [I/L_B ... I/L_B] it is the mean of the block's
+                 token embeddings, the uptraining init of Appendix N.
+    The pad id is a fixed zero row (not trained), so pads add nothing to a block embedding.
+    """
+
+    def __init__(self, cfg: BlockConfig):
+        super().__init__()
+        self.block_len, self.pad = cfg.block_len, cfg.pad
+        self.scale = cfg.emb_dim ** 0.5 if cfg.embed_scale else None
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.emb_dim, padding_idx=cfg.pad)
+        self.proj = Linear(cfg.block_len * cfg.emb_dim, cfg.block_n_embd) if cfg.embedder == "lookup_proj" else None
+
+    def forward(self, blocks):  # (B, N, L_B) token ids -> (B, N, D_blk)
+        e = self.tok(blocks)  # (B, N, L_B, E)
+        if self.scale is not None:
+            e = e * torch.tensor(self.scale, dtype=e.dtype)
+        e = e.flatten(-2)  # (B, N, L_B * E): concatenation
+        return self.proj(e) if self.proj is not None else e
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The block decoder: a stack of model.Block over block embeddings, with its own RoPE table
+
+
+def run_blocks(blocks, rope, x, mask=None):
+    """The parallel (training) pass of a layer stack: x (B, T, C) at the positions of rope = (cos, sin), causal or
+    under an explicit bool mask (B|1, 1, T, T) -> (B, T, C). Both decoders' training forward."""
+    for block in blocks:
+        x = block(x, rope, mask=mask)
+    return x
+
+
+class Decoder(nn.Module):
+    """Pre-norm blocks over input embeddings with explicit positions; no embedding, final norm or head.
+
+    forward(x, pos, mask): the parallel (training) pass. forward_cached(x, cache, fresh): a prefill (fresh=True, empty
+    cache) or decode step at positions cache.lengths + i, through model.run_cached.
+    """
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.config = cfg
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.rope = RotaryEmbedding(cfg.rot_dim, cfg.max_seq_len, cfg.rope_theta)
+
+    def forward(self, x, pos, mask=None):  # x (B, T, C), pos (T,) or (B, T)
+        return run_blocks(self.blocks, self.rope(pos), x, mask)
+
+    def forward_cached(self, x, cache: KVCache, fresh: bool = False):
+        return run_cached(self.blocks, self.rope, x, cache, fresh)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Generation state
+
+
+class BlockCache:
+    """What generate() carries between steps of the two-level loop (section 2.1):
+
+    blocks  the block decoder's KVCache, one position per block (ceil(max_len / L_B) + 1 positions: room for a
+            left-padded prompt);
+    local   the token decoder's KVCache of P + L_B - 1 entries, reset at every block;
+    slots   the context slots (B, n_ctx, D_tok) of the block being decoded (its P prefix vectors or L_B summands);
+    tokens  (B, L_B) the tokens of that block decoded so far, `k` of them.
+
+    GPT.new_cache(batch, max_len) builds it for max_len tokens. static: both KV caches attend over all their
+    positions at every step (KVCache).
+    """
+
+    def __init__(self, cfg: BlockConfig, batch: int, max_len: int, dtype, device, static=False):
+        b, n_blocks = cfg.block_decoder_config(), -(-max_len // cfg.block_len) + 1
+        self.blocks = KVCache(b.n_layer, batch, n_blocks, b.n_kv_head, b.hd, dtype, device, static)
+        self.local = KVCache(cfg.n_layer, batch, cfg.local_len, cfg.n_kv_head, cfg.hd, dtype, device, static)
+        self.tokens = torch.zeros(batch, cfg.block_len, dtype=torch.long, device=device)
+        self.slots, self.k = None, 0
+
+    def nbytes(self) -> int:
+        return self.blocks.nbytes() + self.local.nbytes()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The model
+
+
+class BlockTransformer(GPT):
+    """Embedder -> block decoder (global, over blocks) -> token decoder (local, inside one block).
+
+    The token decoder is model.GPT's own part: tok_emb, blocks, rope, norm, lm_head (and `embed`, `head`). forward(idx,
+    targets) trains every block at once: blocks are folded into the batch dimension of the token decoder. generate()
+    is GPT.generate over prefill / decode_step with a BlockCache (see the module docstring).
+    """
+
+    def __init__(self, cfg: BlockConfig):
+        super().__init__(cfg)  # the token decoder: embedding, cfg.n_layer blocks, final norm, head (maybe tied)
+        self.embedder = Embedder(cfg)
+        self.block_decoder = Decoder(cfg.block_decoder_config())
+        self.block_norm = make_norm(self.block_decoder.config)  # the block decoder's final norm: the context emb.
+        self.ctx_proj = Linear(cfg.block_n_embd, cfg.n_ctx * cfg.n_embd)  # -> P prefix vectors (or L_B summands)
+        init_weights(self, cfg.block_n_layer + cfg.n_layer)  # residual projections scaled by the total depth
+        with torch.no_grad():
+            self.embedder.tok.weight[cfg.pad].zero_()
+        # The token decoder's position whose output predicts the block's first token t_0: the last prefix vector
+        # (P - 1, prefix) or the start slot (0, summation). The inputs before t_0 are first_pred_pos + 1 positions,
+        # and token k of the block sits at first_pred_pos + 1 + k.
+        self.first_pred_pos = cfg.local_len - cfg.block_len
+
+    # -- pieces --------------------------------------------------------------------------------------------------
+
+    def head(self, h):  # (..., D_tok) -> (..., V); the pad id is never predicted
+        logits = super().head(h)
+        logits[..., self.config.pad] = float("-inf")
+        return logits
+
+    def check_blocks(self, T: int) -> int:
+        L = self.config.block_len
+        if T % L:
+            raise ValueError(f"sequence length {T} is not a multiple of block_len L_B={L}")
+        if T // L > self.config.max_blocks:
+            raise ValueError(f"sequence of {T} tokens ({T // L} blocks) exceeds max_seq_len={self.config.max_seq_len}")
+        return T // L
+
+    def context(self, idx):
+        """idx (B, T) -> context embeddings (B, N, D_blk): the one at block i carries blocks 0..i and predicts i+1."""
+        B, T = idx.shape
+        N = self.check_blocks(T)
+        x = self.embedder(idx.view(B, N, self.config.block_len))  # (B, N, D_blk)
+        h = self.block_decoder(x, torch.arange(N, device=idx.device))  # causal over blocks, RoPE position = block index
+        return self.block_norm(h)
+
+    def context_slots(self, ctx):
+        """ctx (M, D_blk) -> (M, n_ctx, D_tok): the P prefix vectors (prefix) or the L_B summands (summation)."""
+        return self.ctx_proj(ctx).view(ctx.size(0), self.config.n_ctx, self.config.n_embd)
+
+    def first_inputs(self, c):
+        """The token decoder's first inputs, before any token of the block: the P prefix vectors [P_1..P_P] (prefix),
+        or the start vector (the pad row of the token embedding) plus the first summand (summation).
+        c (M, n_ctx, D_tok) -> (M, first_pred_pos + 1, D_tok)."""
+        if self.config.context == "prefix":
+            return c
+        return self.embed(torch.full((c.size(0), 1), self.config.pad, device=c.device)) + c[:, :1]
+
+    def token_inputs(self, c, tokens, k0: int = 0):
+        """Inputs for tokens (M, n), the tokens k0 .. k0+n-1 of a block; token k sits at position first_pred_pos + 1 + k
+        and, with summation, gets the summand c[:, k + 1]. -> (M, n, D_tok)"""
+        e = self.embed(tokens)
+        if self.config.context == "summation":
+            e = e + c[:, k0 + 1:k0 + 1 + tokens.size(1)]
+        return e
+
+    def token_decoder(self, x, mask=None):
+        """The token decoder's parallel pass over M independent blocks: x (M, S, D_tok) at positions 0..S-1."""
+        return run_blocks(self.blocks, self.rope(torch.arange(x.size(1), device=x.device)), x, mask)
+
+    def local_logits(self, ctx, blocks, pad_mask: bool = True, return_hidden: bool = False):
+        """The token decoder on M independent blocks at once (blocks folded into the batch dimension).
+
+        ctx (M, D_blk) context embeddings; blocks (M, L_B) the tokens to predict. Output k predicts blocks[:, k] from
+        ctx and blocks[:, :k] only: no row ever sees another row. Pad tokens are masked as keys (pad_mask).
+        -> logits (M, L_B, V) (or the final hidden states (M, L_B, D_tok) with return_hidden).
+        """
+        L, S = self.config.block_len, self.config.local_len
+        c = self.context_slots(ctx)
+        x = torch.cat([self.first_inputs(c), self.token_inputs(c, blocks[:, :L - 1])], dim=1)  # (M, S, D_tok)
+        mask = None  # causal: the flash path on GPU
+        if pad_mask:
+            is_pad = F.pad(blocks[:, :L - 1] == self.config.pad, (self.first_pred_pos + 1, 0), value=False)  # (M, S)
+            causal = torch.ones(S, S, dtype=torch.bool, device=x.device).tril()
+            mask = (causal[None] & ~is_pad[:, None, :])[:, None]  # (M, 1, S, S); the first slot is always visible
+        h = self.token_decoder(x, mask)[:, self.first_pred_pos:]  # (M, L_B, D_tok): outputs predicting t_0..t_{L_B-1}
+        return h if return_hidden else self.head(h)
+
+    # -- training forward ----------------------------------------------------------------------------------------
+
+    def forward(self, idx, targets=None):
+        """idx (B, T), T a multiple of L_B -> logits (B, T, V), logits[:, t] predicting token t+1, and the loss.
+
+        Row i of the token decoder (i = 0..N-1) takes the context embedding of block i and decodes block i+1 (for
+        i = N-1 that block lies past the window: only its first token, targets[:, -1], is predicted). Tokens of the
+        first block have no context: logits[:, :L_B-1] are zeros and those targets are ignored.
+        """
+        B, T = idx.shape
+        cfg, L = self.config, self.config.block_len
+        ctx = self.context(idx)  # (B, N, D_blk)
+        N = ctx.size(1)
+        nxt = F.pad(idx.view(B, N, L)[:, 1:], (0, 0, 0, 1), value=cfg.pad)  # (B, N, L): row i holds block i+1
+        ctx, nxt = ctx.reshape(B * N, -1), nxt.reshape(B * N, L)
+        # Pad tokens of real blocks (random padding, Appendix H). The row past the window holds placeholder pads whose
+        # outputs are never used; its one used output (the last prefix slot) cannot see them under the causal mask.
+        is_pad = (nxt == cfg.pad).view(B, N, L)
+        is_pad[:, -1] = False
+        is_pad = is_pad.view(B * N, L)
+        if bool(is_pad.any()):  # one host sync; without pads the token decoder runs plain causal attention
+            real_rows = (~is_pad.all(-1)).nonzero().squeeze(1)  # blocks that are entirely padding are skipped
+            h = ctx.new_zeros(B * N, L, cfg.n_embd)
+            h[real_rows] = self.local_logits(ctx[real_rows], nxt[real_rows], pad_mask=True,
+                                             return_hidden=True).to(h.dtype)
+        else:
+            h = self.local_logits(ctx, nxt, pad_mask=False, return_hidden=True)  # (B*N, L, D_tok)
+        h = h.reshape(B, N * L, -1)[:, :T - L + 1]  # hidden state predicting token t sits at t - 1 ...
+        h = F.pad(h, (0, 0, L - 1, 0))  # ... so shift right by L_B - 1: (B, T, D_tok)
+        logits = self.head(h)
+        logits[:, :L - 1] = 0.0  # no context for the first block
+        if targets is None:
+            return logits, None
+        targets = targets.masked_fill(targets == cfg.pad, IGNORE)  # pads carry no loss
+        targets[:, :L - 1] = IGNORE
+        return logits, lm_loss(logits, targets)
+
+    # -- inference (section 2.1, Appendix E): GPT.generate over these methods ------------------------------------
+
+    cache_cls = BlockCache  # GPT.new_cache(batch, max_len) builds it from the config (cache_kwargs)
+
+    def cache_kwargs(self) -> dict:
+        return dict(cfg=self.config)
+
+    @torch.no_grad()
+    def prefill_blocks(self, idx, cache: KVCache):
+        """Prompts idx (B, T) -> the block decoder's prefill -> the context embedding (B, D_blk) that predicts the
+        next block. The prompt is left-padded to a multiple of L_B (the pads are part of the first block's embedding,
+        as in training, Appendix H)."""
+        B, T = idx.shape
+        L = self.config.block_len
+        if T < 1:
+            raise ValueError("generation needs a prompt of at least one token (the first block has no context)")
+        idx = F.pad(idx, ((-T) % L, 0), value=self.config.pad)
+        N = idx.size(1) // L
+        cache.reset()
+        h = self.block_decoder.forward_cached(self.embedder(idx.view(B, N, L)), cache, fresh=True)  # (B, N, D_blk)
+        cache.lengths.fill_(N)
+        return self.block_norm(h[:, -1])
+
+    @torch.no_grad()
+    def block_step(self, block, cache: KVCache):
+        """A finished block (B, L_B) -> one block decoder decode step -> the next context embedding (B, D_blk)."""
+        h = self.block_decoder.forward_cached(self.embedder(block[:, None]), cache)  # (B, 1, D_blk)
+        cache.lengths += 1
+        return self.block_norm(h[:, -1])
+
+    @torch.no_grad()
+    def start_block(self, ctx, cache: BlockCache):
+        """A new block from its context embedding ctx (B, D_blk): the token decoder's local cache starts empty (the
+        previous block's entries are forgotten) and takes the first_pred_pos + 1 first inputs (the P prefix vectors, or
+        the start slot) in one step
+        -> logits (B, V) of the block's first token."""
+        cache.slots, cache.k = self.context_slots(ctx), 0
+        x = self.first_inputs(cache.slots)  # (B, first_pred_pos + 1, D_tok)
+        cache.local.reset()
+        h = run_cached(self.blocks, self.rope, x, cache.local, fresh=True)
+        cache.local.lengths.fill_(x.size(1))
+        return self.head(h[:, -1])
+
+    @torch.no_grad()
+    def prefill(self, idx, cache: BlockCache):
+        """Prompts idx (B, T) -> logits (B, V) of the first new token: the block decoder over the prompt's blocks,
+        then the token decoder over the prefix vectors (the token decoder never sees the prompt's tokens)."""
+        return self.start_block(self.prefill_blocks(idx, cache.blocks), cache)
+
+    @torch.no_grad()
+    def decode_step(self, tok, cache: BlockCache):
+        """The next token of every row tok (B,) -> logits (B, V) of the token after it. Inside a block: one token
+        decoder step over the local cache (at most P + L_B - 1 entries). The token that completes a block: one block
+        decoder step on the block, then the next block's prefix vectors."""
+        cache.tokens[:, cache.k] = tok
+        cache.k += 1
+        if cache.k == self.config.block_len:
+            return self.start_block(self.block_step(cache.tokens, cache.blocks), cache)
+        x = self.token_inputs(cache.slots, tok[:, None], k0=cache.k - 1)  # (B, 1, D_tok)
+        h = run_cached(self.blocks, self.rope, x, cache.local)
+        cache.local.lengths += 1
+        return self.head(h[:, -1])
+
+    def compile_decode(self, mode=None):
+        raise NotImplementedError("GPT.compile_decode compiles one decode step with static caches; the Block "
+                                  "Transformer's step has two shapes (inside a block / at its last token) and the "
+                                  "block decoder's cache grows: not supported")
+
+    # -- accounting ----------------------------------------------------------------------------------------------
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        """Parameter count; non-embedding excludes the embedder's table, the token embedding and an untied head."""
+        return count_params(self, (self.embedder.tok, self.tok_emb, self.lm_head) if non_embedding else ())
+
+    def kv_cache_bytes(self, batch: int, seq_len: int, dtype_bytes: int = 2) -> int:
+        """KV bytes of generate() for seq_len tokens: the block decoder over ceil(seq_len / L_B) + 1 block positions
+        (one spare for a left-padded prompt) plus the token decoder's P + L_B - 1 local entries (Table 1)."""
+        c, b = self.config, self.block_decoder.config
+        n_blocks = -(-seq_len // c.block_len) + 1
+        return (kv_bytes(b.n_layer, batch, n_blocks, b.n_kv_head, b.hd, dtype_bytes)
+                + kv_bytes(c.n_layer, batch, c.local_len, c.n_kv_head, c.hd, dtype_bytes))
+
+    def flops_per_token(self, seq_len: int, training: bool = True) -> float:
+        """6N per trained token, as GPT.flops_per_token, with each part weighted by how often it runs per token: the
+        embedder projection, block decoder and context projection once per block (1/L_B), the token decoder on
+        local_len positions per block (local_len / L_B), the head once; plus attention over seq_len / L_B blocks and
+        over local_len positions. 1/3 of it for a forward pass alone."""
+        c, L, S = self.config, self.config.block_len, self.config.local_len
+        per_block = count_params(self.block_decoder) + count_params(self.ctx_proj)
+        if self.embedder.proj is not None:
+            per_block += count_params(self.embedder.proj)
+        n = per_block / L + count_params(self.blocks) * S / L + c.n_embd * c.vocab_size
+        b = self.block_decoder.config
+        attn = (12 * b.n_layer * b.n_head * b.hd * (seq_len / L) / L
+                + 12 * c.n_layer * c.n_head * c.hd * S * S / L)
+        f = 6 * n + attn
+        return f if training else f / 3
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -193,9 +509,8 @@ def halves(n_layer, n_head, n_kv_head, n_embd, mlp_hidden, **rest) -> dict:
 PRESETS: dict[str, dict] = {
     # The vanilla presets of model.py split in two (equal non-embedding parameters, equal block / token decoders).
     "tiny": halves(4, 4, 2, 128, 384, max_seq_len=256, vocab_size=4160),  # CPU and tests
-    # A larger Block Transformer (4.9M non-embedding parameters, 6x tiny's) with the decode throughput of vanilla
-    # `tiny` on this repository's 2-core CPU: RESULTS.md's quality comparison at matched inference cost. Measured with
-    # python bench.py block --preset tiny-matched --vanilla tiny --scale 0.1171875 --budget-mib 32 --setting decode-heavy
+    # A larger Block Transformer sized so that it decodes as fast as vanilla `tiny` on a 2-core CPU: the quality
+    # comparison at matched inference cost (RESULTS.md has it, with the bench.py block command that matched them).
     "tiny-matched": halves(8, 4, 2, 224, 672, max_seq_len=256, vocab_size=4160),
     "small": halves(8, 8, 4, 512, 1536, max_seq_len=1024, vocab_size=16448),
     "base": halves(12, 12, 4, 768, 3840, max_seq_len=1024, vocab_size=32832),
@@ -256,318 +571,6 @@ def prepare_batch(x, y, gen, cfg: BlockConfig):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Embedder (section 2.2)
-
-
-class Embedder(nn.Module):
-    """L_B tokens -> one block embedding of width D_blk.
-
-    lookup:      a table of width D_blk / L_B; the L_B embeddings are concatenated (section 2.2).
-    lookup_proj: a table of width embed_dim; the L_B embeddings are concatenated and projected to D_blk by a Linear
-                 (Appendix G.8). With embed_dim = D and the projection [I/L_B ... I/L_B] it is the mean of the block's
-                 token embeddings, the uptraining init of Appendix N.
-    The pad id is a fixed zero row (not trained), so pads add nothing to a block embedding.
-    """
-
-    def __init__(self, cfg: BlockConfig):
-        super().__init__()
-        self.block_len, self.pad = cfg.block_len, cfg.pad
-        self.scale = cfg.emb_dim ** 0.5 if cfg.embed_scale else None
-        self.tok = nn.Embedding(cfg.vocab_size, cfg.emb_dim, padding_idx=cfg.pad)
-        self.proj = Linear(cfg.block_len * cfg.emb_dim, cfg.block_n_embd) if cfg.embedder == "lookup_proj" else None
-
-    def forward(self, blocks):  # (B, N, L_B) token ids -> (B, N, D_blk)
-        e = self.tok(blocks)  # (B, N, L_B, E)
-        if self.scale is not None:
-            e = e * torch.tensor(self.scale, dtype=e.dtype)
-        e = e.flatten(-2)  # (B, N, L_B * E): concatenation
-        return self.proj(e) if self.proj is not None else e
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The block decoder: a stack of model.Block over block embeddings, with its own RoPE table
-
-
-def run_blocks(blocks, rope, x, mask=None):
-    """The parallel (training) pass of a layer stack: x (B, T, C) at the positions of rope = (cos, sin), causal or
-    under an explicit bool mask (B|1, 1, T, T) -> (B, T, C). Both decoders' training forward."""
-    for block in blocks:
-        x = block(x, rope, mask=mask)
-    return x
-
-
-class Decoder(nn.Module):
-    """Pre-norm blocks over input embeddings with explicit positions; no embedding, final norm or head.
-
-    forward(x, pos, mask): the parallel (training) pass. forward_cached(x, cache, fresh): a prefill (fresh=True, empty
-    cache) or decode step at positions cache.lengths + i, through model.run_cached.
-    """
-
-    def __init__(self, cfg: GPTConfig):
-        super().__init__()
-        self.config = cfg
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.rope = RotaryEmbedding(cfg.rot_dim, cfg.max_seq_len, cfg.rope_theta)
-
-    def forward(self, x, pos, mask=None):  # x (B, T, C), pos (T,) or (B, T)
-        return run_blocks(self.blocks, self.rope(pos), x, mask)
-
-    def forward_cached(self, x, cache: KVCache, fresh: bool = False):
-        return run_cached(self.blocks, self.rope, x, cache, fresh)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Generation state
-
-
-class BlockCache:
-    """What generate() carries between steps of the two-level loop (section 2.1):
-
-    blocks  the block decoder's KVCache, one position per block (ceil(max_len / L_B) + 1 positions: room for a
-            left-padded prompt);
-    local   the token decoder's KVCache of P + L_B - 1 entries, reset at every block;
-    slots   the context slots (B, n_ctx, D_tok) of the block being decoded (its P prefix vectors or L_B summands);
-    tokens  (B, L_B) the tokens of that block decoded so far, `k` of them.
-
-    GPT.new_cache(batch, max_len) builds it for max_len tokens. static: both KV caches attend over all their
-    positions at every step (KVCache).
-    """
-
-    def __init__(self, cfg: BlockConfig, batch: int, max_len: int, dtype, device, static=False):
-        b, n_blocks = cfg.block_decoder_config(), -(-max_len // cfg.block_len) + 1
-        self.blocks = KVCache(b.n_layer, batch, n_blocks, b.n_kv_head, b.hd, dtype, device, static)
-        self.local = KVCache(cfg.n_layer, batch, cfg.local_len, cfg.n_kv_head, cfg.hd, dtype, device, static)
-        self.tokens = torch.zeros(batch, cfg.block_len, dtype=torch.long, device=device)
-        self.slots, self.k = None, 0
-
-    def nbytes(self) -> int:
-        return self.blocks.nbytes() + self.local.nbytes()
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The model
-
-
-class BlockTransformer(GPT):
-    """Embedder -> block decoder (global, over blocks) -> token decoder (local, inside one block).
-
-    The token decoder is model.GPT's own part: tok_emb, blocks, rope, norm, lm_head (and `embed`, `head`). forward(idx,
-    targets) trains every block at once: blocks are folded into the batch dimension of the token decoder. generate()
-    is GPT.generate over prefill / decode_step with a BlockCache (see the module docstring).
-    """
-
-    def __init__(self, cfg: BlockConfig):
-        super().__init__(cfg)  # the token decoder: embedding, cfg.n_layer blocks, final norm, head (maybe tied)
-        self.embedder = Embedder(cfg)
-        self.block_decoder = Decoder(cfg.block_decoder_config())
-        self.block_norm = make_norm(self.block_decoder.config)  # the block decoder's final norm: the context emb.
-        self.ctx_proj = Linear(cfg.block_n_embd, cfg.n_ctx * cfg.n_embd)  # -> P prefix vectors (or L_B summands)
-        init_weights(self, cfg.block_n_layer + cfg.n_layer)  # residual projections scaled by the total depth
-        with torch.no_grad():
-            self.embedder.tok.weight[cfg.pad].zero_()
-        # first token-decoder output that predicts a token: the last prefix vector (prefix), the start slot (summation)
-        self.off = cfg.local_len - cfg.block_len
-
-    # -- pieces --------------------------------------------------------------------------------------------------
-
-    def head(self, h):  # (..., D_tok) -> (..., V); the pad id is never predicted
-        logits = super().head(h)
-        logits[..., self.config.pad] = float("-inf")
-        return logits
-
-    def check_blocks(self, T: int) -> int:
-        L = self.config.block_len
-        if T % L:
-            raise ValueError(f"sequence length {T} is not a multiple of block_len L_B={L}")
-        if T // L > self.config.max_blocks:
-            raise ValueError(f"sequence of {T} tokens ({T // L} blocks) exceeds max_seq_len={self.config.max_seq_len}")
-        return T // L
-
-    def context(self, idx):
-        """idx (B, T) -> context embeddings (B, N, D_blk): the one at block i carries blocks 0..i and predicts i+1."""
-        B, T = idx.shape
-        N = self.check_blocks(T)
-        x = self.embedder(idx.view(B, N, self.config.block_len))  # (B, N, D_blk)
-        h = self.block_decoder(x, torch.arange(N, device=idx.device))  # causal over blocks, RoPE position = block index
-        return self.block_norm(h)
-
-    def context_slots(self, ctx):
-        """ctx (M, D_blk) -> (M, n_ctx, D_tok): the P prefix vectors (prefix) or the L_B summands (summation)."""
-        return self.ctx_proj(ctx).view(ctx.size(0), self.config.n_ctx, self.config.n_embd)
-
-    def first_inputs(self, c):
-        """The token decoder's first inputs, before any token of the block: the P prefix vectors [P_1..P_P] (prefix),
-        or the start vector (the pad row of the token embedding) plus the first summand (summation).
-        c (M, n_ctx, D_tok) -> (M, off + 1, D_tok)."""
-        if self.config.context == "prefix":
-            return c
-        return self.embed(torch.full((c.size(0), 1), self.config.pad, device=c.device)) + c[:, :1]
-
-    def token_inputs(self, c, tokens, k0: int = 0):
-        """Inputs for tokens (M, n), the tokens k0 .. k0+n-1 of a block; token k sits at position off + 1 + k and, with
-        summation, gets the summand c[:, k + 1]. -> (M, n, D_tok)"""
-        e = self.embed(tokens)
-        if self.config.context == "summation":
-            e = e + c[:, k0 + 1:k0 + 1 + tokens.size(1)]
-        return e
-
-    def token_decoder(self, x, mask=None):
-        """The token decoder's parallel pass over M independent blocks: x (M, S, D_tok) at positions 0..S-1."""
-        return run_blocks(self.blocks, self.rope(torch.arange(x.size(1), device=x.device)), x, mask)
-
-    def local_logits(self, ctx, blocks, pad_mask: bool = True, return_hidden: bool = False):
-        """The token decoder on M independent blocks at once (blocks folded into the batch dimension).
-
-        ctx (M, D_blk) context embeddings; blocks (M, L_B) the tokens to predict. Output k predicts blocks[:, k] from
-        ctx and blocks[:, :k] only: no row ever sees another row. Pad tokens are masked as keys (pad_mask).
-        -> logits (M, L_B, V) (or the final hidden states (M, L_B, D_tok) with return_hidden).
-        """
-        L, S = self.config.block_len, self.config.local_len
-        c = self.context_slots(ctx)
-        x = torch.cat([self.first_inputs(c), self.token_inputs(c, blocks[:, :L - 1])], dim=1)  # (M, S, D_tok)
-        mask = None  # causal: the flash path on GPU
-        if pad_mask:
-            is_pad = F.pad(blocks[:, :L - 1] == self.config.pad, (self.off + 1, 0), value=False)  # (M, S) by key
-            causal = torch.ones(S, S, dtype=torch.bool, device=x.device).tril()
-            mask = (causal[None] & ~is_pad[:, None, :])[:, None]  # (M, 1, S, S); the first slot is always visible
-        h = self.token_decoder(x, mask)[:, self.off:]  # (M, L_B, D_tok): the outputs that predict t_0 .. t_{L_B-1}
-        return h if return_hidden else self.head(h)
-
-    # -- training forward ----------------------------------------------------------------------------------------
-
-    def forward(self, idx, targets=None):
-        """idx (B, T), T a multiple of L_B -> logits (B, T, V), logits[:, t] predicting token t+1, and the loss.
-
-        Row i of the token decoder (i = 0..N-1) takes the context embedding of block i and decodes block i+1 (for
-        i = N-1 that block lies past the window: only its first token, targets[:, -1], is predicted). Tokens of the
-        first block have no context: logits[:, :L_B-1] are zeros and those targets are ignored.
-        """
-        B, T = idx.shape
-        cfg, L = self.config, self.config.block_len
-        ctx = self.context(idx)  # (B, N, D_blk)
-        N = ctx.size(1)
-        nxt = F.pad(idx.view(B, N, L)[:, 1:], (0, 0, 0, 1), value=cfg.pad)  # (B, N, L): row i holds block i+1
-        ctx, nxt = ctx.reshape(B * N, -1), nxt.reshape(B * N, L)
-        # Pad tokens of real blocks (random padding, Appendix H). The row past the window holds placeholder pads whose
-        # outputs are never used; its one used output (the last prefix slot) cannot see them under the causal mask.
-        is_pad = (nxt == cfg.pad).view(B, N, L)
-        is_pad[:, -1] = False
-        is_pad = is_pad.view(B * N, L)
-        if bool(is_pad.any()):  # one host sync; without pads the token decoder runs plain causal attention
-            keep = (~is_pad.all(-1)).nonzero().squeeze(1)  # blocks that are entirely padding are skipped
-            h = ctx.new_zeros(B * N, L, cfg.n_embd)
-            h[keep] = self.local_logits(ctx[keep], nxt[keep], pad_mask=True, return_hidden=True).to(h.dtype)
-        else:
-            h = self.local_logits(ctx, nxt, pad_mask=False, return_hidden=True)  # (B*N, L, D_tok)
-        h = h.reshape(B, N * L, -1)[:, :T - L + 1]  # hidden state predicting token t sits at t - 1 ...
-        h = F.pad(h, (0, 0, L - 1, 0))  # ... so shift right by L_B - 1: (B, T, D_tok)
-        logits = self.head(h)
-        logits[:, :L - 1] = 0.0  # no context for the first block
-        if targets is None:
-            return logits, None
-        targets = targets.masked_fill(targets == cfg.pad, IGNORE)  # pads carry no loss
-        targets[:, :L - 1] = IGNORE
-        return logits, lm_loss(logits, targets)
-
-    # -- inference (section 2.1, Appendix E): GPT.generate over these methods ------------------------------------
-
-    cache_cls = BlockCache  # GPT.new_cache(batch, max_len) builds it from the config (cache_kwargs)
-
-    def cache_kwargs(self) -> dict:
-        return dict(cfg=self.config)
-
-    @torch.no_grad()
-    def prefill_blocks(self, idx, cache: KVCache):
-        """Prompts idx (B, T) -> the block decoder's prefill -> the context embedding (B, D_blk) that predicts the
-        next block. The prompt is left-padded to a multiple of L_B (the pads are part of the first block's embedding,
-        as in training, Appendix H)."""
-        B, T = idx.shape
-        L = self.config.block_len
-        if T < 1:
-            raise ValueError("generation needs a prompt of at least one token (the first block has no context)")
-        idx = F.pad(idx, ((-T) % L, 0), value=self.config.pad)
-        N = idx.size(1) // L
-        cache.reset()
-        h = self.block_decoder.forward_cached(self.embedder(idx.view(B, N, L)), cache, fresh=True)  # (B, N, D_blk)
-        cache.lengths.fill_(N)
-        return self.block_norm(h[:, -1])
-
-    @torch.no_grad()
-    def block_step(self, block, cache: KVCache):
-        """A finished block (B, L_B) -> one block decoder decode step -> the next context embedding (B, D_blk)."""
-        h = self.block_decoder.forward_cached(self.embedder(block[:, None]), cache)  # (B, 1, D_blk)
-        cache.lengths += 1
-        return self.block_norm(h[:, -1])
-
-    @torch.no_grad()
-    def start_block(self, ctx, cache: BlockCache):
-        """A new block from its context embedding ctx (B, D_blk): the token decoder's local cache starts empty (the
-        previous block's entries are forgotten) and takes the off + 1 first inputs (the P prefix vectors) in one step
-        -> logits (B, V) of the block's first token."""
-        cache.slots, cache.k = self.context_slots(ctx), 0
-        x = self.first_inputs(cache.slots)  # (B, off + 1, D_tok)
-        cache.local.reset()
-        h = run_cached(self.blocks, self.rope, x, cache.local, fresh=True)
-        cache.local.lengths.fill_(x.size(1))
-        return self.head(h[:, -1])
-
-    @torch.no_grad()
-    def prefill(self, idx, cache: BlockCache):
-        """Prompts idx (B, T) -> logits (B, V) of the first new token: the block decoder over the prompt's blocks,
-        then the token decoder over the prefix vectors (the token decoder never sees the prompt's tokens)."""
-        return self.start_block(self.prefill_blocks(idx, cache.blocks), cache)
-
-    @torch.no_grad()
-    def decode_step(self, tok, cache: BlockCache):
-        """The next token of every row tok (B,) -> logits (B, V) of the token after it. Inside a block: one token
-        decoder step over the local cache (at most P + L_B - 1 entries). The token that completes a block: one block
-        decoder step on the block, then the next block's prefix vectors."""
-        cache.tokens[:, cache.k] = tok
-        cache.k += 1
-        if cache.k == self.config.block_len:
-            return self.start_block(self.block_step(cache.tokens, cache.blocks), cache)
-        x = self.token_inputs(cache.slots, tok[:, None], k0=cache.k - 1)  # (B, 1, D_tok)
-        h = run_cached(self.blocks, self.rope, x, cache.local)
-        cache.local.lengths += 1
-        return self.head(h[:, -1])
-
-    def compile_decode(self, mode=None):
-        raise NotImplementedError("GPT.compile_decode compiles one decode step with static caches; the Block "
-                                  "Transformer's step has two shapes (inside a block / at its last token) and the "
-                                  "block decoder's cache grows: not supported")
-
-    # -- accounting ----------------------------------------------------------------------------------------------
-
-    def num_params(self, non_embedding: bool = True) -> int:
-        """Parameter count; non-embedding excludes the embedder's table, the token embedding and an untied head."""
-        return count_params(self, (self.embedder.tok, self.tok_emb, self.lm_head) if non_embedding else ())
-
-    def kv_cache_bytes(self, batch: int, seq_len: int, dtype_bytes: int = 2) -> int:
-        """KV bytes of generate() for seq_len tokens: the block decoder over ceil(seq_len / L_B) + 1 block positions
-        (one spare for a left-padded prompt) plus the token decoder's P + L_B - 1 local entries (Table 1)."""
-        c, b = self.config, self.block_decoder.config
-        n_blocks = -(-seq_len // c.block_len) + 1
-        return (kv_bytes(b.n_layer, batch, n_blocks, b.n_kv_head, b.hd, dtype_bytes)
-                + kv_bytes(c.n_layer, batch, c.local_len, c.n_kv_head, c.hd, dtype_bytes))
-
-    def flops_per_token(self, seq_len: int, training: bool = True) -> float:
-        """6N per trained token, as GPT.flops_per_token, with each part weighted by how often it runs per token: the
-        embedder projection, block decoder and context projection once per block (1/L_B), the token decoder on
-        local_len positions per block (local_len / L_B), the head once; plus attention over seq_len / L_B blocks and
-        over local_len positions. 1/3 of it for a forward pass alone."""
-        c, L, S = self.config, self.config.block_len, self.config.local_len
-        per_block = count_params(self.block_decoder) + count_params(self.ctx_proj)
-        if self.embedder.proj is not None:
-            per_block += count_params(self.embedder.proj)
-        n = per_block / L + count_params(self.blocks) * S / L + c.n_embd * c.vocab_size
-        b = self.block_decoder.config
-        attn = (12 * b.n_layer * b.n_head * b.hd * (seq_len / L) / L
-                + 12 * c.n_layer * c.n_head * c.hd * S * S / L)
-        f = 6 * n + attn
-        return f if training else f / 3
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # Uptraining from a vanilla model (Appendix N, G.8)
 
 
@@ -620,6 +623,7 @@ def from_vanilla(gpt: GPT, block_len: int = 4, prefix_len: int = 2, max_seq_len:
 
 
 def add_args(ap: argparse.ArgumentParser):
+    """Flags of the Block Transformer (ap: a cli.ArgumentParser; ap.number bounds a flag)."""
     g = ap.add_argument_group("block (Block Transformer)")
     g.add_argument("--block-len", type=int, default=None, help="block: tokens per block L_B (default: preset, 4)")
     g.add_argument("--block-prefix-len", type=int, default=None, help="block: prefix length P (default: preset, 2)")
@@ -654,31 +658,19 @@ def convert(args, vanilla: GPT, tok=None) -> BlockTransformer:
                         random_pad=not args.block_no_random_pad)
 
 
+def preset_rows(preset: str, options=None) -> list:
+    """The row `python bench.py presets --arch block` prints for one preset (meta device): the Block Transformer,
+    labelled with its block / token decoder layers, L_B and P, beside its vanilla counterpart (the two decoders'
+    layers stacked, Table 3) as the baseline. options (bench.py's flags) are not read."""
+    cfg = BlockConfig.from_preset(preset)
+    label = (f"{preset:{max(map(len, PRESETS))}s} block {cfg.block_n_layer:2d}L tok {cfg.n_layer:2d}L "
+             f"L_B {cfg.block_len} P {cfg.prefix_len}")
+    with torch.device("meta"):
+        return [(label, BlockTransformer(cfg), GPT(cfg.vanilla_config()))]
+
+
 ARCH_SPECS = [ArchSpec("block", BlockConfig, BlockTransformer, PRESETS, add_args=add_args,
                        config_overrides=config_overrides, convert=convert, prepare_batch=prepare_batch, kd_ok=False,
-                       # measured with /work/tools/cpu_excl (2 idle threads, fp32): a tiny step (16 x 256) takes
-                       # ~0.29 s, 1.04x vanilla's at the same time; 1000 steps + 4 evaluations take ~5 minutes
-                       train_defaults={"max_iters": 1000})]
-
-
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--preset", default=None, help="print one preset (default: all)")
-    args = ap.parse_args()
-    for name in [args.preset] if args.preset else PRESETS:
-        cfg = BlockConfig.from_preset(name)
-        with torch.device("meta"):
-            m, v = BlockTransformer(cfg), GPT(cfg.vanilla_config())
-        T = cfg.max_seq_len
-        print(f"{name:13s} block {cfg.block_n_layer}L tok {cfg.n_layer}L d {cfg.n_embd:5d} L_B {cfg.block_len} "
-              f"P {cfg.prefix_len} | non-emb {m.num_params() / 1e6:8.2f}M (vanilla {v.num_params() / 1e6:8.2f}M) | "
-              f"KV bytes @T={T} batch 1: {m.kv_cache_bytes(1, T) / 2 ** 20:8.2f} MiB "
-              f"(vanilla {v.kv_cache_bytes(1, T) / 2 ** 20:8.2f} MiB) | train GFLOP/token "
-              f"{m.flops_per_token(T) / 1e9:6.3f} (vanilla {v.flops_per_token(T) / 1e9:6.3f})")
-
-
-if __name__ == "__main__":
-    main()
+                       # so that `python train.py --arch block` alone takes about five minutes on two CPU cores
+                       # (its wall time: RESULTS.md, Timings)
+                       train_defaults={"max_iters": 1000}, preset_rows=preset_rows)]

@@ -1,6 +1,6 @@
 """
 cli.py -- the one error contract of every command of this repository (train.py, serve.py, bench.py, hf.py and the
-`python plt.py` / `python recursive.py` tables).
+`python plt.py` table).
 
 A mistake the user can fix (a flag, a file, a checkpoint, a batch that cannot fit, a diverged run) is one line
 `error: ...` on stderr naming the flag, value or file, and exit code 2; a run stopped by Ctrl-C or SIGTERM is one line

@@ -49,7 +49,7 @@ Run:
     python train.py --arch relaxed --init-from out/relaxed/ckpt.pt --exit-loss aggressive --exit-coef 0.1 \
         --self-distill --out-dir out/relaxed-exit                   # early-exit post-training (Appendix J)
     python eval.py exits --ckpt out/relaxed-exit/ckpt.pt           # per-loop losses, oracle, threshold curve
-    python recursive.py --preset tiny                               # parameter counts: vanilla, recursive, relaxed
+    python bench.py presets --arch recursive,relaxed --preset tiny  # parameter counts: vanilla, recursive, relaxed
     python serve.py --ckpt out/relaxed-exit/ckpt.pt                 # depth-wise batching with early exit
     python -m pytest -q tests/test_recursive.py tests/test_svd_lora.py
 """
@@ -63,152 +63,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from cli import ArgumentParser, number, run_cli, user_input
 from model import (GPT, IGNORE, PRESETS, ArchSpec, Block, GPTConfig, KVCache, RotaryEmbedding,
                    causal_mask_from_positions, count_params, distill_loss, kv_bytes, lm_loss, start_prefill)
 from svd_lora import COMPONENTS, LoRALinear, add_lora, init_lora, max_ranks
-
-INITS = ("stepwise", "average", "lower", "random")
-EXIT_LOSSES = ("none", "weighted", "aggressive")
-EXIT_RULES = ("softmax", "gate", "saturation")
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Config
-
-
-@dataclass
-class RecursiveConfig(GPTConfig):
-    """GPTConfig plus looping, LoRA and early-exit fields. n_layer is the effective depth N; K = N / n_loops."""
-
-    n_loops: int = 2  # B: how many times the shared block runs
-    lora_rank_q: int = 0  # LoRA rank per component (Table G.1); 0 = no LoRA there. All 0 = Recursive Transformer
-    lora_rank_kv: int = 0
-    lora_rank_o: int = 0
-    lora_rank_mlp: int = 0
-    lora_bias: bool = False  # per-loop bias delta on the LoRA layers (set by conversion of sources with biases)
-    exit_loss: str = "none"  # 'none' | 'weighted' | 'aggressive' (section 3.7)
-    exit_coef: float = 0.1  # coefficient of each intermediate loop for 'aggressive'
-    self_distill: bool = False  # KD from the detached final-loop logits into the intermediate ones
-    exit_threshold: float | None = None  # default confidence threshold of generate(); None = no early exit
-    # Which score decides an exit (exit_score): 'softmax' = the max softmax probability (the paper's confidence; the
-    # head on every row at every loop), 'gate' = the learned exit gate below (O(d) per row, CALM's classifier),
-    # 'saturation' = cosine of the loop's input and output hidden states (O(d), no parameters; CALM's saturation).
-    exit_rule: str = "softmax"
-    # A learned exit gate: per non-final loop one linear classifier on the final-norm'ed hidden state, trained (on
-    # detached inputs: the LM is untouched) to predict that this loop's argmax equals the final loop's (the oracle).
-    exit_gate: bool = False
-
-    def validate(self):
-        super().validate()
-        need = self.need
-        need(isinstance(self.n_loops, int) and self.n_loops >= 1, f"n_loops={self.n_loops} must be a positive int")
-        need(self.n_layer % self.n_loops == 0, f"n_layer={self.n_layer} is not divisible by n_loops={self.n_loops} "
-                                               f"(the shared block needs K = n_layer / n_loops layers)")
-        top = max_ranks(self)
-        for c in COMPONENTS:
-            r = getattr(self, f"lora_rank_{c}")
-            need(isinstance(r, int) and r >= 0, f"lora_rank_{c}={r} must be an int >= 0")
-            need(r <= top[c], f"lora_rank_{c}={r} exceeds min(out, in) = {top[c]} of the {c} projections "
-                              f"(full rank); use --lora-rank-{c} {top[c]} or less")
-        need(self.exit_loss in EXIT_LOSSES, f"exit_loss={self.exit_loss!r} is not one of {EXIT_LOSSES}")
-        need(0 <= self.exit_coef < math.inf, f"exit_coef={self.exit_coef} must be a finite number >= 0")
-        need(not self.self_distill or self.exit_loss != "none",
-             "self_distill needs an exit loss (weighted or aggressive) to weight the intermediate terms")
-        need(self.exit_threshold is None or self.exit_threshold > 0, f"exit_threshold={self.exit_threshold} must "
-                                                                     f"be > 0 (or None: no early exit)")
-        need(self.exit_rule in EXIT_RULES, f"exit_rule={self.exit_rule!r} is not one of {EXIT_RULES}")
-        need(self.exit_rule != "gate" or self.exit_gate,
-             "exit_rule='gate' needs a model with a trained exit gate (train with --exit-gate)")
-
-    @property
-    def n_shared(self) -> int:  # K
-        return self.n_layer // self.n_loops
-
-    @property
-    def lora_ranks(self) -> dict[str, int]:
-        return {c: getattr(self, f"lora_rank_{c}") for c in COMPONENTS}
-
-    @property
-    def relaxed(self) -> bool:
-        return any(r > 0 for r in self.lora_ranks.values())
-
-
-def _relaxed_preset(p: dict, rank: int) -> dict:
-    top = max_ranks(GPTConfig(**p))
-    return {**p, "n_loops": 2, **{f"lora_rank_{c}": min(rank, top[c]) for c in COMPONENTS}}
-
-
-RECURSIVE_PRESETS = {name: {**p, "n_loops": 2} for name, p in PRESETS.items()}
-# Default ranks: about a quarter of d_model (the paper's main Gemma setting is 512 of 2048), capped at full rank.
-RELAXED_RANK = {"tiny": 16, "small": 64, "base": 128, "gemma-2b": 512, "tinyllama-1.1b": 512, "pythia-1b": 512}
-RELAXED_PRESETS = {name: _relaxed_preset(p, RELAXED_RANK.get(name, 64)) for name, p in PRESETS.items()}
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Which vanilla layers the shared layers come from (Figure 2, Appendix F)
-
-
-def stepwise_layers(N: int, K: int) -> list[int]:
-    """Fixed-ends Stepwise: round(linspace(0, N-1, K)), Python round (half to even). N=6, K=3 -> [0, 2, 5]."""
-    if K == 1:
-        return [0]
-    return [round(k * (N - 1) / (K - 1)) for k in range(K)]
-
-
-def tying_sources(N: int, K: int, init: str) -> list[list[int]]:
-    """For each shared layer k, the vanilla layers it is made of (averaged when more than one)."""
-    B = N // K
-    if init == "stepwise":
-        return [[i] for i in stepwise_layers(N, K)]
-    if init == "lower":
-        return [[k] for k in range(K)]
-    if init == "average":
-        return [[l * K + k for l in range(B)] for k in range(K)]
-    raise ValueError(f"unknown tying init {init!r}; choose one of {INITS}")
-
-
-def keep_layers(src: GPT, spec: str) -> GPT:
-    """The reduced-size baseline of section 3.2 built from pretrained layers: a vanilla GPT made of some of src's
-    layers, in their order, with its embedding, final norm and head. spec: 'stepwise:K' (the K layers Stepwise ties,
-    i.e. the unique layers of the recursive model), 'lower:K' (the first K), or a comma list of layer indices. The
-    paper pretrains its reduced-size models from scratch; starting them from the same pretrained layers as the
-    recursive model isolates what looping adds."""
-    N = src.config.n_layer
-    kind, _, k = spec.partition(":")
-    if kind in ("stepwise", "lower"):
-        if not k.isdigit() or not 1 <= int(k) <= N:
-            raise ValueError(f"--keep-layers {spec}: give {kind}:K with 1 <= K <= {N} (the source's layers)")
-        layers = stepwise_layers(N, int(k)) if kind == "stepwise" else list(range(int(k)))
-    else:
-        try:
-            layers = [int(i) for i in spec.split(",")]
-        except ValueError:
-            raise ValueError(f"--keep-layers {spec!r}: give stepwise:K, lower:K or a comma list of layer indices")
-        if not layers or any(not 0 <= i < N for i in layers) or len(set(layers)) != len(layers):
-            raise ValueError(f"--keep-layers {spec}: layer indices must be distinct and in [0, {N})")
-    cfg = replace(src.config, n_layer=len(layers))
-    p = src.tok_emb.weight
-    with torch.device("meta"):
-        model = GPT(cfg)
-    sd = {k: v for k, v in src.state_dict().items() if not k.startswith("blocks.")}
-    for new, old in enumerate(layers):
-        sd.update({f"blocks.{new}.{k}": v for k, v in src.blocks[old].state_dict().items()})
-    model.load_state_dict({k: v.clone() for k, v in sd.items()}, assign=True)
-    if cfg.tie_embeddings:
-        model.lm_head.weight = model.tok_emb.weight
-    model.rope = RotaryEmbedding(cfg.rot_dim, cfg.max_seq_len, cfg.rope_theta).to(p.device)  # fp32 tables
-    return model
-
-
-def exit_coefficients(kind: str, n_loops: int, coef: float) -> list[float]:
-    """Loss coefficient of each loop's output (section 3.7): weighted alpha_i = i / sum_j j; aggressive coef, ..., 1."""
-    if kind == "weighted":
-        total = n_loops * (n_loops + 1) / 2
-        return [(i + 1) / total for i in range(n_loops)]
-    if kind == "aggressive":
-        return [coef] * (n_loops - 1) + [1.0]
-    return [0.0] * (n_loops - 1) + [1.0]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -451,11 +308,11 @@ class RecursiveGPT(GPT):
         pick = lambda t, sel: t if sel is None else t[sel]  # noqa: E731
         for k, block in enumerate(self.blocks):
             xn = block.attn_norm(h)
-            once = not any(isinstance(p, LoRALinear) for p in (block.attn.k_proj, block.attn.v_proj))
-            if once:
+            same_kv_every_loop = not any(isinstance(p, LoRALinear) for p in (block.attn.k_proj, block.attn.v_proj))
+            if same_kv_every_loop:
                 kk, vv = block.attn.project_kv(xn, rope)
             for lp, sel in deeper.items():
-                if once:
+                if same_kv_every_loop:
                     ks, vs = pick(kk, sel), pick(vv, sel)
                 else:
                     ks, vs = block.attn.project_kv(pick(xn, sel), tuple(pick(t, sel) for t in rope), lora_idx=lp)
@@ -544,6 +401,148 @@ class RecursiveGPT(GPT):
         return f if training else f / 3
 
 
+def exit_coefficients(kind: str, n_loops: int, coef: float) -> list[float]:
+    """Loss coefficient of each loop's output (section 3.7): weighted alpha_i = i / sum_j j; aggressive coef, ..., 1."""
+    if kind == "weighted":
+        total = n_loops * (n_loops + 1) / 2
+        return [(i + 1) / total for i in range(n_loops)]
+    if kind == "aggressive":
+        return [coef] * (n_loops - 1) + [1.0]
+    return [0.0] * (n_loops - 1) + [1.0]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Config
+
+INITS = ("stepwise", "average", "lower", "random")
+EXIT_LOSSES = ("none", "weighted", "aggressive")
+EXIT_RULES = ("softmax", "gate", "saturation")
+
+
+@dataclass
+class RecursiveConfig(GPTConfig):
+    """GPTConfig plus looping, LoRA and early-exit fields. n_layer is the effective depth N; K = N / n_loops."""
+
+    n_loops: int = 2  # B: how many times the shared block runs
+    lora_rank_q: int = 0  # LoRA rank per component (Table G.1); 0 = no LoRA there. All 0 = Recursive Transformer
+    lora_rank_kv: int = 0
+    lora_rank_o: int = 0
+    lora_rank_mlp: int = 0
+    lora_bias: bool = False  # per-loop bias delta on the LoRA layers (set by conversion of sources with biases)
+    exit_loss: str = "none"  # 'none' | 'weighted' | 'aggressive' (section 3.7)
+    exit_coef: float = 0.1  # coefficient of each intermediate loop for 'aggressive'
+    self_distill: bool = False  # KD from the detached final-loop logits into the intermediate ones
+    exit_threshold: float | None = None  # default confidence threshold of generate(); None = no early exit
+    # Which score decides an exit (exit_score): 'softmax' = the max softmax probability (the paper's confidence; the
+    # head on every row at every loop), 'gate' = the learned exit gate below (O(d) per row, CALM's classifier),
+    # 'saturation' = cosine of the loop's input and output hidden states (O(d), no parameters; CALM's saturation).
+    exit_rule: str = "softmax"
+    # A learned exit gate: per non-final loop one linear classifier on the final-norm'ed hidden state, trained (on
+    # detached inputs: the LM is untouched) to predict that this loop's argmax equals the final loop's (the oracle).
+    exit_gate: bool = False
+
+    def validate(self):
+        super().validate()
+        need = self.need
+        need(isinstance(self.n_loops, int) and self.n_loops >= 1, f"n_loops={self.n_loops} must be a positive int")
+        need(self.n_layer % self.n_loops == 0, f"n_layer={self.n_layer} is not divisible by n_loops={self.n_loops} "
+                                               f"(the shared block needs K = n_layer / n_loops layers)")
+        top = max_ranks(self)
+        for c in COMPONENTS:
+            r = getattr(self, f"lora_rank_{c}")
+            need(isinstance(r, int) and r >= 0, f"lora_rank_{c}={r} must be an int >= 0")
+            need(r <= top[c], f"lora_rank_{c}={r} exceeds min(out, in) = {top[c]} of the {c} projections "
+                              f"(full rank); use --lora-rank-{c} {top[c]} or less")
+        need(self.exit_loss in EXIT_LOSSES, f"exit_loss={self.exit_loss!r} is not one of {EXIT_LOSSES}")
+        need(0 <= self.exit_coef < math.inf, f"exit_coef={self.exit_coef} must be a finite number >= 0")
+        need(not self.self_distill or self.exit_loss != "none",
+             "self_distill needs an exit loss (weighted or aggressive) to weight the intermediate terms")
+        need(self.exit_threshold is None or self.exit_threshold > 0, f"exit_threshold={self.exit_threshold} must "
+                                                                     f"be > 0 (or None: no early exit)")
+        need(self.exit_rule in EXIT_RULES, f"exit_rule={self.exit_rule!r} is not one of {EXIT_RULES}")
+        need(self.exit_rule != "gate" or self.exit_gate,
+             "exit_rule='gate' needs a model with a trained exit gate (train with --exit-gate)")
+
+    @property
+    def n_shared(self) -> int:  # K
+        return self.n_layer // self.n_loops
+
+    @property
+    def lora_ranks(self) -> dict[str, int]:
+        return {c: getattr(self, f"lora_rank_{c}") for c in COMPONENTS}
+
+    @property
+    def relaxed(self) -> bool:
+        return any(r > 0 for r in self.lora_ranks.values())
+
+
+def _relaxed_preset(p: dict, rank: int) -> dict:
+    top = max_ranks(GPTConfig(**p))
+    return {**p, "n_loops": 2, **{f"lora_rank_{c}": min(rank, top[c]) for c in COMPONENTS}}
+
+
+RECURSIVE_PRESETS = {name: {**p, "n_loops": 2} for name, p in PRESETS.items()}
+# Default ranks: about a quarter of d_model (the paper's main Gemma setting is 512 of 2048), capped at full rank.
+RELAXED_RANK = {"tiny": 16, "small": 64, "base": 128, "gemma-2b": 512, "tinyllama-1.1b": 512, "pythia-1b": 512}
+RELAXED_PRESETS = {name: _relaxed_preset(p, RELAXED_RANK.get(name, 64)) for name, p in PRESETS.items()}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Which vanilla layers the shared layers come from (Figure 2, Appendix F)
+
+
+def stepwise_layers(N: int, K: int) -> list[int]:
+    """Fixed-ends Stepwise: round(linspace(0, N-1, K)), Python round (half to even). N=6, K=3 -> [0, 2, 5]."""
+    if K == 1:
+        return [0]
+    return [round(k * (N - 1) / (K - 1)) for k in range(K)]
+
+
+def tying_sources(N: int, K: int, init: str) -> list[list[int]]:
+    """For each shared layer k, the vanilla layers it is made of (averaged when more than one)."""
+    B = N // K
+    if init == "stepwise":
+        return [[i] for i in stepwise_layers(N, K)]
+    if init == "lower":
+        return [[k] for k in range(K)]
+    if init == "average":
+        return [[l * K + k for l in range(B)] for k in range(K)]
+    raise ValueError(f"unknown tying init {init!r}; choose one of {INITS}")
+
+
+def keep_layers(src: GPT, spec: str) -> GPT:
+    """The reduced-size baseline of section 3.2 built from pretrained layers: a vanilla GPT made of some of src's
+    layers, in their order, with its embedding, final norm and head. spec: 'stepwise:K' (the K layers Stepwise ties,
+    i.e. the unique layers of the recursive model), 'lower:K' (the first K), or a comma list of layer indices. The
+    paper pretrains its reduced-size models from scratch; starting them from the same pretrained layers as the
+    recursive model isolates what looping adds."""
+    N = src.config.n_layer
+    kind, _, k = spec.partition(":")
+    if kind in ("stepwise", "lower"):
+        if not k.isdigit() or not 1 <= int(k) <= N:
+            raise ValueError(f"--keep-layers {spec}: give {kind}:K with 1 <= K <= {N} (the source's layers)")
+        layers = stepwise_layers(N, int(k)) if kind == "stepwise" else list(range(int(k)))
+    else:
+        try:
+            layers = [int(i) for i in spec.split(",")]
+        except ValueError:
+            raise ValueError(f"--keep-layers {spec!r}: give stepwise:K, lower:K or a comma list of layer indices")
+        if not layers or any(not 0 <= i < N for i in layers) or len(set(layers)) != len(layers):
+            raise ValueError(f"--keep-layers {spec}: layer indices must be distinct and in [0, {N})")
+    cfg = replace(src.config, n_layer=len(layers))
+    p = src.tok_emb.weight
+    with torch.device("meta"):
+        model = GPT(cfg)
+    sd = {k: v for k, v in src.state_dict().items() if not k.startswith("blocks.")}
+    for new, old in enumerate(layers):
+        sd.update({f"blocks.{new}.{k}": v for k, v in src.blocks[old].state_dict().items()})
+    model.load_state_dict({k: v.clone() for k, v in sd.items()}, assign=True)
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.tok_emb.weight
+    model.rope = RotaryEmbedding(cfg.rot_dim, cfg.max_seq_len, cfg.rope_theta).to(p.device)  # fp32 tables
+    return model
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Conversion from a vanilla model (section 2.2, Figure 2, Appendix C)
 
@@ -599,8 +598,8 @@ def from_vanilla(src: GPT, n_loops: int = 2, init: str = "stepwise", lora_init: 
     if cfg.relaxed:
         total = {}
         for k, block in enumerate(model.blocks):
-            st = init_lora(block, [src.blocks[l * K + k] for l in range(B)], lora_init, generator=generator)
-            total = {n: total.get(n, 0) + v for n, v in st.items()}
+            counts = init_lora(block, [src.blocks[l * K + k] for l in range(B)], lora_init, generator=generator)
+            total = {n: total.get(n, 0) + v for n, v in counts.items()}
         log(f"convert: LoRA ranks {cfg.lora_ranks}, init {lora_init}: {total['svd']} residuals by torch.linalg.svd "
             f"(float64), {total['lowrank']} by torch.svd_lowrank, {total['zero_residual']} exactly zero (standard "
             f"init), {total['standard']} standard init by request"
@@ -627,9 +626,10 @@ def exit_analysis(model: RecursiveGPT, x, y, thresholds=(0.5, 0.7, 0.8, 0.9, 0.9
                             `mean_loop` (1-based).
     The curve runs the real cached decoding (decode_step with the threshold: confidence exits with state propagation,
     the code that generate() and serve.py run), teacher-forced on the windows: position 0 is a one-token prompt
-    (prefill, all loops, not scored), every later position a decode step; all statistics cover positions 1..T-1. So a token's loss is that of the loop it exited at, and later tokens
-    attend to the propagated K/V of exited ones. Threshold 0 exits everything after loop 1 and reproduces loop_loss[0];
-    a threshold above 1 never exits and reproduces the final loop's loss (tests check both).
+    (prefill, all loops, not scored), every later position a decode step; all statistics cover positions 1..T-1. So
+    a token's loss is that of the loop it exited at, and later tokens attend to the propagated K/V of exited ones.
+    Threshold 0 exits everything after loop 1 and reproduces loop_loss[0]; a threshold above 1 never exits and
+    reproduces the final loop's loss (tests check both).
     """
     B, T = x.shape
     L = model.config.n_loops
@@ -656,13 +656,13 @@ def exit_analysis(model: RecursiveGPT, x, y, thresholds=(0.5, 0.7, 0.8, 0.9, 0.9
     return out
 
 
-
 # ----------------------------------------------------------------------------------------------------------------
 # How train.py sees the two architectures
 
 
 def add_args(ap: argparse.ArgumentParser):
-    """Flags of recursive and relaxed (added once; both specs share them). --loops is train.py's."""
+    """Flags of recursive and relaxed (added once; both specs share them). --loops is train.py's. ap: a
+    cli.ArgumentParser (ap.number bounds a flag)."""
     if "--lora-rank" in ap._option_string_actions:
         return
     g = ap.add_argument_group("recursive / relaxed")
@@ -675,11 +675,11 @@ def add_args(ap: argparse.ArgumentParser):
     g.add_argument("--lora-init", default=None, choices=["svd", "zero"],
                    help="relaxed conversion: truncated-SVD init (eq. 4, default) or standard zero init")
     g.add_argument("--exit-loss", default=None, choices=EXIT_LOSSES, help="early-exit training loss (section 3.7)")
-    g.add_argument("--exit-coef", type=number(float, min=0), default=None,
+    g.add_argument("--exit-coef", type=ap.number(float, min=0), default=None,
                    help="intermediate-loop coefficient of --exit-loss aggressive (default 0.1)")
     g.add_argument("--self-distill", action="store_true", default=None,
                    help="KD from the detached final-loop logits into the intermediate ones")
-    g.add_argument("--exit-threshold", type=number(float, above=0, max=1), default=None,
+    g.add_argument("--exit-threshold", type=ap.number(float, above=0, max=1), default=None,
                    help="confidence threshold in (0, 1] for early exit in generate (default: none)")
     g.add_argument("--exit-gate", action="store_true", default=None,
                    help="train a learned exit gate (one linear classifier per non-final loop, detached inputs)")
@@ -724,69 +724,41 @@ def convert(args, vanilla: GPT, relaxed: bool) -> RecursiveGPT:
     return from_vanilla(vanilla, n_loops=n_loops, init=init, lora_init=args.lora_init or "svd", **o)
 
 
-# `python train.py --arch recursive|relaxed` alone must finish in about 5 minutes on 2 CPU cores, like vanilla's 300
-# steps. Forward+backward of the tiny preset (batch 16 x 256, CPU time, measured back to back with vanilla): recursive
-# 0.93-1.0x vanilla's step (same effective depth), relaxed (rank 16) 1.09-1.19x (the LoRA matmuls) -> 300 and 250.
+# So that `python train.py --arch recursive|relaxed` alone takes about as long as vanilla's 300 steps on two CPU
+# cores: a recursive step costs about a vanilla one (same effective depth), a relaxed step a little more (the LoRA
+# matmuls), so relaxed runs fewer steps. RESULTS.md (Timings) has the wall times of these commands.
 TRAIN_DEFAULTS = {"recursive": {"max_iters": 300}, "relaxed": {"max_iters": 250}}
+
+
+def preset_rows(preset: str, options=None, relaxed: bool = False) -> list:
+    """The rows `python bench.py presets --arch recursive,relaxed` prints for one preset (meta device): recursive =
+    the vanilla model and the recursive one with B loops (options.loops, default 2); relaxed = one row per LoRA rank
+    of options.ranks (default 8,16,32,64; each component capped at its full rank, named in the label when capped).
+    Every looped model sits beside the vanilla model as its baseline. options: bench.py's parsed flags, or None."""
+    B = getattr(options, "loops", None) or 2
+    ranks = [int(r) for r in (getattr(options, "ranks", None) or "8,16,32,64").split(",")]
+    base = dict(PRESETS[preset])
+    label = lambda model: f"{preset:{max(map(len, PRESETS))}s} {model:24s}"  # noqa: E731 - aligned across presets
+    with torch.device("meta"):
+        van = GPT(GPTConfig(**base))
+        if not relaxed:
+            return [(label("vanilla"), van, None),
+                    (label(f"recursive B={B}"), RecursiveGPT(RecursiveConfig(**base, n_loops=B)), van)]
+        top, rows = max_ranks(van.config), []
+        for r in ranks:
+            rank = {c: min(r, top[c]) for c in COMPONENTS}
+            capped = ",".join(f"{c}{v}" for c, v in rank.items() if v < r)
+            cfg = RecursiveConfig(**base, n_loops=B, **{f"lora_rank_{c}": v for c, v in rank.items()})
+            rows.append((label(f"relaxed B={B} r={r}" + (f" ({capped})" if capped else "")), RecursiveGPT(cfg), van))
+        return rows
 
 
 def _spec(name, presets, relaxed):
     return ArchSpec(name, RecursiveConfig, RecursiveGPT, presets, add_args=add_args,
                     config_overrides=lambda args, tok=None: config_overrides(args, relaxed),
-                    convert=lambda args, src, tok=None: convert(args, src, relaxed), train_defaults=TRAIN_DEFAULTS[name])
+                    convert=lambda args, src, tok=None: convert(args, src, relaxed),
+                    train_defaults=TRAIN_DEFAULTS[name],
+                    preset_rows=lambda preset, options=None: preset_rows(preset, options, relaxed))
 
 
 ARCH_SPECS = [_spec("recursive", RECURSIVE_PRESETS, False), _spec("relaxed", RELAXED_PRESETS, True)]
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Command line: parameter counts (checkpoints are evaluated by `python eval.py exits`, served by serve.py)
-
-
-def params_table(args):
-    """Parameter counts of a preset: vanilla, recursive (B loops), relaxed at several ranks (meta device)."""
-    preset = args.preset
-    base = dict(PRESETS[preset])
-    B = args.loops or 2
-    with torch.device("meta"):
-        van = GPT(GPTConfig(**base))
-        rows = [("vanilla", van, "-")]
-        rows.append((f"recursive B={B}", RecursiveGPT(RecursiveConfig(**base, n_loops=B)), "-"))
-        top = max_ranks(GPTConfig(**base))
-        for r in [int(v) for v in args.ranks.split(",")]:
-            ranks = {f"lora_rank_{c}": min(r, top[c]) for c in COMPONENTS}
-            rows.append((f"relaxed B={B} r={r}", RecursiveGPT(RecursiveConfig(**base, n_loops=B, **ranks)),
-                         ",".join(f"{c}{min(r, top[c])}" for c in COMPONENTS)))
-    print(f"preset {preset}: N={base['n_layer']} d={base['n_embd']} heads {base['n_head']}/{base['n_kv_head']} "
-          f"mlp {base['mlp_hidden']} vocab {base['vocab_size']}")
-    print(f"{'model':22s} {'ranks':22s} {'non-emb':>10s} {'total':>10s} {'vs vanilla':>10s} {'GFLOP/tok fwd':>14s}")
-    v = van.num_params()
-    for name, m, ranks in rows:
-        print(f"{name:22s} {ranks:22s} {m.num_params() / 1e6:9.3f}M {m.num_params(False) / 1e6:9.3f}M "
-              f"{m.num_params() / v:10.3f} {m.flops_per_token(base['max_seq_len'], training=False) / 1e9:14.4f}")
-
-
-def rank_list(text: str) -> str:
-    """--ranks: comma-separated ints >= 1 (checked while parsing; params_table splits them)."""
-    for v in text.split(","):
-        number(int, min=1)(v)
-    return text
-
-
-def table_command(argv=None):
-    ap = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model preset")
-    ap.add_argument("--loops", type=number(int, min=1), default=None, help="B (default 2)")
-    ap.add_argument("--ranks", type=rank_list, default="8,16,32,64", help="LoRA ranks to list")
-    args = ap.parse_args(argv)
-    with user_input():  # a B that does not divide the preset's layers
-        params_table(args)
-
-
-def main(argv=None):
-    """python recursive.py: the parameter table; a mistake is one line `error: ...`, exit code 2 (cli.py)."""
-    run_cli(table_command, argv)
-
-
-if __name__ == "__main__":
-    main()

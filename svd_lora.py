@@ -45,12 +45,12 @@ the map differs as well; `LoRALinear` then carries a per-loop bias delta (out fl
 which is exact at any rank for the constant term. It exists only when the source has such biases.
 
 Dead channels: a shared RMSNorm scale |s'_j| below 1e-3 * mean|s'| would silence channel j in every loop, while
-a loop's vanilla layer may read it at full scale (pretrained LLMs have such channels: SmolLM2-135M's MLP norms hold
-scales of ~1e-5 on the channel of its massive activations, and Stepwise ties such a layer to one that reads the
-channel). Before the residuals are taken, `revive_channels` moves the scale of such a channel into the shared
-projections that read it: s'_j := mean|s'|, W'[:, j] *= s'_j(old) / s'_j(new). The shared block computes the same
-function, and every loop's residual can now carry channel j, so eq. 5 stays exact. A LayerNorm (its shift would have
-to grow as the scale shrinks) keeps the plain eq. 4 column (ratio 1) with a warning; reproduction is then not exact.
+a loop's vanilla layer may read it at full scale (pretrained LLMs have such channels: SmolLM2-135M's MLP norms, on
+the channels of its massive activations, and Stepwise ties such a layer to one that reads the channel). Before the
+residuals are taken, `revive_channels` moves the scale of such a channel into the shared projections that read it:
+s'_j := mean|s'|, W'[:, j] *= s'_j(old) / s'_j(new). The shared block computes the same function, and every loop's
+residual can now carry channel j, so eq. 5 stays exact. A LayerNorm (its shift would have to grow as the scale
+shrinks) keeps the plain eq. 4 column (ratio 1) with a warning; reproduction is then not exact.
 
 SVD: torch.linalg.svd in float64 when the matrix is small (min(out, in) <= 1024) or the rank is a large share of it;
 else torch.svd_lowrank (randomized, q = r + 16, 4 power iterations) in float32. `init_lora` returns counts of both,
@@ -71,45 +71,6 @@ import torch.nn.functional as F
 
 import kernels
 from model import Block, Linear, RMSNorm, linear
-
-# ----------------------------------------------------------------------------------------------------------------
-# Which projections exist, which rank component each belongs to, and which norm feeds it
-
-COMPONENTS = {  # rank component (Table G.1) -> projections of model.Block it covers
-    "q": ("attn.q_proj",),
-    "kv": ("attn.k_proj", "attn.v_proj"),
-    "o": ("attn.o_proj",),
-    "mlp": ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
-}
-NORM_OF = {  # projections whose input is a normed hidden state, and that norm
-    "attn.q_proj": "attn_norm", "attn.k_proj": "attn_norm", "attn.v_proj": "attn_norm",
-    "mlp.gate_proj": "mlp_norm", "mlp.up_proj": "mlp_norm",
-}
-
-
-def component_shapes(cfg) -> dict[str, list[tuple[int, int]]]:
-    """(out, in) of every projection of one block, per rank component."""
-    d, hd, h = cfg.n_embd, cfg.hd, cfg.mlp_hidden
-    return {
-        "q": [(cfg.n_head * hd, d)],
-        "kv": [(cfg.n_kv_head * hd, d)] * 2,
-        "o": [(d, cfg.n_head * hd)],
-        "mlp": [(h, d)] * (2 if cfg.mlp != "gelu" else 1) + [(d, h)],
-    }
-
-
-def max_ranks(cfg) -> dict[str, int]:
-    """Largest useful rank per component: min(out, in) of its matrices (a full-rank LoRA)."""
-    return {c: min(min(s) for s in shapes) for c, shapes in component_shapes(cfg).items()}
-
-
-def lora_params(cfg, ranks: dict[str, int], n_loops: int, bias_delta: bool = False) -> int:
-    """Parameters of the LoRA modules of one shared block: n_loops * r * (in + out) per projection."""
-    n = 0
-    for c, shapes in component_shapes(cfg).items():
-        if ranks.get(c, 0) > 0:
-            n += sum(n_loops * (ranks[c] * (o + i) + (o if bias_delta else 0)) for o, i in shapes)
-    return n
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -309,8 +270,8 @@ def init_lora(shared: Block, sources: list[Block], mode: str = "svd", method: st
         raise ValueError(f"unknown LoRA init {mode!r}; choose svd or zero")
     stats = dict(svd=0, lowrank=0, zero_residual=0, standard=0, norm_fallback=0, revived=0)
     # the loops whose vanilla layer *is* the shared layer (loop 1 of Stepwise or Lower), told before any revival
-    mine = shared.state_dict()
-    same = [all(torch.equal(mine[k], v) for k, v in src.state_dict().items()) for src in sources]
+    shared_sd = shared.state_dict()
+    is_shared_layer = [all(torch.equal(shared_sd[k], v) for k, v in src.state_dict().items()) for src in sources]
     if mode == "svd":
         stats["revived"] = revive_channels(shared)
     for path in [p for paths in COMPONENTS.values() for p in paths]:
@@ -342,7 +303,7 @@ def init_lora(shared: Block, sources: list[Block], mode: str = "svd", method: st
                     const = const + W @ shift_src
                 W = W * ratio[None, :]  # W_l diag(s_l / s')
             R = W - W_sh
-            if same[l] or not torch.any(R != 0):  # the shared layer is this vanilla layer: standard init (App. C)
+            if is_shared_layer[l] or not torch.any(R != 0):  # the shared layer itself: standard init (App. C)
                 lin.reset_lora([l], generator)
                 stats["zero_residual"] += 1
                 Bm = torch.zeros_like(R[:, :lin.rank])
@@ -365,6 +326,46 @@ def init_lora(shared: Block, sources: list[Block], mode: str = "svd", method: st
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Which projections exist, which rank component each belongs to (Table G.1), which norm feeds it, their sizes
+
+COMPONENTS = {  # rank component (Table G.1) -> projections of model.Block it covers
+    "q": ("attn.q_proj",),
+    "kv": ("attn.k_proj", "attn.v_proj"),
+    "o": ("attn.o_proj",),
+    "mlp": ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
+}
+NORM_OF = {  # projections whose input is a normed hidden state, and that norm
+    "attn.q_proj": "attn_norm", "attn.k_proj": "attn_norm", "attn.v_proj": "attn_norm",
+    "mlp.gate_proj": "mlp_norm", "mlp.up_proj": "mlp_norm",
+}
+
+
+def component_shapes(cfg) -> dict[str, list[tuple[int, int]]]:
+    """(out, in) of every projection of one block, per rank component."""
+    d, hd, h = cfg.n_embd, cfg.hd, cfg.mlp_hidden
+    return {
+        "q": [(cfg.n_head * hd, d)],
+        "kv": [(cfg.n_kv_head * hd, d)] * 2,
+        "o": [(d, cfg.n_head * hd)],
+        "mlp": [(h, d)] * (2 if cfg.mlp != "gelu" else 1) + [(d, h)],
+    }
+
+
+def max_ranks(cfg) -> dict[str, int]:
+    """Largest useful rank per component: min(out, in) of its matrices (a full-rank LoRA)."""
+    return {c: min(min(s) for s in shapes) for c, shapes in component_shapes(cfg).items()}
+
+
+def lora_params(cfg, ranks: dict[str, int], n_loops: int, bias_delta: bool = False) -> int:
+    """Parameters of the LoRA modules of one shared block: n_loops * r * (in + out) per projection."""
+    n = 0
+    for c, shapes in component_shapes(cfg).items():
+        if ranks.get(c, 0) > 0:
+            n += sum(n_loops * (ranks[c] * (o + i) + (o if bias_delta else 0)) for o, i in shapes)
+    return n
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # A look at the residuals: how much of ||W_l - W'||^2 a rank-r LoRA captures
 
 
@@ -381,7 +382,7 @@ def residual_energy(src_blocks: list[Block], sources: list[list[int]], ranks=(8,
                      for paths in COMPONENTS.values() for p in paths if _has(src_blocks[0], p)}
     out = {}
     for comp, paths in COMPONENTS.items():
-        fr = {r: [] for r in ranks}
+        captured = {r: [] for r in ranks}  # rank -> the captured share of each residual
         for p in paths:
             if not _has(src_blocks[0], p):
                 continue
@@ -392,8 +393,8 @@ def residual_energy(src_blocks: list[Block], sources: list[list[int]], ranks=(8,
                     if S2.sum() == 0:
                         continue
                     for r in ranks:
-                        fr[r].append(float(S2[:r].sum() / S2.sum()))
-        out[comp] = {r: (sum(v) / len(v) if v else float("nan")) for r, v in fr.items()}
+                        captured[r].append(float(S2[:r].sum() / S2.sum()))
+        out[comp] = {r: (sum(v) / len(v) if v else float("nan")) for r, v in captured.items()}
     return out
 
 

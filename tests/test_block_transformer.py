@@ -332,6 +332,18 @@ def test_presets_have_equal_decoders_and_match_vanilla_parameters():
         assert m.num_params() - v.num_params() == extra + c.block_n_embd, name  # + the block decoder's final norm
 
 
+def test_bench_presets_row_puts_the_block_model_beside_its_vanilla_counterpart(capsys):
+    import bench
+
+    bench.main(["presets", "--arch", "block", "--preset", "tiny-matched"])
+    row = [line for line in capsys.readouterr().out.splitlines() if "non-emb" in line]
+    c = BlockConfig.from_preset("tiny-matched")
+    with torch.device("meta"):
+        m, v = BlockTransformer(c), GPT(c.vanilla_config())
+    assert len(row) == 1 and "tiny-matched block  4L tok  4L L_B 4 P 2 " in row[0]
+    assert f"{m.num_params() / 1e6:8.2f}M" in row[0] and f"(baseline {v.num_params() / 1e6:.2f}M" in row[0]
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # train.py: from scratch and uptrained from a vanilla checkpoint; the bench
 

@@ -16,7 +16,6 @@ import cli
 import data
 import hf
 import plt
-import recursive
 import serve
 import train
 from conftest import ROOT, write_jsonl
@@ -245,11 +244,15 @@ def test_empty_zst_shard_is_named(files, capsys, tmp_path):
                     f"{data / 'empty.jsonl.zst'} is empty (0 bytes)")
 
 
+def _presets(argv):  # python bench.py presets ARGV
+    return __import__("bench").main(["presets", *argv])
+
+
 TABLE_MISTAKES = [
-    (recursive.main, ["--preset", "huge"], "argument --preset: invalid choice: 'huge'"),
-    (recursive.main, ["--loops", "0"], "argument --loops: must be >= 1, got 0"),
-    (recursive.main, ["--ranks", "8,x"], "argument --ranks: expected an integer, got 'x'"),
-    (recursive.main, ["--loops", "3"], "n_layer=4 is not divisible by n_loops=3"),
+    (_presets, ["--arch", "recursive", "--preset", "huge"], "--preset huge: not a preset of recursive"),
+    (_presets, ["--arch", "recursive", "--loops", "0"], "argument --loops: must be >= 1, got 0"),
+    (_presets, ["--arch", "relaxed", "--ranks", "8,x"], "argument --ranks: expected an integer, got 'x'"),
+    (_presets, ["--arch", "recursive", "--preset", "tiny", "--loops", "3"], "n_layer=4 is not divisible by n_loops=3"),
     (plt.main, ["--preset", "tiny"], "unrecognized arguments: --preset tiny"),
 ]
 

@@ -1,6 +1,5 @@
 """recursive.py: tying and conversion, exactness of the relaxed model at full rank, per-row loops, early exit with
 state propagation, the early-exit training objective, train.py integration and the oracle mode."""
-import argparse
 
 import pytest
 import torch
@@ -8,7 +7,7 @@ import torch
 from conftest import write_jsonl
 from model import GPT, GPTConfig, KVCache, distill_loss, lm_loss
 from recursive import (ARCH_SPECS, RecursiveCache, RecursiveConfig, RecursiveGPT, exit_analysis, exit_coefficients,
-                       from_vanilla, params_table, stepwise_layers, tying_sources)
+                       from_vanilla, stepwise_layers, tying_sources)
 from svd_lora import LoRALinear, lora_params, max_ranks
 
 SMALL = dict(n_layer=6, n_head=4, n_kv_head=2, n_embd=32, mlp_hidden=48, vocab_size=96, max_seq_len=48)
@@ -514,13 +513,21 @@ def test_train_recursive_conversion_and_errors(corpus):
                      "--out-dir", str(d / "x")])
 
 
-def test_arch_specs_and_params_table(capsys):
+def test_arch_specs_and_preset_rows(capsys):
+    import bench
+
     assert [s.name for s in ARCH_SPECS] == ["recursive", "relaxed"]
     rel = ARCH_SPECS[1].make_config("tiny")
     assert rel.relaxed and rel.n_loops == 2 and ARCH_SPECS[0].make_config("tiny").relaxed is False
-    params_table(argparse.Namespace(preset="tiny", loops=2, ranks="8,64"))
+    bench.main(["presets", "--arch", "recursive,relaxed", "--preset", "tiny", "--loops", "2", "--ranks", "8,64"])
     out = capsys.readouterr().out
     assert "vanilla" in out and "recursive B=2" in out and "relaxed B=2 r=64" in out
+    # the relaxed row holds the recursive model plus K = 2 shared blocks' LoRA of rank 64 for B = 2 loops
+    rows = {line.split("non-emb")[0].split(None, 1)[1].strip(): line for line in out.splitlines() if "non-emb" in line}
+    with torch.device("meta"):
+        rec = RecursiveGPT(RecursiveConfig.from_preset("tiny", n_loops=2)).num_params()
+    lora = 2 * lora_params(GPTConfig.from_preset("tiny"), dict.fromkeys(["q", "kv", "o", "mlp"], 64), n_loops=2)
+    assert f"{rec / 1e6:8.2f}M" in rows["recursive B=2"] and f"{(rec + lora) / 1e6:8.2f}M" in rows["relaxed B=2 r=64"]
 
 
 # ---- the learned exit gate and the O(d) exit rules --------------------------------------------------------------
