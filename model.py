@@ -400,6 +400,8 @@ class KVCache:
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self.all_rows = torch.arange(batch, device=device)
         self.static = static
+        if static:  # a compiled step writes k, v and lengths in place: they must keep their addresses
+            mark_static(self.k, self.v, self.lengths)
 
     @property
     def batch(self) -> int:
@@ -514,6 +516,36 @@ def run_cached(blocks, rope: RotaryEmbedding, x, cache: KVCache, fresh: bool = F
     return x
 
 
+def mark_static(*tensors):
+    """Promise torch.compile that these tensors keep their address from one call to the next (the state of a static
+    cache), so a captured CUDA graph may write into them in place. Without it torch skips CUDA graphs for a step that
+    mutates its inputs. No guard: a new cache is re-recorded into a graph, not recompiled."""
+    for t in tensors:
+        torch._dynamo.mark_static_address(t, guard=False)
+
+
+# The batch sizes a compiled step is specialised to (vLLM's recipe): a batch is padded up to its bucket, so a server
+# whose occupancy changes replays a few graphs instead of compiling one per batch size.
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def batch_bucket(n: int) -> int:
+    """The smallest bucket >= n; past the largest bucket, n rounded up to a multiple of it."""
+    if n < 1:
+        raise ValueError(f"batch must be >= 1, got {n}")
+    top = BATCH_BUCKETS[-1]
+    return next((b for b in BATCH_BUCKETS if b >= n), -(-n // top) * top)
+
+
+def compile_step(fn, mode: str | None = None, backend=None):
+    """torch.compile for a graph-safe step: the whole step is one graph (fullgraph: a graph break is an error) with
+    static shapes (one graph per input shape, e.g. per batch bucket). A graph-safe step reads no tensor back to the
+    host, branches on no tensor value and writes its state in place into static tensors (mark_static), so that on
+    CUDA mode='reduce-overhead' captures it as a CUDA graph: one launch per step. `backend` (default inductor) is for
+    tests: backend='eager' traces and counts graphs without generating kernels."""
+    return torch.compile(fn, mode=mode, backend=backend or "inductor", fullgraph=True, dynamic=False)
+
+
 def kv_bytes(n_layer, batch, seq_len, n_kv_head, head_dim, dtype_bytes=2) -> int:
     """Bytes of keys plus values for n_layer layers of full attention."""
     return 2 * n_layer * batch * seq_len * n_kv_head * head_dim * dtype_bytes
@@ -621,12 +653,13 @@ class GPT(nn.Module):
         cache.lengths += 1
         return self.head(h)[:, 0]
 
-    def compile_decode(self, mode: str | None = None):
-        """torch.compile the decode step (gpt-fast's recipe): from now on new caches are static, so every step has
-        the same shapes and compiles once; mode='reduce-overhead' adds CUDA graphs on a GPU. The prefill stays eager
-        (its shapes change with every prompt). `python bench.py decode --compile` measures what it buys."""
+    def compile_decode(self, mode: str | None = None, backend=None):
+        """torch.compile the decode step (gpt-fast's recipe, compile_step): from now on new caches are static (their
+        tensors marked static), so every step has the same shapes and compiles once per batch size;
+        mode='reduce-overhead' captures it as a CUDA graph on a GPU. The prefill stays eager (its shapes change with
+        every prompt). `python bench.py decode --compile` measures what it buys."""
         self.static_cache = True
-        self.decode_step = torch.compile(self.decode_step, mode=mode, fullgraph=True, dynamic=False)
+        self.decode_step = compile_step(self.decode_step, mode, backend)
         return self
 
     def generation_cache(self, batch: int, prompt_len: int, max_new_tokens: int, **step_kwargs):

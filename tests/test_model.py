@@ -238,3 +238,33 @@ def test_kv_len_reads_up_to_the_last_query_and_raises_the_one_overflow_error():
     assert static.static and static.kv_len(1) == static.kv_len(torch.tensor([0])) == 10
     m.static_cache = True
     assert m.new_cache(1, 4).static and not m.new_cache(1, 4, static=False).static
+
+
+def test_compiled_decode_is_one_graph_that_cuda_graphs_can_capture():
+    """compile_decode on a static cache: one graph for every step of a generation (no recompile as positions and
+    lengths advance), no graph break (fullgraph), and every input the step writes (k, v, lengths) marked static, so
+    that on CUDA mode='reduce-overhead' captures it instead of skipping it; the tokens equal the eager ones. A cache
+    built without the marks is caught."""
+    from graph_check import GraphCheck
+
+    torch.manual_seed(0)
+    m = GPT(tiny()).eval()
+    idx = torch.randint(0, 90, (3, 5))
+    ref = m.generate(idx, 8)
+    check = GraphCheck()
+    m.compile_decode(backend=check)
+    assert torch.equal(m.generate(idx, 8), ref)
+    assert check.graphs == 1 and check.unsafe == []
+    unmarked = m.new_cache(3, 16, static=False)
+    unmarked.static = True  # static shapes, but k, v and lengths not marked
+    m.prefill(idx, unmarked)
+    m.decode_step(idx[:, 0], unmarked)
+    assert check.graphs == 2 and sorted(check.unsafe) == ["l_args_1_k", "l_args_1_lengths", "l_args_1_v"], check.unsafe
+
+
+def test_batch_bucket():
+    from model import batch_bucket
+
+    assert [batch_bucket(n) for n in (1, 2, 3, 5, 16, 17, 256, 257, 600)] == [1, 2, 4, 8, 16, 32, 256, 512, 768]
+    with pytest.raises(ValueError, match="batch must be >= 1"):
+        batch_bucket(0)
