@@ -116,8 +116,8 @@ class RingKV:
     W = min(window, max_len): a ring never needs more slots than there are positions.
     """
 
-    def __init__(self, n_layer, batch, n_loops1, n_kv_head, window, head_dim, dtype, device):
-        shape = (n_layer, batch, n_loops1, n_kv_head, window, head_dim)
+    def __init__(self, n_layer, batch, n_later_loops, n_kv_head, window, head_dim, dtype, device):
+        shape = (n_layer, batch, n_later_loops, n_kv_head, window, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.pos = torch.full((batch, window), -1, dtype=torch.long, device=device)
@@ -274,12 +274,12 @@ class PLTAttention(Attention):
             return self.loop_step(x, rope, lora_idx=lora_idx, **kw)
         raise ValueError(f"unknown PLTAttention mode {mode!r}")
 
-    def seq_attention(self, x, rope, shared=None, keep=None, lora_idx=None):
+    def seq_attention(self, x, rope, shared=None, own_kv=None, lora_idx=None):
         """x (B, T, C) of one loop at positions 0..T-1.
 
         shared None: causal attention over the loop's own K/V (loop 1; every loop without kv_share).
         shared = (K_share, V_share) (B, H_kv, T, D): a loop >= 2 with kv_share; global attention over them, gated with
-        a window over its own K/V if gswa (Algorithm 3). `keep` (a list) receives this loop's own (k, v), or None.
+        a window over its own K/V if gswa (Algorithm 3). `own_kv` (a list) receives this loop's own (k, v), or None.
         """
         q = self.project_q(x, rope, lora_idx)  # (B, H, T, D)
         k = v = None
@@ -294,55 +294,56 @@ class PLTAttention(Attention):
             if self.training:
                 with torch.no_grad():
                     self.gate_mean = plt_gate(q, self.gate_w, self.gate_b).mean()
-        if keep is not None:
-            keep.append((k, v))
+        if own_kv is not None:
+            own_kv.append((k, v))
         return self.project_out(y, lora_idx)  # (B, T, C)
 
     def clp_step(self, x, rope, step, layer, lora_idx=None):
         """x (B, L, C): row l is loop l+1 at position step.q_pos (B,) of each sequence; rope broadcasts over rows."""
-        c = step.cache
+        cache = step.cache
         B, L, _ = x.shape
         q = self.project_q(x, rope, lora_idx)  # (B, H, L, D): the L loops sit on the time axis
-        if not c.shares_kv:  # rows (3)/(1): every loop its own full cache, rows b * L + l of c.kv
+        if not cache.shares_kv:  # rows (3)/(1): every loop its own full cache, rows b * L + l of cache.kv
             k, v = self.project_kv(x, rope, lora_idx)  # (B, H_kv, L, D)
-            lc = c.kv.layer(layer)
-            lc.write(step.row_pos, _to_rows(k), _to_rows(v))
-            ks, vs = lc.read(step.kv_len)  # (B*L, H_kv, kv_len, D)
+            layer_kv = cache.kv.layer(layer)
+            layer_kv.write(step.row_pos, _to_rows(k), _to_rows(v))
+            ks, vs = layer_kv.read(step.kv_len)  # (B*L, H_kv, kv_len, D)
             y = attend(_to_rows(q), ks, vs, mask=step.row_mask)  # (B*L, H, 1, D)
             return self.project_out(_from_rows(y, B, L), lora_idx)
-        lc = c.kv.layer(layer)
+        layer_kv = cache.kv.layer(layer)
         if not self.gswa:  # row (4): only loop 1 writes K/V; all L rows attend over the shared cache at once
             k, v = self.project_kv(x[:, :1], rope, lora_idx)  # (B, H_kv, 1, D)
-            lc.write(step.q_pos[:, None], k, v)
-            ks, vs = lc.read(step.kv_len)
+            layer_kv.write(step.q_pos[:, None], k, v)
+            ks, vs = layer_kv.read(step.kv_len)
             return self.project_out(attend(q, ks, vs, mask=step.mask), lora_idx)
         k, v = self.project_kv(x, rope, lora_idx)  # (B, H_kv, L, D)
-        lc.write(step.q_pos[:, None], k[:, :, :1], v[:, :, :1])  # loop 1 first: the other rows see position i too
-        ks, vs = lc.read(step.kv_len)  # (B, H_kv, kv_len, D)
-        y0 = attend(q[:, :, :1], ks, vs, mask=step.mask)  # (B, H, 1, D)
-        c.ring.write(layer, step.slot, k[:, :, 1:].transpose(1, 2), v[:, :, 1:].transpose(1, 2))
-        y1 = gated_swa_decode(q[:, :, 1:].transpose(1, 2), c.ring.k[layer], c.ring.v[layer], c.ring.pos, ks, vs,
-                              step.q_pos, self.gate_w, self.gate_b, self.window, attend=attend)  # (B, L-1, H, D)
-        return self.project_out(torch.cat([y0, y1.transpose(1, 2)], dim=2), lora_idx)
+        layer_kv.write(step.q_pos[:, None], k[:, :, :1], v[:, :, :1])  # loop 1 first: the other rows see position i too
+        ks, vs = layer_kv.read(step.kv_len)  # (B, H_kv, kv_len, D)
+        y_first = attend(q[:, :, :1], ks, vs, mask=step.mask)  # (B, H, 1, D)
+        ring = cache.ring  # the windows of loops 2..L, one row each
+        ring.write(layer, step.slot, k[:, :, 1:].transpose(1, 2), v[:, :, 1:].transpose(1, 2))
+        y_later = gated_swa_decode(q[:, :, 1:].transpose(1, 2), ring.k[layer], ring.v[layer], ring.pos, ks, vs,
+                                   step.q_pos, self.gate_w, self.gate_b, self.window, attend=attend)  # (B, L-1, H, D)
+        return self.project_out(torch.cat([y_first, y_later.transpose(1, 2)], dim=2), lora_idx)
 
     def loop_step(self, x, rope, step, layer, loop, lora_idx=None):
         """x (B, 1, C): loop `loop` (0-based) at position step.q_pos; the loops of a token run one after another."""
-        c = step.cache
+        cache = step.cache
         q = self.project_q(x, rope, lora_idx)  # (B, H, 1, D)
-        if loop == 0 or not c.shares_kv:  # a full cache of its own
+        if loop == 0 or not cache.shares_kv:  # a full cache of its own
             k, v = self.project_kv(x, rope, lora_idx)
-            lc = c.kv.layer(c.own_layer(loop, layer))
-            lc.write(step.q_pos[:, None], k, v)
-            ks, vs = lc.read(step.kv_len)
+            layer_kv = cache.kv.layer(cache.own_layer(loop, layer))
+            layer_kv.write(step.q_pos[:, None], k, v)
+            ks, vs = layer_kv.read(step.kv_len)
             return self.project_out(attend(q, ks, vs, mask=step.mask), lora_idx)
-        ks, vs = c.kv.layer(layer).read(step.kv_len)  # loop 1 already wrote position i in this step
+        ks, vs = cache.kv.layer(layer).read(step.kv_len)  # loop 1 already wrote position i in this step
         if not self.gswa:
             return self.project_out(attend(q, ks, vs, mask=step.mask), lora_idx)
         k, v = self.project_kv(x, rope, lora_idx)
-        c.ring.write(layer, step.slot, k[:, :, 0], v[:, :, 0], loop=loop - 1)
-        r = slice(loop - 1, loop)
-        y = gated_swa_decode(q.transpose(1, 2), c.ring.k[layer, :, r], c.ring.v[layer, :, r], c.ring.pos, ks, vs,
-                             step.q_pos, self.gate_w, self.gate_b, self.window, attend=attend)  # (B, 1, H, D)
+        ring, this_loop = cache.ring, slice(loop - 1, loop)  # this loop's ring, kept as a dimension of 1
+        ring.write(layer, step.slot, k[:, :, 0], v[:, :, 0], loop=loop - 1)
+        y = gated_swa_decode(q.transpose(1, 2), ring.k[layer, :, this_loop], ring.v[layer, :, this_loop], ring.pos, ks,
+                             vs, step.q_pos, self.gate_w, self.gate_b, self.window, attend=attend)  # (B, 1, H, D)
         return self.project_out(y.transpose(1, 2), lora_idx)
 
 
@@ -386,14 +387,14 @@ class PLT(GPT):
         norm_e, norm_h = self.loop_norms[0 if len(self.loop_norms) == 1 else loop - 1]
         return norm_e(e) + norm_h(h_prev)
 
-    def run_loop(self, x, rope, shared=None, keep=None):
+    def run_loop(self, x, rope, shared=None, own_kv=None):
         """One pass of the N-layer stack over a whole sequence x (B, T, C) -> H (B, T, C), before the final norm.
 
-        shared: per layer (K_share, V_share) for a loop >= 2 with kv_share, else None; keep: a list that receives
+        shared: per layer (K_share, V_share) for a loop >= 2 with kv_share, else None; own_kv: a list that receives
         per layer the loop's own (k, v) (None where it computes none).
         """
         for j, block in enumerate(self.blocks):
-            x = block(x, rope, mode="seq", shared=None if shared is None else shared[j], keep=keep)
+            x = block(x, rope, mode="seq", shared=None if shared is None else shared[j], own_kv=own_kv)
         return x
 
     def hidden_states(self, idx, keep_kv=False):
@@ -403,12 +404,12 @@ class PLT(GPT):
         self.check_length(T)
         rope = self.rope(torch.arange(T, device=idx.device))
         e = self.embed(idx)  # E
-        kvs = [[] if (keep_kv or (loop == 0 and cfg.shares_kv)) else None for loop in range(cfg.n_loops)]
-        hs = [self.run_loop(e, rope, keep=kvs[0])]  # loop 1 is the plain model on E; it yields K_share, V_share
-        shared = kvs[0] if cfg.shares_kv else None
+        own_kvs = [[] if (keep_kv or (loop == 0 and cfg.shares_kv)) else None for loop in range(cfg.n_loops)]
+        hs = [self.run_loop(e, rope, own_kv=own_kvs[0])]  # loop 1 is the plain model on E; it yields K_share, V_share
+        shared = own_kvs[0] if cfg.shares_kv else None
         for loop in range(1, cfg.n_loops):
-            hs.append(self.run_loop(self.loop_input(e, hs[-1], loop), rope, shared, keep=kvs[loop]))
-        return hs, kvs
+            hs.append(self.run_loop(self.loop_input(e, hs[-1], loop), rope, shared, own_kv=own_kvs[loop]))
+        return hs, own_kvs
 
     def forward(self, idx, targets=None):
         """idx (B, T) -> logits (B, T, V) from H^(L), and with targets (B, T) the next-token cross entropy."""
@@ -438,36 +439,38 @@ class PLT(GPT):
         cfg = self.config
         B, T = idx.shape
         lengths = start_prefill(idx, cache, lengths)
-        hs, kvs = self.hidden_states(idx, keep_kv=True)
+        hs, own_kvs = self.hidden_states(idx, keep_kv=True)
         pos = torch.arange(T, device=idx.device).expand(B, T)
         rows = torch.arange(B, device=idx.device)
         for j in range(cfg.n_layer):
             for loop in range(cfg.n_loops):
-                k, v = kvs[loop][j]
+                k, v = own_kvs[loop][j]
                 if k is not None:  # a loop with kv_share computes no K/V of its own unless it runs G-SWA
                     cache.store(j, loop, pos, k, v)
         if cache.ring is not None:
             cache.ring.seed(lengths)
             for j in range(cfg.n_layer):
                 for loop in range(1, cfg.n_loops):
-                    cache.ring.seed_kv(j, loop - 1, *kvs[loop][j])
+                    cache.ring.seed_kv(j, loop - 1, *own_kvs[loop][j])
         last = lengths - 1
         if cache.hidden is not None:
             cache.hidden.copy_(torch.stack([h[rows, last] for h in hs[:-1]], dim=1))  # (B, L-1, C)
         cache.lengths.copy_(lengths)
         return self.head(hs[-1][rows, last][:, None])[:, 0]
 
-    def _step(self, cache: PLTCache) -> DecodeStep:
+    def start_step(self, cache: PLTCache) -> DecodeStep:
+        """The DecodeStep of the next token (at position cache.lengths) that every layer reads; the rings advance to
+        that position (its slot now holds it)."""
         q_pos = cache.lengths.clone()
         kv_len = cache.kv.kv_len(q_pos)
-        st = DecodeStep(cache, q_pos, kv_len, causal_mask_from_positions(q_pos[:, None], kv_len))
+        step = DecodeStep(cache, q_pos, kv_len, causal_mask_from_positions(q_pos[:, None], kv_len))
         if cache.ring is not None:
             cache.ring.advance(q_pos)
-            st.slot = q_pos % cache.ring.window
+            step.slot = q_pos % cache.ring.window
         if cache.parallel and not cache.shares_kv:
-            st.row_pos = q_pos.repeat_interleave(cache.n_loops)[:, None]
-            st.row_mask = st.mask.repeat_interleave(cache.n_loops, dim=0)
-        return st
+            step.row_pos = q_pos.repeat_interleave(cache.n_loops)[:, None]
+            step.row_mask = step.mask.repeat_interleave(cache.n_loops, dim=0)
+        return step
 
     @torch.no_grad()
     def decode_step(self, tok, cache: PLTCache):
@@ -476,19 +479,19 @@ class PLT(GPT):
         CLP: one forward of the stack on rows (B, L, C) = e_i, e_i + h^(1)_(i-1), ..., e_i + h^(L-1)_(i-1).
         Sequential (clp=False): L forwards, loop l+1 reading loop l's output.
         """
-        st = self._step(cache)
-        rope = self.rope(st.q_pos[:, None])  # (B, 1, 1, rot): all rows of a sequence share the position
+        step = self.start_step(cache)
+        rope = self.rope(step.q_pos[:, None])  # (B, 1, 1, rot): all rows of a sequence share the position
         e = self.embed(tok[:, None])  # (B, 1, C)
         if cache.parallel:  # (B, L, C): row 0 gets e_i alone, row l the input of loop l+1 from h^(l)_(i-1)
             x = torch.cat([e] + [self.clp_input(e, cache.hidden[:, l - 1:l], l) for l in range(1, cache.n_loops)], 1)
             for j, block in enumerate(self.blocks):
-                x = block(x, rope, mode="clp_step", step=st, layer=j)
+                x = block(x, rope, mode="clp_step", step=step, layer=j)
             cache.hidden.copy_(x[:, :-1])  # h^(1..L-1)_i for the next step
         else:
             x = e
             for loop in range(self.config.n_loops):
                 for j, block in enumerate(self.blocks):
-                    x = block(x, rope, mode="loop_step", step=st, layer=j, loop=loop)
+                    x = block(x, rope, mode="loop_step", step=step, layer=j, loop=loop)
         cache.lengths += 1
         return self.head(x[:, -1:])[:, 0]
 

@@ -197,7 +197,7 @@ def test_shift_breaks_same_position_dependence(variant, norm):
     rope = model.rope(torch.arange(n))
     e = model.embed(idx)
     kv1 = []
-    h1 = model.run_loop(e, rope, keep=kv1)
+    h1 = model.run_loop(e, rope, own_kv=kv1)
     shared = kv1 if model.config.kv_share else None
     h1_leaf = h1.detach().requires_grad_(True)  # K_share stays fixed: it is loop 1's internals, not H^(1)
     h2 = model.run_loop(model.loop_input(e, h1_leaf, 1), rope, shared)
