@@ -10,8 +10,9 @@ candidate forms once per shape on random tensors and keeps the fastest; enable()
   * linear (model.linear, model.tuned_ops): F.linear, torch.mv (one row), mm(W, x^T), x times a transposed copy of W,
     oneDNN on a copy of W in its blocked layout (what inductor runs), per (dtype, row bucket, shape); a product that
     reads a weight copy needs a > 10% lead; the times are kept on disk per machine (LINEAR_CACHE).
-  * decode attention (model.attend with few queries per row, no gradients): SDPA or attend_grouped, the same math as
-    two fp32-accumulated batched matmuls per KV head group (decode_attention).
+  * decode attention (model.attend with few queries per row, no gradients, and the two attentions of PLT's G-SWA
+    decode through kernels.cpu_decode_attend): SDPA or attend_grouped, the same math as two fp32-accumulated batched
+    matmuls per KV head group (decode_attention).
   * attention precision under CPU bf16 autocast training: the attention itself in fp32 or bf16, whichever forward +
     backward is faster at the shape (bf16 only with a > 10% lead; attention_precision). train.py does not enable this
     module, so its CPU bf16-autocast runs take SDPA in bf16; the choice stays here for a training loop that wants it.
@@ -52,10 +53,11 @@ from model import check
 
 
 def enable():
-    """From now on model.linear, model.attend and kernels.multi_lora run the forms measured fastest on this CPU (where
-    they apply: CPU tensors, no gradients for the products and decode attention, bf16 autocast training for the
-    attention precision); elsewhere they stay plain PyTorch."""
+    """From now on model.linear, model.attend, kernels.gated_swa_decode's CPU attention and kernels.multi_lora run the
+    forms measured fastest on this CPU (where they apply: CPU tensors, no gradients for the products and decode
+    attention, bf16 autocast training for the attention precision); elsewhere they stay plain PyTorch."""
     model.tuned_ops = TUNED
+    kernels.cpu_decode_attend = attend
     kernels.cpu_lora_form = lora_form
 
 
@@ -67,12 +69,12 @@ def enabled() -> bool:
 def switched_on():
     """enable() for a with block, or a function when used as a decorator; the state before it is restored after (so
     a benchmark run inside a test leaves the next test on plain PyTorch)."""
-    before = model.tuned_ops, kernels.cpu_lora_form
+    before = model.tuned_ops, kernels.cpu_decode_attend, kernels.cpu_lora_form
     enable()
     try:
         yield
     finally:
-        model.tuned_ops, kernels.cpu_lora_form = before
+        model.tuned_ops, kernels.cpu_decode_attend, kernels.cpu_lora_form = before
 
 
 # ----------------------------------------------------------------------------------------------------------------

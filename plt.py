@@ -61,8 +61,9 @@ kernels.gated_swa_decode (one query per non-first-loop row against its ring buff
 the Triton kernels on CUDA when nothing needs a gradient (prefill, decoding, evaluation) and the PyTorch reference
 otherwise (training); both follow the conventions above (gate from q after RoPE, per-head gate_w (H, D) and
 gate_b (H,), exactly w keys). tests/test_plt.py forces the Triton path on CPU (TRITON_INTERPRET=1) and checks it
-against the reference. Loop 1, the non-G-SWA variants and the two attentions of gated_swa_decode's CPU path use
-model.attend (SDPA, or the decode form cpu_tuning.py measured fastest when a command switches it on).
+against the reference. Loop 1 and the non-G-SWA variants attend through model.attend, the two attentions of
+gated_swa_decode's CPU path through SDPA; a command that switches cpu_tuning.py on puts the decode form it measured
+fastest behind both (model.tuned_ops, kernels.cpu_decode_attend).
 
 Table 2 at equal parameters and tokens, one command per row (`--loops 3` for PLT-3), the protocol and the results in
 RESULTS.md:
@@ -323,7 +324,7 @@ class PLTAttention(Attention):
         ring = cache.ring  # the windows of loops 2..L, one row each
         ring.write(layer, step.slot, k[:, :, 1:].transpose(1, 2), v[:, :, 1:].transpose(1, 2))
         y_later = gated_swa_decode(q[:, :, 1:].transpose(1, 2), ring.k[layer], ring.v[layer], ring.pos, ks, vs,
-                                   step.q_pos, self.gate_w, self.gate_b, self.window, attend=attend)  # (B, L-1, H, D)
+                                   step.q_pos, self.gate_w, self.gate_b, self.window)  # (B, L-1, H, D)
         return self.project_out(torch.cat([y_first, y_later.transpose(1, 2)], dim=2), lora_idx)
 
     def loop_step(self, x, rope, step, layer, loop, lora_idx=None):
@@ -343,7 +344,7 @@ class PLTAttention(Attention):
         ring, this_loop = cache.ring, slice(loop - 1, loop)  # this loop's ring, kept as a dimension of 1
         ring.write(layer, step.slot, k[:, :, 0], v[:, :, 0], loop=loop - 1)
         y = gated_swa_decode(q.transpose(1, 2), ring.k[layer, :, this_loop], ring.v[layer, :, this_loop], ring.pos, ks,
-                             vs, step.q_pos, self.gate_w, self.gate_b, self.window, attend=attend)  # (B, 1, H, D)
+                             vs, step.q_pos, self.gate_w, self.gate_b, self.window)  # (B, 1, H, D)
         return self.project_out(y.transpose(1, 2), lora_idx)
 
 
