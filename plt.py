@@ -70,11 +70,11 @@ RESULTS.md:
     python train.py --arch plt --plt-variant loop --eval-iters 20 --seed 1337 --out-dir out/plt-loop
 
 Run:
-    python train.py --arch plt                                  # PLT-2 tiny on the default corpus (~5 min, 2 CPUs)
+    python train.py --arch plt                                  # PLT-2 tiny on the default corpus
     python train.py --arch plt --plt-variant loop               # a Table 2 row: vanilla|loop|clp|kv_share|plt
     python train.py --arch plt --loops 3 --plt-window 32        # PLT-3, window 32
     python train.py --arch plt --init-from out/vanilla/ckpt.pt  # uptrain a vanilla checkpoint into a PLT
-    python plt.py                                               # presets x variants: parameters, KV bytes, FLOPs
+    python bench.py presets --arch plt                          # presets x variants: parameters, KV bytes, FLOPs
     python bench.py plt                                         # Table 3: decode latency vs vanilla and loop-2
     python bench.py plt --variants vanilla,loop,clp,kv_share,plt --batch 4,16 --preset small --device cuda
     python -m pytest -q tests/test_plt.py
@@ -88,8 +88,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import model
-from cli import ArgumentParser, run_cli
 from kernels import gated_swa, gated_swa_decode, plt_gate
 from model import (GPT, ArchSpec, Attention, Block, GPTConfig, KVCache, attend, causal_mask_from_positions, kv_bytes,
                    lm_loss, make_norm, start_prefill)
@@ -632,7 +630,7 @@ def variant_fields(name: str, n_loops: int | None = None) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# train.py hooks
+# How train.py and bench.py see this architecture
 
 
 def add_args(ap: argparse.ArgumentParser):
@@ -659,37 +657,21 @@ def convert(args, gpt: GPT, tok=None) -> PLT:
     return PLT.from_vanilla(gpt, **config_overrides(args))
 
 
-# The main job (`python train.py --arch plt`): 800 steps of 16 x 256 tokens at lr 4e-3, about 5 minutes on 2 cores
-# (a PLT-2 tiny step costs ~1.1x a vanilla tiny step since G-SWA trains through SDPA, kernels.gated_swa_sdpa).
-# lr 4e-3 rather than train.py's 2e-3: at 800 steps it is better for both PLT-2 and the 2-layer vanilla (RESULTS.md).
+def preset_rows(preset: str, options=None) -> list:
+    """`python bench.py presets --arch plt`: every Table 2 row of the preset, the row `vanilla` (the same stack once)
+    as the baseline in brackets (meta device: nothing is allocated). Decode latency: `python bench.py plt`."""
+    p = PRESETS[preset]
+    with torch.device("meta"):
+        base = PLT(PLTConfig(**{**p, **variant_fields("vanilla")}))
+        rows = []
+        for v in VARIANTS:
+            cfg = PLTConfig(**{**p, **variant_fields(v)})
+            rows.append((f"{preset} {v} L{cfg.n_loops} w{cfg.window}", PLT(cfg), base))
+    return rows
+
+
+# The main job (`python train.py --arch plt`): 800 steps of 16 x 256 tokens at lr 4e-3, Table 2's protocol (RESULTS.md;
+# its wall time under "Timings"). lr 4e-3 rather than train.py's 2e-3: at 800 steps it is better for both PLT-2 and the
+# 2-layer vanilla (RESULTS.md).
 ARCH_SPECS = [ArchSpec("plt", PLTConfig, PLT, PRESETS, add_args=add_args, config_overrides=config_overrides,
-                       convert=convert, train_defaults={"max_iters": 800, "lr": 4e-3})]
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The preset table (decode timings: `python bench.py plt`)
-
-
-def describe():
-    """Every preset x Table 2 row, with the row `vanilla` (the same stack once) as the baseline in brackets."""
-    for preset, p in PRESETS.items():
-        with torch.device("meta"):
-            base = PLT(PLTConfig(**{**p, **variant_fields("vanilla")}))
-            for v in VARIANTS:
-                cfg = PLTConfig(**{**p, **variant_fields(v)})
-                model.describe(f"{preset} {v} L{cfg.n_loops} w{cfg.window}", PLT(cfg), base)
-
-
-def table_command(argv=None):
-    ArgumentParser(description="Presets x Table 2 rows: parameters, KV bytes, FLOPs. Decode latency: "
-                               "python bench.py plt").parse_args(argv)
-    describe()
-
-
-def main(argv=None):
-    """python plt.py: the table; a mistake is one line `error: ...`, exit code 2 (cli.py)."""
-    run_cli(table_command, argv)
-
-
-if __name__ == "__main__":
-    main()
+                       convert=convert, train_defaults={"max_iters": 800, "lr": 4e-3}, preset_rows=preset_rows)]

@@ -15,7 +15,6 @@ import checkpoint
 import cli
 import data
 import hf
-import plt
 import recursive
 import serve
 import train
@@ -250,7 +249,8 @@ TABLE_MISTAKES = [
     (recursive.main, ["--loops", "0"], "argument --loops: must be >= 1, got 0"),
     (recursive.main, ["--ranks", "8,x"], "argument --ranks: expected an integer, got 'x'"),
     (recursive.main, ["--loops", "3"], "n_layer=4 is not divisible by n_loops=3"),
-    (plt.main, ["--preset", "tiny"], "unrecognized arguments: --preset tiny"),
+    (lambda a: __import__("bench").main(a), ["presets", "--arch", "plt", "--preset", "mini"],
+     "--preset mini: not a preset of plt"),
 ]
 
 
