@@ -64,140 +64,6 @@ from cli import number
 from model import (IGNORE, ArchSpec, Attention, Block, GPT, GPTConfig, KVCache, Linear, apply_rotary,
                    check, describe, init_weights, kv_bytes, lm_loss, make_norm, run_cached)
 
-# ----------------------------------------------------------------------------------------------------------------
-# Config
-
-
-@dataclass
-class DoubleConfig(GPTConfig):
-    """GPTConfig (width, heads, MLP, norm, RoPE: the same for both stacks) plus the double-decoder fields.
-
-    n_layer is derived: ctx_layers + gen_layers (the depth of the decoder-only model of the same parameters).
-    """
-
-    n_layer: int | None = None  # = ctx_layers + gen_layers
-    ctx_layers: int = 8  # L_enc of the paper: the context decoder
-    gen_layers: int = 4  # L_dec: the generation decoder (the paper's 2/3 : 1/3 split, section 4)
-    separate_cross_kv: bool = False  # False: cross K/V use the self k/v projections (official default)
-    objective: str = "blocks"  # 'blocks' (random block partitions) | 'prefixlm' (one split, loss on the suffix)
-    min_blocks: int = 3  # blocks per training partition: uniform in [min_blocks, max_blocks]
-    max_blocks: int = 8
-    attn_impl: str = "auto"  # 'auto' (flex on CUDA, else dense) | 'dense' (kernels.dual_attention) | 'flex'
-    init: str = "gpt2"  # 'gpt2' (model.init_weights per stack) | 'xavier' (paper Table 1: Xavier-uniform, gain sqrt 2)
-    latent_norm: str = "rms"  # the context decoder's final norm: 'rms' (cfg.norm) | 'layer' (LayerNorm with bias)
-    ctx_lr: float = 1.0  # the context decoder's lr as a multiple of train.py's --lr (train.py's default: 0.25)
-
-    def __post_init__(self):
-        if self.n_layer is None and isinstance(self.ctx_layers, int) and isinstance(self.gen_layers, int):
-            self.n_layer = self.ctx_layers + self.gen_layers
-        super().__post_init__()
-
-    def validate(self):
-        need = self.need  # "bad DoubleConfig: ..."
-        for name in ("ctx_layers", "gen_layers", "min_blocks", "max_blocks"):
-            need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, f"{name} must be a positive int")
-        need(self.n_layer == self.ctx_layers + self.gen_layers,
-             f"n_layer={self.n_layer} must equal ctx_layers + gen_layers = {self.ctx_layers + self.gen_layers}")
-        need(self.min_blocks <= self.max_blocks, f"min_blocks={self.min_blocks} > max_blocks={self.max_blocks}")
-        need(self.max_blocks <= self.max_seq_len,
-             f"max_blocks={self.max_blocks} non-empty blocks do not fit in max_seq_len={self.max_seq_len} tokens")
-        need(self.objective in ("blocks", "prefixlm"), f"objective={self.objective!r} is not 'blocks' or 'prefixlm'")
-        need(self.attn_impl in ("auto", "dense", "flex"), f"attn_impl={self.attn_impl!r} is not auto, dense or flex")
-        need(self.init in ("gpt2", "xavier"), f"init={self.init!r} is not 'gpt2' or 'xavier'")
-        need(self.latent_norm in ("rms", "layer"), f"latent_norm={self.latent_norm!r} is not 'rms' or 'layer'")
-        need(0 < self.ctx_lr < math.inf, f"ctx_lr={self.ctx_lr} must be a finite number > 0")
-        super().validate()
-
-
-PRESETS: dict[str, dict] = {
-    # CPU and tests: the paper's 2 : 1 split at model.py's tiny width; model.py's `tiny6` (6 layers) is the
-    # decoder-only model of the same non-embedding parameters (1.2M).
-    "tiny": dict(ctx_layers=4, gen_layers=2, n_head=4, n_kv_head=2, n_embd=128, mlp_hidden=384, max_seq_len=256,
-                 vocab_size=4160),
-    # The larger CPU size of the comparison: 6 + 3 layers at d 256 (head dim 64, as the paper); model.py's `mini`
-    # (9 layers) is its decoder-only baseline (~7M non-embedding parameters).
-    "mini": dict(ctx_layers=6, gen_layers=3, n_head=4, n_kv_head=2, n_embd=256, mlp_hidden=768, max_seq_len=256,
-                 vocab_size=4160),
-    # The paper's depth profile (8 context + 4 generation layers vs 12 decoder layers), head dim 64. ~38M non-emb.
-    "small": dict(ctx_layers=8, gen_layers=4, n_head=8, n_kv_head=4, n_embd=512, mlp_hidden=1536, max_seq_len=1024,
-                  vocab_size=16448),
-    # Parameter-matched to model.py's vanilla `base` (12 layers, d 768): ~125M non-embedding.
-    "base": dict(ctx_layers=8, gen_layers=4, n_head=12, n_kv_head=4, n_embd=768, mlp_hidden=3840, max_seq_len=1024,
-                 vocab_size=32832),
-}
-
-
-def baseline_config(cfg: DoubleConfig) -> GPTConfig:
-    """The decoder-only model of the same parameters: every GPTConfig field of cfg, n_layer = ctx + gen layers."""
-    return GPTConfig(**{f.name: getattr(cfg, f.name) for f in fields(GPTConfig)})
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Block partitions (section 3.1): block ids per position, checked, sampled once per batch
-
-
-def splits_to_blk(splits, T: int, device=None) -> torch.Tensor:
-    """Split points b_1 < ... < b_{K-1} (each in [1, T-1]) -> block ids (T,): blk[t] = #{b_i <= t}.
-
-    This is the official code's `bucketize(arange(T), splits, right=True)`.
-    """
-    splits = torch.as_tensor(splits, dtype=torch.long, device=device).reshape(-1)
-    if splits.numel() and (int(splits.min()) < 1 or int(splits.max()) > T - 1):
-        raise ValueError(f"split points must lie in [1, {T - 1}] for a sequence of {T} tokens; got {splits.tolist()}")
-    if splits.numel() > 1 and bool((splits[1:] <= splits[:-1]).any()):
-        raise ValueError(f"split points must be strictly increasing (no empty block); got {splits.tolist()}")
-    return torch.bucketize(torch.arange(T, device=splits.device), splits, right=True)
-
-
-def check_partition(blk: torch.Tensor, B: int, T: int) -> int:
-    """Validate block ids (T,) or (B, T): integers, start at 0, step by 0 or 1 (contiguous, non-empty blocks).
-
-    -> the largest number of blocks of a row. Raises ValueError naming the problem.
-    """
-    if not isinstance(blk, torch.Tensor) or blk.dtype not in (torch.int32, torch.int64):
-        raise ValueError("blk must be an integer tensor of block ids, (T,) or (B, T)")
-    if blk.dim() not in (1, 2) or blk.size(-1) != T or (blk.dim() == 2 and blk.size(0) not in (1, B)):
-        raise ValueError(f"blk has shape {tuple(blk.shape)}; expected ({T},) or ({B}, {T})")
-    b = blk.reshape(-1, T)
-    if bool((b[:, 0] != 0).any()):
-        raise ValueError("a block partition starts with block 0 at position 0")
-    step = b[:, 1:] - b[:, :-1]
-    if bool(((step != 0) & (step != 1)).any()):
-        raise ValueError("block ids must be non-decreasing by steps of 0 or 1 (contiguous, non-empty blocks)")
-    return int(b[:, -1].max()) + 1
-
-
-def sample_blocks(T: int, gen: torch.Generator, min_blocks: int, max_blocks: int) -> torch.Tensor:
-    """K ~ uniform{min_blocks..max_blocks} (at most T), then K - 1 distinct split points uniform in [1, T-1].
-
-    -> block ids (T,). The official collator draws 2..7 split points uniformly from [2, T-1).
-    """
-    if T < min_blocks:
-        raise ValueError(f"a sequence of {T} tokens cannot be split into min_blocks={min_blocks} non-empty blocks")
-    hi = min(max_blocks, T)
-    K = int(torch.randint(min_blocks, hi + 1, (1,), generator=gen))
-    splits = (torch.randperm(T - 1, generator=gen)[: K - 1] + 1).sort().values
-    return splits_to_blk(splits, T)
-
-
-def prepare_batch(x, y, gen, cfg: DoubleConfig):
-    """train.py hook: one partition per batch from the step's generator -> (x, y, {"blk": (T,) block ids}).
-
-    'blocks':   3-8 uniform blocks; every target counts once (y unchanged).
-    'prefixlm': one split s ~ uniform [1, T-1]; prefix x[:s] is the context, x[s:] one generation block; targets of the
-                prefix positions (y[:, :s], which include the first suffix token) are IGNORE: loss on the suffix only.
-    """
-    T = x.size(1)
-    if cfg.objective == "prefixlm":
-        if T < 2:
-            raise ValueError("the prefix-LM objective needs sequences of at least 2 tokens")
-        s = int(torch.randint(1, T, (1,), generator=gen))
-        blk = (torch.arange(T) >= s).long()
-        y = y.clone()
-        y[:, :s] = IGNORE
-        return x, y, {"blk": blk}
-    return x, y, {"blk": sample_blocks(T, gen, cfg.min_blocks, cfg.max_blocks)}
-
 
 # ----------------------------------------------------------------------------------------------------------------
 # Dual attention: one softmax over within-block self keys and earlier-block cross keys
@@ -592,7 +458,142 @@ class DoubleDecoder(GPT):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Block partitions (section 3.1): block ids per position, checked, sampled once per batch
+
+
+def splits_to_blk(splits, T: int, device=None) -> torch.Tensor:
+    """Split points b_1 < ... < b_{K-1} (each in [1, T-1]) -> block ids (T,): blk[t] = #{b_i <= t}.
+
+    This is the official code's `bucketize(arange(T), splits, right=True)`.
+    """
+    splits = torch.as_tensor(splits, dtype=torch.long, device=device).reshape(-1)
+    if splits.numel() and (int(splits.min()) < 1 or int(splits.max()) > T - 1):
+        raise ValueError(f"split points must lie in [1, {T - 1}] for a sequence of {T} tokens; got {splits.tolist()}")
+    if splits.numel() > 1 and bool((splits[1:] <= splits[:-1]).any()):
+        raise ValueError(f"split points must be strictly increasing (no empty block); got {splits.tolist()}")
+    return torch.bucketize(torch.arange(T, device=splits.device), splits, right=True)
+
+
+def check_partition(blk: torch.Tensor, B: int, T: int) -> int:
+    """Validate block ids (T,) or (B, T): integers, start at 0, step by 0 or 1 (contiguous, non-empty blocks).
+
+    -> the largest number of blocks of a row. Raises ValueError naming the problem.
+    """
+    if not isinstance(blk, torch.Tensor) or blk.dtype not in (torch.int32, torch.int64):
+        raise ValueError("blk must be an integer tensor of block ids, (T,) or (B, T)")
+    if blk.dim() not in (1, 2) or blk.size(-1) != T or (blk.dim() == 2 and blk.size(0) not in (1, B)):
+        raise ValueError(f"blk has shape {tuple(blk.shape)}; expected ({T},) or ({B}, {T})")
+    b = blk.reshape(-1, T)
+    if bool((b[:, 0] != 0).any()):
+        raise ValueError("a block partition starts with block 0 at position 0")
+    step = b[:, 1:] - b[:, :-1]
+    if bool(((step != 0) & (step != 1)).any()):
+        raise ValueError("block ids must be non-decreasing by steps of 0 or 1 (contiguous, non-empty blocks)")
+    return int(b[:, -1].max()) + 1
+
+
+def sample_blocks(T: int, gen: torch.Generator, min_blocks: int, max_blocks: int) -> torch.Tensor:
+    """K ~ uniform{min_blocks..max_blocks} (at most T), then K - 1 distinct split points uniform in [1, T-1].
+
+    -> block ids (T,). The official collator draws 2..7 split points uniformly from [2, T-1).
+    """
+    if T < min_blocks:
+        raise ValueError(f"a sequence of {T} tokens cannot be split into min_blocks={min_blocks} non-empty blocks")
+    hi = min(max_blocks, T)
+    K = int(torch.randint(min_blocks, hi + 1, (1,), generator=gen))
+    splits = (torch.randperm(T - 1, generator=gen)[: K - 1] + 1).sort().values
+    return splits_to_blk(splits, T)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Config
+
+
+@dataclass
+class DoubleConfig(GPTConfig):
+    """GPTConfig (width, heads, MLP, norm, RoPE: the same for both stacks) plus the double-decoder fields.
+
+    n_layer is derived: ctx_layers + gen_layers (the depth of the decoder-only model of the same parameters).
+    """
+
+    n_layer: int | None = None  # = ctx_layers + gen_layers
+    ctx_layers: int = 8  # L_enc of the paper: the context decoder
+    gen_layers: int = 4  # L_dec: the generation decoder (the paper's 2/3 : 1/3 split, section 4)
+    separate_cross_kv: bool = False  # False: cross K/V use the self k/v projections (official default)
+    objective: str = "blocks"  # 'blocks' (random block partitions) | 'prefixlm' (one split, loss on the suffix)
+    min_blocks: int = 3  # blocks per training partition: uniform in [min_blocks, max_blocks]
+    max_blocks: int = 8
+    attn_impl: str = "auto"  # 'auto' (flex on CUDA, else dense) | 'dense' (kernels.dual_attention) | 'flex'
+    init: str = "gpt2"  # 'gpt2' (model.init_weights per stack) | 'xavier' (paper Table 1: Xavier-uniform, gain sqrt 2)
+    latent_norm: str = "rms"  # the context decoder's final norm: 'rms' (cfg.norm) | 'layer' (LayerNorm with bias)
+    ctx_lr: float = 1.0  # the context decoder's lr as a multiple of train.py's --lr (train.py's default: 0.25)
+
+    def __post_init__(self):
+        if self.n_layer is None and isinstance(self.ctx_layers, int) and isinstance(self.gen_layers, int):
+            self.n_layer = self.ctx_layers + self.gen_layers
+        super().__post_init__()
+
+    def validate(self):
+        need = self.need  # "bad DoubleConfig: ..."
+        for name in ("ctx_layers", "gen_layers", "min_blocks", "max_blocks"):
+            need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, f"{name} must be a positive int")
+        need(self.n_layer == self.ctx_layers + self.gen_layers,
+             f"n_layer={self.n_layer} must equal ctx_layers + gen_layers = {self.ctx_layers + self.gen_layers}")
+        need(self.min_blocks <= self.max_blocks, f"min_blocks={self.min_blocks} > max_blocks={self.max_blocks}")
+        need(self.max_blocks <= self.max_seq_len,
+             f"max_blocks={self.max_blocks} non-empty blocks do not fit in max_seq_len={self.max_seq_len} tokens")
+        need(self.objective in ("blocks", "prefixlm"), f"objective={self.objective!r} is not 'blocks' or 'prefixlm'")
+        need(self.attn_impl in ("auto", "dense", "flex"), f"attn_impl={self.attn_impl!r} is not auto, dense or flex")
+        need(self.init in ("gpt2", "xavier"), f"init={self.init!r} is not 'gpt2' or 'xavier'")
+        need(self.latent_norm in ("rms", "layer"), f"latent_norm={self.latent_norm!r} is not 'rms' or 'layer'")
+        need(0 < self.ctx_lr < math.inf, f"ctx_lr={self.ctx_lr} must be a finite number > 0")
+        super().validate()
+
+
+PRESETS: dict[str, dict] = {
+    # CPU and tests: the paper's 2 : 1 split at model.py's tiny width; model.py's `tiny6` (6 layers) is the
+    # decoder-only model of the same non-embedding parameters (1.2M).
+    "tiny": dict(ctx_layers=4, gen_layers=2, n_head=4, n_kv_head=2, n_embd=128, mlp_hidden=384, max_seq_len=256,
+                 vocab_size=4160),
+    # The larger CPU size of the comparison: 6 + 3 layers at d 256 (head dim 64, as the paper); model.py's `mini`
+    # (9 layers) is its decoder-only baseline (~7M non-embedding parameters).
+    "mini": dict(ctx_layers=6, gen_layers=3, n_head=4, n_kv_head=2, n_embd=256, mlp_hidden=768, max_seq_len=256,
+                 vocab_size=4160),
+    # The paper's depth profile (8 context + 4 generation layers vs 12 decoder layers), head dim 64. ~38M non-emb.
+    "small": dict(ctx_layers=8, gen_layers=4, n_head=8, n_kv_head=4, n_embd=512, mlp_hidden=1536, max_seq_len=1024,
+                  vocab_size=16448),
+    # Parameter-matched to model.py's vanilla `base` (12 layers, d 768): ~125M non-embedding.
+    "base": dict(ctx_layers=8, gen_layers=4, n_head=12, n_kv_head=4, n_embd=768, mlp_hidden=3840, max_seq_len=1024,
+                 vocab_size=32832),
+}
+
+
+def baseline_config(cfg: DoubleConfig) -> GPTConfig:
+    """The decoder-only model of the same parameters: every GPTConfig field of cfg, n_layer = ctx + gen layers."""
+    return GPTConfig(**{f.name: getattr(cfg, f.name) for f in fields(GPTConfig)})
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # How train.py sees this architecture
+
+
+def prepare_batch(x, y, gen, cfg: DoubleConfig):
+    """train.py hook: one partition per batch from the step's generator -> (x, y, {"blk": (T,) block ids}).
+
+    'blocks':   3-8 uniform blocks; every target counts once (y unchanged).
+    'prefixlm': one split s ~ uniform [1, T-1]; prefix x[:s] is the context, x[s:] one generation block; targets of the
+                prefix positions (y[:, :s], which include the first suffix token) are IGNORE: loss on the suffix only.
+    """
+    T = x.size(1)
+    if cfg.objective == "prefixlm":
+        if T < 2:
+            raise ValueError("the prefix-LM objective needs sequences of at least 2 tokens")
+        s = int(torch.randint(1, T, (1,), generator=gen))
+        blk = (torch.arange(T) >= s).long()
+        y = y.clone()
+        y[:, :s] = IGNORE
+        return x, y, {"blk": blk}
+    return x, y, {"blk": sample_blocks(T, gen, cfg.min_blocks, cfg.max_blocks)}
 
 
 def add_args(ap: argparse.ArgumentParser):
