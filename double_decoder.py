@@ -81,12 +81,31 @@ class DualIds:
     c_blk: torch.Tensor
 
 
+@dataclass
+class DualStep:
+    """One cached generation step (DoubleDecoder.gen_step builds it once for every generation layer): where the new
+    tokens' K/V go in the block's cache and how many keys of each cache the step reads."""
+
+    self_kv: KVCache  # the current block's K/V, index = position - ctx_len
+    cross: KVCache  # each generation layer's K/V of the context latents
+    self_idx: torch.Tensor  # (B, n) the new tokens' indices in the block's cache
+    self_len: int  # the block's tokens after this step: the self keys read
+    cross_len: int  # the cross keys read (the context's length, or 1: block 0's masked dummy key)
+
+
+# The block ids of a cached step: the context's latents all count as one block, CONTEXT_BLOCK, before the current
+# block, CURRENT_BLOCK, so its tokens see every latent and, causally, each other. Before any context (block 0) the step
+# reads one dummy cross key with NO_BLOCK, an id above every query's: a cross key is seen only from a later block.
+CONTEXT_BLOCK, CURRENT_BLOCK = 0, 1
+NO_BLOCK = 1 << 30
+
+
 class DualAttention(Attention):
     """A generation-decoder layer's attention: model.Attention (q/k/v/o projections, RoPE, GQA) plus the cross keys.
 
     forward(x, rope, ctx=latents, ids=DualIds)              training: cross K/V projected here from the latents
     forward(x, rope, ids=DualIds, flex=(self_bm, cross_bm))  training on CUDA: FlexAttention instead of the reference
-    forward(x, rope, ids=DualIds, cache=(self_view, cross_view), step=(self_idx, self_len, cross_len))   cached step
+    forward(x, rope, ids=DualIds, step=DualStep, layer=i)    cached step of generation layer i
     """
 
     def __init__(self, cfg: DoubleConfig):
@@ -104,15 +123,15 @@ class DualAttention(Attention):
         v = self.split_heads(self.cv_proj(h, lora_idx), self.n_kv_head)
         return k, v
 
-    def forward(self, x, rope, lora_idx=None, ids: DualIds | None = None, ctx=None, flex=None, cache=None, step=None):
+    def forward(self, x, rope, lora_idx=None, ids: DualIds | None = None, ctx=None, flex=None,
+                step: DualStep | None = None, layer: int = 0):
         q = self.project_q(x, rope, lora_idx)  # (B, H, T, D)
         k_s, v_s = self.project_kv(x, rope, lora_idx)  # (B, H_kv, T, D): this block's own states
-        if cache is not None:  # cached step: the new K/V join the block's cache; the cross K/V were cached once
-            self_view, cross_view = cache
-            self_idx, self_len, cross_len = step
-            self_view.write(self_idx, k_s, v_s)
-            k_s, v_s = self_view.read(self_len)  # (B, H_kv, self_len, D)
-            k_c, v_c = cross_view.read(cross_len)  # (B, H_kv, cross_len, D)
+        if step is not None:  # cached step: the new K/V join the block's cache; the cross K/V were cached once
+            self_kv = step.self_kv.layer(layer)
+            self_kv.write(step.self_idx, k_s, v_s)
+            k_s, v_s = self_kv.read(step.self_len)  # (B, H_kv, self_len, D)
+            k_c, v_c = step.cross.layer(layer).read(step.cross_len)  # (B, H_kv, cross_len, D)
         elif flex is not None:
             k_c, v_c = self.project_cross(ctx, rope, lora_idx)  # (B, H_kv, T, D): latents of ALL positions
             o1, l1 = kernels.flex_attention_lse(q, k_s, v_s, flex[0])
@@ -126,8 +145,8 @@ class DualAttention(Attention):
 
 def flex_block_masks(blk: torch.Tensor, T: int):
     """blk (T,), (1, T) or (B, T) on the device -> (self BlockMask, cross BlockMask), built once per batch for all
-    layers. A shared partition gives a batch-broadcast mask (B=None) whose mask_mod never indexes by batch: FlexAttention
-    calls it with the batch index of q (0..B-1), so indexing a (1, T) tensor by it failed for B > 1.
+    layers. A shared partition gives a batch-broadcast mask (B=None) whose mask_mod never indexes by batch:
+    FlexAttention calls it with the batch index of q (0..B-1), which a (1, T) tensor does not have for B > 1.
 
     self: kv <= q and same block; cross: block(kv) < block(q) -- the official code's masks (without its sink).
     """
@@ -238,14 +257,23 @@ class DoubleDecoder(GPT):
     """Block-based double decoder (section 3.1).
 
     From model.GPT it keeps the shared token embedding (`embed`), the final norm + tied head (`head`), RoPE, the
-    length check, the parameter count and the generate loop; `make_blocks` builds the two stacks instead of one.
+    length check, the parameter count and the generate loop; its two stacks take the place of GPT's one (`blocks`,
+    None here: GPT's forward_cached / compile_decode, which run it, do not apply to this model).
     forward(idx, targets=None, blk=None) -> (logits, loss); blk = block ids (T,) or (B, T) (default: the even partition
     into max_blocks blocks). Inference: new_cache -> [extend_context (shared prefix)] -> prefill -> decode_step, and
     GPT.generate strings them together (generation_cache sizes the cache; `rollover` reaches every decode_step).
     """
 
+    blocks = None  # GPT's single stack
+
     def __init__(self, cfg: DoubleConfig):
-        super().__init__(cfg)  # embedding, the stacks of make_blocks, final norm, head (tied), RoPE, GPT-2 init
+        ctx_blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.ctx_layers))  # the context decoder
+        # the latents h are normed (official: encoder_norm, a LayerNorm)
+        ctx_norm = nn.LayerNorm(cfg.n_embd, eps=cfg.norm_eps) if cfg.latent_norm == "layer" else make_norm(cfg)
+        gen_blocks = nn.ModuleList(Block(cfg, attn_cls=DualAttention) for _ in range(cfg.gen_layers))
+        # GPT's embedding, final norm, (tied) head, RoPE and GPT-2 init around the two stacks, registered between the
+        # embedding and the final norm in this order: the state_dict keys and parameter order of every checkpoint
+        super().__init__(cfg, stacks=dict(ctx_blocks=ctx_blocks, ctx_norm=ctx_norm, gen_blocks=gen_blocks))
         if cfg.init == "xavier":  # the paper's (and the official code's) init of every hidden matrix
             for m in self.modules():
                 if isinstance(m, nn.Linear) and m is not self.lm_head:
@@ -257,16 +285,6 @@ class DoubleDecoder(GPT):
             for m in self.ctx_blocks.modules():
                 if isinstance(m, nn.Linear):
                     m.weight.lr_scale = cfg.ctx_lr
-
-    def make_blocks(self, cfg: DoubleConfig):
-        """GPT.__init__'s hook: the context decoder (+ the latents' norm) and the generation decoder, registered in
-        this order (the state_dict keys and parameter order of every checkpoint). GPT's single stack `blocks` is None:
-        GPT's forward_cached / compile_decode, which run it, do not apply to this model."""
-        self.ctx_blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.ctx_layers))
-        # the latents h are normed (official: encoder_norm, a LayerNorm)
-        self.ctx_norm = nn.LayerNorm(cfg.n_embd, eps=cfg.norm_eps) if cfg.latent_norm == "layer" else make_norm(cfg)
-        self.gen_blocks = nn.ModuleList(Block(cfg, attn_cls=DualAttention) for _ in range(cfg.gen_layers))
-        return None
 
     # -- pieces ---------------------------------------------------------------------------------------------------
 
@@ -372,17 +390,20 @@ class DoubleDecoder(GPT):
         dev = tok.device
         self_idx = (cache.block_len + torch.arange(n, device=dev)).expand(B, n)  # index in the block's cache
         q_pos = S2 + self_idx  # (B, n) absolute positions
-        ones = torch.ones(B, max(S1, S2, 1), dtype=torch.long, device=dev)
+        def block_ids(width, block):  # (B, width) long, all `block`
+            return torch.full((B, width), block, dtype=torch.long, device=dev)
+
         if S2 > 0:
-            c_len, c_blk = S2, ones[:, :S2] * 0  # every latent is an earlier block's
+            c_len, c_blk = S2, block_ids(S2, CONTEXT_BLOCK)  # every latent is an earlier block's
         else:  # no context yet (block 0): one dummy cross key, masked by a block id no query has below it
-            c_len, c_blk = 1, ones[:, :1] * (1 << 30)
-        ids = DualIds(q_pos, ones[:, :n], (S2 + torch.arange(S1, device=dev)).expand(B, S1), ones[:, :S1], c_blk)
+            c_len, c_blk = 1, block_ids(1, NO_BLOCK)
+        ids = DualIds(q_pos, block_ids(n, CURRENT_BLOCK), (S2 + torch.arange(S1, device=dev)).expand(B, S1),
+                      block_ids(S1, CURRENT_BLOCK), c_blk)
+        step = DualStep(cache.self_kv, cache.cross, self_idx, S1, c_len)
         rope = self.rope(q_pos)
         x = self.embed(tok)
         for i, block in enumerate(self.gen_blocks):
-            x = block(x, rope, ids=ids, cache=(cache.self_kv.layer(i), cache.cross.layer(i)),
-                      step=(self_idx, S1, c_len))
+            x = block(x, rope, ids=ids, step=step, layer=i)
         cache.tokens[:, cache.block_len:S1] = tok
         cache.block_len = S1
         cache.self_kv.lengths.fill_(S1)

@@ -515,7 +515,7 @@ def test_bad_configs_raise_clear_errors():
 
 
 def test_state_dict_keys_and_parameter_order_are_the_checkpoints():
-    """DoubleDecoder subclasses model.GPT, whose make_blocks hook builds the two stacks: the state_dict keys and the
+    """DoubleDecoder subclasses model.GPT and hands its constructor the two stacks: the state_dict keys and the
     parameter order (an optimizer state is saved by position) are those of the checkpoints written before, and GPT's
     single stack `blocks` holds nothing."""
     block = ["attn_norm.weight", *(f"attn.{n}_proj.weight" for n in "qkvo"), "mlp_norm.weight",
