@@ -42,8 +42,8 @@ Choices and deviations (config fields; the paper's behaviour one flag away):
     dynamics of the double decoder".
 
 Run:
-    python double_decoder.py                                  # presets: parameters, KV bytes, FLOPs vs decoder-only
-    python train.py --arch double                             # pretrain tiny with random block partitions (~5 min)
+    python bench.py presets --arch double                     # presets: parameters, KV bytes, FLOPs vs decoder-only
+    python train.py --arch double                             # pretrain tiny with random block partitions
     python train.py --arch double --objective prefixlm        # the prefix-LM objective of section 4
     python eval.py double-eval out/double/ckpt.pt --sample "def " --rollover 16   # generate, folding every 16 tokens
     python bench.py double --preset small --threads 1 --batch 1 --prompt-len 128   # TTFT, per token, KV vs decoder-only
@@ -60,9 +60,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import kernels
-from cli import number
 from model import (IGNORE, ArchSpec, Attention, Block, GPT, GPTConfig, KVCache, Linear, apply_rotary,
-                   check, describe, init_weights, kv_bytes, lm_loss, make_norm, run_cached)
+                   check, init_weights, kv_bytes, lm_loss, make_norm, run_cached)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -595,7 +594,7 @@ def baseline_config(cfg: DoubleConfig) -> GPTConfig:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# How train.py sees this architecture
+# How train.py and bench.py see this architecture
 
 
 def prepare_batch(x, y, gen, cfg: DoubleConfig):
@@ -631,7 +630,7 @@ def add_args(ap: argparse.ArgumentParser):
                    help="double: weight init (gpt2: model.init_weights per stack; xavier: the paper's, gain sqrt 2)")
     g.add_argument("--latent-norm", choices=["rms", "layer"], default=None,
                    help="double: the context decoder's final norm (rms: as every other norm; layer: LayerNorm + bias)")
-    g.add_argument("--ctx-lr", type=number(float, above=0), default=None,
+    g.add_argument("--ctx-lr", type=ap.number(float, above=0), default=None,
                    help="double: the context decoder's learning rate as a multiple of --lr (default 0.25; 1: the "
                         "paper's)")
     g.add_argument("--dd-attn", choices=["auto", "dense", "flex"], default=None,
@@ -649,28 +648,19 @@ def config_overrides(args, tok=None) -> dict:
     return out
 
 
-# A tiny training step (batch 16 x 256, forward + backward) costs ~1.24x the vanilla tiny step on CPU (the dense
-# reference computes the generation layer's two T x T attentions in full): 300 / 1.24 ~ 240 steps keep the default
-# run at vanilla's ~4 minutes of steps (~5 minutes with tokenization and evaluations) on 2 quiet cores.
+def preset_rows(preset: str, options=None) -> list:
+    """`python bench.py presets --arch double`: the preset against its baseline, the decoder-only model of the same
+    parameters (baseline_config), both on the meta device. Timing and checkpoint evaluation: `python bench.py double`,
+    `python eval.py double-eval`."""
+    cfg = DoubleConfig(**PRESETS[preset])
+    with torch.device("meta"):
+        return [(f"{preset} {cfg.ctx_layers}+{cfg.gen_layers} d {cfg.n_embd}", DoubleDecoder(cfg),
+                 GPT(baseline_config(cfg)))]
+
+
+# 240 steps rather than train.py's 300: a tiny double-decoder step costs more than a vanilla one on CPU (the dense
+# reference computes the generation layer's two T x T attentions in full), and fewer steps keep the default run near
+# vanilla's wall time (RESULTS.md, "Timings"). ctx_lr 0.25: the deviation of the module docstring.
 ARCH_SPECS = [ArchSpec("double", DoubleConfig, DoubleDecoder, PRESETS, add_args=add_args,
                        config_overrides=config_overrides, prepare_batch=prepare_batch,
-                       train_defaults={"max_iters": 240, "ctx_lr": 0.25})]
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The presets against their decoder-only baselines (timing and checkpoint evaluation: bench.py double, double-eval)
-
-
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--preset", default=None, help="print one preset (default: all)")
-    args = ap.parse_args()
-    for name in [args.preset] if args.preset else PRESETS:
-        cfg = DoubleConfig(**PRESETS[name])
-        with torch.device("meta"):  # nothing allocated; baseline: the decoder-only model of the same parameters
-            describe(f"{name} {cfg.ctx_layers}+{cfg.gen_layers} d {cfg.n_embd}", DoubleDecoder(cfg),
-                     GPT(baseline_config(cfg)))
-
-
-if __name__ == "__main__":
-    main()
+                       train_defaults={"max_iters": 240, "ctx_lr": 0.25}, preset_rows=preset_rows)]
