@@ -4,7 +4,7 @@ cpu_tuning.py -- the CPU forms chosen by measurement on this machine, kept off t
 model.linear, model.attend and kernels.multi_lora are plain PyTorch (F.linear; SDPA with GQA; the stacked LoRA).
 Decoding on a CPU multiplies a few rows by every weight matrix without gradients: the step is bound by reading the
 weights, and which form of the same math reads them fastest depends on the CPU, its vector extensions, the dtype,
-the row count and the shapes, by up to 2.5x (RESULTS.md, "CPU forms chosen by measurement"). This module times the
+the row count and the shapes (RESULTS.md, "CPU forms chosen by measurement"). This module times the
 candidate forms once per shape on random tensors and keeps the fastest; enable() installs them:
 
   * linear (model.linear, model.tuned_ops): F.linear, torch.mv (one row), mm(W, x^T), x times a transposed copy of W,
@@ -149,9 +149,9 @@ def attend_grouped(q, k, v, mask=None, scale=None):
 def decode_attention(q, k, mask, timer=None) -> str:
     """Which form runs no-grad CPU attention with few queries at these shapes: "sdpa" or "grouped" (attend_grouped),
     whichever this machine runs faster, timed once per (q's shape, k's shape with the key count rounded up to a power
-    of two, dtype, mask shape) on random tensors. On the AMD EPYC of RESULTS.md, bf16 SDPA with a mask at one query
-    was 4-5x slower than the grouped form (3.98 vs 0.76 ms at 16 x 12 heads x 128 keys), fp32 equal; another CPU or
-    torch may differ, hence the measurement. `timer(form) -> seconds` replaces it (tests)."""
+    of two, dtype, mask shape) on random tensors: which form wins depends on the CPU, the torch build and the dtype
+    (RESULTS.md, "CPU forms chosen by measurement"), hence the measurement. `timer(form) -> seconds` replaces it
+    (tests)."""
     S = 1 << max(0, k.size(2) - 1).bit_length()
     mshape = None if mask is None else tuple(mask.shape[:-1])
     key = (tuple(q.shape), tuple(k.shape[:2]), S, k.size(3), q.dtype, mshape)
@@ -291,8 +291,8 @@ def linear_product(dtype, rows: int, out_f: int, in_f: int) -> str:
 
 def linear_times(dtype, bucket: int, out_f: int, in_f: int) -> dict[str, float]:
     """Seconds per product of the candidates at (dtype, bucket, shape): this process's, else the disk cache's for this
-    machine (cpu_key), else measured now (time_linear_products) and added to the disk cache. A cold choice costs
-    ~0.7 s per dtype and row bucket at the base preset's 5 shapes, hence the disk cache."""
+    machine (cpu_key), else measured now (time_linear_products) and added to the disk cache. A cold choice streams
+    every candidate over LINEAR_PROBE_BYTES of weights per shape, a pause at a command's start, hence the disk cache."""
     key = (dtype, bucket, out_f, in_f)
     if key not in _linear_times:
         path, names = os.environ.get("LINEAR_CHOICE_CACHE", LINEAR_CACHE), linear_candidates(dtype, bucket)

@@ -245,7 +245,8 @@ class DoubleCache:
 def latent_cosine(h: torch.Tensor) -> torch.Tensor:
     """Mean cosine between the latents h (B, T, C) of different positions of the same row -> 0-d fp32 tensor.
 
-    ~0.2 at init; ~1 when the context decoder has collapsed to one output vector (see the module docstring).
+    1 when the context decoder has collapsed to one output vector (see the module docstring; the values of real runs:
+    RESULTS.md, "Training dynamics of the double decoder").
     """
     B, T, _ = h.shape
     u = F.normalize(h.float(), dim=-1).sum(1)  # (B, C): |sum_i u_i|^2 = sum_{i,j} cos_ij
