@@ -58,12 +58,12 @@ computes, i, as in Algorithm 2's training indexing. It is the same computation.)
 
 Kernels: G-SWA goes through kernels.gated_swa (a whole sequence: training forward, prefill) and
 kernels.gated_swa_decode (one query per non-first-loop row against its ring buffer and the shared cache). They run
-the Triton kernels on CUDA when nothing needs a gradient (prefill, decoding, evaluation) and the PyTorch reference
-otherwise (training); both follow the conventions above (gate from q after RoPE, per-head gate_w (H, D) and
-gate_b (H,), exactly w keys). tests/test_plt.py forces the Triton path on CPU (TRITON_INTERPRET=1) and checks it
-against the reference. Loop 1 and the non-G-SWA variants attend through model.attend, the two attentions of
-gated_swa_decode's CPU path through SDPA; a command that switches cpu_tuning.py on puts the decode form it measured
-fastest behind both (model.tuned_ops, kernels.cpu_decode_attend).
+the Triton kernels on CUDA when nothing needs a gradient (prefill, decoding, evaluation) and the reference's math on
+SDPA otherwise (training, CPU: kernels.gated_swa_sdpa / gated_swa_decode_sdpa); all follow the conventions above
+(gate from q after RoPE, per-head gate_w (H, D) and gate_b (H,), exactly w keys). tests/test_plt.py forces the
+Triton path on CPU (TRITON_INTERPRET=1) and checks it against the reference. Loop 1 and the non-G-SWA variants
+attend through model.attend, the two attentions of gated_swa_decode's CPU path through SDPA; a command that switches
+cpu_tuning.py on puts the decode form it measured fastest behind both (model.tuned_ops, kernels.cpu_decode_attend).
 
 Table 2 at equal parameters and tokens, one command per row (`--loops 3` for PLT-3), the protocol and the results in
 RESULTS.md:
