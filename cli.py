@@ -1,6 +1,6 @@
 """
-cli.py -- the one error contract of every command of this repository (train.py, serve.py, bench.py, hf.py and the
-`python plt.py` table).
+cli.py -- the one error contract of every command of this repository (train.py, serve.py, bench.py, eval.py, hf.py,
+tasks.py).
 
 A mistake the user can fix (a flag, a file, a checkpoint, a batch that cannot fit, a diverged run) is one line
 `error: ...` on stderr naming the flag, value or file, and exit code 2; a run stopped by Ctrl-C or SIGTERM is one line
@@ -265,6 +265,6 @@ def run_cli(fn, argv=None, expected=EXPECTED_ERRORS):
         except KeyboardInterrupt:
             print("stopped: interrupted (Ctrl-C)", file=sys.stderr)
             sys.exit(130)
-        except BrokenPipeError:  # the reader went away (`python plt.py | head`): nothing more to say, no traceback
+        except BrokenPipeError:  # the reader went away (`python bench.py presets | head`): nothing more to say
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the recipe of Python's signal docs
             sys.exit(1)

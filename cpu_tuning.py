@@ -4,14 +4,15 @@ cpu_tuning.py -- the CPU forms chosen by measurement on this machine, kept off t
 model.linear, model.attend and kernels.multi_lora are plain PyTorch (F.linear; SDPA with GQA; the stacked LoRA).
 Decoding on a CPU multiplies a few rows by every weight matrix without gradients: the step is bound by reading the
 weights, and which form of the same math reads them fastest depends on the CPU, its vector extensions, the dtype,
-the row count and the shapes, by up to 2.5x (RESULTS.md, "CPU forms chosen by measurement"). This module times the
+the row count and the shapes (RESULTS.md, "CPU forms chosen by measurement"). This module times the
 candidate forms once per shape on random tensors and keeps the fastest; enable() installs them:
 
   * linear (model.linear, model.tuned_ops): F.linear, torch.mv (one row), mm(W, x^T), x times a transposed copy of W,
     oneDNN on a copy of W in its blocked layout (what inductor runs), per (dtype, row bucket, shape); a product that
     reads a weight copy needs a > 10% lead; the times are kept on disk per machine (LINEAR_CACHE).
-  * decode attention (model.attend with few queries per row, no gradients): SDPA or attend_grouped, the same math as
-    two fp32-accumulated batched matmuls per KV head group (decode_attention).
+  * decode attention (model.attend with few queries per row, no gradients, and the two attentions of PLT's G-SWA
+    decode through kernels.cpu_decode_attend): SDPA or attend_grouped, the same math as two fp32-accumulated batched
+    matmuls per KV head group (decode_attention).
   * attention precision under CPU bf16 autocast training: the attention itself in fp32 or bf16, whichever forward +
     backward is faster at the shape (bf16 only with a > 10% lead; attention_precision). train.py does not enable this
     module, so its CPU bf16-autocast runs take SDPA in bf16; the choice stays here for a training loop that wants it.
@@ -52,10 +53,11 @@ from model import check
 
 
 def enable():
-    """From now on model.linear, model.attend and kernels.multi_lora run the forms measured fastest on this CPU (where
-    they apply: CPU tensors, no gradients for the products and decode attention, bf16 autocast training for the
-    attention precision); elsewhere they stay plain PyTorch."""
+    """From now on model.linear, model.attend, kernels.gated_swa_decode's CPU attention and kernels.multi_lora run the
+    forms measured fastest on this CPU (where they apply: CPU tensors, no gradients for the products and decode
+    attention, bf16 autocast training for the attention precision); elsewhere they stay plain PyTorch."""
     model.tuned_ops = TUNED
+    kernels.cpu_decode_attend = attend
     kernels.cpu_lora_form = lora_form
 
 
@@ -67,12 +69,12 @@ def enabled() -> bool:
 def switched_on():
     """enable() for a with block, or a function when used as a decorator; the state before it is restored after (so
     a benchmark run inside a test leaves the next test on plain PyTorch)."""
-    before = model.tuned_ops, kernels.cpu_lora_form
+    before = model.tuned_ops, kernels.cpu_decode_attend, kernels.cpu_lora_form
     enable()
     try:
         yield
     finally:
-        model.tuned_ops, kernels.cpu_lora_form = before
+        model.tuned_ops, kernels.cpu_decode_attend, kernels.cpu_lora_form = before
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -147,9 +149,9 @@ def attend_grouped(q, k, v, mask=None, scale=None):
 def decode_attention(q, k, mask, timer=None) -> str:
     """Which form runs no-grad CPU attention with few queries at these shapes: "sdpa" or "grouped" (attend_grouped),
     whichever this machine runs faster, timed once per (q's shape, k's shape with the key count rounded up to a power
-    of two, dtype, mask shape) on random tensors. On the AMD EPYC of RESULTS.md, bf16 SDPA with a mask at one query
-    was 4-5x slower than the grouped form (3.98 vs 0.76 ms at 16 x 12 heads x 128 keys), fp32 equal; another CPU or
-    torch may differ, hence the measurement. `timer(form) -> seconds` replaces it (tests)."""
+    of two, dtype, mask shape) on random tensors: which form wins depends on the CPU, the torch build and the dtype
+    (RESULTS.md, "CPU forms chosen by measurement"), hence the measurement. `timer(form) -> seconds` replaces it
+    (tests)."""
     S = 1 << max(0, k.size(2) - 1).bit_length()
     mshape = None if mask is None else tuple(mask.shape[:-1])
     key = (tuple(q.shape), tuple(k.shape[:2]), S, k.size(3), q.dtype, mshape)
@@ -289,8 +291,8 @@ def linear_product(dtype, rows: int, out_f: int, in_f: int) -> str:
 
 def linear_times(dtype, bucket: int, out_f: int, in_f: int) -> dict[str, float]:
     """Seconds per product of the candidates at (dtype, bucket, shape): this process's, else the disk cache's for this
-    machine (cpu_key), else measured now (time_linear_products) and added to the disk cache. A cold choice costs
-    ~0.7 s per dtype and row bucket at the base preset's 5 shapes, hence the disk cache."""
+    machine (cpu_key), else measured now (time_linear_products) and added to the disk cache. A cold choice streams
+    every candidate over LINEAR_PROBE_BYTES of weights per shape, a pause at a command's start, hence the disk cache."""
     key = (dtype, bucket, out_f, in_f)
     if key not in _linear_times:
         path, names = os.environ.get("LINEAR_CHOICE_CACHE", LINEAR_CACHE), linear_candidates(dtype, bucket)

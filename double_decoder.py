@@ -42,8 +42,8 @@ Choices and deviations (config fields; the paper's behaviour one flag away):
     dynamics of the double decoder".
 
 Run:
-    python double_decoder.py                                  # presets: parameters, KV bytes, FLOPs vs decoder-only
-    python train.py --arch double                             # pretrain tiny with random block partitions (~5 min)
+    python bench.py presets --arch double                     # presets: parameters, KV bytes, FLOPs vs decoder-only
+    python train.py --arch double                             # pretrain tiny with random block partitions
     python train.py --arch double --objective prefixlm        # the prefix-LM objective of section 4
     python eval.py double-eval out/double/ckpt.pt --sample "def " --rollover 16   # generate, folding every 16 tokens
     python bench.py double --preset small --threads 1 --batch 1 --prompt-len 128   # TTFT, per token, KV vs decoder-only
@@ -60,143 +60,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import kernels
-from cli import number
 from model import (IGNORE, ArchSpec, Attention, Block, GPT, GPTConfig, KVCache, Linear, apply_rotary,
-                   check, describe, init_weights, kv_bytes, lm_loss, make_norm, run_cached)
-
-# ----------------------------------------------------------------------------------------------------------------
-# Config
-
-
-@dataclass
-class DoubleConfig(GPTConfig):
-    """GPTConfig (width, heads, MLP, norm, RoPE: the same for both stacks) plus the double-decoder fields.
-
-    n_layer is derived: ctx_layers + gen_layers (the depth of the decoder-only model of the same parameters).
-    """
-
-    n_layer: int | None = None  # = ctx_layers + gen_layers
-    ctx_layers: int = 8  # L_enc of the paper: the context decoder
-    gen_layers: int = 4  # L_dec: the generation decoder (the paper's 2/3 : 1/3 split, section 4)
-    separate_cross_kv: bool = False  # False: cross K/V use the self k/v projections (official default)
-    objective: str = "blocks"  # 'blocks' (random block partitions) | 'prefixlm' (one split, loss on the suffix)
-    min_blocks: int = 3  # blocks per training partition: uniform in [min_blocks, max_blocks]
-    max_blocks: int = 8
-    attn_impl: str = "auto"  # 'auto' (flex on CUDA, else dense) | 'dense' (kernels.dual_attention) | 'flex'
-    init: str = "gpt2"  # 'gpt2' (model.init_weights per stack) | 'xavier' (paper Table 1: Xavier-uniform, gain sqrt 2)
-    latent_norm: str = "rms"  # the context decoder's final norm: 'rms' (cfg.norm) | 'layer' (LayerNorm with bias)
-    ctx_lr: float = 1.0  # the context decoder's lr as a multiple of train.py's --lr (train.py's default: 0.25)
-
-    def __post_init__(self):
-        if self.n_layer is None and isinstance(self.ctx_layers, int) and isinstance(self.gen_layers, int):
-            self.n_layer = self.ctx_layers + self.gen_layers
-        super().__post_init__()
-
-    def validate(self):
-        need = self.need  # "bad DoubleConfig: ..."
-        for name in ("ctx_layers", "gen_layers", "min_blocks", "max_blocks"):
-            need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, f"{name} must be a positive int")
-        need(self.n_layer == self.ctx_layers + self.gen_layers,
-             f"n_layer={self.n_layer} must equal ctx_layers + gen_layers = {self.ctx_layers + self.gen_layers}")
-        need(self.min_blocks <= self.max_blocks, f"min_blocks={self.min_blocks} > max_blocks={self.max_blocks}")
-        need(self.max_blocks <= self.max_seq_len,
-             f"max_blocks={self.max_blocks} non-empty blocks do not fit in max_seq_len={self.max_seq_len} tokens")
-        need(self.objective in ("blocks", "prefixlm"), f"objective={self.objective!r} is not 'blocks' or 'prefixlm'")
-        need(self.attn_impl in ("auto", "dense", "flex"), f"attn_impl={self.attn_impl!r} is not auto, dense or flex")
-        need(self.init in ("gpt2", "xavier"), f"init={self.init!r} is not 'gpt2' or 'xavier'")
-        need(self.latent_norm in ("rms", "layer"), f"latent_norm={self.latent_norm!r} is not 'rms' or 'layer'")
-        need(0 < self.ctx_lr < math.inf, f"ctx_lr={self.ctx_lr} must be a finite number > 0")
-        super().validate()
-
-
-PRESETS: dict[str, dict] = {
-    # CPU and tests: the paper's 2 : 1 split at model.py's tiny width; model.py's `tiny6` (6 layers) is the
-    # decoder-only model of the same non-embedding parameters (1.2M).
-    "tiny": dict(ctx_layers=4, gen_layers=2, n_head=4, n_kv_head=2, n_embd=128, mlp_hidden=384, max_seq_len=256,
-                 vocab_size=4160),
-    # The larger CPU size of the comparison: 6 + 3 layers at d 256 (head dim 64, as the paper); model.py's `mini`
-    # (9 layers) is its decoder-only baseline (~7M non-embedding parameters).
-    "mini": dict(ctx_layers=6, gen_layers=3, n_head=4, n_kv_head=2, n_embd=256, mlp_hidden=768, max_seq_len=256,
-                 vocab_size=4160),
-    # The paper's depth profile (8 context + 4 generation layers vs 12 decoder layers), head dim 64. ~38M non-emb.
-    "small": dict(ctx_layers=8, gen_layers=4, n_head=8, n_kv_head=4, n_embd=512, mlp_hidden=1536, max_seq_len=1024,
-                  vocab_size=16448),
-    # Parameter-matched to model.py's vanilla `base` (12 layers, d 768): ~125M non-embedding.
-    "base": dict(ctx_layers=8, gen_layers=4, n_head=12, n_kv_head=4, n_embd=768, mlp_hidden=3840, max_seq_len=1024,
-                 vocab_size=32832),
-}
-
-
-def baseline_config(cfg: DoubleConfig) -> GPTConfig:
-    """The decoder-only model of the same parameters: every GPTConfig field of cfg, n_layer = ctx + gen layers."""
-    return GPTConfig(**{f.name: getattr(cfg, f.name) for f in fields(GPTConfig)})
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Block partitions (section 3.1): block ids per position, checked, sampled once per batch
-
-
-def splits_to_blk(splits, T: int, device=None) -> torch.Tensor:
-    """Split points b_1 < ... < b_{K-1} (each in [1, T-1]) -> block ids (T,): blk[t] = #{b_i <= t}.
-
-    This is the official code's `bucketize(arange(T), splits, right=True)`.
-    """
-    splits = torch.as_tensor(splits, dtype=torch.long, device=device).reshape(-1)
-    if splits.numel() and (int(splits.min()) < 1 or int(splits.max()) > T - 1):
-        raise ValueError(f"split points must lie in [1, {T - 1}] for a sequence of {T} tokens; got {splits.tolist()}")
-    if splits.numel() > 1 and bool((splits[1:] <= splits[:-1]).any()):
-        raise ValueError(f"split points must be strictly increasing (no empty block); got {splits.tolist()}")
-    return torch.bucketize(torch.arange(T, device=splits.device), splits, right=True)
-
-
-def check_partition(blk: torch.Tensor, B: int, T: int) -> int:
-    """Validate block ids (T,) or (B, T): integers, start at 0, step by 0 or 1 (contiguous, non-empty blocks).
-
-    -> the largest number of blocks of a row. Raises ValueError naming the problem.
-    """
-    if not isinstance(blk, torch.Tensor) or blk.dtype not in (torch.int32, torch.int64):
-        raise ValueError("blk must be an integer tensor of block ids, (T,) or (B, T)")
-    if blk.dim() not in (1, 2) or blk.size(-1) != T or (blk.dim() == 2 and blk.size(0) not in (1, B)):
-        raise ValueError(f"blk has shape {tuple(blk.shape)}; expected ({T},) or ({B}, {T})")
-    b = blk.reshape(-1, T)
-    if bool((b[:, 0] != 0).any()):
-        raise ValueError("a block partition starts with block 0 at position 0")
-    step = b[:, 1:] - b[:, :-1]
-    if bool(((step != 0) & (step != 1)).any()):
-        raise ValueError("block ids must be non-decreasing by steps of 0 or 1 (contiguous, non-empty blocks)")
-    return int(b[:, -1].max()) + 1
-
-
-def sample_blocks(T: int, gen: torch.Generator, min_blocks: int, max_blocks: int) -> torch.Tensor:
-    """K ~ uniform{min_blocks..max_blocks} (at most T), then K - 1 distinct split points uniform in [1, T-1].
-
-    -> block ids (T,). The official collator draws 2..7 split points uniformly from [2, T-1).
-    """
-    if T < min_blocks:
-        raise ValueError(f"a sequence of {T} tokens cannot be split into min_blocks={min_blocks} non-empty blocks")
-    hi = min(max_blocks, T)
-    K = int(torch.randint(min_blocks, hi + 1, (1,), generator=gen))
-    splits = (torch.randperm(T - 1, generator=gen)[: K - 1] + 1).sort().values
-    return splits_to_blk(splits, T)
-
-
-def prepare_batch(x, y, gen, cfg: DoubleConfig):
-    """train.py hook: one partition per batch from the step's generator -> (x, y, {"blk": (T,) block ids}).
-
-    'blocks':   3-8 uniform blocks; every target counts once (y unchanged).
-    'prefixlm': one split s ~ uniform [1, T-1]; prefix x[:s] is the context, x[s:] one generation block; targets of the
-                prefix positions (y[:, :s], which include the first suffix token) are IGNORE: loss on the suffix only.
-    """
-    T = x.size(1)
-    if cfg.objective == "prefixlm":
-        if T < 2:
-            raise ValueError("the prefix-LM objective needs sequences of at least 2 tokens")
-        s = int(torch.randint(1, T, (1,), generator=gen))
-        blk = (torch.arange(T) >= s).long()
-        y = y.clone()
-        y[:, :s] = IGNORE
-        return x, y, {"blk": blk}
-    return x, y, {"blk": sample_blocks(T, gen, cfg.min_blocks, cfg.max_blocks)}
+                   check, init_weights, kv_bytes, lm_loss, make_norm, run_cached)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -215,12 +80,31 @@ class DualIds:
     c_blk: torch.Tensor
 
 
+@dataclass
+class DualStep:
+    """One cached generation step (DoubleDecoder.gen_step builds it once for every generation layer): where the new
+    tokens' K/V go in the block's cache and how many keys of each cache the step reads."""
+
+    self_kv: KVCache  # the current block's K/V, index = position - ctx_len
+    cross: KVCache  # each generation layer's K/V of the context latents
+    self_idx: torch.Tensor  # (B, n) the new tokens' indices in the block's cache
+    self_len: int  # the block's tokens after this step: the self keys read
+    cross_len: int  # the cross keys read (the context's length, or 1: block 0's masked dummy key)
+
+
+# The block ids of a cached step: the context's latents all count as one block, CONTEXT_BLOCK, before the current
+# block, CURRENT_BLOCK, so its tokens see every latent and, causally, each other. Before any context (block 0) the step
+# reads one dummy cross key with NO_BLOCK, an id above every query's: a cross key is seen only from a later block.
+CONTEXT_BLOCK, CURRENT_BLOCK = 0, 1
+NO_BLOCK = 1 << 30
+
+
 class DualAttention(Attention):
     """A generation-decoder layer's attention: model.Attention (q/k/v/o projections, RoPE, GQA) plus the cross keys.
 
     forward(x, rope, ctx=latents, ids=DualIds)              training: cross K/V projected here from the latents
     forward(x, rope, ids=DualIds, flex=(self_bm, cross_bm))  training on CUDA: FlexAttention instead of the reference
-    forward(x, rope, ids=DualIds, cache=(self_view, cross_view), step=(self_idx, self_len, cross_len))   cached step
+    forward(x, rope, ids=DualIds, step=DualStep, layer=i)    cached step of generation layer i
     """
 
     def __init__(self, cfg: DoubleConfig):
@@ -238,15 +122,15 @@ class DualAttention(Attention):
         v = self.split_heads(self.cv_proj(h, lora_idx), self.n_kv_head)
         return k, v
 
-    def forward(self, x, rope, lora_idx=None, ids: DualIds | None = None, ctx=None, flex=None, cache=None, step=None):
+    def forward(self, x, rope, lora_idx=None, ids: DualIds | None = None, ctx=None, flex=None,
+                step: DualStep | None = None, layer: int = 0):
         q = self.project_q(x, rope, lora_idx)  # (B, H, T, D)
         k_s, v_s = self.project_kv(x, rope, lora_idx)  # (B, H_kv, T, D): this block's own states
-        if cache is not None:  # cached step: the new K/V join the block's cache; the cross K/V were cached once
-            self_view, cross_view = cache
-            self_idx, self_len, cross_len = step
-            self_view.write(self_idx, k_s, v_s)
-            k_s, v_s = self_view.read(self_len)  # (B, H_kv, self_len, D)
-            k_c, v_c = cross_view.read(cross_len)  # (B, H_kv, cross_len, D)
+        if step is not None:  # cached step: the new K/V join the block's cache; the cross K/V were cached once
+            self_kv = step.self_kv.layer(layer)
+            self_kv.write(step.self_idx, k_s, v_s)
+            k_s, v_s = self_kv.read(step.self_len)  # (B, H_kv, self_len, D)
+            k_c, v_c = step.cross.layer(layer).read(step.cross_len)  # (B, H_kv, cross_len, D)
         elif flex is not None:
             k_c, v_c = self.project_cross(ctx, rope, lora_idx)  # (B, H_kv, T, D): latents of ALL positions
             o1, l1 = kernels.flex_attention_lse(q, k_s, v_s, flex[0])
@@ -260,8 +144,8 @@ class DualAttention(Attention):
 
 def flex_block_masks(blk: torch.Tensor, T: int):
     """blk (T,), (1, T) or (B, T) on the device -> (self BlockMask, cross BlockMask), built once per batch for all
-    layers. A shared partition gives a batch-broadcast mask (B=None) whose mask_mod never indexes by batch: FlexAttention
-    calls it with the batch index of q (0..B-1), so indexing a (1, T) tensor by it failed for B > 1.
+    layers. A shared partition gives a batch-broadcast mask (B=None) whose mask_mod never indexes by batch:
+    FlexAttention calls it with the batch index of q (0..B-1), which a (1, T) tensor does not have for B > 1.
 
     self: kv <= q and same block; cross: block(kv) < block(q) -- the official code's masks (without its sink).
     """
@@ -361,7 +245,8 @@ class DoubleCache:
 def latent_cosine(h: torch.Tensor) -> torch.Tensor:
     """Mean cosine between the latents h (B, T, C) of different positions of the same row -> 0-d fp32 tensor.
 
-    ~0.2 at init; ~1 when the context decoder has collapsed to one output vector (see the module docstring).
+    1 when the context decoder has collapsed to one output vector (see the module docstring; the values of real runs:
+    RESULTS.md, "Training dynamics of the double decoder").
     """
     B, T, _ = h.shape
     u = F.normalize(h.float(), dim=-1).sum(1)  # (B, C): |sum_i u_i|^2 = sum_{i,j} cos_ij
@@ -372,14 +257,23 @@ class DoubleDecoder(GPT):
     """Block-based double decoder (section 3.1).
 
     From model.GPT it keeps the shared token embedding (`embed`), the final norm + tied head (`head`), RoPE, the
-    length check, the parameter count and the generate loop; `make_blocks` builds the two stacks instead of one.
+    length check, the parameter count and the generate loop; its two stacks take the place of GPT's one (`blocks`,
+    None here: GPT's forward_cached / compile_decode, which run it, do not apply to this model).
     forward(idx, targets=None, blk=None) -> (logits, loss); blk = block ids (T,) or (B, T) (default: the even partition
     into max_blocks blocks). Inference: new_cache -> [extend_context (shared prefix)] -> prefill -> decode_step, and
     GPT.generate strings them together (generation_cache sizes the cache; `rollover` reaches every decode_step).
     """
 
+    blocks = None  # GPT's single stack
+
     def __init__(self, cfg: DoubleConfig):
-        super().__init__(cfg)  # embedding, the stacks of make_blocks, final norm, head (tied), RoPE, GPT-2 init
+        ctx_blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.ctx_layers))  # the context decoder
+        # the latents h are normed (official: encoder_norm, a LayerNorm)
+        ctx_norm = nn.LayerNorm(cfg.n_embd, eps=cfg.norm_eps) if cfg.latent_norm == "layer" else make_norm(cfg)
+        gen_blocks = nn.ModuleList(Block(cfg, attn_cls=DualAttention) for _ in range(cfg.gen_layers))
+        # GPT's embedding, final norm, (tied) head, RoPE and GPT-2 init around the two stacks, registered between the
+        # embedding and the final norm in this order: the state_dict keys and parameter order of every checkpoint
+        super().__init__(cfg, stacks=dict(ctx_blocks=ctx_blocks, ctx_norm=ctx_norm, gen_blocks=gen_blocks))
         if cfg.init == "xavier":  # the paper's (and the official code's) init of every hidden matrix
             for m in self.modules():
                 if isinstance(m, nn.Linear) and m is not self.lm_head:
@@ -391,16 +285,6 @@ class DoubleDecoder(GPT):
             for m in self.ctx_blocks.modules():
                 if isinstance(m, nn.Linear):
                     m.weight.lr_scale = cfg.ctx_lr
-
-    def make_blocks(self, cfg: DoubleConfig):
-        """GPT.__init__'s hook: the context decoder (+ the latents' norm) and the generation decoder, registered in
-        this order (the state_dict keys and parameter order of every checkpoint). GPT's single stack `blocks` is None:
-        GPT's forward_cached / compile_decode, which run it, do not apply to this model."""
-        self.ctx_blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.ctx_layers))
-        # the latents h are normed (official: encoder_norm, a LayerNorm)
-        self.ctx_norm = nn.LayerNorm(cfg.n_embd, eps=cfg.norm_eps) if cfg.latent_norm == "layer" else make_norm(cfg)
-        self.gen_blocks = nn.ModuleList(Block(cfg, attn_cls=DualAttention) for _ in range(cfg.gen_layers))
-        return None
 
     # -- pieces ---------------------------------------------------------------------------------------------------
 
@@ -506,17 +390,20 @@ class DoubleDecoder(GPT):
         dev = tok.device
         self_idx = (cache.block_len + torch.arange(n, device=dev)).expand(B, n)  # index in the block's cache
         q_pos = S2 + self_idx  # (B, n) absolute positions
-        ones = torch.ones(B, max(S1, S2, 1), dtype=torch.long, device=dev)
+        def block_ids(width, block):  # (B, width) long, all `block`
+            return torch.full((B, width), block, dtype=torch.long, device=dev)
+
         if S2 > 0:
-            c_len, c_blk = S2, ones[:, :S2] * 0  # every latent is an earlier block's
+            c_len, c_blk = S2, block_ids(S2, CONTEXT_BLOCK)  # every latent is an earlier block's
         else:  # no context yet (block 0): one dummy cross key, masked by a block id no query has below it
-            c_len, c_blk = 1, ones[:, :1] * (1 << 30)
-        ids = DualIds(q_pos, ones[:, :n], (S2 + torch.arange(S1, device=dev)).expand(B, S1), ones[:, :S1], c_blk)
+            c_len, c_blk = 1, block_ids(1, NO_BLOCK)
+        ids = DualIds(q_pos, block_ids(n, CURRENT_BLOCK), (S2 + torch.arange(S1, device=dev)).expand(B, S1),
+                      block_ids(S1, CURRENT_BLOCK), c_blk)
+        step = DualStep(cache.self_kv, cache.cross, self_idx, S1, c_len)
         rope = self.rope(q_pos)
         x = self.embed(tok)
         for i, block in enumerate(self.gen_blocks):
-            x = block(x, rope, ids=ids, cache=(cache.self_kv.layer(i), cache.cross.layer(i)),
-                      step=(self_idx, S1, c_len))
+            x = block(x, rope, ids=ids, step=step, layer=i)
         cache.tokens[:, cache.block_len:S1] = tok
         cache.block_len = S1
         cache.self_kv.lengths.fill_(S1)
@@ -592,7 +479,142 @@ class DoubleDecoder(GPT):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# How train.py sees this architecture
+# Block partitions (section 3.1): block ids per position, checked, sampled once per batch
+
+
+def splits_to_blk(splits, T: int, device=None) -> torch.Tensor:
+    """Split points b_1 < ... < b_{K-1} (each in [1, T-1]) -> block ids (T,): blk[t] = #{b_i <= t}.
+
+    This is the official code's `bucketize(arange(T), splits, right=True)`.
+    """
+    splits = torch.as_tensor(splits, dtype=torch.long, device=device).reshape(-1)
+    if splits.numel() and (int(splits.min()) < 1 or int(splits.max()) > T - 1):
+        raise ValueError(f"split points must lie in [1, {T - 1}] for a sequence of {T} tokens; got {splits.tolist()}")
+    if splits.numel() > 1 and bool((splits[1:] <= splits[:-1]).any()):
+        raise ValueError(f"split points must be strictly increasing (no empty block); got {splits.tolist()}")
+    return torch.bucketize(torch.arange(T, device=splits.device), splits, right=True)
+
+
+def check_partition(blk: torch.Tensor, B: int, T: int) -> int:
+    """Validate block ids (T,) or (B, T): integers, start at 0, step by 0 or 1 (contiguous, non-empty blocks).
+
+    -> the largest number of blocks of a row. Raises ValueError naming the problem.
+    """
+    if not isinstance(blk, torch.Tensor) or blk.dtype not in (torch.int32, torch.int64):
+        raise ValueError("blk must be an integer tensor of block ids, (T,) or (B, T)")
+    if blk.dim() not in (1, 2) or blk.size(-1) != T or (blk.dim() == 2 and blk.size(0) not in (1, B)):
+        raise ValueError(f"blk has shape {tuple(blk.shape)}; expected ({T},) or ({B}, {T})")
+    b = blk.reshape(-1, T)
+    if bool((b[:, 0] != 0).any()):
+        raise ValueError("a block partition starts with block 0 at position 0")
+    step = b[:, 1:] - b[:, :-1]
+    if bool(((step != 0) & (step != 1)).any()):
+        raise ValueError("block ids must be non-decreasing by steps of 0 or 1 (contiguous, non-empty blocks)")
+    return int(b[:, -1].max()) + 1
+
+
+def sample_blocks(T: int, gen: torch.Generator, min_blocks: int, max_blocks: int) -> torch.Tensor:
+    """K ~ uniform{min_blocks..max_blocks} (at most T), then K - 1 distinct split points uniform in [1, T-1].
+
+    -> block ids (T,). The official collator draws 2..7 split points uniformly from [2, T-1).
+    """
+    if T < min_blocks:
+        raise ValueError(f"a sequence of {T} tokens cannot be split into min_blocks={min_blocks} non-empty blocks")
+    hi = min(max_blocks, T)
+    K = int(torch.randint(min_blocks, hi + 1, (1,), generator=gen))
+    splits = (torch.randperm(T - 1, generator=gen)[: K - 1] + 1).sort().values
+    return splits_to_blk(splits, T)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Config
+
+
+@dataclass
+class DoubleConfig(GPTConfig):
+    """GPTConfig (width, heads, MLP, norm, RoPE: the same for both stacks) plus the double-decoder fields.
+
+    n_layer is derived: ctx_layers + gen_layers (the depth of the decoder-only model of the same parameters).
+    """
+
+    n_layer: int | None = None  # = ctx_layers + gen_layers
+    ctx_layers: int = 8  # L_enc of the paper: the context decoder
+    gen_layers: int = 4  # L_dec: the generation decoder (the paper's 2/3 : 1/3 split, section 4)
+    separate_cross_kv: bool = False  # False: cross K/V use the self k/v projections (official default)
+    objective: str = "blocks"  # 'blocks' (random block partitions) | 'prefixlm' (one split, loss on the suffix)
+    min_blocks: int = 3  # blocks per training partition: uniform in [min_blocks, max_blocks]
+    max_blocks: int = 8
+    attn_impl: str = "auto"  # 'auto' (flex on CUDA, else dense) | 'dense' (kernels.dual_attention) | 'flex'
+    init: str = "gpt2"  # 'gpt2' (model.init_weights per stack) | 'xavier' (paper Table 1: Xavier-uniform, gain sqrt 2)
+    latent_norm: str = "rms"  # the context decoder's final norm: 'rms' (cfg.norm) | 'layer' (LayerNorm with bias)
+    ctx_lr: float = 1.0  # the context decoder's lr as a multiple of train.py's --lr (train.py's default: 0.25)
+
+    def __post_init__(self):
+        if self.n_layer is None and isinstance(self.ctx_layers, int) and isinstance(self.gen_layers, int):
+            self.n_layer = self.ctx_layers + self.gen_layers
+        super().__post_init__()
+
+    def validate(self):
+        need = self.need  # "bad DoubleConfig: ..."
+        for name in ("ctx_layers", "gen_layers", "min_blocks", "max_blocks"):
+            need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, f"{name} must be a positive int")
+        need(self.n_layer == self.ctx_layers + self.gen_layers,
+             f"n_layer={self.n_layer} must equal ctx_layers + gen_layers = {self.ctx_layers + self.gen_layers}")
+        need(self.min_blocks <= self.max_blocks, f"min_blocks={self.min_blocks} > max_blocks={self.max_blocks}")
+        need(self.max_blocks <= self.max_seq_len,
+             f"max_blocks={self.max_blocks} non-empty blocks do not fit in max_seq_len={self.max_seq_len} tokens")
+        need(self.objective in ("blocks", "prefixlm"), f"objective={self.objective!r} is not 'blocks' or 'prefixlm'")
+        need(self.attn_impl in ("auto", "dense", "flex"), f"attn_impl={self.attn_impl!r} is not auto, dense or flex")
+        need(self.init in ("gpt2", "xavier"), f"init={self.init!r} is not 'gpt2' or 'xavier'")
+        need(self.latent_norm in ("rms", "layer"), f"latent_norm={self.latent_norm!r} is not 'rms' or 'layer'")
+        need(0 < self.ctx_lr < math.inf, f"ctx_lr={self.ctx_lr} must be a finite number > 0")
+        super().validate()
+
+
+PRESETS: dict[str, dict] = {
+    # CPU and tests: the paper's 2 : 1 split at model.py's tiny width; model.py's `tiny6` (6 layers) is the
+    # decoder-only model of the same non-embedding parameters (1.2M).
+    "tiny": dict(ctx_layers=4, gen_layers=2, n_head=4, n_kv_head=2, n_embd=128, mlp_hidden=384, max_seq_len=256,
+                 vocab_size=4160),
+    # The larger CPU size of the comparison: 6 + 3 layers at d 256 (head dim 64, as the paper); model.py's `mini`
+    # (9 layers) is its decoder-only baseline (~7M non-embedding parameters).
+    "mini": dict(ctx_layers=6, gen_layers=3, n_head=4, n_kv_head=2, n_embd=256, mlp_hidden=768, max_seq_len=256,
+                 vocab_size=4160),
+    # The paper's depth profile (8 context + 4 generation layers vs 12 decoder layers), head dim 64. ~38M non-emb.
+    "small": dict(ctx_layers=8, gen_layers=4, n_head=8, n_kv_head=4, n_embd=512, mlp_hidden=1536, max_seq_len=1024,
+                  vocab_size=16448),
+    # Parameter-matched to model.py's vanilla `base` (12 layers, d 768): ~125M non-embedding.
+    "base": dict(ctx_layers=8, gen_layers=4, n_head=12, n_kv_head=4, n_embd=768, mlp_hidden=3840, max_seq_len=1024,
+                 vocab_size=32832),
+}
+
+
+def baseline_config(cfg: DoubleConfig) -> GPTConfig:
+    """The decoder-only model of the same parameters: every GPTConfig field of cfg, n_layer = ctx + gen layers."""
+    return GPTConfig(**{f.name: getattr(cfg, f.name) for f in fields(GPTConfig)})
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# How train.py and bench.py see this architecture
+
+
+def prepare_batch(x, y, gen, cfg: DoubleConfig):
+    """train.py hook: one partition per batch from the step's generator -> (x, y, {"blk": (T,) block ids}).
+
+    'blocks':   3-8 uniform blocks; every target counts once (y unchanged).
+    'prefixlm': one split s ~ uniform [1, T-1]; prefix x[:s] is the context, x[s:] one generation block; targets of the
+                prefix positions (y[:, :s], which include the first suffix token) are IGNORE: loss on the suffix only.
+    """
+    T = x.size(1)
+    if cfg.objective == "prefixlm":
+        if T < 2:
+            raise ValueError("the prefix-LM objective needs sequences of at least 2 tokens")
+        s = int(torch.randint(1, T, (1,), generator=gen))
+        blk = (torch.arange(T) >= s).long()
+        y = y.clone()
+        y[:, :s] = IGNORE
+        return x, y, {"blk": blk}
+    return x, y, {"blk": sample_blocks(T, gen, cfg.min_blocks, cfg.max_blocks)}
 
 
 def add_args(ap: argparse.ArgumentParser):
@@ -609,7 +631,7 @@ def add_args(ap: argparse.ArgumentParser):
                    help="double: weight init (gpt2: model.init_weights per stack; xavier: the paper's, gain sqrt 2)")
     g.add_argument("--latent-norm", choices=["rms", "layer"], default=None,
                    help="double: the context decoder's final norm (rms: as every other norm; layer: LayerNorm + bias)")
-    g.add_argument("--ctx-lr", type=number(float, above=0), default=None,
+    g.add_argument("--ctx-lr", type=ap.number(float, above=0), default=None,
                    help="double: the context decoder's learning rate as a multiple of --lr (default 0.25; 1: the "
                         "paper's)")
     g.add_argument("--dd-attn", choices=["auto", "dense", "flex"], default=None,
@@ -627,28 +649,19 @@ def config_overrides(args, tok=None) -> dict:
     return out
 
 
-# A tiny training step (batch 16 x 256, forward + backward) costs ~1.24x the vanilla tiny step on CPU (the dense
-# reference computes the generation layer's two T x T attentions in full): 300 / 1.24 ~ 240 steps keep the default
-# run at vanilla's ~4 minutes of steps (~5 minutes with tokenization and evaluations) on 2 quiet cores.
+def preset_rows(preset: str, options=None) -> list:
+    """`python bench.py presets --arch double`: the preset against its baseline, the decoder-only model of the same
+    parameters (baseline_config), both on the meta device. Timing and checkpoint evaluation: `python bench.py double`,
+    `python eval.py double-eval`."""
+    cfg = DoubleConfig(**PRESETS[preset])
+    with torch.device("meta"):
+        return [(f"{preset} {cfg.ctx_layers}+{cfg.gen_layers} d {cfg.n_embd}", DoubleDecoder(cfg),
+                 GPT(baseline_config(cfg)))]
+
+
+# 240 steps rather than train.py's 300: a tiny double-decoder step costs more than a vanilla one on CPU (the dense
+# reference computes the generation layer's two T x T attentions in full), and fewer steps keep the default run near
+# vanilla's wall time (RESULTS.md, "Timings"). ctx_lr 0.25: the deviation of the module docstring.
 ARCH_SPECS = [ArchSpec("double", DoubleConfig, DoubleDecoder, PRESETS, add_args=add_args,
                        config_overrides=config_overrides, prepare_batch=prepare_batch,
-                       train_defaults={"max_iters": 240, "ctx_lr": 0.25})]
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The presets against their decoder-only baselines (timing and checkpoint evaluation: bench.py double, double-eval)
-
-
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--preset", default=None, help="print one preset (default: all)")
-    args = ap.parse_args()
-    for name in [args.preset] if args.preset else PRESETS:
-        cfg = DoubleConfig(**PRESETS[name])
-        with torch.device("meta"):  # nothing allocated; baseline: the decoder-only model of the same parameters
-            describe(f"{name} {cfg.ctx_layers}+{cfg.gen_layers} d {cfg.n_embd}", DoubleDecoder(cfg),
-                     GPT(baseline_config(cfg)))
-
-
-if __name__ == "__main__":
-    main()
+                       train_defaults={"max_iters": 240, "ctx_lr": 0.25}, preset_rows=preset_rows)]

@@ -45,7 +45,8 @@ How the kernels work (each section says more)
 
 Each op's section reads in one order: the reference (the math), other PyTorch forms of it (CPU, training), the Triton
 kernel, the dispatch. This file imports no other module of this repository; kernels_aot.py compiles its kernels ahead
-of time for GPUs, and cpu_tuning.py may pick multi_lora's CPU form by measurement (cpu_lora_form).
+of time for GPUs, and cpu_tuning.py may pick multi_lora's CPU form (cpu_lora_form) and the attention of
+gated_swa_decode's CPU path (cpu_decode_attend) by measurement.
 
 Run:
     TRITON_INTERPRET=1 python -m pytest -q tests/test_kernels.py   # the kernels on CPU tensors, against the references
@@ -589,7 +590,7 @@ def gated_swa_sdpa(q, k, v, k_shared, v_shared, gate_w, gate_b, window, scale=No
     y_local is SDPA with the banded bool mask swa_mask, y_global is SDPA with is_causal; GQA through enable_gqa (K/V
     never copied), then the same gate and fp32 mix as the reference. On CPU both branches run SDPA's flash kernel,
     forward and backward (bool mask and GQA included), which never materialises the (T, T) scores in fp32 as the
-    reference's einsums do: ~5x faster than gated_swa_ref at the tiny preset's training shapes (B 16, T 256).
+    reference's einsums do.
     """
     T = q.size(2)
     gqa = q.size(1) != k.size(1)
@@ -714,16 +715,21 @@ def gated_swa_decode_ref(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos,
                              k_shared, v_shared, q_pos, gate_w, gate_b, window, scale)
 
 
+# At CPU inference the tuned attention: cpu_tuning.enable() puts here its attend(q, k, v, mask=, scale=), the form of
+# model.attend measured fastest on this machine, so that G-SWA's decode attentions run in the same form as every other
+# decode attention. None: SDPA.
+cpu_decode_attend = None
+
+
 def gated_swa_decode_sdpa(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b, window,
-                          scale=None, attend=None):
+                          scale=None):
     """The CPU decode path: gated_swa_decode_ref's math (same contract) on torch's fused attention, two SDPA calls
     (the rings with their slot mask, the shared cache with j <= q_pos) with GQA through enable_gqa, then the same
     gate and fp32 mix. The reference's explicit softmax with log-sum-exp costs ~30 small ops per layer and step.
-    `attend(q, k, v, mask=, scale=)` replaces SDPA in both calls: plt.py passes model.attend, the hook through which
-    the decode attention cpu_tuning.py measured fastest runs when it is switched on."""
+    Where cpu_tuning is enabled, cpu_decode_attend replaces SDPA in both calls."""
     def sdpa(q, k, v, mask, scale):
-        if attend is not None:
-            return attend(q, k, v, mask=mask, scale=scale)
+        if cpu_decode_attend is not None:
+            return cpu_decode_attend(q, k, v, mask=mask, scale=scale)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.size(1) != k.size(1))
 
     return _gated_swa_decode(sdpa, q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b, window,
@@ -888,16 +894,14 @@ def gated_swa_decode_triton(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_p
     return out
 
 
-def gated_swa_decode(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b, window, scale=None,
-                     attend=None):
+def gated_swa_decode(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b, window, scale=None):
     """Dispatch (contract of gated_swa_decode_ref): the Triton kernels where use_triton allows it, otherwise
-    gated_swa_decode_sdpa (with `attend`, its attention); the reference stays what the tests compare both against."""
+    gated_swa_decode_sdpa; the reference stays what the tests compare both against."""
     if use_triton(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b) and \
             _kernel_fits(q, k_ring, v_ring, k_shared, v_shared, head_dim=q.size(-1)):
         return gated_swa_decode_triton(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b,
                                        window, scale)
-    return gated_swa_decode_sdpa(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b, window, scale,
-                                 attend)
+    return gated_swa_decode_sdpa(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b, window, scale)
 
 
 # ----------------------------------------------------------------------------------------------------------------

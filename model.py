@@ -563,11 +563,15 @@ class GPT(nn.Module):
     and generate() strings them together.
     """
 
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, stacks: dict[str, nn.Module] | None = None):
+        """stacks: what sits between the embedding and the final norm, by attribute name, registered in that order
+        (the state_dict's order); default one stack, `blocks` = make_blocks(cfg). A model with other stacks passes
+        them (double_decoder.py: a context and a generation decoder)."""
         super().__init__()
         self.config = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.blocks = self.make_blocks(cfg)
+        for name, module in (stacks if stacks is not None else {"blocks": self.make_blocks(cfg)}).items():
+            setattr(self, name, module)
         self.norm = make_norm(cfg)
         self.lm_head = Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg.rot_dim, cfg.max_seq_len, cfg.rope_theta)

@@ -15,7 +15,6 @@ import checkpoint
 import cli
 import data
 import hf
-import plt
 import serve
 import train
 from conftest import ROOT, write_jsonl
@@ -253,7 +252,7 @@ TABLE_MISTAKES = [
     (_presets, ["--arch", "recursive", "--loops", "0"], "argument --loops: must be >= 1, got 0"),
     (_presets, ["--arch", "relaxed", "--ranks", "8,x"], "argument --ranks: expected an integer, got 'x'"),
     (_presets, ["--arch", "recursive", "--preset", "tiny", "--loops", "3"], "n_layer=4 is not divisible by n_loops=3"),
-    (plt.main, ["--preset", "tiny"], "unrecognized arguments: --preset tiny"),
+    (_presets, ["--arch", "plt", "--preset", "mini"], "--preset mini: not a preset of plt"),
 ]
 
 

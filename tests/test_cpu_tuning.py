@@ -164,7 +164,8 @@ def test_decode_bench_prints_the_choice_and_each_forced_product(monkeypatch, cap
     assert "ours: GPT.generate:" in out and "ours: GPT.generate [linear: dnn]:" in out
     assert "cpu_tuning's linear product per (rows, out x in)" in out and "rows   1    4160 x 128" in out
     assert "weight copies alive" in out and cpu_tuning._linear_forced == [None]
-    assert model.tuned_ops is None and K.cpu_lora_form is None  # the benchmark switched the tuning off again
+    # the benchmark switched the tuning off again
+    assert model.tuned_ops is None and K.cpu_decode_attend is None and K.cpu_lora_form is None
 
 
 @pytest.mark.parametrize("name", [None, "linear", "mv", "mm", "xwt", "dnn"])
@@ -187,7 +188,7 @@ def test_zero_rows_give_an_empty_result(name):
 def test_off_the_models_run_plain_pytorch():
     """With the tuning off (the default), model.linear is F.linear, model.attend is SDPA and multi_lora at CPU
     inference is the stacked form, exactly, at decode shapes and under bf16 autocast training alike."""
-    assert model.tuned_ops is None and K.cpu_lora_form is None
+    assert model.tuned_ops is None and K.cpu_decode_attend is None and K.cpu_lora_form is None
     w, x = torch.randn(37, 24), torch.randn(3, 1, 24)
     q, k, v = torch.randn(2, 4, 1, 8), torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 8)
     mask = torch.ones(2, 1, 1, 7, dtype=torch.bool)
@@ -231,7 +232,7 @@ def test_switched_on_decoding_gives_the_plain_logits_to_rounding(dtype):
                 torch.testing.assert_close(logits(), plain, **tol)
         finally:
             force_linear(None)
-        assert model.tuned_ops is None and K.cpu_lora_form is None
+        assert model.tuned_ops is None and K.cpu_decode_attend is None and K.cpu_lora_form is None
     assert torch.equal(logits(), plain)
 
 

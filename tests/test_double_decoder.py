@@ -515,7 +515,7 @@ def test_bad_configs_raise_clear_errors():
 
 
 def test_state_dict_keys_and_parameter_order_are_the_checkpoints():
-    """DoubleDecoder subclasses model.GPT, whose make_blocks hook builds the two stacks: the state_dict keys and the
+    """DoubleDecoder subclasses model.GPT and hands its constructor the two stacks: the state_dict keys and the
     parameter order (an optimizer state is saved by position) are those of the checkpoints written before, and GPT's
     single stack `blocks` holds nothing."""
     block = ["attn_norm.weight", *(f"attn.{n}_proj.weight" for n in "qkvo"), "mlp_norm.weight",
@@ -594,3 +594,19 @@ def test_train_runs_both_objectives_and_evaluates(tmp_path, capsys):
     eval.main(["double-eval", cks[0], "--sample", "def ", "--new-tokens", "6", "--rollover", "2", "--device", "cpu"])
     out = capsys.readouterr().out
     assert out.startswith("== double") and "def " in out
+
+
+def test_preset_table_sets_each_preset_against_its_decoder_only_baseline(capsys):
+    """`python bench.py presets --arch double`: one row per preset, labelled by its split and width, with the
+    decoder-only model of the same parameters (baseline_config: ctx + gen layers) as the baseline in brackets."""
+    import bench
+
+    bench.main(["presets", "--arch", "double"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "double:" and [ln.split()[:4] for ln in out[1:]] == [
+        [name, f"{p['ctx_layers']}+{p['gen_layers']}", "d", str(p["n_embd"])] for name, p in ddm.PRESETS.items()]
+    for (label, m, base), ln in zip((r for name in ddm.PRESETS for r in ddm.preset_rows(name)), out[1:]):
+        assert isinstance(base, GPT) and not isinstance(base, DoubleDecoder) and ln.startswith(label)
+        assert base.config.n_layer == m.config.ctx_layers + m.config.gen_layers
+        assert m.num_params() - base.num_params() == m.config.n_embd  # the same parameters but the latents' norm
+        assert f"(baseline {base.num_params() / 1e6:.2f}M, " in ln

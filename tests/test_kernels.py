@@ -248,7 +248,7 @@ def ring_from_prefill(k_loop, window, q_pos, W):
     (2, 2, 1, 30, 30),   # window larger than every position (ring partially filled)
     (6, 2, 2, 1, 1),     # window 1, G = 3
 ])
-def test_gated_swa_decode_matches_prefill_last_row(H, Hkv, L1, window, W):
+def test_gated_swa_decode_matches_prefill_last_row(H, Hkv, L1, window, W, monkeypatch):
     """Decode at position p with a ring buffer (partially filled or wrapped) == row p of the prefill reference, and
     the Triton decode kernels == the decode reference for several shared-key splits."""
     B, S, D = 2, 27, 20
@@ -270,12 +270,13 @@ def test_gated_swa_decode_matches_prefill_last_row(H, Hkv, L1, window, W):
                                    ks[b:b + 1, :, :p], vs[b:b + 1, :, :p], gw, gb, window)
             close(ref[b, l], full[0, :, -1])
     close(K.gated_swa_decode_sdpa(q_dec, k_ring, v_ring, ring_pos, ks, vs, q_pos, gw, gb, window), ref)  # CPU path
-    calls = []  # the CPU path with another attention: both attentions go through it, same result
+    calls = []  # the CPU path with another attention in the hook: both attentions go through it, same result
 
     def grouped(q, k, v, mask=None, scale=None):
         calls.append(q.shape)
         return attend_grouped(q, k, v, mask, scale)
-    close(K.gated_swa_decode_sdpa(q_dec, k_ring, v_ring, ring_pos, ks, vs, q_pos, gw, gb, window, attend=grouped), ref)
+    monkeypatch.setattr(K, "cpu_decode_attend", grouped)
+    close(K.gated_swa_decode_sdpa(q_dec, k_ring, v_ring, ring_pos, ks, vs, q_pos, gw, gb, window), ref)
     assert calls == [(B * L1, H, 1, D), (B, H, L1, D)]
     for splits in (None, 1, 3):
         close(tri(K.gated_swa_decode_triton, q_dec, k_ring, v_ring, ring_pos, ks, vs, q_pos, gw, gb, window,

@@ -197,7 +197,7 @@ def test_shift_breaks_same_position_dependence(variant, norm):
     rope = model.rope(torch.arange(n))
     e = model.embed(idx)
     kv1 = []
-    h1 = model.run_loop(e, rope, keep=kv1)
+    h1 = model.run_loop(e, rope, own_kv=kv1)
     shared = kv1 if model.config.kv_share else None
     h1_leaf = h1.detach().requires_grad_(True)  # K_share stays fixed: it is loop 1's internals, not H^(1)
     h2 = model.run_loop(model.loop_input(e, h1_leaf, 1), rope, shared)
@@ -460,3 +460,26 @@ def test_main_job_defaults_and_explicit_lr():
         args = ap.parse_args(argv)
         train.resolve_defaults(args, table[args.arch])
         assert (args.lr, args.max_iters) == (lr, iters), argv
+
+
+def test_preset_table_lists_every_table2_row_against_vanilla(capsys):
+    """`python bench.py presets --arch plt`: per preset, one row per Table 2 variant (label, the model of that variant)
+    with the row `vanilla` (one loop of the same stack) as the baseline in brackets."""
+    import bench
+    from model import describe
+    from plt import PRESETS, preset_rows
+
+    bench.main(["presets", "--arch", "plt", "--preset", "tiny"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "plt:" and [ln.split()[:4] for ln in out[1:]] == [
+        ["tiny", v, f"L{1 if v == 'vanilla' else 2}", "w32"] for v in VARIANTS]
+    base = out[1].split("non-emb params")[1].split()  # the vanilla row's own figures ...
+    for ln in out[1:]:  # ... are every row's baseline
+        assert ln.endswith(f"(baseline {base[0]}, {base[3]} MiB, {base[7]})"), ln
+    rows = preset_rows("small")
+    assert [r[1].config.n_loops for r in rows] == [1, 2, 2, 2, 2] and {r[2].config.n_loops for r in rows} == {1}
+    assert [(r[1].config.clp, r[1].config.kv_share, r[1].config.gswa) for r in rows] == [
+        (VARIANTS[v]["clp"], VARIANTS[v]["kv_share"], VARIANTS[v]["gswa"]) for v in VARIANTS]
+    assert all(p.is_meta for r in rows for p in r[1].parameters()) and set(PRESETS) >= {"tiny", "small"}
+    describe(*rows[-1])  # the row prints as bench.py prints it
+    assert capsys.readouterr().out.startswith("small plt L2 w64")
