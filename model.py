@@ -826,15 +826,31 @@ def init_weights(module: nn.Module, n_layer: int, std: float = 0.02):
             nn.init.normal_(m.weight, 0.0, std)
 
 
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "4090": 165e12}
+# Known CUDA cards: (a part of torch.cuda.get_device_name, dense bf16 tensor FLOP/s, memory bandwidth in bytes/s), the
+# vendors' datasheet peaks. train.py's step line reports MFU against the first, serve.py's table the bandwidth against
+# the second. A device takes the first row whose name part its name contains: the more specific names come first.
+PEAK = [("H200", 989e12, 4.8e12), ("H100 PCIe", 989e12, 2.0e12), ("H100", 989e12, 3.35e12),
+        ("A100-SXM4-40GB", 312e12, 1.555e12), ("A100-PCIE-40GB", 312e12, 1.555e12), ("A100", 312e12, 2.039e12),
+        ("L40S", 362e12, 0.864e12), ("A10G", 125e12, 0.6e12), ("4090", 165e12, 1.008e12)]
 
 
-def peak_flops(device: torch.device) -> float | None:
-    """Dense bf16 peak of known CUDA devices (for MFU), None elsewhere."""
+def _peak(device: torch.device) -> tuple[float, float] | None:
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+    return next(((flops, bw) for part, flops, bw in PEAK if part in name), None)
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """Dense bf16 peak FLOP/s of a known CUDA device (for MFU), None elsewhere."""
+    peak = _peak(device)
+    return peak[0] if peak else None
+
+
+def peak_bandwidth(device: torch.device) -> float | None:
+    """Peak memory bandwidth (bytes/s) of a known CUDA device, None elsewhere."""
+    peak = _peak(device)
+    return peak[1] if peak else None
 
 
 # ----------------------------------------------------------------------------------------------------------------
