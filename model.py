@@ -471,8 +471,9 @@ class LayerCache:
 
     def read(self, kv_len: int):
         """-> k, v (B, H_kv, kv_len, D): a view when the layer is one int and the rows are all rows, else a gather:
-        one index_select over the (layer, row) pairs of the cache seen as (n_layer * batch, H_kv, max_len, D) (10x
-        faster in bf16 than indexing layer and row tensors together, 1.6x in fp32, on the AMD EPYC of RESULTS.md)."""
+        one index_select over the (layer, row) pairs of the cache seen as (n_layer * batch, H_kv, max_len, D), a single
+        contiguous gather along one dimension where indexing by a layer tensor and a row tensor together is a slower
+        advanced-indexing copy."""
         c = self.cache
         if not isinstance(self.layer, torch.Tensor) and self.rows is c.all_rows:
             return c.k[self.layer, :, :, :kv_len], c.v[self.layer, :, :, :kv_len]

@@ -707,8 +707,8 @@ def run_comparison(args, device, dtype, vanilla, rec, requests, rule, thr, how) 
     return rows
 
 
-# Below this many non-embedding parameters the demo says that its model is too small to show the bargain (the tiny
-# preset, 0.8M: depth-wise 0.69x / 0.42x; the base preset, 125M: 0.99x / 1.10x end to end, RESULTS.md Serving).
+# Below this many non-embedding parameters the demo says that its model is too small to show the bargain: per-operator
+# overhead, not weight reads, sets the step of such a model (the tiny preset against the base one: RESULTS.md, Serving).
 SMALL_MODEL_PARAMS = 10_000_000
 
 
