@@ -3,9 +3,9 @@ train.py -- pretraining and uptraining for every architecture of this repository
 
 One script, read top to bottom: the training loop first (AdamW with warmup + cosine, knowledge distillation, an
 evaluation and a checkpoint every --eval-interval steps, single process or DDP under torchrun), then what it calls:
-flags, model building, the memory estimate. The tokenizer, the corpus and the batches are data.py; the
-architecture table, checkpoint files and --resume's flag reconciliation are checkpoint.py; the error contract and
-the checks made before the first step (directories, disk space) are cli.py.
+flags, model building. The tokenizer, the corpus and the batches are data.py; the architecture table, checkpoint
+files and --resume's flag reconciliation are checkpoint.py; a step's memory estimate is model.py's; the error contract
+and the checks made before the first step (directories, disk space, memory) are cli.py.
 
 Runs (each finishes in about 5 minutes on 2 CPU cores with the defaults):
     python train.py --arch vanilla                                  # the baseline, on the offline default corpus
@@ -66,14 +66,15 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import tasks
-from cli import (DTYPES, ArgumentParser, CheckpointError, Stopped, UsageError, available_memory, check_device,
-                 check_disk_space, check_writable_dir, flag_name, number, path_arg, run_cli, seed_arg,
-                 stop_signals, user_input)
+from cli import (DTYPES, ArgumentParser, CheckpointError, Stopped, UsageError, check_device, check_disk_space,
+                 check_memory, check_writable_dir, flag_name, number, path_arg, run_cli, seed_arg, stop_signals,
+                 user_input)
 from checkpoint import (CKPT_FORMAT, arch_table, check_resumable, init_same_arch, load_checkpoint,
                         load_optimizer_state, load_source_model, load_source_tokenizer, model_from_checkpoint,
                         restore_run_args, save_checkpoint, tokenizer_from_spec)
 from data import TokenData, Tokenizer, padded_vocab, prepare_corpus, step_generator
-from model import ArchSpec, distill_loss, lm_loss, make_optimizer, peak_flops, pick_device, pick_dtype
+from model import (ArchSpec, distill_loss, least_step_memory, lm_loss, make_optimizer, peak_flops, pick_device,
+                   pick_dtype, step_memory)
 from recursive import keep_layers
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -310,9 +311,10 @@ def setup_run(argv) -> Run:
     model.to(device)
     if teacher is not None:
         teacher.to(device).eval().requires_grad_(False)
-    check_memory(least_step_memory(args, model.config.vocab_size, dtype, model), device, args, at_least=True)
-    need = step_memory(model, spec, args, tok.n_vocab, device, autocast, teacher)
-    avail = check_memory(need, device, args)
+    check_step_memory(least_step_memory(args.batch_size, args.seq_len, model.config.vocab_size, dtype, model), device,
+                      args, at_least=True)
+    need = step_memory(model, spec, args.batch_size, args.seq_len, tok.n_vocab, device, autocast, teacher is not None)
+    avail = check_step_memory(need, device, args)
     if master:
         check_disk_space(model, args.out_dir)
     optimizer = make_optimizer(model, args.lr, args.weight_decay, device)
@@ -408,7 +410,8 @@ def build_models(args, spec: ArchSpec, table, ap, given, resume_ck, dtype, devic
         tok = tokenizer_from_spec(load_source_tokenizer(args.init_from))
     else:
         tok = Tokenizer.from_args(args.vocab_size, args.tokenizer)
-    check_memory(least_step_memory(args, padded_vocab(tok.n_vocab), dtype), device, args, at_least=True)
+    check_step_memory(least_step_memory(args.batch_size, args.seq_len, padded_vocab(tok.n_vocab), dtype), device, args,
+                      at_least=True)
     if resume_ck is not None:
         model = model_from_checkpoint(resume_ck, table)
     else:
@@ -656,98 +659,12 @@ def check_tokenizer(tok_spec, other_spec, what):
         raise UsageError(f"{what} uses tokenizer {other_spec}, this run uses {tok_spec}: they must be the same")
 
 
-# Memory: a batch x seq_len that cannot fit is refused before the first step allocates it, with the bytes it would
-# need. A simple estimate, not a measured peak:
-#   * weights are in place already (the model is on its device); gradients and AdamW's two moments add 3 x the bytes of
-#     the trainable parameters;
-#   * activations: what autograd keeps for the backward pass, measured by running this model's own training forward
-#     once on a 1-row batch of T tokens under saved_tensors_hooks (parameters excluded, each storage counted once), at
-#     T = min(seq_len, 64) and T/2, fitted as a*T + c*T^2 (c > 0 when a path materialises a T x T attention matrix or
-#     mask; flash/SDPA paths give c = 0) and scaled to batch x seq_len;
-#   * one more logits-sized tensor for the gradient of the loss, and the teacher's logits with KD.
-# Temporaries inside a layer and allocator slack are not counted: a run that passes may still be tight, one that is
-# refused cannot fit. Available (cli.available_memory): MemAvailable of /proc/meminfo (CPU, times the processes of this
-# machine under torchrun), torch.cuda.mem_get_info (CUDA); elsewhere the check is skipped.
-
-
-def saved_activation_bytes(model, spec: ArchSpec, B, T, n_vocab, device, autocast) -> tuple[int, float]:
-    """One training forward of a (B, T) random batch -> (bytes autograd saves for backward, logits bytes per token)."""
-    gen = torch.Generator().manual_seed(0)
-    xy = torch.randint(0, n_vocab, (B, T + 1), generator=gen)
-    x, y, kw = xy[:, :-1], xy[:, 1:], {}
-    if spec.prepare_batch is not None:
-        x, y, kw = spec.prepare_batch(x, y, gen, model.config)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in params:
-            seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
-        return t
-
-    was_training = model.training
-    model.train()
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
-            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
-        logits, loss = model(x.to(device), y.to(device), **kw)
-    logit_bytes = logits.numel() * logits.element_size() / (B * T)
-    del logits, loss
-    model.train(was_training)
-    return sum(seen.values()), logit_bytes
-
-
-def step_memory(model, spec: ArchSpec, args, n_vocab, device, autocast, teacher=None) -> dict:
-    """Bytes one training step of batch x seq_len needs on top of the weights (see the comment above)."""
-    T1 = min(args.seq_len, 64)
-    b1, logit_bytes = saved_activation_bytes(model, spec, 1, T1, n_vocab, device, autocast)
-    per_tok, quad = b1 / T1, 0.0
-    if T1 >= 16:
-        T2 = T1 // 2
-        b2, _ = saved_activation_bytes(model, spec, 1, T2, n_vocab, device, autocast)
-        quad = max(0.0, (b1 / T1 - b2 / T2) / (T1 - T2))
-        per_tok = b1 / T1 - quad * T1
-    B, T = args.batch_size, args.seq_len
-    out = {"activations": B * (per_tok * T + quad * T * T), "loss gradient": B * T * logit_bytes,
-           "gradients + AdamW moments": 3 * sum(p.numel() * p.element_size() for p in model.parameters()
-                                                 if p.requires_grad)}
-    if teacher is not None:
-        out["teacher logits"] = B * T * logit_bytes
-    out["total"] = sum(out.values())
-    return out
-
-
-def least_step_memory(args, vocab_rows, dtype, model=None) -> dict:
-    """A lower bound of one step's bytes from sizes alone, checked before anything that grows with them is built or
-    probed (a --seq-len of 1e8 would build RoPE tables of gigabytes, --loops 100000 would exhaust memory inside the
-    probe of step_memory): the logits of the batch and their gradient (B x T x V each, in the compute dtype, which
-    bounds the T x rot_dim RoPE tables too), and, given the model, the input of every block application that
-    autograd keeps for the backward pass (B x T x n_embd per layer and loop)."""
-    B, T, elem = args.batch_size, args.seq_len, torch.finfo(dtype).bits // 8
-    out = {"logits and their gradient": 2 * B * T * vocab_rows * elem}
-    if model is not None:
-        blocks = getattr(model, "blocks", None)
-        applied = (len(blocks) if isinstance(blocks, torch.nn.ModuleList) else model.config.n_layer) * \
-            getattr(model.config, "n_loops", 1)
-        out[f"block inputs ({applied} block applications)"] = B * T * applied * model.config.n_embd * elem
-    out["total"] = sum(out.values())
-    return out
-
-
-def check_memory(need: dict, device, args, at_least=False):
-    """need (step_memory or least_step_memory) against the memory available; a step that cannot fit is a UsageError
-    with the parts of the estimate."""
-    avail, source = available_memory(device)
-    procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
-    if avail is None or need["total"] * procs <= avail:
-        return avail
-    parts = ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in need.items() if k != "total")
-    raise UsageError(f"--batch-size {args.batch_size} x --seq-len {args.seq_len} needs "
-                     f"{'at least' if at_least else 'about'} "
-                     f"{need['total'] / 1e9:.1f} GB ({need['total']:,.0f} bytes) per training step"
-                     f"{f' in each of {procs} processes' if procs > 1 else ''} ({parts}), but {device} has "
-                     f"{avail / 1e9:.1f} GB available ({source}): lower --batch-size (--grad-accum keeps the tokens "
-                     f"per step) or --seq-len, or take a smaller model (--preset, --loops)")
+def check_step_memory(need: dict, device, args, at_least=False):
+    """A memory estimate of one step (model.step_memory or least_step_memory) against the memory available
+    (cli.check_memory): a batch that cannot fit is refused, one line, before the first step allocates it."""
+    return check_memory(need, device, f"--batch-size {args.batch_size} x --seq-len {args.seq_len}",
+                        "lower --batch-size (--grad-accum keeps the tokens per step) or --seq-len, or take a smaller "
+                        "model (--preset, --loops)", per="per training step", at_least=at_least)
 
 
 def objective_line(args, cfg, teacher) -> tuple[str, bool, bool]:

@@ -316,7 +316,7 @@ def test_sizes_are_checked_before_tables_and_probes_are_built(files, capsys, mon
                     "--batch-size 1 x --seq-len 100000000 needs at least")
     assert not built  # refused before a 1e8-position RoPE table was built
     monkeypatch.undo()
-    monkeypatch.setattr(train, "saved_activation_bytes", lambda *a: pytest.fail("the probe ran"))
+    monkeypatch.setattr(model, "saved_activation_bytes", lambda *a: pytest.fail("the probe ran"))
     # the defaults' batch (16 x 256 tokens) keeps >= 2e5 applications x 128 x 4 bytes = 0.1 MB per token: 420 GB
     _one_error_line(capsys, train.main, _train_args(files, "--arch", "plt", "--loops", "100000", "--batch-size", "16",
                                                     "--seq-len", "256"), "(200000 block applications)")
