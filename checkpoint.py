@@ -16,8 +16,10 @@ It is written to a fresh temporary file in the same directory (created exclusive
 renamed, so a crash or a full disk never leaves half a checkpoint and the last good one stays. Every problem with a
 file is a cli.CheckpointError naming it. --init-from and --teacher also take hf:DIR, a local Hugging Face checkpoint
 (hf.py), through load_source_model; --init-from a checkpoint of the same architecture keeps its shapes and takes the
-config fields of the recipe flags typed (init_same_arch). --resume takes the run's flags back from the checkpoint and
-refuses, naming them, flags typed now that contradict it (restore_run_args).
+config fields of the recipe flags typed (recipe_overrides, init_same_arch). --resume takes the run's flags back from
+the checkpoint and refuses, naming them, flags typed now that contradict it (resume_run, restore_run_args). Which
+architecture reads which flag is recorded as train.py's parser is built (add_arch_args); flags of another architecture
+are named in one warning (warn_inapplicable).
 
 Integrity: torch.save writes the dict as a zip archive of records (the pickle, then one record per tensor storage) and
 stores the CRC-32 of every record in the archive's directory: per-tensor checksums, which torch.load never reads.
@@ -33,7 +35,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
-import math
 import mmap
 import os
 import struct
@@ -362,14 +363,83 @@ def tokenizer_from_spec(spec: dict):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Which flags a run typed, and which architectures read them
+
+
+def add_arch_args(ap, table, shared: dict):
+    """Every architecture's flags (spec.add_args) into train.py's parser, and `ap.arch_flags`: the dest of every flag
+    that only some architectures read -> their names (the flags each add_args adds, plus `shared`: the command's own
+    flags that only some read, {dest: names})."""
+    ap.arch_flags = {dest: set(names) for dest, names in shared.items()}
+    added = {}  # add_args function -> dests it added (recursive and relaxed share one function, called once)
+    for spec in table.values():
+        if spec.add_args is not None:
+            before = set(map(id, ap._actions))
+            spec.add_args(ap)
+            added.setdefault(spec.add_args, []).extend(a.dest for a in ap._actions if id(a) not in before)
+    for spec in table.values():
+        for dest in added.get(spec.add_args, []):
+            ap.arch_flags.setdefault(dest, set()).add(spec.name)
+
+
+def given_flags(ap, argv) -> dict:
+    """The flags typed on the command line: argv parsed again with every default suppressed -> {dest: value}."""
+    defaults = [(a, a.default) for a in ap._actions]
+    try:
+        for a, _ in defaults:
+            a.default = argparse.SUPPRESS
+        return vars(ap.parse_args(argv))
+    finally:
+        for a, default in defaults:
+            a.default = default
+
+
+def warn_inapplicable(ap, args, given):
+    """Flags that the chosen architecture never reads, or that need another flag: one warning line naming them (they
+    are ignored)."""
+    odd = sorted(d for d in given if d in ap.arch_flags and args.arch not in ap.arch_flags[d])
+    needs = {}  # flags read only with another flag -> what they need
+    if args.teacher is None:
+        needs.update(dict.fromkeys(("kd_weight", "kd_temperature"), "needs --teacher"))
+    if not tasks.is_task_source(args.data):
+        needs.update(dict.fromkeys(tasks.TASK_FLAGS, "needs --data task:phop"))
+    odd += [d for d in needs if d in given]
+    if odd:
+        owner = lambda d: "/".join(sorted(ap.arch_flags[d])) if d in ap.arch_flags else needs[d]  # noqa: E731
+        what = ", ".join(f"{flag_name(ap, d)} ({owner(d)})" for d in odd)
+        warnings.warn(f"flags that do not apply to --arch {args.arch} are ignored: {what}", stacklevel=2)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # --init-from a checkpoint of the same architecture
+
+
+def recipe_overrides(args, spec: ArchSpec, ap, given) -> dict:
+    """The config fields set by the architecture flags typed on the command line, and only those.
+
+    An arch's config_overrides may also return fields it sets without any flag (plt: its Table 2 row); those are the
+    fields of the all-defaults namespace. A typed flag owns the fields that change when it is added to that namespace
+    or, when it restates the default (e.g. --plt-variant plt), all of that namespace's fields."""
+    if spec.config_overrides is None:
+        return {}
+    none = argparse.Namespace(**{**vars(args), **{d: ap.get_default(d) for d in ap.arch_flags}})
+    typed = [d for d in ap.arch_flags if d in given and spec.name in ap.arch_flags[d]]
+    default = spec.config_overrides(none)
+    owned = set()
+    for d in typed:
+        one = spec.config_overrides(argparse.Namespace(**{**vars(none), d: given[d]}))
+        diff = {k for k, v in one.items() if default.get(k, object()) != v}
+        owned |= diff or set(one)
+    every = spec.config_overrides(argparse.Namespace(**{**vars(none), **{d: given[d] for d in typed}}))
+    return {k: v for k, v in every.items() if k in owned}
+
 
 ADDED_MODULES = ("exit_gate.",)  # parameters a recipe flag may add to a checkpoint of the same architecture
 
 
 def init_same_arch(src, spec: ArchSpec, overrides: dict, seq_len: int, path) -> tuple[torch.nn.Module, str]:
     """--init-from a checkpoint of this architecture: its config and weights, plus `overrides`, the config fields set by
-    the flags typed now (train.recipe_overrides; the checkpoint's own settings stay otherwise). A field that leaves
+    the flags typed now (recipe_overrides; the checkpoint's own settings stay otherwise). A field that leaves
     every parameter shape as it is takes effect: an exit loss, self-distillation, an exit threshold, a longer
     max_seq_len (RoPE tables are rebuilt), so the early-exit post-training of Appendix J runs from a trained relaxed
     checkpoint. One that would change a parameter (a LoRA rank, the loops, the width) is refused with the fields that
@@ -431,6 +501,17 @@ def _same_value(new, old) -> bool:
     if isinstance(new, str) and isinstance(old, str) and os.path.exists(new):  # a path written another way
         return Path(new).resolve() == Path(old).resolve()
     return False
+
+
+def resume_run(ap, args, given, table) -> tuple[dict, list[str]]:
+    """--resume: the checkpoint of the run in --out-dir (default out/ARCH), whole and resumable, and args <- its flags
+    (restore_run_args) -> (the checkpoint, notes about flags taken from the command line)."""
+    args.out_dir = args.out_dir or f"out/{args.arch}"
+    path = Path(args.out_dir) / "ckpt.pt"
+    ck = check_resumable(load_checkpoint(path), path)
+    if ck["arch"] not in table:
+        raise CheckpointError(f"{path} holds a {ck['arch']!r} model, unknown here; known: {sorted(table)}")
+    return ck, restore_run_args(ap, args, given, ck, path, table)
 
 
 def restore_run_args(ap, args, given, ck, path, table):

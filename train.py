@@ -4,8 +4,8 @@ train.py -- pretraining and uptraining for every architecture of this repository
 One script, read top to bottom: the training loop first (AdamW with warmup + cosine, knowledge distillation, an
 evaluation and a checkpoint every --eval-interval steps, single process or DDP under torchrun), then what it calls:
 flags, model building. The tokenizer, the corpus and the batches are data.py; the architecture table, checkpoint
-files and --resume's flag reconciliation are checkpoint.py; a step's memory estimate is model.py's; the error contract
-and the checks made before the first step (directories, disk space, memory) are cli.py.
+files and which flags a run owns (--resume, --init-from) are checkpoint.py; a step's memory estimate is model.py's;
+the error contract and the checks made before the first step (directories, disk space, memory) are cli.py.
 
 Runs (each finishes in about 5 minutes on 2 CPU cores with the defaults):
     python train.py --arch vanilla                                  # the baseline, on the offline default corpus
@@ -67,11 +67,12 @@ from tqdm import tqdm
 
 import tasks
 from cli import (DTYPES, ArgumentParser, CheckpointError, Stopped, UsageError, check_device, check_disk_space,
-                 check_memory, check_writable_dir, flag_name, number, path_arg, run_cli, seed_arg, stop_signals,
+                 check_memory, check_writable_dir, number, path_arg, run_cli, seed_arg, stop_signals,
                  user_input)
-from checkpoint import (CKPT_FORMAT, arch_table, check_resumable, init_same_arch, load_checkpoint,
-                        load_optimizer_state, load_source_model, load_source_tokenizer, model_from_checkpoint,
-                        restore_run_args, save_checkpoint, tokenizer_from_spec)
+from checkpoint import (CKPT_FORMAT, add_arch_args, arch_table, given_flags, init_same_arch, load_optimizer_state,
+                        load_source_model, load_source_tokenizer, model_from_checkpoint, recipe_overrides, resume_run,
+                        save_checkpoint, tokenizer_from_spec, warn_inapplicable)
+from checkpoint import load_checkpoint  # noqa: F401 - train.load_checkpoint, as the architectures' tests read a run
 from data import TokenData, Tokenizer, padded_vocab, prepare_corpus, step_generator
 from model import (ArchSpec, distill_loss, least_step_memory, lm_loss, make_optimizer, peak_flops, pick_device,
                    pick_dtype, step_memory)
@@ -347,21 +348,13 @@ def setup_run(argv) -> Run:
 
 
 def parse_run_args(argv, table):
-    """The flags; with --resume, the run's own flags restored from its checkpoint (restore_run_args) -> (parser, args,
-    the flags typed, the checkpoint to resume or None, notes about flags taken from the command line)."""
+    """The flags; with --resume, the run's own flags restored from its checkpoint (checkpoint.resume_run) -> (parser,
+    args, the flags typed, the checkpoint to resume or None, notes about flags taken from the command line)."""
     ap = build_parser(table)
     argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
-    given = given_flags(table, argv)
-    resume_ck, notes = None, []
-    if args.resume:
-        args.out_dir = args.out_dir or f"out/{args.arch}"
-        ck_path = Path(args.out_dir) / "ckpt.pt"
-        resume_ck = check_resumable(load_checkpoint(ck_path), ck_path)
-        if resume_ck["arch"] not in table:
-            raise CheckpointError(f"{ck_path} holds a {resume_ck['arch']!r} model, unknown here; known: "
-                                  f"{sorted(table)}")
-        notes = restore_run_args(ap, args, given, resume_ck, ck_path, table)
+    given = given_flags(ap, argv)
+    resume_ck, notes = resume_run(ap, args, given, table) if args.resume else (None, [])
     return ap, args, given, resume_ck, notes
 
 
@@ -531,40 +524,8 @@ def build_parser(table) -> ArgumentParser:
                     help="number of loops of a looped architecture (recursive/relaxed: B, plt: L); default: preset")
     ap.add_argument("--sample-tokens", type=nonneg, default=64, help="tokens of the sample printed at the end")
     tasks.add_args(ap)
-    ap.arch_flags = {"loops": {"recursive", "relaxed", "plt"}}
-    added = {}  # add_args function -> dests it added (recursive and relaxed share one function, called once)
-    for spec in table.values():
-        if spec.add_args is not None:
-            before = set(map(id, ap._actions))
-            spec.add_args(ap)
-            added.setdefault(spec.add_args, []).extend(a.dest for a in ap._actions if id(a) not in before)
-    for spec in table.values():
-        for dest in added.get(spec.add_args, []):
-            ap.arch_flags.setdefault(dest, set()).add(spec.name)
+    add_arch_args(ap, table, shared={"loops": {"recursive", "relaxed", "plt"}})
     return ap
-
-
-def given_flags(table, argv) -> dict:
-    """The flags typed on the command line: argv parsed again with every default suppressed -> {dest: value}."""
-    ap = build_parser(table)
-    for a in ap._actions:
-        a.default = argparse.SUPPRESS
-    return vars(ap.parse_args(argv))
-
-
-def warn_inapplicable(ap, args, given):
-    """Flags that the chosen architecture never reads: one warning line naming them (they are ignored)."""
-    odd = sorted(d for d in given if d in ap.arch_flags and args.arch not in ap.arch_flags[d])
-    needs = {}  # flags read only with another flag -> what they need
-    if args.teacher is None:
-        needs.update(dict.fromkeys(("kd_weight", "kd_temperature"), "needs --teacher"))
-    if not tasks.is_task_source(args.data):
-        needs.update(dict.fromkeys(tasks.TASK_FLAGS, "needs --data task:phop"))
-    odd += [d for d in needs if d in given]
-    if odd:
-        owner = lambda d: "/".join(sorted(ap.arch_flags[d])) if d in ap.arch_flags else needs[d]  # noqa: E731
-        what = ", ".join(f"{flag_name(ap, d)} ({owner(d)})" for d in odd)
-        warnings.warn(f"flags that do not apply to --arch {args.arch} are ignored: {what}", stacklevel=2)
 
 
 def resolve_defaults(args, spec):
@@ -632,26 +593,6 @@ def build_model(args, spec: ArchSpec, tok: Tokenizer, table, ap, given, master):
                          f"({'conversion starts from a vanilla model' if spec.convert else 'no conversion exists'})")
     log(f"init from {args.init_from}: converting vanilla -> {spec.name}", master)
     return spec.convert(args, src, tok=tok)
-
-
-def recipe_overrides(args, spec: ArchSpec, ap, given) -> dict:
-    """The config fields set by the architecture flags typed on the command line, and only those.
-
-    An arch's config_overrides may also return fields it sets without any flag (plt: its Table 2 row); those are the
-    fields of the all-defaults namespace. A typed flag owns the fields that change when it is added to that namespace
-    or, when it restates the default (e.g. --plt-variant plt), all of that namespace's fields."""
-    if spec.config_overrides is None:
-        return {}
-    none = argparse.Namespace(**{**vars(args), **{d: ap.get_default(d) for d in ap.arch_flags}})
-    typed = [d for d in ap.arch_flags if d in given and spec.name in ap.arch_flags[d]]
-    default = spec.config_overrides(none)
-    owned = set()
-    for d in typed:
-        one = spec.config_overrides(argparse.Namespace(**{**vars(none), d: given[d]}))
-        diff = {k for k, v in one.items() if default.get(k, object()) != v}
-        owned |= diff or set(one)
-    every = spec.config_overrides(argparse.Namespace(**{**vars(none), **{d: given[d] for d in typed}}))
-    return {k: v for k, v in every.items() if k in owned}
 
 
 def check_tokenizer(tok_spec, other_spec, what):

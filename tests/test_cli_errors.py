@@ -759,9 +759,10 @@ def test_recipe_values_out_of_range_before_any_step(files, capsys, monkeypatch, 
 def test_task_flags_without_a_task_are_named_in_the_warning():
     table = checkpoint.arch_table()
     argv = ["--task-p", "2", "--task-pause", "1", "--kd-weight", "2"]
-    args = train.build_parser(table).parse_args(argv)
+    ap = train.build_parser(table)
+    args = ap.parse_args(argv)
     with pytest.warns(UserWarning) as seen:
-        train.warn_inapplicable(train.build_parser(table), args, train.given_flags(table, argv))
+        checkpoint.warn_inapplicable(ap, args, checkpoint.given_flags(ap, argv))
     assert [str(w.message) for w in seen] == [
         "flags that do not apply to --arch vanilla are ignored: --kd-weight (needs --teacher), --task-p (needs --data "
         "task:phop), --task-pause (needs --data task:phop)"]
