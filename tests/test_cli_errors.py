@@ -126,6 +126,7 @@ def test_serve_checkpoint_mistakes(files, capsys):
     _one_error_line(capsys, serve.main, ["--preset", "tiny", "--requests-file", str(empty)], "holds no request")
 
 
+@pytest.mark.slow
 def test_the_commands_themselves(files):
     """Through the interpreter: exit code 2, one stderr line, no traceback (and quickly: before any training)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -389,6 +390,7 @@ def _stop_a_run(files, out, flags, env, sig) -> int:
     return n
 
 
+@pytest.mark.slow
 def test_sigterm_finishes_the_step_writes_the_checkpoint_and_resume_continues(files, tmp_path):
     """A real process: SIGTERM once it has logged a few steps -> exit 130, one line saying how to resume, the
     checkpoint of the step it stopped after, no temporary file; --resume continues from that step and ends with the
@@ -408,6 +410,7 @@ def test_sigterm_finishes_the_step_writes_the_checkpoint_and_resume_continues(fi
     assert all(torch.equal(v, expect["model"][k]) for k, v in resumed["model"].items())
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_the_same_way(files, tmp_path):
     _stop_a_run(files, tmp_path / "o", ["--eval-interval", "100000", "--log-interval", "1"],
                 {**os.environ, "OMP_NUM_THREADS": "1"}, signal.SIGINT)

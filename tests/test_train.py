@@ -320,6 +320,7 @@ def test_knowledge_distillation_run_and_tokenizer_mismatch(tmp_path, corpus, cap
         train.train(base_args(corpus, tmp_path / "n", "--max-iters", "1", "--kd", "fkl"))
 
 
+@pytest.mark.slow
 def test_torchrun_two_processes_gloo(tmp_path, corpus):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
            *base_args(corpus, tmp_path, "--max-iters", "3", "--eval-interval", "3", "--device", "cpu")]
