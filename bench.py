@@ -825,7 +825,8 @@ def step_shares(srv, reqs) -> dict[str, float]:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Block Transformer vs vanilla: throughput at the largest batch a memory budget allows (paper 002, section 3.2)
+# Block Transformer vs vanilla: throughput at the largest batch a memory budget allows (Block Transformer, section
+# 3.2)
 
 # The paper's two settings (prompt tokens, generated tokens) and its figures for the pair at equal non-embedding
 # parameters (Table 2, H100, maximum batch; 1K tokens/s): {preset: {setting: (vanilla, block)}}.

@@ -1,5 +1,6 @@
 """
-checkpoint.py -- the architecture table and the checkpoint files of train.py, shared by serve.py and bench.py.
+checkpoint.py -- the architecture table and the checkpoint files of train.py, shared by serve.py and bench.py, and
+the run flags that --resume and --init-from reconcile with a checkpoint.
 
 The table: each architecture module (ARCH_MODULES, imported here) exposes ARCH_SPECS, a list of model.ArchSpec (config
 class, model class, presets, and optional hooks: extra flags, config overrides from flags, conversion from a vanilla
@@ -15,9 +16,7 @@ A checkpoint is one torch.save'd dict, read back with weights_only=True (no code
 It is written to a fresh temporary file in the same directory (created exclusively: never a link already there) and
 renamed, so a crash or a full disk never leaves half a checkpoint and the last good one stays. Every problem with a
 file is a cli.CheckpointError naming it. --init-from and --teacher also take hf:DIR, a local Hugging Face checkpoint
-(hf.py), through load_source_model; --init-from a checkpoint of the same architecture keeps its shapes and takes the
-config fields of the recipe flags typed (init_same_arch). --resume takes the run's flags back from the checkpoint and
-refuses, naming them, flags typed now that contradict it (restore_run_args).
+(hf.py), or gguf:PATH, through load_source_model.
 
 Integrity: torch.save writes the dict as a zip archive of records (the pickle, then one record per tensor storage) and
 stores the CRC-32 of every record in the archive's directory: per-tensor checksums, which torch.load never reads.
@@ -27,13 +26,35 @@ field (check_fields: a missing or mistyped field is an error naming it, never a 
 before this check existed carry the checksums too (torch.save writes them by default), so they are verified alike; a
 file without any (torch's legacy format, or saved with torch.serialization.set_crc32_options(False)) still loads,
 with one warning that its contents were not verified.
+
+A run's flags and its checkpoint (train.py's contract; the flags are reconciled here):
+  * `--resume` continues OUT_DIR/ckpt.pt with the flags stored in it (teacher and KD included): `python train.py
+    --resume --out-dir out/relaxed` is enough (resume_run, restore_run_args). A flag typed again with another value is
+    an error naming it, except the environment (--device, --dtype, --compile, --cache-dir, --eval-iters,
+    --log-interval, --sample-tokens) and the run length (--max-iters, --eval-interval, --lr-decay-iters), which are
+    taken with a printed note (resume_length).
+  * `--init-from` a checkpoint of the same architecture applies the training-recipe flags typed (exit loss,
+    self-distillation, ...: the early-exit post-training of the Relaxed Recursive Transformers paper, Appendix J) and
+    refuses, naming them, flags that would change a parameter (a LoRA rank, the loops) (recipe_overrides,
+    init_same_arch). Which architecture reads which flag is recorded as the parser is built (add_arch_args); flags of
+    another architecture are named in one warning (warn_inapplicable).
+  * A mistake the user can fix (a flag, a data file, a checkpoint, a batch that cannot fit in memory, a diverged
+    run) is one line `error: ...` on stderr and exit code 2 (cli.py: the contract of every command). What can be
+    checked is checked before the first step: --out-dir and --cache-dir writable, disk space for a checkpoint, a lower
+    bound of the step's memory before tables and the memory probe are built, the tokenizer (an encoding that needs the
+    network is named), a resumable checkpoint.
+  * Ctrl-C or SIGTERM: the current step finishes, the checkpoint is written (atomically, as always), and the run
+    stops with one line `stopped: ... continue with: python train.py --resume --out-dir OUT_DIR` and exit code 130.
+    A checkpoint write that fails (a full disk) removes its temporary file and keeps the last good checkpoint.
+  * Divergence: a non-finite loss or weight stops the run without writing its checkpoint; a validation loss above
+    ln(V) + 1, one nat above the loss of a uniform guess over the V tokens of the vocabulary, is one warning (once per
+    run) naming the loss, the step and --lr, and the run goes on.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import errno
-import math
 import mmap
 import os
 import struct
@@ -75,6 +96,16 @@ def arch_table() -> dict[str, ArchSpec]:
 # Checkpoints
 
 CKPT_FORMAT = "nano-efficient-inference/ckpt"
+
+
+def run_checkpoint(model, optimizer, step, best_val, val_loss, tokenizer_spec, args) -> dict:
+    """train.py's checkpoint of its run at `step` (val_loss None: written between evaluations; best_val: the best
+    validation loss before this one): the fields above, the run's flags as JSON-able values."""
+    return {"format": CKPT_FORMAT, "arch": args.arch, "config": asdict(model.config), "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(), "step": step,
+            "best_val_loss": best_val if val_loss is None else min(best_val, val_loss), "val_loss": val_loss,
+            "tokenizer": tokenizer_spec,
+            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
 
 
 def save_checkpoint(path: Path, obj: dict):
@@ -361,15 +392,130 @@ def tokenizer_from_spec(spec: dict):
     return tasks.TaskTokenizer(spec) if spec.get("kind") == "task" else Tokenizer(spec)
 
 
+def run_tokenizer(args, resume_ck=None, task=None):
+    """train.py's tokenizer: the resumed checkpoint's, the task's, --init-from's when no tokenizer flag is typed, else
+    the flags' (--vocab-size, --tokenizer)."""
+    if resume_ck is not None:
+        return tokenizer_from_spec(resume_ck["tokenizer"])
+    if task is not None:
+        return tasks.TaskTokenizer(task.spec())
+    if args.init_from and not args.tokenizer and not args.vocab_size:
+        return tokenizer_from_spec(load_source_tokenizer(args.init_from))
+    return Tokenizer.from_args(args.vocab_size, args.tokenizer)
+
+
+def load_teacher(args, spec: ArchSpec, tok, table):
+    """--teacher: the model (a checkpoint, hf:DIR, gguf:PATH), refused for an architecture whose batches are re-laid out
+    or when its tokenizer is not the run's."""
+    if not spec.kd_ok:
+        raise UsageError(f"--teacher is not supported for --arch {args.arch}: its training inputs are re-laid "
+                         f"out, so teacher and student logits would not align")
+    teacher, _, t_tok = load_source_model(args.teacher, table)
+    if t_tok != tok.spec:
+        raise UsageError(f"teacher {args.teacher} uses tokenizer {t_tok}, this run uses {tok.spec}: they must be the "
+                         f"same")
+    return teacher
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Which flags a run typed, and which architectures read them
+
+
+def add_arch_args(ap, table, shared: dict):
+    """Every architecture's flags (spec.add_args) into train.py's parser, and `ap.arch_flags`: the dest of every flag
+    that only some architectures read -> their names (the flags each add_args adds, plus `shared`: the command's own
+    flags that only some read, {dest: names})."""
+    ap.arch_flags = {dest: set(names) for dest, names in shared.items()}
+    added = {}  # add_args function -> dests it added (recursive and relaxed share one function, called once)
+    for spec in table.values():
+        if spec.add_args is not None:
+            before = set(map(id, ap._actions))
+            spec.add_args(ap)
+            added.setdefault(spec.add_args, []).extend(a.dest for a in ap._actions if id(a) not in before)
+    for spec in table.values():
+        for dest in added.get(spec.add_args, []):
+            ap.arch_flags.setdefault(dest, set()).add(spec.name)
+
+
+def given_flags(ap, argv) -> dict:
+    """The flags typed on the command line: argv parsed again with every default suppressed -> {dest: value}."""
+    defaults = [(a, a.default) for a in ap._actions]
+    try:
+        for a, _ in defaults:
+            a.default = argparse.SUPPRESS
+        return vars(ap.parse_args(argv))
+    finally:
+        for a, default in defaults:
+            a.default = default
+
+
+def warn_inapplicable(ap, args, given):
+    """Flags that the chosen architecture never reads, or that need another flag: one warning line naming them (they
+    are ignored)."""
+    odd = sorted(d for d in given if d in ap.arch_flags and args.arch not in ap.arch_flags[d])
+    needs = {}  # flags read only with another flag -> what they need
+    if args.teacher is None:
+        needs.update(dict.fromkeys(("kd_weight", "kd_temperature"), "needs --teacher"))
+    if not tasks.is_task_source(args.data):
+        needs.update(dict.fromkeys(tasks.TASK_FLAGS, "needs --data task:phop"))
+    odd += [d for d in needs if d in given]
+    if odd:
+        owner = lambda d: "/".join(sorted(ap.arch_flags[d])) if d in ap.arch_flags else needs[d]  # noqa: E731
+        what = ", ".join(f"{flag_name(ap, d)} ({owner(d)})" for d in odd)
+        warnings.warn(f"flags that do not apply to --arch {args.arch} are ignored: {what}", stacklevel=2)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # --init-from a checkpoint of the same architecture
+
+
+def recipe_overrides(args, spec: ArchSpec, ap, given) -> dict:
+    """The config fields set by the architecture flags typed on the command line, and only those.
+
+    An arch's config_overrides may also return fields it sets without any flag (plt: its Table 2 row); those are the
+    fields of the all-defaults namespace. A typed flag owns the fields that change when it is added to that namespace
+    or, when it restates the default (e.g. --plt-variant plt), all of that namespace's fields."""
+    if spec.config_overrides is None:
+        return {}
+    none = argparse.Namespace(**{**vars(args), **{d: ap.get_default(d) for d in ap.arch_flags}})
+    typed = [d for d in ap.arch_flags if d in given and spec.name in ap.arch_flags[d]]
+    default = spec.config_overrides(none)
+    owned = set()
+    for d in typed:
+        one = spec.config_overrides(argparse.Namespace(**{**vars(none), d: given[d]}))
+        diff = {k for k, v in one.items() if default.get(k, object()) != v}
+        owned |= diff or set(one)
+    every = spec.config_overrides(argparse.Namespace(**{**vars(none), **{d: given[d] for d in typed}}))
+    return {k: v for k, v in every.items() if k in owned}
+
+
+def init_from(args, spec: ArchSpec, tok, table, ap, given, note=print) -> torch.nn.Module:
+    """--init-from SOURCE: a model of this architecture keeps its shapes and takes the recipe flags typed
+    (init_same_arch); a vanilla one (after --keep-layers picks its layers) is converted by spec.convert. `note` gets
+    the lines train.py logs about it."""
+    src, src_arch, _ = load_source_model(args.init_from, table)
+    if args.keep_layers:
+        if src_arch != "vanilla":
+            raise UsageError(f"--keep-layers takes layers of a vanilla model; {args.init_from} holds a {src_arch} one")
+        src = recursive.keep_layers(src, args.keep_layers)
+        note(f"init from {args.init_from}: keeping layers {args.keep_layers} ({src.config.n_layer} layers)")
+    if src_arch == spec.name:
+        model, line = init_same_arch(src, spec, recipe_overrides(args, spec, ap, given), args.seq_len, args.init_from)
+        note(line)
+        return model
+    if src_arch != "vanilla" or spec.convert is None:
+        raise UsageError(f"cannot initialise a {spec.name} model from a {src_arch} checkpoint "
+                         f"({'conversion starts from a vanilla model' if spec.convert else 'no conversion exists'})")
+    note(f"init from {args.init_from}: converting vanilla -> {spec.name}")
+    return spec.convert(args, src, tok=tok)
+
 
 ADDED_MODULES = ("exit_gate.",)  # parameters a recipe flag may add to a checkpoint of the same architecture
 
 
 def init_same_arch(src, spec: ArchSpec, overrides: dict, seq_len: int, path) -> tuple[torch.nn.Module, str]:
     """--init-from a checkpoint of this architecture: its config and weights, plus `overrides`, the config fields set by
-    the flags typed now (train.recipe_overrides; the checkpoint's own settings stay otherwise). A field that leaves
+    the flags typed now (recipe_overrides; the checkpoint's own settings stay otherwise). A field that leaves
     every parameter shape as it is takes effect: an exit loss, self-distillation, an exit threshold, a longer
     max_seq_len (RoPE tables are rebuilt), so the early-exit post-training of Appendix J runs from a trained relaxed
     checkpoint. One that would change a parameter (a LoRA rank, the loops, the width) is refused with the fields that
@@ -431,6 +577,33 @@ def _same_value(new, old) -> bool:
     if isinstance(new, str) and isinstance(old, str) and os.path.exists(new):  # a path written another way
         return Path(new).resolve() == Path(old).resolve()
     return False
+
+
+def resume_run(ap, args, given, table) -> tuple[dict, list[str]]:
+    """--resume: the checkpoint of the run in --out-dir (default out/ARCH), whole and resumable, and args <- its flags
+    (restore_run_args) -> (the checkpoint, notes about flags taken from the command line)."""
+    args.out_dir = args.out_dir or f"out/{args.arch}"
+    path = Path(args.out_dir) / "ckpt.pt"
+    ck = check_resumable(load_checkpoint(path), path)
+    if ck["arch"] not in table:
+        raise CheckpointError(f"{path} holds a {ck['arch']!r} model, unknown here; known: {sorted(table)}")
+    return ck, restore_run_args(ap, args, given, ck, path, table)
+
+
+def resume_length(args, given, ck) -> list[str]:
+    """--resume and the run length, once the defaults are resolved: a --max-iters below the checkpoint's step is a
+    UsageError; -> notes: the run is complete, or its cosine schedule ends before --max-iters."""
+    start = ck["step"]
+    if args.max_iters < start:
+        raise UsageError(f"--max-iters {args.max_iters} is below the step {start} of {ck['loaded_from']}: nothing to "
+                         f"resume; give --max-iters above {start} to continue the run")
+    if args.max_iters == start:
+        return [f"the run in {args.out_dir} is complete (step {start} = --max-iters); nothing to train (give a larger "
+                f"--max-iters to continue)"]
+    if args.max_iters > args.lr_decay_iters and "lr_decay_iters" not in given:
+        return [f"the cosine schedule still ends at step {args.lr_decay_iters} (--lr-decay-iters); later steps use "
+                f"--min-lr {args.min_lr:g}"]
+    return []
 
 
 def restore_run_args(ap, args, given, ck, path, table):

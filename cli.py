@@ -7,7 +7,8 @@ A mistake the user can fix (a flag, a file, a checkpoint, a batch that cannot fi
 `stopped: ...` and exit code 130; warnings are one line `warning: ...` each. Anything else is a bug and keeps its
 traceback. The pieces live here, not in train.py, so that the architecture files (which never import train.py) can
 route their own command lines through them. The checks made before a run's first step live here too: a directory
-that must be writable (check_writable_dir) and the disk space a checkpoint needs (check_disk_space).
+that must be writable (check_writable_dir), the disk space a checkpoint needs (check_disk_space) and the memory an
+estimate says a step needs (check_memory).
 """
 from __future__ import annotations
 
@@ -198,8 +199,8 @@ def stop_signals():
 
 def available_memory(device) -> tuple[int | None, str]:
     """(bytes the device can still allocate, where the figure comes from), or (None, "") where it is not known: CUDA
-    free memory, MemAvailable of /proc/meminfo on a CPU. The one figure train.py's step-memory check and serve.py's
-    KV-cache check compare against (a batch that cannot fit is refused as a UsageError before it is allocated)."""
+    free memory, MemAvailable of /proc/meminfo on a CPU. The one figure every memory check compares against
+    (check_memory below, serve.py's KV-cache check): a batch that cannot fit is refused before it is allocated."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0], f"free on {device}"
     if device.type == "cpu":
@@ -211,6 +212,23 @@ def available_memory(device) -> tuple[int | None, str]:
         except OSError:
             pass
     return None, ""
+
+
+def check_memory(need: dict, device, what: str, fix: str, per: str = "", at_least: bool = False) -> int | None:
+    """An estimate of what `what` is about to allocate (model.py's form: {part: bytes, ..., "total": bytes}) against
+    available_memory(device), before it is allocated. On a CPU every process of this machine under torchrun
+    (LOCAL_WORLD_SIZE) allocates as much. One that cannot fit is a UsageError, one line: `WHAT needs about (at least)
+    X GB (N bytes) PER (the parts), but DEVICE has Y GB available (source): FIX`. -> the bytes available, None where
+    unknown (then nothing is checked)."""
+    avail, source = available_memory(device)
+    procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
+    if avail is None or need["total"] * procs <= avail:
+        return avail
+    parts = ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in need.items() if k != "total")
+    raise UsageError(f"{what} needs {'at least' if at_least else 'about'} {need['total'] / 1e9:.1f} GB "
+                     f"({need['total']:,.0f} bytes){f' {per}' if per else ''}"
+                     f"{f' in each of {procs} processes' if procs > 1 else ''} ({parts}), but {device} has "
+                     f"{avail / 1e9:.1f} GB available ({source}): {fix}")
 
 
 def flag_name(ap, dest) -> str:

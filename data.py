@@ -17,7 +17,7 @@ id N (`--vocab-size N`), so tiny models get a small valid BPE; `--tokenizer NAME
 The offline default corpus (`--data stdlib`) is the Python standard library that ships with the interpreter running
 train.py (`sysconfig.get_paths()["stdlib"]`, every .py file outside site-packages, sorted by path). Each file is one
 document; about 3% of the files, chosen by a hash of their path, are the validation split. Its size depends on the
-Python version (3.11: about 1,800 files, 31 MB, 10.6M tokens with the default 4,096-rank tokenizer).
+Python version (RESULTS.md gives it for Python 3.11).
 
 Token shard format: a 32-byte header (magic b"NTOK", version 1, itemsize 2 or 4, token count, 12 bytes of padding;
 little-endian) followed by the tokens as uint16 (vocabularies up to 65,536) or uint32. Every document is followed by

@@ -8,19 +8,19 @@ corpus and tokenizer sees the same ones, and prints one table:
   * loss: one model's loss on a fixed evaluation set (the first --tokens of a validation split, consecutive
     windows), a checkpoint or a pretrained model as loaded or converted without training: the rows of the conversion
     table of the Relaxed Recursive Transformers paper (section 3, Figures 4-5) on a real model.
-  * exits (paper 001, "Relaxed Recursive Transformers", sections 2.4 and 3.7, Table 3): a recursive/relaxed
-    checkpoint's loss and accuracy when every token leaves after loop l (static exit), the oracle exit (the earliest
-    loop whose argmax equals the last loop's), and per exit rule (max softmax, the learned gate, saturation) the
-    trade-off curve over thresholds: the share of tokens leaving at each loop, the mean loop, the loss against the
-    last loop's and the agreement with it, in real cached decoding with state propagation (recursive.exit_analysis).
-  * energy (paper 001, section 2.3, eq. 4, and section 3.5): the share of ||W_l - W'||_F^2 that a rank-r truncated SVD
-    captures when a vanilla checkpoint is relaxed into B loops under a tying strategy (svd_lora.residual_energy): how
-    much of the full model the LoRA initialisation can recover at each rank.
-  * double-eval (paper 004, "Block-Based Double Decoders", section 4): validation losses of double-decoder and
-    decoder-only checkpoints on identical windows, each under its own objective and under the prefix-LM split that
-    equalises them (loss on the suffix only), with paired differences to the first checkpoint; --sample: generations.
-  * block (paper 002, "Block Transformer", Table 2 and Appendix H): the validation loss of Block Transformer and
-    vanilla checkpoints on the same targets (the block model's layout, random-length padding included).
+  * exits (Relaxed Recursive Transformers, sections 2.4 and 3.7, Table 3): a recursive/relaxed checkpoint's loss
+    and accuracy when every token leaves after loop l (static exit), the oracle exit (the earliest loop whose argmax
+    equals the last loop's), and per exit rule (max softmax, the learned gate, saturation) the trade-off curve over
+    thresholds: the share of tokens leaving at each loop, the mean loop, the loss against the last loop's and the
+    agreement with it, in real cached decoding with state propagation (recursive.exit_analysis).
+  * energy (Relaxed Recursive Transformers, section 2.3, eq. 4, and section 3.5): the share of ||W_l - W'||_F^2 that a
+    rank-r truncated SVD captures when a vanilla checkpoint is relaxed into B loops under a tying strategy
+    (svd_lora.residual_energy): how much of the full model the LoRA initialisation can recover at each rank.
+  * double-eval (Block-Based Double Decoders, section 4): validation losses of double-decoder and decoder-only
+    checkpoints on identical windows, each under its own objective and under the prefix-LM split that equalises them
+    (loss on the suffix only), with paired differences to the first checkpoint; --sample: generations.
+  * block (Block Transformer, Table 2 and Appendix H): the validation loss of Block Transformer and vanilla
+    checkpoints on the same targets (the block model's layout, random-length padding included).
 
 Run:
     python eval.py loss --model smollm2-135m                                    # the pretrained model as loaded

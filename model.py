@@ -8,8 +8,8 @@ A Llama/Gemma-style decoder, written to be read top to bottom:
     (SwiGLU or GeGLU) -> Block -> KVCache (kv_len: the keys a cached step reads, and the one overflow error) ->
     run_cached (the one cached layer stack) -> GPT (forward, new_cache, prefill, decode_step, generate).
 
-After the model: sampling, the losses, the architecture table's row (ArchSpec), parameter and FLOP accounting, and
-last the device, dtype and timing helpers.
+After the model: sampling, the losses, the architecture table's row (ArchSpec), parameter, memory and FLOP
+accounting (with the peak figures of known cards), and last the device, dtype and timing helpers.
 
 `linear` and `attend` are plain PyTorch (F.linear; SDPA with GQA) with one hook, `tuned_ops`: cpu_tuning.py puts the
 forms of the same math measured fastest on a CPU there when a command switches it on (bench.py, serve.py); nothing
@@ -473,8 +473,9 @@ class LayerCache:
 
     def read(self, kv_len: int):
         """-> k, v (B, H_kv, kv_len, D): a view when the layer is one int and the rows are all rows, else a gather:
-        one index_select over the (layer, row) pairs of the cache seen as (n_layer * batch, H_kv, max_len, D) (10x
-        faster in bf16 than indexing layer and row tensors together, 1.6x in fp32, on the AMD EPYC of RESULTS.md)."""
+        one index_select over the (layer, row) pairs of the cache seen as (n_layer * batch, H_kv, max_len, D), a single
+        contiguous gather along one dimension where indexing by a layer tensor and a row tensor together is a slower
+        advanced-indexing copy."""
         c = self.cache
         if not isinstance(self.layer, torch.Tensor) and self.rows is c.all_rows:
             return c.k[self.layer, :, :, :kv_len], c.v[self.layer, :, :, :kv_len]
@@ -863,15 +864,117 @@ def init_weights(module: nn.Module, n_layer: int, std: float = 0.02):
             nn.init.normal_(m.weight, 0.0, std)
 
 
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "4090": 165e12}
+# Memory: what a command is about to allocate, estimated before it allocates it, as a dict {part: bytes, ...,
+# "total": bytes} (`with_total`): cli.check_memory compares the total with what the device has and names the parts of
+# one that cannot fit. train.py's step is the sum below; another command adds up its own parts (param_bytes,
+# kv_bytes or a model's kv_cache_bytes, a probe of its own forward like saved_activation_bytes). An estimate, not a
+# measured peak: temporaries inside a layer and allocator slack are not counted, so a run that passes may still be
+# tight, and one that is refused cannot fit.
 
 
-def peak_flops(device: torch.device) -> float | None:
-    """Dense bf16 peak of known CUDA devices (for MFU), None elsewhere."""
+def with_total(parts: dict) -> dict:
+    """{part: bytes} -> the same with "total", their sum: the form of every memory estimate."""
+    return {**parts, "total": sum(parts.values())}
+
+
+def optimizer_bytes(model: nn.Module) -> int:
+    """Gradients and AdamW's two moments: 3 x the bytes of the trainable parameters."""
+    return 3 * sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def saved_activation_bytes(model, spec: ArchSpec, B, T, n_vocab, device, autocast) -> tuple[int, float]:
+    """One training forward of a (B, T) random batch (laid out by spec.prepare_batch) under saved_tensors_hooks ->
+    (bytes autograd saves for the backward pass, parameters excluded and each storage counted once, logits bytes per
+    token). The RNG state is left as it was."""
+    gen = torch.Generator().manual_seed(0)
+    xy = torch.randint(0, n_vocab, (B, T + 1), generator=gen)
+    x, y, kw = xy[:, :-1], xy[:, 1:], {}
+    if spec.prepare_batch is not None:
+        x, y, kw = spec.prepare_batch(x, y, gen, model.config)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+        return t
+
+    was_training = model.training
+    model.train()
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+        logits, loss = model(x.to(device), y.to(device), **kw)
+    logit_bytes = logits.numel() * logits.element_size() / (B * T)
+    del logits, loss
+    model.train(was_training)
+    return sum(seen.values()), logit_bytes
+
+
+def step_memory(model, spec: ArchSpec, batch, seq_len, n_vocab, device, autocast, teacher=False) -> dict:
+    """Bytes one training step of batch x seq_len tokens needs on top of the weights (which are in place already):
+      * activations: what autograd keeps for the backward pass, probed (saved_activation_bytes) on one row at
+        T = min(seq_len, 64) and T/2, fitted as a*T + c*T^2 (c > 0 where a path materialises a T x T attention matrix
+        or mask; flash/SDPA paths give c = 0) and scaled to batch x seq_len;
+      * one more logits-sized tensor for the gradient of the loss, and the teacher's logits with KD;
+      * gradients and AdamW's moments (optimizer_bytes)."""
+    T1 = min(seq_len, 64)
+    b1, logit_bytes = saved_activation_bytes(model, spec, 1, T1, n_vocab, device, autocast)
+    per_tok, quad = b1 / T1, 0.0
+    if T1 >= 16:
+        T2 = T1 // 2
+        b2, _ = saved_activation_bytes(model, spec, 1, T2, n_vocab, device, autocast)
+        quad = max(0.0, (b1 / T1 - b2 / T2) / (T1 - T2))
+        per_tok = b1 / T1 - quad * T1
+    B, T = batch, seq_len
+    parts = {"activations": B * (per_tok * T + quad * T * T), "loss gradient": B * T * logit_bytes,
+             "gradients + AdamW moments": optimizer_bytes(model)}
+    if teacher:
+        parts["teacher logits"] = B * T * logit_bytes
+    return with_total(parts)
+
+
+def least_step_memory(batch, seq_len, vocab_rows, dtype, model=None) -> dict:
+    """A lower bound of one training step's bytes from sizes alone, checked before anything that grows with them is
+    built or probed (a --seq-len of 1e8 would build RoPE tables of gigabytes, --loops 100000 would exhaust memory
+    inside the probe of step_memory): the logits of the batch and their gradient (B x T x V each, in the compute
+    dtype, which bounds the T x rot_dim RoPE tables too), and, given the model, the input of every block application
+    that autograd keeps for the backward pass (B x T x n_embd per layer and loop)."""
+    B, T, elem = batch, seq_len, torch.finfo(dtype).bits // 8
+    parts = {"logits and their gradient": 2 * B * T * vocab_rows * elem}
+    if model is not None:
+        blocks = getattr(model, "blocks", None)
+        applied = (len(blocks) if isinstance(blocks, nn.ModuleList) else model.config.n_layer) * \
+            getattr(model.config, "n_loops", 1)
+        parts[f"block inputs ({applied} block applications)"] = B * T * applied * model.config.n_embd * elem
+    return with_total(parts)
+
+
+# Known CUDA cards: (a part of torch.cuda.get_device_name, dense bf16 tensor FLOP/s, memory bandwidth in bytes/s), the
+# vendors' datasheet peaks. train.py's step line reports MFU against the first, serve.py's table the bandwidth against
+# the second. A device takes the first row whose name part its name contains: the more specific names come first.
+PEAK = [("H200", 989e12, 4.8e12), ("H100 PCIe", 989e12, 2.0e12), ("H100", 989e12, 3.35e12),
+        ("A100-SXM4-40GB", 312e12, 1.555e12), ("A100-PCIE-40GB", 312e12, 1.555e12), ("A100", 312e12, 2.039e12),
+        ("L40S", 362e12, 0.864e12), ("A10G", 125e12, 0.6e12), ("4090", 165e12, 1.008e12)]
+
+
+def _peak(device: torch.device) -> tuple[float, float] | None:
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+    return next(((flops, bw) for part, flops, bw in PEAK if part in name), None)
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """Dense bf16 peak FLOP/s of a known CUDA device (for MFU), None elsewhere."""
+    peak = _peak(device)
+    return peak[0] if peak else None
+
+
+def peak_bandwidth(device: torch.device) -> float | None:
+    """Peak memory bandwidth (bytes/s) of a known CUDA device, None elsewhere."""
+    peak = _peak(device)
+    return peak[1] if peak else None
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -82,7 +82,7 @@ from checkpoint import load_checkpoint, load_source_model, model_from_checkpoint
 from cli import (DTYPES, ArgumentParser, UsageError, available_memory, check_device, check_writable_dir, number,
                  path_arg, run_cli, seed_arg, user_input)
 from data import Tokenizer
-from model import GPT, PRESETS, GPTConfig, param_bytes, pick_device, pick_dtype, sample_next, sync
+from model import GPT, PRESETS, GPTConfig, param_bytes, peak_bandwidth, pick_device, pick_dtype, sample_next, sync
 from recursive import RecursiveGPT, from_vanilla
 from serve_requests import (MAX_REQUESTS, Request, chat_requests, chat_template, check_request, corpus_requests,
                             error_counts, jsonl_requests, parse_range, print_errors, request_generator,
@@ -393,19 +393,7 @@ class DepthWiseServer(SlotServer):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Bytes moved per decode step (the memory roofline)
-
-PEAK_BW = [("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12), ("A100-SXM4-40GB", 1.555e12),
-           ("A100-PCIE-40GB", 1.555e12), ("A100", 2.039e12), ("L40S", 0.864e12), ("A10G", 0.6e12),
-           ("4090", 1.008e12)]
-
-
-def peak_bandwidth(device: torch.device) -> float | None:
-    """HBM peak (bytes/s) of known CUDA devices, None elsewhere."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_BW if k in name), None)
+# Bytes moved per decode step (the memory roofline; the peaks of known cards are model.PEAK)
 
 
 def kv_token_bytes(cfg, elem: int) -> int:
@@ -719,8 +707,8 @@ def run_comparison(args, device, dtype, vanilla, rec, requests, rule, thr, how) 
     return rows
 
 
-# Below this many non-embedding parameters the demo says that its model is too small to show the bargain (the tiny
-# preset, 0.8M: depth-wise 0.69x / 0.42x; the base preset, 125M: 0.99x / 1.10x end to end, RESULTS.md Serving).
+# Below this many non-embedding parameters the demo says that its model is too small to show the bargain: per-operator
+# overhead, not weight reads, sets the step of such a model (the tiny preset against the base one: RESULTS.md, Serving).
 SMALL_MODEL_PARAMS = 10_000_000
 
 

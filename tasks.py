@@ -179,6 +179,15 @@ class PHopTask:
         return "\n".join(lines)
 
 
+@torch.no_grad()
+def answers_text(model, task: PHopTask, x, y, device) -> str:
+    """train.py's sample at the end of a run on a task: the first sequence of x with its labels y and the model's
+    greedy answers, readable."""
+    model.eval()
+    pred = model(x.to(device), y.to(device))[0].argmax(-1).cpu()
+    return f"sample (p = {int(task.hops_of(x)[0])}; tokens, labels, answers):\n{task.show(x[0], y[0], pred[0])}"
+
+
 def add_counts(total: dict, counts: dict):
     for q, (c, n) in counts.items():
         a, b = total.get(q, (0, 0))

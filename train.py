@@ -1,52 +1,28 @@
 """
 train.py -- pretraining and uptraining for every architecture of this repository.
 
-One script, read top to bottom: the training loop first (AdamW with warmup + cosine, knowledge distillation, an
-evaluation and a checkpoint every --eval-interval steps, single process or DDP under torchrun), then what it calls:
-flags, model building, the memory estimate. The tokenizer, the corpus and the batches are data.py; the
-architecture table, checkpoint files and --resume's flag reconciliation are checkpoint.py; the error contract and
-the checks made before the first step (directories, disk space) are cli.py.
+The training loop first (AdamW with warmup + cosine, knowledge distillation, an evaluation and a checkpoint every
+--eval-interval steps, single process or DDP under torchrun), then what it calls: the run's setup, the schedule, the
+flags. Elsewhere: the tokenizer, the corpus (`--data stdlib`, the offline default) and the batches in data.py; the
+synthetic tasks (`--data task:phop`) in tasks.py; the architecture table, the checkpoint files and how --resume and
+--init-from treat the flags (the contract) in checkpoint.py; a step's memory estimate in model.py; the error contract
+and the checks made before the first step in cli.py.
 
-Runs (each finishes in about 5 minutes on 2 CPU cores with the defaults):
+Runs (their wall times on 2 CPU cores: RESULTS.md, Timings):
     python train.py --arch vanilla                                  # the baseline, on the offline default corpus
     python train.py --arch plt                                      # any arch of checkpoint.arch_table()
     python train.py --arch relaxed --init-from out/vanilla/ckpt.pt --loops 2 --init average \\
         --teacher out/vanilla/ckpt.pt --kd fkl                      # uptraining: convert, then distill
+    python train.py --resume --out-dir out/relaxed                  # continue a run with its own flags
     python train.py --data /data/SlimPajama-627B/train --exclude-sets RedPajamaGithub --preset small
     torchrun --nproc_per_node=8 train.py --preset base --data ...   # DDP (nccl on GPU, gloo on CPU)
-
-The offline default corpus (`--data stdlib`, the Python standard library) and the tokenizer flags are described in
-data.py.
 
 Log lines are greppable: `step N loss X lr Y ms Z tok/s W mfu M` and `val step N loss X ppl Y`. `loss` is always the
 LM cross-entropy (the quantity val measures). When the objective has more terms, the header says so ("objective: LM
 cross-entropy + KD fkl x1.0 (temperature 1.0) from T" / "+ exit loss aggressive coef 0.1 + self-distill") and the
 step line adds them after `loss`: `kd` (the distillation term before its weight), `total` (the objective that is
-optimised), and the per-loop exit terms of the model (`loss_l1 ... kd_l1 ...`) at the end.
-
-Resume and errors:
-  * `--resume` continues OUT_DIR/ckpt.pt with the flags stored in it (teacher and KD included): `python train.py
-    --resume --out-dir out/relaxed` is enough. A flag typed again with another value is an error naming it, except the
-    environment (--device, --dtype, --compile, --cache-dir, --eval-iters, --log-interval, --sample-tokens) and the
-    run length (--max-iters, --eval-interval, --lr-decay-iters), which are taken with a printed note.
-  * `--init-from` a checkpoint of the same architecture applies the training-recipe flags typed (exit loss,
-    self-distillation, ...; Appendix J's early-exit post-training) and refuses, naming them, flags that would change a
-    parameter (a LoRA rank, the loops).
-  * A mistake the user can fix (a flag, a data file, a checkpoint, a batch that cannot fit in memory, a diverged
-    run) is one line `error: ...` on stderr and exit code 2 (cli.py: the contract of every command); flags of
-    another architecture are named in one warning. What can be checked is checked before the first step: --out-dir
-    and --cache-dir writable, disk space for a checkpoint, a lower bound of the step's memory before tables and the
-    memory probe are built, the tokenizer (an encoding that needs the network is named), a resumable checkpoint.
-  * Ctrl-C or SIGTERM: the current step finishes, the checkpoint is written (atomically, as always), and the run
-    stops with one line `stopped: ... continue with: python train.py --resume --out-dir OUT_DIR` and exit code 130.
-    A checkpoint write that fails (a full disk) removes its temporary file and keeps the last good checkpoint.
-  * Divergence: a validation loss above ln(V) + 1, one nat above the loss of a uniform guess over the V tokens of
-    the vocabulary, is one warning (once per run) naming the loss, the step and --lr; the run goes on (decided: warn,
-    not stop). Stopping was tried and refused good runs: a model that starts above the line (an imported or
-    converted random model, --lr 0) is not a diverged one, and the run cannot tell the two apart from one
-    evaluation. A non-finite loss or weight still stops the run without writing its checkpoint. The nat of slack
-    is for an untrained model, which sits slightly above ln(V): random logits add about half their variance (tiny
-    presets: 0.01-0.2 nat, measured); diverged runs (--lr 1 / --lr 3) reached 22 and 93 against ln(V) = 8.3.
+optimised), and the model's own metrics (the per-loop exit terms `loss_l1 ... kd_l1 ...`) at the end. On a task both
+lines add its accuracy per p after the loss terms: `acc p1 0.998 p2 0.951 ...`.
 """
 from __future__ import annotations
 
@@ -66,15 +42,15 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import tasks
-from cli import (DTYPES, ArgumentParser, CheckpointError, Stopped, UsageError, available_memory, check_device,
-                 check_disk_space, check_writable_dir, flag_name, number, path_arg, run_cli, seed_arg,
-                 stop_signals, user_input)
-from checkpoint import (CKPT_FORMAT, arch_table, check_resumable, init_same_arch, load_checkpoint,
-                        load_optimizer_state, load_source_model, load_source_tokenizer, model_from_checkpoint,
-                        restore_run_args, save_checkpoint, tokenizer_from_spec)
+from checkpoint import (add_arch_args, arch_table, given_flags, init_from, load_optimizer_state, load_teacher,
+                        model_from_checkpoint, resume_length, resume_run, run_checkpoint, run_tokenizer,
+                        save_checkpoint, warn_inapplicable)
+from checkpoint import load_checkpoint  # noqa: F401 - train.load_checkpoint, as the architectures' tests read a run
+from cli import (DTYPES, ArgumentParser, CheckpointError, Stopped, UsageError, check_device, check_disk_space,
+                 check_memory, check_writable_dir, number, path_arg, run_cli, seed_arg, stop_signals, user_input)
 from data import TokenData, Tokenizer, padded_vocab, prepare_corpus, step_generator
-from model import ArchSpec, distill_loss, lm_loss, make_optimizer, peak_flops, pick_device, pick_dtype
-from recursive import keep_layers
+from model import (ArchSpec, distill_loss, least_step_memory, lm_loss, make_optimizer, peak_flops, pick_device,
+                   pick_dtype, step_memory)
 
 # ----------------------------------------------------------------------------------------------------------------
 # The training loop
@@ -82,24 +58,32 @@ from recursive import keep_layers
 
 def train(argv=None):
     """One run: setup_run builds everything from the flags (and refuses what cannot work before the first step), then
-    the loop. A step is --grad-accum micro-batches, each drawn by its own step_generator (a resumed run draws the
-    batches an uninterrupted one would), then one AdamW step at the schedule's lr; a log line every --log-interval
-    steps, an evaluation and a checkpoint every --eval-interval steps. Ctrl-C or SIGTERM ends the run after the
-    current step with a checkpoint (cli.Stopped). -> the last logged losses, the best validation loss and, on a task,
-    the last validation accuracies."""
+    the loop. -> the last logged losses, the best validation loss and, on a task, the last validation accuracies."""
     run = setup_run(argv)
-    args, model, raw_model, optimizer, task, master = run.args, run.model, run.raw_model, run.optimizer, run.task, \
-        run.master
+    args, model, optimizer, master = run.args, run.model, run.optimizer, run.master
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * run.world
-    peak = peak_flops(run.device)
-    flops_per_step = raw_model.flops_per_token(args.seq_len) * tokens_per_step
-    uniform, warned_uniform = math.log(run.tok.n_vocab), False  # the validation loss of a uniform guess
-    model.train()
+    flops_per_step, peak = run.raw_model.flops_per_token(args.seq_len) * tokens_per_step, peak_flops(run.device)
     bar = tqdm(total=args.max_iters, initial=run.start_step, desc=f"train {args.arch}",
                disable=None if master else True, file=sys.stderr, leave=False)
     last_loss, last_total, last_acc, t0 = None, None, None, time.perf_counter()
+    model.train()
     with stop_signals() as asked:
-        for step in range(run.start_step, args.max_iters):
+        for step in range(run.start_step, args.max_iters + 1):  # `step` optimizer steps are done
+            # -- evaluate and checkpoint: every --eval-interval steps and after the last one
+            if step > run.start_step and (step % args.eval_interval == 0 or step == args.max_iters):
+                val, val_counts = evaluate(run)
+                log(f"val step {step} loss {val:.4f} ppl {math.exp(min(val, 30)):.2f}{scores_text(val_counts)}", master)
+                check_val_loss(run, val, step)
+                write_checkpoint(run, step, val)
+                run.best_val, last_acc = min(run.best_val, val), tasks.accuracies(val_counts) or None
+                t0 = time.perf_counter()
+            if step == args.max_iters:
+                break
+            if step > run.start_step:
+                stop_if_asked(run, asked, step)
+
+            # -- forward, backward, update: --grad-accum micro-batches, each drawn by its own step_generator (a resumed
+            # run draws the batches an uninterrupted one would), then one AdamW step at the schedule's lr
             lr = lr_at(step, args.lr, args.warmup_iters, args.lr_decay_iters, args.min_lr)
             set_lr(optimizer, lr)
             total, lm_total, kd_total, counts = 0.0, 0.0, 0.0, {}
@@ -109,8 +93,7 @@ def train(argv=None):
                 with sync:
                     loss, lm, kd, logits = loss_of(run, x, y, kw)
                     (loss / args.grad_accum).backward()
-                if task is not None:
-                    tasks.add_counts(counts, task.score(logits.detach(), x, y))
+                tasks.add_counts(counts, scores(run, logits.detach(), x, y))
                 total += loss.detach() / args.grad_accum
                 lm_total += lm.detach() / args.grad_accum
                 if kd is not None:
@@ -122,53 +105,28 @@ def train(argv=None):
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             bar.update(1)
+
+            # -- timing and logging: every --log-interval steps, the first and the last
             done = step + 1
             if done % args.log_interval == 0 or done == args.max_iters or step == run.start_step:
                 if run.device.type == "cuda":
                     torch.cuda.synchronize()
                 t1 = time.perf_counter()
                 n = done - run.start_step if step == run.start_step else min(args.log_interval, done - run.start_step)
-                dt = (t1 - t0) / max(1, n)
-                t0 = t1
+                dt, t0 = (t1 - t0) / max(1, n), t1
                 last_loss, last_total = lm_total.item(), total.item()
                 terms = (f" kd {kd_total.item():.4f}" if run.teacher is not None else "") + \
                     (f" total {last_total:.4f}" if run.extra_terms else "")
-                extra = "".join(f" {k} {v:.4f}" for k, v in getattr(raw_model, "metrics", {}).items())
                 mfu = f"{flops_per_step / dt / (peak * run.world) * 100:.1f}%" if peak else "n/a"
-                acc = f" {tasks.accuracy_text(counts)}" if task is not None else ""
-                log(f"step {done} loss {last_loss:.4f}{terms}{acc} lr {lr:.2e} ms {dt * 1000:.1f} "
-                    f"tok/s {tokens_per_step / dt:.0f} mfu {mfu}{extra}", master)
-            if done % args.eval_interval == 0 or done == args.max_iters:
-                val, val_counts = evaluate(run)
-                acc = f" {tasks.accuracy_text(val_counts)}" if task is not None else ""
-                last_acc = tasks.accuracies(val_counts) if task is not None else None
-                log(f"val step {done} loss {val:.4f} ppl {math.exp(min(val, 30)):.2f}{acc}", master)
-                if not math.isfinite(val):  # the NaN guard covers the evaluation: a diverged model is never saved
-                    raise FloatingPointError(stopped(run, f"non-finite validation loss {val}", done))
-                if val > uniform + 1 and not warned_uniform:  # divergence (the module docstring): one warning
-                    warned_uniform = True
-                    warnings.warn(f"validation loss {val:.4f} at step {done} is above ln({run.tok.n_vocab}) + 1 = "
-                                  f"{uniform + 1:.4f}, a nat worse than a uniform guess: the run has diverged (lower "
-                                  f"--lr, now {args.lr:g}) or starts from a model worse than guessing", stacklevel=2)
-                write_checkpoint(run, done, val)
-                run.best_val = min(run.best_val, val)
-                t0 = time.perf_counter()
-            stop = bool(asked)
-            if run.ddp:  # every rank stops after the same step
-                flag = torch.tensor([float(stop)], device=run.device)
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-                stop = flag.item() > 0
-            if stop and done < args.max_iters:
-                if run.last_good != done:
-                    write_checkpoint(run, done, None)
-                raise Stopped(f"{asked[0] if asked else 'another rank was signalled'} after step {done}: checkpoint "
-                              f"{run.ck_file} (step {done}) written; continue with: python train.py --resume "
-                              f"--out-dir {args.out_dir}")
+                metrics = "".join(f" {k} {v:.4f}" for k, v in getattr(run.raw_model, "metrics", {}).items())
+                log(f"step {done} loss {last_loss:.4f}{terms}{scores_text(counts)} lr {lr:.2e} ms {dt * 1000:.1f} "
+                    f"tok/s {tokens_per_step / dt:.0f} mfu {mfu}{metrics}", master)
     bar.close()
-    if master and task is not None:
-        show_task(raw_model, task, run.val_data, run.device, args)
+    if master and run.task is not None:
+        x, y = run.val_data.get_batch(1, args.seq_len, step_generator(args.seed, -1, 0, 0))
+        log(tasks.answers_text(run.raw_model, run.task, x, y, run.device))
     elif master and args.sample_tokens > 0:
-        sample(raw_model, run.tok, run.device, args)
+        sample(run.raw_model, run.tok, run.device, args)
     if run.ddp:
         dist.barrier()
         dist.destroy_process_group()
@@ -205,7 +163,7 @@ def loss_of(run, x, y, kwargs):
 
 @torch.no_grad()
 def evaluate(run):
-    """-> the mean validation loss and, on a task, {p: (correct, labels)} over the validation batches."""
+    """-> the mean validation loss and the batches' scores summed (on a task {p: (correct, labels)}, else {})."""
     model = run.model
     model.eval()
     losses, counts = [], {}
@@ -215,8 +173,7 @@ def evaluate(run):
         with run.autocast:
             logits, loss = model(x, y, **kw)
         losses.append(loss.float())
-        if run.task is not None:
-            tasks.add_counts(counts, run.task.score(logits, x, y))
+        tasks.add_counts(counts, scores(run, logits, x, y))
     loss = torch.stack(losses).mean()
     if run.ddp:
         dist.all_reduce(loss)
@@ -225,13 +182,54 @@ def evaluate(run):
     return loss.item(), counts
 
 
+def scores(run, logits, x, y) -> dict:
+    """What the step and val lines report of a batch beyond its loss: on a task (tasks.py) its {p: (correct, labels)},
+    summed over batches with tasks.add_counts; else nothing ({})."""
+    return run.task.score(logits, x, y) if run.task is not None else {}
+
+
+def scores_text(counts) -> str:
+    return f" {tasks.accuracy_text(counts)}" if counts else ""
+
+
+def check_val_loss(run, val, step):
+    """A non-finite validation loss stops the run without writing its checkpoint; one a nat above a uniform guess
+    over the vocabulary (ln V + 1) is one warning per run."""
+    if not math.isfinite(val):  # the NaN guard covers the evaluation: a diverged model is never saved
+        raise FloatingPointError(stopped(run, f"non-finite validation loss {val}", step))
+    # A warning, not a stop: one evaluation cannot tell a diverged run from a model that starts above the line (an
+    # imported or converted one, --lr 0), and the nat of slack keeps an untrained model's random logits below it.
+    uniform = math.log(run.tok.n_vocab)
+    if val > uniform + 1 and not run.warned_divergence:
+        run.warned_divergence = True
+        warnings.warn(f"validation loss {val:.4f} at step {step} is above ln({run.tok.n_vocab}) + 1 = "
+                      f"{uniform + 1:.4f}, a nat worse than a uniform guess: the run has diverged (lower "
+                      f"--lr, now {run.args.lr:g}) or starts from a model worse than guessing", stacklevel=2)
+
+
+def stop_if_asked(run, asked, step):
+    """Ctrl-C or SIGTERM reached this process (cli.stop_signals) or, under DDP, any rank (every rank stops after the
+    same step): the checkpoint of `step` unless it is on disk already, then cli.Stopped saying how to continue."""
+    stop = bool(asked)
+    if run.ddp:
+        flag = torch.tensor([float(stop)], device=run.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        stop = flag.item() > 0
+    if not stop:
+        return
+    if run.last_good != step:
+        write_checkpoint(run, step, None)
+    raise Stopped(f"{asked[0] if asked else 'another rank was signalled'} after step {step}: checkpoint {run.ck_file} "
+                  f"(step {step}) written; continue with: python train.py --resume --out-dir {run.args.out_dir}")
+
+
 def kept(run) -> str:
     """What is on disk when the run stops without writing its checkpoint."""
     return (f"the last good checkpoint stays at {run.ck_file} (step {run.last_good})" if run.last_good is not None
             else "no checkpoint was written")
 
 
-def stopped(run, what, step) -> str:
+def stopped(run, what, step) -> str:  # the error of a run that stops without writing its checkpoint
     return f"{what} at step {step}; stopping without writing a checkpoint: {kept(run)}"
 
 
@@ -245,12 +243,8 @@ def write_checkpoint(run, step, val_loss):
                                          + (f" and {len(bad) - 1} more tensors" if len(bad) > 1 else ""), step))
     if run.master:
         try:
-            save_checkpoint(run.ck_file, {
-                "format": CKPT_FORMAT, "arch": args.arch, "config": asdict(raw_model.config),
-                "model": raw_model.state_dict(), "optimizer": run.optimizer.state_dict(), "step": step,
-                "best_val_loss": run.best_val if val_loss is None else min(run.best_val, val_loss),
-                "val_loss": val_loss, "tokenizer": run.tok.spec,
-                "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}})
+            save_checkpoint(run.ck_file, run_checkpoint(raw_model, run.optimizer, step, run.best_val, val_loss,
+                                                        run.tok.spec, args))
         except CheckpointError as e:
             raise CheckpointError(f"{e} at step {step}; {kept(run)}") from e
     run.last_good = step
@@ -263,7 +257,7 @@ class Run:
     args: argparse.Namespace
     spec: ArchSpec
     tok: Tokenizer
-    task: object  # tasks.Task of --data task:..., else None
+    task: object  # tasks.PHopTask of --data task:..., else None
     device: torch.device
     autocast: object  # torch.autocast, or a null context in fp32
     ddp: bool
@@ -280,6 +274,7 @@ class Run:
     start_step: int
     best_val: float
     last_good: int | None  # the step of the checkpoint on disk, None before the first is written
+    warned_divergence: bool = False  # check_val_loss warns once per run
 
     @property
     def master(self) -> bool:
@@ -296,12 +291,13 @@ def setup_run(argv) -> Run:
     table = arch_table()
     ap, args, given, resume_ck, notes = parse_run_args(argv, table)
     spec = table[args.arch]
-    start_step, best_val = check_run_args(args, spec, resume_ck)
+    start_step, best_val, length_notes = check_run_args(args, spec, resume_ck, given)
     ddp, rank, local_rank, world, device = setup_distributed(args.device)
     master = rank == 0
     if master:
         warn_inapplicable(ap, args, given)
-        log_resume(args, given, notes, resume_ck, start_step)
+        for n in notes + length_notes:
+            log(f"resume: {n}")
     torch.manual_seed(args.seed)
     dtype = pick_dtype(device, args.dtype)
     autocast = (torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext())
@@ -310,9 +306,10 @@ def setup_run(argv) -> Run:
     model.to(device)
     if teacher is not None:
         teacher.to(device).eval().requires_grad_(False)
-    check_memory(least_step_memory(args, model.config.vocab_size, dtype, model), device, args, at_least=True)
-    need = step_memory(model, spec, args, tok.n_vocab, device, autocast, teacher)
-    avail = check_memory(need, device, args)
+    check_step_memory(least_step_memory(args.batch_size, args.seq_len, model.config.vocab_size, dtype, model), device,
+                      args, at_least=True)
+    need = step_memory(model, spec, args.batch_size, args.seq_len, tok.n_vocab, device, autocast, teacher is not None)
+    avail = check_step_memory(need, device, args)
     if master:
         check_disk_space(model, args.out_dir)
     optimizer = make_optimizer(model, args.lr, args.weight_decay, device)
@@ -345,27 +342,20 @@ def setup_run(argv) -> Run:
 
 
 def parse_run_args(argv, table):
-    """The flags; with --resume, the run's own flags restored from its checkpoint (restore_run_args) -> (parser, args,
-    the flags typed, the checkpoint to resume or None, notes about flags taken from the command line)."""
+    """The flags; with --resume, the run's own flags restored from its checkpoint (checkpoint.resume_run) -> (parser,
+    args, the flags typed, the checkpoint to resume or None, notes about flags taken from the command line)."""
     ap = build_parser(table)
     argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
-    given = given_flags(table, argv)
-    resume_ck, notes = None, []
-    if args.resume:
-        args.out_dir = args.out_dir or f"out/{args.arch}"
-        ck_path = Path(args.out_dir) / "ckpt.pt"
-        resume_ck = check_resumable(load_checkpoint(ck_path), ck_path)
-        if resume_ck["arch"] not in table:
-            raise CheckpointError(f"{ck_path} holds a {resume_ck['arch']!r} model, unknown here; known: "
-                                  f"{sorted(table)}")
-        notes = restore_run_args(ap, args, given, resume_ck, ck_path, table)
+    given = given_flags(ap, argv)
+    resume_ck, notes = resume_run(ap, args, given, table) if args.resume else (None, [])
     return ap, args, given, resume_ck, notes
 
 
-def check_run_args(args, spec: ArchSpec, resume_ck) -> tuple[int, float]:
+def check_run_args(args, spec: ArchSpec, resume_ck, given) -> tuple[int, float, list[str]]:
     """The architecture's defaults, then the checks made before anything is built: --device, --out-dir and --cache-dir
-    writable, a resumed run not past --max-iters -> (the first step, the best validation loss so far)."""
+    writable, a resumed run not past --max-iters -> (the first step, the best validation loss so far, notes about the
+    resumed run's length)."""
     resolve_defaults(args, spec)
     args.out_dir = Path(args.out_dir or f"out/{args.arch}")
     check_device(args.device)
@@ -373,25 +363,8 @@ def check_run_args(args, spec: ArchSpec, resume_ck) -> tuple[int, float]:
     if not tasks.is_task_source(args.data):
         check_writable_dir(Path(args.cache_dir), "--cache-dir")
     if resume_ck is None:
-        return 0, math.inf
-    start_step = resume_ck["step"]
-    if args.max_iters < start_step:
-        raise UsageError(f"--max-iters {args.max_iters} is below the step {start_step} of "
-                         f"{resume_ck['loaded_from']}: nothing to resume; give --max-iters above {start_step} to "
-                         f"continue the run")
-    return start_step, resume_ck.get("best_val_loss", math.inf)
-
-
-def log_resume(args, given, notes, resume_ck, start_step):
-    """What --resume took from the command line, and a run that is complete or past its schedule."""
-    for n in notes:
-        log(f"resume: {n}")
-    if resume_ck is not None and args.max_iters == start_step:
-        log(f"resume: the run in {args.out_dir} is complete (step {start_step} = --max-iters); nothing to "
-            f"train (give a larger --max-iters to continue)")
-    elif resume_ck is not None and args.max_iters > args.lr_decay_iters and "lr_decay_iters" not in given:
-        log(f"resume: the cosine schedule still ends at step {args.lr_decay_iters} (--lr-decay-iters); later "
-            f"steps use --min-lr {args.min_lr:g}")
+        return 0, math.inf, []
+    return resume_ck["step"], resume_ck.get("best_val_loss", math.inf), resume_length(args, given, resume_ck)
 
 
 def build_models(args, spec: ArchSpec, table, ap, given, resume_ck, dtype, device, master):
@@ -400,15 +373,9 @@ def build_models(args, spec: ArchSpec, table, ap, given, resume_ck, dtype, devic
     task = tasks.task_from_args(args) if tasks.is_task_source(args.data) else None
     if task is not None and "seq_len" not in given and resume_ck is None:
         args.seq_len = -(-task.seq_len // 8) * 8  # a multiple of 8: block models need whole blocks
-    if resume_ck is not None:
-        tok = tokenizer_from_spec(resume_ck["tokenizer"])
-    elif task is not None:
-        tok = tasks.TaskTokenizer(task.spec())
-    elif args.init_from and not args.tokenizer and not args.vocab_size:
-        tok = tokenizer_from_spec(load_source_tokenizer(args.init_from))
-    else:
-        tok = Tokenizer.from_args(args.vocab_size, args.tokenizer)
-    check_memory(least_step_memory(args, padded_vocab(tok.n_vocab), dtype), device, args, at_least=True)
+    tok = run_tokenizer(args, resume_ck, task)
+    check_step_memory(least_step_memory(args.batch_size, args.seq_len, padded_vocab(tok.n_vocab), dtype), device, args,
+                      at_least=True)
     if resume_ck is not None:
         model = model_from_checkpoint(resume_ck, table)
     else:
@@ -418,13 +385,7 @@ def build_models(args, spec: ArchSpec, table, ap, given, resume_ck, dtype, devic
         task.check_seq_len(args.seq_len)
     if model.config.vocab_size < tok.n_vocab:
         raise UsageError(f"model vocabulary {model.config.vocab_size} is smaller than the tokenizer's {tok.n_vocab}")
-    teacher = None
-    if args.teacher:
-        if not spec.kd_ok:
-            raise UsageError(f"--teacher is not supported for --arch {args.arch}: its training inputs are re-laid "
-                             f"out, so teacher and student logits would not align")
-        teacher, _, t_tok = load_source_model(args.teacher, table)
-        check_tokenizer(tok.spec, t_tok, f"teacher {args.teacher}")
+    teacher = load_teacher(args, spec, tok, table) if args.teacher else None
     return tok, task, model, teacher
 
 
@@ -528,40 +489,8 @@ def build_parser(table) -> ArgumentParser:
                     help="number of loops of a looped architecture (recursive/relaxed: B, plt: L); default: preset")
     ap.add_argument("--sample-tokens", type=nonneg, default=64, help="tokens of the sample printed at the end")
     tasks.add_args(ap)
-    ap.arch_flags = {"loops": {"recursive", "relaxed", "plt"}}
-    added = {}  # add_args function -> dests it added (recursive and relaxed share one function, called once)
-    for spec in table.values():
-        if spec.add_args is not None:
-            before = set(map(id, ap._actions))
-            spec.add_args(ap)
-            added.setdefault(spec.add_args, []).extend(a.dest for a in ap._actions if id(a) not in before)
-    for spec in table.values():
-        for dest in added.get(spec.add_args, []):
-            ap.arch_flags.setdefault(dest, set()).add(spec.name)
+    add_arch_args(ap, table, shared={"loops": {"recursive", "relaxed", "plt"}})
     return ap
-
-
-def given_flags(table, argv) -> dict:
-    """The flags typed on the command line: argv parsed again with every default suppressed -> {dest: value}."""
-    ap = build_parser(table)
-    for a in ap._actions:
-        a.default = argparse.SUPPRESS
-    return vars(ap.parse_args(argv))
-
-
-def warn_inapplicable(ap, args, given):
-    """Flags that the chosen architecture never reads: one warning line naming them (they are ignored)."""
-    odd = sorted(d for d in given if d in ap.arch_flags and args.arch not in ap.arch_flags[d])
-    needs = {}  # flags read only with another flag -> what they need
-    if args.teacher is None:
-        needs.update(dict.fromkeys(("kd_weight", "kd_temperature"), "needs --teacher"))
-    if not tasks.is_task_source(args.data):
-        needs.update(dict.fromkeys(tasks.TASK_FLAGS, "needs --data task:phop"))
-    odd += [d for d in needs if d in given]
-    if odd:
-        owner = lambda d: "/".join(sorted(ap.arch_flags[d])) if d in ap.arch_flags else needs[d]  # noqa: E731
-        what = ", ".join(f"{flag_name(ap, d)} ({owner(d)})" for d in odd)
-        warnings.warn(f"flags that do not apply to --arch {args.arch} are ignored: {what}", stacklevel=2)
 
 
 def resolve_defaults(args, spec):
@@ -608,146 +537,22 @@ def log(msg, master=True):
 
 
 def build_model(args, spec: ArchSpec, tok: Tokenizer, table, ap, given, master):
-    """Fresh model from the preset, or --init-from (same arch: weights + recipe flags; vanilla: the conversion)."""
+    """Fresh model from the preset, or --init-from (checkpoint.init_from: same arch, the weights and the recipe flags
+    typed; vanilla, the conversion). The flags' config fields are checked either way."""
     overrides = dict(vocab_size=padded_vocab(tok.n_vocab), max_seq_len=args.seq_len)
     if spec.config_overrides is not None:
         overrides.update(spec.config_overrides(args, tok=tok))
-    if not args.init_from:
-        return spec.model_cls(spec.make_config(args.preset, **overrides))
-    src, src_arch, _ = load_source_model(args.init_from, table)
-    if args.keep_layers:
-        if src_arch != "vanilla":
-            raise UsageError(f"--keep-layers takes layers of a vanilla model; {args.init_from} holds a {src_arch} one")
-        src = keep_layers(src, args.keep_layers)
-        log(f"init from {args.init_from}: keeping layers {args.keep_layers} ({src.config.n_layer} layers)", master)
-    if src_arch == spec.name:
-        model, note = init_same_arch(src, spec, recipe_overrides(args, spec, ap, given), args.seq_len, args.init_from)
-        log(note, master)
-        return model
-    if src_arch != "vanilla" or spec.convert is None:
-        raise UsageError(f"cannot initialise a {spec.name} model from a {src_arch} checkpoint "
-                         f"({'conversion starts from a vanilla model' if spec.convert else 'no conversion exists'})")
-    log(f"init from {args.init_from}: converting vanilla -> {spec.name}", master)
-    return spec.convert(args, src, tok=tok)
+    if args.init_from:
+        return init_from(args, spec, tok, table, ap, given, note=lambda line: log(line, master))
+    return spec.model_cls(spec.make_config(args.preset, **overrides))
 
 
-def recipe_overrides(args, spec: ArchSpec, ap, given) -> dict:
-    """The config fields set by the architecture flags typed on the command line, and only those.
-
-    An arch's config_overrides may also return fields it sets without any flag (plt: its Table 2 row); those are the
-    fields of the all-defaults namespace. A typed flag owns the fields that change when it is added to that namespace
-    or, when it restates the default (e.g. --plt-variant plt), all of that namespace's fields."""
-    if spec.config_overrides is None:
-        return {}
-    none = argparse.Namespace(**{**vars(args), **{d: ap.get_default(d) for d in ap.arch_flags}})
-    typed = [d for d in ap.arch_flags if d in given and spec.name in ap.arch_flags[d]]
-    default = spec.config_overrides(none)
-    owned = set()
-    for d in typed:
-        one = spec.config_overrides(argparse.Namespace(**{**vars(none), d: given[d]}))
-        diff = {k for k, v in one.items() if default.get(k, object()) != v}
-        owned |= diff or set(one)
-    every = spec.config_overrides(argparse.Namespace(**{**vars(none), **{d: given[d] for d in typed}}))
-    return {k: v for k, v in every.items() if k in owned}
-
-
-def check_tokenizer(tok_spec, other_spec, what):
-    if tok_spec != other_spec:
-        raise UsageError(f"{what} uses tokenizer {other_spec}, this run uses {tok_spec}: they must be the same")
-
-
-# Memory: a batch x seq_len that cannot fit is refused before the first step allocates it, with the bytes it would
-# need. A simple estimate, not a measured peak:
-#   * weights are in place already (the model is on its device); gradients and AdamW's two moments add 3 x the bytes of
-#     the trainable parameters;
-#   * activations: what autograd keeps for the backward pass, measured by running this model's own training forward
-#     once on a 1-row batch of T tokens under saved_tensors_hooks (parameters excluded, each storage counted once), at
-#     T = min(seq_len, 64) and T/2, fitted as a*T + c*T^2 (c > 0 when a path materialises a T x T attention matrix or
-#     mask; flash/SDPA paths give c = 0) and scaled to batch x seq_len;
-#   * one more logits-sized tensor for the gradient of the loss, and the teacher's logits with KD.
-# Temporaries inside a layer and allocator slack are not counted: a run that passes may still be tight, one that is
-# refused cannot fit. Available (cli.available_memory): MemAvailable of /proc/meminfo (CPU, times the processes of this
-# machine under torchrun), torch.cuda.mem_get_info (CUDA); elsewhere the check is skipped.
-
-
-def saved_activation_bytes(model, spec: ArchSpec, B, T, n_vocab, device, autocast) -> tuple[int, float]:
-    """One training forward of a (B, T) random batch -> (bytes autograd saves for backward, logits bytes per token)."""
-    gen = torch.Generator().manual_seed(0)
-    xy = torch.randint(0, n_vocab, (B, T + 1), generator=gen)
-    x, y, kw = xy[:, :-1], xy[:, 1:], {}
-    if spec.prepare_batch is not None:
-        x, y, kw = spec.prepare_batch(x, y, gen, model.config)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in params:
-            seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
-        return t
-
-    was_training = model.training
-    model.train()
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
-            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
-        logits, loss = model(x.to(device), y.to(device), **kw)
-    logit_bytes = logits.numel() * logits.element_size() / (B * T)
-    del logits, loss
-    model.train(was_training)
-    return sum(seen.values()), logit_bytes
-
-
-def step_memory(model, spec: ArchSpec, args, n_vocab, device, autocast, teacher=None) -> dict:
-    """Bytes one training step of batch x seq_len needs on top of the weights (see the comment above)."""
-    T1 = min(args.seq_len, 64)
-    b1, logit_bytes = saved_activation_bytes(model, spec, 1, T1, n_vocab, device, autocast)
-    per_tok, quad = b1 / T1, 0.0
-    if T1 >= 16:
-        T2 = T1 // 2
-        b2, _ = saved_activation_bytes(model, spec, 1, T2, n_vocab, device, autocast)
-        quad = max(0.0, (b1 / T1 - b2 / T2) / (T1 - T2))
-        per_tok = b1 / T1 - quad * T1
-    B, T = args.batch_size, args.seq_len
-    out = {"activations": B * (per_tok * T + quad * T * T), "loss gradient": B * T * logit_bytes,
-           "gradients + AdamW moments": 3 * sum(p.numel() * p.element_size() for p in model.parameters()
-                                                 if p.requires_grad)}
-    if teacher is not None:
-        out["teacher logits"] = B * T * logit_bytes
-    out["total"] = sum(out.values())
-    return out
-
-
-def least_step_memory(args, vocab_rows, dtype, model=None) -> dict:
-    """A lower bound of one step's bytes from sizes alone, checked before anything that grows with them is built or
-    probed (a --seq-len of 1e8 would build RoPE tables of gigabytes, --loops 100000 would exhaust memory inside the
-    probe of step_memory): the logits of the batch and their gradient (B x T x V each, in the compute dtype, which
-    bounds the T x rot_dim RoPE tables too), and, given the model, the input of every block application that
-    autograd keeps for the backward pass (B x T x n_embd per layer and loop)."""
-    B, T, elem = args.batch_size, args.seq_len, torch.finfo(dtype).bits // 8
-    out = {"logits and their gradient": 2 * B * T * vocab_rows * elem}
-    if model is not None:
-        blocks = getattr(model, "blocks", None)
-        applied = (len(blocks) if isinstance(blocks, torch.nn.ModuleList) else model.config.n_layer) * \
-            getattr(model.config, "n_loops", 1)
-        out[f"block inputs ({applied} block applications)"] = B * T * applied * model.config.n_embd * elem
-    out["total"] = sum(out.values())
-    return out
-
-
-def check_memory(need: dict, device, args, at_least=False):
-    """need (step_memory or least_step_memory) against the memory available; a step that cannot fit is a UsageError
-    with the parts of the estimate."""
-    avail, source = available_memory(device)
-    procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
-    if avail is None or need["total"] * procs <= avail:
-        return avail
-    parts = ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in need.items() if k != "total")
-    raise UsageError(f"--batch-size {args.batch_size} x --seq-len {args.seq_len} needs "
-                     f"{'at least' if at_least else 'about'} "
-                     f"{need['total'] / 1e9:.1f} GB ({need['total']:,.0f} bytes) per training step"
-                     f"{f' in each of {procs} processes' if procs > 1 else ''} ({parts}), but {device} has "
-                     f"{avail / 1e9:.1f} GB available ({source}): lower --batch-size (--grad-accum keeps the tokens "
-                     f"per step) or --seq-len, or take a smaller model (--preset, --loops)")
+def check_step_memory(need: dict, device, args, at_least=False):
+    """A memory estimate of one step (model.step_memory or least_step_memory) against the memory available
+    (cli.check_memory): a batch that cannot fit is refused, one line, before the first step allocates it."""
+    return check_memory(need, device, f"--batch-size {args.batch_size} x --seq-len {args.seq_len}",
+                        "lower --batch-size (--grad-accum keeps the tokens per step) or --seq-len, or take a smaller "
+                        "model (--preset, --loops)", per="per training step", at_least=at_least)
 
 
 def objective_line(args, cfg, teacher) -> tuple[str, bool, bool]:
@@ -778,15 +583,6 @@ def sample(model, tok, device, args):
     gen = torch.Generator(device=device).manual_seed(args.seed)
     out = model.generate(idx, n, temperature=0.8, top_k=50, generator=gen)
     log(f"sample ({n} tokens, temperature 0.8, top-k 50):\n{tok.decode(out[0].tolist())}")
-
-
-@torch.no_grad()
-def show_task(model, task, data, device, args):
-    """The task's sample: one validation sequence with its labels and the model's answers (greedy)."""
-    model.eval()
-    x, y = data.get_batch(1, args.seq_len, step_generator(args.seed, -1, 0, 0))
-    pred = model(x.to(device), y.to(device))[0].argmax(-1).cpu()
-    log(f"sample (p = {int(task.hops_of(x)[0])}; tokens, labels, answers):\n{task.show(x[0], y[0], pred[0])}")
 
 
 def main(argv=None):

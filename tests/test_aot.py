@@ -85,6 +85,7 @@ def test_cases_cover_every_kernel():
         assert any(c.name.startswith(prefix) for c in kernels_aot.aot_cases()), prefix
 
 
+@pytest.mark.slow  # the rows fixture compiles in a subprocess
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("kernel", sorted(_launched_kernels()))
 def test_compiles_and_fits(rows, kernel, target):

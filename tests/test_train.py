@@ -320,6 +320,7 @@ def test_knowledge_distillation_run_and_tokenizer_mismatch(tmp_path, corpus, cap
         train.train(base_args(corpus, tmp_path / "n", "--max-iters", "1", "--kd", "fkl"))
 
 
+@pytest.mark.slow
 def test_torchrun_two_processes_gloo(tmp_path, corpus):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
            *base_args(corpus, tmp_path, "--max-iters", "3", "--eval-interval", "3", "--device", "cpu")]
@@ -499,16 +500,14 @@ def test_nan_validation_loss_is_never_written(tmp_path, corpus, monkeypatch):
 
 @pytest.mark.parametrize("arch", ["vanilla", "relaxed", "block", "plt", "double"])
 def test_step_memory_estimate_matches_the_activations_of_a_full_batch(arch):
-    import argparse
     import contextlib
 
     table = checkpoint.arch_table()
     spec = table[arch]
     T = 192
     model = spec.model_cls(spec.make_config("tiny", vocab_size=576, max_seq_len=T))
-    args = argparse.Namespace(batch_size=3, seq_len=T)
-    est = train.step_memory(model, spec, args, 513, torch.device("cpu"), contextlib.nullcontext())
-    real, _ = train.saved_activation_bytes(model, spec, 3, T, 513, torch.device("cpu"), contextlib.nullcontext())
+    est = model_lib.step_memory(model, spec, 3, T, 513, torch.device("cpu"), contextlib.nullcontext())
+    real, _ = model_lib.saved_activation_bytes(model, spec, 3, T, 513, torch.device("cpu"), contextlib.nullcontext())
     # extrapolated from 1-row probes at T = 32 and 64: SDPA paths keep O(T) per row; plt's G-SWA reference and the
     # double decoder's dense path keep T x T masks/scores (the fitted quadratic term; the latter also draws a random
     # block partition per batch)
@@ -517,7 +516,7 @@ def test_step_memory_estimate_matches_the_activations_of_a_full_batch(arch):
 
 def test_a_batch_that_cannot_fit_is_refused_before_the_first_step(tmp_path, corpus, monkeypatch):
     calls = []
-    monkeypatch.setattr(train, "available_memory", lambda device: (50_000_000, "test budget"))
+    monkeypatch.setattr(cli, "available_memory", lambda device: (50_000_000, "test budget"))
     monkeypatch.setattr(train, "make_optimizer", lambda *a: calls.append(a))
     with pytest.raises(train.UsageError, match=r"--batch-size 64 x --seq-len 64 needs about 0.\d GB \([\d,]+ bytes\) "
                                                r"per training step \(activations .* but cpu has 0.1 GB available"):
