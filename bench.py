@@ -50,8 +50,8 @@ import torch.nn.functional as F
 
 import cpu_tuning
 import kernels as K
-from cli import (DTYPES, ArgumentParser, UsageError, comma_list, number, one_of, path_arg, run_cli, run_subcommand,
-                 threads_arg, user_input)
+from cli import (DTYPES, ArgumentParser, UsageError, check_writable_dir, comma_list, number, one_of, path_arg, run_cli,
+                 run_subcommand, threads_arg, user_input)
 from cpu_tuning import LINEAR_PROBE_BYTES, LINEAR_PRODUCTS, cpu_key, force_linear, linear_report
 from model import (GPT, PRESETS, GPTConfig, describe, make_optimizer, param_bytes, pick_device, pick_dtype, sync,
                    timeit)
@@ -988,8 +988,10 @@ def bench_ckpt(args):
 
     import checkpoint
 
-    if args.dir is not None and not Path(args.dir).is_dir():
-        raise UsageError(f"--dir {args.dir} is not a directory")
+    if args.dir is not None:  # a file, a missing or a read-only directory: one line before the checkpoint is built
+        if not Path(args.dir).is_dir():
+            raise UsageError(f"--dir {args.dir} is not a directory")
+        check_writable_dir(Path(args.dir), "--dir")
     device = pick_device("cpu")
     torch.manual_seed(0)
     cfg = GPTConfig.from_preset(args.preset)

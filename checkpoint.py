@@ -73,7 +73,7 @@ import model
 import plt
 import recursive
 import tasks
-from cli import CheckpointError, UsageError, flag_name, one_line
+from cli import CheckpointError, UsageError, check_model_fits, flag_name, one_line, regular_file
 from data import Tokenizer, hf_tokenizer_spec, is_gguf_source, is_hf_source
 from hf import from_gguf, from_pretrained, gguf_tokenizer_spec
 from model import ArchSpec
@@ -154,6 +154,7 @@ def load_checkpoint(path) -> dict:
         inside = f"give {path / 'ckpt.pt'} (the checkpoint in it), or " if (path / "ckpt.pt").is_file() else "give "
         raise CheckpointError(f"checkpoint {path} is a directory, not a checkpoint file: {inside}hf:{path} if it is a "
                               f"Hugging Face checkpoint directory")
+    regular_file(path, "checkpoint", CheckpointError)  # a FIFO would hang the read, /dev/zero never end it
     try:
         verified = verify_records(path)
     except OSError as e:
@@ -186,6 +187,12 @@ def verify_records(path) -> bool:
         return False
     with archive:
         records = archive.infolist()
+    names = [r.filename for r in records]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:  # zipfile and torch.load would read one of them (the last): which one the file means is not known
+        raise CheckpointError(f"checkpoint {path} holds {len(names) - len(set(names))} duplicate record(s) "
+                              f"({', '.join(n.split('/', 1)[-1] for n in twice[:3])} twice): not an archive torch.save "
+                              f"writes; it was altered after it was written")
     if not any(r.CRC for r in records if r.file_size):
         return False
 
@@ -266,6 +273,13 @@ def check_fields(ck: dict, path):
         raise bad("config", "a dict of config fields")
     if not str_keys(ck["model"]) or not all(isinstance(v, torch.Tensor) for v in ck["model"].values()):
         raise bad("model", "a state dict (parameter name -> tensor)")
+    for name, t in ck["model"].items():  # every architecture's state dict is floating point; NaN makes NaN logits
+        if not t.is_floating_point():
+            raise CheckpointError(f"checkpoint {path} holds tensor {name} of dtype {t.dtype}: weights must be "
+                                  f"floating point")
+        if not bool(torch.isfinite(t).all()):
+            raise CheckpointError(f"checkpoint {path}: tensor {name} holds NaN or infinite values (a diverged run?): "
+                                  f"not usable weights")
     problem = tokenizer_spec_problem(ck["tokenizer"])
     if problem:
         raise CheckpointError(f"checkpoint {path}: its {problem}")
@@ -350,8 +364,15 @@ def model_from_checkpoint(ck: dict, table=None):
     try:
         cfg = spec.config_cls.from_dict(ck["config"])
     except (ValueError, TypeError) as e:
+        field = getattr(e, "field", None)
+        if field is not None:  # a value out of range (a NaN rope_theta, a float layer count): name the field
+            raise CheckpointError(f"{name}: its config field {field}: {e}") from e
         raise CheckpointError(f"{name}: its {ck['arch']} config does not fit this code ({e}); was it written by "
                               f"another version of the repository?") from e
+    try:
+        check_model_fits(cfg, name)  # a layer count or context far beyond memory: refused before it is built
+    except UsageError as e:
+        raise CheckpointError(str(e)) from None
     model = spec.model_cls(cfg)
     try:
         model.load_state_dict(ck["model"])
@@ -374,6 +395,16 @@ def load_source_model(src: str, table=None):
         return model, "vanilla", model.tokenizer_spec
     ck = load_checkpoint(src)
     return model_from_checkpoint(ck, table), ck["arch"], ck["tokenizer"]
+
+
+def check_vocab(config, tok, where: str):
+    """A model and the tokenizer it is used with (a checkpoint's spec, a pretrained source's file): every id the
+    tokenizer produces, the end-of-text id included, must have a row in the model's embedding; else one
+    CheckpointError naming the source (never an IndexError on the first batch)."""
+    if tok.n_vocab > config.vocab_size or not 0 <= tok.eot < config.vocab_size:
+        raise CheckpointError(f"{where}: its tokenizer has {tok.n_vocab:,} ids (end of text {tok.eot}), but the "
+                              f"model's embedding has {config.vocab_size:,} rows: the model and tokenizer do not "
+                              f"belong together")
 
 
 def load_source_tokenizer(src):

@@ -18,6 +18,7 @@ import math
 import os
 import shutil
 import signal
+import stat
 import sys
 import tempfile
 import threading
@@ -55,8 +56,20 @@ DTYPES = ["auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"]
 
 
 class ArgumentParser(argparse.ArgumentParser):
+    """argparse with the error contract: a bad flag raises UsageError (one line), and an empty value typed for a flag
+    that takes one (`--keep-layers ''`, an unset shell variable) is an error, never "not given". A flag whose command
+    judges an empty value itself (with a message of its own) sets `empty_checked = True` on its action."""
+
     def error(self, message):  # argparse prints usage + message and exits; raise instead (one line, testable)
         raise UsageError(message)
+
+    def _get_values(self, action, arg_strings):
+        value = super()._get_values(action, arg_strings)  # the flag's own type and choices speak first
+        if action.nargs not in (argparse.PARSER, argparse.REMAINDER) and "" in arg_strings \
+                and not getattr(action, "empty_checked", False):
+            raise argparse.ArgumentError(action, "expected a value, got '' (an unset variable?); leave the flag out "
+                                                 "for its default")
+        return value
 
     @staticmethod
     def number(kind=int, min=None, above=None, max=None):  # noqa: A002
@@ -92,6 +105,21 @@ def path_arg(text):
     if not text.strip():
         raise argparse.ArgumentTypeError(f"expected a path, got {text!r} (an unset variable?)")
     return text
+
+
+# --temperature of the commands that sample: 0 is greedy; below MIN_TEMPERATURE, logits / T overflow float32 for
+# large logits (inf - inf: NaN probabilities) while the sampling is greedy in effect anyway
+MIN_TEMPERATURE = 1e-6
+
+
+def temperature_arg(text):
+    """argparse type of --temperature: 0 (greedy) or a finite number >= MIN_TEMPERATURE."""
+    t = number(float, min=0)(text)
+    if 0 < t < MIN_TEMPERATURE:
+        raise argparse.ArgumentTypeError(f"{text} is below {MIN_TEMPERATURE:g}, where logits / temperature overflow "
+                                         f"float32 (NaN sampling) and sampling is greedy in effect: give 0 for greedy "
+                                         f"decoding")
+    return t
 
 
 # --seed of every command: what torch.manual_seed accepts without wrapping (an unsigned 64-bit integer)
@@ -150,11 +178,35 @@ def check_device(flag):
         raise UsageError(f"--device {flag}: MPS is not available on this machine")
 
 
+def check_dtype(device_flag: str, dtypes, flag: str = "--dtype"):
+    """--dtype (one name or a comma list of model.pick_dtype's names) on --device: a few operations of a forward
+    pass (a matmul, an RMS norm, a softmax) run once on a tiny tensor, so that a dtype this machine's torch cannot
+    compute (float16 on a CPU without it, bfloat16 on an old MPS) is one line before any work, not a traceback in
+    the middle of it."""
+    from model import pick_device, pick_dtype  # the command-line module stays importable without the model
+
+    if dtypes is None:
+        return
+    device = pick_device(device_flag)
+    for name in [d.strip() for d in str(dtypes).split(",")]:
+        if name == "auto":
+            continue
+        dtype = pick_dtype(device, name)
+        try:
+            x = torch.ones(2, 8, device=device, dtype=dtype)
+            y = torch.nn.functional.rms_norm(x @ x.T, (2,), eps=1e-5).softmax(-1)
+            torch.nn.functional.scaled_dot_product_attention(y[None, None], y[None, None], y[None, None])
+        except (RuntimeError, NotImplementedError, TypeError) as e:
+            raise UsageError(f"{flag} {name}: this machine's torch cannot compute {dtype} on {device} "
+                             f"({type(e).__name__}: {one_line(e)[:160]}); choose another --dtype") from None
+
+
 def run_subcommand(parser, argv=None):
-    """The body of a command of subcommands (bench.py, eval.py): parse argv, check --device, apply --threads, then
-    run the subcommand's function (set_defaults(fn=...)) on the arguments."""
+    """The body of a command of subcommands (bench.py, eval.py): parse argv, check --device and --dtype, apply
+    --threads, then run the subcommand's function (set_defaults(fn=...)) on the arguments."""
     args = parser.parse_args(argv)
     check_device(getattr(args, "device", "auto"))
+    check_dtype(getattr(args, "device", "auto"), getattr(args, "dtype", None))
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
     return args.fn(args)
@@ -231,6 +283,69 @@ def check_memory(need: dict, device, what: str, fix: str, per: str = "", at_leas
                      f"{avail / 1e9:.1f} GB available ({source}): {fix}")
 
 
+def model_bytes(cfg, elem: int = 4) -> int:
+    """About the bytes a model of `cfg` (model.GPTConfig or a subclass: the fields are read by name) allocates when
+    it is built: its weights at `elem` bytes each (embedding, head unless tied, and n_layer layers of attention, MLP
+    and norms) and its RoPE tables (float32 cos and sin of every position, and the temporaries that build them).
+    An estimate from the config alone, before anything exists: the one figure check_model_fits compares."""
+    d, layers, vocab = cfg.n_embd, cfg.n_layer, cfg.vocab_size
+    hd = cfg.head_dim or d // cfg.n_head
+    attn = d * hd * 2 * (cfg.n_head + cfg.n_kv_head)
+    mlp = (2 if cfg.mlp == "gelu" else 3) * d * cfg.mlp_hidden
+    weights = layers * (attn + mlp + 2 * d) + vocab * d * (1 if cfg.tie_embeddings else 2) + d
+    rope = 4 * cfg.max_seq_len * hd * 4  # cos, sin and the (positions x frequencies) temporaries, float32
+    return weights * elem + rope
+
+
+def check_model_fits(cfg, where: str, elem: int = 4):
+    """A model description (a GGUF file's metadata, a config.json, a checkpoint's config) whose model cannot fit in
+    the memory this machine has (a block_count or context_length far beyond any model: RoPE tables of 2^32
+    positions) is refused before anything is allocated: UsageError naming the source, with both figures."""
+    need = model_bytes(cfg, elem)
+    avail, source = available_memory(torch.device("cpu"))
+    if avail is not None and need > avail:
+        raise UsageError(f"{where}: a model of this config needs about {need / 1e9:,.3g} GB ({cfg.n_layer:,} layers, "
+                         f"d {cfg.n_embd:,}, vocab {cfg.vocab_size:,}, RoPE tables of {cfg.max_seq_len:,} positions), "
+                         f"but this machine has {avail / 1e9:.3g} GB available ({source}): it cannot be loaded here")
+
+
+# What os.stat says a path is, when it is not a regular file
+_NOT_REGULAR = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def regular_file(path, what: str, error=UsageError, missing: str | None = None) -> Path:
+    """The one gate of every file opened as a model, checkpoint, corpus, token shard, request or results file: the
+    path (a link to a regular file included) must be a regular file. A FIFO would block the read until a writer
+    comes (a hang), a device like /dev/zero never ends (memory runs out), a directory is not a file: each is
+    `error` (the caller's class: CheckpointError, DataError, UsageError, ...) naming `what` and the path, before
+    anything opens it. A missing path is `error` too, with `missing` as the reason when given, else FileNotFoundError
+    (the caller's own message decides). -> Path(path)"""
+    path = Path(path)
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        if missing is None:
+            raise
+        raise error(f"{what} {path} {missing}") from None
+    except OSError as e:
+        raise error(f"{what} {path} cannot be read ({e.strerror or e})") from None
+    kind = next((name for test, name in _NOT_REGULAR if test(mode)), None if stat.S_ISREG(mode) else "not a file")
+    if kind is not None:
+        raise error(f"{what} {path} is {kind}, not a regular file")
+    return path
+
+
+def check_output_file(path, flag: str):
+    """A file a command appends its results to (eval.py --results): if it exists it must be a regular file (never a
+    directory, a FIFO or a device), and its directory must exist: one line before any work."""
+    path = Path(path)
+    if os.path.lexists(path):
+        regular_file(path, flag)
+    elif not path.parent.is_dir():
+        raise UsageError(f"{flag} {path}: its directory {path.parent} does not exist")
+
+
 def flag_name(ap, dest) -> str:
     return next((a.option_strings[0] for a in ap._actions if a.dest == dest and a.option_strings),
                 "--" + dest.replace("_", "-"))
@@ -266,11 +381,34 @@ def one_line(msg) -> str:
     return "; ".join(part.strip() for part in str(msg).splitlines() if part.strip())
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the command is (as Ctrl-C raises KeyboardInterrupt) by run_cli's handler."""
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts():
+    """While a command runs (run_cli): SIGTERM raises Terminated, so that `kill PID` stops every command like Ctrl-C
+    (`stopped: ...`, exit code 130) instead of ending the process with no word. train.py's loop installs its own
+    handlers over this one (stop_signals: finish the step, write the checkpoint). Only the main thread gets signals."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_sigterm(signum, frame):
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run_cli(fn, argv=None, expected=EXPECTED_ERRORS):
     """fn(argv) as a command: warnings one line each (`warning: ...`), an expected error `error: ...` on stderr and
-    exit code 2, a Stopped run (or a Ctrl-C that nothing handled) `stopped: ...` and exit code 130; output cut short
-    by its reader (a closed pipe) ends quietly with exit code 1."""
-    with warnings.catch_warnings():
+    exit code 2, a Stopped run (or a Ctrl-C or SIGTERM that nothing handled) `stopped: ...` and exit code 130; output
+    cut short by its reader (a closed pipe) ends quietly with exit code 1."""
+    with warnings.catch_warnings(), _sigterm_interrupts():
         warnings.showwarning = lambda message, *a, **k: print(f"warning: {one_line(message)}", file=sys.stderr)
         try:
             return fn(argv)
@@ -280,8 +418,9 @@ def run_cli(fn, argv=None, expected=EXPECTED_ERRORS):
         except Stopped as e:
             print(f"stopped: {one_line(e)}", file=sys.stderr)
             sys.exit(130)
-        except KeyboardInterrupt:
-            print("stopped: interrupted (Ctrl-C)", file=sys.stderr)
+        except KeyboardInterrupt as e:
+            how = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted (Ctrl-C)"
+            print(f"stopped: {how}", file=sys.stderr)
             sys.exit(130)
         except BrokenPipeError:  # the reader went away (`python bench.py presets | head`): nothing more to say
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the recipe of Python's signal docs

@@ -31,6 +31,7 @@ Commands (train.py tokenizes on first use; nothing here has its own command line
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import json
@@ -46,7 +47,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from cli import DataError
+from cli import DataError, regular_file
 from hf import PACKAGED_GGUF, gguf_tokenizer, gguf_tokenizer_spec, hf_tokenizer
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -74,10 +75,14 @@ class Tokenizer:
         import tiktoken
 
         try:
-            base = tiktoken.get_encoding(spec["name"])
-        except ValueError as e:
-            raise ValueError(f"tokenizer {spec['name']!r}: {e}") from e
-        except Exception as e:  # tiktoken downloads every encoding but the offline one: no network is a requests error
+            with _no_downloads():
+                base = tiktoken.get_encoding(spec["name"])
+        except _Download as e:
+            raise ValueError(f"tokenizer {spec['name']!r} is not available offline (tiktoken would download {e}); use "
+                             f"{DEFAULT_BASE} (the default, cut by --vocab-size) or hf:DIR") from None
+        except ValueError as e:  # an unknown name: tiktoken's message lists the plugins found, keep its first line
+            raise ValueError(f"tokenizer {spec['name']!r}: {str(e).splitlines()[0]}") from None
+        except Exception as e:  # a cached file that cannot be read, ...
             raise ValueError(f"tokenizer {spec['name']!r} is not available offline ({type(e).__name__}); use "
                              f"{DEFAULT_BASE} (the default, cut by --vocab-size) or hf:DIR") from e
         n = spec.get("n")
@@ -140,10 +145,35 @@ class Tokenizer:
         return self.enc.decode([i for i in ids if i < self.n_vocab], errors="replace")
 
 
+class _Download(Exception):
+    """tiktoken asked for a file over the network (its URL is the message)."""
+
+
+@contextlib.contextmanager
+def _no_downloads():
+    """While an encoding is built: tiktoken's reader of remote files (every encoding but the offline one is fetched
+    from a URL unless tiktoken's cache holds it) raises _Download instead of opening a connection. A cached file is
+    still read: only the network is never tried."""
+    import tiktoken.load
+
+    read = tiktoken.load.read_file
+
+    def local_only(blobpath):
+        if "://" in blobpath:
+            raise _Download(blobpath)
+        return read(blobpath)
+
+    tiktoken.load.read_file = local_only
+    try:
+        yield
+    finally:
+        tiktoken.load.read_file = read
+
+
 def is_hf_source(src: str) -> bool:
     """--init-from / --teacher: 'hf:DIR', or a directory with a config.json (a Hugging Face checkpoint, auto-detected).
     Any other directory is a train.py checkpoint path mistyped (load_checkpoint says so)."""
-    return src.startswith("hf:") or (Path(src).is_dir() and (Path(src) / "config.json").is_file())
+    return src.startswith("hf:") or (Path(src).is_dir() and (Path(src) / "config.json").exists())
 
 
 def is_gguf_source(src: str) -> bool:
@@ -170,6 +200,10 @@ def padded_vocab(n_vocab: int, multiple: int = 64) -> int:
 class SkipStats:
     """Counts documents skipped for bad input, with the file:line of the first of each kind; warns once, one line."""
 
+    # how the warning says each reason (the counts are documents: a line of a .jsonl shard, a file of the stdlib)
+    SAID = {"malformed json": "with malformed JSON", "no text field": "without a text field",
+            "undecodable bytes": "with undecodable bytes", "excluded set": "of an excluded set"}
+
     def __init__(self):
         self.counts = {"malformed json": 0, "no text field": 0, "undecodable bytes": 0, "excluded set": 0}
         self.first = {}  # reason -> "path:line" of its first occurrence
@@ -180,7 +214,8 @@ class SkipStats:
             self.first.setdefault(reason, where)
 
     def summary(self) -> str:
-        return ", ".join(f"{v} {k}" + (f" (first at {self.first[k]})" if k in self.first else "")
+        return ", ".join(f"{v} document{'s' * (v != 1)} {self.SAID[k]}"
+                         + (f" (first at {self.first[k]})" if k in self.first else "")
                          for k, v in self.counts.items() if v)
 
     def warn(self):
@@ -221,7 +256,9 @@ def _zst_lines(path: Path):
 
 
 def open_data_file(path: Path):
-    """open(path, "rb") of a corpus file; one that cannot be opened (no permission, ...) is a DataError naming it."""
+    """open(path, "rb") of a corpus file; one that is not a regular file (a FIFO, a device: the read would never end)
+    or cannot be opened (no permission, ...) is a DataError naming it."""
+    regular_file(path, "corpus file", DataError, missing="does not exist")
     try:
         return open(path, "rb")
     except OSError as e:
@@ -288,6 +325,8 @@ def find_shards(data: str) -> tuple[Path, list[Path]]:
     Only files count: a directory named like a shard is searched, never opened.
     """
     p = Path(data)
+    if p.exists() and not p.is_dir():  # one file: a FIFO or a device named like a shard is refused, not skipped
+        regular_file(p, "corpus file", DataError)
     if p.is_dir():
         root, files = p, [f for f in p.rglob("*") if f.name.endswith((".jsonl", ".jsonl.zst")) and f.is_file()]
     elif p.is_file():
@@ -331,8 +370,9 @@ def write_shard(path: Path, tokens: np.ndarray):
 
 
 def read_shard(path: Path) -> np.ndarray:
-    """Memory-map a token shard; a wrong magic, version or size is a DataError naming the file."""
-    size = path.stat().st_size
+    """Memory-map a token shard; a special file, a wrong magic, version or size is a DataError naming the file."""
+    size = regular_file(path, "token shard", DataError, missing="is missing (delete its cache directory to tokenize "
+                                                                 "the corpus again)").stat().st_size
     with open(path, "rb") as f:
         head = f.read(HEADER.size)
     if len(head) < HEADER.size:
@@ -426,7 +466,7 @@ def prepare_corpus(data: str, tok: Tokenizer, cache_dir: str, exclude_sets=(), v
 def _empty_split_message(data, val_data, train_files, val_files, doc_split, docs, stats) -> str:
     """Why a split got no document, in the terms of how the split was made."""
     empty = [s for s in ("train", "val") if docs[s] == 0]
-    skipped = f"; skipped lines: {stats.summary()}" if any(stats.counts.values()) else ""
+    skipped = f"; skipped: {stats.summary()}" if any(stats.counts.values()) else ""
     if doc_split and docs["train"] and empty == ["val"]:
         why = (f"{train_files[0]} is the only file, so the split is by document (every 33rd document is held out "
                f"for validation), and it has only {docs['train']} usable documents; give --val-data, more "
@@ -447,7 +487,7 @@ def read_meta(cache: Path) -> dict:
     """meta.json of a token cache directory; unreadable is a DataError naming it (delete the directory to redo it)."""
     path = cache / "meta.json"
     try:
-        meta = json.loads(path.read_text())
+        meta = json.loads(regular_file(path, "token cache file", DataError).read_text())
         for split in ("train", "val"):
             meta[split]["shards"]
     except (OSError, ValueError, KeyError, TypeError) as e:

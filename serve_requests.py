@@ -9,21 +9,23 @@ serve_requests.py -- the requests serve.py serves: what a request is, where requ
     (chat_requests), or a JSONL file of
     {"prompt": str | "prompt_ids": [...], "max_new_tokens": n[, "arrival": s]}, read line by line.
   * Validation: a bad request (empty prompt, prompt_ids that are not a list, ids outside the vocabulary, prompt +
-    max_new_tokens longer than the context, max_new_tokens <= 0, a bad JSONL line: not UTF-8, not JSON, an arrival
-    that is not a time in [0, MAX_ARRIVAL_S] seconds) gets an error of its own (request_problem: a short reason and a
-    clear message naming the file:line); the others are served. A file that cannot be read, or holds more than
-    MAX_REQUESTS requests, is one UsageError.
+    max_new_tokens longer than the context, max_new_tokens <= 0, a bad JSONL line: not UTF-8, not JSON, a "prompt"
+    that is not a string, an arrival that is not a number of seconds in [0, MAX_ARRIVAL_S]) gets an error of its own
+    (request_problem: a short reason and a clear message naming the file:line); the others are served. A file that
+    is not a regular file (a FIFO, a device), cannot be read, or holds more than MAX_REQUESTS requests, is one
+    UsageError. A chat template that does not render is one UsageError too (render_chat).
   * The error tables: the requests' errors counted by reason (error_counts, in every system's summary and --json)
     and printed under the serving table with a few examples (print_errors).
 """
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 
 import torch
 
-from cli import UsageError, one_line
+from cli import UsageError, one_line, regular_file
 from data import TokenData, prepare_corpus, step_generator
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -158,6 +160,28 @@ def corpus_requests(n, tok, data="stdlib", cache_dir="data_cache", prompt_len="8
 CHAT_QUESTION = "What does this Python code do? Explain briefly.\n\n```python\n{code}\n```"
 
 
+def raise_exception(message):
+    """What a chat template calls to refuse a conversation (Hugging Face's convention): the message is the reason."""
+    from jinja2.exceptions import TemplateError
+
+    raise TemplateError(message)
+
+
+def render_chat(template: str, messages: list[dict], source: str = "the model") -> str:
+    """A chat template (a Jinja template from a model file, run sandboxed: no side effects) rendered for `messages`
+    with the assistant turn opened. A template that does not parse, raises (raise_exception), reads what is not there
+    or fails in any other way is one UsageError naming its source, never a jinja2 traceback."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(template).render(messages=messages, add_generation_prompt=True)
+    except Exception as e:  # TemplateSyntaxError, UndefinedError, SecurityError, TypeError from the template's code
+        raise UsageError(f"the chat template of {source} does not render ({type(e).__name__}: {one_line(e)[:200]}); "
+                         f"serve --prompts synthetic or corpus, or a requests file") from None
+
+
 def chat_template(spec) -> str:
     """The chat template of a tokenizer spec: a GGUF file's tokenizer.chat_template (Hugging Face directories keep
     theirs in tokenizer_config.json, not read here). ValueError when there is none."""
@@ -170,17 +194,16 @@ def chat_template(spec) -> str:
 
 
 def chat_requests(n, tok, template, data="stdlib", cache_dir="data_cache", prompt_len="8:48", gen_len="8:64",
-                  arrival="all", rate=10.0, seed=0):
+                  arrival="all", rate=10.0, seed=0, source="the model"):
     """Chat prompts: each corpus window (corpus_requests) becomes a user question about that code, rendered with the
     model's chat template (its default system prompt included) and the assistant turn opened, as a chat front end
-    sends it. The prompt is longer than the window by the template's tokens."""
-    from jinja2.sandbox import ImmutableSandboxedEnvironment  # the template comes from a model file: no side effects
-
-    render = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(template).render
+    sends it (render_chat: a template that fails is one line naming `source`, checked before the corpus is read).
+    The prompt is longer than the window by the template's tokens."""
+    render_chat(template, [{"role": "user", "content": CHAT_QUESTION.format(code="pass")}], source)
     reqs = corpus_requests(n, tok, data, cache_dir, prompt_len, gen_len, arrival, rate, seed)
     for r in reqs:
         question = CHAT_QUESTION.format(code=tok.decode(r.prompt).strip())
-        r.prompt = tok.encode(render(messages=[{"role": "user", "content": question}], add_generation_prompt=True))
+        r.prompt = tok.encode(render_chat(template, [{"role": "user", "content": question}], source))
     return reqs
 
 
@@ -188,6 +211,8 @@ def read_lines(path) -> list[tuple[int, bytes]]:
     """The non-empty lines of a requests file as (line number, bytes), read line by line (each decoded on its own, so
     one bad line is one bad request). A file that cannot be opened, or holds more than MAX_REQUESTS lines, is one
     UsageError naming it."""
+    if os.path.exists(path) and not os.path.isdir(path):  # a FIFO would block the read, /dev/zero never end it
+        regular_file(path, "--requests-file")
     try:
         with open(path, "rb") as f:
             lines = []
@@ -224,21 +249,34 @@ def jsonl_requests(path, tok=None, default_gen=32, arrival="all", rate=10.0, see
             if "prompt_ids" in d:
                 r.prompt = d["prompt_ids"]
             elif "prompt" in d:
+                if not isinstance(d["prompt"], str):  # null, a number, a list, an object: never str() of it
+                    raise ValueError(f"'prompt' is {_json_kind(d['prompt'])}, not text (give a string, or "
+                                     f"'prompt_ids': a list of token ids)")
                 if tok is None:
                     raise ValueError("a text prompt needs a tokenizer")
-                r.prompt = tok.encode(str(d["prompt"]))
+                r.prompt = tok.encode(d["prompt"])
             else:
                 raise ValueError("no 'prompt' or 'prompt_ids'")
             r.max_new_tokens = d.get("max_new_tokens", default_gen)
-            t = float(d.get("arrival", r.arrival))
+            t = d.get("arrival", r.arrival)
+            if not isinstance(t, (int, float)) or isinstance(t, bool):  # "0.5", true: not a time
+                raise ValueError(f"'arrival' is {_json_kind(t)}, not a number of seconds")
             if not 0 <= t <= MAX_ARRIVAL_S:  # NaN too: it would never arrive
                 raise ValueError(f"arrival {d['arrival']!r} must be a time in [0, {MAX_ARRIVAL_S:g}] seconds")
-            r.arrival = t
+            r.arrival = float(t)
         except Exception as e:  # anything one line raises (a RecursionError from JSON nested too deep) is its own
             why = e if isinstance(e, (ValueError, TypeError)) else f"{type(e).__name__}: {one_line(e)}"
             r.invalid = f"bad request line {lineno} of {path}: {why}"
         reqs.append(r)
     return reqs
+
+
+def _json_kind(v) -> str:
+    """What a JSON value is, in a request's error: null, true, a number, a string, an array, an object."""
+    if v is None or isinstance(v, bool):
+        return json.dumps(v)
+    kind = {int: "a number", float: "a number", str: "a string", list: "an array", dict: "an object"}.get(type(v), "?")
+    return f"{kind} ({json.dumps(v)[:20]})" if kind in ("a number", "a string") else kind
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -44,8 +45,8 @@ from pathlib import Path
 
 import torch
 
-from cli import (ArgumentParser, Stopped, UsageError, check_writable_dir, comma_list, number, path_arg, run_cli,
-                 run_subcommand, seed_arg)
+from cli import (ArgumentParser, Stopped, Terminated, UsageError, check_output_file, check_writable_dir, comma_list,
+                 number, path_arg, regular_file, run_cli, run_subcommand, seed_arg)
 from model import IGNORE
 
 MAX_P = 8  # markers in the vocabulary: a checkpoint trained on p <= 4 can be evaluated at p up to 8
@@ -326,6 +327,7 @@ def depth(args):
                 argv_row += ["--init-from", src]
             runs.append((row, seed, argv_row))
     check_writable_dir(Path(args.out), "--out")
+    check_output_file(f"{args.out}/results.jsonl", "--out's results file")  # appended after every run: never a FIFO
     results = {}
     for row, seed, argv_row in runs:
         acc = run_train(argv_row)
@@ -342,11 +344,17 @@ def run_train(argv: list[str]) -> dict[int, float]:
     proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("train.py")), *argv], stdout=subprocess.PIPE,
                             text=True)
     acc = None
-    for line in proc.stdout:
-        print(line, end="", flush=True)
-        if line.startswith("val step") and " acc " in line:
-            acc = {int(q): float(v) for q, v in re.findall(r"p(\d+) ([\d.]+)", line.split(" acc ", 1)[1])}
-    code = proc.wait()
+    try:
+        for line in proc.stdout:
+            print(line, end="", flush=True)
+            if line.startswith("val step") and " acc " in line:
+                acc = {int(q): float(v) for q, v in re.findall(r"p(\d+) ([\d.]+)", line.split(" acc ", 1)[1])}
+        code = proc.wait()
+    except KeyboardInterrupt as e:  # Ctrl-C reaches the run too (one process group); a SIGTERM to this process alone
+        if isinstance(e, Terminated):  # is passed on: the run finishes its step and writes its checkpoint
+            proc.terminate()
+        proc.wait()
+        raise
     if code == 2:  # train.py refused a flag or an input: its one `error: ...` line (just above) is the error
         raise SystemExit(2)
     if code == 130:
@@ -366,6 +374,8 @@ def table(args):
 def read_results(path) -> dict[str, dict[int, dict]]:
     """The lines `depth` appended to a results file -> {row: {seed: {p: accuracy}}} (a rerun of a seed replaces it).
     A file that cannot be read, a line that is not such a record, or no record at all is a UsageError naming it."""
+    if os.path.exists(path) and not os.path.isdir(path):  # a FIFO would block the read, /dev/zero never end it
+        regular_file(path, "--results")
     try:
         with open(path, "rb") as f:
             lines = f.read().splitlines()
@@ -439,7 +449,8 @@ def build_parser():
 
     p = sub.add_parser("depth", help="RESULTS.md's Depth table: each row trained on p-hop for each seed")
     p.add_argument("--seeds", type=comma_list(seed_arg), default="0,1,2", help="comma-separated seeds")
-    p.add_argument("--rows", default=",".join(DEPTH_ROWS), help="comma-separated rows of the table")
+    p.add_argument("--rows", default=",".join(DEPTH_ROWS), help="comma-separated rows of the table"
+                   ).empty_checked = True  # '' is refused by depth() with the list of known rows
     p.add_argument("--out", type=path_arg, default="out/depth",
                    help="checkpoints go to OUT/ROW-sSEED; results to OUT/results.jsonl")
     p.add_argument("--extra", default="", help="flags appended to every run (e.g. '--max-iters 200')")

@@ -78,9 +78,10 @@ def test_jsonl_and_zst_readers_skip_and_count_bad_lines(tmp_path):
         assert docs == ["good one", "good two"]
         assert stats.counts == {"malformed json": 1, "no text field": 2, "undecodable bytes": 1, "excluded set": 1}
     # the warning names the file and line of the first bad line of each kind
-    with pytest.warns(UserWarning, match=r"1 malformed json \(first at .*b.jsonl.zst:2\), 2 no text field \(first at "
-                                         r".*b.jsonl.zst:3\), 1 undecodable bytes \(first at .*b.jsonl.zst:5\), "
-                                         r"1 excluded set$"):
+    with pytest.warns(UserWarning, match=r"skipped documents: 1 document with malformed JSON \(first at "
+                                         r".*b.jsonl.zst:2\), 2 documents without a text field \(first at "
+                                         r".*b.jsonl.zst:3\), 1 document with undecodable bytes \(first at "
+                                         r".*b.jsonl.zst:5\), 1 document of an excluded set$"):
         stats.warn()
 
 
@@ -132,9 +133,9 @@ def test_empty_corpus_is_a_clear_error(tmp_path):
     (tmp_path / "d" / "a.jsonl").write_text("")
     (tmp_path / "d" / "b.jsonl").write_text("{broken\n")
     tok = data.Tokenizer.from_args(512, None)
-    with pytest.warns(UserWarning, match="skipped documents: 1 malformed json"), \
+    with pytest.warns(UserWarning, match="skipped documents: 1 document with malformed JSON"), \
             pytest.raises(cli.DataError, match="the training and validation splits are empty: no file of .* gave a "
-                                                 "usable document; skipped lines: 1 malformed json"):
+                                                 "usable document; skipped: 1 document with malformed JSON"):
         data.prepare_corpus(str(tmp_path / "d"), tok, str(tmp_path / "cache"), verbose=False)
 
 
