@@ -894,13 +894,29 @@ def gated_swa_decode_triton(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_p
     return out
 
 
+@torch.library.custom_op("nano_inference::gated_swa_decode", mutates_args=())
+def _gated_swa_decode_op(q: torch.Tensor, k_ring: torch.Tensor, v_ring: torch.Tensor, ring_pos: torch.Tensor,
+                         k_shared: torch.Tensor, v_shared: torch.Tensor, q_pos: torch.Tensor, gate_w: torch.Tensor,
+                         gate_b: torch.Tensor, window: int, scale: float | None) -> torch.Tensor:
+    """gated_swa_decode_triton as one opaque operator of a compiled graph (PLT's compiled decode step): dynamo does
+    not trace the launch code, and a CUDA graph captures the two launches like any other kernel."""
+    return gated_swa_decode_triton(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b, window,
+                                   scale)
+
+
+@_gated_swa_decode_op.register_fake
+def _(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b, window, scale):
+    return torch.empty_like(q)
+
+
 def gated_swa_decode(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b, window, scale=None):
-    """Dispatch (contract of gated_swa_decode_ref): the Triton kernels where use_triton allows it, otherwise
-    gated_swa_decode_sdpa; the reference stays what the tests compare both against."""
+    """Dispatch (contract of gated_swa_decode_ref): the Triton kernels where use_triton allows it (inside a compiled
+    step through their operator, _gated_swa_decode_op), otherwise gated_swa_decode_sdpa; the reference stays what
+    the tests compare both against."""
     if use_triton(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b) and \
             _kernel_fits(q, k_ring, v_ring, k_shared, v_shared, head_dim=q.size(-1)):
-        return gated_swa_decode_triton(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b,
-                                       window, scale)
+        launch = _gated_swa_decode_op if torch.compiler.is_compiling() else gated_swa_decode_triton
+        return launch(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b, window, scale)
     return gated_swa_decode_sdpa(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b, window, scale)
 
 
