@@ -33,8 +33,9 @@ CUDA graphs.
 Choices and deviations (config fields; the paper's behaviour one flag away):
   * cross K/V share the self k/v projections (the official default); --separate-cross-kv adds separate ones;
   * RoPE with absolute positions on both sides (cross keys at their latents' positions); no attention sink;
-  * attention: FlexAttention for training on CUDA, else kernels.dual_attention (the fused single-softmax Triton
-    kernel on CUDA at inference, the differentiable reference otherwise); --dd-attn dense forces the latter;
+  * attention: FlexAttention on CUDA, else the differentiable reference (kernels.dual_attention; --dd-attn dense
+    forces it); cached steps go through kernels.dual_attention, which on CUDA runs FlexAttention too, not the fused
+    single-softmax Triton kernel (kernels.py says why);
   * objective: random block partitions (--min-blocks, --max-blocks) or the prefix-LM split (--objective prefixlm);
   * init: GPT-2 per stack; --dd-init xavier is the paper's; latents normed by cfg.norm, --latent-norm layer is the
     official LayerNorm;
@@ -328,10 +329,10 @@ class DoubleDecoder(GPT):
         h = self.context(x, rope)  # (B, T, C) latents of every position (masked per block below)
         if torch.is_grad_enabled():  # a 0-d tensor: train.py formats it at its log lines only (no per-step sync)
             self.metrics["latent_cos"] = latent_cosine(h.detach())
-        # 'auto': training with gradients on CUDA runs FlexAttention; the no-grad forward (eval, scoring) runs
-        # kernels.dual_attention, i.e. the single-softmax Triton kernel on CUDA, and the reference elsewhere.
+        # 'auto': on CUDA FlexAttention, its block masks built once for every layer (training, eval, scoring);
+        # elsewhere kernels.dual_attention, i.e. the reference.
         impl = self.config.attn_impl
-        use_flex = impl == "flex" or (impl == "auto" and idx.is_cuda and torch.is_grad_enabled())
+        use_flex = impl == "flex" or (impl == "auto" and idx.is_cuda)
         flex = flex_block_masks(blk, T) if use_flex else None
         b2 = blk.expand(B, T)
         ids = DualIds(pos.expand(B, T), b2, pos.expand(B, T), b2, b2)

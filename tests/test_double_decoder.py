@@ -417,6 +417,29 @@ def test_compiled_decode_is_one_graph_per_step_kind(rollover, P):
     assert torch.equal(m.generate(idx, 14, rollover=rollover), ref) and check.graphs == kinds
 
 
+def test_compiled_decode_runs_flexattention_inside_the_graph_on_a_gpu(monkeypatch):
+    """On a GPU a cached step's dual attention is FlexAttention (kernels.dual_attention): told that the CPU tensors
+    are CUDA tensors, the compiled steps hold FlexAttention and still are one graph per kind, with the eager tokens
+    (head dim 16: the smallest FlexAttention tiles on a GPU)."""
+    from graph_check import GraphCheck
+
+    m = tiny_model(n_head=2, n_kv_head=1)
+    idx = torch.randint(0, V, (2, 5))
+    ref = m.generate(idx, 8, rollover=3)
+    monkeypatch.setattr(kernels, "_all_cuda", lambda tensors: True)
+    ops = set()
+
+    class Check(GraphCheck):
+        def __call__(self, gm, example_inputs):
+            ops.update(str(n.target) for n in gm.graph.nodes)
+            return super().__call__(gm, example_inputs)
+
+    check = Check()
+    m.compile_decode(backend=check)
+    assert torch.equal(m.generate(idx, 8, rollover=3), ref)
+    assert check.graphs == 2 and check.unsafe == [] and any("flex_attention" in op for op in ops), ops
+
+
 # ---- the FlexAttention training path (eager on CPU, compiled on CUDA) == the dense reference --------------------
 
 
