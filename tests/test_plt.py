@@ -194,7 +194,8 @@ def test_compiled_decode_through_the_triton_operator(monkeypatch):
     check = Check()
     model.compile_decode(backend=check)
     assert torch.equal(model.generate(idx, 8), ref)
-    assert check.graphs == 1 and check.unsafe == [] and "nano_inference.gated_swa_decode.default" in ops, ops
+    assert check.graphs == 1 and check.unsafe == [] and check.syncs == [], (check.unsafe, check.syncs)
+    assert "nano_inference.gated_swa_decode.default" in ops, ops
 
 
 # -- L = 1 is the vanilla model ------------------------------------------------------------------------------------
