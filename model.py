@@ -705,6 +705,8 @@ class GPT(nn.Module):
             tok = sample_next(logits, temperature, top_k, generator)
             out.append(tok[:, None])
             if i + 1 < max_new_tokens:
+                if self.static_cache:  # compiled steps: each one a new CUDA-graph iteration, so a replay may
+                    torch.compiler.cudagraph_mark_step_begin()  # overwrite the last step's (sampled) outputs
                 logits = self.decode_step(tok, cache, **step_kwargs)
         return torch.cat(out, dim=1)
 
