@@ -48,6 +48,8 @@ Generation (section 2.1, Appendix E) is GPT.generate's loop over `prefill` and `
 the prefill runs the block decoder over the prompt's blocks (the prompt left-padded to a block boundary) and the token
 decoder over the P prefix vectors; each decode step feeds one token to the token decoder, and the step that completes
 a block runs the block decoder once on it and starts the next block's token decoder from the new context embedding.
+These are the two step kinds (token_step, block_end_step) that compile_decode compiles, on static caches, for CUDA
+graphs.
 
 Run:
     python bench.py presets --arch block                     # presets: parameters, KV bytes, vanilla counterparts
@@ -70,7 +72,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from model import (GPT, IGNORE, ArchSpec, Block, GPTConfig, KVCache, Linear, RotaryEmbedding, count_params,
-                   init_weights, kv_bytes, lm_loss, make_norm, run_cached)
+                   init_weights, kv_bytes, lm_loss, make_norm, mark_static, run_cached)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -145,10 +147,11 @@ class BlockCache:
             left-padded prompt);
     local   the token decoder's KVCache of P + L_B - 1 entries, reset at every block;
     slots   the context slots (B, n_ctx, D_tok) of the block being decoded (its P prefix vectors or L_B summands);
-    tokens  (B, L_B) the tokens of that block decoded so far, `k` of them.
+    tokens  (B, L_B) the tokens of that block decoded so far, `k` of them (k: a host-side count, which picks the
+            step kind; inside a step the token's index in its block comes from local.lengths, a device tensor).
 
     GPT.new_cache(batch, max_len) builds it for max_len tokens. static: both KV caches attend over all their
-    positions at every step (KVCache).
+    positions at every step (KVCache), and every tensor a step writes in place is marked static (model.mark_static).
     """
 
     def __init__(self, cfg: BlockConfig, batch: int, max_len: int, dtype, device, static=False):
@@ -156,7 +159,10 @@ class BlockCache:
         self.blocks = KVCache(b.n_layer, batch, n_blocks, b.n_kv_head, b.hd, dtype, device, static)
         self.local = KVCache(cfg.n_layer, batch, cfg.local_len, cfg.n_kv_head, cfg.hd, dtype, device, static)
         self.tokens = torch.zeros(batch, cfg.block_len, dtype=torch.long, device=device)
-        self.slots, self.k = None, 0
+        self.slots = torch.zeros(batch, cfg.n_ctx, cfg.n_embd, dtype=dtype, device=device)
+        self.k = 0
+        if static:
+            mark_static(self.tokens, self.slots)
 
     def nbytes(self) -> int:
         return self.blocks.nbytes() + self.local.nbytes()
@@ -223,12 +229,17 @@ class BlockTransformer(GPT):
             return c
         return self.embed(torch.full((c.size(0), 1), self.config.pad, device=c.device)) + c[:, :1]
 
-    def token_inputs(self, c, tokens, k0: int = 0):
+    def token_inputs(self, c, tokens, k0: int | torch.Tensor = 0):
         """Inputs for tokens (M, n), the tokens k0 .. k0+n-1 of a block; token k sits at position first_pred_pos + 1 + k
-        and, with summation, gets the summand c[:, k + 1]. -> (M, n, D_tok)"""
+        and, with summation, gets the summand c[:, k + 1]. k0: an int, or (M,) per row (a decode step: a device
+        tensor, so that one graph serves every index). -> (M, n, D_tok)"""
         e = self.embed(tokens)
         if self.config.context == "summation":
-            e = e + c[:, k0 + 1:k0 + 1 + tokens.size(1)]
+            if isinstance(k0, torch.Tensor):
+                k = k0[:, None] + 1 + torch.arange(tokens.size(1), device=k0.device)  # (M, n)
+                e = e + c.gather(1, k[..., None].expand(-1, -1, c.size(2)))
+            else:
+                e = e + c[:, k0 + 1:k0 + 1 + tokens.size(1)]
         return e
 
     def token_decoder(self, x, mask=None):
@@ -326,7 +337,7 @@ class BlockTransformer(GPT):
         previous block's entries are forgotten) and takes the first_pred_pos + 1 first inputs (the P prefix vectors, or
         the start slot) in one step
         -> logits (B, V) of the block's first token."""
-        cache.slots, cache.k = self.context_slots(ctx), 0
+        cache.slots.copy_(self.context_slots(ctx))  # in place: the state of a captured step keeps its address
         x = self.first_inputs(cache.slots)  # (B, first_pred_pos + 1, D_tok)
         cache.local.reset()
         h = run_cached(self.blocks, self.rope, x, cache.local, fresh=True)
@@ -337,26 +348,42 @@ class BlockTransformer(GPT):
     def prefill(self, idx, cache: BlockCache):
         """Prompts idx (B, T) -> logits (B, V) of the first new token: the block decoder over the prompt's blocks,
         then the token decoder over the prefix vectors (the token decoder never sees the prompt's tokens)."""
+        cache.k = 0
         return self.start_block(self.prefill_blocks(idx, cache.blocks), cache)
 
     @torch.no_grad()
     def decode_step(self, tok, cache: BlockCache):
-        """The next token of every row tok (B,) -> logits (B, V) of the token after it. Inside a block: one token
-        decoder step over the local cache (at most P + L_B - 1 entries). The token that completes a block: one block
-        decoder step on the block, then the next block's prefix vectors."""
-        cache.tokens[:, cache.k] = tok
+        """The next token of every row tok (B,) -> logits (B, V) of the token after it. The host counts the block's
+        tokens (cache.k) and picks one of two step kinds: inside a block, token_step; the token that completes a
+        block, block_end_step."""
         cache.k += 1
         if cache.k == self.config.block_len:
-            return self.start_block(self.block_step(cache.tokens, cache.blocks), cache)
-        x = self.token_inputs(cache.slots, tok[:, None], k0=cache.k - 1)  # (B, 1, D_tok)
+            cache.k = 0
+            return self.block_end_step(tok, cache)
+        return self.token_step(tok, cache)
+
+    # The two step kinds: compile_decode compiles each (one graph per kind and batch size). Neither reads a Python
+    # number that changes from step to step: positions and the token's index in its block come from the caches'
+    # lengths (device tensors), and every write goes in place into the cache's tensors.
+    graph_steps = ("token_step", "block_end_step")
+
+    @torch.no_grad()
+    def token_step(self, tok, cache: BlockCache):
+        """tok (B,), a token inside its block (not the last) -> logits (B, V): one token decoder step over the local
+        cache (at most P + L_B - 1 entries)."""
+        k = cache.local.lengths - (self.first_pred_pos + 1)  # (B,) tok's index in its block
+        cache.tokens.scatter_(1, k[:, None], tok[:, None])
+        x = self.token_inputs(cache.slots, tok[:, None], k0=k)  # (B, 1, D_tok)
         h = run_cached(self.blocks, self.rope, x, cache.local)
         cache.local.lengths += 1
         return self.head(h[:, -1])
 
-    def compile_decode(self, mode=None):
-        raise NotImplementedError("GPT.compile_decode compiles one decode step with static caches; the Block "
-                                  "Transformer's step has two shapes (inside a block / at its last token) and the "
-                                  "block decoder's cache grows: not supported")
+    @torch.no_grad()
+    def block_end_step(self, tok, cache: BlockCache):
+        """tok (B,), the last token of its block -> logits (B, V) of the next block's first token: one block decoder
+        step on the finished block, then the next block's prefix vectors through the token decoder (start_block)."""
+        cache.tokens[:, -1] = tok
+        return self.start_block(self.block_step(cache.tokens, cache.blocks), cache)
 
     # -- accounting ----------------------------------------------------------------------------------------------
 

@@ -26,13 +26,16 @@ Generation (section 3.3): the context is every prompt token but the last, which 
 context decoder runs once over the context, every generation layer projects the latents to its cross K/V once, and
 generated tokens join the current block with a self-attention cache of that block only (time to first token
 ~ L_ctx / L). A shared prompt prefix's context cache is computed once and reused (DoubleCache.clone), and
-`rollover=N` folds the current block into the context every N tokens.
+`rollover=N` folds the current block into the context every N tokens. decode_step picks one of two step kinds on the
+host, token_step or rollover_step (the fold, then the token); compile_decode compiles both, on static caches, for
+CUDA graphs.
 
 Choices and deviations (config fields; the paper's behaviour one flag away):
   * cross K/V share the self k/v projections (the official default); --separate-cross-kv adds separate ones;
   * RoPE with absolute positions on both sides (cross keys at their latents' positions); no attention sink;
-  * attention: FlexAttention for training on CUDA, else kernels.dual_attention (the fused single-softmax Triton
-    kernel on CUDA at inference, the differentiable reference otherwise); --dd-attn dense forces the latter;
+  * attention: FlexAttention on CUDA, else the differentiable reference (kernels.dual_attention; --dd-attn dense
+    forces it); cached steps go through kernels.dual_attention, which on CUDA runs FlexAttention too, not the fused
+    single-softmax Triton kernel (kernels.py says why);
   * objective: random block partitions (--min-blocks, --max-blocks) or the prefix-LM split (--objective prefixlm);
   * init: GPT-2 per stack; --dd-init xavier is the paper's; latents normed by cfg.norm, --latent-norm layer is the
     official LayerNorm;
@@ -61,7 +64,7 @@ import torch.nn.functional as F
 
 import kernels
 from model import (IGNORE, ArchSpec, Attention, Block, GPT, GPTConfig, KVCache, Linear, apply_rotary,
-                   check, init_weights, kv_bytes, lm_loss, make_norm, run_cached)
+                   check, init_weights, kv_bytes, lm_loss, make_norm, mark_static, run_cached)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -88,8 +91,8 @@ class DualStep:
     self_kv: KVCache  # the current block's K/V, index = position - ctx_len
     cross: KVCache  # each generation layer's K/V of the context latents
     self_idx: torch.Tensor  # (B, n) the new tokens' indices in the block's cache
-    self_len: int  # the block's tokens after this step: the self keys read
-    cross_len: int  # the cross keys read (the context's length, or 1: block 0's masked dummy key)
+    self_len: int  # the self keys read: the block's tokens after this step (a static cache: all max_block)
+    cross_len: int  # the cross keys read: the context's length, or 1, block 0's masked dummy key (static: max_len)
 
 
 # The block ids of a cached step: the context's latents all count as one block, CONTEXT_BLOCK, before the current
@@ -181,19 +184,24 @@ class DoubleCache:
     self_kv  KVCache (gen_layers, B, H_kv, max_block, D): the current block's K/V, index = position - ctx_len.
     tokens   (B, max_block) the current block's tokens (folded into the context by a rollover).
     ctx_len  n, the context's length = the position where the current block starts; block_len its tokens so far.
+             Both are counted twice: as host ints (the checks, the step kind, an eager step's key counts) and on the
+             device as the lengths of cross (and ctx) and of self_kv, which place every key inside a step.
+
+    static: every step reads all max_len cross keys and all max_block self keys (masked), so its shapes never change,
+    and every tensor a step writes is marked static (KVCache, model.mark_static): what a captured step needs.
     """
 
     def __init__(self, cfg: DoubleConfig, batch: int, max_len: int, max_block: int, keep_context: bool, dtype, device,
                  static=False):
-        check(not static, "the double decoder's cache cannot be static: its steps read the block and the context at "
-                          "their lengths (Python ints), so GPT.compile_decode does not apply", "cache")
         H, D, S = cfg.n_kv_head, cfg.hd, max(max_len, 1)
-        self.config = cfg
-        self.ctx = KVCache(cfg.ctx_layers, batch, S, H, D, dtype, device) if keep_context else None
-        self.cross = KVCache(cfg.gen_layers, batch, S, H, D, dtype, device)
-        self.self_kv = KVCache(cfg.gen_layers, batch, max(max_block, 1), H, D, dtype, device)
+        self.config, self.static = cfg, static
+        self.ctx = KVCache(cfg.ctx_layers, batch, S, H, D, dtype, device, static) if keep_context else None
+        self.cross = KVCache(cfg.gen_layers, batch, S, H, D, dtype, device, static)
+        self.self_kv = KVCache(cfg.gen_layers, batch, max(max_block, 1), H, D, dtype, device, static)
         self.tokens = torch.zeros(batch, max(max_block, 1), dtype=torch.long, device=device)
         self.ctx_len, self.block_len = 0, 0
+        if static:
+            mark_static(self.tokens)
 
     @property
     def batch(self) -> int:
@@ -204,7 +212,7 @@ class DoubleCache:
         1-row cache to `batch` rows if given."""
         k = self.cross.k
         new = DoubleCache(self.config, batch or self.batch, self.cross.max_len, self.self_kv.max_len,
-                          self.ctx is not None, k.dtype, k.device)
+                          self.ctx is not None, k.dtype, k.device, self.static)
         new.copy_from(self)
         return new
 
@@ -257,8 +265,9 @@ class DoubleDecoder(GPT):
     """Block-based double decoder (section 3.1).
 
     From model.GPT it keeps the shared token embedding (`embed`), the final norm + tied head (`head`), RoPE, the
-    length check, the parameter count and the generate loop; its two stacks take the place of GPT's one (`blocks`,
-    None here: GPT's forward_cached / compile_decode, which run it, do not apply to this model).
+    length check, the parameter count, the generate loop and compile_decode (over the step kinds of graph_steps);
+    its two stacks take the place of GPT's one (`blocks`, None here: GPT's forward_cached, which runs it, does not
+    apply to this model).
     forward(idx, targets=None, blk=None) -> (logits, loss); blk = block ids (T,) or (B, T) (default: the even partition
     into max_blocks blocks). Inference: new_cache -> [extend_context (shared prefix)] -> prefill -> decode_step, and
     GPT.generate strings them together (generation_cache sizes the cache; `rollover` reaches every decode_step).
@@ -320,10 +329,10 @@ class DoubleDecoder(GPT):
         h = self.context(x, rope)  # (B, T, C) latents of every position (masked per block below)
         if torch.is_grad_enabled():  # a 0-d tensor: train.py formats it at its log lines only (no per-step sync)
             self.metrics["latent_cos"] = latent_cosine(h.detach())
-        # 'auto': training with gradients on CUDA runs FlexAttention; the no-grad forward (eval, scoring) runs
-        # kernels.dual_attention, i.e. the single-softmax Triton kernel on CUDA, and the reference elsewhere.
+        # 'auto': on CUDA FlexAttention, its block masks built once for every layer (training, eval, scoring);
+        # elsewhere kernels.dual_attention, i.e. the reference.
         impl = self.config.attn_impl
-        use_flex = impl == "flex" or (impl == "auto" and idx.is_cuda and torch.is_grad_enabled())
+        use_flex = impl == "flex" or (impl == "auto" and idx.is_cuda)
         flex = flex_block_masks(blk, T) if use_flex else None
         b2 = blk.expand(B, T)
         ids = DualIds(pos.expand(B, T), b2, pos.expand(B, T), b2, b2)
@@ -365,58 +374,74 @@ class DoubleDecoder(GPT):
         if start > 0 and cache.ctx is None:
             raise ValueError("this cache was built with keep_context=False: the context decoder's K/V were not kept, "
                              "so its context cannot be extended (new_cache(..., keep_context=True))")
-        q_pos = (start + torch.arange(n, device=idx.device)).expand(B, n)  # (B, n) absolute positions
+        self.append_context(idx, cache, fresh=start == 0)
+        cache.ctx_len = start + n
+
+    def append_context(self, idx, cache: DoubleCache, fresh: bool = False):
+        """extend_context's work, checks done: idx (B, n) at the positions after the context (the device count
+        cache.cross.lengths). fresh: the context is empty, so the context decoder attends causally over idx alone."""
+        B, n = idx.shape
+        q_pos = cache.cross.lengths[:, None] + torch.arange(n, device=idx.device)  # (B, n) absolute positions
         rope = self.rope(q_pos)
         x = self.embed(idx)
-        if cache.ctx is None:  # a one-shot prompt (start == 0): the context decoder's K/V are not kept
+        if cache.ctx is None:  # a one-shot prompt (fresh): the context decoder's K/V are not kept
             h = self.context(x, rope)  # (B, n, C)
-        else:  # against the cached prefix (cache.ctx.lengths == start); start == 0: causal over x itself
-            h = self.ctx_norm(run_cached(self.ctx_blocks, self.rope, x, cache.ctx, fresh=start == 0))
+        else:  # against the cached prefix (cache.ctx.lengths == cache.cross.lengths)
+            h = self.ctx_norm(run_cached(self.ctx_blocks, self.rope, x, cache.ctx, fresh=fresh))
         for i, block in enumerate(self.gen_blocks):
             k, v = block.attn.project_cross(h, rope)  # once per layer, reused by every later step
             cache.cross.layer(i).write(q_pos, k, v)
-        cache.ctx_len = start + n
         for kv in (cache.ctx, cache.cross):
             if kv is not None:
-                kv.lengths.fill_(cache.ctx_len)
+                kv.lengths += n
+
+    def check_step(self, cache: DoubleCache, n: int = 1):
+        """Before n tokens join the block (host ints only): room in the block's cache and within max_seq_len."""
+        cache.self_kv.fits(cache.block_len + n, "the block (a larger max_block, or a rollover) needs")
+        if cache.ctx_len + cache.block_len + n > self.config.max_seq_len:
+            raise ValueError(f"position {cache.ctx_len + cache.block_len + n - 1} exceeds "
+                             f"max_seq_len={self.config.max_seq_len}")
 
     def gen_step(self, tok, cache: DoubleCache):
-        """Tokens tok (B, n) join the current block -> final hidden states (B, n, C) before the final norm."""
+        """Tokens tok (B, n) join the current block -> final hidden states (B, n, C) before the final norm.
+
+        Every position comes from the device counts (self_kv.lengths: the block's tokens so far; cross.lengths: the
+        context's), so the step reads no Python number that changes from step to step. A static cache's step reads
+        every key, the unfilled ones masked by their positions and block ids; otherwise it reads the block's tokens
+        and the context only (cache.block_len, cache.ctx_len: the host's count of the same)."""
         B, n = tok.shape
-        S1, S2 = cache.block_len + n, cache.ctx_len
-        cache.self_kv.fits(S1, "the block (a larger max_block, or a rollover) needs")
-        if S2 + S1 > self.config.max_seq_len:
-            raise ValueError(f"position {S2 + S1 - 1} exceeds max_seq_len={self.config.max_seq_len}")
         dev = tok.device
-        self_idx = (cache.block_len + torch.arange(n, device=dev)).expand(B, n)  # index in the block's cache
-        q_pos = S2 + self_idx  # (B, n) absolute positions
+        ctx_len = cache.cross.lengths[:, None]  # (B, 1)
+        self_idx = cache.self_kv.lengths[:, None] + torch.arange(n, device=dev)  # (B, n) index in the block's cache
+        q_pos = ctx_len + self_idx  # (B, n) absolute positions
+        if cache.static:
+            S1, S2 = cache.self_kv.max_len, cache.cross.max_len
+        else:  # the filled keys only; before any context (block 0) one dummy cross key, masked by its block id
+            S1, S2 = cache.block_len + n, max(cache.ctx_len, 1)
+        s_idx, c_idx = torch.arange(S1, device=dev), torch.arange(S2, device=dev)
+
         def block_ids(width, block):  # (B, width) long, all `block`
             return torch.full((B, width), block, dtype=torch.long, device=dev)
 
-        if S2 > 0:
-            c_len, c_blk = S2, block_ids(S2, CONTEXT_BLOCK)  # every latent is an earlier block's
-        else:  # no context yet (block 0): one dummy cross key, masked by a block id no query has below it
-            c_len, c_blk = 1, block_ids(1, NO_BLOCK)
-        ids = DualIds(q_pos, block_ids(n, CURRENT_BLOCK), (S2 + torch.arange(S1, device=dev)).expand(B, S1),
-                      block_ids(S1, CURRENT_BLOCK), c_blk)
-        step = DualStep(cache.self_kv, cache.cross, self_idx, S1, c_len)
+        # self key j sits at position ctx_len + j (those past the new tokens: hidden by the causal test); cross key j
+        # is the latent of position j, an earlier block's if j < ctx_len, else no block's (NO_BLOCK: never seen)
+        c_blk = torch.where(c_idx < ctx_len, CONTEXT_BLOCK, NO_BLOCK)  # (B, S2)
+        ids = DualIds(q_pos, block_ids(n, CURRENT_BLOCK), ctx_len + s_idx, block_ids(S1, CURRENT_BLOCK), c_blk)
+        step = DualStep(cache.self_kv, cache.cross, self_idx, S1, S2)
         rope = self.rope(q_pos)
         x = self.embed(tok)
         for i, block in enumerate(self.gen_blocks):
             x = block(x, rope, ids=ids, step=step, layer=i)
-        cache.tokens[:, cache.block_len:S1] = tok
-        cache.block_len = S1
-        cache.self_kv.lengths.fill_(S1)
+        cache.tokens.scatter_(1, self_idx, tok)
+        cache.self_kv.lengths += n
         return x
 
-    @torch.no_grad()
-    def fold(self, cache: DoubleCache):
-        """Rollover: the current block's tokens become context (the context decoder is extended over exactly them,
-        the generation layers append their cross K/V) and the next token opens a new, empty block."""
-        tokens = cache.tokens[:, :cache.block_len].clone()
-        cache.block_len = 0
+    def fold(self, cache: DoubleCache, n: int):
+        """Rollover: the current block's n tokens become context (the context decoder is extended over exactly them,
+        the generation layers append their cross K/V) and the next token opens a new, empty block. The device work
+        only: decode_step moves the host's counts."""
+        self.append_context(cache.tokens[:, :n], cache)
         cache.self_kv.lengths.zero_()
-        self.extend_context(tokens, cache)
 
     @torch.no_grad()
     def prefill(self, idx, cache: DoubleCache):
@@ -430,14 +455,41 @@ class DoubleDecoder(GPT):
             raise ValueError(f"the cache has {cache.batch} rows and the prompts {idx.size(0)}: clone it with "
                              f"batch={idx.size(0)}")
         self.extend_context(idx[:, :-1], cache)
-        return self.head(self.gen_step(idx[:, -1:], cache))[:, 0]
+        self.check_step(cache)
+        logits = self.token_step(idx[:, -1].contiguous(), cache)  # the block's first token: decode's step kind
+        cache.block_len = 1
+        return logits
 
     @torch.no_grad()
     def decode_step(self, tok, cache: DoubleCache, rollover: int | None = None):
         """One new token per row tok (B,) -> logits (B, V). With rollover N, a block of N tokens is folded into the
-        context before the next token opens a new block."""
-        if rollover is not None and cache.block_len >= rollover:
-            self.fold(cache)
+        context before the next token opens a new block. The host keeps the counts (cache.ctx_len, block_len), checks
+        them and picks one of two step kinds: token_step, or rollover_step when the block is full."""
+        n_fold = cache.block_len if rollover is not None and cache.block_len >= rollover else 0
+        if n_fold:
+            if cache.ctx is None:
+                raise ValueError("this cache was built with keep_context=False: a rollover extends the context "
+                                 "(new_cache(..., keep_context=True))")
+            cache.cross.fits(cache.ctx_len + n_fold, "the rollover needs")
+            cache.ctx_len, cache.block_len = cache.ctx_len + n_fold, 0  # the counts the token after the fold sees
+        self.check_step(cache)
+        logits = self.rollover_step(tok, cache, n_fold) if n_fold else self.token_step(tok, cache)
+        cache.block_len += 1
+        return logits
+
+    # The two step kinds: compile_decode compiles each (one graph per kind, batch size and rollover length). With a
+    # static cache neither reads a count that changes from step to step (see gen_step).
+    graph_steps = ("token_step", "rollover_step")
+
+    @torch.no_grad()
+    def token_step(self, tok, cache: DoubleCache):
+        """tok (B,) joins the current block -> logits (B, V) of the next token."""
+        return self.head(self.gen_step(tok[:, None], cache))[:, 0]
+
+    @torch.no_grad()
+    def rollover_step(self, tok, cache: DoubleCache, n_fold: int):
+        """The block's n_fold tokens are folded into the context (fold), then tok opens a new block -> logits (B, V)."""
+        self.fold(cache, n_fold)
         return self.head(self.gen_step(tok[:, None], cache))[:, 0]
 
     def generate(self, idx, max_new_tokens: int, temperature: float = 0.0, top_k=None, generator=None, cache=None,

@@ -16,11 +16,13 @@ Ops, and the model path that calls each
   gated_swa_decode      the same for one query per row against a ring-buffer window and the shared first-loop cache
                         (plt.PLTAttention's decode step).
   dual_attention        one softmax over within-block self keys and earlier-block cross keys (double decoder
-                        inference, the paper's "ideal method").
+                        inference, the paper's "ideal method"). On a GPU it dispatches to two FlexAttention calls and
+                        the merge (dual_attention_flex), not to its Triton kernel: see its dispatch.
 
 Dispatch: each op runs its Triton kernel when the inputs are CUDA tensors, Triton imports, no input needs a gradient
 (grad mode on and some input has requires_grad), and KERNELS_FALLBACK=1 is not set (and the kernel handles the dtype
-and sizes: fp16/bf16/fp32, head dim <= 256, LoRA rank <= 256); otherwise the reference.
+and sizes: fp16/bf16/fp32, head dim <= 256, LoRA rank <= 256); otherwise the reference. The exception is
+dual_attention, which runs FlexAttention under the same conditions (its dispatch says why).
 Gradients: the kernels are forward-only (no autograd.Function). Training therefore runs through the references, which
 autograd differentiates: a training forward has parameters that require grad (LoRA A/B, the gate, the projections
 feeding q/k/v), so the dispatch picks the reference by itself. Inference (generate, serve) runs the kernels, as long
@@ -73,6 +75,7 @@ LOG2E = 1.4426950408889634  # the kernels work in base 2 (exp2 is one instructio
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256  # wider heads would not fit a tile in registers: they run the reference
 MAX_LORA_RANK = 256  # likewise for the LoRA rank
+FLEX_MIN_HEAD_DIM = 16  # compiled FlexAttention on CUDA needs head dims of at least 16 (its tl.dot tiles)
 
 
 def _jit(fn):
@@ -396,10 +399,12 @@ def flex_attention_lse(q, k, v, block_mask, scale=None):
     out (B, H, T, D), lse (B, H, T). A row with no visible key: out 0, lse -inf. Differentiable."""
     from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
+    if not torch.is_grad_enabled():  # no graph is recorded: FlexAttention on CPU refuses inputs that require grad
+        q, k, v = q.detach(), k.detach(), v.detach()
     fn = flex_attention
-    if q.is_cuda:
-        if "fn" not in _FLEX:
-            _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+    if q.is_cuda and not torch.compiler.is_compiling():  # inside a compiled step the step's compile covers it
+        if "fn" not in _FLEX:  # dynamic=None: a new shape (an eager decode step reads one key more each step)
+            _FLEX["fn"] = torch.compile(flex_attention)  # recompiles once with that size symbolic, not per size
         fn = _FLEX["fn"]
     out, aux = fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.size(1) != k.size(1),
                   return_aux=AuxRequest(lse=True))
@@ -894,13 +899,29 @@ def gated_swa_decode_triton(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_p
     return out
 
 
+@torch.library.custom_op("nano_inference::gated_swa_decode", mutates_args=())
+def _gated_swa_decode_op(q: torch.Tensor, k_ring: torch.Tensor, v_ring: torch.Tensor, ring_pos: torch.Tensor,
+                         k_shared: torch.Tensor, v_shared: torch.Tensor, q_pos: torch.Tensor, gate_w: torch.Tensor,
+                         gate_b: torch.Tensor, window: int, scale: float | None) -> torch.Tensor:
+    """gated_swa_decode_triton as one opaque operator of a compiled graph (PLT's compiled decode step): dynamo does
+    not trace the launch code, and a CUDA graph captures the two launches like any other kernel."""
+    return gated_swa_decode_triton(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b, window,
+                                   scale)
+
+
+@_gated_swa_decode_op.register_fake
+def _(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b, window, scale):
+    return torch.empty_like(q)
+
+
 def gated_swa_decode(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b, window, scale=None):
-    """Dispatch (contract of gated_swa_decode_ref): the Triton kernels where use_triton allows it, otherwise
-    gated_swa_decode_sdpa; the reference stays what the tests compare both against."""
+    """Dispatch (contract of gated_swa_decode_ref): the Triton kernels where use_triton allows it (inside a compiled
+    step through their operator, _gated_swa_decode_op), otherwise gated_swa_decode_sdpa; the reference stays what
+    the tests compare both against."""
     if use_triton(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b) and \
             _kernel_fits(q, k_ring, v_ring, k_shared, v_shared, head_dim=q.size(-1)):
-        return gated_swa_decode_triton(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b,
-                                       window, scale)
+        launch = _gated_swa_decode_op if torch.compiler.is_compiling() else gated_swa_decode_triton
+        return launch(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b, window, scale)
     return gated_swa_decode_sdpa(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b, window, scale)
 
 
@@ -1041,9 +1062,31 @@ def dual_attention_triton(q, q_pos, q_blk, k_s, v_s, s_pos, s_blk, k_c, v_c, c_b
     return out, lse
 
 
+def dual_attention_flex(q, q_pos, q_blk, k_s, v_s, s_pos, s_blk, k_c, v_c, c_blk, scale=None):
+    """The stock GPU path, same contract as dual_attention_ref: the two key sets' block masks from the ids, one
+    FlexAttention with log-sum-exp over each (flex_attention_lse: compiled on CUDA, eager elsewhere), merge_lse."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    B, T, S1, S2 = q.size(0), q.size(2), k_s.size(2), k_c.size(2)
+
+    def self_mod(b, h, i, j):
+        return (s_blk[b, j] == q_blk[b, i]) & (s_pos[b, j] <= q_pos[b, i])
+
+    def cross_mod(b, h, i, j):
+        return c_blk[b, j] < q_blk[b, i]
+
+    o1, l1 = flex_attention_lse(q, k_s, v_s, create_block_mask(self_mod, B, None, T, S1, device=q.device), scale)
+    o2, l2 = flex_attention_lse(q, k_c, v_c, create_block_mask(cross_mod, B, None, T, S2, device=q.device), scale)
+    return merge_lse(o1, l1, o2, l2)
+
+
 def dual_attention(q, q_pos, q_blk, k_s, v_s, s_pos, s_blk, k_c, v_c, c_blk, scale=None):
-    """Dispatch for dual_attention_ref (same contract)."""
+    """Dispatch for dual_attention_ref (same contract). Where use_triton allows a kernel (CUDA, no gradient needed)
+    this op runs dual_attention_flex, not its Triton kernel: the kernel's tiles were never tuned on a GPU, and on the
+    one GPU measured (RESULTS.md, "On a GPU") two compiled FlexAttention calls beat it, so the kernel is not yet worth
+    dispatching to. It stays public (dual_attention_triton) for `bench.py kernels` and the tests, which run it
+    against the reference. Otherwise (CPU, gradients, head dims below FLEX_MIN_HEAD_DIM) the reference."""
     if use_triton(q, q_pos, q_blk, k_s, v_s, s_pos, s_blk, k_c, v_c, c_blk) and \
-            _kernel_fits(q, k_s, v_s, k_c, v_c, head_dim=q.size(-1)):
-        return dual_attention_triton(q, q_pos, q_blk, k_s, v_s, s_pos, s_blk, k_c, v_c, c_blk, scale)
+            _kernel_fits(q, k_s, v_s, k_c, v_c, head_dim=q.size(-1)) and q.size(-1) >= FLEX_MIN_HEAD_DIM:
+        return dual_attention_flex(q, q_pos, q_blk, k_s, v_s, s_pos, s_blk, k_c, v_c, c_blk, scale)
     return dual_attention_ref(q, q_pos, q_blk, k_s, v_s, s_pos, s_blk, k_c, v_c, c_blk, scale)

@@ -567,8 +567,17 @@ def compile_step(fn, mode: str | None = None, backend=None):
     static shapes (one graph per input shape, e.g. per batch bucket). A graph-safe step reads no tensor back to the
     host, branches on no tensor value and writes its state in place into static tensors (mark_static), so that on
     CUDA mode='reduce-overhead' captures it as a CUDA graph: one launch per step. `backend` (default inductor) is for
-    tests: backend='eager' traces and counts graphs without generating kernels."""
-    return torch.compile(fn, mode=mode, backend=backend or "inductor", fullgraph=True, dynamic=False)
+    tests: backend='eager' traces and counts graphs without generating kernels.
+
+    Dynamo keeps its graphs per code object, with a recompile limit for each. A step decorated in torch (no_grad) would
+    share one code object with every other such step, so each compiled step gets a code object of its own, and the
+    limit is raised to hold a graph for every batch bucket."""
+    def step(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    step.__code__ = step.__code__.replace()  # a copy: a cache of this step's graphs alone
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(BATCH_BUCKETS))
+    return torch.compile(step, mode=mode, backend=backend or "inductor", fullgraph=True, dynamic=False)
 
 
 def kv_bytes(n_layer, batch, seq_len, n_kv_head, head_dim, dtype_bytes=2) -> int:
@@ -682,13 +691,19 @@ class GPT(nn.Module):
         cache.lengths += 1
         return self.head(h)[:, 0]
 
+    # The graph-safe steps compile_decode compiles: decode_step here; an architecture whose decode step chooses
+    # between a few step kinds on the host (from step counts the host knows) names those kinds instead.
+    graph_steps = ("decode_step",)
+
     def compile_decode(self, mode: str | None = None, backend=None):
         """torch.compile the decode step (gpt-fast's recipe, compile_step): from now on new caches are static (their
         tensors marked static), so every step has the same shapes and compiles once per batch size;
         mode='reduce-overhead' captures it as a CUDA graph on a GPU. The prefill stays eager (its shapes change with
-        every prompt). `python bench.py decode --compile` measures what it buys."""
+        every prompt). Each method named in graph_steps is compiled: one graph per step kind and batch size.
+        `python bench.py decode --compile` measures what it buys."""
         self.static_cache = True
-        self.decode_step = compile_step(self.decode_step, mode, backend)
+        for name in self.graph_steps:
+            setattr(self, name, compile_step(getattr(self, name), mode, backend))
         return self
 
     def generation_cache(self, batch: int, prompt_len: int, max_new_tokens: int, **step_kwargs):
@@ -715,6 +730,8 @@ class GPT(nn.Module):
             tok = sample_next(logits, temperature, top_k, generator)
             out.append(tok[:, None])
             if i + 1 < max_new_tokens:
+                if self.static_cache:  # compiled steps: each one a new CUDA-graph iteration, so a replay may
+                    torch.compiler.cudagraph_mark_step_begin()  # overwrite the last step's (sampled) outputs
                 logits = self.decode_step(tok, cache, **step_kwargs)
         return torch.cat(out, dim=1)
 

@@ -54,7 +54,9 @@ written to the shared cache first, because the other rows attend to position i t
 token i+1, exactly the training forward's logits at position i (tests/test_plt.py checks every position). The
 sequential loop baseline (clp=False) decodes with L forwards per token and one KV cache per loop. (The paper
 names row l by the token whose chain it continues, "loop l+1 of token i-l"; here it is named by the position it
-computes, i, as in Algorithm 2's training indexing. It is the same computation.)
+computes, i, as in Algorithm 2's training indexing. It is the same computation.) compile_decode (model.GPT's)
+compiles decode_step on a static PLTCache for CUDA graphs: one graph per batch size, G-SWA's decode kernels inside it
+as one operator (kernels.gated_swa_decode).
 
 Kernels: G-SWA goes through kernels.gated_swa (a whole sequence: training forward, prefill) and
 kernels.gated_swa_decode (one query per non-first-loop row against its ring buffer and the shared cache). They run
@@ -90,7 +92,7 @@ import torch.nn.functional as F
 
 from kernels import gated_swa, gated_swa_decode, plt_gate
 from model import (GPT, ArchSpec, Attention, Block, GPTConfig, KVCache, attend, causal_mask_from_positions, kv_bytes,
-                   lm_loss, make_norm, start_prefill)
+                   lm_loss, make_norm, mark_static, start_prefill)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -165,7 +167,8 @@ class PLTCache:
     hidden  (B, L-1, C): h^(l) at the last position, for the inputs e_i + h^(l)_(i-1) of the next step (CLP only).
     lengths (B,) tokens seen per row = the position of the next token.
     static  attend over the whole pre-allocated cache (masked) instead of its filled prefix: fixed shapes and no
-            host sync per step, for torch.compile / CUDA graphs (kv's: kv.kv_len reads all max_len positions).
+            host sync per step, for torch.compile / CUDA graphs (kv's: kv.kv_len reads all max_len positions); every
+            state tensor is marked static (model.mark_static), since the step writes each in place.
     """
 
     def __init__(self, cfg: PLTConfig, batch, max_len, dtype, device, static=False):
@@ -183,6 +186,9 @@ class PLTCache:
         self.hidden = torch.zeros(batch, L - 1, cfg.n_embd, dtype=dtype, device=device) if self.parallel else None
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self.batch, self.max_len = batch, max_len
+        if static:  # a compiled step writes all of these in place: they keep their addresses (kv marks its own)
+            ring = (self.ring.k, self.ring.v, self.ring.pos) if self.ring is not None else ()
+            mark_static(self.lengths, *ring, *([self.hidden] if self.hidden is not None else []))
 
     @property
     def static(self) -> bool:

@@ -1,19 +1,32 @@
 """What the CPU can prove about a graph-safe step before it meets a GPU: a torch.compile backend that counts the
-graphs compiled (one per step kind and shape: a second one for the same shape is a recompile) and lists every graph
+graphs compiled (one per step kind and shape: a second one for the same shape is a recompile), lists every graph
 input the step mutates that is not marked static (model.mark_static) -- on CUDA, torch skips the CUDA graph of such a
-step ("skipping cudagraphs due to mutated inputs"). Graph breaks need no counter: model.compile_step compiles with
+step ("skipping cudagraphs due to mutated inputs") -- and every op that reads a device value back to the host (int(t),
+t.item(), bool(t), .tolist(), nonzero, boolean-mask indexing): torch traces these into the graph without a break, but
+each is a host sync, and a CUDA graph cannot hold one. Graph breaks need no counter: model.compile_step compiles with
 fullgraph=True, so a break is an error."""
 import torch
 from torch._dynamo.backends.common import aot_autograd
 from torch._guards import TracingContext
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+
+def reads_back(node) -> bool:
+    """An op whose result holds a number (a value or a size) that none of its inputs held: the host must read it from
+    the device ("unbacked" in torch's terms)."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    known = set().union(*(free_unbacked_symbols(a.meta.get("val")) for a in node.all_input_nodes))
+    return bool(free_unbacked_symbols(node.meta.get("val")) - known)
 
 
 class GraphCheck:
     """backend=GraphCheck() for model.compile_step: .graphs (frames compiled), .unsafe (names of mutated inputs that
-    are neither parameters, buffers nor static addresses). The graphs run as traced (no kernels generated)."""
+    are neither parameters, buffers nor static addresses), .syncs (ops that read a device value back to the host).
+    The graphs run as traced (no kernels generated)."""
 
     def __init__(self):
-        self.graphs, self.unsafe = 0, []
+        self.graphs, self.unsafe, self.syncs = 0, [], []
 
     def __call__(self, gm, example_inputs):
         self.graphs += 1
@@ -24,6 +37,7 @@ class GraphCheck:
                 if info.mutates_data or info.mutates_metadata:
                     if getattr(example_inputs[i], "_dynamo_static_input_type", None) is None:
                         self.unsafe.append(names[i])
+            self.syncs += [str(n.target) for n in fgm.graph.nodes if reads_back(n)]
             return fgm.forward
 
         return aot_autograd(fw_compiler=forward_compiler)(gm, example_inputs)

@@ -395,6 +395,52 @@ def test_shared_prefix_cache_is_reused_across_requests():
     torch.testing.assert_close(steps, want, rtol=1e-5, atol=1e-5)
 
 
+# ---- the compiled decode steps: one graph per step kind, capturable by CUDA graphs -------------------------------
+
+
+@pytest.mark.parametrize("rollover,P", [(None, 5), (4, 5), (3, 1)], ids=["one-block", "rollover", "empty-context"])
+def test_compiled_decode_is_one_graph_per_step_kind(rollover, P):
+    """compile_decode on a static DoubleCache compiles the two step kinds: token_step (one graph) and, with rollover,
+    rollover_step (the fold of a full block into the context, then the token: one more). Over 14 new tokens (three or
+    four folds; with P = 1 the context is empty until the first) no other graph, none in a second generation, every
+    tensor a step writes marked static; the greedy tokens equal the eager ones."""
+    from graph_check import GraphCheck
+
+    m = tiny_model()
+    idx = torch.randint(0, V, (2, P))
+    ref = m.generate(idx, 14, rollover=rollover)
+    check = GraphCheck()
+    m.compile_decode(backend=check)
+    kinds = 1 if rollover is None else 2
+    assert torch.equal(m.generate(idx, 14, rollover=rollover), ref)
+    assert check.graphs == kinds and check.unsafe == [] and check.syncs == [], (check.unsafe, check.syncs)
+    assert torch.equal(m.generate(idx, 14, rollover=rollover), ref) and check.graphs == kinds
+
+
+def test_compiled_decode_runs_flexattention_inside_the_graph_on_a_gpu(monkeypatch):
+    """On a GPU a cached step's dual attention is FlexAttention (kernels.dual_attention): told that the CPU tensors
+    are CUDA tensors, the compiled steps hold FlexAttention and still are one graph per kind, with the eager tokens
+    (head dim 16: the smallest FlexAttention tiles on a GPU)."""
+    from graph_check import GraphCheck
+
+    m = tiny_model(n_head=2, n_kv_head=1)
+    idx = torch.randint(0, V, (2, 5))
+    ref = m.generate(idx, 8, rollover=3)
+    monkeypatch.setattr(kernels, "_all_cuda", lambda tensors: True)
+    ops = set()
+
+    class Check(GraphCheck):
+        def __call__(self, gm, example_inputs):
+            ops.update(str(n.target) for n in gm.graph.nodes)
+            return super().__call__(gm, example_inputs)
+
+    check = Check()
+    m.compile_decode(backend=check)
+    assert torch.equal(m.generate(idx, 8, rollover=3), ref)
+    assert check.graphs == 2 and check.unsafe == [] and check.syncs == [], (check.unsafe, check.syncs)
+    assert any("flex_attention" in op for op in ops), ops
+
+
 # ---- the FlexAttention training path (eager on CPU, compiled on CUDA) == the dense reference --------------------
 
 
@@ -552,8 +598,8 @@ def test_bad_generation_inputs_raise_clear_errors():
     m.extend_context(idx, one_shot)
     with pytest.raises(ValueError, match="keep_context=False"):
         m.extend_context(idx, one_shot)
-    with pytest.raises(ValueError, match="the double decoder's cache cannot be static"):
-        m.new_cache(1, 8, 2, static=True)
+    with pytest.raises(ValueError, match="keep_context=False: a rollover extends the context"):
+        m.generate(idx, 6, cache=m.new_cache(1, 8, 2), rollover=2)
     kept = m.new_cache(1, 8, 2, keep_context=True)
     with pytest.raises(ValueError, match="KV cache holds 8 positions; extending the context needs 9"):
         m.extend_context(torch.randint(0, V, (1, 9)), kept)

@@ -347,11 +347,11 @@ def test_dual_attention_triton(H, Hkv, lengths, pad):
         close(l, l_ref)
 
 
-def test_dual_attention_triton_decode_and_padding():
+def dual_decode_inputs(D=12):
     """Decode layout: T = 1 query per sequence at different positions and blocks; self keys are a cache with
     padding (s_blk = -1), cross keys a cache of earlier blocks' latents with padding (huge id); int32 ids; one row
-    sees no key at all (out 0, lse -inf, as the reference)."""
-    B, H, Hkv, D, S1, S2 = 3, 4, 2, 12, 19, 9
+    sees no key at all."""
+    B, H, Hkv, S1, S2 = 3, 4, 2, 19, 9
     q = torch.randn(B, H, 1, D)
     q_pos = torch.tensor([[5], [18], [7]], dtype=torch.int32)
     q_blk = torch.tensor([[0], [3], [1]], dtype=torch.int32)
@@ -362,10 +362,27 @@ def test_dual_attention_triton_decode_and_padding():
     q_blk[2, 0] = 0  # batch 2: block 0, and no self key (all padding) and no cross key (none < 0): empty row
     k_s, v_s, k_c, v_c = torch.randn(B, Hkv, S1, D), torch.randn(B, Hkv, S1, D), torch.randn(B, Hkv, S2, D), \
         torch.randn(B, Hkv, S2, D)
-    args = (q, q_pos, q_blk, k_s, v_s, s_pos, s_blk, k_c, v_c, c_blk)
+    return (q, q_pos, q_blk, k_s, v_s, s_pos, s_blk, k_c, v_c, c_blk)
+
+
+def test_dual_attention_triton_decode_and_padding():
+    """The decode layout of dual_decode_inputs; the row that sees no key gets out 0, lse -inf, as the reference."""
+    args = dual_decode_inputs()
     o_ref, l_ref = K.dual_attention_ref(*args)
     assert torch.all(o_ref[2] == 0) and torch.all(l_ref[2] == float("-inf"))
     o, l = tri(K.dual_attention_triton, *args, block_n=16)
+    close(o, o_ref)
+    close(l, l_ref)
+
+
+@pytest.mark.parametrize("layout", ["training", "decode"])
+def test_dual_attention_flex_equals_reference(layout):
+    """The path the dispatch takes on a GPU (block masks from the ids, two FlexAttention calls, the LSE merge; eager
+    FlexAttention on CPU) == the reference: a 1-token block 0, GQA, padded cross keys; in the decode layout padded
+    self keys, int32 ids and a row that sees no key (out 0, lse -inf)."""
+    args = dual_inputs(2, 4, 2, [1, 9, 3], 16, n_cross_pad=2) if layout == "training" else dual_decode_inputs(16)
+    o_ref, l_ref = K.dual_attention_ref(*args)
+    o, l = tri(K.dual_attention_flex, *args)  # compiled on a GPU (head dim >= 16 there)
     close(o, o_ref)
     close(l, l_ref)
 
@@ -415,7 +432,8 @@ def op_cases():
         (K.multi_lora, K.multi_lora_stacked, "multi_lora_triton", (x, A, B, idx)),  # its CPU path (== the reference)
         (K.gated_swa, K.gated_swa_sdpa, "gated_swa_triton", (*gsw, 3)),  # its non-Triton path (== the reference)
         (K.gated_swa_decode, K.gated_swa_decode_sdpa, "gated_swa_decode_triton", dec),  # its CPU path (== ref)
-        (K.dual_attention, K.dual_attention_ref, "dual_attention_triton", dual_inputs(1, 2, 1, [2, 4], 8)),
+        # on a GPU the dual attention runs FlexAttention, not its Triton kernel (see kernels.dual_attention)
+        (K.dual_attention, K.dual_attention_ref, "dual_attention_flex", dual_inputs(1, 2, 1, [2, 4], 16)),
     ]
 
 
@@ -447,7 +465,8 @@ def test_dispatch_cpu_uses_reference(case, monkeypatch):
 
 @pytest.mark.parametrize("case", range(4))
 def test_dispatch_rules_on_a_gpu(case, monkeypatch):
-    """On CUDA tensors the dispatch runs the kernel (== reference); KERNELS_FALLBACK=1 forces the reference; an input
+    """On CUDA tensors the dispatch runs the kernel (the dual attention: FlexAttention) (== reference), never the dual
+    attention's Triton kernel; KERNELS_FALLBACK=1 forces the reference; an input
     that requires grad runs the reference, and the gradient flows; fp64 (no kernel) runs the reference.
     Without a GPU the device check is told that the CPU tensors are CUDA tensors (the kernel runs interpreted)."""
     if DEV.type == "cuda":
@@ -458,6 +477,7 @@ def test_dispatch_rules_on_a_gpu(case, monkeypatch):
         op, ref, kname, args = op_cases()[case]
     monkeypatch.delenv("KERNELS_FALLBACK", raising=False)
     calls = spy(monkeypatch, kname)
+    unused = spy(monkeypatch, "dual_attention_triton")
     for a, b in zip(flat(op(*args)), flat(ref(*args))):
         close(a, b)
     assert calls == [kname]
@@ -479,7 +499,7 @@ def test_dispatch_rules_on_a_gpu(case, monkeypatch):
 
     args64 = tuple(a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
     op(*args64)
-    assert calls == [kname, kname]
+    assert calls == [kname, kname] and unused == []
 
 
 def test_module_docstring_states_gradient_choice():

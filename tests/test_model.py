@@ -254,12 +254,55 @@ def test_compiled_decode_is_one_graph_that_cuda_graphs_can_capture():
     check = GraphCheck()
     m.compile_decode(backend=check)
     assert torch.equal(m.generate(idx, 8), ref)
-    assert check.graphs == 1 and check.unsafe == []
+    assert check.graphs == 1 and check.unsafe == [] and check.syncs == []
     unmarked = m.new_cache(3, 16, static=False)
     unmarked.static = True  # static shapes, but k, v and lengths not marked
     m.prefill(idx, unmarked)
     m.decode_step(idx[:, 0], unmarked)
     assert check.graphs == 2 and sorted(check.unsafe) == ["l_args_1_k", "l_args_1_lengths", "l_args_1_v"], check.unsafe
+
+
+def test_graph_check_names_every_host_sync():
+    """GraphCheck.syncs: torch traces int(t), bool(t), nonzero and boolean-mask indexing into the graph without a
+    break, but each reads a device value back to the host (no CUDA graph can hold it); their device-side forms
+    (masked_fill, argmax as a tensor, torch.where) do not."""
+    from graph_check import GraphCheck
+
+    from model import compile_step
+
+    x, m = torch.arange(4.0), torch.tensor([True, False, True, True])
+    check = GraphCheck()
+    sync = compile_step(lambda x, m: x[m].sum() + int(x.argmax()) + x.nonzero().sum() + x[0] * bool(x.any()),
+                        backend=check)
+    assert sync(x, m) == 5 + 3 + 6 + 0
+    assert sorted(check.syncs) == ["aten._local_scalar_dense.default"] * 2 + ["aten.index.Tensor",
+                                                                              "aten.nonzero.default"], check.syncs
+    check = GraphCheck()
+    compile_step(lambda x, m: x.masked_fill(~m, 0).sum() + x.argmax() + torch.where(x.any(), x, 0), backend=check)(x, m)
+    assert check.graphs == 1 and check.syncs == []
+
+
+def test_each_compiled_step_keeps_its_own_graphs():
+    """compile_step gives every step its own dynamo cache: steps decorated in torch (no_grad, as every decode step)
+    would otherwise share one, so more compiled steps than dynamo's recompile limit (the step kinds of several models
+    in one process) would fail. One step holds a graph for every batch bucket."""
+    from torch._dynamo.testing import CompileCounter
+
+    from model import BATCH_BUCKETS, compile_step
+
+    @torch.no_grad()
+    def step(x):
+        return x + 1
+
+    counters = [CompileCounter() for _ in range(12)]  # more steps than the default limit (8)
+    for c in counters:
+        assert torch.equal(compile_step(step, backend=c)(torch.zeros(2)), torch.ones(2))
+    assert [c.frame_count for c in counters] == [1] * 12
+    c = CompileCounter()
+    buckets = compile_step(step, backend=c)
+    for b in BATCH_BUCKETS + BATCH_BUCKETS:
+        buckets(torch.zeros(b))
+    assert c.frame_count == len(BATCH_BUCKETS)
 
 
 def test_batch_bucket():

@@ -149,6 +149,55 @@ def test_decode_through_triton_kernels(monkeypatch, variant, n_loops):
     torch.testing.assert_close(tri[0], full[torch.arange(2), lengths - 1], rtol=0, atol=2e-5)
 
 
+# -- the compiled decode step: one graph that CUDA graphs can capture ----------------------------------------------
+
+
+@pytest.mark.parametrize("variant", ["plt", "clp", "loop", "seq_gswa"])
+def test_compiled_decode_is_one_graph_that_cuda_graphs_can_capture(variant):
+    """compile_decode on a static PLTCache: one graph for every decode step of the CLP step (plt: the rings of G-SWA;
+    clp: a full cache per loop) and of the sequential loop baseline (loop; seq_gswa: with rings), across ring wraps
+    (12 new tokens after 5, W = 4), none more in a second generation of the same shape, every state tensor the step
+    writes (the caches, the rings and their positions, the hidden states, the lengths) marked static; the greedy
+    tokens equal the eager ones."""
+    from graph_check import GraphCheck
+
+    model = make(2, variant)
+    idx = torch.randint(SHAPE["vocab_size"], (2, 5))
+    ref = model.generate(idx, 12)
+    check = GraphCheck()
+    model.compile_decode(backend=check)
+    assert torch.equal(model.generate(idx, 12), ref)
+    assert check.graphs == 1 and check.unsafe == [] and check.syncs == [], (check.unsafe, check.syncs)
+    assert torch.equal(model.generate(idx, 12), ref) and check.graphs == 1
+
+
+def test_compiled_decode_through_the_triton_operator(monkeypatch):
+    """On a GPU G-SWA's decode runs the Triton kernels: inside a compiled step through one opaque operator
+    (kernels._gated_swa_decode_op), so the step stays one graph. Forced here onto the interpreted kernels: one graph,
+    the operator in it, the eager tokens."""
+    import kernels
+    from graph_check import GraphCheck
+
+    if kernels.triton is None:
+        pytest.skip("Triton is not installed")
+    model = make(3, "plt")
+    idx = torch.randint(SHAPE["vocab_size"], (2, 5))
+    ref = model.generate(idx, 8)
+    monkeypatch.setattr(kernels, "_all_cuda", lambda tensors: True)
+    ops = set()
+
+    class Check(GraphCheck):
+        def __call__(self, gm, example_inputs):
+            ops.update(str(n.target) for n in gm.graph.nodes)
+            return super().__call__(gm, example_inputs)
+
+    check = Check()
+    model.compile_decode(backend=check)
+    assert torch.equal(model.generate(idx, 8), ref)
+    assert check.graphs == 1 and check.unsafe == [] and check.syncs == [], (check.unsafe, check.syncs)
+    assert "nano_inference.gated_swa_decode.default" in ops, ops
+
+
 # -- L = 1 is the vanilla model ------------------------------------------------------------------------------------
 
 
