@@ -105,19 +105,23 @@ def val_windows(ck, tok, n_batches, batch, seq_len, seed, device):
 
 
 def loss_model(args):
-    """--model (a train.py checkpoint, hf:DIR, gguf:PATH or a packaged short name) and, for a pretrained source, the
+    """--model (a train.py checkpoint, hf:DIR, gguf:PATH or a packaged short name) and, for a vanilla source, the
     conversion flags (--arch, --loops, --init, --lora-rank, --keep-layers) -> (model, label, tokenizer spec). The
     conversion is recursive.from_vanilla, the one train.py --init-from runs, without a training step."""
     conversion = [f for f in ("arch", "loops", "init", "lora_rank", "keep_layers", "sharing")
                   if getattr(args, f) is not None]
     if not (is_gguf_source(args.model) or is_hf_source(args.model)):
-        if conversion:
-            raise UsageError(f"--{conversion[0].replace('_', '-')} converts a pretrained source (hf:DIR, gguf:PATH); "
-                             f"{args.model} is a train.py checkpoint: evaluate it as it is")
         ck = load_checkpoint(args.model)
-        return model_from_checkpoint(ck), f"{ck['arch']} step {ck['step']}", ck["tokenizer"]
-    src, _, spec = load_source_model(args.model)
-    label = "pretrained"
+        label = f"{ck['arch']} step {ck['step']}"
+        if not conversion:
+            return model_from_checkpoint(ck), label, ck["tokenizer"]
+        if ck["arch"] != "vanilla":
+            raise UsageError(f"--{conversion[0].replace('_', '-')} converts a vanilla model; {args.model} holds a "
+                             f"{ck['arch']} one: evaluate it as it is")
+        src, spec = model_from_checkpoint(ck), ck["tokenizer"]
+    else:
+        src, _, spec = load_source_model(args.model)
+        label = "pretrained"
     if args.keep_layers:
         src = recursive.keep_layers(src, args.keep_layers)
         label = f"layers {args.keep_layers}"
@@ -137,7 +141,8 @@ def loss_model(args):
                  for c in top}
     init = args.init or ("average" if arch == "relaxed" else "stepwise")
     sharing = args.sharing or "cycle"
-    model = recursive.from_vanilla(src, n_loops=args.loops or 2, init=init, sharing=sharing, **ranks, log=lambda s: None)
+    model = recursive.from_vanilla(src, n_loops=args.loops or 2, init=init, sharing=sharing, **ranks,
+                                   log=lambda s: None)
     return model, (f"{arch} B={args.loops or 2}" + (f" {sharing}" if sharing != "cycle" else "") + f" init {init}"
                    + (f" rank {args.lora_rank}" if ranks else "")), spec
 
@@ -586,11 +591,11 @@ def eval_recovery(args):
             raise UsageError(f"{path} holds rows of {settings['tokens']:,} tokens, here --tokens {args.tokens:,}: the "
                              f"rows compare at equal tokens; give another --out-dir for another budget")
     todo = [r for r in rows if args.redo or r not in done] if "curves" in stages else []
-    if (todo or "exits" in stages) and settings is None and not (args.tokens or args.minutes):
-        raise UsageError("give the budget of every row: --tokens N or --minutes M (then kept in the results file)")
     if "exits" in stages and not any(r in done or r in todo for r in LOOPED_ROWS):
         raise UsageError(f"the exits stage post-trains the best looped row ({', '.join(LOOPED_ROWS)}); none is in "
                          f"{path} yet: add one to --rows with --stages curves,exits")
+    if (todo or "exits" in stages) and settings is None and not (args.tokens or args.minutes):
+        raise UsageError("give the budget of every row: --tokens N or --minutes M (then kept in the results file)")
     if "table" in stages and not done and not todo:
         raise UsageError(f"{path} holds no rows yet: run stage curves first")
     if args.points and settings is None and args.tokens and max(curve_points(0, args.points)) > args.tokens:
@@ -694,10 +699,10 @@ def recovery_table(settings, done, plan) -> str:
     against stdlib only."""
     order = [r for r in RECOVERY_ROWS if r in done]
     ticks = sorted({t for r in order for t, _ in done[r]["points"]})
-    lines = [f"Recovery: KD (fkl) from {settings['source']}, {settings['tokens']:,} tokens per row ({settings['batch_size']}"
-             f" x {settings['seq_len']} per step, lr {settings['lr']:g} -> {settings['min_lr']:g}, seed "
-             f"{settings['seed']}); loss on the fixed evaluation set (the first {settings['eval_tokens']:,} tokens of "
-             f"the {settings['data']} validation split) after t tokens", "",
+    lines = [f"Recovery: KD (fkl) from {settings['source']}, {settings['tokens']:,} tokens per row "
+             f"({settings['batch_size']} x {settings['seq_len']} per step, lr {settings['lr']:g} -> "
+             f"{settings['min_lr']:g}, seed {settings['seed']}); loss on the fixed evaluation set (the first "
+             f"{settings['eval_tokens']:,} tokens of the {settings['data']} validation split) after t tokens", "",
              "| row | parameters (non-emb) | " + " | ".join(short(t) for t in ticks) + " | tok/s | card |",
              "|---|---|" + "---|" * len(ticks) + "---|---|"]
     loss = {r: dict(map(tuple, done[r]["points"])) for r in order}
@@ -906,7 +911,8 @@ def build_parser():
                                     "the first --tokens of a validation split")
     p.add_argument("--model", type=path_arg, required=True, help="train.py checkpoint, hf:DIR, gguf:PATH or smollm2-135m")
     p.add_argument("--arch", default=None, choices=["vanilla", "recursive", "relaxed"],
-                   help="pretrained source: convert to this architecture first (no training)")
+                   help="a vanilla source (pretrained or a checkpoint): convert to this architecture first (no "
+                        "training)")
     p.add_argument("--loops", type=number(int, min=2), default=None, help="B of the conversion (default 2)")
     p.add_argument("--init", default=None, choices=recursive.INITS, help="tying of the conversion")
     p.add_argument("--lora-rank", default=None, type=rank_or_full, help="relaxed: LoRA rank of every component, or "
@@ -1008,7 +1014,8 @@ def build_parser():
 
     p = sub.add_parser("samples", help="text sampled from a vanilla model (greedy start, then sampled) as .jsonl "
                                        "shards train.py reads: sequence-level distillation data")
-    p.add_argument("--model", type=path_arg, required=True, help="train.py checkpoint, hf:DIR, gguf:PATH or smollm2-135m")
+    p.add_argument("--model", type=path_arg, required=True,
+                   help="train.py checkpoint, hf:DIR, gguf:PATH or smollm2-135m")
     p.add_argument("--tokens", type=number(float, min=1), required=True, help="tokens to have in --out (at least)")
     p.add_argument("--out", type=path_arg, required=True, help="directory of the shards and manifest.json")
     p.add_argument("--length", type=two, default=512, help="tokens per sequence, the first one included")

@@ -676,9 +676,10 @@ class GPT(nn.Module):
                  greedy_first: int = 0, **step_kwargs):
         """idx (B, T) -> (B, T + max_new_tokens): prefill, then one decode_step per new token. temperature 0 is
         greedy (argmax); else sampled with `generator`, after `greedy_first` argmax tokens (LLM-QAT's data from the
-        model itself, Liu et al., arXiv:2305.17888: a greedy start, then sampling). The one generate loop of this repository: every architecture
-        names its cache (cache_cls, sized by generation_cache) and overrides prefill and decode_step, and
-        `step_kwargs` reach every decode_step (e.g. recursive.py's exit_threshold, double_decoder.py's rollover).
+        model itself, Liu et al., arXiv:2305.17888: a greedy start, then sampling). The one generate loop of this
+        repository: every architecture names its cache (cache_cls, sized by generation_cache) and overrides prefill
+        and decode_step, and `step_kwargs` reach every decode_step (e.g. recursive.py's exit_threshold,
+        double_decoder.py's rollover).
         `cache`: a cache to use instead of a new one (e.g. one holding a shared prefix)."""
         B, T = idx.shape
         self.check_length(T + max_new_tokens)

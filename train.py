@@ -20,12 +20,12 @@ Runs (their wall times on 2 CPU cores: RESULTS.md, Timings):
     torchrun --nproc_per_node=8 train.py --preset base --data ...   # DDP (nccl on GPU, gloo on CPU)
 
 Log lines are greppable: `step N loss X lr Y ms Z tok/s W mfu M`, `val step N loss X ppl Y` and, with --curve-at,
-`curve step N tokens T loss X` (the fixed evaluation set of `python eval.py loss`, also in OUT_DIR/curve.jsonl). `loss` is always the
-LM cross-entropy (the quantity val measures). When the objective has more terms, the header says so ("objective: LM
-cross-entropy + KD fkl x1.0 (temperature 1.0) from T" / "+ exit loss aggressive coef 0.1 + self-distill") and the
-step line adds them after `loss`: `kd` (the distillation term before its weight), `total` (the objective that is
-optimised), and the model's own metrics (the per-loop exit terms `loss_l1 ... kd_l1 ...`) at the end. On a task both
-lines add its accuracy per p after the loss terms: `acc p1 0.998 p2 0.951 ...`.
+`curve step N tokens T loss X` (the fixed evaluation set of `python eval.py loss`, also in OUT_DIR/curve.jsonl).
+`loss` is always the LM cross-entropy (the quantity val measures). When the objective has more terms, the header says
+so ("objective: LM cross-entropy + KD fkl x1.0 (temperature 1.0) from T" / "+ exit loss aggressive coef 0.1 +
+self-distill") and the step line adds them after `loss`: `kd` (the distillation term before its weight), `total` (the
+objective that is optimised), and the model's own metrics (the per-loop exit terms `loss_l1 ... kd_l1 ...`) at the
+end. On a task both lines add its accuracy per p after the loss terms: `acc p1 0.998 p2 0.951 ...`.
 """
 from __future__ import annotations
 
