@@ -560,6 +560,10 @@ def eval_recovery(args):
     out = Path(args.out_dir)
     path = out / "recovery.jsonl"
     settings, done, exits = read_recovery(path)
+    if set(stages) == {"table"}:  # what the results file holds, nothing run: no source, no settings to check
+        if not done:
+            raise UsageError(f"{path} holds no rows yet: run stage curves first")
+        return report_recovery(settings, done, exits, out)
     device = pick_device(args.device)
     batch = args.batch_size or (64 if device.type == "cuda" else 4)
     tps = batch * args.seq_len
@@ -596,10 +600,9 @@ def eval_recovery(args):
                          f"{path} yet: add one to --rows with --stages curves,exits")
     if (todo or "exits" in stages) and settings is None and not (args.tokens or args.minutes):
         raise UsageError("give the budget of every row: --tokens N or --minutes M (then kept in the results file)")
-    if "table" in stages and not done and not todo:
-        raise UsageError(f"{path} holds no rows yet: run stage curves first")
-    if args.points and settings is None and args.tokens and max(curve_points(0, args.points)) > args.tokens:
-        raise UsageError(f"--points {args.points}: a point is past the budget of {args.tokens:,} tokens")
+    budget = settings["tokens"] if settings is not None else args.tokens
+    if args.points and budget and max(curve_points(0, args.points)) > budget:
+        raise UsageError(f"--points {args.points}: a point is past the budget of {budget:,} tokens")
     check_writable_dir(out, "--out-dir")
     common = ["--data", args.data, "--cache-dir", args.cache_dir, "--seq-len", str(args.seq_len), "--batch-size",
               str(batch), "--device", args.device, "--dtype", args.dtype, "--seed", str(args.seed),
@@ -627,8 +630,13 @@ def eval_recovery(args):
     if "exits" in stages:
         exits = exits_stage(args, settings, done, common, out)
         append_record(path, exits)
+    return report_recovery(settings, done, exits, out)
+
+
+def report_recovery(settings, done, exits, out: Path):
+    """The curves' table (OUT/recovery.md) and plot (OUT/recovery.png), and the exits table (OUT/exits.md), printed."""
     if done:
-        text = recovery_table(settings, done, plan)
+        text = recovery_table(settings, done)
         print(text)
         (out / "recovery.md").write_text(text + "\n")
         plot = recovery_plot(settings, done, out / "recovery.png")
@@ -693,7 +701,7 @@ def short(n: float) -> str:
     return f"{n / 1e6:.3g}M" if n >= 1e6 else f"{n / 1e3:.3g}k" if n >= 1e3 else f"{n:.0f}"
 
 
-def recovery_table(settings, done, plan) -> str:
+def recovery_table(settings, done) -> str:
     """The curves as a markdown table (a column per token count), then what they say: looped against the same-size
     non-looped model at every point (the paper's claim), each row's distance to the anchor at the end, samples
     against stdlib only."""

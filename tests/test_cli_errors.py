@@ -421,8 +421,8 @@ EVAL = [
       "--stages", "exits"],
      "the exits stage post-trains the best looped row (a, c, a+samples); none is in {tmp}/r/recovery.jsonl yet",
      trained_run, NO_CHILD),
-    (["recovery", "--source", "{d}/trained/ckpt.pt", "--seq-len", "32", "--out-dir", "{tmp}/r", "--stages", "table"],
-     "{tmp}/r/recovery.jsonl holds no rows yet: run stage curves first", trained_run, NO_CHILD),
+    (["recovery", "--out-dir", "{tmp}/r", "--stages", "table"], "{tmp}/r/recovery.jsonl holds no rows yet: run stage "
+                                                               "curves first", NO_CHILD),
     (["recovery", "--source", "{d}/trained/ckpt.pt", "--tokens", "100", "--batch-size", "4", "--seq-len", "32"],
      "--tokens 100 is less than one step (4 x 32 tokens)", trained_run, NO_CHILD),
     (["recovery", "--source", "{d}/trained/ckpt.pt", "--seq-len", "100000", "--tokens", "1e9"],

@@ -89,6 +89,8 @@ def test_recovery_command_builds_the_curves_in_calls_then_serves_real_exits(sour
     assert exits["post_curve"][0][1] == pytest.approx(rows[exits["row"]]["points"][-1][1], abs=1e-5)
     table = (out / "exits.md").read_text()
     assert table in text and "| gate>=0.5 |" in table and "| original |" in table
+    ev.main(["recovery", "--out-dir", str(out), "--stages", "table"])  # the tables again, from the results alone
+    assert capsys.readouterr().out.startswith((out / "recovery.md").read_text())
 
 
 def test_samples_are_seeded_per_shard_and_continue_where_they_stopped(source, tmp_path, capsys):
