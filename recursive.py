@@ -53,6 +53,7 @@ The model, top to bottom:
 
 Run:
     python train.py --arch recursive --init-from out/vanilla/ckpt.pt --loops 2 --init stepwise
+    python train.py --arch recursive --init-from out/vanilla/ckpt.pt --loops 2 --sharing middle_cycle  # Middle-Cycle
     python train.py --arch relaxed --init-from out/vanilla/ckpt.pt --loops 2 --init average --lora-rank 16
     python train.py --arch relaxed --init-from out/relaxed/ckpt.pt --exit-loss aggressive --exit-coef 0.1 \
         --self-distill --out-dir out/relaxed-exit                   # early-exit post-training (Appendix J)
