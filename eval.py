@@ -56,6 +56,7 @@ import argparse
 import json
 import math
 import os
+import platform
 import re
 import shutil
 import statistics
@@ -463,9 +464,6 @@ def read_json(path: Path):
 RECOVERY_ROWS = ("a", "b", "c", "d", "e", "a+samples")
 LOOPED_ROWS = ("a", "c", "a+samples")  # CYCLE-sharing looped rows: what the exits stage may post-train
 STAGES = ("curves", "exits", "table")
-# What every row of one results file must share (a later call with other values would break the equal tokens)
-SETTINGS = ("source", "data", "tokens", "seq_len", "batch_size", "lr", "min_lr", "eval_tokens", "seed", "lora_rank",
-            "samples_share")
 HERE = Path(__file__).resolve().parent
 
 
@@ -586,6 +584,8 @@ def eval_recovery(args):
     mine = dict(source=args.source, data=args.data, seq_len=args.seq_len, batch_size=batch, lr=args.lr,
                 min_lr=args.lr / 10, eval_tokens=args.eval_tokens, seed=args.seed, lora_rank=args.lora_rank,
                 samples_share=args.samples_share)
+    if args.data == "stdlib":  # the corpus, and so the evaluation set, is this interpreter's standard library
+        mine["python"] = platform.python_version()
     if settings is not None:
         other = [k for k in mine if settings.get(k) != mine[k]]
         if other:
@@ -710,7 +710,8 @@ def recovery_table(settings, done) -> str:
     lines = [f"Recovery: KD (fkl) from {settings['source']}, {settings['tokens']:,} tokens per row "
              f"({settings['batch_size']} x {settings['seq_len']} per step, lr {settings['lr']:g} -> "
              f"{settings['min_lr']:g}, seed {settings['seed']}); loss on the fixed evaluation set (the first "
-             f"{settings['eval_tokens']:,} tokens of the {settings['data']} validation split) after t tokens", "",
+             f"{settings['eval_tokens']:,} tokens of the {settings['data']} validation split"
+             + (f" of Python {settings['python']}" if settings.get("python") else "") + ") after t tokens", "",
              "| row | parameters (non-emb) | " + " | ".join(short(t) for t in ticks) + " | tok/s | card |",
              "|---|---|" + "---|" * len(ticks) + "---|---|"]
     loss = {r: dict(map(tuple, done[r]["points"])) for r in order}
