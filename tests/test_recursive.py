@@ -710,7 +710,8 @@ def test_middle_cycle_refuses_what_assumes_cycle():
         m.exit_pass(m.embed(idx[:, 1:2]), 0, cache.lengths[:, None], cache)
 
 
-def test_train_middle_cycle_conversion_and_refusal(corpus):
+def test_train_middle_cycle_conversion_and_refusal(corpus, capsys):
+    import eval as ev
     import train
 
     d, common = corpus
@@ -722,3 +723,8 @@ def test_train_middle_cycle_conversion_and_refusal(corpus):
     with pytest.raises(ValueError, match="exit_loss='aggressive' needs sharing='cycle'"):
         train.train(["--arch", "recursive", "--init-from", van_ckpt, "--sharing", "middle_cycle", "--exit-loss",
                      "aggressive", "--max-iters", "1", "--out-dir", str(d / "x"), *common])
+    capsys.readouterr()
+    with pytest.raises(SystemExit):  # eval.py exits: one line, no per-loop analysis of a Middle-Cycle model
+        ev.main(["exits", "--ckpt", str(d / "middle" / "ckpt.pt"), "--device", "cpu"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "shares its layers middle_cycle" in err[0], err
