@@ -14,7 +14,7 @@ Runs (their wall times on 2 CPU cores: RESULTS.md, Timings):
     python train.py --arch relaxed --init-from out/vanilla/ckpt.pt --loops 2 --init average \\
         --teacher out/vanilla/ckpt.pt --kd fkl                      # uptraining: convert, then distill
     python train.py --resume --out-dir out/relaxed                  # continue a run with its own flags
-    python train.py --arch recursive --init-from smollm2-135m --teacher smollm2-135m --curve-at 0,3e5,1e6 \
+    python train.py --arch recursive --init-from smollm2-135m --teacher smollm2-135m --curve-at 0,3e5,1e6 \\
         --mix-data out/recovery/samples                             # a recovery curve, half the windows teacher text
     python train.py --data /data/SlimPajama-627B/train --exclude-sets RedPajamaGithub --preset small
     torchrun --nproc_per_node=8 train.py --preset base --data ...   # DDP (nccl on GPU, gloo on CPU)
