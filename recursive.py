@@ -10,6 +10,14 @@ The model, top to bottom:
   * Looped layer tying, CYCLE (eq. 2, Appendix B): one block of K = N / B unique layers, looped B times. Loop l runs
     shared layer k at effective depth l*K + k. Every parameter is tied across loops, the norms included. The config
     keeps n_layer = N, the effective depth of the vanilla model it stands for; n_loops = B.
+  * Middle-Cycle sharing (`sharing='middle_cycle'`; "Mixture-of-Recursions", Bae et al., arXiv:2507.10524, section
+    2.2 and its sharing-strategy comparison, where it is the best scheme): the first and the last layer stay unique
+    (`unique_first`, `unique_last`, run before and after the loops) and the middle N - 2 layers are K = (N - 2) / B
+    shared layers looped B times. Conversion copies the first and last vanilla layers and ties the middle with the
+    chosen init over the middle layers 1..N-2 (Stepwise: round(linspace(1, N-2, K)), as that paper's public code).
+    Cache layers: 0 for the first layer, 1 + l*K + k for loop l, N - 1 for the last. A loop's output is not an exit
+    here (the last layer still follows), so early exit, exit losses, the exit gate and depth-wise serving are
+    refused for it (config validation, exit_pass, exit_analysis).
   * Conversion from a vanilla N-layer model (section 2.2, Figure 2, Appendix F): Stepwise keeps the first and the
     last layer and picks the rest at even intervals ("fixed-ends", Appendix F.1: source layers
     round(linspace(0, N-1, K)) with Python's round, half to even, as the authors' public MoR code; N=6, B=2 -> layers
@@ -45,6 +53,7 @@ The model, top to bottom:
 
 Run:
     python train.py --arch recursive --init-from out/vanilla/ckpt.pt --loops 2 --init stepwise
+    python train.py --arch recursive --init-from out/vanilla/ckpt.pt --loops 2 --sharing middle_cycle  # Middle-Cycle
     python train.py --arch relaxed --init-from out/vanilla/ckpt.pt --loops 2 --init average --lora-rank 16
     python train.py --arch relaxed --init-from out/relaxed/ckpt.pt --exit-loss aggressive --exit-coef 0.1 \
         --self-distill --out-dir out/relaxed-exit                   # early-exit post-training (Appendix J)
@@ -92,7 +101,11 @@ class RecursiveGPT(GPT):
     cache_cls = RecursiveCache  # GPT.new_cache builds it: one cache layer per (loop, shared layer), N = B*K of them
 
     def __init__(self, cfg: RecursiveConfig):
-        super().__init__(cfg)  # init_weights scales the residual projections by the effective depth N
+        # the stacks in depth order: unique first layers (Middle-Cycle; empty under CYCLE), the shared block, unique
+        # last layers; init_weights scales the residual projections by the effective depth N
+        super().__init__(cfg, stacks={"unique_first": nn.ModuleList(Block(cfg) for _ in range(cfg.n_first)),
+                                      "blocks": self.make_blocks(cfg),
+                                      "unique_last": nn.ModuleList(Block(cfg) for _ in range(cfg.n_last))})
         for m in self.modules():
             if isinstance(m, LoRALinear):
                 m.reset_lora()
@@ -115,11 +128,25 @@ class RecursiveGPT(GPT):
 
         The loop index selects the LoRA of every projection and, with a cache, the cache layer loop*K + k.
         """
-        K = self.config.n_shared
+        K, first = self.config.n_shared, self.config.n_first
         for k, block in enumerate(self.blocks):
-            c = None if cache is None else cache.layer(loop * K + k, rows)
+            c = None if cache is None else cache.layer(first + loop * K + k, rows)
             x = block(x, rope, lora_idx=loop, cache=c, **attn_kwargs)
         return x
+
+    def run_unique(self, blocks, x, rope, cache=None, rows=None, **attn_kwargs):
+        """The unique layers of Middle-Cycle sharing (`unique_first` before the loops, `unique_last` after them; empty
+        under CYCLE), each with a cache layer of its own: 0.. for the first, N - n_last.. for the last."""
+        base = 0 if blocks is self.unique_first else self.config.n_layer - self.config.n_last
+        for i, block in enumerate(blocks):
+            x = block(x, rope, cache=None if cache is None else cache.layer(base + i, rows), **attn_kwargs)
+        return x
+
+    def check_cycle(self, what: str):
+        """Early exit reads the final norm and head after a loop: only CYCLE sharing ends every loop there."""
+        if self.config.sharing != "cycle":
+            raise ValueError(f"{what} assumes sharing='cycle'; under sharing={self.config.sharing!r} the unique last "
+                             f"layer follows the loops, so a loop's output is no exit")
 
     # -- training forward ----------------------------------------------------------------------------------------
 
@@ -128,15 +155,17 @@ class RecursiveGPT(GPT):
         B, T = idx.shape
         self.check_length(T)
         rope = self.rope(torch.arange(T, device=idx.device))
-        x, out = self.embed(idx), []
+        x, out = self.run_unique(self.unique_first, self.embed(idx), rope), []
         for l in range(self.config.n_loops):
             x = self.run_loop(x, l, rope)
             if all_loops or l == self.config.n_loops - 1:
                 out.append(x)
+        out[-1] = self.run_unique(self.unique_last, out[-1], rope)  # Middle-Cycle: the last layer before the head
         return out
 
     def loop_logits(self, idx) -> list[torch.Tensor]:
         """idx (B, T) -> logits (B, T, V) of every loop (static exiting at each depth; exit_analysis uses it)."""
+        self.check_cycle("static exit after every loop")
         return [self.head(h) for h in self.loop_hidden(idx)]
 
     def forward(self, idx, targets=None):
@@ -209,9 +238,10 @@ class RecursiveGPT(GPT):
         lengths = start_prefill(idx, cache, lengths)
         q_pos = torch.arange(T, device=idx.device)[None].expand(B, T)
         rope = self.rope(q_pos)
-        x = self.embed(idx)
+        x = self.run_unique(self.unique_first, self.embed(idx), rope, cache=cache, q_pos=q_pos)
         for l in range(self.config.n_loops):  # fresh prefill: causal attention over x itself, K/V written
             x = self.run_loop(x, l, rope, cache=cache, q_pos=q_pos)
+        x = self.run_unique(self.unique_last, x, rope, cache=cache, q_pos=q_pos)
         cache.lengths.copy_(lengths)
         last = x[torch.arange(B, device=idx.device), lengths - 1]  # (B, C)
         return self.head(last[:, None])[:, 0]
@@ -265,6 +295,7 @@ class RecursiveGPT(GPT):
         The head runs only on the leaving rows, except under rule 'softmax', whose score is the head's output on
         every row.
         """
+        self.check_cycle("a loop's exit (exit_pass: early exit, depth-wise serving)")
         L = self.config.n_loops
         h = self.loop_step(x, loops, q_pos, cache, rows=rows, kv_len=kv_len)
         loops = loops if isinstance(loops, torch.Tensor) else torch.full((x.size(0),), loops, device=x.device)
@@ -329,6 +360,8 @@ class RecursiveGPT(GPT):
         matmuls). The exit loops are also appended to cache.exit_log.
         """
         cfg = self.config
+        if cfg.sharing != "cycle":
+            return self.decode_all_layers(tok, cache, exit_threshold, return_exits)
         B, L = tok.size(0), cfg.n_loops
         q_pos = cache.lengths[:, None]  # (B, 1)
         kv_len = cache.kv_len(1)
@@ -351,6 +384,26 @@ class RecursiveGPT(GPT):
         cache.lengths += 1
         if isinstance(cache, RecursiveCache):
             cache.exit_log.append(exits)
+        return (logits, exits) if return_exits else logits
+
+    @torch.no_grad()
+    def decode_all_layers(self, tok, cache: RecursiveCache, exit_threshold=None, return_exits=False):
+        """decode_step of Middle-Cycle sharing: the first layer, every loop, the last layer, the head; no early exit
+        (a loop's output is no exit there). tok (B,) -> logits (B, V) [, exit loop (B,): always the last]."""
+        if exit_threshold is not None:
+            self.check_cycle("early exit (an exit threshold)")
+        q_pos = cache.lengths[:, None]  # (B, 1)
+        mask = causal_mask_from_positions(q_pos, cache.kv_len(1))
+        rope = self.rope(q_pos)
+        x = self.run_unique(self.unique_first, self.embed(tok[:, None]), rope, cache=cache, mask=mask, q_pos=q_pos)
+        for l in range(self.config.n_loops):
+            x = self.run_loop(x, l, rope, cache=cache, mask=mask, q_pos=q_pos)
+        x = self.run_unique(self.unique_last, x, rope, cache=cache, mask=mask, q_pos=q_pos)
+        cache.lengths += 1
+        exits = torch.full((tok.size(0),), self.config.n_loops - 1, dtype=torch.long, device=tok.device)
+        if isinstance(cache, RecursiveCache):
+            cache.exit_log.append(exits)
+        logits = self.head(x)[:, 0]
         return (logits, exits) if return_exits else logits
 
     @torch.no_grad()
@@ -395,8 +448,9 @@ class RecursiveGPT(GPT):
         c = self.config
         lora = self.lora_param_count()
         shared = count_params(self.blocks) - lora
+        unique = count_params(self.unique_first) + count_params(self.unique_last)  # Middle-Cycle: run once
         heads = 1 + ((c.n_loops - 1) if training and c.exit_loss != "none" else 0)
-        n = c.n_loops * shared + lora + count_params(self.norm) + heads * c.n_embd * c.vocab_size
+        n = c.n_loops * shared + lora + unique + count_params(self.norm) + heads * c.n_embd * c.vocab_size
         f = 6 * n + 12 * c.n_layer * c.n_head * c.hd * seq_len
         return f if training else f / 3
 
@@ -415,6 +469,7 @@ def exit_coefficients(kind: str, n_loops: int, coef: float) -> list[float]:
 # Config
 
 INITS = ("stepwise", "average", "lower", "random")
+SHARINGS = ("cycle", "middle_cycle")
 EXIT_LOSSES = ("none", "weighted", "aggressive")
 EXIT_RULES = ("softmax", "gate", "saturation")
 
@@ -440,13 +495,29 @@ class RecursiveConfig(GPTConfig):
     # A learned exit gate: per non-final loop one linear classifier on the final-norm'ed hidden state, trained (on
     # detached inputs: the LM is untouched) to predict that this loop's argmax equals the final loop's (the oracle).
     exit_gate: bool = False
+    # Which layers loop: 'cycle' = all N layers are the K = N / B shared ones looped B times (this paper's CYCLE);
+    # 'middle_cycle' = the first and the last layer unique, the middle N - 2 are K = (N - 2) / B shared layers looped
+    # B times (Mixture-of-Recursions' Middle-Cycle). A loop ends at the final norm and head only under 'cycle': early
+    # exit and its training are refused for 'middle_cycle'.
+    sharing: str = "cycle"
 
     def validate(self):
         super().validate()
         need = self.need
         need(isinstance(self.n_loops, int) and self.n_loops >= 1, f"n_loops={self.n_loops} must be a positive int")
-        need(self.n_layer % self.n_loops == 0, f"n_layer={self.n_layer} is not divisible by n_loops={self.n_loops} "
-                                               f"(the shared block needs K = n_layer / n_loops layers)")
+        need(self.sharing in SHARINGS, f"sharing={self.sharing!r} is not one of {SHARINGS}")
+        if self.sharing == "cycle":
+            need(self.n_layer % self.n_loops == 0, f"n_layer={self.n_layer} is not divisible by n_loops={self.n_loops} "
+                                                   f"(the shared block needs K = n_layer / n_loops layers)")
+        else:
+            mid = self.n_layer - 2
+            need(mid >= self.n_loops and mid % self.n_loops == 0,
+                 f"sharing='middle_cycle': the n_layer - 2 = {mid} middle layers are not divisible by "
+                 f"n_loops={self.n_loops} (the shared block needs K = (n_layer - 2) / n_loops >= 1 layers)")
+            for bad, what in ((self.exit_loss != "none", f"exit_loss={self.exit_loss!r}"),
+                              (self.exit_gate, "exit_gate"), (self.exit_threshold is not None, "exit_threshold")):
+                need(not bad, f"{what} needs sharing='cycle': under 'middle_cycle' the unique last layer follows the "
+                              f"loops, so a loop's output is no exit")
         top = max_ranks(self)
         for c in COMPONENTS:
             r = getattr(self, f"lora_rank_{c}")
@@ -464,8 +535,16 @@ class RecursiveConfig(GPTConfig):
              "exit_rule='gate' needs a model with a trained exit gate (train with --exit-gate)")
 
     @property
+    def n_first(self) -> int:  # unique layers before the loops (Middle-Cycle)
+        return 1 if self.sharing == "middle_cycle" else 0
+
+    @property
+    def n_last(self) -> int:  # unique layers after the loops (Middle-Cycle)
+        return 1 if self.sharing == "middle_cycle" else 0
+
+    @property
     def n_shared(self) -> int:  # K
-        return self.n_layer // self.n_loops
+        return (self.n_layer - self.n_first - self.n_last) // self.n_loops
 
     @property
     def lora_ranks(self) -> dict[str, int]:
@@ -498,8 +577,11 @@ def stepwise_layers(N: int, K: int) -> list[int]:
     return [round(k * (N - 1) / (K - 1)) for k in range(K)]
 
 
-def tying_sources(N: int, K: int, init: str) -> list[list[int]]:
-    """For each shared layer k, the vanilla layers it is made of (averaged when more than one)."""
+def tying_sources(N: int, K: int, init: str, sharing: str = "cycle") -> list[list[int]]:
+    """For each shared layer k, the vanilla layers it is made of (averaged when more than one). Middle-Cycle ties
+    over the middle layers 1..N-2 only (the first and the last are copied as they are)."""
+    if sharing == "middle_cycle":
+        return [[i + 1 for i in s] for s in tying_sources(N - 2, K, init)]
     B = N // K
     if init == "stepwise":
         return [[i] for i in stepwise_layers(N, K)]
@@ -587,18 +669,26 @@ def from_vanilla(src: GPT, n_loops: int = 2, init: str = "stepwise", lora_init: 
     model.norm.load_state_dict(src.norm.state_dict())
     if not cfg.tie_embeddings:
         model.lm_head.load_state_dict(src.lm_head.state_dict())
-    sources = tying_sources(N, K, init)
+    first, last = cfg.n_first, cfg.n_last  # Middle-Cycle: the unique layers are the source's first and last ones
+    for i, block in enumerate(model.unique_first):
+        block.load_state_dict(src.blocks[i].state_dict())
+    for i, block in enumerate(model.unique_last):
+        block.load_state_dict(src.blocks[N - last + i].state_dict())
+    sources = tying_sources(N, K, init, cfg.sharing)
     for k, block in enumerate(model.blocks):
         sds = [src.blocks[i].state_dict() for i in sources[k]]
         sd = {n: torch.stack([s[n].float() for s in sds]).mean(0).to(sds[0][n].dtype) for n in sds[0]}
         missing, unexpected = block.load_state_dict(sd, strict=False)
         assert not unexpected and all(".lora_" in m for m in missing), (missing, unexpected)
     log(f"convert: {kind} N={N} B={B} K={K}, init {init}: shared layer k <- vanilla layers "
-        f"{[s if len(s) > 1 else s[0] for s in sources]}")
+        f"{[s if len(s) > 1 else s[0] for s in sources]}"
+        + (f"; unique layers {list(range(first))} and {list(range(N - last, N))} copied (Middle-Cycle)"
+           if cfg.sharing != "cycle" else ""))
     if cfg.relaxed:
         total = {}
         for k, block in enumerate(model.blocks):
-            counts = init_lora(block, [src.blocks[l * K + k] for l in range(B)], lora_init, generator=generator)
+            counts = init_lora(block, [src.blocks[first + l * K + k] for l in range(B)], lora_init,
+                               generator=generator)
             total = {n: total.get(n, 0) + v for n, v in counts.items()}
         log(f"convert: LoRA ranks {cfg.lora_ranks}, init {lora_init}: {total['svd']} residuals by torch.linalg.svd "
             f"(float64), {total['lowrank']} by torch.svd_lowrank, {total['zero_residual']} exactly zero (standard "
@@ -669,6 +759,9 @@ def add_args(ap: argparse.ArgumentParser):
     g.add_argument("--init", default=None, choices=INITS,
                    help="tying of looped layers when converting (--init-from): default stepwise for recursive, "
                         "average for relaxed (the paper's best); random = fresh init")
+    g.add_argument("--sharing", default=None, choices=SHARINGS,
+                   help="which layers loop: cycle (all, the default) or middle_cycle (the first and last layer unique, "
+                        "the middle looped; Mixture-of-Recursions)")
     g.add_argument("--lora-rank", type=int, default=None, help="relaxed: LoRA rank of every component (default: preset)")
     for c in COMPONENTS:
         g.add_argument(f"--lora-rank-{c}", type=int, default=None, help=f"relaxed: LoRA rank of the {c} projections")
@@ -701,7 +794,7 @@ def config_overrides(args, relaxed: bool) -> dict:
                 o[f"lora_rank_{c}"] = r
     elif base or any(ranks.values()) or getattr(args, "lora_init", None):
         raise ValueError("--lora-rank* and --lora-init are flags of --arch relaxed, not recursive")
-    for name in ("exit_loss", "exit_coef", "self_distill", "exit_threshold", "exit_gate", "exit_rule"):
+    for name in ("sharing", "exit_loss", "exit_coef", "self_distill", "exit_threshold", "exit_gate", "exit_rule"):
         if getattr(args, name, None) is not None:
             o[name] = getattr(args, name)
     if getattr(args, "init", None) not in (None, "random") and not getattr(args, "init_from", None):
@@ -732,7 +825,8 @@ TRAIN_DEFAULTS = {"recursive": {"max_iters": 300}, "relaxed": {"max_iters": 250}
 
 def preset_rows(preset: str, options=None, relaxed: bool = False) -> list:
     """The rows `python bench.py presets --arch recursive,relaxed` prints for one preset (meta device): recursive =
-    the vanilla model and the recursive one with B loops (options.loops, default 2); relaxed = one row per LoRA rank
+    the vanilla model and the recursive one with B loops (options.loops, default 2), CYCLE and, where the preset's
+    N - 2 middle layers divide by B, Middle-Cycle; relaxed = one row per LoRA rank
     of options.ranks (default 8,16,32,64; each component capped at its full rank, named in the label when capped).
     Every looped model sits beside the vanilla model as its baseline. options: bench.py's parsed flags, or None."""
     B = getattr(options, "loops", None) or 2
@@ -742,8 +836,12 @@ def preset_rows(preset: str, options=None, relaxed: bool = False) -> list:
     with torch.device("meta"):
         van = GPT(GPTConfig(**base))
         if not relaxed:
-            return [(label("vanilla"), van, None),
+            rows = [(label("vanilla"), van, None),
                     (label(f"recursive B={B}"), RecursiveGPT(RecursiveConfig(**base, n_loops=B)), van)]
+            if (base["n_layer"] - 2) % B == 0 and base["n_layer"] - 2 >= B:  # Middle-Cycle where its middle divides
+                mid = RecursiveGPT(RecursiveConfig(**base, n_loops=B, sharing="middle_cycle"))
+                rows.append((label(f"middle-cycle B={B}"), mid, van))
+            return rows
         top, rows = max_ranks(van.config), []
         for r in ranks:
             rank = {c: min(r, top[c]) for c in COMPONENTS}

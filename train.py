@@ -14,15 +14,18 @@ Runs (their wall times on 2 CPU cores: RESULTS.md, Timings):
     python train.py --arch relaxed --init-from out/vanilla/ckpt.pt --loops 2 --init average \\
         --teacher out/vanilla/ckpt.pt --kd fkl                      # uptraining: convert, then distill
     python train.py --resume --out-dir out/relaxed                  # continue a run with its own flags
+    python train.py --arch recursive --init-from smollm2-135m --teacher smollm2-135m --curve-at 0,3e5,1e6 \\
+        --mix-data out/recovery/samples                             # a recovery curve, half the windows teacher text
     python train.py --data /data/SlimPajama-627B/train --exclude-sets RedPajamaGithub --preset small
     torchrun --nproc_per_node=8 train.py --preset base --data ...   # DDP (nccl on GPU, gloo on CPU)
 
-Log lines are greppable: `step N loss X lr Y ms Z tok/s W mfu M` and `val step N loss X ppl Y`. `loss` is always the
-LM cross-entropy (the quantity val measures). When the objective has more terms, the header says so ("objective: LM
-cross-entropy + KD fkl x1.0 (temperature 1.0) from T" / "+ exit loss aggressive coef 0.1 + self-distill") and the
-step line adds them after `loss`: `kd` (the distillation term before its weight), `total` (the objective that is
-optimised), and the model's own metrics (the per-loop exit terms `loss_l1 ... kd_l1 ...`) at the end. On a task both
-lines add its accuracy per p after the loss terms: `acc p1 0.998 p2 0.951 ...`.
+Log lines are greppable: `step N loss X lr Y ms Z tok/s W mfu M`, `val step N loss X ppl Y` and, with --curve-at,
+`curve step N tokens T loss X` (the fixed evaluation set of `python eval.py loss`, also in OUT_DIR/curve.jsonl).
+`loss` is always the LM cross-entropy (the quantity val measures). When the objective has more terms, the header says
+so ("objective: LM cross-entropy + KD fkl x1.0 (temperature 1.0) from T" / "+ exit loss aggressive coef 0.1 +
+self-distill") and the step line adds them after `loss`: `kd` (the distillation term before its weight), `total` (the
+objective that is optimised), and the model's own metrics (the per-loop exit terms `loss_l1 ... kd_l1 ...`) at the
+end. On a task both lines add its accuracy per p after the loss terms: `acc p1 0.998 p2 0.951 ...`.
 """
 from __future__ import annotations
 
@@ -47,10 +50,11 @@ from checkpoint import (add_arch_args, arch_table, given_flags, init_from, load_
                         save_checkpoint, warn_inapplicable)
 from checkpoint import load_checkpoint  # noqa: F401 - train.load_checkpoint, as the architectures' tests read a run
 from cli import (DTYPES, ArgumentParser, CheckpointError, Stopped, UsageError, check_device, check_disk_space,
-                 check_memory, check_writable_dir, number, path_arg, run_cli, seed_arg, stop_signals, user_input)
-from data import TokenData, Tokenizer, padded_vocab, prepare_corpus, step_generator
+                 check_memory, check_writable_dir, comma_list, number, path_arg, run_cli, seed_arg, stop_signals,
+                 user_input)
+from data import MixedData, TokenData, Tokenizer, first_tokens_windows, padded_vocab, prepare_corpus, step_generator
 from model import (ArchSpec, distill_loss, least_step_memory, lm_loss, make_optimizer, peak_flops, pick_device,
-                   pick_dtype, step_memory)
+                   pick_dtype, step_memory, windows_loss)
 
 # ----------------------------------------------------------------------------------------------------------------
 # The training loop
@@ -77,6 +81,8 @@ def train(argv=None):
                 write_checkpoint(run, step, val)
                 run.best_val, last_acc = min(run.best_val, val), tasks.accuracies(val_counts) or None
                 t0 = time.perf_counter()
+            if run.curve is not None and step in run.curve["steps"] and step not in run.curve["done"]:
+                curve_point(run, step)
             if step == args.max_iters:
                 break
             if step > run.start_step:
@@ -182,6 +188,28 @@ def evaluate(run):
     return loss.item(), counts
 
 
+def curve_point(run, step):
+    """--curve-at: the loss on the fixed evaluation set (data.first_tokens_windows; model.windows_loss, the number
+    `python eval.py loss` gives the checkpoint: fp32 weights, no autocast) after `step` optimizer steps, logged and
+    appended to OUT_DIR/curve.jsonl with the tokens trained so far. A resumed run skips the steps already there."""
+    c = run.curve
+    if run.master:
+        run.raw_model.eval()
+        loss = windows_loss(run.raw_model, c["x"], c["y"], CURVE_BATCH, run.device)
+        run.raw_model.train()
+        tokens = step * c["tokens_per_step"]
+        log(f"curve step {step} tokens {tokens} loss {loss:.4f}")
+        with open(c["file"], "a") as f:
+            f.write(json.dumps({"step": step, "tokens": tokens, "loss": loss, "eval_tokens": c["y"].numel(),
+                                "seq_len": c["y"].size(1), "data": run.args.data, "device": c["device"],
+                                "params": run.raw_model.num_params(False), "non_emb": run.raw_model.num_params()})
+                    + "\n")
+    c["done"].add(step)
+
+
+CURVE_BATCH = 8  # windows per forward pass of the fixed evaluation set (the loss does not depend on it)
+
+
 def scores(run, logits, x, y) -> dict:
     """What the step and val lines report of a batch beyond its loss: on a task (tasks.py) its {p: (correct, labels)},
     summed over batches with tasks.add_counts; else nothing ({})."""
@@ -275,6 +303,7 @@ class Run:
     best_val: float
     last_good: int | None  # the step of the checkpoint on disk, None before the first is written
     warned_divergence: bool = False  # check_val_loss warns once per run
+    curve: dict | None = None  # --curve-at: steps, the fixed evaluation set, OUT_DIR/curve.jsonl (setup_curve)
 
     @property
     def master(self) -> bool:
@@ -294,6 +323,7 @@ def setup_run(argv) -> Run:
     start_step, best_val, length_notes = check_run_args(args, spec, resume_ck, given)
     ddp, rank, local_rank, world, device = setup_distributed(args.device)
     master = rank == 0
+    curve_steps = check_curve(args, world)
     if master:
         warn_inapplicable(ap, args, given)
         for n in notes + length_notes:
@@ -316,12 +346,17 @@ def setup_run(argv) -> Run:
     if resume_ck is not None:
         load_optimizer_state(optimizer, resume_ck, resume_ck["loaded_from"])
     train_data, val_data = load_data(args, task, tok, master, ddp)
+    curve = setup_curve(args, curve_steps, val_data, world, device, resume_ck, master)
 
     objective, exit_on, extra_terms = objective_line(args, model.config, teacher)
     if master:
         data_line = (f"task {json.dumps(task.spec())} seq_len {args.seq_len}" if task is not None else
                      f"tokens train {sum(len(s) for s in train_data.shards):,} val "
-                     f"{sum(len(s) for s in val_data.shards):,}")
+                     f"{sum(len(s) for s in val_data.shards):,}"
+                     + (f" (train: {1 - args.mix_weight:.0%} of the windows from {args.data} "
+                        f"{sum(len(s) for s in train_data.parts[0].shards):,}, {args.mix_weight:.0%} from "
+                        f"{args.mix_data} {sum(len(s) for s in train_data.parts[1].shards):,})"
+                        if args.mix_data else ""))
         log(f"config {json.dumps(asdict(model.config))}")
         log(f"arch {args.arch} | params {model.num_params(False) / 1e6:.2f}M total, "
             f"{model.num_params() / 1e6:.2f}M non-embedding | device {device} {dtype} | world {world} | "
@@ -329,6 +364,10 @@ def setup_run(argv) -> Run:
             + (f" of {avail / 1e9:.1f} GB available" if avail else ""))
         if objective:
             log(objective)
+        if curve is not None:
+            log(f"curve: the first {curve['y'].numel():,} tokens of the validation split of {args.data} "
+                f"({len(curve['y'])} windows of {args.seq_len}) after steps {sorted(curve['steps'])} (x "
+                f"{curve['tokens_per_step']:,} tokens) -> {curve['file']}")
     raw_model = model
     if args.compile:
         model = torch.compile(model)
@@ -338,7 +377,41 @@ def setup_run(argv) -> Run:
     return Run(args=args, spec=spec, tok=tok, task=task, device=device, autocast=autocast, ddp=ddp, rank=rank,
                world=world, raw_model=raw_model, model=model, teacher=teacher, optimizer=optimizer,
                train_data=train_data, val_data=val_data, exit_on=exit_on, extra_terms=extra_terms,
-               start_step=start_step, best_val=best_val, last_good=start_step if resume_ck is not None else None)
+               start_step=start_step, best_val=best_val, last_good=start_step if resume_ck is not None else None,
+               curve=curve)
+
+
+def check_curve(args, world) -> set[int] | None:
+    """--curve-at's token counts -> the steps after which they are reached (the first step at or past each), refused
+    before any work when the run ends earlier."""
+    if not args.curve_at:
+        return None
+    per_step = args.batch_size * args.seq_len * args.grad_accum * world
+    counts = [int(float(c)) for c in args.curve_at.split(",")]
+    steps = {-(-c // per_step) for c in counts}
+    late = [c for c in counts if -(-c // per_step) > args.max_iters]
+    if late:
+        raise UsageError(f"--curve-at {late[0]:,} tokens is past the run's end: {args.max_iters} steps x {per_step:,} "
+                         f"tokens = {args.max_iters * per_step:,}")
+    return steps
+
+
+def setup_curve(args, steps, val_data, world, device, resume_ck, master) -> dict | None:
+    """The recovery curve's pieces: the fixed evaluation set (the first --curve-tokens of the validation split),
+    its steps and OUT_DIR/curve.jsonl (a fresh run starts it empty; a resumed one keeps the points it has)."""
+    if steps is None:
+        return None
+    x, y = first_tokens_windows(val_data, args.curve_tokens, args.seq_len, f"the validation split of {args.data}")
+    path = args.out_dir / "curve.jsonl"
+    done = set()
+    if resume_ck is not None and path.exists():
+        done = {json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()}
+    elif master:
+        path.unlink(missing_ok=True)
+    card = f"{world} x " if world > 1 else ""
+    card += f"{device.type} {torch.cuda.get_device_name(device)}" if device.type == "cuda" else device.type
+    return {"steps": steps, "done": done, "x": x, "y": y, "file": path, "device": card,
+            "tokens_per_step": args.batch_size * args.seq_len * args.grad_accum * world}
 
 
 def parse_run_args(argv, table):
@@ -395,13 +468,19 @@ def load_data(args, task, tok, master, ddp):
     if task is not None:
         return tasks.TaskData(task, "train"), tasks.TaskData(task, "val")
     exclude = [s for s in args.exclude_sets.split(",") if s]
+    caches = [None, None]  # --data's, --mix-data's
     if master:
-        cache = prepare_corpus(args.data, tok, args.cache_dir, exclude, args.val_data)
+        caches[0] = prepare_corpus(args.data, tok, args.cache_dir, exclude, args.val_data)
+        if args.mix_data:  # every file of it trains: named as its own validation data, no file is held out
+            caches[1] = prepare_corpus(args.mix_data, tok, args.cache_dir, exclude, val_data=args.mix_data)
     if ddp:
-        obj = [str(cache) if master else None]
+        obj = [str(c) if master and c is not None else None for c in caches]
         dist.broadcast_object_list(obj, src=0)
-        cache = Path(obj[0])
-    return TokenData(cache, "train"), TokenData(cache, "val")
+        caches = [Path(c) if c else None for c in obj]
+    train = TokenData(caches[0], "train")
+    if args.mix_data:  # --mix-weight of the training windows from --mix-data; validation stays --data's
+        train = MixedData([train, TokenData(caches[1], "train")], [1 - args.mix_weight, args.mix_weight])
+    return train, TokenData(caches[0], "val")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -488,6 +567,17 @@ def build_parser(table) -> ArgumentParser:
     ap.add_argument("--loops", type=pos, default=None,
                     help="number of loops of a looped architecture (recursive/relaxed: B, plt: L); default: preset")
     ap.add_argument("--sample-tokens", type=nonneg, default=64, help="tokens of the sample printed at the end")
+    ap.add_argument("--mix-data", type=path_arg, default=None,
+                    help="a second training corpus (as --data), mixed in at --mix-weight (e.g. text sampled from the "
+                         "teacher: python eval.py samples); validation stays --data's")
+    ap.add_argument("--mix-weight", type=number(float, above=0, max=1), default=None,
+                    help="share of the training windows drawn from --mix-data (default 0.5)")
+    ap.add_argument("--curve-at", type=comma_list(number(float, min=0)), default=None, metavar="TOKENS",
+                    help="comma list of token counts (e.g. 0,3e5,1e6): after the first step at or past each, the loss "
+                         "on the fixed evaluation set (the first --curve-tokens of the validation split, as `python "
+                         "eval.py loss`) goes to the log and OUT_DIR/curve.jsonl")
+    ap.add_argument("--curve-tokens", type=number(int, min=2), default=51200,
+                    help="size of --curve-at's fixed evaluation set in tokens")
     tasks.add_args(ap)
     add_arch_args(ap, table, shared={"loops": {"recursive", "relaxed", "plt"}})
     return ap
@@ -511,6 +601,13 @@ def resolve_defaults(args, spec):
         raise UsageError("--keep-layers needs --init-from (the model whose layers are kept)")
     if args.teacher and args.kd == "none":
         args.kd = "fkl"
+    if args.mix_weight is not None and not args.mix_data:
+        raise UsageError("--mix-weight needs --mix-data (the corpus it mixes in)")
+    if args.mix_data and args.mix_weight is None:
+        args.mix_weight = 0.5
+    if tasks.is_task_source(args.data) and (args.mix_data or args.curve_at):
+        raise UsageError(f"--{'mix-data' if args.mix_data else 'curve-at'} reads a text corpus; --data {args.data} is "
+                         f"a synthetic task")
 
 
 # ----------------------------------------------------------------------------------------------------------------

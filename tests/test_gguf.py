@@ -381,7 +381,8 @@ def test_eval_loss_rows_of_a_pretrained_source(tmp_path, tiny, capsys):
     assert keep["params"] == rec["params"] == recursive.keep_layers(src, "lower:1").num_params(False)
     # the loss is the mean next-token cross-entropy of the first tokens of the validation split
     tok = data.Tokenizer(hf.gguf_tokenizer_spec(str(path)))
-    x, y = ev.first_tokens_windows(tok, ev.build_parser().parse_args(["loss", "--model", "m"] + common))
+    val = data.TokenData(data.prepare_corpus(str(corpus), tok, str(tmp_path / "cache"), verbose=False), "val")
+    x, y = data.first_tokens_windows(val, 64, 16)
     with torch.no_grad():
         ce = torch.nn.functional.cross_entropy(src(x)[0].flatten(0, 1), y.flatten())
     assert abs(ce.item() - orig["loss"]) < 1e-5 and torch.equal(x[1:, 0], y[:-1, -1])  # consecutive windows

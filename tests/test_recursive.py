@@ -618,3 +618,113 @@ def test_exit_gate_added_in_post_training_from_a_gateless_checkpoint(corpus, tmp
     assert ck["config"]["exit_gate"] and ck["model"]["exit_gate.weight"].shape == (2 - 1, ck["config"]["n_embd"])
     for k, v in src["model"].items():  # lr 0: every loaded weight unchanged, the gate added beside them
         torch.testing.assert_close(ck["model"][k], v, rtol=0, atol=0, msg=k)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Middle-Cycle sharing (Mixture-of-Recursions): the first and the last layer unique, the middle looped
+
+
+def middle(layout="llama", n_loops=2, init="stepwise", **kw):
+    return from_vanilla(vanilla(layout), n_loops=n_loops, init=init, sharing="middle_cycle", **kw, **quiet).eval()
+
+
+@pytest.mark.parametrize("init", ["stepwise", "average", "lower"])
+def test_middle_cycle_conversion_keeps_the_first_and_last_layer_and_ties_the_middle(init):
+    van = vanilla("neox")
+    m = middle("neox", init=init)
+    assert (m.config.n_shared, len(m.unique_first), len(m.unique_last)) == (2, 1, 1)
+    for mine, src in ((m.unique_first[0], van.blocks[0]), (m.unique_last[0], van.blocks[5])):
+        for name, p in mine.state_dict().items():  # copied exactly, norms and biases included
+            assert torch.equal(p, src.state_dict()[name]), name
+    # the middle layers 1..4, K = 2: Stepwise round(linspace(1, 4, 2)), Average (1, 3) and (2, 4), Lower 1, 2
+    src = {"stepwise": [[1], [4]], "average": [[1, 3], [2, 4]], "lower": [[1], [2]]}[init]
+    assert tying_sources(6, 2, init, "middle_cycle") == src
+    for k, block in enumerate(m.blocks):
+        for name, p in block.state_dict().items():
+            want = torch.stack([van.blocks[i].state_dict()[name] for i in src[k]]).mean(0)
+            torch.testing.assert_close(p, want, rtol=0, atol=1e-7, msg=f"{init} layer {k} {name}")
+
+
+def test_middle_cycle_one_loop_and_full_rank_relaxed_reproduce_vanilla():
+    """The layer order and the per-loop sources are right: one loop of the N - 2 middle layers is the vanilla model
+    exactly, and so is B = 2 with full-rank SVD LoRA (loop l of shared layer k stands for vanilla layer 1 + l*K + k);
+    the plain B = 2 model is not (the test is not vacuous)."""
+    van = vanilla("neox")
+    idx = torch.randint(0, 96, (2, 20))
+    ref = van(idx)[0]
+    assert torch.equal(middle("neox", n_loops=1, init="lower")(idx)[0], ref)
+    full = middle("neox", init="average", **full_ranks(van.config))
+    torch.testing.assert_close(full(idx)[0], ref, rtol=0, atol=2e-5)
+    assert (middle("neox")(idx)[0] - ref).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("ranks_", [0, 4])
+def test_middle_cycle_cached_decoding_equals_the_full_forward(ranks_):
+    """prefill + decode_step through the KV cache (a cache layer for each unique layer too, N in all) give the full
+    forward's logits at every position, with a dynamic and with a static cache."""
+    m = middle("llama", **ranks(ranks_))
+    idx = torch.randint(0, 96, (3, 14))
+    full = m(idx)[0]
+    for static in (False, True):
+        cache = m.new_cache(3, 14, static=static)
+        assert cache.k.size(0) == 6  # 1 + B*K + 1 cache layers
+        steps = [m.prefill(idx[:, :5], cache)]
+        steps += [m.decode_step(idx[:, t], cache) for t in range(5, 14)]
+        torch.testing.assert_close(torch.stack(steps, 1), full[:, 4:], rtol=0, atol=1e-5)
+        assert cache.k[0].abs().sum() > 0 and cache.k[5].abs().sum() > 0  # the unique layers' K/V are written
+    out, exits = m.generate(idx[:, :5], 8, return_exits=True)
+    assert torch.equal(m(out)[0][:, 4:-1].argmax(-1), out[:, 5:]) and torch.all(exits == 1)
+
+
+def test_middle_cycle_parameters_flops_and_preset_rows(capsys):
+    van = vanilla()
+    m = middle()
+    per_layer = sum(p.numel() for p in van.blocks[0].parameters())
+    assert m.num_params() == van.num_params() - 2 * per_layer  # 6 layers -> 1 + 2 shared + 1
+    assert m.num_params() == from_vanilla(van, n_loops=2, **quiet).num_params() + per_layer
+    assert m.flops_per_token(16) == pytest.approx(van.flops_per_token(16))  # the same effective depth
+    assert m.kv_cache_bytes(2, 10) == van.kv_cache_bytes(2, 10)
+    import bench
+
+    bench.main(["presets", "--arch", "recursive", "--preset", "tiny6"])
+    assert "middle-cycle B=2" in capsys.readouterr().out  # 6 layers: 1 + 2 x 2 + 1
+
+
+def test_middle_cycle_refuses_what_assumes_cycle():
+    with pytest.raises(ValueError, match="sharing='middle_cycle': the n_layer - 2 = 4 middle layers are not divisible"):
+        RecursiveConfig(**SMALL, n_loops=3, sharing="middle_cycle")
+    with pytest.raises(ValueError, match="sharing='bogus' is not one of"):
+        RecursiveConfig(**SMALL, sharing="bogus")
+    for field in (dict(exit_loss="aggressive"), dict(exit_gate=True), dict(exit_threshold=0.5)):
+        with pytest.raises(ValueError, match="needs sharing='cycle'"):
+            RecursiveConfig(**SMALL, sharing="middle_cycle", **field)
+    m = middle()
+    idx = torch.randint(0, 96, (2, 8))
+    with pytest.raises(ValueError, match="assumes sharing='cycle'"):
+        exit_analysis(m, idx, idx, [0.5])
+    with pytest.raises(ValueError, match="assumes sharing='cycle'"):
+        m.generate(idx, 2, exit_threshold=0.5)
+    cache = m.new_cache(2, 8)
+    m.prefill(idx[:, :1], cache)
+    with pytest.raises(ValueError, match="assumes sharing='cycle'"):  # depth-wise serving's primitive
+        m.exit_pass(m.embed(idx[:, 1:2]), 0, cache.lengths[:, None], cache)
+
+
+def test_train_middle_cycle_conversion_and_refusal(corpus, capsys):
+    import eval as ev
+    import train
+
+    d, common = corpus
+    van_ckpt = str(d / "vanilla" / "ckpt.pt")
+    train.train(["--arch", "recursive", "--init-from", van_ckpt, "--sharing", "middle_cycle", "--max-iters", "1",
+                 "--out-dir", str(d / "middle"), *common])
+    ck = train.load_checkpoint(d / "middle" / "ckpt.pt")
+    assert ck["config"]["sharing"] == "middle_cycle" and "unique_last.0.mlp_norm.weight" in ck["model"]
+    with pytest.raises(ValueError, match="exit_loss='aggressive' needs sharing='cycle'"):
+        train.train(["--arch", "recursive", "--init-from", van_ckpt, "--sharing", "middle_cycle", "--exit-loss",
+                     "aggressive", "--max-iters", "1", "--out-dir", str(d / "x"), *common])
+    capsys.readouterr()
+    with pytest.raises(SystemExit):  # eval.py exits: one line, no per-loop analysis of a Middle-Cycle model
+        ev.main(["exits", "--ckpt", str(d / "middle" / "ckpt.pt"), "--device", "cpu"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "shares its layers middle_cycle" in err[0], err

@@ -559,3 +559,72 @@ def test_cpu_optimizer_is_the_fused_adamw_and_steps_like_the_per_tensor_loop():
             opt.zero_grad(set_to_none=True)
     for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+# ---- the recovery curve (--curve-at) and a mixed-in corpus (--mix-data) ------------------------------------------
+
+
+def _curve(run_dir):
+    return [json.loads(line) for line in (run_dir / "out" / "curve.jsonl").read_text().splitlines()]
+
+
+def test_curve_points_are_the_eval_loss_of_the_fixed_set_and_survive_a_resume(tmp_path, corpus, monkeypatch, capsys):
+    """--curve-at: the loss at the first step at or past each token count (4 x 64 = 256 tokens per step), the number
+    `python eval.py loss` gives that model on the first --curve-tokens of the validation split; a run stopped (Ctrl-C)
+    right after its step-2 point, so that its checkpoint comes after the point, records each point once when resumed."""
+    import contextlib
+
+    import eval as ev
+
+    flags = ["--max-iters", "6", "--eval-interval", "2", "--sample-tokens", "0", "--curve-at", "0,300,1e3,1536",
+             "--curve-tokens", "512"]
+    train.train(base_args(corpus, tmp_path / "a", *flags))
+    curve = _curve(tmp_path / "a")
+    assert [(c["step"], c["tokens"]) for c in curve] == [(0, 0), (2, 512), (4, 1024), (6, 1536)]
+    assert "curve step 2 tokens 512 loss" in capsys.readouterr().out
+    loss = ev.run(["loss", "--model", str(tmp_path / "a" / "out" / "ckpt.pt"), "--data", str(corpus), "--cache-dir",
+                   str(tmp_path / "a" / "cache"), "--tokens", "512", "--seq-len", "64", "--device", "cpu"])["loss"]
+    assert curve[-1]["loss"] == loss and curve[-1]["eval_tokens"] == 512 and curve[-1]["non_emb"] > 0
+    assert curve[0]["loss"] > curve[-1]["loss"]
+    asked, real_point = [], train.curve_point
+    monkeypatch.setattr(train, "stop_signals", lambda: contextlib.nullcontext(asked))
+    monkeypatch.setattr(train, "curve_point", lambda run, step: (real_point(run, step), step == 2 and asked.append(
+        "SIGINT")))
+    with pytest.raises(cli.Stopped, match="after step 2"):
+        train.train(base_args(corpus, tmp_path / "b", *flags))
+    monkeypatch.undo()
+    train.train(base_args(corpus, tmp_path / "b", *flags, "--resume"))
+    assert [(c["step"], c["loss"]) for c in _curve(tmp_path / "b")] == [(c["step"], c["loss"]) for c in curve]
+
+
+class _Const:
+    """A stand-in corpus whose every window is the token `v` (MixedData reads only shards and get_batch)."""
+
+    def __init__(self, v):
+        self.v, self.shards, self.split = v, [np.zeros(10)], "train"
+
+    def get_batch(self, batch, seq_len, gen):
+        torch.rand(batch, generator=gen)  # draws like TokenData
+        return torch.full((batch, seq_len), self.v), torch.full((batch, seq_len), self.v)
+
+
+def test_mixed_data_draws_each_window_from_its_corpus_at_the_given_share():
+    mix = data.MixedData([_Const(1), _Const(2)], [0.75, 0.25])
+    x, y = mix.get_batch(4000, 3, data.step_generator(0, 1))
+    assert torch.equal(x, y) and set(x.unique().tolist()) == {1, 2} and bool((x == x[:, :1]).all())
+    assert abs(float((x[:, 0] == 2).float().mean()) - 0.25) < 0.03
+    again, _ = mix.get_batch(4000, 3, data.step_generator(0, 1))
+    other, _ = mix.get_batch(4000, 3, data.step_generator(0, 2))
+    assert torch.equal(again, x) and not torch.equal(other, x)  # a pure function of the batch's generator
+    assert len(mix.shards) == 2
+
+
+def test_mix_data_run_trains_on_both_corpora(tmp_path, corpus, capsys):
+    other = write_jsonl(tmp_path / "mix" / "a.jsonl", ["zebra quagga okapi " * 200] * 3)
+    train.train(base_args(corpus, tmp_path, "--max-iters", "1", "--sample-tokens", "0", "--mix-data",
+                          str(tmp_path / "mix"), "--mix-weight", "0.25"))
+    out = capsys.readouterr().out
+    assert f"75% of the windows from {corpus}" in out and f"25% from {tmp_path / 'mix'}" in out
+    ck = checkpoint.load_checkpoint(tmp_path / "out" / "ckpt.pt")
+    assert ck["args"]["mix_data"] == str(tmp_path / "mix") and ck["args"]["mix_weight"] == 0.25
+    assert other.exists()
