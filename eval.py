@@ -849,7 +849,7 @@ def exits_stage(args, settings, done, common, out) -> dict:
     seq = min(settings["seq_len"], 512)
     ex_argv = ["exits", "--ckpt", ckpt, "--rules", "gate", "--thresholds", args.thresholds, "--batches", "1",
                "--batch-size", str(16 if pick_device(args.device).type == "cuda" else 2), "--seq-len", str(seq),
-               "--device", args.device, "--seed", str(args.seed)]
+               "--device", args.device, "--seed", str(args.seed), "--cache-dir", args.cache_dir]
     print("$ python eval.py " + " ".join(ex_argv), flush=True)
     ex_args = build_parser().parse_args(ex_argv)
     ex = eval_exits(ex_args)
@@ -874,7 +874,8 @@ def source_loss_on_exit_windows(ex_args, source) -> float:
     model = model.to(device).eval()
     tok = tokenizer_from_spec(spec)
     total, n = 0.0, 0
-    for x, y in val_windows(ck, tok, ex_args.batches, ex_args.batch_size, ex_args.seq_len, ex_args.seed, device):
+    for x, y in val_windows(ck, tok, ex_args.batches, ex_args.batch_size, ex_args.seq_len, ex_args.seed, device,
+                            ex_args.cache_dir):
         logits = model(x)[0][:, 1:].float()
         total += F.cross_entropy(logits.flatten(0, 1), y[:, 1:].flatten(), reduction="sum").item()
         n += y[:, 1:].numel()
