@@ -14,6 +14,7 @@ import torch
 import checkpoint
 import cli
 import data
+import bench
 import hf
 import plt
 import serve
@@ -103,26 +104,26 @@ SERVE_MISTAKES = [
     (["--prompt-len", "10:5"], "argument --prompt-len: expected 'a:b'"),
     (["--exit-threshold", "1.5"], "probabilities in (0, 1]"),
     (["--exit-threshold", "auto,0.5"], "give it alone"),
-    (["--exit-rate", "2"], "--exit-rate 2.0 is a share of tokens"),
+    (["--exit-rate", "2"], "argument --exit-rate: must be <= 1, got 2"),
     (["--rate", "0", "--arrival", "poisson"], "argument --rate: must be > 0"),
     (["--batch-memory-mb", "0.001"], "does not hold the parameters and one slot"),
     (["--lora-rank", "1000"], "lora_rank_q=1000 exceeds"),
     (["--exit-threshold", "0.5,2"], "probabilities in (0, 1], got '2'"),
-    (["--loops", "3"], "n_layer=4 is not divisible by n_loops=3"),
+    (["--loops", "3"], "--loops 3: the 4 layers of --preset tiny do not split into 3 loops"),
 ]
 
 
 @pytest.mark.parametrize("argv,match", SERVE_MISTAKES, ids=[" ".join(a) for a, _ in SERVE_MISTAKES])
 def test_serve_mistakes_are_one_line_and_exit_code_2(capsys, argv, match):
-    _one_error_line(capsys, serve.main, ["--preset", "tiny", "--warmup", "0", "--requests", "2", *argv], match)
+    _one_error_line(capsys, bench.main, ["serve", "--preset", "tiny", "--warmup", "0", "--requests", "2", *argv], match)
 
 
 def test_serve_checkpoint_mistakes(files, capsys):
     rnd = str(files / "random.pt")
-    _one_error_line(capsys, serve.main, ["--preset", "tiny", "--ckpt", rnd], f"checkpoint {rnd} is corrupt")
+    _one_error_line(capsys, bench.main, ["serve", "--preset", "tiny", "--ckpt", rnd], f"checkpoint {rnd} is corrupt")
     empty = files / "empty.jsonl"
     empty.write_text("\n")
-    _one_error_line(capsys, serve.main, ["--preset", "tiny", "--requests-file", str(empty)], "holds no request")
+    _one_error_line(capsys, bench.main, ["serve", "--preset", "tiny", "--requests-file", str(empty)], "holds no request")
 
 
 def test_the_commands_themselves(files):
@@ -543,7 +544,7 @@ def test_a_flipped_bit_is_found_by_every_loader(files, trained, capsys, tmp_path
     for flag in ("--init-from", "--teacher"):
         _one_error_line(capsys, train.main, _train_args(files, flag, str(bad), "--out-dir", str(tmp_path / "o")),
                         match)
-    _one_error_line(capsys, serve.main, ["--vanilla-ckpt", str(bad)], match)
+    _one_error_line(capsys, bench.main, ["serve", "--vanilla-ckpt", str(bad)], match)
     import eval as eval_py
     _one_error_line(capsys, eval_py.main, ["energy", "--ckpt", str(bad)], match)
     assert "(a tensor's data) does not match its CRC-32" in _err_of(capsys, train.main, ["--resume", "--out-dir",
@@ -625,7 +626,7 @@ def test_malformed_tokenizer_is_refused_by_serve_and_init_from(files, trained, c
     path = tmp_path / "ckpt.pt"
     torch.save({**torch.load(trained, weights_only=True), "tokenizer": {"kind": "bpe"}}, path)
     match = f"checkpoint {path}: its tokenizer kind 'bpe' is not one of tiktoken, hf, gguf, task"
-    _one_error_line(capsys, serve.main, ["--vanilla-ckpt", str(path)], match)
+    _one_error_line(capsys, bench.main, ["serve", "--vanilla-ckpt", str(path)], match)
     args = _train_args(files, "--init-from", str(path), "--out-dir", str(tmp_path / "o"))
     _one_error_line(capsys, train.main, [a for a in args if a not in ("--vocab-size", "512")], match)
 
@@ -672,7 +673,7 @@ def test_file_system_failures_at_the_temporary_file_are_checkpoint_errors(tmp_pa
 
 EMPTY_PATHS = [(train.main, ["--" + f, ""], f"argument --{f}: expected a path, got ''")
                for f in ("init-from", "teacher", "tokenizer", "out-dir", "data", "val-data", "cache-dir")]
-EMPTY_PATHS += [(serve.main, ["--" + f, ""], f"argument --{f}: expected a path, got ''")
+EMPTY_PATHS += [(bench.main, ["serve", "--" + f, ""], f"argument --{f}: expected a path, got ''")
                 for f in ("ckpt", "vanilla-ckpt", "requests-file", "data", "cache-dir")]
 EMPTY_PATHS += [(lambda a: __import__("eval").main(a), ["exits", "--ckpt", ""], "argument --ckpt: expected a path"),
                 (lambda a: __import__("eval").main(a), ["double-eval", ""], "argument CKPT: expected a path"),
@@ -737,9 +738,9 @@ def test_the_largest_seed_works_where_seeds_are_derived(capsys):
     the batch: at the largest seed torch takes, both stay within what manual_seed accepts."""
     torch.manual_seed(SEED_MAX)
     assert serve.request_generator(SEED_MAX, 7).initial_seed() == (SEED_MAX * 1_000_003 + 7) % 2 ** 64
-    serve.main(["--warmup", "0", "--requests", "2", "--prompt-len", "2", "--gen-len", "2", "--temperature", "1",
-                "--seed", str(SEED_MAX)])
-    assert "throughput vs vanilla continuous" in capsys.readouterr().out
+    bench.main(["serve", "--warmup", "0", "--requests", "2", "--prompt-len", "2", "--gen-len", "2", "--temperature", "1",
+                "--seed", str(SEED_MAX), "--preset", "tiny", "--dtype", "float32", "--loops", "2", "--repeats", "1"])
+    assert "end-to-end" in capsys.readouterr().out
 
 
 RECIPE_MISTAKES = [
@@ -779,7 +780,7 @@ def test_inputs_of_bench_and_serve_that_are_files_or_names_of_nothing(files, cap
                     "--only lora,nosuch: nosuch is not one of lora, gswa, gswa_decode, dual")
     _one_error_line(capsys, bench.main, ["train", "--nanogpt", str(a_file)],
                     f"--nanogpt {a_file} is not a nanoGPT checkout (a directory with its model.py)")
-    _one_error_line(capsys, serve.main, ["--prompts", "corpus", "--cache-dir", str(a_file)],
+    _one_error_line(capsys, bench.main, ["serve", "--prompts", "corpus", "--cache-dir", str(a_file)],
                     f"--cache-dir {a_file} is a file, not a directory")
 
 
@@ -805,7 +806,8 @@ def test_a_request_line_that_breaks_the_json_parser_is_that_requests_reason(tmp_
     f = tmp_path / "r.jsonl"
     f.write_text(json.dumps({"prompt_ids": [1, 2, 3], "max_new_tokens": 2}) + "\n" + "[" * 100_000 + "]" * 100_000
                  + "\n" + json.dumps({"prompt_ids": [4, 5], "max_new_tokens": 3}) + "\n")
-    rows = serve.run(["--requests-file", str(f), "--warmup", "0"])["serve"]
+    rows = bench.run(["serve", "--requests-file", str(f), "--warmup", "0", "--preset", "tiny", "--dtype", "float32",
+                      "--loops", "2", "--repeats", "1"])["serve"]
     for r in rows:
         assert r["errors_by_reason"] == {"bad request line": 1} and r["tokens"] == 5, r
         assert r["request_errors"][1].startswith(f"bad request line 2 of {f}: RecursionError: maximum recursion")
