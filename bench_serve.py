@@ -41,7 +41,6 @@ import argparse
 import json
 import math
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -106,7 +105,7 @@ def serve_setting(args, device, dtype, B) -> list[dict]:
     peak = args.peak_bw * 1e9 if args.peak_bw else serve.peak_bandwidth(device)
     for _ in range(args.repeats):
         for srv in servers:
-            done = srv.run(reqs, progress=not args.json and sys.stderr.isatty())
+            done = srv.run(reqs)
             rounds[srv.name].append(summarize(srv, done, peak))
             outputs.setdefault(srv.name, {r.rid: r.output for r in done if r.error is None})
     rows = report(args, servers, rounds, outputs, B or rec.config.n_loops, slots, peak)

@@ -38,6 +38,10 @@ The model, top to bottom:
       - `decode_step` and `generate` (model.GPT's loop) use exactly these methods. A token exits at the first loop
         whose max softmax probability reaches `exit_threshold` (None = never; any value > 1 also never exits). Prompt
         tokens never exit early.
+      - Graph-safe forms (torch.compile fullgraph, CUDA graphs: no host sync, no data-dependent shape):
+        `masked_decode_step` is decode_step with every row running every loop (a row that left runs along, its
+        deeper K/V replaced by `propagate_masked`'s masked writes), what `compile_decode` compiles; `depthwise_step`
+        is serve.py's compiled depth-wise step over every slot. Each equals its subset form (tests).
   * Early exit on text (section 3.8, Appendix K): `exit_analysis` measures the static loss of every loop, the oracle
     exit loop (the earliest loop whose argmax equals the final one), and the confidence-exit trade-off a serving user
     picks a threshold from (threshold -> share of tokens exiting at each loop -> loss of the emitted tokens), with
@@ -50,7 +54,7 @@ Run:
         --self-distill --out-dir out/relaxed-exit                   # early-exit post-training (Appendix J)
     python eval.py exits --ckpt out/relaxed-exit/ckpt.pt           # per-loop losses, oracle, threshold curve
     python bench.py presets --arch recursive,relaxed --preset tiny  # parameter counts: vanilla, recursive, relaxed
-    python serve.py --ckpt out/relaxed-exit/ckpt.pt                 # depth-wise batching with early exit
+    python bench.py serve --ckpt out/relaxed-exit/ckpt.pt           # depth-wise batching with early exit
     python -m pytest -q tests/test_recursive.py tests/test_svd_lora.py
 """
 from __future__ import annotations

@@ -3,43 +3,40 @@ serve.py -- a lean serving engine on one device: continuous batching for the van
 batching with early exit for Recursive Transformers, and a demo that serves the same requests through both.
 
 Paper: "Relaxed Recursive Transformers: Effective Parameter Sharing with Layer-wise LoRA" (Bae et al.,
-arXiv:2410.20672), section 2.4 (Continuous Depth-wise Batching and Early-Exiting, Figure 3), section 3.8 and
-Appendix K. The paper simulates the throughput of depth-wise batching from measured per-token times and oracle exit
-trajectories; here the schedule runs for real, with confidence-based exits and state propagation.
+arXiv:2410.20672), section 2.4 (Continuous Depth-wise Batching and Early-Exiting, Figure 3), section 3.8, Appendix K.
+The paper simulates depth-wise batching from measured per-token times and oracle exits; here the schedule runs for
+real, with confidence-based exits and state propagation.
 
 The engine (nanochat's engine.py and gpt-fast's generate.py are its models):
-  * Slots. A server has `slots` rows: one row each of one pre-allocated KV cache (model.new_cache) and of the state
-    tensors on the device. A request is admitted into a free slot (validated alone: a bad one gets its own error),
-    prefilled and decoded there, and frees it when done; the queue refills it at once.
-  * Prefill, batched and chunked: each iteration runs ONE chunk of `prefill_chunk` tokens of every prompt still being
-    prefilled, all of them in one batch, straight into their slots' cache rows (model.prefill_chunk), so a long
-    prompt delays the others' decode steps by one chunk per iteration, not by its whole length. A prompt's last chunk
-    samples its first token.
+  * Slots: a server has `slots` rows of one pre-allocated KV cache and of its state tensors, allocated once. A request
+    is admitted into a free slot (validated alone: a bad one gets its own error), prefilled and decoded there, and
+    frees it when done; the queue refills it at once.
+  * Prefill, batched and chunked: each iteration runs ONE chunk (`prefill_chunk` tokens) of every prompt still being
+    prefilled, in one batch, straight into the slots' cache rows (model.prefill_chunk): a long prompt delays the
+    others' decode steps by a chunk per iteration, not by its whole length. A prompt's last chunk samples its first
+    token.
   * ContinuousServer (vanilla; continuous sequence-wise batching, Orca/vLLM): a step is ONE GPT.decode_step over all
-    slots, each row at its own position (cache.lengths). Rows without a token in flight run along (static shapes) and
-    keep their position: 0 for a free slot, the next prompt position (overwritten by the next chunk) while
-    prefilling. static=True is static batching: new requests only once every slot is free.
-  * DepthWiseServer (recursive / relaxed; continuous depth-wise batching, Figure 3): a slot holds its token in flight
-    -- position, loop, hidden state -- and a step runs the shared block ONCE over the slots, each at its own loop
-    (per-row LoRA index, per-row cache layer loop*K + k). A row leaves at its last loop or, with an exit threshold,
-    when its exit score reaches it (max softmax, the learned gate, or saturation: RecursiveGPT.exit_score); an early
-    leaver's deeper cache layers get its propagated K/V (CALM's state propagation). A leaving row emits its token and
-    starts the next one at loop 0; the others go one loop deeper. No threshold: depth-wise batching without exits.
-  * Eager or compiled steps. Eager (the default on a CPU) is the readable reference: the depth-wise step runs the live
-    rows only (RecursiveGPT.exit_pass: row subsets, the head on the leaving rows). Compiled (the default on CUDA;
-    compile=True elsewhere) runs the graph-safe forms over every slot -- GPT.decode_step on a static cache,
-    RecursiveGPT.depthwise_step (masked writes, no host sync) -- through model.compile_step: one graph per step kind,
-    captured as a CUDA graph on CUDA; greedy sampling (argmax) and the next state are inside the graph. A graph cannot
-    skip rows: under it, rows that have nothing to do (free, prefilling, already left) run along, their writes masked.
-    Both give the same tokens (tests/test_serve.py).
-  * One device-to-host transfer per iteration: the first tokens of the prompts that finished prefilling and the
-    step's tokens, exit flags and loops, in one tensor; then the host records them (emit) and frees finished slots.
-  * Sampling: greedy (argmax) or sampled with ONE seeded torch.Generator per request (request_generator(seed, rid)),
-    so a request's output does not depend on the schedule: it equals model.generate on it alone with that generator
-    (sequential_generate, the reference every server is tested against). The compiled depth-wise step samples every
-    live row and keeps a row's draw only if it leaves (its generator's state is put back otherwise): one transfer.
-Then the sequential reference and the demo. The comparison harness (checkpoints, request sources and files, exit
-calibration, metric tables, memory sizing, --json) is bench_serve.py: `python bench.py serve`.
+    slots, each at its own position. Rows with no token in flight run along (static shapes) and keep their position:
+    0 when free, the next prompt position (which the next chunk overwrites) while prefilling. static=True: static
+    batching, a new batch only once every slot is free.
+  * DepthWiseServer (recursive / relaxed; Figure 3): a slot holds its token in flight -- position, loop, hidden
+    state -- and a step runs the shared block ONCE over the slots, each at its own loop (per-row LoRA, cache layer
+    loop*K + k). A row leaves at its last loop or, with a threshold, when its exit score reaches it (max softmax, the
+    learned gate, saturation); an early leaver's deeper cache layers get its propagated K/V (CALM). A leaving row
+    emits its token and starts the next at loop 0; the others go one loop deeper. No threshold: no early exit.
+  * Eager or compiled steps. Eager (the CPU default) is the readable reference: the depth-wise step runs the live rows
+    only (RecursiveGPT.exit_pass: row subsets, the head on the leaving rows). Compiled (the CUDA default) runs the
+    graph-safe forms over every slot -- GPT.decode_step on a static cache, RecursiveGPT.depthwise_step -- through
+    model.compile_step: one graph per step kind, a CUDA graph on CUDA, greedy sampling and the next state inside it.
+    A graph cannot skip work per row: rows with nothing to do run along, their writes masked. Same tokens either way.
+  * One device-to-host transfer per iteration: the first tokens of the prompts finished in it and the step's tokens,
+    exit flags and loops, in one tensor; then the host records them and frees finished slots.
+  * Sampling: greedy (argmax), or with ONE seeded torch.Generator per request (request_generator(seed, rid)): a
+    request's output does not depend on the schedule, it equals model.generate on it alone with that generator
+    (sequential_generate, the reference of every test). The compiled depth-wise step draws for every live row and
+    keeps a draw only where the row leaves (the generator's state is put back elsewhere): still one transfer.
+The comparison harness (checkpoints, request sources and files, exit calibration, metric tables, memory sizing,
+--json) is bench_serve.py: `python bench.py serve`.
 
 Run:
     python serve.py                    # demo: base preset, random weights, simulated exits: the serving table
@@ -51,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
 
 import torch
@@ -64,11 +60,6 @@ from model import (GPT, PRESETS, GPTConfig, compile_step, graph_mode, mark_stati
 from recursive import RecursiveGPT, exit_threshold_for, from_vanilla
 from serve_requests import MAX_REQUESTS, Request, request_generator, request_problem, synthetic_requests
 
-try:
-    from tqdm import tqdm
-except ImportError:  # pragma: no cover - tqdm is in requirements.txt
-    tqdm = None
-
 
 # ----------------------------------------------------------------------------------------------------------------
 # Servers
@@ -76,10 +67,11 @@ except ImportError:  # pragma: no cover - tqdm is in requirements.txt
 
 class Server:
     """The loop every server shares: arrivals -> admission into free slots -> one prefill chunk -> one decode step ->
-    one transfer -> emit. A subclass gives reset_state() (its slot tensors), start(slots, toks, lengths) (a slot
-    begins decoding on its first token) and step() (one decode step over the slots -> per-slot results on the
-    device). clock='wall' reads arrivals as seconds (sleeping while nothing has arrived); clock='step' as iterations
-    (deterministic schedules for tests). compile: None = on CUDA only; backend: compile_step's (tests: GraphCheck)."""
+    one transfer -> emit. A subclass gives make_state() (its slot tensors), start() (slots begin decoding on their
+    first tokens), step() (one decode step over the slots -> per-slot results on the device) and finish_step() (the
+    host's bookkeeping of those results). clock='wall' reads arrivals as seconds (sleeping while nothing has
+    arrived), clock='step' as iterations (deterministic schedules for tests). compile: None = on CUDA only; backend:
+    compile_step's (tests: GraphCheck)."""
 
     name, prefill_exit = "server", None  # prefill_exit: the exit loop recorded for the token a prefill produces
     static = False  # static batching (ContinuousServer(static=True))
@@ -113,11 +105,17 @@ class Server:
     # -- slots ---------------------------------------------------------------------------------------------------
 
     def reset(self):
-        self.cache = self.model.new_cache(self.slots, static=self.compiled)
+        """Empty slots. The cache and the slot tensors are allocated once and reused by every run (gpt-fast's
+        setup_caches): what a compiled step writes in place keeps its address, so a CUDA graph replays on it."""
+        if getattr(self, "cache", None) is None:
+            self.cache = self.model.new_cache(self.slots, static=self.compiled)
+            self.make_state()
+            if self.compiled:
+                mark_static(*self.state)
+        self.cache.reset()
+        for t in self.state:
+            t.zero_()
         self.req, self.todo, self.filled, self.live = [None] * self.slots, [[]] * self.slots, [0] * self.slots, []
-        self.reset_state()
-        if self.compiled:  # what a compiled step writes in place keeps its address (a CUDA graph replays on it)
-            mark_static(*self.state)
 
     def free_slots(self) -> int:
         free = sum(r is None for r in self.req)
@@ -199,7 +197,7 @@ class Server:
     # -- the loop ------------------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def run(self, requests, clock="wall", progress=False) -> list[Request]:
+    def run(self, requests, clock="wall") -> list[Request]:
         """Serve fresh copies of `requests`; returns them with outputs, exits, times and errors."""
         bad = next((r for r in requests if not 0 <= r.arrival < math.inf), None)  # NaN, inf, < 0: it never arrives
         if bad is not None:
@@ -210,7 +208,6 @@ class Server:
         self.n_done = self.n_steps = self.kv_read = self.full_tokens = 0
         self.step_time = self.occupancy = self.full_time = 0.0
         self.reset()
-        bar = tqdm(total=len(reqs), desc=self.name, leave=False, file=sys.stderr) if progress and tqdm else None
         head = seen = 0  # next request to admit / to stamp with its arrival time
         tick, t0 = 0, time.perf_counter()
         self.t_start = t0
@@ -240,12 +237,8 @@ class Server:
                     time.sleep(max(0.0, min(reqs[head].arrival - now(), 0.05)))
                 else:
                     tick = max(tick, reqs[head].arrival)
-            if bar is not None and bar.n != self.n_done:
-                bar.update(self.n_done - bar.n)
         sync(self.device)
         self.t_end = time.perf_counter()
-        if bar is not None:
-            bar.close()
         return sorted(reqs, key=lambda r: r.rid)
 
     def iterate(self):
@@ -277,7 +270,7 @@ class ContinuousServer(Server):
         self.static = static
         self.name = "vanilla static" if static else "vanilla continuous"
 
-    def reset_state(self):
+    def make_state(self):
         self.tok = torch.zeros(self.slots, dtype=torch.long, device=self.device)  # the token each slot feeds next
         self.live_mask = torch.zeros(self.slots, dtype=torch.bool, device=self.device)
         self.position = self.cache.lengths
@@ -327,7 +320,7 @@ class DepthWiseServer(Server):
                                     " no exit")
         self.prefill_exit = model.config.n_loops - 1  # prompt tokens never exit early: the prefill runs all loops
 
-    def reset_state(self):
+    def make_state(self):
         S, dev = self.slots, self.device
         self.position = torch.zeros(S, dtype=torch.long, device=dev)  # position of the token in flight
         self.loop = torch.zeros(S, dtype=torch.long, device=dev)  # its current loop
@@ -452,65 +445,59 @@ def sequential_generate(model, r: Request, temperature=0.0, top_k=None, seed=0, 
 # The demo: python serve.py
 
 
+DEMO_EXIT_RATE = 0.633  # the share of tokens the demo makes exit at loop 1: a trained tiny model's oracle share
+
+
 def demo_parser() -> ArgumentParser:
-    ap = ArgumentParser(description="serve.py's demo: the same requests through every server (random weights, exits "
-                                    "simulated); the serving benchmark with checkpoints is python bench.py serve")
+    ap = ArgumentParser(description="serve.py's demo: the same requests through every server, random weights, exits "
+                                    "simulated (the serving benchmark, with checkpoints: python bench.py serve)")
     ap.add_argument("--preset", default="base", choices=sorted(PRESETS), help="model.py preset (default base: 125M)")
-    ap.add_argument("--loops", type=number(int, min=2), default=2, help="B of the recursive model")
-    ap.add_argument("--lora-rank", type=number(int, min=0), default=0, help="relaxed LoRA rank (0: recursive)")
+    ap.add_argument("--lora-rank", type=number(int, min=0), default=0, help="relaxed LoRA rank (0: recursive, B=2)")
     ap.add_argument("--requests", type=number(int, min=1, max=MAX_REQUESTS), default=32, help="requests, all at once")
     ap.add_argument("--slots", type=number(int, min=1), default=16, help="batch slots of every server")
-    ap.add_argument("--exit-rate", type=number(float, above=0, max=1), default=0.633,
-                    help="share of tokens made to exit at loop 1 (default: a trained tiny model's oracle share)")
     ap.add_argument("--device", default="auto", help="auto (cuda > mps > cpu) | cpu | cuda | mps")
     ap.add_argument("--dtype", default="auto", choices=DTYPES, help="auto (bf16 on GPU, fp32 on CPU) | ...")
-    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                    help="graph-captured steps (default: on CUDA only)")
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, help="compiled steps (default: on CUDA)")
     ap.add_argument("--seed", type=seed_arg, default=1337)
     return ap
 
 
 def demo(argv=None):
-    """The same requests through vanilla static and continuous batching and depth-wise batching without and with
-    simulated exits (a max-softmax threshold calibrated to --exit-rate) -> the serving table."""
+    """Vanilla static and continuous batching, depth-wise batching without and with exits -> the serving table."""
     args = demo_parser().parse_args(argv)
     check_device(args.device)
     device = pick_device(args.device)
-    dtype = pick_dtype(device, args.dtype)
+    dtype, ranks = pick_dtype(device, args.dtype), {f"lora_rank_{c}": args.lora_rank for c in ("q", "kv", "o", "mlp")}
     torch.manual_seed(args.seed)
     van = GPT(GPTConfig.from_preset(args.preset))
-    ranks = {f"lora_rank_{c}": args.lora_rank for c in ("q", "kv", "o", "mlp")} if args.lora_rank else {}
-    with user_input():  # --loops that do not divide the layers, a rank above full rank: one line
-        rec = from_vanilla(van, n_loops=args.loops, init="average", log=lambda *_: None, **ranks)
+    with user_input():  # a rank above full rank: one line
+        rec = from_vanilla(van, 2, "average", log=lambda *_: None, **(ranks if args.lora_rank else {}))
     van, rec = van.to(device, dtype).eval(), rec.to(device, dtype).eval()
-    elem = van.lm_head.weight.element_size()
-    need, (avail, where) = 4 * van.kv_cache_bytes(args.slots, van.config.max_seq_len, elem), available_memory(device)
+    need, (avail, where) = 4 * van.kv_cache_bytes(args.slots, van.config.max_seq_len, dtype.itemsize), \
+        available_memory(device)
     if avail is not None and need > avail:
         raise UsageError(f"--slots {args.slots:,}: the servers' KV caches need {need / 1e9:.3g} GB, {device} has "
                          f"{avail / 1e9:.3g} GB available ({where}); lower it")
     reqs = synthetic_requests(args.requests, van.config.vocab_size, "8:48", "8:32", seed=args.seed)
-    thr = exit_threshold_for(rec, [r.prompt for r in reqs[:8]], args.exit_rate)
-    servers = [ContinuousServer(van, args.slots, static=True, compile=args.compile),
-               ContinuousServer(van, args.slots, compile=args.compile),
-               DepthWiseServer(rec, args.slots, compile=args.compile),
-               DepthWiseServer(rec, args.slots, thr, "softmax", compile=args.compile)]
-    print(f"device {device} dtype {dtype} | {args.preset}: vanilla {van.config.n_layer} layers, recursive B="
-          f"{args.loops} (Average tying{f', LoRA rank {args.lora_rank}' if ranks else ''}) | {args.requests} requests "
-          f"of 8-48 + 8-32 tokens, {args.slots} slots | exits SIMULATED (random weights): a max-softmax threshold "
-          f"{thr:.3g} makes {args.exit_rate:.0%} of prompt tokens leave at loop 1 | steps "
-          f"{'compiled' if servers[0].compiled else 'eager'}")
-    rows = []
+    thr = exit_threshold_for(rec, [r.prompt for r in reqs[:8]], DEMO_EXIT_RATE)
+    kw = dict(slots=args.slots, compile=args.compile)
+    servers = [ContinuousServer(van, **kw), ContinuousServer(van, static=True, **kw), DepthWiseServer(rec, **kw),
+               DepthWiseServer(rec, exit_threshold=thr, exit_rule="softmax", **kw)]  # continuous first: the base
+    print(f"device {device} dtype {dtype} | {args.preset}: vanilla {van.config.n_layer} layers, recursive B=2 "
+          f"(Average tying, LoRA rank {args.lora_rank}) | {args.requests} requests of 8-48 + 8-32 tokens, {args.slots} "
+          f"slots | exits SIMULATED (random weights): a max-softmax threshold {thr:.3g} makes {DEMO_EXIT_RATE:.0%} of "
+          f"prompt tokens leave at loop 1 | steps {'compiled' if servers[0].compiled else 'eager'}\n")
+    print(f"{'system':30s} {'tokens':>7s} {'tok/s':>8s} {'loaded tok/s':>12s} {'step ms':>8s} {'exit loop':>9s} "
+          f"{'x continuous':>12s}")
+    base = None
     for srv in servers:
         srv.run(reqs[:4], clock="step")  # warm-up: allocator, compile
         out = srv.run(reqs)
         tokens, exits = sum(len(r.output) for r in out), [e + 1 for r in out for e in r.exits[1:] if e is not None]
-        rows.append((srv.name, tokens, tokens / (srv.t_end - srv.t_start),
-                     srv.full_tokens / srv.full_time if srv.full_time else math.nan,
-                     1e3 * srv.step_time / max(srv.n_steps, 1), sum(exits) / len(exits) if exits else math.nan))
-    print(f"\n{'system':30s} {'tokens':>7s} {'tok/s':>8s} {'loaded tok/s':>12s} {'step ms':>8s} {'exit loop':>9s} "
-          f"{'x continuous':>12s}")
-    for name, tokens, tps, loaded, step_ms, loop in rows:
-        print(f"{name:30s} {tokens:7d} {tps:8.1f} {loaded:12.1f} {step_ms:8.2f} {loop:9.2f} {tps / rows[1][2]:12.2f}")
+        tps = tokens / (srv.t_end - srv.t_start)
+        base, loaded = base or tps, srv.full_tokens / srv.full_time if srv.full_time else math.nan
+        print(f"{srv.name:30s} {tokens:7d} {tps:8.1f} {loaded:12.1f} {1e3 * srv.step_time / max(srv.n_steps, 1):8.2f} "
+              f"{sum(exits) / max(len(exits), 1) or math.nan:9.2f} {tps / base:12.2f}")
 
 
 def main(argv=None):
