@@ -111,9 +111,9 @@ def serve_setting(args, device, dtype, B) -> list[dict]:
     rows = report(args, servers, rounds, outputs, B or rec.config.n_loops, slots, peak)
     for row in rows:
         row.update(dtype=str(dtype).removeprefix("torch."), loops=rec.config.n_loops)
-    if args.profile:
+    if args.profile:  # an eager step's parts (a compiled step is one graph)
         for srv in servers[1:]:
-            if isinstance(srv, serve.DepthWiseServer):
+            if isinstance(srv, serve.DepthWiseServer) and not srv.compiled:
                 shares = step_shares(srv, reqs)
                 machinery = shares["exit score"] + shares["state propagation"]
                 print(f"   profile of {srv.name}: " + ", ".join(f"{k} {v:.1%}" for k, v in shares.items())
@@ -176,24 +176,25 @@ def header(args, device, dtype, van, rec, reqs, slots, rules, thresholds, how):
     cpu = f"cpu, {torch.get_num_threads()} threads" if device.type == "cpu" else torch.cuda.get_device_name(device)
     kind = f"relaxed ranks {rc.lora_ranks}" if rc.relaxed else "recursive"
     thr = "; ".join(f"{r} {','.join(format(t, '.4g') for t in thresholds[r]) or '-'}" for r in rules)
+    compiled = args.compile if args.compile is not None else device.type == "cuda"
+    budget = f" (memory budget {args.batch_memory_mb} MiB)" if args.batch_memory_mb else ""
     print(f"\n== serving B={rc.n_loops} | device {cpu} | dtype {dtype} | torch {torch.__version__} | vanilla "
-          f"{van.config.n_layer} layers, d {van.config.n_embd}, {param_bytes(van) / 1e6:.0f} MB | {kind} B={rc.n_loops} "
-          f"K={rc.n_shared} {param_bytes(rec) / 1e6:.0f} MB | {len(reqs)} requests, arrivals {args.arrival}"
-          f"{f' at {args.rate}/s' if args.arrival == 'poisson' else ''} | slots {slots['van']} vanilla, "
-          f"{slots['rec']} depth-wise" + (f" (memory budget {args.batch_memory_mb} MiB)" if args.batch_memory_mb else "")
-          + f" | steps {'compiled' if (args.compile if args.compile is not None else device.type == 'cuda') else 'eager'}"
-          f" | median (min..max) of {args.repeats} interleaved rounds after a warm-up")
+          f"{van.config.n_layer} layers, d {van.config.n_embd}, {param_bytes(van) / 1e6:.0f} MB | {kind} "
+          f"B={rc.n_loops} K={rc.n_shared} {param_bytes(rec) / 1e6:.0f} MB | {len(reqs)} requests, arrivals "
+          f"{args.arrival}{f' at {args.rate}/s' if args.arrival == 'poisson' else ''} | slots {slots['van']} vanilla, "
+          f"{slots['rec']} depth-wise{budget} | steps {'compiled' if compiled else 'eager'} | median (min..max) of "
+          f"{args.repeats} interleaved rounds after a warm-up")
     if args.ckpt:
         print(f"   EXITS REAL: --ckpt {args.ckpt}; thresholds {thr} ({how})")
         return
     what = (f"--vanilla-ckpt {args.vanilla_ckpt} converted without training (Average tying"
             + (", SVD LoRA)" if rc.relaxed else ")") if args.vanilla_ckpt else "random weights")
-    print(f"   SIMULATED exits: no --ckpt, the depth-wise model is {what}; its exit scores mean nothing, so each rule's "
-          f"threshold makes a chosen share of tokens leave: {thr} ({how}; {args.exit_source})")
+    print(f"   SIMULATED exits: no --ckpt, the depth-wise model is {what}; its exit scores mean nothing, so each "
+          f"rule's threshold makes a chosen share of tokens leave: {thr} ({how}; {args.exit_source})")
     if van.num_params() < SMALL_MODEL_PARAMS:
-        print(f"   SMALL MODEL ({van.num_params() / 1e6:.2f}M): a decode step here is per-operator overhead, not weight "
-              f"reads, so half the layers per step save little and the exit path costs more; the depth-wise bargain "
-              f"shows where weights dominate a step (the base preset)")
+        print(f"   SMALL MODEL ({van.num_params() / 1e6:.2f}M): a decode step here is per-operator overhead, not "
+              f"weight reads, so half the layers per step save little and the exit path costs more; the depth-wise "
+              f"bargain shows where weights dominate a step (the base preset)")
 
 
 # Below this many non-embedding parameters the header says that its model is too small to show the bargain (the tiny
@@ -233,7 +234,8 @@ def report(args, servers, rounds, outputs, B, slots, peak) -> list[dict]:
               f"{spread([r['tok_per_s'] for r in rs], fmt='.0f')} tok/s {spread(e2e, fmt='.2f')}x  loaded "
               f"{spread([r['loaded_tok_per_s'] for r in rs], fmt='.0f')} tok/s {spread(loaded, fmt='.2f')}x  {ceiling}")
     print("   paper (Table K.2/K.4, simulated on an A100 from oracle exits, blocks only): depth-wise + early exit "
-          "1.4-1.9x continuous sequence-wise batching; measured batched early exit on GPUs (Miao et al. 2024): <= 1.25x")
+          "1.4-1.9x continuous sequence-wise batching; measured batched early exit on GPUs (Miao et al. 2024): "
+          "<= 1.25x")
     return rows
 
 
@@ -285,7 +287,7 @@ def build_models(args, device, dtype, B):
         base = dict(PRESETS[args.preset], vocab_size=args.vocab_size)
         if rec is not None:  # a vanilla model of the recursive one's shape (random weights)
             base = {k: getattr(rec.config, k) for k in base}
-        elif not args.requests_file and args.prompts == "synthetic":  # as long as the requests need, at most the preset's
+        elif not args.requests_file and args.prompts == "synthetic":  # what the requests need, within the preset's
             need = sum(parse_range(x)[1] for x in (args.prompt_len, args.gen_len)) + 8
             base["max_seq_len"] = min(need, base["max_seq_len"])
         vanilla = GPT(GPTConfig(**base))

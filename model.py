@@ -653,11 +653,12 @@ class GPT(nn.Module):
         return run_cached(self.blocks, self.rope, self.embed(idx), cache, fresh)
 
     @torch.no_grad()
-    def prefill_chunk(self, idx, q_pos, cache: KVCache, rows):
-        """One chunk of some rows' prompts (a server's chunked prefill): tokens idx (b, T) at positions q_pos (b, T)
-        of cache rows `rows` (b,), attending to the rows' earlier chunks through the cache -> hidden states (b, T, C)
-        before the final norm; K/V written, cache.lengths untouched."""
-        return run_cached(self.blocks, self.rope, self.embed(idx), cache, rows=rows, q_pos=q_pos)
+    def prefill_chunk(self, idx, q_pos, cache: KVCache, rows, first: bool = False):
+        """One chunk of some rows' prompts (a server's chunked prefill): tokens idx (b, T), right-padded, at positions
+        q_pos (b, T) of cache rows `rows` (b,), attending to the rows' earlier chunks through the cache -> hidden
+        states (b, T, C) before the final norm; K/V written, cache.lengths untouched. first=True: every row's first
+        chunk (positions 0..T-1): causal attention over the chunk itself, nothing read back (the prefill's path)."""
+        return run_cached(self.blocks, self.rope, self.embed(idx), cache, first, rows=rows, q_pos=q_pos)
 
     @torch.no_grad()
     def prefill(self, idx, cache: KVCache, lengths=None):

@@ -387,8 +387,8 @@ class RecursiveGPT(GPT):
         """decode_step in graph-safe form: the same tokens, exit loops and cache (masked_step, what compile_decode
         compiles, and the exit log, which a graph does not append to)."""
         logits, exits = self.masked_step(tok, cache, exit_threshold, exit_rule)
-        if isinstance(cache, RecursiveCache):
-            cache.exit_log.append(exits)
+        if isinstance(cache, RecursiveCache):  # a copy: a CUDA graph's outputs live until its next replay
+            cache.exit_log.append(exits.clone())
         return (logits, exits) if return_exits else logits
 
     def masked_step(self, tok, cache: KVCache, exit_threshold: float | None = None, exit_rule: str | None = None):
@@ -457,13 +457,14 @@ class RecursiveGPT(GPT):
         return out, leave, (logits if logits is not None else self.exit_logits(out)[:, 0])
 
     @torch.no_grad()
-    def prefill_chunk(self, idx, q_pos, cache: KVCache, rows):
+    def prefill_chunk(self, idx, q_pos, cache: KVCache, rows, first: bool = False):
         """model.GPT.prefill_chunk through every loop (prompt tokens never exit): tokens idx (b, T) at positions
         q_pos (b, T) of cache rows `rows` -> hidden states (b, T, C) after the last loop; every cache layer of those
-        rows written at q_pos, cache.lengths untouched."""
-        x = self.embed(idx)
+        rows written at q_pos, cache.lengths untouched. first=True: causal over the chunk itself (as prefill)."""
+        x, rope = self.embed(idx), self.rope(q_pos)
         for l in range(self.config.n_loops):
-            x = self.loop_step(x, l, q_pos, cache, rows=rows)
+            x = (self.run_loop(x, l, rope, cache=cache, rows=rows, q_pos=q_pos) if first else
+                 self.loop_step(x, l, q_pos, cache, rows=rows))
         return x
 
     @torch.no_grad()

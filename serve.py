@@ -141,7 +141,8 @@ class Server:
         start = torch.tensor([self.filled[s] for s in slots])
         q_pos = (start[:, None] + torch.arange(max(n))).clamp(max=self.cache.max_len - 1)
         rows = torch.tensor(slots, device=self.device)
-        h = self.model.prefill_chunk(idx.to(self.device), q_pos.to(self.device), self.cache, rows)  # (b, T, C)
+        h = self.model.prefill_chunk(idx.to(self.device), q_pos.to(self.device), self.cache, rows,
+                                     first=not any(self.filled[s] for s in slots))  # (b, T, C)
         for i, s in enumerate(slots):
             self.filled[s] += n[i]
             self.todo[s] = self.todo[s][n[i]:]

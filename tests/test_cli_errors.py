@@ -123,7 +123,8 @@ def test_serve_checkpoint_mistakes(files, capsys):
     _one_error_line(capsys, bench.main, ["serve", "--preset", "tiny", "--ckpt", rnd], f"checkpoint {rnd} is corrupt")
     empty = files / "empty.jsonl"
     empty.write_text("\n")
-    _one_error_line(capsys, bench.main, ["serve", "--preset", "tiny", "--requests-file", str(empty)], "holds no request")
+    _one_error_line(capsys, bench.main, ["serve", "--preset", "tiny", "--requests-file", str(empty)],
+                    "holds no request")
 
 
 def test_the_commands_themselves(files):
@@ -738,8 +739,9 @@ def test_the_largest_seed_works_where_seeds_are_derived(capsys):
     the batch: at the largest seed torch takes, both stay within what manual_seed accepts."""
     torch.manual_seed(SEED_MAX)
     assert serve.request_generator(SEED_MAX, 7).initial_seed() == (SEED_MAX * 1_000_003 + 7) % 2 ** 64
-    bench.main(["serve", "--warmup", "0", "--requests", "2", "--prompt-len", "2", "--gen-len", "2", "--temperature", "1",
-                "--seed", str(SEED_MAX), "--preset", "tiny", "--dtype", "float32", "--loops", "2", "--repeats", "1"])
+    bench.main(["serve", "--warmup", "0", "--requests", "2", "--prompt-len", "2", "--gen-len", "2", "--temperature",
+                "1", "--seed", str(SEED_MAX), "--preset", "tiny", "--dtype", "float32", "--loops", "2",
+                "--repeats", "1"])
     assert "end-to-end" in capsys.readouterr().out
 
 

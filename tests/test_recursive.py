@@ -663,7 +663,7 @@ def test_compiled_decode_is_one_graph_per_exit_setting_with_the_eager_tokens():
 
     m = three_loop_gated()
     idx = torch.randint(0, 96, (5, 5), generator=torch.Generator().manual_seed(6))
-    settings = [(None, None), (middle_threshold(m, idx, "softmax"), "softmax"), (middle_threshold(m, idx, "gate"), "gate")]
+    settings = [(None, None)] + [(middle_threshold(m, idx, rule), rule) for rule in ("softmax", "gate")]
     refs = [m.generate(idx, 10, exit_threshold=t, exit_rule=r, return_exits=True) for t, r in settings]
     assert all(len(set(ex[:, 1:].flatten().tolist())) > 1 for _, ex in refs[1:])  # exits happen
     check = GraphCheck()

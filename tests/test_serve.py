@@ -217,7 +217,8 @@ def test_bad_requests_get_their_own_error():
     reqs[10].prompt, reqs[10].max_new_tokens = [1] * 40, 30  # fits alone, not with its output
     expect = {1: "empty prompt", 3: "outside the vocabulary", 4: "outside the vocabulary", 6: "longer than the context",
               8: "max_new_tokens", 9: "max_new_tokens", 10: "exceeds the context"}
-    for srv in (serve.DepthWiseServer(REL, 4), serve.ContinuousServer(VAN, 4), serve.ContinuousServer(VAN, 4, static=True)):
+    for srv in (serve.DepthWiseServer(REL, 4), serve.ContinuousServer(VAN, 4),
+                serve.ContinuousServer(VAN, 4, static=True)):
         out = srv.run(reqs, clock="step")
         for r in out:
             if r.rid in expect:
@@ -386,7 +387,7 @@ def test_binary_files_directories_and_spans(tmp_path):
         serve_requests.jsonl_requests(tmp_path)
     with pytest.raises(serve_requests.UsageError, match="cannot read it"):
         serve_requests.jsonl_requests(tmp_path / "none.jsonl")
-    with pytest.raises(serve_requests.UsageError, match="--rate 1e-09: the 4 Poisson arrivals span .* beyond the 3600 s"):
+    with pytest.raises(serve_requests.UsageError, match="--rate 1e-09: the 4 Poisson arrivals span .* beyond the 3600"):
         serve_requests.arrival_times(4, "poisson", 1e-9, torch.Generator().manual_seed(0))
 
 
