@@ -118,8 +118,9 @@ class Server:
         self.req, self.todo, self.filled, self.live = [None] * self.slots, [[]] * self.slots, [0] * self.slots, []
 
     def free_slots(self) -> int:
+        """Slots a request may be admitted into now (static batching: all of them once the batch is done, else 0)."""
         free = sum(r is None for r in self.req)
-        return 0 if self.static and free < self.slots else free  # static batching: only into an empty batch
+        return 0 if self.static and free < self.slots else free
 
     def busy(self) -> bool:
         return any(r is not None for r in self.req)
@@ -218,12 +219,14 @@ class Server:
             while seen < len(reqs) and reqs[seen].arrival <= t:
                 reqs[seen].t_arrive = t0 + reqs[seen].arrival if clock == "wall" else time.perf_counter()
                 seen += 1
-            while head < seen and self.free_slots():
+            room = self.free_slots()
+            while head < seen and room:
                 r = reqs[head]
                 head += 1
                 problem = request_problem(r, self.cfg.vocab_size, self.cfg.max_seq_len)
                 if problem is None:
                     self.place(r)
+                    room -= 1
                     continue
                 r.error_kind, r.error = problem
                 if r.source and r.source.rsplit(":", 1)[0] not in r.error:

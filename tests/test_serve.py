@@ -189,6 +189,21 @@ def test_chunked_prefill_lets_the_others_decode_and_equals_sequential():
             assert r.output == serve.sequential_generate(srv.model, r)[0], (srv.name, r.rid)
 
 
+def test_static_batching_admits_whole_batches_only():
+    """static=True: a batch fills every slot at once and the next starts only when the whole batch is done, so with
+    every request there at the start the decode steps are, per batch of `slots` requests, its longest output - 1;
+    continuous batching needs fewer."""
+    reqs = serve_requests.synthetic_requests(11, CFG["vocab_size"], "2:6", "1:9", seed=16)
+    static, cont = serve.ContinuousServer(VAN, 4, static=True), serve.ContinuousServer(VAN, 4)
+    out = static.run(reqs, clock="step")
+    batches = [reqs[i:i + 4] for i in range(0, 11, 4)]
+    assert static.n_steps == sum(max(r.max_new_tokens for r in b) - 1 for b in batches)
+    for first, then in zip(batches, batches[1:]):
+        assert max(out[r.rid].t_done for r in first) < min(out[r.rid].t_first for r in then)
+    cont.run(reqs, clock="step")
+    assert cont.n_steps < static.n_steps
+
+
 def test_500_requests_none_lost_or_duplicated():
     reqs = _requests(500, seed=5, gen="1:2", rate=8.0)
     bad = {7: dict(prompt=[]), 99: dict(max_new_tokens=0), 250: dict(prompt=[1, 2, CFG["vocab_size"]]),
