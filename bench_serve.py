@@ -124,14 +124,16 @@ def serve_setting(args, device, dtype, B) -> list[dict]:
 
 def build_setting(args, device, dtype, B):
     """-> (vanilla, recursive, requests, exit rules, thresholds per rule, how they were set), or None (skipped)."""
-    if B is not None:
-        n_layer = GPTConfig.from_preset(args.preset).n_layer if not args.vanilla_ckpt else None
-        if n_layer is not None and n_layer % B:
-            print(f"\n== serving B={B}: skipped, the {n_layer} layers of --preset {args.preset} do not split into {B} "
-                  f"loops")
-            return None
+    source = f"--vanilla-ckpt {args.vanilla_ckpt}" if args.vanilla_ckpt else f"--preset {args.preset}"
+    if B is not None and not args.vanilla_ckpt and GPTConfig.from_preset(args.preset).n_layer % B:
+        print(f"\n== serving B={B}: skipped, the {GPTConfig.from_preset(args.preset).n_layer} layers of {source} do "
+              f"not split into {B} loops")
+        return None
     with user_input():  # a config the flags make impossible (a LoRA rank above full rank, ...): one line
         van, rec, spec = build_models(args, device, dtype, B)
+    if rec is None:
+        print(f"\n== serving B={B}: skipped, the {van.config.n_layer} layers of {source} do not split into {B} loops")
+        return None
     reqs = build_requests(args, van, rec, spec)
     rules = (args.rules.split(",") if args.rules else
              ["gate", "softmax"] if not args.ckpt else ["gate" if rec.exit_gate is not None else "softmax"])
@@ -291,6 +293,8 @@ def build_models(args, device, dtype, B):
             need = sum(parse_range(x)[1] for x in (args.prompt_len, args.gen_len)) + 8
             base["max_seq_len"] = min(need, base["max_seq_len"])
         vanilla = GPT(GPTConfig(**base))
+    if rec is None and vanilla.config.n_layer % B:  # a source whose layers do not split into B loops: skipped
+        return vanilla, None, None
     if rec is None:
         ranks = {f"lora_rank_{c}": args.lora_rank for c in ("q", "kv", "o", "mlp")} if args.lora_rank else {}
         rec = from_vanilla(vanilla, n_loops=B, init="average", lora_init="svd", log=lambda *_: None, exit_gate=True,
