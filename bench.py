@@ -48,6 +48,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
+import bench_serve
 import cpu_tuning
 import kernels as K
 from cli import (DTYPES, ArgumentParser, UsageError, check_writable_dir, comma_list, number, one_of, path_arg, run_cli,
@@ -692,139 +693,6 @@ def bench_archs(args):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Serving: continuous depth-wise batching with early exit vs continuous sequence-wise batching (serve.py's servers)
-
-
-@torch.no_grad()
-@cpu_tuning.switched_on()
-def bench_serve(args):
-    """Section 2.4 / 3.8 of the Relaxed Recursive Transformers paper, run for real: the same requests through
-    vanilla continuous sequence-wise batching (CSB) and continuous depth-wise batching of the relaxed model of the
-    same effective depth (B loops of N/B shared layers), without and with early exit, per dtype and B. Weights are
-    random, so exits are SIMULATED: each exit rule's threshold is calibrated so that --exit-rate of the prompt tokens
-    leave at loop 1 (the rate measured on a trained checkpoint by `python eval.py exits`; the output
-    says which). The learned gate here has random weights: what is measured is its cost, not its accuracy.
-
-    Two throughputs: end to end (all tokens / wall time, the drain of the last requests included) and loaded (tokens
-    emitted in steps with every slot busy / their time: what a server with a queue sustains). The ceiling of a
-    depth-wise server over CSB at equal slots is B / E[loops] (a step runs N/B layers; a token needs E[loops] steps);
-    the measured ratio is printed beside it. --batch-memory-mb instead gives each system the slots that fit that
-    many MiB of weights + full-context KV (Table K.3/K.4's memory-limited setting): smaller shared weights buy slots."""
-    import serve
-    from recursive import from_vanilla
-
-    device = pick_device(args.device)
-    P, G = args.prompt_len, args.gen_len
-    for dname in args.dtype.split(","):
-        dtype = pick_dtype(device, dname)
-        for B in [int(b) for b in str(args.loops).split(",")]:
-            cfg = GPTConfig.from_preset(args.preset, vocab_size=args.vocab_size, max_seq_len=P + G + 8)
-            if cfg.n_layer % B:
-                print(f"\n== serving B={B}: skipped, the {cfg.n_layer} layers of --preset {args.preset} do not split "
-                      f"into {B} loops")
-                continue
-            torch.manual_seed(0)
-            van = GPT(cfg)
-            ranks = {f"lora_rank_{c}": args.lora_rank for c in ("q", "kv", "o", "mlp")} if args.lora_rank else {}
-            with user_input():  # a --lora-rank above full rank: one line
-                rel = from_vanilla(van, n_loops=B, init="average", lora_init="svd", log=lambda *_: None,
-                                   exit_gate=True, **ranks)
-            with torch.no_grad():  # a random gate: its cost is real, its decisions are calibrated to the exit rate
-                rel.exit_gate.weight.normal_(0, cfg.n_embd ** -0.5)
-            van, rel = van.to(device, dtype).eval(), rel.to(device, dtype).eval()
-            reqs = serve.synthetic_requests(args.requests, cfg.vocab_size, str(P), str(G), seed=0)
-            elem = torch.empty((), dtype=dtype).element_size()
-            slots = {"van": args.slots, "rel": args.slots}
-            if args.batch_memory_mb:
-                slots = {k: serve.slots_for_memory(m, args.batch_memory_mb, P + G + 8, elem)
-                         for k, m in (("van", van), ("rel", rel))}
-            servers = {"vanilla CSB": serve.ContinuousServer(van, slots["van"]),
-                       "depth-wise, no exit": serve.DepthWiseServer(rel, slots["rel"])}
-            for rule in args.rules.split(","):
-                thr = serve.calibrate_threshold(rel, reqs, exit_rate=args.exit_rate, rule=rule)
-                servers[f"depth-wise + exit ({rule})"] = serve.DepthWiseServer(rel, slots["rel"], thr, rule)
-            serve.check_cache_memory({n: s.model for n, s in servers.items()}, {n: s.slots for n, s in servers.items()},
-                                     elem, device, f"--batch-memory-mb {args.batch_memory_mb:g}" if args.batch_memory_mb
-                                     else f"--slots {args.slots:,}")
-            header(f"serving B={B}", device, dtype,
-                   f"preset {args.preset} shape (N={cfg.n_layer}, d {cfg.n_embd}), vocabulary {cfg.vocab_size} | "
-                   f"vanilla {param_bytes(van) / 1e6:.0f} MB, {'relaxed rank ' + str(args.lora_rank) if ranks else 'recursive'}"
-                   f" B={B} K={rel.config.n_shared} {param_bytes(rel) / 1e6:.0f} MB | {args.requests} requests at once, "
-                   f"prompt {P}, {G} new tokens | slots {slots['van']} vanilla, {slots['rel']} depth-wise"
-                   + (f" (memory budget {args.batch_memory_mb} MiB)" if args.batch_memory_mb else "")
-                   + f" | median (min..max) of {args.repeats} interleaved rounds after 1 warm-up")
-            print(f"   SIMULATED exits: random weights; each rule's threshold calibrated so that {args.exit_rate:.0%} "
-                  f"of prompt tokens leave at loop 1 ({args.exit_source})")
-            for srv in servers.values():  # warm-up: allocator, first-call overheads, the linear product choice
-                srv.run(reqs[:max(slots.values())], clock="step")
-            rows = {name: [] for name in servers}
-            for _ in range(args.repeats):
-                for name, srv in servers.items():
-                    rows[name].append(serve.summarize(srv, srv.run(reqs, clock="step"), None))
-            base = rows["vanilla CSB"]
-            for name, rs in rows.items():
-                e2e = [r["tok_per_s"] / b["tok_per_s"] for r, b in zip(rs, base)]
-                loaded = [r["loaded_tok_per_s"] / b["loaded_tok_per_s"] for r, b in zip(rs, base)]
-                loops = rs[0]["mean_exit_loop"]
-                ceiling = (f"ceiling {B / loops * slots['rel'] / slots['van']:.2f}x" if name != "vanilla CSB" else "")
-                print(f"   {name:30s} step {spread([r['step_ms'] for r in rs], fmt='.1f')} ms  E[loops] "
-                      f"{loops:.2f}  end-to-end {spread([r['tok_per_s'] for r in rs], fmt='.0f')} tok/s "
-                      f"{spread(e2e, fmt='.2f')}x  loaded {spread([r['loaded_tok_per_s'] for r in rs], fmt='.0f')} "
-                      f"tok/s {spread(loaded, fmt='.2f')}x  {ceiling}")
-            for name, srv in servers.items():
-                if args.profile and name != "vanilla CSB":
-                    shares = step_shares(srv, reqs)
-                    machinery = shares["exit score"] + shares["state propagation"]
-                    print(f"   profile of {name}: " + ", ".join(f"{k} {v:.1%}" for k, v in shares.items())
-                          + (f" | exit machinery (score + propagation) {machinery:.1%} of a step (target: "
-                             f"<= 10%)" if srv.threshold is not None else ""))
-    print("   paper (Table K.2/K.4, simulated on an A100 from oracle exits, blocks only): depth-wise + early exit "
-          "1.4-1.9x continuous sequence-wise batching; measured batched early exit on GPUs (Miao et al. 2024): <= 1.25x")
-
-# --profile: where a depth-wise step's time goes. The parts of RecursiveGPT.exit_pass (and the server's sampler) are
-# timed from outside, on the instances, for one more run after the timed rounds; shares are of the decode steps' time.
-STEP_PARTS = (("loop_step", "shared block"), ("exit_score", "exit score"), ("propagate", "state propagation"),
-              ("exit_logits", "head on leaving rows"), ("sample", "sampling"))
-
-
-def step_shares(srv, reqs) -> dict[str, float]:
-    """Run srv once with its step's parts timed -> {part: share of the decode steps' time}. Only calls made inside
-    srv.step count (admission also samples, outside the steps), and a part called by another part is not counted
-    again; host-side wall time, the CPU runs every op synchronously. The instances are left as they were."""
-    spent = dict.fromkeys([label for _, label in STEP_PARTS], 0.0)
-    depth = [0]  # 1 inside srv.step, 2 inside one of its parts
-
-    def timed(fn, label):
-        def run(*a, **k):
-            depth[0] += 1
-            t = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                if depth[0] == 2 and label is not None:
-                    spent[label] += time.perf_counter() - t
-                depth[0] -= 1
-        return run
-
-    targets = [(srv, "step", None)] + [(srv if name == "sample" else srv.model, name, label)
-                                       for name, label in STEP_PARTS]
-    before = [(owner, name, owner.__dict__.get(name)) for owner, name, _ in targets]
-    for owner, name, label in targets:
-        setattr(owner, name, timed(getattr(owner, name), label))
-    try:
-        srv.run(reqs, clock="step")
-    finally:
-        for owner, name, old in before:
-            if old is None:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, old)
-    shares = {label: t / srv.step_time for label, t in spent.items()}
-    shares["the rest (state updates, bookkeeping)"] = 1 - sum(shares.values())
-    return shares
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # Block Transformer vs vanilla: throughput at the largest batch a memory budget allows (Block Transformer, section
 # 3.2)
 
@@ -1319,10 +1187,9 @@ def build_parser():
     import block_transformer as bt
     import double_decoder as dd
     import plt
-    from recursive import EXIT_RULES
 
     pos, nonneg, two = number(int, min=1), number(int, min=0), number(int, min=2)  # two: >= 2 tokens
-    dtypes, rules = comma_list(one_of(DTYPES)), comma_list(one_of(list(EXIT_RULES)))
+    dtypes = comma_list(one_of(DTYPES))
     ap = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     sub = ap.add_subparsers(dest="what", required=True)
 
@@ -1425,29 +1292,9 @@ def build_parser():
     p.add_argument("--batch", type=comma_list(pos), default="1,8", help="comma list of batch sizes")
     p.set_defaults(fn=bench_archs)
 
-    p = sub.add_parser("serve", help="depth-wise batching + early exit vs continuous sequence-wise batching")
-    common(p)
-    p.add_argument("--dtype", type=dtypes, default="float32,bfloat16", help="comma list: float32, bfloat16")
-    p.add_argument("--loops", type=comma_list(number(int, min=2)), default="2,3",
-                   help="comma list of B (loops of the depth-wise model)")
-    p.add_argument("--rules", type=rules, default="gate,softmax", help="comma list of exit rules: gate, saturation, "
-                                                                       "softmax")
-    p.add_argument("--vocab-size", type=number(int, min=2), default=4160,
-                   help="vocabulary (default: this repository's tokenizer)")
-    p.add_argument("--lora-rank", type=nonneg, default=64, help="relaxed model's LoRA rank (0 = recursive)")
-    p.add_argument("--slots", type=pos, default=16, help="batch slots of every server")
-    p.add_argument("--batch-memory-mb", type=number(float, above=0), default=None,
-                   help="instead of --slots: each system gets the slots that fit this many MiB of weights + KV")
-    p.add_argument("--requests", type=pos, default=48, help="requests (all arrive at once)")
-    p.add_argument("--prompt-len", type=pos, default=64, help="prompt tokens")
-    p.add_argument("--gen-len", type=pos, default=64, help="generated tokens per request")
-    p.add_argument("--exit-rate", type=number(float, above=0, max=1), default=0.5,
-                   help="share of tokens exiting at loop 1 to simulate, in (0, 1]")
-    p.add_argument("--exit-source", default="--exit-rate as given", help="where the exit rate was measured")
-    p.add_argument("--profile", action="store_true", help="after the timed rounds, one more run of each depth-wise "
-                   "server with the parts of its step timed: the share of the shared block, the exit score, state "
-                   "propagation, the head, sampling and the rest")
-    p.set_defaults(fn=bench_serve)
+    p = sub.add_parser("serve", help="serve.py's servers on the same requests: depth-wise batching + early exit vs "
+                                     "continuous sequence-wise batching (bench_serve.py)")
+    bench_serve.add_args(p)
 
     p = sub.add_parser("block", help="Block Transformer vs vanilla: throughput at the largest batch of a memory "
                                      "budget (decode-heavy, prefill-heavy)")

@@ -489,11 +489,17 @@ class LayerCache:
             return self.layer[:, None], self.rows[:, None], slice(None), pos
         return self.layer, self.rows[:, None], slice(None), pos
 
-    def write(self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """k, v (B, H_kv, T, D) go to positions pos (B, T) of this layer of these rows."""
+    def write(self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, where: torch.Tensor | None = None):
+        """k, v (B, H_kv, T, D) go to positions pos (B, T) of this layer of these rows. where (B,) bool: only those
+        rows take the new entries, the others write back what they hold (a read, a select and a write, the same for
+        every row: the graph-safe form of writing a subset of rows)."""
         idx = self._index(pos)
-        self.cache.k[idx] = k.transpose(1, 2)
-        self.cache.v[idx] = v.transpose(1, 2)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, T, H_kv, D), the indexed view's layout
+        if where is not None:
+            keep = where[:, None, None, None]
+            k, v = torch.where(keep, k, self.cache.k[idx]), torch.where(keep, v, self.cache.v[idx])
+        self.cache.k[idx] = k
+        self.cache.v[idx] = v
 
     def read(self, kv_len: int):
         """-> k, v (B, H_kv, kv_len, D): a view when the layer is one int and the rows are all rows, else a gather:
@@ -519,7 +525,8 @@ def start_prefill(idx, cache, lengths=None) -> torch.Tensor:
     return lengths
 
 
-def run_cached(blocks, rope: RotaryEmbedding, x, cache: KVCache, fresh: bool = False, layers=None):
+def run_cached(blocks, rope: RotaryEmbedding, x, cache: KVCache, fresh: bool = False, layers=None, rows=None,
+               q_pos=None):
     """The cached layer stack: inputs x (B, T, C) at positions cache.lengths + (0..T-1) through `blocks`, each block
     writing its K/V into its cache layer (layers[i], default i) -> hidden states (B, T, C). cache.lengths is left to
     the caller. Every decoder of this repository runs its cached steps through here (GPT, the Block Transformer's two
@@ -527,17 +534,19 @@ def run_cached(blocks, rope: RotaryEmbedding, x, cache: KVCache, fresh: bool = F
 
     fresh=True is the prefill of an empty cache: attention runs causally over x itself (the flash path on GPU) and
     nothing is read back. Otherwise every query attends over the cache prefix under the positional causal mask: the
-    filled prefix [0, max(lengths) + T), or all max_len positions for a static cache (no host sync, fixed shapes).
+    filled prefix [0, max(q_pos) + 1), or all max_len positions for a static cache (no host sync, fixed shapes).
+    rows (B,) and q_pos (B, T): x belongs to these cache rows, at these positions (a server's chunked prefill into
+    some of its slots); default all rows, at their lengths.
     """
     B, T, _ = x.shape
-    q_pos = cache.lengths[:, None] + torch.arange(T, device=x.device)  # (B, T)
+    if q_pos is None:
+        q_pos = cache.lengths[:, None] + torch.arange(T, device=x.device)  # (B, T)
     mask = None
     if not fresh:
-        kv_len = cache.kv_len(T)
-        mask = causal_mask_from_positions(q_pos, kv_len)  # (B, 1, T, kv_len)
+        mask = causal_mask_from_positions(q_pos, cache.kv_len(q_pos))  # (B, 1, T, kv_len)
     cos_sin = rope(q_pos)
     for i, block in enumerate(blocks):
-        x = block(x, cos_sin, mask=mask, cache=cache.layer(i if layers is None else layers[i]), q_pos=q_pos)
+        x = block(x, cos_sin, mask=mask, cache=cache.layer(i if layers is None else layers[i], rows), q_pos=q_pos)
     return x
 
 
@@ -560,6 +569,13 @@ def batch_bucket(n: int) -> int:
         raise ValueError(f"batch must be >= 1, got {n}")
     top = BATCH_BUCKETS[-1]
     return next((b for b in BATCH_BUCKETS if b >= n), -(-n // top) * top)
+
+
+def graph_mode(mode: str | None, device, backend=None) -> str | None:
+    """compile_step's mode for 'auto': 'reduce-overhead' (CUDA graphs) on CUDA with the default backend, else None."""
+    if mode != "auto":
+        return mode
+    return "reduce-overhead" if torch.device(device).type == "cuda" and backend is None else None
 
 
 def compile_step(fn, mode: str | None = None, backend=None):
@@ -612,6 +628,7 @@ class GPT(nn.Module):
         init_weights(self, cfg.n_layer)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
+        self.graph_caches = {}  # batch bucket -> the static cache generate() reuses (generation_cache)
 
     def make_blocks(self, cfg) -> nn.ModuleList:
         """The layer stack (a subclass with other layers -- shared, LoRA, another attention -- overrides this)."""
@@ -674,6 +691,14 @@ class GPT(nn.Module):
         return run_cached(self.blocks, self.rope, self.embed(idx), cache, fresh)
 
     @torch.no_grad()
+    def prefill_chunk(self, idx, q_pos, cache: KVCache, rows, first: bool = False):
+        """One chunk of some rows' prompts (a server's chunked prefill): tokens idx (b, T), right-padded, at positions
+        q_pos (b, T) of cache rows `rows` (b,), attending to the rows' earlier chunks through the cache -> hidden
+        states (b, T, C) before the final norm; K/V written, cache.lengths untouched. first=True: every row's first
+        chunk (positions 0..T-1): causal attention over the chunk itself, nothing read back (the prefill's path)."""
+        return run_cached(self.blocks, self.rope, self.embed(idx), cache, first, rows=rows, q_pos=q_pos)
+
+    @torch.no_grad()
     def prefill(self, idx, cache: KVCache, lengths=None):
         """Prompts idx (B, T), right-padded, with true lengths (B,) (default T) -> logits (B, V) of each row's last
         prompt token. The cache must be empty; afterwards cache.lengths == lengths."""
@@ -695,20 +720,33 @@ class GPT(nn.Module):
     # between a few step kinds on the host (from step counts the host knows) names those kinds instead.
     graph_steps = ("decode_step",)
 
-    def compile_decode(self, mode: str | None = None, backend=None):
+    def compile_decode(self, mode: str | None = "auto", backend=None):
         """torch.compile the decode step (gpt-fast's recipe, compile_step): from now on new caches are static (their
-        tensors marked static), so every step has the same shapes and compiles once per batch size;
-        mode='reduce-overhead' captures it as a CUDA graph on a GPU. The prefill stays eager (its shapes change with
-        every prompt). Each method named in graph_steps is compiled: one graph per step kind and batch size.
-        `python bench.py decode --compile` measures what it buys."""
+        tensors marked static), so every step has the same shapes and compiles once per batch bucket; generate()
+        pads a batch to its bucket and reuses one cache per bucket (generation_cache). mode 'auto': 'reduce-overhead'
+        on CUDA (the step captured as a CUDA graph: one launch per token), torch.compile's default elsewhere. The
+        prefill stays eager (its shapes change with every prompt). Each method named in graph_steps is compiled: one
+        graph per step kind and batch bucket. `python bench.py decode --compile` measures what it buys."""
         self.static_cache = True
+        mode = graph_mode(mode, self.lm_head.weight.device, backend)
         for name in self.graph_steps:
             setattr(self, name, compile_step(getattr(self, name), mode, backend))
         return self
 
     def generation_cache(self, batch: int, prompt_len: int, max_new_tokens: int, **step_kwargs):
-        """The cache generate() allocates (an architecture whose cache is sized otherwise overrides this)."""
-        return self.new_cache(batch, prompt_len + max_new_tokens)
+        """The cache generate() allocates (an architecture whose cache is sized otherwise overrides this). After
+        compile_decode: one static cache per batch bucket, allocated once and reused by every later call (gpt-fast's
+        setup_caches), so a captured graph replays on the same addresses; its rows are the bucket (generate pads the
+        batch), its positions the need rounded up to 128, grown (one more graph) only when a call needs more."""
+        need = prompt_len + max_new_tokens
+        if not self.static_cache:
+            return self.new_cache(batch, need)
+        rows, p = batch_bucket(batch), self.lm_head.weight
+        cache = self.graph_caches.get(rows)
+        if cache is None or cache.max_len < need or (cache.k.dtype, cache.k.device) != (p.dtype, p.device):
+            max_len = min(-(-need // 128) * 128, self.config.max_seq_len)
+            cache = self.graph_caches[rows] = self.new_cache(rows, max_len)
+        return cache
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens: int, temperature: float = 0.0, top_k=None, generator=None, cache=None,
@@ -726,15 +764,16 @@ class GPT(nn.Module):
             return idx
         if cache is None:
             cache = self.generation_cache(B, T, max_new_tokens, **step_kwargs)
-        logits = self.prefill(idx, cache)
+        pad = cache.batch - B if isinstance(cache, KVCache) else 0  # a batch bucket's cache: padding rows decode along
+        logits = self.prefill(torch.cat([idx, idx.new_zeros(pad, T)]) if pad else idx, cache)
         out = [idx]
         for i in range(max_new_tokens):
-            tok = sample_next(logits, temperature if i >= greedy_first else 0.0, top_k, generator)
+            tok = sample_next(logits[:B], temperature if i >= greedy_first else 0.0, top_k, generator)
             out.append(tok[:, None])
             if i + 1 < max_new_tokens:
                 if self.static_cache:  # compiled steps: each one a new CUDA-graph iteration, so a replay may
                     torch.compiler.cudagraph_mark_step_begin()  # overwrite the last step's (sampled) outputs
-                logits = self.decode_step(tok, cache, **step_kwargs)
+                logits = self.decode_step(torch.cat([tok, tok.new_zeros(pad)]) if pad else tok, cache, **step_kwargs)
         return torch.cat(out, dim=1)
 
     # -- accounting ----------------------------------------------------------------------------------------------

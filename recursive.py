@@ -46,6 +46,10 @@ The model, top to bottom:
       - `decode_step` and `generate` (model.GPT's loop) use exactly these methods. A token exits at the first loop
         whose max softmax probability reaches `exit_threshold` (None = never; any value > 1 also never exits). Prompt
         tokens never exit early.
+      - Graph-safe forms (torch.compile fullgraph, CUDA graphs: no host sync, no data-dependent shape):
+        `masked_decode_step` is decode_step with every row running every loop (a row that left runs along, its
+        deeper K/V replaced by `propagate_masked`'s masked writes), what `compile_decode` compiles; `depthwise_step`
+        is serve.py's compiled depth-wise step over every slot. Each equals its subset form (tests).
   * Early exit on text (section 3.8, Appendix K): `exit_analysis` measures the static loss of every loop, the oracle
     exit loop (the earliest loop whose argmax equals the final one), and the confidence-exit trade-off a serving user
     picks a threshold from (threshold -> share of tokens exiting at each loop -> loss of the emitted tokens), with
@@ -59,7 +63,7 @@ Run:
         --self-distill --out-dir out/relaxed-exit                   # early-exit post-training (Appendix J)
     python eval.py exits --ckpt out/relaxed-exit/ckpt.pt           # per-loop losses, oracle, threshold curve
     python bench.py presets --arch recursive,relaxed --preset tiny  # parameter counts: vanilla, recursive, relaxed
-    python serve.py --ckpt out/relaxed-exit/ckpt.pt                 # depth-wise batching with early exit
+    python bench.py serve --ckpt out/relaxed-exit/ckpt.pt           # depth-wise batching with early exit
     python -m pytest -q tests/test_recursive.py tests/test_svd_lora.py
 """
 from __future__ import annotations
@@ -73,7 +77,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from model import (GPT, IGNORE, PRESETS, ArchSpec, Block, GPTConfig, KVCache, RotaryEmbedding,
-                   causal_mask_from_positions, count_params, distill_loss, kv_bytes, lm_loss, start_prefill)
+                   causal_mask_from_positions, compile_step, count_params, distill_loss, graph_mode, kv_bytes,
+                   lm_loss, start_prefill)
 from svd_lora import COMPONENTS, LoRALinear, add_lora, init_lora, max_ranks
 
 
@@ -88,6 +93,11 @@ class RecursiveCache(KVCache):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.exit_log: list[torch.Tensor] = []
+
+    def reset(self, rows=None):
+        super().reset(rows)
+        if rows is None:  # a reused cache (a compiled model's) starts a new generation: a new log
+            self.exit_log = []
 
 
 class RecursiveGPT(GPT):
@@ -349,6 +359,24 @@ class RecursiveGPT(GPT):
                     ks, vs = block.attn.project_kv(pick(xn, sel), tuple(pick(t, sel) for t in rope), lora_idx=lp)
                 cache.layer(lp * K + k, pick(rows, sel)).write(pick(q_pos, sel), ks, vs)
 
+    def propagate_masked(self, h, from_loop, q_pos, cache: KVCache):
+        """`propagate` in graph-safe form, over every row of the cache: h (B, 1, C), from_loop (B,), q_pos (B, 1).
+        A row gets the K/V of h in each deeper loop l' > from_loop; every other entry at q_pos is written back as it
+        was (LayerCache.write's `where`). from_loop = n_loops - 1 propagates nothing. The projections run for every
+        row, the rows that do not exit included: a graph cannot skip work per row."""
+        cfg = self.config
+        K = cfg.n_shared
+        rope = self.rope(q_pos)
+        for k, block in enumerate(self.blocks):
+            xn = block.attn_norm(h)
+            same_kv_every_loop = not any(isinstance(p, LoRALinear) for p in (block.attn.k_proj, block.attn.v_proj))
+            if same_kv_every_loop:
+                kk, vv = block.attn.project_kv(xn, rope)
+            for lp in range(1, cfg.n_loops):
+                if not same_kv_every_loop:
+                    kk, vv = block.attn.project_kv(xn, rope, lora_idx=lp)
+                cache.layer(lp * K + k).write(q_pos, kk, vv, where=from_loop < lp)
+
     @torch.no_grad()
     def decode_step(self, tok, cache: RecursiveCache, exit_threshold: float | None = None, return_exits=False,
                     exit_rule: str | None = None):
@@ -406,6 +434,95 @@ class RecursiveGPT(GPT):
         logits = self.head(x)[:, 0]
         return (logits, exits) if return_exits else logits
 
+    def masked_decode_step(self, tok, cache: RecursiveCache, exit_threshold: float | None = None,
+                           return_exits=False, exit_rule: str | None = None):
+        """decode_step in graph-safe form: the same tokens, exit loops and cache (masked_step, what compile_decode
+        compiles, and the exit log, which a graph does not append to)."""
+        logits, exits = self.masked_step(tok, cache, exit_threshold, exit_rule)
+        if isinstance(cache, RecursiveCache):  # a copy: a CUDA graph's outputs live until its next replay
+            cache.exit_log.append(exits.clone())
+        return (logits, exits) if return_exits else logits
+
+    def masked_step(self, tok, cache: KVCache, exit_threshold: float | None = None, exit_rule: str | None = None):
+        """The graph of masked_decode_step: tok (B,) at positions cache.lengths -> logits (B, V), exit loops (B,).
+
+        Every row runs every loop. A row that leaves at loop e runs along through the deeper loops (a graph cannot
+        skip work per row): its exit state h_e and exit loop are kept by masked selects, the K/V it writes into the
+        deeper cache layers are replaced at the end by its state propagation (propagate_masked), and its logits are
+        the head on h_e, as in the subset form. No host sync, no data-dependent shape; the threshold and the rule
+        are constants of the compiled step (one graph each)."""
+        cfg = self.config
+        B, L = tok.size(0), cfg.n_loops
+        q_pos = cache.lengths[:, None]  # (B, 1)
+        kv_len = cache.kv_len(1)
+        x = self.embed(tok[:, None])
+        exits = torch.full((B,), L - 1, dtype=torch.long, device=tok.device)
+        left = torch.zeros(B, dtype=torch.bool, device=tok.device)
+        h_exit = None
+        for l in range(L):
+            h = self.loop_step(x, l, q_pos, cache, kv_len=kv_len)
+            if l < L - 1 and exit_threshold is not None:
+                score, _ = self.exit_score(x, h, torch.full_like(exits, l), exit_rule or cfg.exit_rule)
+                leave = ~left & (score >= exit_threshold)
+                exits = torch.where(leave, l, exits)
+                h_exit = h if h_exit is None else torch.where(leave[:, None, None], h, h_exit)
+                left = left | leave
+            x = h
+        h_exit = h if h_exit is None else torch.where(left[:, None, None], h_exit, h)
+        if exit_threshold is not None and L > 1:
+            self.propagate_masked(h_exit, exits, q_pos, cache)
+        logits = self.exit_logits(h_exit)[:, 0]
+        cache.lengths += 1
+        return logits, exits
+
+    def compile_decode(self, mode: str | None = "auto", backend=None):
+        """model.GPT.compile_decode for the graph-safe form of decode_step, early exit included: static caches, one
+        per batch bucket, and masked_step compiled (decode_step = masked_decode_step from now on). Middle-Cycle
+        sharing has no early exit: its decode step (decode_all_layers) is graph-safe as it is."""
+        if self.config.sharing != "cycle":
+            return super().compile_decode(mode, backend)
+        self.static_cache = True
+        self.masked_step = compile_step(self.masked_step, graph_mode(mode, self.lm_head.weight.device, backend),
+                                        backend)
+        self.decode_step = self.masked_decode_step
+        return self
+
+    @torch.no_grad()
+    def depthwise_step(self, h, loops, pos, live, cache: KVCache, threshold: float | None = None, rule=None):
+        """The continuous depth-wise batching step (section 2.4, Figure 3) in graph-safe form, over every row of
+        the cache (serve.py's slots): ONE pass of the shared block, each row at its own loop (per-row LoRA index,
+        per-row cache layer loops*K + k), then who leaves, their state propagation and the head.
+
+        h (S, 1, C) the state of each row's token in flight before this loop (its embedding at loop 0), loops (S,),
+        pos (S,) its position, live (S,) bool: rows with a token in flight. A live row leaves at its last loop or,
+        with a threshold, when its exit score (rule, default config.exit_rule) reaches it; an early leaver's deeper
+        cache layers get its propagated K/V (masked writes). Rows that are not live run along: their results are
+        dropped, and their K/V go to (loops*K + k, pos), which the owner keeps at a harmless place (a free slot's,
+        or the next position a prefill chunk overwrites). -> out (S, 1, C) the states after this loop, leave (S,)
+        bool, logits (S, V) of every row (the head on every row: a graph cannot pick the leaving ones). Equal to
+        exit_pass's subset form on the live rows (tests/test_serve.py)."""
+        self.check_cycle("depth-wise batching")
+        L = self.config.n_loops
+        q_pos = pos[:, None]
+        out = self.loop_step(h, loops, q_pos, cache)
+        leave, logits = live & (loops == L - 1), None
+        if threshold is not None:
+            score, logits = self.exit_score(h, out, loops, rule or self.config.exit_rule)
+            leave = live & ((loops == L - 1) | (score >= threshold))
+            self.propagate_masked(out, torch.where(leave, loops, L - 1), q_pos, cache)
+        return out, leave, (logits if logits is not None else self.exit_logits(out)[:, 0])
+
+    @torch.no_grad()
+    def prefill_chunk(self, idx, q_pos, cache: KVCache, rows, first: bool = False):
+        """model.GPT.prefill_chunk through every loop (prompt tokens never exit): tokens idx (b, T) at positions
+        q_pos (b, T) of cache rows `rows` -> hidden states (b, T, C) after the last loop; every cache layer of those
+        rows written at q_pos, cache.lengths untouched. first=True: causal over the chunk itself (as prefill)."""
+        x, rope = self.embed(idx), self.rope(q_pos)
+        for l in range(self.config.n_loops):
+            x = (self.run_loop(x, l, rope, cache=cache, rows=rows, q_pos=q_pos) if first else
+                 self.loop_step(x, l, q_pos, cache, rows=rows))
+        return x
+
     @torch.no_grad()
     def generate(self, idx, max_new_tokens: int, temperature: float = 0.0, top_k=None, generator=None,
                  exit_threshold: float | None = None, return_exits=False, exit_rule: str | None = None):
@@ -418,13 +535,13 @@ class RecursiveGPT(GPT):
         thr = self.config.exit_threshold if exit_threshold is None else exit_threshold
         B, T = idx.shape
         self.check_length(T + max_new_tokens)
-        cache = self.new_cache(B, T + max(max_new_tokens, 0))
+        cache = self.generation_cache(B, T, max(max_new_tokens, 0))
         tokens = super().generate(idx, max_new_tokens, temperature, top_k, generator, cache=cache,
                                   exit_threshold=thr, exit_rule=exit_rule)
         if not return_exits:
             return tokens
         first = torch.full((B,), self.config.n_loops - 1, dtype=torch.long, device=idx.device)
-        return tokens, torch.stack(([first] + cache.exit_log)[:max_new_tokens], 1)
+        return tokens, torch.stack(([first] + [e[:B] for e in cache.exit_log])[:max_new_tokens], 1)
 
     # -- accounting ----------------------------------------------------------------------------------------------
 
@@ -744,6 +861,21 @@ def exit_analysis(model: RecursiveGPT, x, y, thresholds=(0.5, 0.7, 0.8, 0.9, 0.9
                              "agree": (lg.argmax(-1) == pred[-1]).float().mean().item(),
                              "mean_loop": float((share * torch.arange(1, L + 1)).sum())})
     return out
+
+
+@torch.no_grad()
+def exit_threshold_for(model: RecursiveGPT, prompts, exit_rate: float = 0.5, rule: str | None = None) -> float:
+    """A threshold at which about `exit_rate` of the tokens leave after the first loop under the exit rule (default
+    config.exit_rule), measured on the tokens of `prompts` (lists of token ids): loop-0 states do not depend on the
+    deeper loops, so this is what decoding sees at loop 0. Random weights give flat softmaxes where a fixed 0.9 would
+    never exit: serve.py's demo and bench.py serve simulate exits at a chosen share with it."""
+    scores = []
+    for p in prompts:
+        idx = torch.tensor([p], device=model.lm_head.weight.device)
+        x, h = model.embed(idx)[0][:, None], model.loop_hidden(idx)[0][0][:, None]  # (T, 1, C): loop 0's in/out
+        loops = torch.zeros(len(p), dtype=torch.long, device=idx.device)
+        scores.append(model.exit_score(x, h, loops, rule or model.config.exit_rule)[0].cpu())
+    return float(torch.quantile(torch.cat(scores), 1.0 - exit_rate))
 
 
 # ----------------------------------------------------------------------------------------------------------------

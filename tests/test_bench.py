@@ -62,7 +62,9 @@ def test_serve_profile_times_the_parts_of_a_step_and_leaves_the_model_as_it_was(
     """`bench.py serve --profile`: each depth-wise server's step split into its parts; the shares add up to the step,
     a server without exits spends nothing on the exit score or propagation, one with exits does, and the timers are
     removed afterwards (the same tokens as a run without them)."""
+    import bench_serve
     import serve
+    import serve_requests
     from model import GPT, GPTConfig
     from recursive import from_vanilla
 
@@ -71,12 +73,12 @@ def test_serve_profile_times_the_parts_of_a_step_and_leaves_the_model_as_it_was(
     rel = from_vanilla(van, n_loops=2, init="average", log=lambda *_: None, exit_gate=True).eval()
     with torch.no_grad():
         rel.exit_gate.weight.normal_(0, 1.0)
-    reqs = serve.synthetic_requests(6, 64, "6", "6", seed=0)
-    thr = serve.calibrate_threshold(rel, reqs, exit_rate=0.5, rule="gate")
+    reqs = serve_requests.synthetic_requests(6, 64, "6", "6", seed=0)
+    thr = bench_serve.calibrate_threshold(rel, reqs, exit_rate=0.5, rule="gate")
     for threshold in (None, thr):
         srv = serve.DepthWiseServer(rel, 3, threshold, "gate")
         before = [r.output for r in srv.run(reqs, clock="step")]
-        shares = bench.step_shares(srv, reqs)
+        shares = bench_serve.step_shares(srv, reqs)
         assert abs(sum(shares.values()) - 1) < 1e-9 and shares["shared block"] > 0 and shares["sampling"] > 0
         machinery = shares["exit score"] + shares["state propagation"]
         assert (machinery == 0) if threshold is None else (shares["exit score"] > 0 and shares["state propagation"] > 0)
@@ -130,7 +132,9 @@ def test_serve_profile_counts_only_the_decode_steps_and_restores_instance_attrib
     already replaced on the instances (here: the slow sampler, a counting step) are put back afterwards."""
     import time
 
+    import bench_serve
     import serve
+    import serve_requests
     from model import GPT, GPTConfig
     from recursive import from_vanilla
 
@@ -155,7 +159,7 @@ def test_serve_profile_counts_only_the_decode_steps_and_restores_instance_attrib
             inside[0] = False
 
     srv.sample, srv.step = slow_sample, counting_step
-    shares = bench.step_shares(srv, serve.synthetic_requests(4, 64, "4", "3", seed=0))
+    shares = bench_serve.step_shares(srv, serve_requests.synthetic_requests(4, 64, "4", "3", seed=0))
     assert calls["out"] and calls["in"]  # admissions sampled too
     sampled, inside_s = shares["sampling"] * srv.step_time, sum(calls["in"])
     # the calls inside steps, and not one of those outside (each of which took >= 20 ms); no wall-clock bound, so a

@@ -324,12 +324,12 @@ SERVE = [
     ([BASE, "--prompt-len", "10:5"], "argument --prompt-len: expected 'a:b'"),
     ([BASE, "--exit-threshold", "1.5"], "probabilities in (0, 1]"),
     ([BASE, "--exit-threshold", "auto,0.5"], "give it alone"),
-    ([BASE, "--exit-rate", "2"], "--exit-rate 2.0 is a share of tokens"),
+    ([BASE, "--exit-rate", "2"], "argument --exit-rate: must be <= 1, got 2"),
     ([BASE, "--rate", "0", "--arrival", "poisson"], "argument --rate: must be > 0"),
     ([BASE, "--batch-memory-mb", "0.001"], "does not hold the parameters and one slot"),
     ([BASE, "--lora-rank", "1000"], "lora_rank_q=1000 exceeds"),
     ([BASE, "--exit-threshold", "0.5,2"], "probabilities in (0, 1], got '2'"),
-    ([BASE, "--loops", "3"], "n_layer=4 is not divisible by n_loops=3"),
+    ([BASE, "--loops", "3"], "--loops 3: the 4 layers of --preset tiny do not split into 3 loops"),
     (["--preset", "tiny", "--ckpt", "{d}/random.pt"], "checkpoint {d}/random.pt is corrupt"),
     (["--preset", "tiny", "--requests-file", "{d}/empty.jsonl"], "holds no request"),
     (["--prompts", "corpus", "--cache-dir", "{d}/a_file"], "--cache-dir {d}/a_file is a file, not a directory"),
@@ -454,7 +454,7 @@ PRESETS = [
 
 COMMANDS = {  # name -> (its main, what BASE stands for given the files directory, its table)
     "train": (lambda a: train.main(a), _train_args, TRAIN),
-    "serve": (lambda a: serve.main(a), lambda d: list(SERVE_BASE), SERVE),
+    "serve": (lambda a: __import__("bench").main(["serve", *a]), lambda d: list(SERVE_BASE), SERVE),
     "hf": (lambda a: hf.main(a), None, HF),
     "tasks": (lambda a: tasks.main(a), None, TASKS),
     "eval": (lambda a: __import__("eval").main(a), None, EVAL),
@@ -668,7 +668,7 @@ def test_a_flipped_bit_is_found_by_every_loader(files, trained, capsys, tmp_path
     for flag in ("--init-from", "--teacher"):
         _one_error_line(capsys, train.main, _train_args(files, flag, str(bad), "--out-dir", str(tmp_path / "o")),
                         match)
-    _one_error_line(capsys, serve.main, ["--vanilla-ckpt", str(bad)], match)
+    _one_error_line(capsys, __import__("bench").main, ["serve", "--vanilla-ckpt", str(bad)], match)
     import eval as eval_py
     _one_error_line(capsys, eval_py.main, ["energy", "--ckpt", str(bad)], match)
     assert "(a tensor's data) does not match its CRC-32" in _err_of(capsys, train.main, ["--resume", "--out-dir",
@@ -750,7 +750,7 @@ def test_malformed_tokenizer_is_refused_by_serve_and_init_from(files, trained, c
     path = tmp_path / "ckpt.pt"
     torch.save({**torch.load(trained, weights_only=True), "tokenizer": {"kind": "bpe"}}, path)
     match = f"checkpoint {path}: its tokenizer kind 'bpe' is not one of tiktoken, hf, gguf, task"
-    _one_error_line(capsys, serve.main, ["--vanilla-ckpt", str(path)], match)
+    _one_error_line(capsys, __import__("bench").main, ["serve", "--vanilla-ckpt", str(path)], match)
     args = _train_args(files, "--init-from", str(path), "--out-dir", str(tmp_path / "o"))
     _one_error_line(capsys, train.main, [a for a in args if a not in ("--vocab-size", "512")], match)
 
@@ -796,9 +796,10 @@ def test_the_largest_seed_works_where_seeds_are_derived(capsys):
     the batch: at the largest seed torch takes, both stay within what manual_seed accepts."""
     torch.manual_seed(SEED_MAX)
     assert serve.request_generator(SEED_MAX, 7).initial_seed() == (SEED_MAX * 1_000_003 + 7) % 2 ** 64
-    serve.main(["--warmup", "0", "--requests", "2", "--prompt-len", "2", "--gen-len", "2", "--temperature", "1",
-                "--seed", str(SEED_MAX)])
-    assert "throughput vs vanilla continuous" in capsys.readouterr().out
+    __import__("bench").main(["serve", "--warmup", "0", "--requests", "2", "--prompt-len", "2", "--gen-len", "2",
+                              "--temperature", "1", "--seed", str(SEED_MAX), "--preset", "tiny", "--dtype", "float32",
+                              "--loops", "2", "--repeats", "1"])
+    assert "end-to-end" in capsys.readouterr().out
 
 
 def test_task_flags_without_a_task_are_named_in_the_warning():
@@ -835,7 +836,8 @@ def test_a_request_line_that_breaks_the_json_parser_is_that_requests_reason(tmp_
     f = tmp_path / "r.jsonl"
     f.write_text(json.dumps({"prompt_ids": [1, 2, 3], "max_new_tokens": 2}) + "\n" + "[" * 100_000 + "]" * 100_000
                  + "\n" + json.dumps({"prompt_ids": [4, 5], "max_new_tokens": 3}) + "\n")
-    rows = serve.run(["--requests-file", str(f), "--warmup", "0"])["serve"]
+    rows = __import__("bench").run(["serve", "--requests-file", str(f), "--warmup", "0", "--preset", "tiny", "--dtype",
+                                    "float32", "--loops", "2", "--repeats", "1"])["serve"]
     for r in rows:
         assert r["errors_by_reason"] == {"bad request line": 1} and r["tokens"] == 5, r
         assert r["request_errors"][1].startswith(f"bad request line 2 of {f}: RecursionError: maximum recursion")

@@ -424,23 +424,25 @@ def test_keep_layers_is_the_chosen_layers_of_the_source(tmp_path, tiny):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# serve.py on a pretrained model: the GGUF file as the vanilla baseline, its tokenizer and chat template
+# bench.py serve on a pretrained model: the GGUF file as the vanilla baseline, its tokenizer and chat template
 
 
 def test_serve_a_gguf_vanilla_with_chat_prompts_thresholds_and_agreement(tmp_path, tiny, capsys):
-    import serve
+    import bench
 
     path, _ = tiny
     corpus = write_jsonl(tmp_path / "data" / "c.jsonl", [f"def f{i}(x):\n    return x * {i}\n" * 8 for i in range(40)])
-    common = ["--vanilla-ckpt", f"gguf:{path}", "--context", "256", "--data", str(corpus), "--cache-dir",
+    common = ["serve", "--vanilla-ckpt", f"gguf:{path}", "--context", "256", "--data", str(corpus), "--cache-dir",
               str(tmp_path / "cache"), "--requests", "3", "--prompt-len", "6:10", "--gen-len", "5", "--warmup", "0",
-              "--slots", "2", "--dtype", "float32", "--device", "cpu"]
-    res = serve.main(common + ["--prompts", "chat", "--exit-threshold", "0.2,0.99", "--json"])
+              "--slots", "2", "--dtype", "float32", "--device", "cpu", "--repeats", "1", "--lora-rank", "0"]
+    res = bench.main(common + ["--prompts", "chat", "--rules", "softmax", "--exit-threshold", "0.2,0.99", "--static",
+                               "--json"])
     out = capsys.readouterr().out
-    assert "EXITS SIMULATED: no --ckpt, the depth-wise model is --vanilla-ckpt gguf:" in out
+    assert "SIMULATED exits: no --ckpt, the depth-wise model is --vanilla-ckpt gguf:" in out
+    assert f"== serving B=3: skipped, the {LAYERS} layers of --vanilla-ckpt gguf:" in out  # --loops 2,3
     rows = {r["system"]: r for r in res["serve"]}
     assert len(rows) == 5 and all(r["errors"] == 0 and r["tokens"] == 15 for r in rows.values())
-    assert rows["vanilla continuous"]["agree_vanilla"] == 1.0 and rows["depth-wise no exit"]["agree_full"] == 1.0
+    assert rows["vanilla CSB"]["agree_vanilla"] == 1.0 and rows["depth-wise, no exit"]["agree_full"] == 1.0
     assert rows["vanilla static"]["agree_vanilla"] == 1.0  # static batching: the same greedy text
     # the chat prompts: the template around a corpus window, the assistant turn opened
     import serve_requests
@@ -454,13 +456,13 @@ def test_serve_a_gguf_vanilla_with_chat_prompts_thresholds_and_agreement(tmp_pat
     bare = tmp_path / "bare.gguf"
     write_tiny_gguf(bare, chat=None)
     with pytest.raises(SystemExit):
-        serve.main(common[:1] + [f"gguf:{bare}"] + common[2:] + ["--prompts", "chat"])
+        bench.main(common[:2] + [f"gguf:{bare}"] + common[3:] + ["--prompts", "chat"])
     assert "has no tokenizer.chat_template" in capsys.readouterr().err
 
 
 def test_prefix_agreement_counts_tokens_before_the_first_difference():
-    import serve
+    import bench_serve
 
     ref = {0: [1, 2, 3, 4], 1: [5, 6], 2: [7]}
-    assert serve.prefix_agreement({0: [1, 2, 9, 4], 1: [5, 6], 2: [8]}, ref) == pytest.approx((0.5 + 1 + 0) / 3)
-    assert serve.prefix_agreement(ref, ref) == 1.0
+    assert bench_serve.prefix_agreement({0: [1, 2, 9, 4], 1: [5, 6], 2: [8]}, ref) == pytest.approx((0.5 + 1 + 0) / 3)
+    assert bench_serve.prefix_agreement(ref, ref) == 1.0

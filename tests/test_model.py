@@ -311,3 +311,26 @@ def test_batch_bucket():
     assert [batch_bucket(n) for n in (1, 2, 3, 5, 16, 17, 256, 257, 600)] == [1, 2, 4, 8, 16, 32, 256, 512, 768]
     with pytest.raises(ValueError, match="batch must be >= 1"):
         batch_bucket(0)
+
+
+def test_graphed_generate_pads_to_a_bucket_and_reuses_one_cache_per_bucket():
+    """After compile_decode, generate() pads a batch to its bucket (3 -> 4 rows) and keeps one static cache per bucket,
+    allocated once and reused by every later call (a CUDA graph replays on the same addresses): the eager greedy
+    tokens, one graph per bucket, none more for another call, a longer prompt or another batch of the same bucket;
+    seeded sampling as eager (the padding rows are not sampled)."""
+    from graph_check import GraphCheck
+
+    torch.manual_seed(0)
+    m = GPT(tiny()).eval()
+    a, b = torch.randint(0, 90, (3, 5)), torch.randint(0, 90, (4, 9))
+    ref_a, ref_b, ref_1 = m.generate(a, 8), m.generate(b, 6), m.generate(a[:1], 5)
+    sampled = lambda: m.generate(a, 8, temperature=1.0, top_k=20, generator=torch.Generator().manual_seed(5))  # noqa
+    ref_s = sampled()
+    check = GraphCheck()
+    m.compile_decode(backend=check)
+    assert torch.equal(m.generate(a, 8), ref_a) and check.graphs == 1
+    cache = m.graph_caches[4]
+    assert cache.batch == 4 and cache.static and cache.max_len == 64  # 5 + 8 rounded up to 128, capped at the context
+    assert torch.equal(m.generate(b, 6), ref_b) and torch.equal(sampled(), ref_s)
+    assert check.graphs == 1 and m.graph_caches[4] is cache and check.unsafe == check.syncs == []
+    assert torch.equal(m.generate(a[:1], 5), ref_1) and check.graphs == 2 and sorted(m.graph_caches) == [1, 4]

@@ -603,6 +603,105 @@ def test_exit_rules_decode_equals_recomputation_and_heads_only_leaving_rows(rule
         assert torch.equal(lg.argmax(-1), out[:, 6 + t])
 
 
+# ---- the graph-safe steps: masked decoding, compiled --------------------------------------------------------------
+
+
+def three_loop_gated(seed=0):
+    """B = 3 loops of 2 shared layers, LoRA rank 4, a random exit gate: exits can happen at every loop."""
+    m = from_vanilla(vanilla(seed=seed), n_loops=3, init="average", lora_init="svd", exit_gate=True, **ranks(4),
+                     **quiet).eval()
+    with torch.no_grad():
+        m.exit_gate.weight.normal_(0, 1.0)
+        m.lm_head.weight.mul_(10.0)  # a sharper head: confidences spread over (0, 1)
+    return m
+
+
+@torch.no_grad()
+def middle_threshold(m, idx, rule, share=0.5):
+    """Halfway between two neighbouring loop-0 exit scores of the tokens of idx, so that about `share` of them leave
+    at loop 1 and no score sits on the threshold (float noise cannot flip a decision between two forms of a step)."""
+    x, h = m.embed(idx).flatten(0, 1)[:, None], m.loop_hidden(idx)[0].flatten(0, 1)[:, None]
+    s = m.exit_score(x, h, torch.zeros(idx.numel(), dtype=torch.long), rule)[0].sort().values
+    i = int(len(s) * (1 - share))
+    return float(s[i - 1] + s[i]) / 2
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("rule,share,loops", [("softmax", 0.5, [0, 2]), ("gate", 0.5, [0, 1, 2]),
+                                              ("saturation", 0.4, [0, 1, 2])])
+def test_masked_decode_step_equals_the_subset_form(rule, share, loops):
+    """masked_decode_step, decode_step's graph-safe form (every row runs every loop; a row that left runs along and
+    its deeper K/V are replaced by its state propagation at the end), equals the subset form step by step: the same
+    exit loops, logits and cache, with tokens leaving at every loop (under softmax, random weights are never
+    confident at loop 2 after failing at loop 1: the first and the last)."""
+    m = three_loop_gated()
+    gen = torch.Generator().manual_seed(4)
+    idx, toks = torch.randint(0, 96, (6, 5), generator=gen), torch.randint(0, 96, (6, 10), generator=gen)
+    thr = middle_threshold(m, torch.cat([idx, toks], 1), rule, share)
+    subset, masked = m.new_cache(6, 16), m.new_cache(6, 16)
+    m.prefill(idx, subset), m.prefill(idx, masked)
+    seen = []
+    for t in range(toks.size(1)):  # teacher-forced: both forms see the same tokens
+        a, ea = m.decode_step(toks[:, t], subset, thr, return_exits=True, exit_rule=rule)
+        b, eb = m.masked_decode_step(toks[:, t], masked, thr, return_exits=True, exit_rule=rule)
+        assert torch.equal(ea, eb), t
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+        seen += ea.tolist()
+    torch.testing.assert_close(masked.k, subset.k, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(masked.v, subset.v, rtol=1e-5, atol=1e-6)
+    assert sorted(set(seen)) == loops, seen
+    assert torch.equal(torch.stack(masked.exit_log), torch.stack(subset.exit_log))
+
+
+def test_compiled_decode_is_one_graph_per_exit_setting_with_the_eager_tokens():
+    """compile_decode (backend GraphCheck: fullgraph, every in-place write marked static): greedy generation without
+    exits and with exits under two rules gives the subset form's tokens and exit loops; one graph per (threshold,
+    rule) on the batch bucket (5 rows -> 8), and a second round of generations compiles nothing more."""
+    import copy
+
+    from graph_check import GraphCheck
+
+    m = three_loop_gated()
+    idx = torch.randint(0, 96, (5, 5), generator=torch.Generator().manual_seed(6))
+    settings = [(None, None)] + [(middle_threshold(m, idx, rule), rule) for rule in ("softmax", "gate")]
+    refs = [m.generate(idx, 10, exit_threshold=t, exit_rule=r, return_exits=True) for t, r in settings]
+    assert all(len(set(ex[:, 1:].flatten().tolist())) > 1 for _, ex in refs[1:])  # exits happen
+    check = GraphCheck()
+    c = copy.deepcopy(m).compile_decode(backend=check)
+    for i, ((t, r), ref) in enumerate(zip(settings * 2, refs * 2)):
+        out, ex = c.generate(idx, 10, exit_threshold=t, exit_rule=r, return_exits=True)
+        assert torch.equal(out, ref[0]) and torch.equal(ex, ref[1]), (t, r)
+        assert check.graphs == min(i + 1, len(settings))
+    assert check.unsafe == check.syncs == [] and list(c.graph_caches) == [8]
+
+
+@torch.no_grad()
+def test_depthwise_step_equals_exit_pass_on_the_live_rows():
+    """depthwise_step, the graph-safe serving step over every row: on the live rows (each at its own loop) the
+    states, leave decisions and logits of exit_pass's subset form, and the same cache where they write; rows that are
+    not live leave nothing but their own row's entries at their own loop and position."""
+    m = three_loop_gated()
+    gen = torch.Generator().manual_seed(7)
+    prompts = torch.randint(0, 96, (6, 6), generator=gen)
+    base = m.new_cache(6, 12)
+    m.prefill(prompts, base, torch.tensor([6, 4, 5, 3, 6, 2]))
+    h = torch.randn(6, 1, 32, generator=gen)
+    loops, pos = torch.tensor([0, 1, 2, 0, 1, 2]), base.lengths.clone()
+    live = torch.tensor([True, True, True, True, False, True])
+    thr = middle_threshold(m, prompts, "gate")
+    a, b = clone_cache(base), clone_cache(base)
+    out, leave, logits = m.depthwise_step(h, loops, pos, live, a, thr, "gate")
+    rows = live.nonzero().squeeze(1)
+    h2, leave2, lg2 = m.exit_pass(h[rows], loops[rows], pos[rows, None], b, rows=rows, threshold=thr, rule="gate")
+    torch.testing.assert_close(out[rows], h2, rtol=1e-5, atol=1e-5)
+    assert torch.equal(leave[rows], leave2) and not leave[~live].any() and leave2.any() and not leave2.all()
+    torch.testing.assert_close(logits[rows][leave2], lg2, rtol=1e-5, atol=1e-5)
+    K = m.config.n_shared
+    for r in range(6):  # the row that is not live wrote its own loop's layers at its own position: nothing else
+        differ = ((a.k[:, r] - b.k[:, r]).abs() > 1e-5).any(-1).nonzero().tolist()  # (layer, head, position)
+        assert r == 4 and all(l // K == int(loops[r]) and p == int(pos[r]) for l, _, p in differ) or not differ, r
+
+
 def test_exit_gate_added_in_post_training_from_a_gateless_checkpoint(corpus, tmp_path):
     import train
 

@@ -1,12 +1,18 @@
 """serve.py: depth-wise batching (with and without early exit) and the vanilla baselines give exactly what each
-request gets when generated alone; no request lost or duplicated; bad requests fail alone; seeded sampling."""
+request gets when generated alone, eager or through compiled steps (one graph per step kind, no recompile, nothing
+mutated that a CUDA graph could not replay); chunked prefill; no request lost or duplicated; bad requests fail
+alone; seeded sampling. The serving benchmark's command (bench_serve.py, `python bench.py serve`): tables, errors,
+limits."""
 import json
 
 import pytest
 import torch
 
+import bench
+import bench_serve
 import serve
 import serve_requests
+from graph_check import GraphCheck
 from model import GPT, GPTConfig
 from recursive import from_vanilla
 
@@ -28,7 +34,7 @@ VAN, REL = _models()
 
 def _requests(n, seed, gen="1:8", rate=0.5):
     # arrivals in decode steps (clock='step'): Poisson with gaps of mean 1/rate steps
-    return serve.synthetic_requests(n, CFG["vocab_size"], "1:12", gen, "poisson", rate, seed)
+    return serve_requests.synthetic_requests(n, CFG["vocab_size"], "1:12", gen, "poisson", rate, seed)
 
 
 def test_relaxed_model_has_nonzero_lora():
@@ -59,7 +65,7 @@ def test_depthwise_no_exit_equals_sequential():
 
 def test_depthwise_early_exit_equals_sequential_with_same_rule():
     reqs = _requests(50, seed=2)
-    thr = serve.calibrate_threshold(REL, reqs, exit_rate=0.5)
+    thr = bench_serve.calibrate_threshold(REL, reqs, exit_rate=0.5)
     out = serve.DepthWiseServer(REL, slots=5, exit_threshold=thr).run(reqs, clock="step")
     n_early = 0
     for r in out:
@@ -73,7 +79,7 @@ def test_depthwise_early_exit_equals_sequential_with_same_rule():
 def test_depthwise_early_exit_differs_from_no_exit_path():
     # the exit rule matters: with a threshold the outputs/exits are not those of the full-depth path
     reqs = _requests(20, seed=3)
-    thr = serve.calibrate_threshold(REL, reqs, exit_rate=0.7)
+    thr = bench_serve.calibrate_threshold(REL, reqs, exit_rate=0.7)
     a = serve.DepthWiseServer(REL, slots=4, exit_threshold=thr).run(reqs, clock="step")
     b = serve.DepthWiseServer(REL, slots=4).run(reqs, clock="step")
     assert [r.exits for r in a] != [r.exits for r in b]
@@ -81,11 +87,121 @@ def test_depthwise_early_exit_differs_from_no_exit_path():
 
 def test_vanilla_continuous_and_static_equal_sequential():
     reqs = _requests(50, seed=4, gen="1:6")
-    for cls in (serve.ContinuousServer, serve.StaticServer):
-        out = cls(VAN, slots=7).run(reqs, clock="step")
+    for static in (False, True):
+        out = serve.ContinuousServer(VAN, slots=7, static=static).run(reqs, clock="step")
         for r in out:
             assert r.error is None
-            assert r.output == serve.sequential_generate(VAN, r)[0], (cls.__name__, r.rid)
+            assert r.output == serve.sequential_generate(VAN, r)[0], (static, r.rid)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Compiled steps: what the CPU can prove about the CUDA-graph path (model.compile_step, tests/graph_check.py)
+
+
+def _servers(kind, **kw):
+    """A server of each step kind: its model, the server, and the reference of each request (tokens, exits)."""
+    thr = bench_serve.calibrate_threshold(REL, _requests(8, seed=12), exit_rate=0.5)
+    sampled = dict(temperature=8.0, top_k=20, seed=3)
+    return {"continuous": lambda: serve.ContinuousServer(VAN, 5, **kw),
+            "static": lambda: serve.ContinuousServer(VAN, 5, static=True, **kw),
+            "continuous, sampled": lambda: serve.ContinuousServer(VAN, 5, **sampled, **kw),
+            "depth-wise": lambda: serve.DepthWiseServer(REL, 5, **kw),
+            "depth-wise + exits": lambda: serve.DepthWiseServer(REL, 5, thr, **kw),
+            "depth-wise + exits, sampled": lambda: serve.DepthWiseServer(REL, 5, thr, **sampled, **kw)}[kind]()
+
+
+KINDS = ["continuous", "static", "continuous, sampled", "depth-wise", "depth-wise + exits",
+         "depth-wise + exits, sampled"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_compiled_server_steps_are_graphs_that_give_the_eager_tokens(kind):
+    """A serving run with arrivals, early exits, finished requests freeing slots and a prompt prefilled in chunks,
+    through compiled steps (backend GraphCheck, fullgraph: a graph break is an error): one graph (one step kind per
+    server), no recompile in a second run, no mutated input that is not marked static and no value that depends on
+    tensor data (what makes torch skip CUDA graphs), and the tokens and exit loops of the eager engine, which equal
+    each request generated alone."""
+    reqs = _requests(24, seed=11)
+    reqs[3].prompt = list(range(40))  # four chunks of 12: the others decode meanwhile
+    check = GraphCheck()
+    srv = _servers(kind, compile=True, backend=check, prefill_chunk=12)
+    first = srv.run(reqs, clock="step")
+    assert check.graphs == 1 and check.unsafe == check.syncs == [], (check.unsafe, check.syncs)
+    again = srv.run(reqs, clock="step")  # warm: no recompile
+    assert check.graphs == 1
+    eager = _servers(kind, prefill_chunk=12).run(reqs, clock="step")
+    assert [r.output for r in first] == [r.output for r in again] == [r.output for r in eager]
+    assert [r.exits for r in first] == [r.exits for r in eager]
+    exits = [e for r in eager for e in r.exits if e is not None]
+    assert "exits" not in kind or 0 < exits.count(0) < len(exits)  # early exits happened, not only
+    for r in eager:
+        ref = serve.sequential_generate(srv.model, r, srv.temperature, srv.top_k, srv.seed,
+                                        getattr(srv, "threshold", None))
+        assert r.output == ref[0] and (ref[1] is None or r.exits == ref[1]), r.rid
+
+
+def test_compiled_step_state_not_marked_static_is_caught(monkeypatch):
+    """Break it: a server whose state tensors are not marked static compiles, but the check names every tensor the
+    step writes in place (on CUDA, torch would run it without a CUDA graph)."""
+    monkeypatch.setattr(serve, "mark_static", lambda *t: None)
+    check = GraphCheck()
+    _servers("depth-wise + exits", compile=True, backend=check).run(_requests(6, seed=13), clock="step")
+    assert sorted(check.unsafe) == ["l_self_h", "l_self_loop", "l_self_position"], check.unsafe  # (the cache marks
+    # its own k and v)
+
+
+@pytest.mark.parametrize("kind", ["continuous", "continuous, sampled", "depth-wise + exits",
+                                  "depth-wise + exits, sampled"])
+def test_a_compiled_iteration_reads_the_device_once(monkeypatch, kind):
+    """At most one device-to-host transfer per iteration (the prefill's first tokens, the step's tokens, exit flags
+    and loops together): counted over every way a tensor reaches the host, in a warm compiled run."""
+    srv = _servers(kind, compile=True, backend="eager", prefill_chunk=12)
+    reqs = _requests(20, seed=14)
+    reqs[2].prompt = list(range(30))
+    srv.run(reqs, clock="step")
+    reads, iterations, real = [0], [0], serve.Server.iterate
+
+    def counting_iterate(self):
+        iterations[0] += 1
+        return real(self)
+
+    for name in ("tolist", "item", "__bool__", "__int__", "__float__", "__index__", "nonzero", "numpy"):
+        method = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _m=method, **k: (reads.__setitem__(0, reads[0] + 1),
+                                                                                  _m(self, *a, **k))[1])
+    monkeypatch.setattr(serve.Server, "iterate", counting_iterate)
+    srv.run(reqs, clock="step")
+    monkeypatch.undo()
+    assert 0 < reads[0] <= iterations[0], (reads[0], iterations[0])
+
+
+def test_chunked_prefill_lets_the_others_decode_and_equals_sequential():
+    """A 50-token prompt prefilled 5 tokens per iteration: the requests already decoding emit tokens during its
+    prefill (not after it), and every request still equals its sequential generation (both servers)."""
+    reqs = serve_requests.synthetic_requests(4, CFG["vocab_size"], "3", "12", seed=15)
+    long = reqs[3]
+    long.prompt, long.arrival = [int(t) for t in torch.randint(0, 90, (50,))], 2
+    for srv in (serve.ContinuousServer(VAN, 4, prefill_chunk=5), serve.DepthWiseServer(REL, 4, prefill_chunk=5)):
+        out = srv.run(reqs, clock="step")
+        during = [t for r in out[:3] for t in r.token_times if t < out[3].t_first]
+        assert len(during) >= 2 * 9, (srv.name, len(during))  # 3 requests x the 9 further chunks
+        for r in out:
+            assert r.output == serve.sequential_generate(srv.model, r)[0], (srv.name, r.rid)
+
+
+def test_static_batching_admits_whole_batches_only():
+    """static=True: a batch fills every slot at once and the next starts only when the whole batch is done, so with
+    every request there at the start the decode steps are, per batch of `slots` requests, its longest output - 1;
+    continuous batching needs fewer."""
+    reqs = serve_requests.synthetic_requests(11, CFG["vocab_size"], "2:6", "1:9", seed=16)
+    static, cont = serve.ContinuousServer(VAN, 4, static=True), serve.ContinuousServer(VAN, 4)
+    out = static.run(reqs, clock="step")
+    batches = [reqs[i:i + 4] for i in range(0, 11, 4)]
+    assert static.n_steps == sum(max(r.max_new_tokens for r in b) - 1 for b in batches)
+    for first, then in zip(batches, batches[1:]):
+        assert max(out[r.rid].t_done for r in first) < min(out[r.rid].t_first for r in then)
+    cont.run(reqs, clock="step")
+    assert cont.n_steps < static.n_steps
 
 
 def test_500_requests_none_lost_or_duplicated():
@@ -95,7 +211,7 @@ def test_500_requests_none_lost_or_duplicated():
     for rid, change in bad.items():
         for k, v in change.items():
             setattr(reqs[rid], k, v)
-    thr = serve.calibrate_threshold(REL, reqs, 0.5)
+    thr = bench_serve.calibrate_threshold(REL, reqs, 0.5)
     out = serve.DepthWiseServer(REL, slots=16, exit_threshold=thr).run(reqs, clock="step")
     assert sorted(r.rid for r in out) == list(range(500))
     for r in out:
@@ -116,7 +232,8 @@ def test_bad_requests_get_their_own_error():
     reqs[10].prompt, reqs[10].max_new_tokens = [1] * 40, 30  # fits alone, not with its output
     expect = {1: "empty prompt", 3: "outside the vocabulary", 4: "outside the vocabulary", 6: "longer than the context",
               8: "max_new_tokens", 9: "max_new_tokens", 10: "exceeds the context"}
-    for srv in (serve.DepthWiseServer(REL, 4), serve.ContinuousServer(VAN, 4), serve.StaticServer(VAN, 4)):
+    for srv in (serve.DepthWiseServer(REL, 4), serve.ContinuousServer(VAN, 4),
+                serve.ContinuousServer(VAN, 4, static=True)):
         out = srv.run(reqs, clock="step")
         for r in out:
             if r.rid in expect:
@@ -132,7 +249,7 @@ def test_jsonl_requests(tmp_path):
                             "{not json",
                             json.dumps({"max_new_tokens": 2}),
                             json.dumps({"prompt_ids": [4, 5], "max_new_tokens": 3, "arrival": 2})]))
-    reqs = serve.jsonl_requests(f)
+    reqs = serve_requests.jsonl_requests(f)
     out = serve.ContinuousServer(VAN, 2).run(reqs, clock="step")
     assert [r.error is None for r in out] == [True, False, False, True]
     assert "line 2" in out[1].error and "prompt" in out[2].error
@@ -156,16 +273,22 @@ def test_same_seed_same_sampled_outputs():
 
 def test_metrics_and_bad_args():
     reqs = _requests(10, seed=8)
-    srv = serve.DepthWiseServer(REL, 4, exit_threshold=serve.calibrate_threshold(REL, reqs))
-    d = serve.summarize(srv, srv.run(reqs, clock="step"))
+    srv = serve.DepthWiseServer(REL, 4, exit_threshold=bench_serve.calibrate_threshold(REL, reqs))
+    d = bench_serve.summarize(srv, srv.run(reqs, clock="step"))
     assert d["tokens"] == sum(r.max_new_tokens for r in reqs) and d["tok_per_s"] > 0
     assert 1.0 <= d["mean_exit_loop"] <= 2.0 and 0 < d["occupancy"] <= 1.0
-    with pytest.raises(ValueError, match="slots"):
+    with pytest.raises(ValueError, match="slots and prefill_chunk must be >= 1"):
         serve.DepthWiseServer(REL, 0)
     with pytest.raises(ValueError, match="range"):
-        serve.parse_range("9:3")
+        serve_requests.parse_range("9:3")
     with pytest.raises(ValueError, match="rate"):
         serve_requests.arrival_times(3, "poisson", 0.0, torch.Generator())
+
+
+def bench_serve_main(*argv):
+    """`python bench.py serve` at the tiny preset: one dtype, B = 2, one round, no warm-up."""
+    return bench.main(["serve", "--device", "cpu", "--preset", "tiny", "--dtype", "float32", "--loops", "2",
+                       "--lora-rank", "4", "--repeats", "1", "--warmup", "0", *argv])
 
 
 def test_each_bad_request_reason_in_the_table_and_in_json(tmp_path, capsys):
@@ -174,7 +297,7 @@ def test_each_bad_request_reason_in_the_table_and_in_json(tmp_path, capsys):
              {"prompt_ids": [1, 99999], "max_new_tokens": 3}, {"prompt_ids": [], "max_new_tokens": 3},
              {"prompt_ids": [1, 2], "max_new_tokens": 0}, {"prompt_ids": [5] * 300, "max_new_tokens": 2}]
     f.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n")
-    serve.main(["--preset", "tiny", "--requests-file", str(f), "--warmup", "0", "--json"])
+    bench_serve_main("--requests-file", str(f), "--json")
     out = capsys.readouterr().out
     rows = json.loads(out.splitlines()[-1])["serve"]
     expect = {"1": "bad request line 2 of", "2": "line 4 of", "3": "r.jsonl:5: prompt token id 99999 is outside",
@@ -194,11 +317,10 @@ def test_no_valid_request_with_a_given_threshold_reports_zeros(tmp_path, capsys)
     f = tmp_path / "bad.jsonl"
     f.write_text('{"prompt_ids": []}\n{oops\n')
     for thr in ("0.9", "auto"):
-        res = serve.main(["--preset", "tiny", "--requests-file", str(f), "--exit-threshold", thr, "--json"])
+        res = bench_serve_main("--requests-file", str(f), "--exit-threshold", thr, "--json")
         out = capsys.readouterr().out
-        assert all(r["tokens"] == 0 and r["errors"] == 2 for r in res["serve"])
-        assert "throughput vs vanilla" not in out and "request errors (every system): 1 bad request line, 1 empty " \
-                                                          "prompt" in out
+        assert res["serve"] and all(r["tokens"] == 0 and r["errors"] == 2 for r in res["serve"])
+        assert "end-to-end" not in out and "request errors (every system): 1 bad request line, 1 empty prompt" in out
         json.loads(out.splitlines()[-1], parse_constant=lambda c: pytest.fail(f"{c} in --json"))  # strict JSON
 
 
@@ -219,7 +341,7 @@ def _gated():
 def test_depthwise_with_o_d_exit_rules_equals_sequential(rule, temperature):
     rel = _gated()
     reqs = _requests(30, seed=4)
-    thr = serve.calibrate_threshold(rel, reqs, exit_rate=0.5, rule=rule)
+    thr = bench_serve.calibrate_threshold(rel, reqs, exit_rate=0.5, rule=rule)
     kw = dict(temperature=temperature, top_k=20, seed=3)
     heads = []
     real = rel.exit_logits
@@ -250,7 +372,7 @@ def test_bad_arrivals_and_lines_of_a_requests_file_are_per_request_errors(tmp_pa
              b'{"prompt_ids": [1, 2], "note": "caf\xe9"}', json.dumps({**ok, "arrival": 3}).encode()]
     f = tmp_path / "r.jsonl"
     f.write_bytes(b"\n".join(lines) + b"\n")
-    out = serve.ContinuousServer(VAN, 2).run(serve.jsonl_requests(f), clock="step")
+    out = serve.ContinuousServer(VAN, 2).run(serve_requests.jsonl_requests(f), clock="step")
     expect = {1: "line 2 of", 2: "line 3 of", 3: "line 4 of", 4: "line 5 of", 5: "r.jsonl:6: prompt_ids must be a list "
               "of token ids", 6: "bad request line 7 of"}
     for rid, what in expect.items():
@@ -274,13 +396,13 @@ def test_binary_files_directories_and_spans(tmp_path):
     UsageError naming it; Poisson arrivals spread beyond MAX_ARRIVAL_S (--rate 1e-9): one UsageError naming --rate."""
     f = tmp_path / "bin.jsonl"
     f.write_bytes(bytes(range(11, 256)) * 8 + b"\n\xff\xfe{\n")  # no \n (10) in the first line
-    reqs = serve.jsonl_requests(f)
+    reqs = serve_requests.jsonl_requests(f)
     assert len(reqs) == 2 and all(f"line {i + 1} of {f}: not UTF-8 text" in r.invalid for i, r in enumerate(reqs))
-    with pytest.raises(serve.UsageError, match=f"--requests-file {tmp_path} is a directory"):
-        serve.jsonl_requests(tmp_path)
-    with pytest.raises(serve.UsageError, match="cannot read it"):
-        serve.jsonl_requests(tmp_path / "none.jsonl")
-    with pytest.raises(serve.UsageError, match="--rate 1e-09: the 4 Poisson arrivals span .* beyond the 3600 s"):
+    with pytest.raises(serve_requests.UsageError, match=f"--requests-file {tmp_path} is a directory"):
+        serve_requests.jsonl_requests(tmp_path)
+    with pytest.raises(serve_requests.UsageError, match="cannot read it"):
+        serve_requests.jsonl_requests(tmp_path / "none.jsonl")
+    with pytest.raises(serve_requests.UsageError, match="--rate 1e-09: the 4 Poisson arrivals span .* beyond the 3600"):
         serve_requests.arrival_times(4, "poisson", 1e-9, torch.Generator().manual_seed(0))
 
 
@@ -291,7 +413,7 @@ SERVE_LIMITS = [  # the run's own limits: one line, before any server runs
     (["--arrival", "poisson", "--rate", "1e-9"], "--rate 1e-09: the 2 Poisson arrivals span"),
     (["--slots", "100000000"], "--slots 100,000,000: the servers' KV caches need"),
     (["--batch-memory-mb", "1e12"], "--batch-memory-mb 1e+12 (slots "),
-    (["--preset", "base", "--slots", "100000"], "--slots 100,000: the servers' KV caches need"),  # the last --preset wins
+    (["--preset", "base", "--lora-rank", "0", "--slots", "1000000"], "--slots 1,000,000: the servers' KV caches need"),
 ]
 
 
@@ -299,19 +421,20 @@ SERVE_LIMITS = [  # the run's own limits: one line, before any server runs
 def test_serve_limits_are_one_line_before_serving(capsys, argv, match):
     from test_cli_errors import _one_error_line
 
-    _one_error_line(capsys, serve.main, ["--preset", "tiny", "--warmup", "0", "--requests", "2", *argv], match)
+    _one_error_line(capsys, lambda a: bench_serve_main(*a), ["--requests", "2", *argv], match)
 
 
 def test_memory_check_counts_every_servers_cache(capsys, monkeypatch):
-    """The KV bytes of the message are the caches' own: tiny (4 layers, 2 KV heads of 32, 256 positions, fp32) is
-    2 * 4 * 256 * 2 * 32 * 4 = 0.5 MiB per slot (the relaxed model's B*K = 4 cache layers alike); 16 slots x 4 servers
-    + one prefill's temporary cache = 5 x 8 MiB."""
-    monkeypatch.setattr(serve, "available_memory", lambda device: (10 ** 6, "test"))
+    """The KV bytes of the message are the caches' own: tiny (4 layers, 2 KV heads of 32) at 8 + 8 + 8 positions
+    (prompt, new tokens, margin), fp32, is 2 * 4 * 24 * 2 * 32 * 4 = 48 KiB per slot (the relaxed model's B*K = 4
+    cache layers alike); 16 slots x 4 servers (CSB, depth-wise without exit, two exit rules) = 4 x 768 KiB. Chunked
+    prefill writes into the slots: no temporary cache."""
+    monkeypatch.setattr(bench_serve, "available_memory", lambda device: (10 ** 6, "test"))
     with pytest.raises(SystemExit):
-        serve.main(["--preset", "tiny", "--warmup", "0", "--requests", "2", "--dtype", "float32"])
+        bench_serve_main("--requests", "2", "--prompt-len", "8", "--gen-len", "8")
     err = capsys.readouterr().err
-    assert f"need 0.0419 GB ({5 * 8 * 2 ** 20:,} bytes" in err and "has 0.001 GB (1,000,000 bytes) available (test)" \
-        in err
+    assert f"need 0.00315 GB ({4 * 16 * 48 * 2 ** 10:,} bytes" in err and "has 0.001 GB (1,000,000 bytes) available " \
+        "(test)" in err
 
 
 @pytest.mark.slow
@@ -322,24 +445,37 @@ def test_serve_command_with_a_directory(tmp_path):
 
     from conftest import ROOT
 
-    r = subprocess.run([sys.executable, str(ROOT / "serve.py"), "--requests-file", str(tmp_path), "--warmup", "0",
-                        "--preset", "tiny"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, str(ROOT / "bench.py"), "serve", "--requests-file", str(tmp_path),
+                        "--warmup", "0", "--preset", "tiny"], capture_output=True, text=True, timeout=120)
     err = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 2 and err == [f"error: --requests-file {tmp_path} is a directory, not a JSONL file"], \
         r.stderr
 
 
-def test_demo_says_where_the_exits_come_from_and_when_the_model_is_too_small(capsys, monkeypatch):
-    """`python serve.py` alone serves the base preset with simulated exits (RESULTS.md: depth-wise + exits ahead of
-    continuous batching there); every table says whether its exits are SIMULATED (no --ckpt: random weights, or the
-    pretrained vanilla model converted without training) or REAL, and at the tiny preset it names the command where
-    the depth-wise bargain shows."""
-    args = serve.build_parser().parse_args([])
-    assert (args.preset, args.lora_rank, args.exit_rate, args.exit_threshold) == ("base", 0, 0.633, "auto")
-    serve.main(["--preset", "tiny", "--warmup", "0", "--requests", "2", "--dtype", "float32", "--gen-len", "2"])
+def test_bench_says_where_the_exits_come_from_and_when_the_model_is_too_small(capsys, monkeypatch):
+    """Every setting of `python bench.py serve` says whether its exits are SIMULATED (no --ckpt: random weights, or
+    the pretrained vanilla model converted without training) or REAL, and at the tiny preset that the depth-wise
+    bargain needs a model whose weights dominate a step."""
+    bench_serve_main("--requests", "2", "--gen-len", "2", "--rules", "softmax")
     out = capsys.readouterr().out
-    assert "EXITS SIMULATED: no --ckpt, the depth-wise model is RANDOM WEIGHTS" in out
-    assert "SMALL MODEL (" in out and "python serve.py (the base preset)" in out
-    monkeypatch.setattr(serve, "SMALL_MODEL_PARAMS", 0)
-    serve.main(["--preset", "tiny", "--warmup", "0", "--requests", "2", "--dtype", "float32", "--gen-len", "2"])
+    assert "SIMULATED exits: no --ckpt, the depth-wise model is random weights" in out
+    assert "SMALL MODEL (" in out and "(the base preset)" in out
+    monkeypatch.setattr(bench_serve, "SMALL_MODEL_PARAMS", 0)
+    bench_serve_main("--requests", "2", "--gen-len", "2", "--rules", "softmax")
     assert "SMALL MODEL (" not in capsys.readouterr().out
+
+
+def test_demo_serves_every_system_and_prints_its_table(capsys):
+    """`python serve.py` (the base preset by default, as RESULTS.md's demo; here tiny): the same requests through
+    vanilla continuous and static batching and depth-wise batching without and with simulated exits, every token
+    generated by every system, exits between loop 1 and 2."""
+    args = serve.demo_parser().parse_args([])
+    assert (args.preset, args.lora_rank, args.requests, args.slots, args.compile) == ("base", 0, 32, 16, None)
+    serve.main(["--preset", "tiny", "--requests", "6", "--slots", "3", "--dtype", "float32"])
+    out = capsys.readouterr().out
+    assert "exits SIMULATED (random weights)" in out and "steps eager" in out
+    rows = {line[:30].strip(): line[30:].split() for line in out.split("x continuous\n")[1].splitlines()}
+    assert list(rows) == ["vanilla continuous", "vanilla static", "depth-wise no exit",
+                          "depth-wise softmax>=" + out.split("threshold ")[1].split()[0]]
+    assert len({r[0] for r in rows.values()}) == 1  # every system generated every token
+    assert rows["vanilla continuous"][-1] == "1.00" and 1.0 < float(rows[list(rows)[-1]][-2]) < 2.0
