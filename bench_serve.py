@@ -54,6 +54,7 @@ from cli import (DTYPES, UsageError, available_memory, check_device, check_dtype
 from data import Tokenizer
 from model import GPT, PRESETS, GPTConfig, param_bytes, peak_bandwidth, pick_device, pick_dtype
 from recursive import EXIT_RULES, RecursiveGPT, exit_threshold_for, from_vanilla
+from svd_lora import max_ranks
 from serve_requests import (MAX_REQUESTS, chat_requests, chat_template, check_request, corpus_requests, error_counts,
                             jsonl_requests, parse_range, print_errors, synthetic_requests)
 
@@ -299,7 +300,10 @@ def build_models(args, device, dtype, B):
     if rec is None and vanilla.config.n_layer % B:  # a source whose layers do not split into B loops: skipped
         return vanilla, None, None
     if rec is None:
-        ranks = {f"lora_rank_{c}": args.lora_rank for c in ("q", "kv", "o", "mlp")} if args.lora_rank else {}
+        rank, top = 64 if args.lora_rank is None else args.lora_rank, max_ranks(vanilla.config)
+        # the default rank is capped at each component's full rank (a small source); a rank typed is taken as typed
+        ranks = {f"lora_rank_{c}": rank if args.lora_rank is not None else min(rank, top[c]) for c in top} if rank \
+            else {}
         rec = from_vanilla(vanilla, n_loops=B, init="average", lora_init="svd", log=lambda *_: None, exit_gate=True,
                            **ranks)
         with torch.no_grad():  # a random gate: its cost is real, its decisions are calibrated to the exit rate
@@ -563,7 +567,8 @@ def add_args(p):
                    "(default base: 125M, where weight reads dominate a decode step)")
     g.add_argument("--loops", type=comma_list(number(int, min=2)), default="2,3",
                    help="comma list of B (loops of the random-weight depth-wise model)")
-    g.add_argument("--lora-rank", type=nonneg, default=64, help="relaxed model's LoRA rank (0 = recursive)")
+    g.add_argument("--lora-rank", type=nonneg, default=None,
+                   help="relaxed model's LoRA rank (0 = recursive; default 64, capped at full rank)")
     g.add_argument("--vocab-size", type=number(int, min=2), default=4160,
                    help="vocabulary of the random-weight models (default: this repository's tokenizer)")
     g.add_argument("--ckpt", type=path_arg, default=None,

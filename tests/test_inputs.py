@@ -436,7 +436,7 @@ def test_a_checkpoint_with_a_duplicate_record_is_refused(files, capsys, tmp_path
             warnings.simplefilter("ignore")  # zipfile: "Duplicate name"
             out.writestr(zipfile.ZipInfo(f"{prefix}/data.pkl"), second.read(f"{second.namelist()[0].split('/')[0]}"
                                                                              f"/data.pkl"))
-    for run, argv in ((ev.main, ["loss", "--model", str(dup)]), (serve.main, ["--vanilla-ckpt", str(dup)])):
+    for run, argv in ((ev.main, ["loss", "--model", str(dup)]), (serve_cmd, ["--vanilla-ckpt", str(dup)])):
         one_error_line(capsys, run, argv, f"checkpoint {dup} holds 1 duplicate record(s) (data.pkl twice): not an "
                                           f"archive torch.save writes")
 
@@ -460,7 +460,7 @@ def test_gguf_tensor_data_is_floating_point_and_finite(files, capsys, tmp_path, 
     edit(w)
     path = write_gguf(tmp_path / "t.gguf", tensors=w)
     for run, argv in ((hf.main, [f"gguf:{path}", "--device", "cpu"]),
-                      (serve.main, ["--vanilla-ckpt", f"gguf:{path}", "--device", "cpu"])):
+                      (serve_cmd, ["--vanilla-ckpt", f"gguf:{path}", "--device", "cpu"])):
         one_error_line(capsys, run, argv, f"{path}: {match}")
 
 
@@ -488,6 +488,10 @@ def _special(kind, files):
     return {"fifo": files / "fifo", "device": Path("/dev/zero"), "dir": files / "adir"}[kind]
 
 
+
+def serve_cmd(argv):  # python bench.py serve ARGV: the serving command of checkpoints, request files and sources
+    return bench.main(["serve", *argv])
+
 SAID = {"fifo": "is a FIFO (named pipe), not a regular file", "device": "is a character device, not a regular file",
         "dir": "is a directory"}
 ALL, NO_DIR = ("fifo", "device", "dir"), ("fifo", "device")  # a directory as a checkpoint, a requests or results
@@ -495,9 +499,9 @@ ALL, NO_DIR = ("fifo", "device", "dir"), ("fifo", "device")  # a directory as a 
 SPECIAL_FILES = [  # (what, the kinds of special file, command, argv with {p}, the message before SAID[kind])
     ("eval --model", NO_DIR, ev.main, ["loss", "--model", "{p}", "--cache-dir", "{d}/cache"], "checkpoint {p} "),
     ("eval exits --ckpt", NO_DIR, ev.main, ["exits", "--ckpt", "{p}", "--cache-dir", "{d}/cache"], "checkpoint {p} "),
-    ("serve --vanilla-ckpt", NO_DIR, serve.main, ["--vanilla-ckpt", "{p}"], "checkpoint {p} "),
-    ("serve --ckpt", NO_DIR, serve.main, ["--ckpt", "{p}"], "checkpoint {p} "),
-    ("serve --requests-file", NO_DIR, serve.main, ["--preset", "tiny", "--requests-file", "{p}"],
+    ("serve --vanilla-ckpt", NO_DIR, serve_cmd, ["--vanilla-ckpt", "{p}"], "checkpoint {p} "),
+    ("serve --ckpt", NO_DIR, serve_cmd, ["--ckpt", "{p}"], "checkpoint {p} "),
+    ("serve --requests-file", NO_DIR, serve_cmd, ["--preset", "tiny", "--requests-file", "{p}"],
      "--requests-file {p} "),
     ("tasks table --results", NO_DIR, tasks.main, ["table", "--results", "{p}"], "--results {p} "),
     ("hf.py gguf:", ALL, hf.main, ["gguf:{p}"], "GGUF file {p} "),
@@ -603,8 +607,9 @@ EVAL_BENCH = [  # (what, command, argv, setup(monkeypatch) or None, the message)
      "--dir {d}/adir is not a writable directory (Permission denied)"),
     ("bench.py ckpt --dir a file", bench.main, ["ckpt", "--preset", "tiny", "--dir", "{d}/afile"], None,
      "--dir {d}/afile is not a directory"),
-    ("serve.py corpus prompts for a task's tokenizer", serve.main, ["--vanilla-ckpt", "{d}/task.pt", "--prompts",
-                                                                   "corpus", "--prompt-len", "4", "--gen-len", "2"],
+    ("serve.py corpus prompts for a task's tokenizer", serve_cmd, ["--vanilla-ckpt", "{d}/task.pt", "--prompts",
+                                                                 "corpus", "--prompt-len", "4", "--gen-len", "2",
+                                                                 "--lora-rank", "0", "--dtype", "float32"],
      None, "--prompts corpus: the model's tokenizer is that of the synthetic task 'phop', which reads no text"),
 ]
 
@@ -659,7 +664,7 @@ def _required(argv):
             ("hf",): ["some/dir"]}.get(tuple(argv), [])
 
 
-PARSERS = {"eval": ev.build_parser, "bench": bench.build_parser, "serve": serve.build_parser,
+PARSERS = {"eval": ev.build_parser, "bench": bench.build_parser, "serve": serve.demo_parser,
            "tasks": tasks.build_parser}
 EMPTY_VALUES = [(cmd, prefix[1:] if prefix[:1] == [cmd] else prefix, flag)
                 for cmd, build in PARSERS.items() for prefix, flag in _value_flags(build(), [cmd])]
@@ -672,7 +677,7 @@ def test_an_empty_value_is_an_error_for_every_flag(capsys, monkeypatch, cmd, sub
     run = {"eval": ev.main, "bench": bench.main, "serve": serve.main, "tasks": tasks.main, "hf": hf.main}[cmd]
     for name in ("loss_model", "load_run", "load_checkpoint"):
         monkeypatch.setattr(ev, name, lambda *a, **k: pytest.fail("eval.py started"))
-    monkeypatch.setattr(serve, "serve_compare", lambda *a, **k: pytest.fail("serve.py started"))
+    monkeypatch.setattr(serve, "GPT", lambda *a, **k: pytest.fail("serve.py started"))
     argv = sub + _required([cmd, *sub]) + [flag, ""]
     one_error_line(capsys, run, argv, f"argument {flag}: ")
 
@@ -707,8 +712,8 @@ def test_a_requests_fields_are_typed(tmp_path, what, line, match):
 def test_bad_requests_are_their_own_reason_and_the_rest_are_served(files, tmp_path, capsys):
     f = tmp_path / "reqs.jsonl"
     f.write_text("".join(line + "\n" for _, line, _ in REQUESTS) + '{"prompt": "def f(x):", "max_new_tokens": 3}\n')
-    res = serve.main(["--vanilla-ckpt", str(files / "ok.pt"), "--requests-file", str(f), "--warmup", "0", "--slots",
-                      "2", "--device", "cpu", "--json"])
+    res = serve_cmd(["--vanilla-ckpt", str(files / "ok.pt"), "--requests-file", str(f), "--warmup", "0", "--slots",
+                     "2", "--device", "cpu", "--json", "--dtype", "float32", "--repeats", "1"])
     for row in res["serve"]:
         assert row["errors"] == len(REQUESTS) and row["errors_by_reason"] == {"bad request line": len(REQUESTS)}
         assert row["tokens"] > 0  # the one good request, served
@@ -731,7 +736,7 @@ SIGNALS = [  # (command, argv, the function that does the work, the signal)
     ("hf.py", hf.main, ["some/dir"], (hf, "from_pretrained")),
     ("eval.py", ev.main, ["loss", "--model", "m", "--cache-dir", "{tmp}"], (ev, "loss_model")),
     ("bench.py", bench.main, ["presets"], (bench, "bench_presets")),
-    ("serve.py", serve.main, [], (serve, "serve_compare")),
+    ("serve.py", serve.main, [], (serve, "demo")),
     ("tasks.py", tasks.main, ["show"], (tasks, "show")),
 ]
 SIGNAL_ROWS = [(*row, sig) for row in SIGNALS for sig in (signal.SIGTERM, signal.SIGINT)]
@@ -751,8 +756,8 @@ def test_signals_stop_every_command_with_exit_130(tmp_path, capsys, monkeypatch,
 
 def test_sigterm_stops_a_real_serve_run(tmp_path):
     proc = subprocess.Popen([sys.executable, str(ROOT / "serve.py"), "--preset", "tiny", "--requests", "100000",
-                             "--warmup", "0", "--device", "cpu", "--dtype", "float32", "--prompt-len", "4",
-                             "--gen-len", "4"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             "--device", "cpu", "--dtype", "float32"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         for line in proc.stdout:  # serving has started
@@ -778,7 +783,7 @@ CHAT_TEMPLATES = [  # (what, the template, the message)
 @pytest.mark.parametrize("what,template,match", CHAT_TEMPLATES, ids=[r[0] for r in CHAT_TEMPLATES])
 def test_a_chat_template_that_fails_to_render_is_one_line(files, tmp_path, capsys, what, template, match):
     path = write_gguf(tmp_path / "chat.gguf", {"tokenizer.chat_template": (template, V.STRING)})
-    one_error_line(capsys, serve.main, ["--vanilla-ckpt", f"gguf:{path}", "--prompts", "chat", "--data",
+    one_error_line(capsys, serve_cmd, ["--vanilla-ckpt", f"gguf:{path}", "--prompts", "chat", "--data",
                                         str(files / "corpus"), "--cache-dir", str(tmp_path / "cache"), "--device",
                                         "cpu", "--requests", "2", "--warmup", "0", "--prompt-len", "4", "--gen-len",
                                         "2"],
