@@ -629,6 +629,7 @@ class GPT(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         self.graph_caches = {}  # batch bucket -> the static cache generate() reuses (generation_cache)
+        self.graph_cache_sizes = {}  # batch bucket -> (its positions, dtype, device)
 
     def make_blocks(self, cfg) -> nn.ModuleList:
         """The layer stack (a subclass with other layers -- shared, LoRA, another attention -- overrides this)."""
@@ -737,15 +738,18 @@ class GPT(nn.Module):
         """The cache generate() allocates (an architecture whose cache is sized otherwise overrides this). After
         compile_decode: one static cache per batch bucket, allocated once and reused by every later call (gpt-fast's
         setup_caches), so a captured graph replays on the same addresses; its rows are the bucket (generate pads the
-        batch), its positions the need rounded up to 128, grown (one more graph) only when a call needs more."""
+        batch of a KVCache; a cache of another kind keeps the batch as its bucket), its positions the need rounded up
+        to 128, grown (one more graph) only when a call needs more."""
         need = prompt_len + max_new_tokens
         if not self.static_cache:
             return self.new_cache(batch, need)
-        rows, p = batch_bucket(batch), self.lm_head.weight
-        cache = self.graph_caches.get(rows)
-        if cache is None or cache.max_len < need or (cache.k.dtype, cache.k.device) != (p.dtype, p.device):
+        p = self.lm_head.weight
+        rows = batch_bucket(batch) if issubclass(self.cache_cls, KVCache) else batch
+        cache, (max_len, dtype, device) = self.graph_caches.get(rows), self.graph_cache_sizes.get(rows, (0, None, None))
+        if cache is None or max_len < need or (dtype, device) != (p.dtype, p.device):
             max_len = min(-(-need // 128) * 128, self.config.max_seq_len)
             cache = self.graph_caches[rows] = self.new_cache(rows, max_len)
+            self.graph_cache_sizes[rows] = (max_len, p.dtype, p.device)
         return cache
 
     @torch.no_grad()
