@@ -91,17 +91,16 @@ class GPTConfig:
     def __post_init__(self):
         self.validate()
 
-    def need(self, ok: bool, msg: str):
-        """A failed check of this config: ValueError("bad <ConfigClass>: msg")."""
-        check(ok, msg, type(self).__name__)
+    def need(self, ok: bool, msg: str, field: str | None = None):
+        """A failed check of this config: ValueError("bad <ConfigClass>: msg"), naming `field` (check's `.field`)."""
+        check(ok, msg, type(self).__name__, field)
 
     def validate(self):
         """Every field's type and range, whatever wrote the config (a preset, flags, a checkpoint, a GGUF file's
         metadata, a config.json): the counts are ints >= 1 (never a float or a bool) that divide as attention needs,
         rope_theta and norm_eps finite and > 0, the switches bools. A failure names the field (check's `.field`)."""
         need = partial(check, what="GPTConfig")  # the shape fields: "bad GPTConfig" in every subclass too
-        is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731  True is an int to Python
-        is_num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # noqa: E731
+        is_int, is_num = self.is_int, self.is_number
         for name in ("n_layer", "n_head", "n_kv_head", "n_embd", "mlp_hidden", "vocab_size", "max_seq_len"):
             v = getattr(self, name)
             need(is_int(v) and v >= 1, f"{name}={v!r} must be a positive int", field=name)
@@ -127,6 +126,16 @@ class GPTConfig:
         for name in ("tie_embeddings", "embed_scale", "parallel_residual", "attn_bias", "mlp_bias"):
             need(isinstance(getattr(self, name), bool), f"{name}={getattr(self, name)!r} must be true or false",
                  field=name)
+
+    @staticmethod
+    def is_int(v) -> bool:
+        """A count of a config: an int, never a bool (True is an int to Python) or a float."""
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    @staticmethod
+    def is_number(v) -> bool:
+        """A finite int or float, never a bool."""
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
     @property
     def hd(self) -> int:

@@ -479,6 +479,29 @@ def test_gptconfig_names_the_field_it_refuses(field, value):
     assert e.value.field == field  # what a loader translates into its own file's key
 
 
+PAPER_CONFIG_FIELDS = [  # the architectures' configs refuse what GPTConfig refuses: (module, config class, field, value)
+    ("recursive", "RecursiveConfig", "n_loops", True), ("recursive", "RecursiveConfig", "n_loops", 2.0),
+    ("recursive", "RecursiveConfig", "lora_rank_q", True), ("recursive", "RecursiveConfig", "exit_coef", True),
+    ("recursive", "RecursiveConfig", "exit_threshold", True), ("recursive", "RecursiveConfig", "exit_gate", 1),
+    ("block_transformer", "BlockConfig", "block_len", True), ("block_transformer", "BlockConfig", "prefix_len", True),
+    ("block_transformer", "BlockConfig", "eot_id", True), ("block_transformer", "BlockConfig", "random_pad", "no"),
+    ("double_decoder", "DoubleConfig", "ctx_layers", True), ("double_decoder", "DoubleConfig", "gen_layers", True),
+    ("double_decoder", "DoubleConfig", "max_blocks", True), ("double_decoder", "DoubleConfig", "ctx_lr", True),
+    ("plt", "PLTConfig", "n_loops", True), ("plt", "PLTConfig", "window", True), ("plt", "PLTConfig", "gswa", 1),
+]
+
+
+@pytest.mark.parametrize("module,cls,field,value", PAPER_CONFIG_FIELDS,
+                         ids=[f"{c}.{f}={v!r}" for _, c, f, v in PAPER_CONFIG_FIELDS])
+def test_the_architectures_configs_name_the_field_they_refuse(module, cls, field, value):
+    import importlib
+
+    config_cls = getattr(importlib.import_module(module), cls)
+    with pytest.raises(ValueError, match=f"^bad {cls}: {field}={value!r} must be") as e:
+        config_cls(**{field: value})
+    assert e.value.field == field
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # 2. Files: only regular files are opened as models, checkpoints, corpora, requests or results (a FIFO would hang
 # the read, /dev/zero would read until the memory is gone, a directory is not a file)
