@@ -38,17 +38,19 @@ A run's flags and its checkpoint (train.py's contract; the flags are reconciled 
     refuses, naming them, flags that would change a parameter (a LoRA rank, the loops) (recipe_overrides,
     init_same_arch). Which architecture reads which flag is recorded as the parser is built (add_arch_args); flags of
     another architecture are named in one warning (warn_inapplicable).
-  * A mistake the user can fix (a flag, a data file, a checkpoint, a batch that cannot fit in memory, a diverged
-    run) is one line `error: ...` on stderr and exit code 2 (cli.py: the contract of every command). What can be
+  * A mistake the user can fix (a flag, a data file, a checkpoint, a batch that cannot fit in memory) is one line `error: ...` on stderr and exit code 2 (cli.py: the contract of every command). What can be
     checked is checked before the first step: --out-dir and --cache-dir writable, disk space for a checkpoint, a lower
     bound of the step's memory before tables and the memory probe are built, the tokenizer (an encoding that needs the
     network is named), a resumable checkpoint.
   * Ctrl-C or SIGTERM: the current step finishes, the checkpoint is written (atomically, as always), and the run
     stops with one line `stopped: ... continue with: python train.py --resume --out-dir OUT_DIR` and exit code 130.
     A checkpoint write that fails (a full disk) removes its temporary file and keeps the last good checkpoint.
-  * Divergence: a non-finite loss or weight stops the run without writing its checkpoint; a validation loss above
-    ln(V) + 1, one nat above the loss of a uniform guess over the V tokens of the vocabulary, is one warning (once per
-    run) naming the loss, the step and --lr, and the run goes on.
+  * Divergence: a non-finite loss or weight stops the run without writing its checkpoint (exit code 2). A finite
+    validation loss more than a nat above the best of the run so far (of the run it resumes too), or a first one above
+    ln(V) + 1 (a nat above a uniform guess over the V tokens) for a run from random weights, is one warning (once per
+    run) naming the loss, the step and --lr, and the run goes on. A run from weights (--init-from, --resume) starts
+    where its model is: a converted model above ln(V) + 1 is one note, and later evaluations are compared with it
+    (train.check_val_loss).
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 cli.py -- the one error contract of every command of this repository (train.py, serve.py, bench.py, eval.py, hf.py,
 tasks.py).
 
-A mistake the user can fix (a flag, a file, a checkpoint, a batch that cannot fit, a diverged run) is one line
+A mistake the user can fix (a flag, a file, a checkpoint, a batch that cannot fit, a non-finite loss) is one line
 `error: ...` on stderr naming the flag, value or file, and exit code 2; a run stopped by Ctrl-C or SIGTERM is one line
 `stopped: ...` and exit code 130; warnings are one line `warning: ...` each. Anything else is a bug and keeps its
 traceback. The pieces live here, not in train.py, so that the architecture files (which never import train.py) can
@@ -76,6 +76,20 @@ class ArgumentParser(argparse.ArgumentParser):
         """`number` below, reachable from a parser: an architecture's add_args(ap) bounds its flags with ap.number(...)
         without importing this module (the model files import no command-line code)."""
         return number(kind, min=min, above=above, max=max)
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help with each flag's default said once: argparse's "(default: X)" is added only where the help text does
+    not speak of the default itself ("default: the arch's", "default 10%% of max-iters") and the default says
+    something (not None: "not given", not an empty string, not a switch's False)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        quiet = action.default is None or action.default is False or action.default is argparse.SUPPRESS \
+            or (isinstance(action.default, str) and not action.default)
+        if quiet or "default" in text.lower():
+            return text
+        return super()._get_help_string(action)
 
 
 def number(kind=int, min=None, above=None, max=None):  # noqa: A002 - argparse-style names

@@ -819,3 +819,23 @@ def test_skipped_documents_are_counted_as_documents(tmp_path):
     assert list(data.iter_jsonl_docs(f, stats)) == ["ok"]
     assert stats.summary() == (f"1 document with malformed JSON (first at {f}:6), 4 documents with undecodable bytes "
                                f"(first at {f}:1)")
+
+
+def _train_actions():
+    import train
+
+    ap = train.build_parser(checkpoint.arch_table())
+    return [(a.option_strings[0], a) for a in ap._actions if a.option_strings and a.help], ap
+
+
+TRAIN_FLAGS, TRAIN_PARSER = _train_actions()
+
+
+@pytest.mark.parametrize("flag,action", TRAIN_FLAGS, ids=[f for f, _ in TRAIN_FLAGS])
+def test_train_help_says_each_default_once(flag, action):
+    """`train.py --help`: never "(default: plt) (default: None)"; a default the help text does not state is added."""
+    text = TRAIN_PARSER._get_formatter()._expand_help(action)
+    assert text.lower().count("default") <= 1, text
+    assert "(default: None)" not in text and "(default: False)" not in text, text
+    if action.default not in (None, False, "", "==SUPPRESS==") and "default" not in action.help.lower():
+        assert text.endswith(f"(default: {action.default})"), text

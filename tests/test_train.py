@@ -559,3 +559,38 @@ def test_cpu_optimizer_is_the_fused_adamw_and_steps_like_the_per_tensor_loop():
             opt.zero_grad(set_to_none=True)
     for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+# ---- the divergence warning knows where the run started ---------------------------------------------------------
+
+V = 49152  # SmolLM2's vocabulary: ln V + 1 = 11.80
+DIVERGENCE = [  # (what, --init-from, resumed at step, best validation loss so far, this one, the warning or None, note?)
+    ("random start, first evaluation below ln V + 1", None, 0, math.inf, 10.0, None, False),
+    ("random start, first evaluation above ln V + 1", None, 0, math.inf, 12.5,
+     "validation loss 12.5000 at step 10, the first evaluation, is above ln(49152) + 1 = 11.8027, a nat worse than a "
+     "uniform guess, where a model from random weights starts: the run has diverged (lower --lr, now 0.0003)", False),
+    ("a converted start above ln V + 1", "smollm2-135m", 0, math.inf, 12.5, None, True),
+    ("a converted start, then a nat above it", "smollm2-135m", 0, 12.5, 13.6,
+     "validation loss 13.6000 at step 10 is more than a nat above the best of this run so far (12.5000): the run has "
+     "diverged (lower --lr, now 0.0003)", False),
+    ("a converted start, then recovering", "smollm2-135m", 0, 12.5, 9.0, None, False),
+    ("a resumed run without an evaluation", None, 4, math.inf, 12.5, None, True),
+    ("a resumed run, a nat above its best", None, 4, 3.0, 4.1, "more than a nat above the best of this run so far "
+                                                             "(3.0000)", False),
+]
+
+
+@pytest.mark.parametrize("what,init,start,best,val,warning,note", DIVERGENCE, ids=[r[0] for r in DIVERGENCE])
+def test_the_divergence_warning_compares_with_the_start(capsys, what, init, start, best, val, warning, note):
+    import types
+    import warnings
+
+    run = types.SimpleNamespace(tok=types.SimpleNamespace(n_vocab=V), best_val=best, start_step=start,
+                                warned_divergence=False, master=True,
+                                args=types.SimpleNamespace(lr=3e-4, init_from=init, out_dir="out/x"))
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        train.check_val_loss(run, val, 10)
+    messages = [str(w.message) for w in said]
+    assert messages == [] if warning is None else (len(messages) == 1 and warning in messages[0]), messages
+    assert ("note: validation loss" in capsys.readouterr().out) == note
