@@ -32,7 +32,11 @@ A run's flags and its checkpoint (train.py's contract; the flags are reconciled 
     --resume --out-dir out/relaxed` is enough (resume_run, restore_run_args). A flag typed again with another value is
     an error naming it, except the environment (--device, --dtype, --compile, --cache-dir, --eval-iters,
     --log-interval, --sample-tokens) and the run length (--max-iters, --eval-interval, --lr-decay-iters), which are
-    taken with a printed note (resume_length).
+    taken with a printed note (resume_length). Every saved flag is parsed as if typed (saved_flag: its type, bounds,
+    choices, no empty value) and must fit the model the checkpoint holds (check_saved_run: the saved --arch is the
+    checkpoint's, the architecture's flags give its config, --seq-len fits its context); one that does not is one
+    line naming the file and the flag. The checkpoint's saved --cache-dir is never restored: the token cache goes to
+    this command's --cache-dir, or its default data_cache, never to a directory a file names (`../` included).
   * `--init-from` a checkpoint of the same architecture applies the training-recipe flags typed (exit loss,
     self-distillation, ...: the early-exit post-training of the Relaxed Recursive Transformers paper, Appendix J) and
     refuses, naming them, flags that would change a parameter (a LoRA rank, the loops) (recipe_overrides,
@@ -75,7 +79,7 @@ import model
 import plt
 import recursive
 import tasks
-from cli import CheckpointError, UsageError, check_model_fits, flag_name, one_line, regular_file
+from cli import CheckpointError, UsageError, check_device, check_model_fits, flag_name, one_line, regular_file
 from data import Tokenizer, hf_tokenizer_spec, is_gguf_source, is_hf_source
 from hf import from_gguf, from_pretrained, gguf_tokenizer_spec
 from model import ArchSpec
@@ -598,10 +602,13 @@ def init_same_arch(src, spec: ArchSpec, overrides: dict, seq_len: int, path) -> 
 
 # --resume restores every flag of the run from the checkpoint. A flag typed again with the same value is fine; with
 # another value it is an error, except these: the environment (taken as given) and the run length (extended, with a
-# printed note). The checkpoint's own directory is where it is now (--out-dir is never restored).
+# printed note). Two are never restored: --out-dir (the checkpoint's own directory is where it is now) and --cache-dir
+# (the token cache goes where this command says, or to its default: a path read from a file never decides where the
+# command writes).
 RESUME_ENVIRONMENT = {"resume", "out_dir", "device", "dtype", "compile", "cache_dir", "sample_tokens",
                       "log_interval", "eval_iters"}
 RESUME_LENGTH = {"max_iters", "eval_interval", "lr_decay_iters"}
+NOT_RESTORED = {"resume", "out_dir", "cache_dir"}
 
 
 def _same_value(new, old) -> bool:
@@ -620,7 +627,9 @@ def resume_run(ap, args, given, table) -> tuple[dict, list[str]]:
     ck = check_resumable(load_checkpoint(path), path)
     if ck["arch"] not in table:
         raise CheckpointError(f"{path} holds a {ck['arch']!r} model, unknown here; known: {sorted(table)}")
-    return ck, restore_run_args(ap, args, given, ck, path, table)
+    notes = restore_run_args(ap, args, given, ck, path, table)
+    check_saved_run(ap, args, given, ck, path, table)
+    return ck, notes
 
 
 def resume_length(args, given, ck) -> list[str]:
@@ -640,14 +649,15 @@ def resume_length(args, given, ck) -> list[str]:
 
 
 def restore_run_args(ap, args, given, ck, path, table):
-    """--resume: args <- the checkpoint's run arguments, except the flags typed now (checked against them)."""
+    """--resume: args <- the checkpoint's run arguments, each parsed as if typed (saved_flag), except the flags typed
+    now (checked against them) and NOT_RESTORED."""
     saved = ck.get("args") or {}
     notes, clash = [], []
     for dest, old in saved.items():
-        if not hasattr(args, dest) or dest in ("resume", "out_dir"):
+        if not hasattr(args, dest) or dest in NOT_RESTORED:
             continue
         if dest not in given:
-            setattr(args, dest, old)
+            setattr(args, dest, saved_flag(ap, dest, old, path))
         elif not _same_value(given[dest], old):
             if dest in RESUME_ENVIRONMENT or dest in RESUME_LENGTH:
                 notes.append(f"{flag_name(ap, dest)} {given[dest]} (the run had {old})")
@@ -659,6 +669,73 @@ def restore_run_args(ap, args, given, ck, path, table):
         raise UsageError(f"--resume continues the run in {path} with its own flags; these contradict it: {what}. "
                          f"Drop them, or start a new run in another --out-dir (--init-from {path} keeps the weights)")
     return notes
+
+
+def saved_flag(ap, dest, value, path):
+    """One flag of a checkpoint's saved run arguments, parsed as if it were typed now: the type the flag's parser
+    produces (a switch a bool, a count an int, a number an int or float, any other flag text), then the flag's own
+    argparse type with its bounds, its choices and the empty-value rule (cli.ArgumentParser). The flag's default is
+    always taken. A value that fails is a CheckpointError naming the file and the flag -> the parsed value."""
+    action = next(a for a in ap._actions if a.dest == dest)
+    flag = flag_name(ap, dest)
+
+    def bad(why):
+        return CheckpointError(f"checkpoint {path}: its saved flag {flag} = {_shown(value)} {why}; --resume takes "
+                               f"every flag of the run from its checkpoint, which was edited or damaged: start a new "
+                               f"run from its weights with --init-from {path} (and another --out-dir)")
+
+    if value is action.default or (type(value) is type(action.default) and value == action.default):
+        return value
+    if action.nargs == 0:  # a switch (store_true)
+        if isinstance(value, bool):
+            return value
+        raise bad("is not true or false")
+    if value is None:
+        raise bad(f"is missing, but {flag} takes a value (default {action.default!r})")
+    kind = getattr(action.type, "__name__", "str")
+    want, what = {"int": (int, "an integer"), "float": ((int, float), "a number")}.get(kind, (str, "text"))
+    if isinstance(value, bool) or not isinstance(value, want):
+        raise bad(f"is not {what}")
+    try:
+        return ap._get_values(action, [repr(value) if isinstance(value, float) else str(value)])
+    except argparse.ArgumentError as e:
+        raise bad(f"is refused as if typed ({e.message})") from None
+
+
+def check_saved_run(ap, args, given, ck, path, table):
+    """--resume, after restore_run_args: what the run's flags say must fit the model the checkpoint holds, as the
+    architecture's checks would have made them fit when the run began. The saved --arch is the checkpoint's (a
+    checkpoint written under another name could never be loaded again); the architecture's flags give its config
+    (spec.config_overrides, as _consistent_with_checkpoint compares a typed one); --seq-len fits the model's context
+    (and the Block Transformer's block length). A saved flag that does not fit is a CheckpointError naming the file
+    and the flag."""
+    saved, spec = ck.get("args") or {}, table[ck["arch"]]
+    where = f"checkpoint {path}: its saved flag"
+    if "arch" not in given and args.arch != ck["arch"]:
+        raise CheckpointError(f"{where} --arch {args.arch!r} contradicts its model, a {ck['arch']} one; a run of it "
+                              f"would write a checkpoint nothing can load: restore the file, or start a new run from "
+                              f"its weights with --init-from {path}")
+    for dest in ap.arch_flags:
+        if dest in given or saved.get(dest) is None or saved[dest] is False or ck["arch"] not in ap.arch_flags[dest] \
+                or spec.config_overrides is None:
+            continue
+        if not _consistent_with_checkpoint(ap, dest, args, {**saved, dest: None}, ck, table):
+            raise CheckpointError(f"{where} {flag_name(ap, dest)} = {_shown(saved[dest])} contradicts its "
+                                  f"{ck['arch']} config (or the architecture refuses it): the file was edited or "
+                                  f"damaged; start a new run from its weights with --init-from {path}")
+    if "device" not in given:  # a run on a machine with CUDA resumed on one without
+        try:
+            check_device(args.device)
+        except UsageError as e:
+            raise CheckpointError(f"{where} {e}; type --device to run it here") from None
+    max_len = ck["config"].get("max_seq_len")
+    block = ck["config"].get("block_len")
+    if "seq_len" not in given and isinstance(max_len, int) and args.seq_len > max_len:
+        raise CheckpointError(f"{where} --seq-len {args.seq_len} exceeds the context of its model ({max_len} "
+                              f"positions): the file was edited or damaged")
+    if "seq_len" not in given and isinstance(block, int) and block > 0 and args.seq_len % block:
+        raise CheckpointError(f"{where} --seq-len {args.seq_len} is not a multiple of its model's block length L_B = "
+                              f"{block}: the file was edited or damaged")
 
 
 def _consistent_with_checkpoint(ap, dest, args, saved, ck, table) -> bool:

@@ -377,7 +377,10 @@ def check_run_args(args, spec: ArchSpec, resume_ck, given) -> tuple[int, float, 
     """The architecture's defaults, then the checks made before anything is built: --device, --out-dir and --cache-dir
     writable, a resumed run not past --max-iters -> (the first step, the best validation loss so far, notes about the
     resumed run's length)."""
-    resolve_defaults(args, spec)
+    try:
+        resolve_defaults(args, spec)
+    except UsageError as e:  # on --resume the flags are the checkpoint's: say so
+        raise (UsageError(f"checkpoint {resume_ck['loaded_from']}: its saved flags: {e}") if resume_ck else e) from None
     args.out_dir = Path(args.out_dir or f"out/{args.arch}")
     check_device(args.device)
     check_writable_dir(args.out_dir, "--out-dir")

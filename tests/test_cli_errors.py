@@ -532,7 +532,7 @@ def test_sigterm_finishes_the_step_writes_the_checkpoint_and_resume_continues(fi
     same = ["--eval-interval", "100000", "--lr-decay-iters", "100000", "--warmup-iters", "2", "--log-interval", "1",
             "--device", "cpu", "--dtype", "float32"]
     n = _stop_a_run(files, out, same, env, signal.SIGTERM)
-    for cmd in (["--resume", "--out-dir", str(out), "--max-iters", str(n + 2)],
+    for cmd in (["--resume", "--out-dir", str(out), "--cache-dir", str(files / "cache"), "--max-iters", str(n + 2)],
                 _train_args(files, "--out-dir", str(ref), "--max-iters", str(n + 2), *same)):
         r = subprocess.run([sys.executable, "train.py", *cmd], cwd=ROOT, env=env, capture_output=True, text=True,
                            timeout=300)

@@ -594,3 +594,79 @@ def test_the_divergence_warning_compares_with_the_start(capsys, what, init, star
     messages = [str(w.message) for w in said]
     assert messages == [] if warning is None else (len(messages) == 1 and warning in messages[0]), messages
     assert ("note: validation loss" in capsys.readouterr().out) == note
+
+
+# ---- --resume parses every saved flag as if typed ----------------------------------------------------------------
+
+SAVED_FLAGS = [  # (the run, the saved flag edited, its value, the message after "checkpoint PATH: its saved flag ")
+    ("vanilla", "batch_size", 0, "--batch-size = 0 is refused as if typed (must be >= 1, got 0)"),
+    ("vanilla", "batch_size", "16", "--batch-size = '16' is not an integer"),
+    ("vanilla", "batch_size", 16.0, "--batch-size = 16.0 is not an integer"),
+    ("vanilla", "grad_accum", True, "--grad-accum = True is not an integer"),
+    ("vanilla", "seq_len", None, "--seq-len = None is missing, but --seq-len takes a value"),
+    ("vanilla", "seq_len", 100000, "--seq-len 100000 exceeds the context of its model (64 positions)"),
+    ("vanilla", "lr", float("nan"), "--lr = nan is refused as if typed (must be a finite number, got nan)"),
+    ("vanilla", "weight_decay", -1.0, "--weight-decay = -1.0 is refused as if typed (must be >= 0, got -1.0)"),
+    ("vanilla", "kd", "xyz", "--kd = 'xyz' is refused as if typed (invalid choice: 'xyz'"),
+    ("vanilla", "dtype", "fp8", "--dtype = 'fp8' is refused as if typed (invalid choice: 'fp8'"),
+    ("vanilla", "arch", "nope", "--arch = 'nope' is refused as if typed (invalid choice: 'nope'"),
+    ("vanilla", "arch", "plt", "--arch 'plt' contradicts its model, a vanilla one; a run of it would write a "
+                               "checkpoint nothing can load"),
+    ("vanilla", "data", 5, "--data = 5 is not text"),
+    ("vanilla", "val_data", "", "--val-data = '' is refused as if typed (expected a path, got ''"),
+    ("vanilla", "exclude_sets", ["a"], "--exclude-sets = a list is not text"),
+    ("vanilla", "compile", "yes", "--compile = 'yes' is not true or false"),
+    ("vanilla", "seed", -1, "--seed = -1 is refused as if typed (must be >= 0, got -1)"),
+    ("vanilla", "task_p", "99", "--task-p = '99' is refused as if typed ('99': hops must lie in 1..8"),
+    ("vanilla", "device", "cuda:7", "--device cuda:7: "),
+    ("relaxed", "loops", 3, "--loops = 3 contradicts its relaxed config (or the architecture refuses it)"),
+    ("relaxed", "lora_rank_q", 5, "--lora-rank-q = 5 contradicts its relaxed config"),
+]
+
+
+@pytest.fixture(scope="module")
+def vanilla_ckpt(corpus, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("vanilla")
+    train.train(base_args(corpus, tmp, "--max-iters", "1", "--sample-tokens", "0"))
+    return tmp
+
+
+@pytest.mark.parametrize("run,dest,value,match", SAVED_FLAGS, ids=[f"{r[0]} {r[1]}={r[2]!r}" for r in SAVED_FLAGS])
+def test_resume_parses_every_saved_flag_as_if_typed(tmp_path, capsys, monkeypatch, vanilla_ckpt, relaxed_ckpt, run,
+                                                    dest, value, match):
+    """One bad field of a checkpoint's saved run arguments is one line naming the file and the flag, before the model
+    is built (never one of a dozen tracebacks, never a checkpoint under another architecture's name)."""
+    src = {"vanilla": vanilla_ckpt, "relaxed": relaxed_ckpt}[run]
+    ck = torch.load(src / "out" / "ckpt.pt", weights_only=True)
+    ck["args"] = {**ck["args"], dest: value}
+    path = tmp_path / "out" / "ckpt.pt"
+    checkpoint.save_checkpoint(path, ck)
+    monkeypatch.setattr(train, "build_models", lambda *a: pytest.fail("the model was built"))
+    with pytest.raises(SystemExit) as e:
+        train.main(["--resume", "--out-dir", str(path.parent), "--cache-dir", str(src / "cache"), "--max-iters", "3"])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert e.value.code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"error: checkpoint {path}: its saved flag {match}"), err[0]
+
+
+def test_resume_takes_the_saved_flags_that_are_sound(tmp_path, vanilla_ckpt, relaxed_ckpt):
+    """The unedited checkpoints resume (so that each row above fails for its own edit)."""
+    import shutil
+
+    for src in (vanilla_ckpt, relaxed_ckpt):
+        shutil.copytree(src / "out", tmp_path / src.name)
+        train.train(["--resume", "--out-dir", str(tmp_path / src.name), "--cache-dir", str(src / "cache"),
+                     "--max-iters", "3", "--sample-tokens", "0"])
+        assert checkpoint.load_checkpoint(tmp_path / src.name / "ckpt.pt")["step"] == 3
+
+
+def test_resume_writes_the_token_cache_where_the_command_says(tmp_path, monkeypatch, vanilla_ckpt):
+    """The checkpoint's saved cache_dir (here ../ out of the run's directory) never decides where --resume writes the
+    token cache: this command's --cache-dir, or its default data_cache in the working directory."""
+    ck = torch.load(vanilla_ckpt / "out" / "ckpt.pt", weights_only=True)
+    ck["args"] = {**ck["args"], "cache_dir": str(tmp_path / "run" / ".." / "escaped")}
+    checkpoint.save_checkpoint(tmp_path / "run" / "ckpt.pt", ck)
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    train.train(["--resume", "--out-dir", str(tmp_path / "run"), "--max-iters", "2", "--sample-tokens", "0"])
+    assert not (tmp_path / "escaped").exists() and any((tmp_path / "cwd" / "data_cache").iterdir())
