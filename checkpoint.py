@@ -46,8 +46,12 @@ A run's flags and its checkpoint (train.py's contract; the flags are reconciled 
     checked is checked before the first step: --out-dir and --cache-dir writable, disk space for a checkpoint, a lower
     bound of the step's memory before tables and the memory probe are built, the tokenizer (an encoding that needs the
     network is named), a resumable checkpoint.
+  * One run per --out-dir: a run holds OUT_DIR/train.lock (cli.take_dir_lock: created exclusively, with its pid)
+    from its setup to its end, however it ends; another run there is refused in one line, and the lock of a run that
+    was killed (-9) is taken over with a warning.
   * Ctrl-C or SIGTERM: the current step finishes, the checkpoint is written (atomically, as always), and the run
-    stops with one line `stopped: ... continue with: python train.py --resume --out-dir OUT_DIR` and exit code 130.
+    stops with one line `stopped: ... continue with: python train.py --resume --out-dir OUT_DIR` and exit code 130;
+    before the first step (setup, tokenizing) it stops at once, `stopped: terminated (SIGTERM)`, exit code 130.
     A checkpoint write that fails (a full disk) removes its temporary file and keeps the last good checkpoint.
   * Divergence: a non-finite loss or weight stops the run without writing its checkpoint (exit code 2). A finite
     validation loss more than a nat above the best of the run so far (of the run it resumes too), or a first one above

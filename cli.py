@@ -7,21 +7,24 @@ A mistake the user can fix (a flag, a file, a checkpoint, a batch that cannot fi
 `stopped: ...` and exit code 130; warnings are one line `warning: ...` each. Anything else is a bug and keeps its
 traceback. The pieces live here, not in train.py, so that the architecture files (which never import train.py) can
 route their own command lines through them. The checks made before a run's first step live here too: a directory
-that must be writable (check_writable_dir), the disk space a checkpoint needs (check_disk_space) and the memory an
-estimate says a step needs (check_memory).
+that must be writable (check_writable_dir), one that another live run writes (take_dir_lock: a lock file), the disk
+space a checkpoint needs (check_disk_space) and the memory an estimate says a command needs (check_memory).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import math
 import os
 import shutil
 import signal
+import socket
 import stat
 import sys
 import tempfile
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -377,6 +380,99 @@ def check_writable_dir(path: Path, flag: str):
         os.unlink(probe)
     except OSError as e:
         raise UsageError(f"{flag} {path} is not a writable directory ({e.strerror or e})") from None
+
+
+# The lock of a directory a run writes (train.py's --out-dir): OUT_DIR/train.lock, created exclusively (O_EXCL), holding
+# "PID START HOST" (the owner's process id, its start time in clock ticks since boot from /proc/PID/stat, so that a
+# reused pid is not taken for the owner, and the machine). It is removed when the run ends, however it ends (an error,
+# Ctrl-C, SIGTERM); after kill -9 it stays, and the next run takes it over, saying so, once no process owns it.
+LOCK_NAME = "train.lock"
+LOCK_BEING_WRITTEN_S = 30  # a lock file without its owner line younger than this: a run taking it right now
+
+
+def _process_start(pid: int) -> str | None:
+    """The start time of process pid (field 22 of /proc/PID/stat), or None where that is not known."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _lock_owner(lock: Path) -> tuple[int, str, str] | None:
+    """(pid, start, host) of a lock file, or None when it holds no owner line (being written, or garbage)."""
+    try:
+        pid, start, host = lock.read_text().split()
+        return int(pid), start, host
+    except (OSError, ValueError):
+        return None
+
+
+def _owner_alive(pid: int, start: str, host: str) -> bool:
+    if host != socket.gethostname():
+        return True  # another machine's process (a shared file system): it cannot be asked
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # alive, another user's
+    now = _process_start(pid)
+    return start == "-" or now is None or now == start
+
+
+def take_dir_lock(path: Path, flag: str, what: str = "train.py run") -> Path:
+    """Refuse a directory another live run writes: create path/LOCK_NAME exclusively with this process's owner line,
+    or, when it exists, read its owner. A live owner is a UsageError naming the flag, the directory, the pid and the
+    lock file (two runs in one directory would overwrite each other's checkpoints); a dead one's lock (kill -9, a
+    crash) is taken over with one warning. Takeovers are serialised by a flock of the directory, so that two runs
+    finding one stale lock never both take it. -> the lock file, for release_dir_lock."""
+    lock = path / LOCK_NAME
+    me = f"{os.getpid()} {_process_start(os.getpid()) or '-'} {socket.gethostname()}\n"
+    for _ in range(5):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            owner = _lock_owner(lock)
+            if owner is None:
+                try:
+                    young = time.time() - lock.stat().st_mtime < LOCK_BEING_WRITTEN_S
+                except FileNotFoundError:
+                    continue  # released meanwhile: try again
+                if young:
+                    raise UsageError(f"{flag} {path} is being taken by another {what} right now (lock file {lock}): "
+                                     f"give another {flag}") from None
+            elif _owner_alive(*owner):
+                pid, _, host = owner
+                where = "" if host == socket.gethostname() else f" on {host}"
+                raise UsageError(f"{flag} {path} is in use by another {what} (pid {pid}{where}; lock file {lock}): two "
+                                 f"runs would overwrite each other's checkpoints; wait for it to end, or give another "
+                                 f"{flag}") from None
+            dir_fd = os.open(path, os.O_RDONLY)
+            try:
+                fcntl.flock(dir_fd, fcntl.LOCK_EX)
+                if _lock_owner(lock) == owner:  # still the stale one: nobody took it over meanwhile
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(lock)
+                    warnings.warn(f"{flag} {path}: its lock file {lock} was left by "
+                                  f"{f'pid {owner[0]}' if owner else 'a run'}, which is no longer running (killed, or "
+                                  f"crashed): taken over by this run", stacklevel=2)
+            finally:
+                os.close(dir_fd)  # releases the flock
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(me)
+        return lock
+    raise UsageError(f"{flag} {path}: its lock file {lock} keeps changing (other runs starting there?): give another "
+                     f"{flag}")
+
+
+def release_dir_lock(lock: Path):
+    """Remove a lock take_dir_lock took, if it is still this process's."""
+    owner = _lock_owner(lock)
+    if owner is not None and owner[0] == os.getpid():
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(lock)
 
 
 def check_disk_space(model, path: Path):

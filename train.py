@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
@@ -47,15 +48,34 @@ from checkpoint import (add_arch_args, arch_table, given_flags, init_from, load_
                         save_checkpoint, warn_inapplicable)
 from checkpoint import load_checkpoint  # noqa: F401 - train.load_checkpoint, as the architectures' tests read a run
 from cli import (DTYPES, ArgumentParser, CheckpointError, DefaultsHelpFormatter, Stopped, UsageError, check_device,
-                 check_disk_space, check_memory, check_writable_dir, number, path_arg, run_cli, seed_arg, stop_signals, user_input)
+                 check_disk_space, check_memory, check_writable_dir, number, path_arg, release_dir_lock, run_cli,
+                 seed_arg, stop_signals, take_dir_lock, user_input)
 from data import TokenData, Tokenizer, padded_vocab, prepare_corpus, step_generator
 from model import (ArchSpec, distill_loss, least_step_memory, lm_loss, make_optimizer, peak_flops, pick_device,
                    pick_dtype, step_memory)
+
+_locks: list[Path] = []  # the --out-dir lock setup_run takes (cli.take_dir_lock), released when train() ends
+
+
+def releasing_lock(fn):
+    """train(): the --out-dir lock setup_run takes is released when the run ends, however it ends (an error, Ctrl-C,
+    SIGTERM, Stopped)."""
+    @functools.wraps(fn)
+    def run(argv=None):
+        held = len(_locks)
+        try:
+            return fn(argv)
+        finally:
+            while len(_locks) > held:
+                release_dir_lock(_locks.pop())
+    return run
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # The training loop
 
 
+@releasing_lock
 def train(argv=None):
     """One run: setup_run builds everything from the flags (and refuses what cannot work before the first step), then
     the loop. -> the last logged losses, the best validation loss and, on a task, the last validation accuracies."""
@@ -313,6 +333,8 @@ def setup_run(argv) -> Run:
     ap, args, given, resume_ck, notes = parse_run_args(argv, table)
     spec = table[args.arch]
     start_step, best_val, length_notes = check_run_args(args, spec, resume_ck, given)
+    if int(os.environ.get("RANK", "0")) == 0:  # one run per --out-dir (under torchrun rank 0 holds it)
+        _locks.append(take_dir_lock(args.out_dir, "--out-dir"))
     ddp, rank, local_rank, world, device = setup_distributed(args.device)
     master = rank == 0
     if master:

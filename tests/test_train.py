@@ -670,3 +670,98 @@ def test_resume_writes_the_token_cache_where_the_command_says(tmp_path, monkeypa
     monkeypatch.chdir(tmp_path / "cwd")
     train.train(["--resume", "--out-dir", str(tmp_path / "run"), "--max-iters", "2", "--sample-tokens", "0"])
     assert not (tmp_path / "escaped").exists() and any((tmp_path / "cwd" / "data_cache").iterdir())
+
+
+# ---- one run per --out-dir: the lock file ------------------------------------------------------------------------
+
+
+def _live_process():
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    return p, p.pid
+
+
+def _dead_pid():
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+LOCKS = [  # (what, the owner line of the lock file found in --out-dir, refused?, the message)
+    ("a live run", lambda pid, start, host: f"{pid} {start} {host}\n", True,
+     "--out-dir {out} is in use by another train.py run (pid {pid}; lock file {out}/train.lock): two runs would "
+     "overwrite each other's checkpoints"),
+    ("a live run on another machine", lambda pid, start, host: f"{pid} {start} elsewhere\n", True,
+     "is in use by another train.py run (pid {pid} on elsewhere; lock file"),
+    ("a dead run (kill -9)", lambda pid, start, host: f"{_dead_pid()} 1 {host}\n", False,
+     "--out-dir {out}: its lock file {out}/train.lock was left by pid "),
+    ("a reused pid (another start time)", lambda pid, start, host: f"{pid} 1 {host}\n", False,
+     "--out-dir {out}: its lock file {out}/train.lock was left by pid {pid}, which is no longer running"),
+    ("an old lock file without an owner line", None, False, "was left by a run, which is no longer running"),
+]
+
+
+@pytest.mark.parametrize("what,line,refused,match", LOCKS, ids=[r[0] for r in LOCKS])
+def test_an_out_dir_in_use_by_another_run_is_refused(tmp_path, corpus, capsys, monkeypatch, what, line, refused,
+                                                     match):
+    import socket
+
+    out = tmp_path / "out"
+    out.mkdir()
+    proc, pid = _live_process()
+    try:
+        lock = out / "train.lock"
+        if line is None:
+            lock.write_text("garbage")
+            os.utime(lock, (0, 0))  # written long ago
+        else:
+            lock.write_text(line(pid, cli._process_start(pid), socket.gethostname()))
+        before = lock.read_text()
+        if refused:
+            monkeypatch.setattr(train, "build_models", lambda *a: pytest.fail("the run started"))
+        with pytest.raises(SystemExit) as e:
+            train.main(base_args(corpus, tmp_path, "--max-iters", "1", "--sample-tokens", "0"))
+            raise SystemExit(0)
+        err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+        said = [ln for ln in err if match.format(out=out, pid=pid) in ln]
+        assert len(said) == 1, err
+        if refused:
+            assert e.value.code == 2 and said[0].startswith("error: ") and lock.read_text() == before
+            assert not (out / "ckpt.pt").exists()
+        else:
+            assert e.value.code == 0 and said[0].startswith("warning: ") and not lock.exists()  # taken, then released
+            assert checkpoint.load_checkpoint(out / "ckpt.pt")["step"] == 1
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+STOPS = [  # (what, where the run stops, the exception, its exit code)
+    ("an error after the lock", "build_models", cli.UsageError("a batch that cannot fit"), 2),
+    ("Ctrl-C during setup", "load_data", KeyboardInterrupt(), 130),
+    ("SIGTERM during setup", "load_data", "SIGTERM", 130),
+    ("SIGTERM in the first step", "batch_on_device", "SIGTERM", 130),
+]
+
+
+@pytest.mark.parametrize("what,where,exc,code", STOPS, ids=[r[0] for r in STOPS])
+def test_the_lock_is_removed_however_the_run_ends(tmp_path, corpus, capsys, monkeypatch, what, where, exc, code):
+    """...and SIGTERM before the first step (during setup) is `stopped: ...` and exit code 130 like Ctrl-C."""
+    import signal
+
+    real = getattr(train, where)
+
+    def stop(*a, **k):
+        if exc == "SIGTERM":
+            os.kill(os.getpid(), signal.SIGTERM)
+            return real(*a, **k)  # the handler raises at the next bytecode, or the loop stops after this step
+        raise exc
+
+    monkeypatch.setattr(train, where, stop)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        train.main(base_args(corpus, tmp_path, "--max-iters", "3", "--sample-tokens", "0"))
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert e.value.code == code and len(err) == 1 and err[0].startswith("error: " if code == 2 else "stopped: "), err
+    assert out.is_dir() and not (out / "train.lock").exists()
+    monkeypatch.setattr(train, where, real)
+    train.train(base_args(corpus, tmp_path, "--max-iters", "1", "--sample-tokens", "0"))  # the directory is free again
