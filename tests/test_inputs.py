@@ -789,6 +789,33 @@ def test_sigterm_stops_a_real_serve_run(tmp_path):
     assert "Traceback" not in err
 
 
+STARTING = [(cmd, sig) for cmd in ("train.py", "eval.py", "bench.py", "hf.py", "tasks.py")
+            for sig in (signal.SIGTERM, signal.SIGINT)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cmd,sig", STARTING, ids=[f"{c} {s.name}" for c, s in STARTING])
+def test_a_signal_during_the_imports_stops_with_exit_130(cmd, sig):
+    """The signal arrives while torch is being imported (its library is mapped, the command's own code has not run):
+    `stopped: ...` and exit code 130, as later, never 143 or a KeyboardInterrupt traceback. (serve.py: another
+    change.)"""
+    proc = subprocess.Popen([sys.executable, str(ROOT / cmd), "--help"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            with open(f"/proc/{proc.pid}/maps") as f:
+                if "libtorch" in f.read():
+                    break
+            time.sleep(0.005)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    said = "terminated (SIGTERM)" if sig == signal.SIGTERM else "interrupted (Ctrl-C)"
+    assert proc.returncode == 130 and err.strip() == f"stopped: {said} while starting", (proc.returncode, err[-800:])
+
+
 CHAT_TEMPLATES = [  # (what, the template, the message)
     ("a syntax error", "{% for m in messages %}{{ m.content }", "(TemplateSyntaxError: unexpected '}')"),
     ("raise_exception", "{{ raise_exception('no system role') }}", "(TemplateError: no system role)"),
