@@ -42,10 +42,11 @@ A run's flags and its checkpoint (train.py's contract; the flags are reconciled 
     refuses, naming them, flags that would change a parameter (a LoRA rank, the loops) (recipe_overrides,
     init_same_arch). Which architecture reads which flag is recorded as the parser is built (add_arch_args); flags of
     another architecture are named in one warning (warn_inapplicable).
-  * A mistake the user can fix (a flag, a data file, a checkpoint, a batch that cannot fit in memory) is one line `error: ...` on stderr and exit code 2 (cli.py: the contract of every command). What can be
-    checked is checked before the first step: --out-dir and --cache-dir writable, disk space for a checkpoint, a lower
-    bound of the step's memory before tables and the memory probe are built, the tokenizer (an encoding that needs the
-    network is named), a resumable checkpoint.
+  * A mistake the user can fix (a flag, a data file, a checkpoint, a batch that cannot fit in memory) is one line
+    `error: ...` on stderr and exit code 2 (cli.py: the contract of every command). What can be checked is checked
+    before the first step: --out-dir and --cache-dir writable, disk space for a checkpoint, a lower bound of the
+    step's memory before tables and the memory probe are built, the tokenizer (an encoding that needs the network is
+    named), a resumable checkpoint.
   * One run per --out-dir: a run holds OUT_DIR/train.lock (cli.take_dir_lock: created exclusively, with its pid)
     from its setup to its end, however it ends; another run there is refused in one line, and the lock of a run that
     was killed (-9) is taken over with a warning.

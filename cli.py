@@ -283,47 +283,39 @@ def available_memory(device) -> tuple[int | None, str]:
     return None, ""
 
 
+def gb(nbytes) -> str:
+    """Bytes as GB for a message: 0.34, 12.3, 2.01e+04 (beyond 10,000 GB the figure is a mistake, not a machine)."""
+    v = nbytes / 1e9
+    return "<0.01" if 0 < v < 0.005 else f"{v:.2f}" if v < 1 else f"{v:.1f}" if v < 1e4 else f"{v:.3g}"
+
+
 def check_memory(need: dict, device, what: str, fix: str, per: str = "", at_least: bool = False) -> int | None:
-    """An estimate of what `what` is about to allocate (model.py's form: {part: bytes, ..., "total": bytes}) against
-    available_memory(device), before it is allocated. On a CPU every process of this machine under torchrun
-    (LOCAL_WORLD_SIZE) allocates as much. One that cannot fit is a UsageError, one line: `WHAT needs about (at least)
-    X GB (N bytes) PER (the parts), but DEVICE has Y GB available (source): FIX`. -> the bytes available, None where
-    unknown (then nothing is checked)."""
-    avail, source = available_memory(device)
-    procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
+    """The one comparison of every command's memory check: an estimate of what `what` is about to allocate (model.py's
+    pieces, {part: bytes, ..., "total": bytes}) against available_memory(device), before it is allocated. On a CPU
+    every process of this machine under torchrun (LOCAL_WORLD_SIZE) allocates as much. One that cannot fit is a
+    UsageError, one line: `WHAT needs about (at least) X GB (N bytes) PER (the parts), but DEVICE has Y GB available
+    (source): FIX`. -> the bytes available, None where unknown (then nothing is checked)."""
+    avail, source = available_memory(torch.device(device))
+    procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if torch.device(device).type == "cpu" else 1
     if avail is None or need["total"] * procs <= avail:
         return avail
-    parts = ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in need.items() if k != "total")
-    raise UsageError(f"{what} needs {'at least' if at_least else 'about'} {need['total'] / 1e9:.1f} GB "
+    parts = ", ".join(f"{k} {gb(v)} GB" for k, v in need.items() if k != "total")
+    raise UsageError(f"{what} needs {'at least' if at_least else 'about'} {gb(need['total'])} GB "
                      f"({need['total']:,.0f} bytes){f' {per}' if per else ''}"
                      f"{f' in each of {procs} processes' if procs > 1 else ''} ({parts}), but {device} has "
-                     f"{avail / 1e9:.1f} GB available ({source}): {fix}")
+                     f"{gb(avail)} GB available ({source}): {fix}")
 
 
-def model_bytes(cfg, elem: int = 4) -> int:
-    """About the bytes a model of `cfg` (model.GPTConfig or a subclass: the fields are read by name) allocates when
-    it is built: its weights at `elem` bytes each (embedding, head unless tied, and n_layer layers of attention, MLP
-    and norms) and its RoPE tables (float32 cos and sin of every position, and the temporaries that build them).
-    An estimate from the config alone, before anything exists: the one figure check_model_fits compares."""
-    d, layers, vocab = cfg.n_embd, cfg.n_layer, cfg.vocab_size
-    hd = cfg.head_dim or d // cfg.n_head
-    attn = d * hd * 2 * (cfg.n_head + cfg.n_kv_head)
-    mlp = (2 if cfg.mlp == "gelu" else 3) * d * cfg.mlp_hidden
-    weights = layers * (attn + mlp + 2 * d) + vocab * d * (1 if cfg.tie_embeddings else 2) + d
-    rope = 4 * cfg.max_seq_len * hd * 4  # cos, sin and the (positions x frequencies) temporaries, float32
-    return weights * elem + rope
-
-
-def check_model_fits(cfg, where: str, elem: int = 4):
+def check_model_fits(cfg, where: str, elem: int = 4, device="cpu"):
     """A model description (a GGUF file's metadata, a config.json, a checkpoint's config) whose model cannot fit in
-    the memory this machine has (a block_count or context_length far beyond any model: RoPE tables of 2^32
-    positions) is refused before anything is allocated: UsageError naming the source, with both figures."""
-    need = model_bytes(cfg, elem)
-    avail, source = available_memory(torch.device("cpu"))
-    if avail is not None and need > avail:
-        raise UsageError(f"{where}: a model of this config needs about {need / 1e9:,.3g} GB ({cfg.n_layer:,} layers, "
-                         f"d {cfg.n_embd:,}, vocab {cfg.vocab_size:,}, RoPE tables of {cfg.max_seq_len:,} positions), "
-                         f"but this machine has {avail / 1e9:.3g} GB available ({source}): it cannot be loaded here")
+    the memory `device` has (a block_count or context_length far beyond any model: RoPE tables of 2^32 positions) is
+    refused before anything is allocated: model.model_memory against check_memory, one UsageError naming the source,
+    the shape and both figures."""
+    from model import model_memory  # the command-line module stays importable without the model
+
+    check_memory(model_memory(cfg, elem), device, f"{where}: a model of this config ({cfg.n_layer:,} layers, d "
+                 f"{cfg.n_embd:,}, vocab {cfg.vocab_size:,}, RoPE tables of {cfg.max_seq_len:,} positions)",
+                 "it cannot be loaded here")
 
 
 # What os.stat says a path is, when it is not a regular file
