@@ -716,6 +716,8 @@ def check_saved_run(ap, args, given, ck, path, table):
     and the flag."""
     saved, spec = ck.get("args") or {}, table[ck["arch"]]
     where = f"checkpoint {path}: its saved flag"
+    if "arch" not in given and "arch" not in saved:  # run arguments without it: the checkpoint's architecture
+        args.arch = ck["arch"]
     if "arch" not in given and args.arch != ck["arch"]:
         raise CheckpointError(f"{where} --arch {args.arch!r} contradicts its model, a {ck['arch']} one; a run of it "
                               f"would write a checkpoint nothing can load: restore the file, or start a new run from "

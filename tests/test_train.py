@@ -765,3 +765,16 @@ def test_the_lock_is_removed_however_the_run_ends(tmp_path, corpus, capsys, monk
     assert out.is_dir() and not (out / "train.lock").exists()
     monkeypatch.setattr(train, where, real)
     train.train(base_args(corpus, tmp_path, "--max-iters", "1", "--sample-tokens", "0"))  # the directory is free again
+
+
+def test_resume_of_run_arguments_without_arch_keeps_the_checkpoints(tmp_path, relaxed_ckpt):
+    """Saved run arguments without an --arch (an older or edited file): the run goes on as the checkpoint's
+    architecture, so that the checkpoint it writes loads (never under the default's name)."""
+    ck = torch.load(relaxed_ckpt / "out" / "ckpt.pt", weights_only=True)
+    ck["args"] = {k: v for k, v in ck["args"].items() if k != "arch"}
+    checkpoint.save_checkpoint(tmp_path / "out" / "ckpt.pt", ck)
+    train.train(["--resume", "--out-dir", str(tmp_path / "out"), "--cache-dir", str(relaxed_ckpt / "cache"),
+                 "--max-iters", "3", "--sample-tokens", "0"])
+    ck = checkpoint.load_checkpoint(tmp_path / "out" / "ckpt.pt")
+    assert ck["arch"] == ck["args"]["arch"] == "relaxed" and ck["step"] == 3
+    checkpoint.model_from_checkpoint(ck)
