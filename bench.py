@@ -454,7 +454,8 @@ def bench_kd(args):
         with user_input():
             cfg = gguf_config(read_gguf(gguf_file(args.weights) or Path(args.weights)))
     B, T, V = args.train_batch, args.seq_len, cfg.vocab_size
-    t, s = model_memory(cfg, 4), model_memory(GPTConfig(**{**asdict(cfg), "n_layer": max(1, cfg.n_layer // args.loops)}))
+    student = GPTConfig(**{**asdict(cfg), "n_layer": max(1, cfg.n_layer // args.loops)})  # its shared layers
+    t, s = model_memory(cfg, 4), model_memory(student, 4)
     check_memory(memory_sum({"teachers (ours and transformers')": 2 * t["total"], "students": 2 * s["total"],
                              "students' gradients and AdamW moments": 2 * 3 * s["weights"], "batch": 2 * B * T * 8,
                              "teacher logits and the divergence's float32 softmaxes": 3 * B * T * V * 4},

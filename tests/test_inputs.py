@@ -483,7 +483,7 @@ def test_gptconfig_names_the_field_it_refuses(field, value):
     assert e.value.field == field  # what a loader translates into its own file's key
 
 
-PAPER_CONFIG_FIELDS = [  # the architectures' configs refuse what GPTConfig refuses: (module, config class, field, value)
+PAPER_CONFIG_FIELDS = [  # the architectures' configs refuse what GPTConfig does: (module, config class, field, value)
     ("recursive", "RecursiveConfig", "n_loops", True), ("recursive", "RecursiveConfig", "n_loops", 2.0),
     ("recursive", "RecursiveConfig", "lora_rank_q", True), ("recursive", "RecursiveConfig", "exit_coef", True),
     ("recursive", "RecursiveConfig", "exit_threshold", True), ("recursive", "RecursiveConfig", "exit_gate", 1),
@@ -880,7 +880,8 @@ MEMORY = [  # (what, command, argv, budget in bytes or None, what must not run, 
     ("bench ckpt: a budget", bench.main, ["ckpt", "--preset", "tiny"], 1_000_000, (bench, "GPT"),
      "bench.py ckpt --preset tiny" + E),
     ("bench double: layers", bench.main, ["double", "--preset", "tiny", "--ctx-layers", "1000000000", "--device",
-                                          "cpu"], None, (bench, "GPT"), "bench.py double in torch.float32 at --batch 8"),
+                                          "cpu"], None, (bench, "GPT"),
+     "bench.py double in torch.float32 at --batch 8"),
     ("bench archs", bench.main, ["archs", "--batch", "100000000", "--device", "cpu"], None,
      (bench, "generation_times"), "bench.py archs in torch.float32 at --batch 100000000, prompt 160 / new 8" + E),
     ("bench block: --scale", bench.main, ["block", "--scale", "1000000", "--device", "cpu"], None,

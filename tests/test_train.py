@@ -564,7 +564,7 @@ def test_cpu_optimizer_is_the_fused_adamw_and_steps_like_the_per_tensor_loop():
 # ---- the divergence warning knows where the run started ---------------------------------------------------------
 
 V = 49152  # SmolLM2's vocabulary: ln V + 1 = 11.80
-DIVERGENCE = [  # (what, --init-from, resumed at step, best validation loss so far, this one, the warning or None, note?)
+DIVERGENCE = [  # (what, --init-from, resumed at step, best validation loss so far, this one, the warning, a note?)
     ("random start, first evaluation below ln V + 1", None, 0, math.inf, 10.0, None, False),
     ("random start, first evaluation above ln V + 1", None, 0, math.inf, 12.5,
      "validation loss 12.5000 at step 10, the first evaluation, is above ln(49152) + 1 = 11.8027, a nat worse than a "
