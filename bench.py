@@ -7,6 +7,10 @@ system A, then B, then C...), warm-up excluded, and each figure is the median ov
 (min..max) beside it. A ratio is only ever computed between systems timed in the same run. Each benchmark prints
 the device, the sizes, the dtype, the batch, the ratio and the paper's figure beside it.
 
+Memory. Each benchmark adds up what it will allocate (its models, caches, RoPE tables and batches, with model.py's
+pieces) and compares it with what the device has before it allocates anything (check_bench_memory): a size no
+machine holds is one line, not an allocator traceback.
+
 Sizes. On a CPU, a model whose weights fit in the caches is bound by per-operator overhead, not by memory, and none
 of the papers' memory-bound arguments apply to it. The default sizes here are therefore the ~100-150M `base`
 presets (hundreds of MB of weights, far more than the caches): decoding them one token at a time is memory-bound
@@ -35,6 +39,18 @@ measured by eval.py, not here.
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # Ctrl-C or SIGTERM during the imports below (a second or more): `stopped:`, exit code 130
+    import signal
+    import sys
+
+    def _stopped_while_starting(signum, frame):  # what cli.run_cli says later, before it can be imported
+        print(f"stopped: {'terminated (SIGTERM)' if signum == signal.SIGTERM else 'interrupted (Ctrl-C)'} while "
+              f"starting", file=sys.stderr)
+        raise SystemExit(130)
+
+    for _signal in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(_signal, _stopped_while_starting)
+
 import argparse
 import math
 import os
@@ -51,11 +67,11 @@ import torch.nn.functional as F
 import bench_serve
 import cpu_tuning
 import kernels as K
-from cli import (DTYPES, ArgumentParser, UsageError, check_writable_dir, comma_list, number, one_of, path_arg, run_cli,
-                 run_subcommand, threads_arg, user_input)
+from cli import (DTYPES, ArgumentParser, UsageError, check_memory, check_writable_dir, comma_list, number, one_of,
+                 path_arg, run_cli, run_subcommand, threads_arg, user_input)
 from cpu_tuning import LINEAR_PROBE_BYTES, LINEAR_PRODUCTS, cpu_key, force_linear, linear_report
-from model import (GPT, PRESETS, GPTConfig, describe, make_optimizer, param_bytes, pick_device, pick_dtype, sync,
-                   timeit)
+from model import (GPT, PRESETS, GPTConfig, describe, forward_memory, kv_bytes, least_step_memory, make_optimizer,
+                   memory_sum, model_memory, module_bytes, param_bytes, pick_device, pick_dtype, sync, timeit)
 
 # ----------------------------------------------------------------------------------------------------------------
 # Protocol: interleaved rounds, median and spread
@@ -93,7 +109,27 @@ def header(title: str, device, dtype, extra: str = ""):
     print(f"\n== {title} | device {cpu} | dtype {dtype} | torch {torch.__version__}" + (f" | {extra}" if extra else ""))
 
 
-def read_bandwidth(device, nbytes=2 ** 30, repeats=5) -> float:
+# The memory a benchmark allocates (model.py's pieces: its models, caches and batches), checked before it allocates
+# it (cli.check_memory): a size no machine holds (--batch 100000000) is one line, not an allocator traceback.
+BANDWIDTH_PROBE = 2 ** 30  # read_bandwidth's buffer
+
+
+def check_bench_memory(device, what: str, *parts: dict, fix: str = "lower it, or take a smaller --preset"):
+    check_memory(memory_sum(*parts), device, what, fix)
+
+
+def kv_of(cfg, batch: int, positions: int, elem: int) -> int:
+    """KV bytes of a decoder of cfg's layers over `positions` (model.kv_bytes)."""
+    return kv_bytes(cfg.n_layer, batch, positions, cfg.n_kv_head, cfg.hd, elem)
+
+
+def check_context(positions: int, context: int, flags: str):
+    """A prompt and its new tokens must fit the models' context (else a ValueError deep in generate)."""
+    if positions > context:
+        raise UsageError(f"{flags} = {positions:,} positions exceed the models' context of {context:,}: lower them")
+
+
+def read_bandwidth(device, nbytes=BANDWIDTH_PROBE, repeats=5) -> float:
     """Bytes/s of a large streaming read on this device (a sum over `nbytes` of fp32, far larger than any cache):
     the memory-bound ceiling a decode step can approach."""
     x = torch.ones(nbytes // 4, device=device)
@@ -126,6 +162,14 @@ def bench_decode(args):
     cfg = GPTConfig.from_preset(args.preset)
     P, N = args.prompt_len, args.new_tokens
     products = args.linear.split(",")  # "auto" = cpu_tuning's measured choice, else a forced product
+    check_context(P + N, cfg.max_seq_len, f"--prompt-len {P} + --new-tokens {N}")
+    top, twins = max(int(b) for b in args.batch.split(",")), 2 if args.hf else 1  # ours and transformers' model
+    for dtype in [pick_dtype(device, d) for d in args.dtype.split(",")]:
+        elem = dtype.itemsize
+        check_bench_memory(device, f"bench.py decode in {dtype} at --batch {top}", {"bandwidth probe": BANDWIDTH_PROBE},
+                           *[model_memory(cfg, elem)] * twins, {"prompts": top * P * 8},
+                           {"KV caches of generate": twins * kv_of(cfg, top, P + N, elem)},
+                           forward_memory(cfg, top, P, elem, logits_rows=top), fix="lower --batch or --prompt-len")
     bw = read_bandwidth(device)
     for dtype in [pick_dtype(device, d) for d in args.dtype.split(",")]:
         torch.manual_seed(0)
@@ -285,13 +329,19 @@ def bench_train(args):
     device = pick_device(args.device)
     cfg = GPTConfig.from_preset(args.preset, max_seq_len=args.seq_len)
     B, T = args.train_batch, args.seq_len
+    dtype = pick_dtype(device, args.dtype)
+    n, m = 2 if args.nanogpt else 1, model_memory(cfg, 4)  # fp32 weights, gradients, AdamW's two moments per model
+    check_memory(memory_sum({"weights, gradients and AdamW moments": 4 * n * m["weights"]},
+                            {"RoPE tables": n * m["RoPE tables"], "batch": 2 * B * T * 8},
+                            least_step_memory(B, T, cfg.vocab_size, dtype)), device,
+                 f"bench.py train --train-batch {B} x --seq-len {T}", "lower --train-batch or --seq-len",
+                 per="per training step", at_least=True)
     torch.manual_seed(0)
     models = {"ours": GPT(cfg).to(device)}
     if args.nanogpt:
         models["nanoGPT"] = nanogpt_model(args.nanogpt, cfg, T).to(device)
     x = torch.randint(0, cfg.vocab_size - 1, (B, T), device=device)
-    y = torch.randint(0, cfg.vocab_size - 1, (B, T), device=device)
-    dtype = pick_dtype(device, args.dtype)  # bf16: autocast for both models, fp32 weights and optimizer
+    y = torch.randint(0, cfg.vocab_size - 1, (B, T), device=device)  # bf16: autocast, fp32 weights and optimizer
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     steps = {}
     for name, m in models.items():  # ours: train.py's AdamW (fused on CPU and CUDA); nanoGPT: its own choice, fused
@@ -399,6 +449,21 @@ def bench_kd(args):
     device = pick_device(args.device)
     dtype = pick_dtype(device, args.dtype)
     if args.weights == "random":
+        cfg = GPTConfig(**SMOLLM2_135M)
+    else:
+        from hf import gguf_config, gguf_file, read_gguf
+        with user_input():
+            cfg = gguf_config(read_gguf(gguf_file(args.weights) or Path(args.weights)))
+    B, T, V = args.train_batch, args.seq_len, cfg.vocab_size
+    student = GPTConfig(**{**asdict(cfg), "n_layer": max(1, cfg.n_layer // args.loops)})  # its shared layers
+    t, s = model_memory(cfg, 4), model_memory(student, 4)
+    check_memory(memory_sum({"teachers (ours and transformers')": 2 * t["total"], "students": 2 * s["total"],
+                             "students' gradients and AdamW moments": 2 * 3 * s["weights"], "batch": 2 * B * T * 8,
+                             "teacher logits and the divergence's float32 softmaxes": 3 * B * T * V * 4},
+                            least_step_memory(B, T, V, dtype)), device,
+                 f"bench.py kd --train-batch {B} x --seq-len {T}", "lower --train-batch or --seq-len",
+                 per="per training step", at_least=True)
+    if args.weights == "random":
         torch.manual_seed(0)
         teacher = GPT(GPTConfig(**SMOLLM2_135M))
     else:
@@ -465,6 +530,15 @@ def bench_plt(args):
     n = args.prompt_len + args.new_tokens
     base = dict(plt.PRESETS[args.preset], max_seq_len=n + 8)
     variants = args.variants.split(",")
+    top = max(int(b) for b in args.batch.split(","))
+    with torch.device("meta"):  # the models' sizes and caches, nothing allocated
+        shapes = [plt.PLT(plt.PLTConfig(**{**base, **plt.variant_fields(v)})) for v in variants]
+    for dtype in [pick_dtype(device, d) for d in args.dtype.split(",")]:
+        check_bench_memory(device, f"bench.py plt in {dtype} at --batch {top}, {n} positions",
+                           {"weights": sum(module_bytes(m) for m in shapes) * dtype.itemsize // 4,
+                            "KV caches of generate": max(m.kv_cache_bytes(top, n, dtype.itemsize) for m in shapes)},
+                           forward_memory(shapes[0].config, top, args.prompt_len, dtype.itemsize, logits_rows=top),
+                           fix="lower --batch, --prompt-len or --new-tokens")
     for dtype in [pick_dtype(device, d) for d in args.dtype.split(",")]:
         torch.manual_seed(0)
         models = {v: plt.PLT(plt.PLTConfig(**{**base, **plt.variant_fields(v)})).to(device, dtype).eval()
@@ -529,6 +603,12 @@ def bench_roofline(args):
     N, L = m.config.n_layer, m.config.n_loops
     batches = sorted({int(b) for b in args.batch.split(",")})
     rows = sorted({int(r) for r in args.rows.split(",")} | set(batches) | {L * b for b in batches})
+    widest = max(o + i for o, i in [*layer, head])
+    for dtype in [pick_dtype(device, d) for d in args.dtype.split(",")]:
+        check_bench_memory(device, f"bench.py roofline in {dtype} at {rows[-1]:,} rows",
+                           {"bandwidth probe": BANDWIDTH_PROBE, "weight copies of a timing": 3 * LINEAR_PROBE_BYTES,
+                            "inputs and outputs of the widest product": rows[-1] * widest * dtype.itemsize},
+                           fix="lower --rows or --batch")
     bw = read_bandwidth(device, repeats=args.repeats)
     for dtype in [pick_dtype(device, d) for d in args.dtype.split(",")]:
         torch.manual_seed(0)
@@ -603,6 +683,15 @@ def bench_double(args):
     with user_input():  # layer counts the flags make impossible: one line
         cfg = dd.DoubleConfig(**{**dd.PRESETS[args.preset], **over})
     L = cfg.n_layer
+    top = max(int(b) for b in args.batch.split(","))
+    for dtype in [pick_dtype(device, d) for d in args.dtype.split(",")]:  # from the configs: nothing built yet
+        e = dtype.itemsize
+        check_bench_memory(device, f"bench.py double in {dtype} at --batch {top}, {P + N} positions",
+                           model_memory(cfg, e), model_memory(dd.baseline_config(cfg), e),
+                           {"KV caches of generate and of the cached prefix": 2 * (kv_of(cfg, top, P + N, e)
+                                                                                   + 2 * kv_of(cfg, top, P, e))},
+                           forward_memory(cfg, top, P, e, logits_rows=top),
+                           fix="lower --batch, --prompt-len, --new-tokens, --vocab-size or the layers")
     for dtype in [pick_dtype(device, d) for d in args.dtype.split(",")]:
         torch.manual_seed(0)
         models = {"decoder-only": GPT(dd.baseline_config(cfg)).to(device, dtype).eval(),
@@ -677,6 +766,15 @@ def bench_archs(args):
         torch.manual_seed(0)
         with user_input():  # a --rank above full rank: one line
             models = {k: m.to(device, dtype).eval() for k, m in arch_models(args.preset, rank=args.rank).items()}
+        settings_ = [tuple(int(v) for v in s.split("/")) for s in args.settings.split(",")]
+        top = max(int(b) for b in args.batch.split(","))
+        for P, G in settings_:  # one model generates at a time
+            check_context(P + G, min(m.config.max_seq_len for m in models.values()), f"--settings {P}/{G}")
+            check_bench_memory(device, f"bench.py archs in {dtype} at --batch {top}, prompt {P} / new {G}",
+                               max((memory_sum({"KV caches of generate": m.kv_cache_bytes(top, P + G, dtype.itemsize)},
+                                               forward_memory(m.config, top, P, dtype.itemsize, logits_rows=top))
+                                    for m in models.values()), key=lambda est: est["total"]),
+                               fix="lower --batch or --settings")
         header("architectures side by side", device, dtype, f"preset {args.preset}, random weights | non-embedding "
                "params " + ", ".join(f"{k} {m.num_params() / 1e6:.2f}M" for k, m in models.items())
                + f" | median (min..max) of {args.repeats} interleaved rounds")
@@ -785,10 +883,23 @@ def bench_block(args):
     dtype = pick_dtype(device, args.dtype)
     names = list(BLOCK_SETTINGS) if args.setting == "both" else [args.setting]
     lengths = {n: tuple(max(1, round(x * args.scale)) for x in BLOCK_SETTINGS[n]) for n in names}
-    block, vanilla = block_pair(args, device, dtype, max(p + g for p, g in lengths.values()))
     if args.budget_mib is None:
         args.budget_mib = round(2048 * args.scale)
     budget = args.budget_mib * 2 ** 20
+    import block_transformer as bt
+
+    longest = max(p + g for p, g in lengths.values())
+    cfg = bt.BlockConfig.from_preset(args.preset)
+    span = max(-(-longest // cfg.block_len) * cfg.block_len, cfg.max_seq_len)  # what block_pair builds
+    vcfg = cfg.vanilla_config() if args.vanilla is None else GPTConfig.from_preset(args.vanilla)
+    check_bench_memory(device, f"bench.py block in {dtype} at --scale {args.scale:g} ({longest:,} positions) and "
+                               f"--budget-mib {args.budget_mib:,}",
+                       model_memory(bt.BlockConfig.from_preset(args.preset, max_seq_len=span), dtype.itemsize),
+                       model_memory(GPTConfig(**{**asdict(vcfg), "max_seq_len": max(longest, vcfg.max_seq_len)}),
+                                    dtype.itemsize),
+                       {"generation caches (--budget-mib, one model at a time)": budget},
+                       fix="lower --scale or --budget-mib")
+    block, vanilla = block_pair(args, device, dtype, longest)
     models = {"vanilla": vanilla, "block": block}
     b, v = block.config, vanilla.config
     header("Block Transformer vs vanilla: generation throughput", device, dtype,
@@ -809,6 +920,10 @@ def bench_block(args):
         if min(top.values()) < 1:
             print("   a model does not fit the budget at batch 1: raise --budget-mib")
             continue
+        check_bench_memory(device, f"bench.py block, {name}: the prefill of the largest batch in the budget",
+                           max((forward_memory(m.config, top[k], P, dtype.itemsize, logits_rows=top[k])
+                                for k, m in models.items()), key=lambda est: est["total"]),
+                           {"generation caches (--budget-mib)": budget}, fix="lower --budget-mib")
         n_search = min(G - 2, args.search_tokens)  # no search below 3 generated tokens
         systems, batch, best = {}, {}, {}
         for k, m in models.items():
@@ -863,6 +978,10 @@ def bench_ckpt(args):
     device = pick_device("cpu")
     torch.manual_seed(0)
     cfg = GPTConfig.from_preset(args.preset)
+    w = model_memory(cfg, 4)
+    check_bench_memory(device, f"bench.py ckpt --preset {args.preset}", w,
+                       {"gradients and AdamW moments": 3 * w["weights"], "a loaded checkpoint": 3 * w["weights"]},
+                       fix="take a smaller --preset")
     model = GPT(cfg)
     opt = make_optimizer(model, lr=1e-4, weight_decay=0.1, device=device)
     for p in model.parameters():
@@ -1355,4 +1474,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C raises KeyboardInterrupt again (run_cli's)
     main()

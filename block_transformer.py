@@ -452,12 +452,14 @@ class BlockConfig(GPTConfig):
     def validate(self):
         super().validate()  # the token decoder ("bad GPTConfig: ...")
         need = self.need
-        need(isinstance(self.block_len, int) and self.block_len >= 1, "block_len must be a positive int")
+        count = self.is_int  # never a bool (True is an int to Python)
+        need(count(self.block_len) and self.block_len >= 1, f"block_len={self.block_len!r} must be a positive int",
+             field="block_len")
         need(self.embedder in ("lookup", "lookup_proj"), f"embedder={self.embedder!r} is not 'lookup' or 'lookup_proj'")
         need(self.context in ("prefix", "summation"), f"context={self.context!r} is not 'prefix' or 'summation'")
         if self.context == "prefix":
-            need(isinstance(self.prefix_len, int) and self.prefix_len >= 1,
-                 f"prefix_len={self.prefix_len} must be >= 1 for prefix decoding")
+            need(count(self.prefix_len) and self.prefix_len >= 1,
+                 f"prefix_len={self.prefix_len!r} must be a positive int for prefix decoding", field="prefix_len")
         need(self.max_seq_len % self.block_len == 0,
              f"sequence length max_seq_len={self.max_seq_len} is not a multiple of block_len L_B={self.block_len} "
              f"(the training sequence length, --seq-len, must be)")
@@ -466,10 +468,15 @@ class BlockConfig(GPTConfig):
                  f"block decoder n_embd block_n_embd={self.block_n_embd} is not divisible by block_len "
                  f"L_B={self.block_len}: the lookup embedder concatenates L_B token embeddings of width n_embd / L_B "
                  f"(section 2.2); use embedder='lookup_proj' for other widths")
-        need(self.embed_dim is None or self.embed_dim >= 1, f"embed_dim={self.embed_dim} must be positive")
-        need(0 <= self.pad < self.vocab_size, f"pad_id={self.pad_id} is outside the vocabulary of {self.vocab_size}")
-        need(self.eot_id is None or (0 <= self.eot_id < self.vocab_size and self.eot_id != self.pad),
-             f"eot_id={self.eot_id} must be a vocabulary id other than the pad id {self.pad}")
+        need(self.embed_dim is None or (count(self.embed_dim) and self.embed_dim >= 1),
+             f"embed_dim={self.embed_dim!r} must be None or a positive int", field="embed_dim")
+        need(count(self.pad) and 0 <= self.pad < self.vocab_size,
+             f"pad_id={self.pad_id!r} is not an id inside the vocabulary of {self.vocab_size}", field="pad_id")
+        need(self.eot_id is None or (count(self.eot_id) and 0 <= self.eot_id < self.vocab_size
+                                     and self.eot_id != self.pad),
+             f"eot_id={self.eot_id!r} must be a vocabulary id other than the pad id {self.pad}", field="eot_id")
+        need(isinstance(self.random_pad, bool), f"random_pad={self.random_pad!r} must be true or false",
+             field="random_pad")
         try:
             self.block_decoder_config()
         except ValueError as e:

@@ -32,23 +32,34 @@ A run's flags and its checkpoint (train.py's contract; the flags are reconciled 
     --resume --out-dir out/relaxed` is enough (resume_run, restore_run_args). A flag typed again with another value is
     an error naming it, except the environment (--device, --dtype, --compile, --cache-dir, --eval-iters,
     --log-interval, --sample-tokens) and the run length (--max-iters, --eval-interval, --lr-decay-iters), which are
-    taken with a printed note (resume_length).
+    taken with a printed note (resume_length). Every saved flag is parsed as if typed (saved_flag: its type, bounds,
+    choices, no empty value) and must fit the model the checkpoint holds (check_saved_run: the saved --arch is the
+    checkpoint's, the architecture's flags give its config, --seq-len fits its context); one that does not is one
+    line naming the file and the flag. The checkpoint's saved --cache-dir is never restored: the token cache goes to
+    this command's --cache-dir, or its default data_cache, never to a directory a file names (`../` included).
   * `--init-from` a checkpoint of the same architecture applies the training-recipe flags typed (exit loss,
     self-distillation, ...: the early-exit post-training of the Relaxed Recursive Transformers paper, Appendix J) and
     refuses, naming them, flags that would change a parameter (a LoRA rank, the loops) (recipe_overrides,
     init_same_arch). Which architecture reads which flag is recorded as the parser is built (add_arch_args); flags of
     another architecture are named in one warning (warn_inapplicable).
-  * A mistake the user can fix (a flag, a data file, a checkpoint, a batch that cannot fit in memory, a diverged
-    run) is one line `error: ...` on stderr and exit code 2 (cli.py: the contract of every command). What can be
-    checked is checked before the first step: --out-dir and --cache-dir writable, disk space for a checkpoint, a lower
-    bound of the step's memory before tables and the memory probe are built, the tokenizer (an encoding that needs the
-    network is named), a resumable checkpoint.
+  * A mistake the user can fix (a flag, a data file, a checkpoint, a batch that cannot fit in memory) is one line
+    `error: ...` on stderr and exit code 2 (cli.py: the contract of every command). What can be checked is checked
+    before the first step: --out-dir and --cache-dir writable, disk space for a checkpoint, a lower bound of the
+    step's memory before tables and the memory probe are built, the tokenizer (an encoding that needs the network is
+    named), a resumable checkpoint.
+  * One run per --out-dir: a run holds OUT_DIR/train.lock (cli.take_dir_lock: created exclusively, with its pid)
+    from its setup to its end, however it ends; another run there is refused in one line, and the lock of a run that
+    was killed (-9) is taken over with a warning.
   * Ctrl-C or SIGTERM: the current step finishes, the checkpoint is written (atomically, as always), and the run
-    stops with one line `stopped: ... continue with: python train.py --resume --out-dir OUT_DIR` and exit code 130.
+    stops with one line `stopped: ... continue with: python train.py --resume --out-dir OUT_DIR` and exit code 130;
+    before the first step (setup, tokenizing) it stops at once, `stopped: terminated (SIGTERM)`, exit code 130.
     A checkpoint write that fails (a full disk) removes its temporary file and keeps the last good checkpoint.
-  * Divergence: a non-finite loss or weight stops the run without writing its checkpoint; a validation loss above
-    ln(V) + 1, one nat above the loss of a uniform guess over the V tokens of the vocabulary, is one warning (once per
-    run) naming the loss, the step and --lr, and the run goes on.
+  * Divergence: a non-finite loss or weight stops the run without writing its checkpoint (exit code 2). A finite
+    validation loss more than a nat above the best of the run so far (of the run it resumes too), or a first one above
+    ln(V) + 1 (a nat above a uniform guess over the V tokens) for a run from random weights, is one warning (once per
+    run) naming the loss, the step and --lr, and the run goes on. A run from weights (--init-from, --resume) starts
+    where its model is: a converted model above ln(V) + 1 is one note, and later evaluations are compared with it
+    (train.check_val_loss).
 """
 from __future__ import annotations
 
@@ -73,7 +84,7 @@ import model
 import plt
 import recursive
 import tasks
-from cli import CheckpointError, UsageError, check_model_fits, flag_name, one_line, regular_file
+from cli import CheckpointError, UsageError, check_device, check_model_fits, flag_name, one_line, regular_file
 from data import Tokenizer, hf_tokenizer_spec, is_gguf_source, is_hf_source
 from hf import from_gguf, from_pretrained, gguf_tokenizer_spec
 from model import ArchSpec
@@ -596,10 +607,13 @@ def init_same_arch(src, spec: ArchSpec, overrides: dict, seq_len: int, path) -> 
 
 # --resume restores every flag of the run from the checkpoint. A flag typed again with the same value is fine; with
 # another value it is an error, except these: the environment (taken as given) and the run length (extended, with a
-# printed note). The checkpoint's own directory is where it is now (--out-dir is never restored).
+# printed note). Two are never restored: --out-dir (the checkpoint's own directory is where it is now) and --cache-dir
+# (the token cache goes where this command says, or to its default: a path read from a file never decides where the
+# command writes).
 RESUME_ENVIRONMENT = {"resume", "out_dir", "device", "dtype", "compile", "cache_dir", "sample_tokens",
                       "log_interval", "eval_iters"}
 RESUME_LENGTH = {"max_iters", "eval_interval", "lr_decay_iters"}
+NOT_RESTORED = {"resume", "out_dir", "cache_dir"}
 
 
 def _same_value(new, old) -> bool:
@@ -618,7 +632,9 @@ def resume_run(ap, args, given, table) -> tuple[dict, list[str]]:
     ck = check_resumable(load_checkpoint(path), path)
     if ck["arch"] not in table:
         raise CheckpointError(f"{path} holds a {ck['arch']!r} model, unknown here; known: {sorted(table)}")
-    return ck, restore_run_args(ap, args, given, ck, path, table)
+    notes = restore_run_args(ap, args, given, ck, path, table)
+    check_saved_run(ap, args, given, ck, path, table)
+    return ck, notes
 
 
 def resume_length(args, given, ck) -> list[str]:
@@ -638,14 +654,15 @@ def resume_length(args, given, ck) -> list[str]:
 
 
 def restore_run_args(ap, args, given, ck, path, table):
-    """--resume: args <- the checkpoint's run arguments, except the flags typed now (checked against them)."""
+    """--resume: args <- the checkpoint's run arguments, each parsed as if typed (saved_flag), except the flags typed
+    now (checked against them) and NOT_RESTORED."""
     saved = ck.get("args") or {}
     notes, clash = [], []
     for dest, old in saved.items():
-        if not hasattr(args, dest) or dest in ("resume", "out_dir"):
+        if not hasattr(args, dest) or dest in NOT_RESTORED:
             continue
         if dest not in given:
-            setattr(args, dest, old)
+            setattr(args, dest, saved_flag(ap, dest, old, path))
         elif not _same_value(given[dest], old):
             if dest in RESUME_ENVIRONMENT or dest in RESUME_LENGTH:
                 notes.append(f"{flag_name(ap, dest)} {given[dest]} (the run had {old})")
@@ -657,6 +674,75 @@ def restore_run_args(ap, args, given, ck, path, table):
         raise UsageError(f"--resume continues the run in {path} with its own flags; these contradict it: {what}. "
                          f"Drop them, or start a new run in another --out-dir (--init-from {path} keeps the weights)")
     return notes
+
+
+def saved_flag(ap, dest, value, path):
+    """One flag of a checkpoint's saved run arguments, parsed as if it were typed now: the type the flag's parser
+    produces (a switch a bool, a count an int, a number an int or float, any other flag text), then the flag's own
+    argparse type with its bounds, its choices and the empty-value rule (cli.ArgumentParser). The flag's default is
+    always taken. A value that fails is a CheckpointError naming the file and the flag -> the parsed value."""
+    action = next(a for a in ap._actions if a.dest == dest)
+    flag = flag_name(ap, dest)
+
+    def bad(why):
+        return CheckpointError(f"checkpoint {path}: its saved flag {flag} = {_shown(value)} {why}; --resume takes "
+                               f"every flag of the run from its checkpoint, which was edited or damaged: start a new "
+                               f"run from its weights with --init-from {path} (and another --out-dir)")
+
+    if value is action.default or (type(value) is type(action.default) and value == action.default):
+        return value
+    if action.nargs == 0:  # a switch (store_true)
+        if isinstance(value, bool):
+            return value
+        raise bad("is not true or false")
+    if value is None:
+        raise bad(f"is missing, but {flag} takes a value (default {action.default!r})")
+    kind = getattr(action.type, "__name__", "str")
+    want, what = {"int": (int, "an integer"), "float": ((int, float), "a number")}.get(kind, (str, "text"))
+    if isinstance(value, bool) or not isinstance(value, want):
+        raise bad(f"is not {what}")
+    try:
+        return ap._get_values(action, [repr(value) if isinstance(value, float) else str(value)])
+    except argparse.ArgumentError as e:
+        raise bad(f"is refused as if typed ({e.message})") from None
+
+
+def check_saved_run(ap, args, given, ck, path, table):
+    """--resume, after restore_run_args: what the run's flags say must fit the model the checkpoint holds, as the
+    architecture's checks would have made them fit when the run began. The saved --arch is the checkpoint's (a
+    checkpoint written under another name could never be loaded again); the architecture's flags give its config
+    (spec.config_overrides, as _consistent_with_checkpoint compares a typed one); --seq-len fits the model's context
+    (and the Block Transformer's block length). A saved flag that does not fit is a CheckpointError naming the file
+    and the flag."""
+    saved, spec = ck.get("args") or {}, table[ck["arch"]]
+    where = f"checkpoint {path}: its saved flag"
+    if "arch" not in given and "arch" not in saved:  # run arguments without it: the checkpoint's architecture
+        args.arch = ck["arch"]
+    if "arch" not in given and args.arch != ck["arch"]:
+        raise CheckpointError(f"{where} --arch {args.arch!r} contradicts its model, a {ck['arch']} one; a run of it "
+                              f"would write a checkpoint nothing can load: restore the file, or start a new run from "
+                              f"its weights with --init-from {path}")
+    for dest in ap.arch_flags:
+        if dest in given or saved.get(dest) is None or saved[dest] is False or ck["arch"] not in ap.arch_flags[dest] \
+                or spec.config_overrides is None:
+            continue
+        if not _consistent_with_checkpoint(ap, dest, args, {**saved, dest: None}, ck, table):
+            raise CheckpointError(f"{where} {flag_name(ap, dest)} = {_shown(saved[dest])} contradicts its "
+                                  f"{ck['arch']} config (or the architecture refuses it): the file was edited or "
+                                  f"damaged; start a new run from its weights with --init-from {path}")
+    if "device" not in given:  # a run on a machine with CUDA resumed on one without
+        try:
+            check_device(args.device)
+        except UsageError as e:
+            raise CheckpointError(f"{where} {e}; type --device to run it here") from None
+    max_len = ck["config"].get("max_seq_len")
+    block = ck["config"].get("block_len")
+    if "seq_len" not in given and isinstance(max_len, int) and args.seq_len > max_len:
+        raise CheckpointError(f"{where} --seq-len {args.seq_len} exceeds the context of its model ({max_len} "
+                              f"positions): the file was edited or damaged")
+    if "seq_len" not in given and isinstance(block, int) and block > 0 and args.seq_len % block:
+        raise CheckpointError(f"{where} --seq-len {args.seq_len} is not a multiple of its model's block length L_B = "
+                              f"{block}: the file was edited or damaged")
 
 
 def _consistent_with_checkpoint(ap, dest, args, saved, ck, table) -> bool:

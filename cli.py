@@ -2,26 +2,29 @@
 cli.py -- the one error contract of every command of this repository (train.py, serve.py, bench.py, eval.py, hf.py,
 tasks.py).
 
-A mistake the user can fix (a flag, a file, a checkpoint, a batch that cannot fit, a diverged run) is one line
+A mistake the user can fix (a flag, a file, a checkpoint, a batch that cannot fit, a non-finite loss) is one line
 `error: ...` on stderr naming the flag, value or file, and exit code 2; a run stopped by Ctrl-C or SIGTERM is one line
 `stopped: ...` and exit code 130; warnings are one line `warning: ...` each. Anything else is a bug and keeps its
 traceback. The pieces live here, not in train.py, so that the architecture files (which never import train.py) can
 route their own command lines through them. The checks made before a run's first step live here too: a directory
-that must be writable (check_writable_dir), the disk space a checkpoint needs (check_disk_space) and the memory an
-estimate says a step needs (check_memory).
+that must be writable (check_writable_dir), one that another live run writes (take_dir_lock: a lock file), the disk
+space a checkpoint needs (check_disk_space) and the memory an estimate says a command needs (check_memory).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import math
 import os
 import shutil
 import signal
+import socket
 import stat
 import sys
 import tempfile
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -76,6 +79,20 @@ class ArgumentParser(argparse.ArgumentParser):
         """`number` below, reachable from a parser: an architecture's add_args(ap) bounds its flags with ap.number(...)
         without importing this module (the model files import no command-line code)."""
         return number(kind, min=min, above=above, max=max)
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help with each flag's default said once: argparse's "(default: X)" is added only where the help text does
+    not speak of the default itself ("default: the arch's", "default 10%% of max-iters") and the default says
+    something (not None: "not given", not an empty string, not a switch's False)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        quiet = action.default is None or action.default is False or action.default is argparse.SUPPRESS \
+            or (isinstance(action.default, str) and not action.default)
+        if quiet or "default" in text.lower():
+            return text
+        return super()._get_help_string(action)
 
 
 def number(kind=int, min=None, above=None, max=None):  # noqa: A002 - argparse-style names
@@ -266,47 +283,39 @@ def available_memory(device) -> tuple[int | None, str]:
     return None, ""
 
 
+def gb(nbytes) -> str:
+    """Bytes as GB for a message: 0.34, 12.3, 2.01e+04 (beyond 10,000 GB the figure is a mistake, not a machine)."""
+    v = nbytes / 1e9
+    return "<0.01" if 0 < v < 0.005 else f"{v:.2f}" if v < 1 else f"{v:.1f}" if v < 1e4 else f"{v:.3g}"
+
+
 def check_memory(need: dict, device, what: str, fix: str, per: str = "", at_least: bool = False) -> int | None:
-    """An estimate of what `what` is about to allocate (model.py's form: {part: bytes, ..., "total": bytes}) against
-    available_memory(device), before it is allocated. On a CPU every process of this machine under torchrun
-    (LOCAL_WORLD_SIZE) allocates as much. One that cannot fit is a UsageError, one line: `WHAT needs about (at least)
-    X GB (N bytes) PER (the parts), but DEVICE has Y GB available (source): FIX`. -> the bytes available, None where
-    unknown (then nothing is checked)."""
-    avail, source = available_memory(device)
-    procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
+    """The one comparison of every command's memory check: an estimate of what `what` is about to allocate (model.py's
+    pieces, {part: bytes, ..., "total": bytes}) against available_memory(device), before it is allocated. On a CPU
+    every process of this machine under torchrun (LOCAL_WORLD_SIZE) allocates as much. One that cannot fit is a
+    UsageError, one line: `WHAT needs about (at least) X GB (N bytes) PER (the parts), but DEVICE has Y GB available
+    (source): FIX`. -> the bytes available, None where unknown (then nothing is checked)."""
+    avail, source = available_memory(torch.device(device))
+    procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if torch.device(device).type == "cpu" else 1
     if avail is None or need["total"] * procs <= avail:
         return avail
-    parts = ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in need.items() if k != "total")
-    raise UsageError(f"{what} needs {'at least' if at_least else 'about'} {need['total'] / 1e9:.1f} GB "
+    parts = ", ".join(f"{k} {gb(v)} GB" for k, v in need.items() if k != "total")
+    raise UsageError(f"{what} needs {'at least' if at_least else 'about'} {gb(need['total'])} GB "
                      f"({need['total']:,.0f} bytes){f' {per}' if per else ''}"
                      f"{f' in each of {procs} processes' if procs > 1 else ''} ({parts}), but {device} has "
-                     f"{avail / 1e9:.1f} GB available ({source}): {fix}")
+                     f"{gb(avail)} GB available ({source}): {fix}")
 
 
-def model_bytes(cfg, elem: int = 4) -> int:
-    """About the bytes a model of `cfg` (model.GPTConfig or a subclass: the fields are read by name) allocates when
-    it is built: its weights at `elem` bytes each (embedding, head unless tied, and n_layer layers of attention, MLP
-    and norms) and its RoPE tables (float32 cos and sin of every position, and the temporaries that build them).
-    An estimate from the config alone, before anything exists: the one figure check_model_fits compares."""
-    d, layers, vocab = cfg.n_embd, cfg.n_layer, cfg.vocab_size
-    hd = cfg.head_dim or d // cfg.n_head
-    attn = d * hd * 2 * (cfg.n_head + cfg.n_kv_head)
-    mlp = (2 if cfg.mlp == "gelu" else 3) * d * cfg.mlp_hidden
-    weights = layers * (attn + mlp + 2 * d) + vocab * d * (1 if cfg.tie_embeddings else 2) + d
-    rope = 4 * cfg.max_seq_len * hd * 4  # cos, sin and the (positions x frequencies) temporaries, float32
-    return weights * elem + rope
-
-
-def check_model_fits(cfg, where: str, elem: int = 4):
+def check_model_fits(cfg, where: str, elem: int = 4, device="cpu"):
     """A model description (a GGUF file's metadata, a config.json, a checkpoint's config) whose model cannot fit in
-    the memory this machine has (a block_count or context_length far beyond any model: RoPE tables of 2^32
-    positions) is refused before anything is allocated: UsageError naming the source, with both figures."""
-    need = model_bytes(cfg, elem)
-    avail, source = available_memory(torch.device("cpu"))
-    if avail is not None and need > avail:
-        raise UsageError(f"{where}: a model of this config needs about {need / 1e9:,.3g} GB ({cfg.n_layer:,} layers, "
-                         f"d {cfg.n_embd:,}, vocab {cfg.vocab_size:,}, RoPE tables of {cfg.max_seq_len:,} positions), "
-                         f"but this machine has {avail / 1e9:.3g} GB available ({source}): it cannot be loaded here")
+    the memory `device` has (a block_count or context_length far beyond any model: RoPE tables of 2^32 positions) is
+    refused before anything is allocated: model.model_memory against check_memory, one UsageError naming the source,
+    the shape and both figures."""
+    from model import model_memory  # the command-line module stays importable without the model
+
+    check_memory(model_memory(cfg, elem), device, f"{where}: a model of this config ({cfg.n_layer:,} layers, d "
+                 f"{cfg.n_embd:,}, vocab {cfg.vocab_size:,}, RoPE tables of {cfg.max_seq_len:,} positions)",
+                 "it cannot be loaded here")
 
 
 # What os.stat says a path is, when it is not a regular file
@@ -363,6 +372,99 @@ def check_writable_dir(path: Path, flag: str):
         os.unlink(probe)
     except OSError as e:
         raise UsageError(f"{flag} {path} is not a writable directory ({e.strerror or e})") from None
+
+
+# The lock of a directory a run writes (train.py's --out-dir): OUT_DIR/train.lock, created exclusively (O_EXCL), holding
+# "PID START HOST" (the owner's process id, its start time in clock ticks since boot from /proc/PID/stat, so that a
+# reused pid is not taken for the owner, and the machine). It is removed when the run ends, however it ends (an error,
+# Ctrl-C, SIGTERM); after kill -9 it stays, and the next run takes it over, saying so, once no process owns it.
+LOCK_NAME = "train.lock"
+LOCK_BEING_WRITTEN_S = 30  # a lock file without its owner line younger than this: a run taking it right now
+
+
+def _process_start(pid: int) -> str | None:
+    """The start time of process pid (field 22 of /proc/PID/stat), or None where that is not known."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _lock_owner(lock: Path) -> tuple[int, str, str] | None:
+    """(pid, start, host) of a lock file, or None when it holds no owner line (being written, or garbage)."""
+    try:
+        pid, start, host = lock.read_text().split()
+        return int(pid), start, host
+    except (OSError, ValueError):
+        return None
+
+
+def _owner_alive(pid: int, start: str, host: str) -> bool:
+    if host != socket.gethostname():
+        return True  # another machine's process (a shared file system): it cannot be asked
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # alive, another user's
+    now = _process_start(pid)
+    return start == "-" or now is None or now == start
+
+
+def take_dir_lock(path: Path, flag: str, what: str = "train.py run") -> Path:
+    """Refuse a directory another live run writes: create path/LOCK_NAME exclusively with this process's owner line,
+    or, when it exists, read its owner. A live owner is a UsageError naming the flag, the directory, the pid and the
+    lock file (two runs in one directory would overwrite each other's checkpoints); a dead one's lock (kill -9, a
+    crash) is taken over with one warning. Takeovers are serialised by a flock of the directory, so that two runs
+    finding one stale lock never both take it. -> the lock file, for release_dir_lock."""
+    lock = path / LOCK_NAME
+    me = f"{os.getpid()} {_process_start(os.getpid()) or '-'} {socket.gethostname()}\n"
+    for _ in range(5):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            owner = _lock_owner(lock)
+            if owner is None:
+                try:
+                    young = time.time() - lock.stat().st_mtime < LOCK_BEING_WRITTEN_S
+                except FileNotFoundError:
+                    continue  # released meanwhile: try again
+                if young:
+                    raise UsageError(f"{flag} {path} is being taken by another {what} right now (lock file {lock}): "
+                                     f"give another {flag}") from None
+            elif _owner_alive(*owner):
+                pid, _, host = owner
+                where = "" if host == socket.gethostname() else f" on {host}"
+                raise UsageError(f"{flag} {path} is in use by another {what} (pid {pid}{where}; lock file {lock}): two "
+                                 f"runs would overwrite each other's checkpoints; wait for it to end, or give another "
+                                 f"{flag}") from None
+            dir_fd = os.open(path, os.O_RDONLY)
+            try:
+                fcntl.flock(dir_fd, fcntl.LOCK_EX)
+                if _lock_owner(lock) == owner:  # still the stale one: nobody took it over meanwhile
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(lock)
+                    warnings.warn(f"{flag} {path}: its lock file {lock} was left by "
+                                  f"{f'pid {owner[0]}' if owner else 'a run'}, which is no longer running (killed, or "
+                                  f"crashed): taken over by this run", stacklevel=2)
+            finally:
+                os.close(dir_fd)  # releases the flock
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(me)
+        return lock
+    raise UsageError(f"{flag} {path}: its lock file {lock} keeps changing (other runs starting there?): give another "
+                     f"{flag}")
+
+
+def release_dir_lock(lock: Path):
+    """Remove a lock take_dir_lock took, if it is still this process's."""
+    owner = _lock_owner(lock)
+    if owner is not None and owner[0] == os.getpid():
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(lock)
 
 
 def check_disk_space(model, path: Path):

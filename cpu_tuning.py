@@ -9,7 +9,10 @@ candidate forms once per shape on random tensors and keeps the fastest; enable()
 
   * linear (model.linear, model.tuned_ops): F.linear, torch.mv (one row), mm(W, x^T), x times a transposed copy of W,
     oneDNN on a copy of W in its blocked layout (what inductor runs), per (dtype, row bucket, shape); a product that
-    reads a weight copy needs a > 10% lead; the times are kept on disk per machine (LINEAR_CACHE).
+    reads a weight copy needs a > 10% lead; the times are kept on disk per machine (LINEAR_CACHE: under cpu_key, with
+    the time they were taken). A later process times the recorded pick once and measures every candidate again when
+    that is far off the record (times taken under load, a machine that changed) or the record is older than
+    LINEAR_CACHE_DAYS.
   * decode attention (model.attend with few queries per row, no gradients, and the two attentions of PLT's G-SWA
     decode through kernels.cpu_decode_attend): SDPA or attend_grouped, the same math as two fp32-accumulated batched
     matmuls per KV head group (decode_attention).
@@ -211,6 +214,8 @@ LINEAR_PROBE_BYTES = 64 << 20  # bytes of weight copies one timed pass reads: mo
 LINEAR_MAX_COPIES = 128  # at most this many: a small matrix's product is bound by per-call overhead (>= 512 KB: 64 MiB)
 # measured times on disk, per machine; the environment variable LINEAR_CHOICE_CACHE names another file ("": none)
 LINEAR_CACHE = os.path.expanduser("~/.cache/nano-efficient-inference/linear_choice.json")
+LINEAR_CACHE_DAYS = 30  # a record older than this is measured again (a new kernel library, firmware, settings)
+LINEAR_FAR_OFF = 2.0  # the recorded pick timed now this many times slower or faster than its record: measure again
 LINEAR_COPY_GAIN = 1.10  # a weight copy costs the weight's bytes again: kept only when > 10% faster than the rest
 LINEAR_COPIES = {  # product -> the copy of W it reads, made once per weight (weight_copy)
     "xwt": lambda w: w.t().contiguous(),  # W^T (in, out)
@@ -291,21 +296,41 @@ def linear_product(dtype, rows: int, out_f: int, in_f: int) -> str:
 
 def linear_times(dtype, bucket: int, out_f: int, in_f: int) -> dict[str, float]:
     """Seconds per product of the candidates at (dtype, bucket, shape): this process's, else the disk cache's for this
-    machine (cpu_key), else measured now (time_linear_products) and added to the disk cache. A cold choice streams
-    every candidate over LINEAR_PROBE_BYTES of weights per shape, a pause at a command's start, hence the disk cache."""
+    machine (cpu_key) while it still holds (recorded_times), else measured now (time_linear_products) and recorded in
+    the disk cache with the time of the measurement. A cold choice streams every candidate over LINEAR_PROBE_BYTES of
+    weights per shape, a pause at a command's start, hence the disk cache."""
     key = (dtype, bucket, out_f, in_f)
     if key not in _linear_times:
         path, names = os.environ.get("LINEAR_CHOICE_CACHE", LINEAR_CACHE), linear_candidates(dtype, bucket)
         mkey, skey = cpu_key(), f"{str(dtype).removeprefix('torch.')} {bucket} {out_f}x{in_f}"
-        times = _read_json(path).get(mkey, {}).get(skey) if path else None
-        if times is None or sorted(times) != sorted(names):
+        entry = _read_json(path).get(mkey, {}).get(skey) if path else None
+        times = recorded_times(entry, names, dtype, bucket, out_f, in_f)
+        if times is None:
             times = time_linear_products(dtype, bucket, out_f, in_f, names)
             if path:
                 disk = _read_json(path)
-                disk.setdefault(mkey, {})[skey] = times
+                disk.setdefault(mkey, {})[skey] = {"times": times, "measured": time.time()}
                 _write_json(path, disk)
         _linear_times[key] = times
     return _linear_times[key]
+
+
+def recorded_times(entry, names, dtype, bucket: int, out_f: int, in_f: int) -> dict[str, float] | None:
+    """The disk cache's record of one shape ({"times": {product: seconds}, "measured": unix time}) if it still holds
+    here: times of the same candidates, taken less than LINEAR_CACHE_DAYS ago, and the recorded pick, timed once now
+    (one pass, time_linear_products), within LINEAR_FAR_OFF of its record either way. Else None: measure every
+    candidate again (a record taken under load, or before the machine changed, is far off; one without its time is
+    from before records had one)."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("times"), dict):
+        return None
+    times, measured = entry["times"], entry.get("measured")
+    if sorted(times) != sorted(names) or not all(isinstance(t, (int, float)) and t > 0 for t in times.values()):
+        return None
+    if not isinstance(measured, (int, float)) or not 0 <= time.time() - measured < LINEAR_CACHE_DAYS * 86400:
+        return None
+    pick = pick_linear(times)
+    now = time_linear_products(dtype, bucket, out_f, in_f, [pick], repeats=1)[pick]
+    return times if times[pick] / LINEAR_FAR_OFF <= now <= times[pick] * LINEAR_FAR_OFF else None
 
 
 def weight_copy(weight: torch.Tensor, name: str) -> torch.Tensor:

@@ -608,8 +608,9 @@ class DoubleConfig(GPTConfig):
 
     def validate(self):
         need = self.need  # "bad DoubleConfig: ..."
-        for name in ("ctx_layers", "gen_layers", "min_blocks", "max_blocks"):
-            need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, f"{name} must be a positive int")
+        for name in ("ctx_layers", "gen_layers", "min_blocks", "max_blocks"):  # never a bool (True is an int)
+            need(self.is_int(getattr(self, name)) and getattr(self, name) >= 1,
+                 f"{name}={getattr(self, name)!r} must be a positive int", field=name)
         need(self.n_layer == self.ctx_layers + self.gen_layers,
              f"n_layer={self.n_layer} must equal ctx_layers + gen_layers = {self.ctx_layers + self.gen_layers}")
         need(self.min_blocks <= self.max_blocks, f"min_blocks={self.min_blocks} > max_blocks={self.max_blocks}")
@@ -619,7 +620,10 @@ class DoubleConfig(GPTConfig):
         need(self.attn_impl in ("auto", "dense", "flex"), f"attn_impl={self.attn_impl!r} is not auto, dense or flex")
         need(self.init in ("gpt2", "xavier"), f"init={self.init!r} is not 'gpt2' or 'xavier'")
         need(self.latent_norm in ("rms", "layer"), f"latent_norm={self.latent_norm!r} is not 'rms' or 'layer'")
-        need(0 < self.ctx_lr < math.inf, f"ctx_lr={self.ctx_lr} must be a finite number > 0")
+        need(self.is_number(self.ctx_lr) and self.ctx_lr > 0, f"ctx_lr={self.ctx_lr!r} must be a finite number > 0",
+             field="ctx_lr")
+        need(isinstance(self.separate_cross_kv, bool), f"separate_cross_kv={self.separate_cross_kv!r} must be true or "
+                                                       f"false", field="separate_cross_kv")
         super().validate()
 
 

@@ -2,8 +2,9 @@
 eval.py -- what a trained checkpoint does on validation text: the measurements of quality, not of speed (bench.py).
 
 Each evaluation reads train.py checkpoints and the validation split of the corpus they were trained on (their run
-arguments; the token cache is reused), draws its windows from seeded generators so that every checkpoint of the same
-corpus and tokenizer sees the same ones, and prints one table:
+arguments; the token cache goes to this command's --cache-dir), draws its windows from seeded generators so that every
+checkpoint of the same corpus and tokenizer sees the same ones, checks the memory it will allocate (the models on the
+device, the windows, a batch's logits, the caches of decoding: check_eval_memory) and prints one table:
 
   * loss: one model's loss on a fixed evaluation set (the first --tokens of a validation split, consecutive
     windows), a checkpoint or a pretrained model as loaded or converted without training: the rows of the conversion
@@ -52,6 +53,18 @@ Run:
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # Ctrl-C or SIGTERM during the imports below (a second or more): `stopped:`, exit code 130
+    import signal
+    import sys
+
+    def _stopped_while_starting(signum, frame):  # what cli.run_cli says later, before it can be imported
+        print(f"stopped: {'terminated (SIGTERM)' if signum == signal.SIGTERM else 'interrupted (Ctrl-C)'} while "
+              f"starting", file=sys.stderr)
+        raise SystemExit(130)
+
+    for _signal in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(_signal, _stopped_while_starting)
+
 import argparse
 import json
 import math
@@ -73,10 +86,11 @@ import block_transformer as bt
 import double_decoder as dd
 import recursive
 from checkpoint import check_vocab, load_checkpoint, load_source_model, model_from_checkpoint, tokenizer_from_spec
-from cli import (DTYPES, ArgumentParser, Stopped, UsageError, check_output_file, check_writable_dir, comma_list, number,
-                 one_of, path_arg, run_cli, run_subcommand, seed_arg, temperature_arg, threads_arg, user_input)
+from cli import (DTYPES, ArgumentParser, Stopped, UsageError, check_memory, check_output_file, check_writable_dir,
+                 comma_list, number, one_of, path_arg, run_cli, run_subcommand, seed_arg, temperature_arg, threads_arg,
+                 user_input)
 from data import TokenData, first_tokens_windows, is_gguf_source, is_hf_source, prepare_corpus, step_generator
-from model import IGNORE, pick_device, pick_dtype, windows_loss
+from model import IGNORE, forward_memory, memory_sum, module_bytes, pick_device, pick_dtype, windows_loss
 from svd_lora import max_ranks, residual_energy
 
 
@@ -90,7 +104,25 @@ def load_run(path, device):
     model = model_from_checkpoint(ck)
     tok = text_tokenizer(ck["tokenizer"], f"checkpoint {path}")
     check_vocab(model.config, tok, f"checkpoint {path}")
+    check_eval_memory(weights_on(device, model), device, f"the model of {path}")
     return ck, model.to(device).eval(), tok
+
+
+# The memory an evaluation allocates (model.py's pieces), checked before it allocates it (cli.check_memory): the
+# models as they move to the device (on a CPU they are in memory already), the evaluation windows and one batch's
+# forward (its logits and their float32 copies for the loss), the KV caches of decoding.
+
+def weights_on(device, *models) -> dict:
+    """The models' weights and buffers as they are copied to `device`; nothing on a CPU (they are there already)."""
+    return {f"models on {device}": module_bytes(*models)} if torch.device(device).type != "cpu" else {}
+
+
+def elem_of(model) -> int:
+    return next(model.parameters()).element_size()
+
+
+def check_eval_memory(parts: dict, device, what: str, fix: str = "evaluate it on a device with more memory"):
+    check_memory(memory_sum(parts), device, what, fix)
 
 
 def text_tokenizer(spec, where):
@@ -182,6 +214,11 @@ def eval_loss(args):
         raise UsageError(f"--seq-len {args.seq_len} exceeds the model's context of {model.config.max_seq_len}")
     tok = text_tokenizer(spec, args.model)
     check_vocab(model.config, tok, args.model)
+    n, rows = args.tokens // args.seq_len, min(args.batch_size, args.tokens // args.seq_len)
+    check_eval_memory(memory_sum(weights_on(device, model), {"evaluation windows": 2 * 8 * n * args.seq_len},
+                                 forward_memory(model.config, rows, args.seq_len, elem_of(model), fp32_copies=2)),
+                      device, f"the evaluation of --tokens {args.tokens} in batches of --batch-size {rows} x "
+                              f"--seq-len {args.seq_len}", "lower --batch-size, --seq-len or --tokens")
     model = model.to(device).eval()
     val = TokenData(prepare_corpus(args.data, tok, args.cache_dir, verbose=False), "val")
     x, y = first_tokens_windows(val, args.tokens, args.seq_len, f"the validation split of {args.data}")
@@ -225,6 +262,13 @@ def eval_exits(args):
         if "gate" in rules and model.exit_gate is None:
             raise UsageError(f"--rules gate: {args.ckpt} has no learned exit gate (train it with --exit-gate); the "
                              f"rules it can apply are softmax and saturation")
+    B, V, elem = args.batch_size, model.config.vocab_size, elem_of(model)
+    check_eval_memory({"validation windows": 2 * 8 * args.batches * B * seq,
+                       "logits of every loop (static exit)": 3 * L * B * seq * V * 4,
+                       "KV caches of the cached decoding": model.kv_cache_bytes(B, seq, elem),
+                       "emitted logits of the decoding": 2 * B * seq * V * 4}, device,
+                      f"the exit analysis of --batches {args.batches} x --batch-size {B} x --seq-len {seq}",
+                      "lower --batch-size, --seq-len or --batches")
     windows = list(val_windows(ck, tok, args.batches, args.batch_size, seq, args.seed, device, args.cache_dir))
     n = sum(y[:, 1:].numel() for _, y in windows)
     print(f"{args.ckpt}: {ck['arch']} B={L} K={model.config.n_shared} step {ck['step']} | {n:,} validation tokens "
@@ -310,12 +354,23 @@ def eval_double(args):
     models = [model_from_checkpoint(ck) for ck in cks]
     for p, m in zip(paths, models):
         check_vocab(m.config, tok, f"checkpoint {p}")
-    models = [m.to(device).eval() for m in models]
     if args.sample is not None:
         ids = tok.encode(args.sample)
         if not ids or len(ids) >= min(m.config.max_seq_len for m in models):
             raise UsageError(f"--sample is {len(ids)} tokens: a prompt needs at least one token and room for a new "
                              f"one in the context ({min(m.config.max_seq_len for m in models)} positions)")
+        n = max(min(args.new_tokens, m.config.max_seq_len - len(ids)) for m in models)
+        work = {"KV caches of generate": max(m.kv_cache_bytes(1, len(ids) + n, elem_of(m)) for m in models)}
+        what = f"generating --new-tokens {args.new_tokens} from each checkpoint"
+    else:
+        T = min(m.config.max_seq_len for m in models)
+        work = max((forward_memory(m.config, args.batch_size, T, elem_of(m), fp32_copies=3) for m in models),
+                   key=lambda est: est["total"])  # one model at a time; the double decoder's prefix-LM pass too
+        what = f"the evaluation of --batch-size {args.batch_size} windows of {T} tokens"
+    check_eval_memory(memory_sum(weights_on(device, *models), work), device, what,
+                      "lower --batch-size" if args.sample is None else "lower --new-tokens")
+    models = [m.to(device).eval() for m in models]
+    if args.sample is not None:
         for p, ck, m in zip(paths, cks, models):
             idx = torch.tensor([ids], device=device)
             gen = torch.Generator(device=device).manual_seed(args.seed)
@@ -386,6 +441,11 @@ def eval_block_targets(args):
     context = min(r[1].config.max_seq_len for r in runs)  # tokens, for both kinds of model
     if args.seq_len > context:
         raise UsageError(f"--seq-len {args.seq_len} exceeds the checkpoints' context of {context} tokens")
+    # one model at a time: its logits, their float32 copies and, for vanilla, the gathered rows on the CPU
+    check_eval_memory(max((forward_memory(m.config, args.eval_batch_size, args.seq_len, elem_of(m), fp32_copies=3)
+                           for _, m, _ in runs), key=lambda est: est["total"]), device,
+                      f"the evaluation of --eval-batch-size {args.eval_batch_size} x --seq-len {args.seq_len}",
+                      "lower --eval-batch-size or --seq-len")
     key = lambda c: (c.block_len, c.pad, c.eot_id, c.random_pad)  # noqa: E731  what decides the layout
     if any(key(r[1].config) != key(cfg) for r in blocks):
         raise UsageError("the Block Transformer checkpoints lay windows out differently (block_len, pad, eot_id)")
@@ -1109,4 +1169,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C raises KeyboardInterrupt again (run_cli's)
     main()

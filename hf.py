@@ -34,11 +34,25 @@ tokenizes with it through the optional `tokenizers` package).
 
 Run:
     python hf.py DIR --prompt "The capital of France is"     # greedy continuation: a sanity check of the import
+                                                             # (the model, its RoPE tables and generate's KV cache
+                                                             # checked against the device's memory first)
     python hf.py gguf:smollm2-135m --prompt "def fib(n):"    # the same from a GGUF file
     python train.py --arch vanilla --init-from hf:DIR ...    # fine-tune / convert / distill from it (README)
     python -m pytest -q tests/test_hf_import.py tests/test_gguf.py   # against transformers' own models
 """
 from __future__ import annotations
+
+if __name__ == "__main__":  # Ctrl-C or SIGTERM during the imports below (a second or more): `stopped:`, exit code 130
+    import signal
+    import sys
+
+    def _stopped_while_starting(signum, frame):  # what cli.run_cli says later, before it can be imported
+        print(f"stopped: {'terminated (SIGTERM)' if signum == signal.SIGTERM else 'interrupted (Ctrl-C)'} while "
+              f"starting", file=sys.stderr)
+        raise SystemExit(130)
+
+    for _signal in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(_signal, _stopped_while_starting)
 
 import json
 import warnings
@@ -47,9 +61,10 @@ from typing import Callable
 
 import torch
 
-from cli import (DTYPES, ArgumentParser, UsageError, check_device, check_dtype, check_model_fits, number, path_arg,
-                 regular_file, run_cli, user_input)
-from model import GPT, GPTConfig, RotaryEmbedding, pick_device, pick_dtype
+from cli import (DTYPES, ArgumentParser, UsageError, check_device, check_dtype, check_memory, check_model_fits, number,
+                 path_arg, regular_file, run_cli, user_input)
+from model import (GPT, GPTConfig, RotaryEmbedding, forward_memory, kv_bytes, memory_sum, model_memory, pick_device,
+                   pick_dtype)
 
 HF_FAMILIES = ("llama", "gemma", "gpt_neox")
 _REQUIRED = object()
@@ -310,14 +325,19 @@ def hf_weight_files(path: Path) -> list[Path]:
     return files
 
 
+def hf_dir_config(path: Path) -> tuple[str, GPTConfig]:
+    """A Hugging Face directory's config.json -> (family, GPTConfig), validated (hf_config_to_gpt)."""
+    if not (path / "config.json").exists():
+        raise ValueError(f"{path} has no config.json: not a Hugging Face checkpoint directory")
+    return hf_config_to_gpt(_read_json(path / "config.json", "a config (a JSON object)"),
+                            where=str(path / "config.json"))
+
+
 def from_pretrained(path, dtype=torch.float32, device="cpu") -> GPT:
     """Load a local Hugging Face checkpoint directory (or 'hf:DIR') of the llama, gemma or gpt_neox family into
     model.GPT (the three steps of the module docstring)."""
     path = hf_dir(path)
-    if not (path / "config.json").exists():
-        raise ValueError(f"{path} has no config.json: not a Hugging Face checkpoint directory")
-    hf = _read_json(path / "config.json", "a config (a JSON object)")
-    family, cfg = hf_config_to_gpt(hf, where=str(path / "config.json"))
+    family, cfg = hf_dir_config(path)
     plan = hf_tensor_plan(family, cfg)
     aliases = _HF_ALIASES.get(family, {})
 
@@ -740,25 +760,35 @@ def generate(argv=None):
     check_dtype(args.device, args.dtype)
     device = pick_device(args.device)
     dtype = pick_dtype(device, args.dtype)
-    with user_input():
-        if gguf_file(args.dir):
-            model = from_gguf(args.dir, dtype=dtype, device=device).eval()
-            tok, eos = gguf_tokenizer(model.tokenizer_spec["path"])
+    with user_input():  # the config and the tokenizer first: what the model and its generation need is known
+        gguf = gguf_file(args.dir)
+        if gguf is not None:
+            c = gguf_config(read_gguf(gguf))
+            tok, eos = gguf_tokenizer(gguf)
         else:
-            model = from_pretrained(args.dir, dtype=dtype, device=device).eval()
-            tok, eos = hf_tokenizer(model.tokenizer_spec["path"])
-    c = model.config
+            c = hf_dir_config(hf_dir(args.dir))[1]
+            tok, eos = hf_tokenizer(args.dir)
     n_vocab = tok.get_vocab_size(with_added_tokens=True)
     if n_vocab > c.vocab_size:
         raise UsageError(f"{args.dir}: its tokenizer has {n_vocab:,} ids, but the model's embedding only "
                          f"{c.vocab_size:,} rows: they are not one model")
-    print(f"{args.dir}: {c.n_layer} layers, d {c.n_embd}, heads {c.n_head}/{c.n_kv_head}, vocab {c.vocab_size}, "
-          f"{model.num_params(False) / 1e6:.1f}M parameters | {device} {dtype}")
     ids = tok.encode(args.prompt).ids  # with the tokenizer's special tokens (Llama/Gemma: BOS), as transformers does
     if len(ids) >= c.max_seq_len:
         raise UsageError(f"--prompt is {len(ids)} tokens, but the model's context is {c.max_seq_len} positions: no "
                          f"room for a new token; shorten the prompt")
     n = min(args.max_new_tokens, c.max_seq_len - len(ids))
+    elem = torch.finfo(dtype).bits // 8
+    check_memory(memory_sum(model_memory(c, elem), forward_memory(c, 1, len(ids), elem, logits_rows=1),
+                            {"KV cache of generate": kv_bytes(c.n_layer, 1, len(ids) + n, c.n_kv_head, c.hd, elem)}),
+                 device, f"{args.dir} in {dtype} with a {len(ids)}-token prompt and {n} new tokens",
+                 "take a smaller --dtype or fewer --max-new-tokens, or run it on a device with more memory")
+    with user_input():
+        if gguf is not None:
+            model = from_gguf(args.dir, dtype=dtype, device=device).eval()
+        else:
+            model = from_pretrained(args.dir, dtype=dtype, device=device).eval()
+    print(f"{args.dir}: {c.n_layer} layers, d {c.n_embd}, heads {c.n_head}/{c.n_kv_head}, vocab {c.vocab_size}, "
+          f"{model.num_params(False) / 1e6:.1f}M parameters | {device} {dtype}")
     if n < args.max_new_tokens:
         warnings.warn(f"--max-new-tokens {args.max_new_tokens}: only {n} fit after the {len(ids)}-token prompt in the "
                       f"model's context of {c.max_seq_len} positions; generating {n}", stacklevel=2)
@@ -774,4 +804,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C raises KeyboardInterrupt again (run_cli's)
     main()

@@ -91,17 +91,16 @@ class GPTConfig:
     def __post_init__(self):
         self.validate()
 
-    def need(self, ok: bool, msg: str):
-        """A failed check of this config: ValueError("bad <ConfigClass>: msg")."""
-        check(ok, msg, type(self).__name__)
+    def need(self, ok: bool, msg: str, field: str | None = None):
+        """A failed check of this config: ValueError("bad <ConfigClass>: msg"), naming `field` (check's `.field`)."""
+        check(ok, msg, type(self).__name__, field)
 
     def validate(self):
         """Every field's type and range, whatever wrote the config (a preset, flags, a checkpoint, a GGUF file's
         metadata, a config.json): the counts are ints >= 1 (never a float or a bool) that divide as attention needs,
         rope_theta and norm_eps finite and > 0, the switches bools. A failure names the field (check's `.field`)."""
         need = partial(check, what="GPTConfig")  # the shape fields: "bad GPTConfig" in every subclass too
-        is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731  True is an int to Python
-        is_num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # noqa: E731
+        is_int, is_num = self.is_int, self.is_number
         for name in ("n_layer", "n_head", "n_kv_head", "n_embd", "mlp_hidden", "vocab_size", "max_seq_len"):
             v = getattr(self, name)
             need(is_int(v) and v >= 1, f"{name}={v!r} must be a positive int", field=name)
@@ -127,6 +126,16 @@ class GPTConfig:
         for name in ("tie_embeddings", "embed_scale", "parallel_residual", "attn_bias", "mlp_bias"):
             need(isinstance(getattr(self, name), bool), f"{name}={getattr(self, name)!r} must be true or false",
                  field=name)
+
+    @staticmethod
+    def is_int(v) -> bool:
+        """A count of a config: an int, never a bool (True is an int to Python) or a float."""
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    @staticmethod
+    def is_number(v) -> bool:
+        """A finite int or float, never a bool."""
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
     @property
     def hd(self) -> int:
@@ -964,15 +973,86 @@ def init_weights(module: nn.Module, n_layer: int, std: float = 0.02):
 
 # Memory: what a command is about to allocate, estimated before it allocates it, as a dict {part: bytes, ...,
 # "total": bytes} (`with_total`): cli.check_memory compares the total with what the device has and names the parts of
-# one that cannot fit. train.py's step is the sum below; another command adds up its own parts (param_bytes,
-# kv_bytes or a model's kv_cache_bytes, a probe of its own forward like saved_activation_bytes). An estimate, not a
-# measured peak: temporaries inside a layer and allocator slack are not counted, so a run that passes may still be
-# tight, and one that is refused cannot fit.
+# one that cannot fit. The pieces: a model from its config alone (model_memory: weights and RoPE tables, before it is
+# built) or as built (module_bytes), the KV caches of decoding (kv_bytes, a model's kv_cache_bytes), one inference
+# forward (forward_memory), one training step (step_memory, least_step_memory); a command adds up its own with
+# memory_sum. An estimate, not a measured peak: temporaries inside a layer and allocator slack are not counted, so a
+# run that passes may still be tight, and one that is refused cannot fit.
 
 
 def with_total(parts: dict) -> dict:
     """{part: bytes} -> the same with "total", their sum: the form of every memory estimate."""
     return {**parts, "total": sum(parts.values())}
+
+
+def memory_sum(*estimates: dict) -> dict:
+    """Estimates (with or without "total") -> one, their parts side by side (a part named twice is added up); parts of
+    0 bytes are left out."""
+    parts = {}
+    for est in estimates:
+        for k, v in est.items():
+            if k != "total" and v:
+                parts[k] = parts.get(k, 0) + v
+    return with_total(parts)
+
+
+def model_memory(cfg, elem: int = 4) -> dict:
+    """What building a model of `cfg` allocates, from the config alone, before anything exists (cfg: a GPTConfig or
+    a subclass; the fields are read by name, so that a config no machine holds is refused before its layers are even
+    listed): its weights at `elem` bytes each -- embedding, head unless tied, the layers' attention, MLP, norms and
+    biases; a looped model's shared layers once (n_shared) with their per-loop LoRA (lora_rank_*); a Block
+    Transformer's block decoder, embedder table and context projection -- and its RoPE tables (float32 cos and sin of
+    every position, and the temporaries that build them). Exact for model.GPT; an architecture's gates and extra norms
+    are not counted. -> {"weights", "RoPE tables", "total"}"""
+    hd = cfg.head_dim or cfg.n_embd // cfg.n_head
+    norm = 2 if cfg.norm == "layer" else 1  # LayerNorm has a bias
+
+    def layers(n, d, h, kv, h_dim, m, loops=1, ranks=None):
+        q, k = h * h_dim, kv * h_dim
+        mats = {"q": [(q, d)], "kv": [(k, d), (k, d)], "o": [(d, q)],
+                "mlp": [(m, d)] * (1 if cfg.mlp == "gelu" else 2) + [(d, m)]}
+        per = sum(o * i for shapes in mats.values() for o, i in shapes) + 2 * norm * d
+        per += (q + 2 * k + d) * cfg.attn_bias + (m * (len(mats["mlp"]) - 1) + d) * cfg.mlp_bias
+        per += sum(loops * r * (o + i) for c, r in (ranks or {}).items() for o, i in mats[c])  # LoRA, per loop
+        return n * per
+
+    ranks = {c: getattr(cfg, f"lora_rank_{c}", 0) for c in ("q", "kv", "o", "mlp")}
+    weights = layers(getattr(cfg, "n_shared", cfg.n_layer), cfg.n_embd, cfg.n_head, cfg.n_kv_head, hd,
+                     cfg.mlp_hidden, getattr(cfg, "n_loops", 1), ranks)
+    weights += cfg.vocab_size * cfg.n_embd * (1 if cfg.tie_embeddings else 2) + norm * cfg.n_embd
+    if getattr(cfg, "block_n_layer", None):  # the Block Transformer: block decoder, embedder, context projection
+        bd = cfg.block_n_embd
+        weights += layers(cfg.block_n_layer, bd, cfg.block_n_head, cfg.block_n_kv_head, bd // cfg.block_n_head,
+                          cfg.block_mlp_hidden) + norm * bd
+        weights += cfg.vocab_size * cfg.emb_dim + (cfg.block_len * cfg.emb_dim * bd if cfg.embedder == "lookup_proj"
+                                                   else 0) + (bd + 1) * cfg.n_ctx * cfg.n_embd
+    return with_total({"weights": weights * elem, "RoPE tables": 4 * cfg.max_seq_len * hd * 4})
+
+
+def model_bytes(cfg, elem: int = 4) -> int:
+    """model_memory's total: the bytes a model of `cfg` allocates when it is built."""
+    return model_memory(cfg, elem)["total"]
+
+
+def module_bytes(*modules: nn.Module) -> int:
+    """Bytes of built modules: their unique parameters (param_bytes) and buffers (RoPE tables, masks)."""
+    seen = {}
+    for m in modules:
+        for t in [*m.parameters(), *m.buffers()]:
+            seen[id(t)] = t.numel() * t.element_size()
+    return sum(seen.values())
+
+
+def forward_memory(cfg, batch: int, seq_len: int, elem: int = 4, logits_rows: int | None = None,
+                   fp32_copies: int = 0) -> dict:
+    """The largest tensors one inference forward (no gradients) of batch x seq_len tokens holds at once: the logits
+    of `logits_rows` positions (default all batch x seq_len; a prefill scores only each row's last: batch) in the
+    compute dtype, plus `fp32_copies` float32 copies of them (a loss upcasts them and takes their log-softmax: 2), and
+    the hidden states of one layer (the residual stream and its normed copy, the MLP's inner activations).
+    -> {"logits", "hidden states", "total"}"""
+    rows = batch * seq_len if logits_rows is None else logits_rows
+    return with_total({"logits": rows * cfg.vocab_size * (elem + 4 * fp32_copies),
+                       "hidden states": batch * seq_len * (2 * cfg.n_embd + 3 * cfg.mlp_hidden) * elem})
 
 
 def optimizer_bytes(model: nn.Module) -> int:

@@ -562,10 +562,12 @@ class PLTConfig(GPTConfig):
     def validate(self):
         super().validate()
         need = self.need
-        need(isinstance(self.n_loops, int) and self.n_loops >= 1, f"n_loops={self.n_loops!r} must be an int >= 1")
-        need(isinstance(self.window, int) and self.window >= 1, f"window={self.window!r} must be an int >= 1")
+        for name in ("n_loops", "window"):  # never a bool (True is an int to Python)
+            need(self.is_int(getattr(self, name)) and getattr(self, name) >= 1,
+                 f"{name}={getattr(self, name)!r} must be an int >= 1", field=name)
         for name in ("clp", "kv_share", "gswa"):
-            need(isinstance(getattr(self, name), bool), f"{name}={getattr(self, name)!r} must be True or False")
+            need(isinstance(getattr(self, name), bool), f"{name}={getattr(self, name)!r} must be True or False",
+                 field=name)
         need(self.loop_input_norm in LOOP_INPUT_NORMS,
              f"loop_input_norm={self.loop_input_norm!r} must be one of {LOOP_INPUT_NORMS}")
         need(not (self.gswa and not self.kv_share),

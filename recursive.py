@@ -621,8 +621,10 @@ class RecursiveConfig(GPTConfig):
     def validate(self):
         super().validate()
         need = self.need
-        need(isinstance(self.n_loops, int) and self.n_loops >= 1, f"n_loops={self.n_loops} must be a positive int")
-        need(self.sharing in SHARINGS, f"sharing={self.sharing!r} is not one of {SHARINGS}")
+        count, number = self.is_int, self.is_number  # never a bool (True is an int to Python)
+        need(count(self.n_loops) and self.n_loops >= 1, f"n_loops={self.n_loops!r} must be a positive int",
+             field="n_loops")
+        need(self.sharing in SHARINGS, f"sharing={self.sharing!r} is not one of {SHARINGS}", field="sharing")
         if self.sharing == "cycle":
             need(self.n_layer % self.n_loops == 0, f"n_layer={self.n_layer} is not divisible by n_loops={self.n_loops} "
                                                    f"(the shared block needs K = n_layer / n_loops layers)")
@@ -638,15 +640,20 @@ class RecursiveConfig(GPTConfig):
         top = max_ranks(self)
         for c in COMPONENTS:
             r = getattr(self, f"lora_rank_{c}")
-            need(isinstance(r, int) and r >= 0, f"lora_rank_{c}={r} must be an int >= 0")
+            need(count(r) and r >= 0, f"lora_rank_{c}={r!r} must be an int >= 0", field=f"lora_rank_{c}")
             need(r <= top[c], f"lora_rank_{c}={r} exceeds min(out, in) = {top[c]} of the {c} projections "
                               f"(full rank); use --lora-rank-{c} {top[c]} or less")
         need(self.exit_loss in EXIT_LOSSES, f"exit_loss={self.exit_loss!r} is not one of {EXIT_LOSSES}")
-        need(0 <= self.exit_coef < math.inf, f"exit_coef={self.exit_coef} must be a finite number >= 0")
+        need(number(self.exit_coef) and self.exit_coef >= 0,
+             f"exit_coef={self.exit_coef!r} must be a finite number >= 0", field="exit_coef")
         need(not self.self_distill or self.exit_loss != "none",
              "self_distill needs an exit loss (weighted or aggressive) to weight the intermediate terms")
-        need(self.exit_threshold is None or self.exit_threshold > 0, f"exit_threshold={self.exit_threshold} must "
-                                                                     f"be > 0 (or None: no early exit)")
+        need(self.exit_threshold is None or (number(self.exit_threshold) and self.exit_threshold > 0),
+             f"exit_threshold={self.exit_threshold!r} must be a number > 0 (or None: no early exit)",
+             field="exit_threshold")
+        for name in ("lora_bias", "self_distill", "exit_gate"):
+            need(isinstance(getattr(self, name), bool), f"{name}={getattr(self, name)!r} must be true or false",
+                 field=name)
         need(self.exit_rule in EXIT_RULES, f"exit_rule={self.exit_rule!r} is not one of {EXIT_RULES}")
         need(self.exit_rule != "gate" or self.exit_gate,
              "exit_rule='gate' needs a model with a trained exit gate (train with --exit-gate)")

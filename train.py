@@ -29,8 +29,21 @@ end. On a task both lines add its accuracy per p after the loss terms: `acc p1 0
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # Ctrl-C or SIGTERM during the imports below (a second or more): `stopped:`, exit code 130
+    import signal
+    import sys
+
+    def _stopped_while_starting(signum, frame):  # what cli.run_cli says later, before it can be imported
+        print(f"stopped: {'terminated (SIGTERM)' if signum == signal.SIGTERM else 'interrupted (Ctrl-C)'} while "
+              f"starting", file=sys.stderr)
+        raise SystemExit(130)
+
+    for _signal in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(_signal, _stopped_while_starting)
+
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
@@ -49,17 +62,35 @@ from checkpoint import (add_arch_args, arch_table, given_flags, init_from, load_
                         model_from_checkpoint, resume_length, resume_run, run_checkpoint, run_tokenizer,
                         save_checkpoint, warn_inapplicable)
 from checkpoint import load_checkpoint  # noqa: F401 - train.load_checkpoint, as the architectures' tests read a run
-from cli import (DTYPES, ArgumentParser, CheckpointError, Stopped, UsageError, check_device, check_disk_space,
-                 check_memory, check_writable_dir, comma_list, number, path_arg, run_cli, seed_arg, stop_signals,
-                 user_input)
+from cli import (DTYPES, ArgumentParser, CheckpointError, DefaultsHelpFormatter, Stopped, UsageError, check_device,
+                 check_disk_space, check_memory, check_writable_dir, comma_list, number, path_arg, release_dir_lock,
+                 run_cli, seed_arg, stop_signals, take_dir_lock, user_input)
 from data import MixedData, TokenData, Tokenizer, first_tokens_windows, padded_vocab, prepare_corpus, step_generator
 from model import (ArchSpec, distill_loss, least_step_memory, lm_loss, make_optimizer, peak_flops, pick_device,
                    pick_dtype, step_memory, windows_loss)
+
+_locks: list[Path] = []  # the --out-dir lock setup_run takes (cli.take_dir_lock), released when train() ends
+
+
+def releasing_lock(fn):
+    """train(): the --out-dir lock setup_run takes is released when the run ends, however it ends (an error, Ctrl-C,
+    SIGTERM, Stopped)."""
+    @functools.wraps(fn)
+    def run(argv=None):
+        held = len(_locks)
+        try:
+            return fn(argv)
+        finally:
+            while len(_locks) > held:
+                release_dir_lock(_locks.pop())
+    return run
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # The training loop
 
 
+@releasing_lock
 def train(argv=None):
     """One run: setup_run builds everything from the flags (and refuses what cannot work before the first step), then
     the loop. -> the last logged losses, the best validation loss and, on a task, the last validation accuracies."""
@@ -221,18 +252,39 @@ def scores_text(counts) -> str:
 
 
 def check_val_loss(run, val, step):
-    """A non-finite validation loss stops the run without writing its checkpoint; one a nat above a uniform guess
-    over the vocabulary (ln V + 1) is one warning per run."""
+    """A non-finite validation loss stops the run without writing its checkpoint. A finite one is compared with where
+    the run started, and one that says the run has diverged is one warning per run (the run goes on):
+      * after an earlier evaluation (of this run, or of the run it resumes): a nat above the best validation loss so
+        far;
+      * the first evaluation of a run from random weights: a nat above ln V, the loss of a uniform guess over the V
+        tokens, which is where an untrained model's small random logits start;
+      * the first evaluation of a run from weights (--init-from, --resume): that start is the model's own, and a
+        converted or imported model may well start above ln V + 1 (its layers were re-tied or dropped); that is
+        said once as a note, not as a divergence, and later evaluations are compared with it."""
     if not math.isfinite(val):  # the NaN guard covers the evaluation: a diverged model is never saved
         raise FloatingPointError(stopped(run, f"non-finite validation loss {val}", step))
-    # A warning, not a stop: one evaluation cannot tell a diverged run from a model that starts above the line (an
-    # imported or converted one, --lr 0), and the nat of slack keeps an untrained model's random logits below it.
+    if run.warned_divergence:
+        return
     uniform = math.log(run.tok.n_vocab)
-    if val > uniform + 1 and not run.warned_divergence:
-        run.warned_divergence = True
-        warnings.warn(f"validation loss {val:.4f} at step {step} is above ln({run.tok.n_vocab}) + 1 = "
-                      f"{uniform + 1:.4f}, a nat worse than a uniform guess: the run has diverged (lower "
-                      f"--lr, now {run.args.lr:g}) or starts from a model worse than guessing", stacklevel=2)
+    lr = f"lower --lr, now {run.args.lr:g}"
+    if math.isfinite(run.best_val):
+        if val > run.best_val + 1:
+            run.warned_divergence = True
+            warnings.warn(f"validation loss {val:.4f} at step {step} is more than a nat above the best of this run so "
+                          f"far ({run.best_val:.4f}): the run has diverged ({lr})", stacklevel=2)
+    elif val > uniform + 1:
+        start = f"--init-from {run.args.init_from}" if run.args.init_from else \
+            f"the checkpoint in {run.args.out_dir}" if run.start_step > 0 else None
+        if start is None:
+            run.warned_divergence = True
+            warnings.warn(f"validation loss {val:.4f} at step {step}, the first evaluation, is above ln("
+                          f"{run.tok.n_vocab}) + 1 = {uniform + 1:.4f}, a nat worse than a uniform guess, where a "
+                          f"model from random weights starts: the run has diverged ({lr})", stacklevel=2)
+        else:
+            log(f"note: validation loss {val:.4f} at step {step}, the first evaluation, is above ln({run.tok.n_vocab}) "
+                f"+ 1 = {uniform + 1:.4f} (a uniform guess): the run starts from the weights of {start}, and a "
+                f"converted or imported model can start worse than guessing until training recovers it; later "
+                f"evaluations are compared with this one", run.master)
 
 
 def stop_if_asked(run, asked, step):
@@ -321,6 +373,8 @@ def setup_run(argv) -> Run:
     ap, args, given, resume_ck, notes = parse_run_args(argv, table)
     spec = table[args.arch]
     start_step, best_val, length_notes = check_run_args(args, spec, resume_ck, given)
+    if int(os.environ.get("RANK", "0")) == 0:  # one run per --out-dir (under torchrun rank 0 holds it)
+        _locks.append(take_dir_lock(args.out_dir, "--out-dir"))
     ddp, rank, local_rank, world, device = setup_distributed(args.device)
     master = rank == 0
     curve_steps = check_curve(args, world)
@@ -429,7 +483,10 @@ def check_run_args(args, spec: ArchSpec, resume_ck, given) -> tuple[int, float, 
     """The architecture's defaults, then the checks made before anything is built: --device, --out-dir and --cache-dir
     writable, a resumed run not past --max-iters -> (the first step, the best validation loss so far, notes about the
     resumed run's length)."""
-    resolve_defaults(args, spec)
+    try:
+        resolve_defaults(args, spec)
+    except UsageError as e:  # on --resume the flags are the checkpoint's: say so
+        raise (UsageError(f"checkpoint {resume_ck['loaded_from']}: its saved flags: {e}") if resume_ck else e) from None
     args.out_dir = Path(args.out_dir or f"out/{args.arch}")
     check_device(args.device)
     check_writable_dir(args.out_dir, "--out-dir")
@@ -512,7 +569,7 @@ def build_parser(table) -> ArgumentParser:
     """train.py's flags, then each architecture's (spec.add_args). `ap.arch_flags` maps the dest of every flag that
     only some architectures read to their names (the groups each add_args creates; --loops is train.py's own)."""
     ap = ArgumentParser(description="Pretrain or uptrain one architecture of this repository.",
-                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                        formatter_class=DefaultsHelpFormatter)
     pos, nonneg = number(int, min=1), number(int, min=0)
     ap.add_argument("--arch", default="vanilla", choices=sorted(table), help="architecture to train")
     ap.add_argument("--preset", default="tiny", help="config preset of the architecture (tiny, small, base, ...)")
@@ -687,4 +744,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C raises KeyboardInterrupt again (run_cli's)
     main()

@@ -320,7 +320,7 @@ def test_config_errors_are_clear():
     with pytest.raises(ValueError, match="^bad BlockConfig: block decoder: bad GPTConfig: n_embd=32 is not divisible "
                                          "by n_head=5"):
         tiny_cfg(block_n_head=5, block_n_kv_head=5)
-    with pytest.raises(ValueError, match="^bad BlockConfig: block_len must be a positive int"):
+    with pytest.raises(ValueError, match="^bad BlockConfig: block_len=0 must be a positive int"):
         tiny_cfg(block_len=0)
     with pytest.raises(ValueError, match="unknown preset"):
         BlockConfig.from_preset("huge")

@@ -26,9 +26,12 @@ def fresh_chooser(monkeypatch, tmp_path):
     yield
 
 
-def fake_timer(table, calls):
-    """A time_linear_products that returns table[rows] (name -> seconds) and records its calls."""
+def fake_timer(table, calls, spot=1.0):
+    """A time_linear_products that returns table[rows] (name -> seconds) and records its calls that measure every
+    candidate; a call for one product (recorded_times' check of a recorded pick) returns its time x spot."""
     def timer(dtype, rows, out_f, in_f, names, repeats=3):
+        if len(names) == 1:
+            return {names[0]: table[rows][names[0]] * spot}
         calls.append((dtype, rows, out_f, in_f))
         return {k: table[rows][k] for k in names}
     return timer
@@ -107,6 +110,66 @@ def test_measured_times_persist_on_disk_per_machine(monkeypatch):
     monkeypatch.setattr(cpu_tuning, "_linear_times", {})
     monkeypatch.setattr(cpu_tuning, "cpu_key", lambda: "another cpu")
     assert linear_product(torch.bfloat16, 2, 8, 16) == "mm" and len(calls) == 3  # another machine: timed again
+
+
+NOW = 1.9e9  # the fake clock's time of the first measurement
+
+
+def test_the_disk_cache_records_the_cpu_and_the_time_of_its_measurements(monkeypatch, tmp_path):
+    import json
+    import types
+
+    monkeypatch.setattr(cpu_tuning, "time", types.SimpleNamespace(time=lambda: NOW, perf_counter=lambda: 0.0))
+    table = {2: dict(linear=1.0, mm=0.5, xwt=0.6, dnn=0.6)}
+    monkeypatch.setattr(cpu_tuning, "time_linear_products", fake_timer(table, []))
+    linear_product(torch.bfloat16, 2, 8, 16)
+    disk = json.loads((tmp_path / "linear_choice.json").read_text())
+    names = cpu_tuning.linear_candidates(torch.bfloat16, 2)
+    assert disk == {cpu_tuning.cpu_key(): {"bfloat16 2 8x16": {"times": {k: table[2][k] for k in names},
+                                                               "measured": NOW}}}
+
+
+DAY = 86400.0
+RECORDS = [  # (what, edit of the record on disk, the recorded pick timed now / its record, days later, re-timed?)
+    ("the pick times as recorded", None, 1.0, 1, False),
+    ("the pick 1.5x slower: within LINEAR_FAR_OFF", None, 1.5, 1, False),
+    ("the pick 1.8x faster: within LINEAR_FAR_OFF", None, 1 / 1.8, 1, False),
+    ("the pick far slower than recorded", None, 3.0, 1, True),
+    ("the pick far faster: the record was taken under load", None, 0.3, 1, True),
+    ("a record older than LINEAR_CACHE_DAYS", None, 1.0, 31, True),
+    ("a record from the future (the clock moved back)", None, 1.0, -1, True),
+    ("a record without its time (an older file)", lambda e: e["times"], 1.0, 1, True),
+    ("a record of other candidates", lambda e: {**e, "times": {"linear": 1.0, "mm": 0.5}}, 1.0, 1, True),
+    ("a record with a time that is not a number", lambda e: {**e, "times": {**e["times"], "mm": "fast"}}, 1.0, 1, True),
+]
+
+
+@pytest.mark.parametrize("what,edit,spot,days,retimed", RECORDS, ids=[r[0] for r in RECORDS])
+def test_a_later_run_retimes_a_record_that_no_longer_holds(monkeypatch, tmp_path, what, edit, spot, days, retimed):
+    """A new process reads the record of a shape, times its pick once (fake timer) and measures every candidate again
+    when that is far off the record or the record is stale; else it takes the record without measuring more."""
+    import json
+    import types
+
+    clock = [NOW]
+    monkeypatch.setattr(cpu_tuning, "time", types.SimpleNamespace(time=lambda: clock[0], perf_counter=lambda: 0.0))
+    table, calls = {2: dict(linear=1.0, mm=0.5, xwt=0.6, dnn=0.6)}, []
+    monkeypatch.setattr(cpu_tuning, "time_linear_products", fake_timer(table, calls))
+    assert linear_product(torch.bfloat16, 2, 8, 16) == "mm" and len(calls) == 1
+    path = tmp_path / "linear_choice.json"
+    disk = json.loads(path.read_text())
+    if edit is not None:
+        entry = disk[cpu_tuning.cpu_key()]["bfloat16 2 8x16"]
+        disk[cpu_tuning.cpu_key()]["bfloat16 2 8x16"] = edit(entry)
+        path.write_text(json.dumps(disk))
+    monkeypatch.setattr(cpu_tuning, "_linear_choice", {})  # a new process, later
+    monkeypatch.setattr(cpu_tuning, "_linear_times", {})
+    monkeypatch.setattr(cpu_tuning, "time_linear_products", fake_timer(table, calls, spot))
+    clock[0] = NOW + days * DAY
+    assert linear_product(torch.bfloat16, 2, 8, 16) == "mm"
+    assert len(calls) == 1 + retimed
+    record = json.loads(path.read_text())[cpu_tuning.cpu_key()]["bfloat16 2 8x16"]
+    assert record["measured"] == (clock[0] if retimed else NOW)
 
 
 @pytest.mark.parametrize("name", LINEAR_COPIES)

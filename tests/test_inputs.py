@@ -219,10 +219,11 @@ GGUF_METADATA = [
     ("odd head dim", {f"{A}.attention.key_length": (7, V.UINT32), f"{A}.rope.dimension_count": (7, V.UINT32)},
      "metadata llama.attention.key_length: bad GPTConfig: head_dim=7 must be even"),
     ("2^31 layers", {f"{A}.block_count": (2 ** 31, V.UINT32)},
-     "a model of this config needs about 2.01e+04 GB (2,147,483,648 layers"),
+     "a model of this config (2,147,483,648 layers, d 16, vocab 263, RoPE tables of 64 positions) needs about "
+     "2.01e+04 GB"),
     ("2^62 layers", {f"{A}.block_count": (2 ** 62, V.UINT64)}, "4,611,686,018,427,387,904 layers"),
     ("RoPE tables of 2^32 positions", {f"{A}.context_length": (2 ** 32 - 1, V.UINT32)},
-     "RoPE tables of 4,294,967,295 positions), but this machine has"),
+     "RoPE tables of 4,294,967,295 positions) needs about 549.8 GB"),
     ("context a float", {f"{A}.context_length": (64.0, V.FLOAT32)}, "llama.context_length = 64.0 is not an integer"),
 ]
 
@@ -281,9 +282,10 @@ HF_CONFIGS = [  # config.json edits -> the message after "DIR/config.json: "
     ({"num_key_value_heads": 1.0}, "num_key_value_heads = 1.0 is not an integer"),
     ({"head_dim": 8.0}, "head_dim = 8.0 is not an integer"),
     ({"max_position_embeddings": "64"}, "max_position_embeddings = '64' is not an integer"),
-    ({"max_position_embeddings": 2 ** 40}, "a model of this config needs about 1.41e+05 GB (2 layers, d 16, vocab 263, "
-                                           "RoPE tables of 1,099,511,627,776 positions), but this machine has"),
-    ({"num_hidden_layers": 2 ** 31}, "a model of this config needs about 2.01e+04 GB (2,147,483,648 layers, d 16"),
+    ({"max_position_embeddings": 2 ** 40}, "a model of this config (2 layers, d 16, vocab 263, RoPE tables of "
+                                           "1,099,511,627,776 positions) needs about 1.41e+05 GB"),
+    ({"num_hidden_layers": 2 ** 31}, "a model of this config (2,147,483,648 layers, d 16, vocab 263, RoPE tables of 64 "
+                                     "positions) needs about 2.01e+04 GB"),
     ({"tie_word_embeddings": "false"}, "tie_word_embeddings = 'false' is not true or false"),
     ({"attention_bias": "no"}, "attention_bias = 'no' is not true or false"),
     ({"hidden_size": 16.0}, "hidden_size = 16.0 is not a positive integer"),
@@ -381,9 +383,11 @@ CHECKPOINTS = [  # (what, edit of the checkpoint's config or weights, the messag
     ("tie_embeddings a string", dict(config={**asdict(CFG), "tie_embeddings": "yes"}),
      ": its config field tie_embeddings: bad GPTConfig: tie_embeddings='yes' must be true or false"),
     ("RoPE tables of 2^32 positions", dict(config={**asdict(CFG), "max_seq_len": 2 ** 32}),
-     ": a model of this config needs about 1.1e+03 GB (2 layers, d 32, vocab 576, RoPE tables of 4,294,967,296"),
+     ": a model of this config (2 layers, d 32, vocab 576, RoPE tables of 4,294,967,296 positions) needs about "
+     "1099.5 GB"),
     ("2^31 layers", dict(config={**asdict(CFG), "n_layer": 2 ** 31}),
-     ": a model of this config needs about 7.97e+04 GB (2,147,483,648 layers, d 32"),
+     ": a model of this config (2,147,483,648 layers, d 32, vocab 576, RoPE tables of 64 positions) needs about "
+     "7.97e+04 GB"),
     ("a NaN weight", dict(weights=_weights(lambda sd: sd["blocks.1.attn.q_proj.weight"].__setitem__((0, 0),
                                                                                                    torch.nan))),
      ": tensor blocks.1.attn.q_proj.weight holds NaN or infinite values (a diverged run?)"),
@@ -477,6 +481,29 @@ def test_gptconfig_names_the_field_it_refuses(field, value):
     with pytest.raises(ValueError, match=f"^bad GPTConfig: .*{field}") as e:
         GPTConfig(**{**asdict(CFG), field: value})
     assert e.value.field == field  # what a loader translates into its own file's key
+
+
+PAPER_CONFIG_FIELDS = [  # the architectures' configs refuse what GPTConfig does: (module, config class, field, value)
+    ("recursive", "RecursiveConfig", "n_loops", True), ("recursive", "RecursiveConfig", "n_loops", 2.0),
+    ("recursive", "RecursiveConfig", "lora_rank_q", True), ("recursive", "RecursiveConfig", "exit_coef", True),
+    ("recursive", "RecursiveConfig", "exit_threshold", True), ("recursive", "RecursiveConfig", "exit_gate", 1),
+    ("block_transformer", "BlockConfig", "block_len", True), ("block_transformer", "BlockConfig", "prefix_len", True),
+    ("block_transformer", "BlockConfig", "eot_id", True), ("block_transformer", "BlockConfig", "random_pad", "no"),
+    ("double_decoder", "DoubleConfig", "ctx_layers", True), ("double_decoder", "DoubleConfig", "gen_layers", True),
+    ("double_decoder", "DoubleConfig", "max_blocks", True), ("double_decoder", "DoubleConfig", "ctx_lr", True),
+    ("plt", "PLTConfig", "n_loops", True), ("plt", "PLTConfig", "window", True), ("plt", "PLTConfig", "gswa", 1),
+]
+
+
+@pytest.mark.parametrize("module,cls,field,value", PAPER_CONFIG_FIELDS,
+                         ids=[f"{c}.{f}={v!r}" for _, c, f, v in PAPER_CONFIG_FIELDS])
+def test_the_architectures_configs_name_the_field_they_refuse(module, cls, field, value):
+    import importlib
+
+    config_cls = getattr(importlib.import_module(module), cls)
+    with pytest.raises(ValueError, match=f"^bad {cls}: {field}={value!r} must be") as e:
+        config_cls(**{field: value})
+    assert e.value.field == field
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -733,7 +760,7 @@ def _stop_here(sig):
 
 
 SIGNALS = [  # (command, argv, the function that does the work, the signal)
-    ("hf.py", hf.main, ["some/dir"], (hf, "from_pretrained")),
+    ("hf.py", hf.main, ["some/dir"], (hf, "hf_dir")),
     ("eval.py", ev.main, ["loss", "--model", "m", "--cache-dir", "{tmp}"], (ev, "loss_model")),
     ("bench.py", bench.main, ["presets"], (bench, "bench_presets")),
     ("serve.py", serve.main, [], (serve, "demo")),
@@ -771,6 +798,33 @@ def test_sigterm_stops_a_real_serve_run(tmp_path):
     assert "Traceback" not in err
 
 
+STARTING = [(cmd, sig) for cmd in ("train.py", "eval.py", "bench.py", "hf.py", "tasks.py")
+            for sig in (signal.SIGTERM, signal.SIGINT)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cmd,sig", STARTING, ids=[f"{c} {s.name}" for c, s in STARTING])
+def test_a_signal_during_the_imports_stops_with_exit_130(cmd, sig):
+    """The signal arrives while torch is being imported (its library is mapped, the command's own code has not run):
+    `stopped: ...` and exit code 130, as later, never 143 or a KeyboardInterrupt traceback. (serve.py: another
+    change.)"""
+    proc = subprocess.Popen([sys.executable, str(ROOT / cmd), "--help"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            with open(f"/proc/{proc.pid}/maps") as f:
+                if "libtorch" in f.read():
+                    break
+            time.sleep(0.005)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    said = "terminated (SIGTERM)" if sig == signal.SIGTERM else "interrupted (Ctrl-C)"
+    assert proc.returncode == 130 and err.strip() == f"stopped: {said} while starting", (proc.returncode, err[-800:])
+
+
 CHAT_TEMPLATES = [  # (what, the template, the message)
     ("a syntax error", "{% for m in messages %}{{ m.content }", "(TemplateSyntaxError: unexpected '}')"),
     ("raise_exception", "{{ raise_exception('no system role') }}", "(TemplateError: no system role)"),
@@ -791,6 +845,74 @@ def test_a_chat_template_that_fails_to_render_is_one_line(files, tmp_path, capsy
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# 7. Memory: what a command will allocate (its models, caches, RoPE tables, batches: model.py's pieces) against what
+# is available (cli.check_memory), one line before it allocates it. Sizes no machine holds, or a test budget.
+
+E, L = " needs about ", " needs at least "
+MEMORY = [  # (what, command, argv, budget in bytes or None, what must not run, the message)
+    ("eval loss: --tokens and --batch-size", ev.main, ["loss", "--model", "{d}/ok.pt", "--tokens", "1000000000000",
+                                                       "--seq-len", "16", "--batch-size", "100000000", *COMMON],
+     None, (ev, "first_tokens_windows"), "the evaluation of --tokens 1000000000000 in batches of --batch-size "
+                                         "100000000 x --seq-len 16" + E),
+    # windows 2 x 8 x 64 bytes, logits 4 x 16 x 576 x (4 + 2 x 4) (fp32 and two fp32 copies for the loss), hidden
+    # states 4 x 16 x (2 x 32 + 3 x 64) x 4: 508,928 bytes, above the budget (the model itself, 164,480, is below)
+    ("eval loss: a budget", ev.main, ["loss", "--model", "{d}/ok.pt", "--tokens", "64", "--seq-len", "16", *COMMON],
+     300_000, (ev, "first_tokens_windows"), "in batches of --batch-size 4 x --seq-len 16 needs about <0.01 GB (508,"
+                                            "928 bytes) (evaluation windows <0.01 GB, logits <0.01 GB, hidden states "
+                                            "<0.01 GB), but cpu has <0.01 GB available (test budget)"),
+    ("eval exits", ev.main, ["exits", "--ckpt", "{d}/rec.pt", "--batch-size", "100000000", "--seq-len", "16",
+                             "--cache-dir", "{d}/cache", "--device", "cpu"], None, (ev, "val_windows"),
+     "the exit analysis of --batches 4 x --batch-size 100000000 x --seq-len 16" + E),
+    ("eval double-eval", ev.main, ["double-eval", "{d}/ok.pt", "--batch-size", "100000000", "--cache-dir", "{d}/cache",
+                                   "--device", "cpu"], None, (ev, "prepare_corpus"),
+     "the evaluation of --batch-size 100000000 windows of 64 tokens" + E),
+    ("eval block", ev.main, ["block", "--eval", "{d}/block.pt", "--eval-batch-size", "100000000", "--seq-len", "16",
+                             "--cache-dir", "{d}/cache", "--device", "cpu"], None, (ev, "val_windows"),
+     "the evaluation of --eval-batch-size 100000000 x --seq-len 16" + E),
+    ("hf.py: the model and generate's cache", hf.main, ["{d}/hf-long", "--max-new-tokens", "1000000", "--device",
+                                                        "cpu"], 200_000_000, (hf, "from_pretrained"),
+     "{d}/hf-long in torch.float32 with a 23-token prompt and 1000000 new tokens needs about 0.26 GB (262,"),
+    ("bench decode --batch 1e8", bench.main, ["decode", "--preset", "tiny", "--batch", "100000000", "--device", "cpu"],
+     None, (bench, "read_bandwidth"), "bench.py decode in torch.float32 at --batch 100000000" + E),
+    ("bench train", bench.main, ["train", "--preset", "tiny", "--train-batch", "1000000", "--device", "cpu"], None,
+     (bench, "GPT"), "bench.py train --train-batch 1000000 x --seq-len 256" + L),
+    ("bench kd", bench.main, ["kd", "--train-batch", "100000", "--device", "cpu"], None, (bench, "GPT"),
+     "bench.py kd --train-batch 100000 x --seq-len 512" + L),
+    ("bench plt", bench.main, ["plt", "--preset", "tiny", "--batch", "100000000", "--device", "cpu"], None,
+     (bench, "generation_times"), "bench.py plt in torch.float32 at --batch 100000000, 288 positions" + E),
+    ("bench roofline", bench.main, ["roofline", "--preset", "tiny", "--rows", "1000000000"], None,
+     (bench, "read_bandwidth"), "bench.py roofline in torch.float32 at 1,000,000,000 rows" + E),
+    ("bench ckpt: a budget", bench.main, ["ckpt", "--preset", "tiny"], 1_000_000, (bench, "GPT"),
+     "bench.py ckpt --preset tiny" + E),
+    ("bench double: layers", bench.main, ["double", "--preset", "tiny", "--ctx-layers", "1000000000", "--device",
+                                          "cpu"], None, (bench, "GPT"),
+     "bench.py double in torch.float32 at --batch 8"),
+    ("bench archs", bench.main, ["archs", "--batch", "100000000", "--device", "cpu"], None,
+     (bench, "generation_times"), "bench.py archs in torch.float32 at --batch 100000000, prompt 160 / new 8" + E),
+    ("bench block: --scale", bench.main, ["block", "--scale", "1000000", "--device", "cpu"], None,
+     (bench, "block_pair"), "bench.py block in torch.bfloat16 at --scale 1e+06 (2,176,000,000 positions)"),
+]
+
+
+@pytest.fixture(scope="module")
+def memory_files(eval_files):
+    write_hf_dir(eval_files / "hf-long", config={"max_position_embeddings": 2 ** 20},
+                 tokenizer_from=eval_files / "ok.gguf")
+    return eval_files
+
+
+@pytest.mark.parametrize("what,run,argv,budget,guard,match", MEMORY, ids=[r[0] for r in MEMORY])
+def test_what_a_command_will_allocate_is_checked_first(memory_files, capsys, monkeypatch, what, run, argv, budget,
+                                                       guard, match):
+    d = str(memory_files)
+    if budget is not None:
+        monkeypatch.setattr(cli, "available_memory", lambda device: (budget, "test budget"))
+    monkeypatch.setattr(*guard, lambda *a, **k: pytest.fail(f"{guard[1]} ran: the check came too late"))
+    monkeypatch.setattr(bench, "rounds", lambda *a, **k: pytest.fail("a benchmark ran"))
+    one_error_line(capsys, run, [a.replace("{d}", d) for a in argv], match.replace("{d}", d))
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # 6. Messages that said something else
 
 
@@ -801,3 +923,50 @@ def test_skipped_documents_are_counted_as_documents(tmp_path):
     assert list(data.iter_jsonl_docs(f, stats)) == ["ok"]
     assert stats.summary() == (f"1 document with malformed JSON (first at {f}:6), 4 documents with undecodable bytes "
                                f"(first at {f}:1)")
+
+
+def _train_actions():
+    import train
+
+    ap = train.build_parser(checkpoint.arch_table())
+    return [(a.option_strings[0], a) for a in ap._actions if a.option_strings and a.help], ap
+
+
+TRAIN_FLAGS, TRAIN_PARSER = _train_actions()
+
+
+@pytest.mark.parametrize("flag,action", TRAIN_FLAGS, ids=[f for f, _ in TRAIN_FLAGS])
+def test_train_help_says_each_default_once(flag, action):
+    """`train.py --help`: never "(default: plt) (default: None)"; a default the help text does not state is added."""
+    text = TRAIN_PARSER._get_formatter()._expand_help(action)
+    assert text.lower().count("default") <= 1, text
+    assert "(default: None)" not in text and "(default: False)" not in text, text
+    if action.default not in (None, False, "", "==SUPPRESS==") and "default" not in action.help.lower():
+        assert text.endswith(f"(default: {action.default})"), text
+
+
+MODEL_SHAPES = [("vanilla", "tiny"), ("vanilla", "pythia-1b"), ("vanilla", "gemma-2b"), ("recursive", "tiny"),
+                ("relaxed", "tiny"), ("relaxed", "small"), ("block", "tiny"), ("block", "t3-19m"), ("plt", "tiny"),
+                ("double", "tiny")]
+
+
+@pytest.mark.parametrize("arch,preset", MODEL_SHAPES, ids=[f"{a} {p}" for a, p in MODEL_SHAPES])
+def test_model_memory_from_the_config_is_the_built_models_weights(arch, preset):
+    """model.model_memory, from the config alone, against the model built on the meta device: exact for the vanilla
+    decoder (tied or not, GELU or gated MLP with biases, LayerNorm, decoupled head_dim), the recursive and relaxed
+    models (shared layers once, LoRA per loop) and the Block Transformer (two decoders, embedder, context projection);
+    within 1% where gates or loop norms are left out (PLT, the double decoder). Its KV piece is the cache a model
+    allocates."""
+    from model import kv_bytes, model_memory, param_bytes
+
+    spec = checkpoint.arch_table()[arch]
+    cfg = spec.make_config(preset)
+    with torch.device("meta"):
+        m = spec.model_cls(cfg)
+    est, real = model_memory(cfg)["weights"], param_bytes(m)
+    assert est == real if arch in ("vanilla", "recursive", "relaxed", "block") else \
+        est == pytest.approx(real, rel=0.01), (est, real)
+    if arch == "vanilla":
+        with torch.device("meta"):
+            cache = m.new_cache(3, 40)
+        assert cache.nbytes() == kv_bytes(cfg.n_layer, 3, 40, cfg.n_kv_head, cfg.hd, 4) == m.kv_cache_bytes(3, 40, 4)

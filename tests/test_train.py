@@ -519,8 +519,8 @@ def test_a_batch_that_cannot_fit_is_refused_before_the_first_step(tmp_path, corp
     calls = []
     monkeypatch.setattr(cli, "available_memory", lambda device: (50_000_000, "test budget"))
     monkeypatch.setattr(train, "make_optimizer", lambda *a: calls.append(a))
-    with pytest.raises(train.UsageError, match=r"--batch-size 64 x --seq-len 64 needs about 0.\d GB \([\d,]+ bytes\) "
-                                               r"per training step \(activations .* but cpu has 0.1 GB available"):
+    with pytest.raises(train.UsageError, match=r"--batch-size 64 x --seq-len 64 needs about 0.\d+ GB \([\d,]+ bytes\) "
+                                               r"per training step \(activations .* but cpu has 0.05 GB available"):
         train.train(base_args(corpus, tmp_path, "--batch-size", "64", "--max-iters", "1"))
     assert not calls  # refused before the optimizer (and any activation) was allocated
 
@@ -628,3 +628,222 @@ def test_mix_data_run_trains_on_both_corpora(tmp_path, corpus, capsys):
     ck = checkpoint.load_checkpoint(tmp_path / "out" / "ckpt.pt")
     assert ck["args"]["mix_data"] == str(tmp_path / "mix") and ck["args"]["mix_weight"] == 0.25
     assert other.exists()
+
+
+# ---- the divergence warning knows where the run started ---------------------------------------------------------
+
+V = 49152  # SmolLM2's vocabulary: ln V + 1 = 11.80
+DIVERGENCE = [  # (what, --init-from, resumed at step, best validation loss so far, this one, the warning, a note?)
+    ("random start, first evaluation below ln V + 1", None, 0, math.inf, 10.0, None, False),
+    ("random start, first evaluation above ln V + 1", None, 0, math.inf, 12.5,
+     "validation loss 12.5000 at step 10, the first evaluation, is above ln(49152) + 1 = 11.8027, a nat worse than a "
+     "uniform guess, where a model from random weights starts: the run has diverged (lower --lr, now 0.0003)", False),
+    ("a converted start above ln V + 1", "smollm2-135m", 0, math.inf, 12.5, None, True),
+    ("a converted start, then a nat above it", "smollm2-135m", 0, 12.5, 13.6,
+     "validation loss 13.6000 at step 10 is more than a nat above the best of this run so far (12.5000): the run has "
+     "diverged (lower --lr, now 0.0003)", False),
+    ("a converted start, then recovering", "smollm2-135m", 0, 12.5, 9.0, None, False),
+    ("a resumed run without an evaluation", None, 4, math.inf, 12.5, None, True),
+    ("a resumed run, a nat above its best", None, 4, 3.0, 4.1, "more than a nat above the best of this run so far "
+                                                             "(3.0000)", False),
+]
+
+
+@pytest.mark.parametrize("what,init,start,best,val,warning,note", DIVERGENCE, ids=[r[0] for r in DIVERGENCE])
+def test_the_divergence_warning_compares_with_the_start(capsys, what, init, start, best, val, warning, note):
+    import types
+    import warnings
+
+    run = types.SimpleNamespace(tok=types.SimpleNamespace(n_vocab=V), best_val=best, start_step=start,
+                                warned_divergence=False, master=True,
+                                args=types.SimpleNamespace(lr=3e-4, init_from=init, out_dir="out/x"))
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        train.check_val_loss(run, val, 10)
+    messages = [str(w.message) for w in said]
+    assert messages == [] if warning is None else (len(messages) == 1 and warning in messages[0]), messages
+    assert ("note: validation loss" in capsys.readouterr().out) == note
+
+
+# ---- --resume parses every saved flag as if typed ----------------------------------------------------------------
+
+SAVED_FLAGS = [  # (the run, the saved flag edited, its value, the message after "checkpoint PATH: its saved flag ")
+    ("vanilla", "batch_size", 0, "--batch-size = 0 is refused as if typed (must be >= 1, got 0)"),
+    ("vanilla", "batch_size", "16", "--batch-size = '16' is not an integer"),
+    ("vanilla", "batch_size", 16.0, "--batch-size = 16.0 is not an integer"),
+    ("vanilla", "grad_accum", True, "--grad-accum = True is not an integer"),
+    ("vanilla", "seq_len", None, "--seq-len = None is missing, but --seq-len takes a value"),
+    ("vanilla", "seq_len", 100000, "--seq-len 100000 exceeds the context of its model (64 positions)"),
+    ("vanilla", "lr", float("nan"), "--lr = nan is refused as if typed (must be a finite number, got nan)"),
+    ("vanilla", "weight_decay", -1.0, "--weight-decay = -1.0 is refused as if typed (must be >= 0, got -1.0)"),
+    ("vanilla", "kd", "xyz", "--kd = 'xyz' is refused as if typed (invalid choice: 'xyz'"),
+    ("vanilla", "dtype", "fp8", "--dtype = 'fp8' is refused as if typed (invalid choice: 'fp8'"),
+    ("vanilla", "arch", "nope", "--arch = 'nope' is refused as if typed (invalid choice: 'nope'"),
+    ("vanilla", "arch", "plt", "--arch 'plt' contradicts its model, a vanilla one; a run of it would write a "
+                               "checkpoint nothing can load"),
+    ("vanilla", "data", 5, "--data = 5 is not text"),
+    ("vanilla", "val_data", "", "--val-data = '' is refused as if typed (expected a path, got ''"),
+    ("vanilla", "exclude_sets", ["a"], "--exclude-sets = a list is not text"),
+    ("vanilla", "compile", "yes", "--compile = 'yes' is not true or false"),
+    ("vanilla", "seed", -1, "--seed = -1 is refused as if typed (must be >= 0, got -1)"),
+    ("vanilla", "task_p", "99", "--task-p = '99' is refused as if typed ('99': hops must lie in 1..8"),
+    ("vanilla", "device", "cuda:7", "--device cuda:7: "),
+    ("relaxed", "loops", 3, "--loops = 3 contradicts its relaxed config (or the architecture refuses it)"),
+    ("relaxed", "lora_rank_q", 5, "--lora-rank-q = 5 contradicts its relaxed config"),
+]
+
+
+@pytest.fixture(scope="module")
+def vanilla_ckpt(corpus, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("vanilla")
+    train.train(base_args(corpus, tmp, "--max-iters", "1", "--sample-tokens", "0"))
+    return tmp
+
+
+@pytest.mark.parametrize("run,dest,value,match", SAVED_FLAGS, ids=[f"{r[0]} {r[1]}={r[2]!r}" for r in SAVED_FLAGS])
+def test_resume_parses_every_saved_flag_as_if_typed(tmp_path, capsys, monkeypatch, vanilla_ckpt, relaxed_ckpt, run,
+                                                    dest, value, match):
+    """One bad field of a checkpoint's saved run arguments is one line naming the file and the flag, before the model
+    is built (never one of a dozen tracebacks, never a checkpoint under another architecture's name)."""
+    src = {"vanilla": vanilla_ckpt, "relaxed": relaxed_ckpt}[run]
+    ck = torch.load(src / "out" / "ckpt.pt", weights_only=True)
+    ck["args"] = {**ck["args"], dest: value}
+    path = tmp_path / "out" / "ckpt.pt"
+    checkpoint.save_checkpoint(path, ck)
+    monkeypatch.setattr(train, "build_models", lambda *a: pytest.fail("the model was built"))
+    with pytest.raises(SystemExit) as e:
+        train.main(["--resume", "--out-dir", str(path.parent), "--cache-dir", str(src / "cache"), "--max-iters", "3"])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert e.value.code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"error: checkpoint {path}: its saved flag {match}"), err[0]
+
+
+def test_resume_takes_the_saved_flags_that_are_sound(tmp_path, vanilla_ckpt, relaxed_ckpt):
+    """The unedited checkpoints resume (so that each row above fails for its own edit)."""
+    import shutil
+
+    for src in (vanilla_ckpt, relaxed_ckpt):
+        shutil.copytree(src / "out", tmp_path / src.name)
+        train.train(["--resume", "--out-dir", str(tmp_path / src.name), "--cache-dir", str(src / "cache"),
+                     "--max-iters", "3", "--sample-tokens", "0"])
+        assert checkpoint.load_checkpoint(tmp_path / src.name / "ckpt.pt")["step"] == 3
+
+
+def test_resume_writes_the_token_cache_where_the_command_says(tmp_path, monkeypatch, vanilla_ckpt):
+    """The checkpoint's saved cache_dir (here ../ out of the run's directory) never decides where --resume writes the
+    token cache: this command's --cache-dir, or its default data_cache in the working directory."""
+    ck = torch.load(vanilla_ckpt / "out" / "ckpt.pt", weights_only=True)
+    ck["args"] = {**ck["args"], "cache_dir": str(tmp_path / "run" / ".." / "escaped")}
+    checkpoint.save_checkpoint(tmp_path / "run" / "ckpt.pt", ck)
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    train.train(["--resume", "--out-dir", str(tmp_path / "run"), "--max-iters", "2", "--sample-tokens", "0"])
+    assert not (tmp_path / "escaped").exists() and any((tmp_path / "cwd" / "data_cache").iterdir())
+
+
+# ---- one run per --out-dir: the lock file ------------------------------------------------------------------------
+
+
+def _live_process():
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    return p, p.pid
+
+
+def _dead_pid():
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+LOCKS = [  # (what, the owner line of the lock file found in --out-dir, refused?, the message)
+    ("a live run", lambda pid, start, host: f"{pid} {start} {host}\n", True,
+     "--out-dir {out} is in use by another train.py run (pid {pid}; lock file {out}/train.lock): two runs would "
+     "overwrite each other's checkpoints"),
+    ("a live run on another machine", lambda pid, start, host: f"{pid} {start} elsewhere\n", True,
+     "is in use by another train.py run (pid {pid} on elsewhere; lock file"),
+    ("a dead run (kill -9)", lambda pid, start, host: f"{_dead_pid()} 1 {host}\n", False,
+     "--out-dir {out}: its lock file {out}/train.lock was left by pid "),
+    ("a reused pid (another start time)", lambda pid, start, host: f"{pid} 1 {host}\n", False,
+     "--out-dir {out}: its lock file {out}/train.lock was left by pid {pid}, which is no longer running"),
+    ("an old lock file without an owner line", None, False, "was left by a run, which is no longer running"),
+]
+
+
+@pytest.mark.parametrize("what,line,refused,match", LOCKS, ids=[r[0] for r in LOCKS])
+def test_an_out_dir_in_use_by_another_run_is_refused(tmp_path, corpus, capsys, monkeypatch, what, line, refused,
+                                                     match):
+    import socket
+
+    out = tmp_path / "out"
+    out.mkdir()
+    proc, pid = _live_process()
+    try:
+        lock = out / "train.lock"
+        if line is None:
+            lock.write_text("garbage")
+            os.utime(lock, (0, 0))  # written long ago
+        else:
+            lock.write_text(line(pid, cli._process_start(pid), socket.gethostname()))
+        before = lock.read_text()
+        if refused:
+            monkeypatch.setattr(train, "build_models", lambda *a: pytest.fail("the run started"))
+        with pytest.raises(SystemExit) as e:
+            train.main(base_args(corpus, tmp_path, "--max-iters", "1", "--sample-tokens", "0"))
+            raise SystemExit(0)
+        err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+        said = [ln for ln in err if match.format(out=out, pid=pid) in ln]
+        assert len(said) == 1, err
+        if refused:
+            assert e.value.code == 2 and said[0].startswith("error: ") and lock.read_text() == before
+            assert not (out / "ckpt.pt").exists()
+        else:
+            assert e.value.code == 0 and said[0].startswith("warning: ") and not lock.exists()  # taken, then released
+            assert checkpoint.load_checkpoint(out / "ckpt.pt")["step"] == 1
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+STOPS = [  # (what, where the run stops, the exception, its exit code)
+    ("an error after the lock", "build_models", cli.UsageError("a batch that cannot fit"), 2),
+    ("Ctrl-C during setup", "load_data", KeyboardInterrupt(), 130),
+    ("SIGTERM during setup", "load_data", "SIGTERM", 130),
+    ("SIGTERM in the first step", "batch_on_device", "SIGTERM", 130),
+]
+
+
+@pytest.mark.parametrize("what,where,exc,code", STOPS, ids=[r[0] for r in STOPS])
+def test_the_lock_is_removed_however_the_run_ends(tmp_path, corpus, capsys, monkeypatch, what, where, exc, code):
+    """...and SIGTERM before the first step (during setup) is `stopped: ...` and exit code 130 like Ctrl-C."""
+    import signal
+
+    real = getattr(train, where)
+
+    def stop(*a, **k):
+        if exc == "SIGTERM":
+            os.kill(os.getpid(), signal.SIGTERM)
+            return real(*a, **k)  # the handler raises at the next bytecode, or the loop stops after this step
+        raise exc
+
+    monkeypatch.setattr(train, where, stop)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        train.main(base_args(corpus, tmp_path, "--max-iters", "3", "--sample-tokens", "0"))
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert e.value.code == code and len(err) == 1 and err[0].startswith("error: " if code == 2 else "stopped: "), err
+    assert out.is_dir() and not (out / "train.lock").exists()
+    monkeypatch.setattr(train, where, real)
+    train.train(base_args(corpus, tmp_path, "--max-iters", "1", "--sample-tokens", "0"))  # the directory is free again
+
+
+def test_resume_of_run_arguments_without_arch_keeps_the_checkpoints(tmp_path, relaxed_ckpt):
+    """Saved run arguments without an --arch (an older or edited file): the run goes on as the checkpoint's
+    architecture, so that the checkpoint it writes loads (never under the default's name)."""
+    ck = torch.load(relaxed_ckpt / "out" / "ckpt.pt", weights_only=True)
+    ck["args"] = {k: v for k, v in ck["args"].items() if k != "arch"}
+    checkpoint.save_checkpoint(tmp_path / "out" / "ckpt.pt", ck)
+    train.train(["--resume", "--out-dir", str(tmp_path / "out"), "--cache-dir", str(relaxed_ckpt / "cache"),
+                 "--max-iters", "3", "--sample-tokens", "0"])
+    ck = checkpoint.load_checkpoint(tmp_path / "out" / "ckpt.pt")
+    assert ck["arch"] == ck["args"]["arch"] == "relaxed" and ck["step"] == 3
+    checkpoint.model_from_checkpoint(ck)
