@@ -22,14 +22,15 @@ def reads_back(node) -> bool:
 
 class GraphCheck:
     """backend=GraphCheck() for model.compile_step: .graphs (frames compiled), .unsafe (names of mutated inputs that
-    are neither parameters, buffers nor static addresses), .syncs (ops that read a device value back to the host).
-    The graphs run as traced (no kernels generated)."""
+    are neither parameters, buffers nor static addresses), .syncs (ops that read a device value back to the host),
+    .ops (every op the graphs call). The graphs run as traced (no kernels generated)."""
 
     def __init__(self):
-        self.graphs, self.unsafe, self.syncs = 0, [], []
+        self.graphs, self.unsafe, self.syncs, self.ops = 0, [], [], set()
 
     def __call__(self, gm, example_inputs):
         self.graphs += 1
+        self.ops.update(str(n.target) for n in gm.graph.nodes)
         names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
 
         def forward_compiler(fgm, _inputs):
