@@ -490,8 +490,9 @@ class Terminated(KeyboardInterrupt):
 @contextlib.contextmanager
 def _sigterm_interrupts():
     """While a command runs (run_cli): SIGTERM raises Terminated, so that `kill PID` stops every command like Ctrl-C
-    (`stopped: ...`, exit code 130) instead of ending the process with no word. train.py's loop installs its own
-    handlers over this one (stop_signals: finish the step, write the checkpoint). Only the main thread gets signals."""
+    (`stopped: ...`, exit code 130) instead of ending the process with no word, and Ctrl-C raises KeyboardInterrupt
+    again (startup.py's handler covered the imports). train.py's loop installs its own handlers over these
+    (stop_signals: finish the step, write the checkpoint). Only the main thread gets signals."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -499,11 +500,13 @@ def _sigterm_interrupts():
     def on_sigterm(signum, frame):
         raise Terminated
 
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, on_sigterm),  # startup.py's handlers before this
+                signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler)}  # Ctrl-C: KeyboardInterrupt
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def run_cli(fn, argv=None, expected=EXPECTED_ERRORS):

@@ -42,17 +42,9 @@ Run:
 """
 from __future__ import annotations
 
-if __name__ == "__main__":  # Ctrl-C or SIGTERM during the imports below (a second or more): `stopped:`, exit code 130
-    import signal
-    import sys
-
-    def _stopped_while_starting(signum, frame):  # what cli.run_cli says later, before it can be imported
-        print(f"stopped: {'terminated (SIGTERM)' if signum == signal.SIGTERM else 'interrupted (Ctrl-C)'} while "
-              f"starting", file=sys.stderr)
-        raise SystemExit(130)
-
-    for _signal in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(_signal, _stopped_while_starting)
+if __name__ == "__main__":  # Ctrl-C or SIGTERM during the imports below: `stopped:`, exit code 130
+    import startup
+    startup.stop_while_starting()
 
 import json
 import warnings
@@ -804,5 +796,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C raises KeyboardInterrupt again (run_cli's)
     main()

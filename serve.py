@@ -46,6 +46,10 @@ Run:
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # Ctrl-C or SIGTERM during the imports below: `stopped:`, exit code 130
+    import startup
+    startup.stop_while_starting()
+
 import argparse
 import math
 import time

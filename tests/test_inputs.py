@@ -798,7 +798,7 @@ def test_sigterm_stops_a_real_serve_run(tmp_path):
     assert "Traceback" not in err
 
 
-STARTING = [(cmd, sig) for cmd in ("train.py", "eval.py", "bench.py", "hf.py", "tasks.py")
+STARTING = [(cmd, sig) for cmd in ("train.py", "eval.py", "bench.py", "hf.py", "tasks.py", "serve.py")
             for sig in (signal.SIGTERM, signal.SIGINT)]
 
 
@@ -806,8 +806,7 @@ STARTING = [(cmd, sig) for cmd in ("train.py", "eval.py", "bench.py", "hf.py", "
 @pytest.mark.parametrize("cmd,sig", STARTING, ids=[f"{c} {s.name}" for c, s in STARTING])
 def test_a_signal_during_the_imports_stops_with_exit_130(cmd, sig):
     """The signal arrives while torch is being imported (its library is mapped, the command's own code has not run):
-    `stopped: ...` and exit code 130, as later, never 143 or a KeyboardInterrupt traceback. (serve.py: another
-    change.)"""
+    `stopped: ...` and exit code 130, as later, never 143 or a KeyboardInterrupt traceback (startup.py)."""
     proc = subprocess.Popen([sys.executable, str(ROOT / cmd), "--help"], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     try:
