@@ -1131,7 +1131,7 @@ def least_step_memory(batch, seq_len, vocab_rows, dtype, model=None) -> dict:
 # Known CUDA cards: (a part of torch.cuda.get_device_name, dense bf16 tensor FLOP/s, memory bandwidth in bytes/s), the
 # vendors' datasheet peaks. train.py's step line reports MFU against the first, serve.py's table the bandwidth against
 # the second. A device takes the first row whose name part its name contains: the more specific names come first.
-PEAK = [("H200", 989e12, 4.8e12), ("H100 PCIe", 989e12, 2.0e12), ("H100", 989e12, 3.35e12),
+PEAK = [("H200", 989e12, 4.8e12), ("H100 PCIe", 756e12, 2.0e12), ("H100", 989e12, 3.35e12),
         ("A100-SXM4-40GB", 312e12, 1.555e12), ("A100-PCIE-40GB", 312e12, 1.555e12), ("A100", 312e12, 2.039e12),
         ("L40S", 362e12, 0.864e12), ("A10G", 125e12, 0.6e12), ("4090", 165e12, 1.008e12)]
 
