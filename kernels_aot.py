@@ -200,8 +200,8 @@ def _cubin_resources(cubin: bytes, kernel_name: str):
 def aot_report(targets=(80, 90), cases=None):
     """Compile every kernel of every case (default: aot_cases()) for each target -> rows (dicts): kernel, case,
     target ("sm_90"), dtype, shared (bytes), shared_limit, regs, spills (stack frame bytes per thread, ptxas -v's
-    figure), ptx_entry (the PTX defines the kernel's entry), seconds (compile time; ~0 on a Triton cache hit), error (None,
-    or the compile error: one failing kernel does not stop the report)."""
+    figure), ptx_entry (the PTX defines the kernel's entry), seconds (compile time; ~0 on a Triton cache hit),
+    error (None, or the compile error: one failing kernel does not stop the report)."""
     import time
 
     rows = []

@@ -901,7 +901,8 @@ def add_args(ap: argparse.ArgumentParser):
     g.add_argument("--sharing", default=None, choices=SHARINGS,
                    help="which layers loop: cycle (all, the default) or middle_cycle (the first and last layer unique, "
                         "the middle looped; Mixture-of-Recursions)")
-    g.add_argument("--lora-rank", type=int, default=None, help="relaxed: LoRA rank of every component (default: preset)")
+    g.add_argument("--lora-rank", type=int, default=None,
+                   help="relaxed: LoRA rank of every component (default: preset)")
     for c in COMPONENTS:
         g.add_argument(f"--lora-rank-{c}", type=int, default=None, help=f"relaxed: LoRA rank of the {c} projections")
     g.add_argument("--lora-init", default=None, choices=["svd", "zero"],

@@ -399,7 +399,8 @@ def read_results(path) -> dict[str, dict[int, dict]]:
             raise UsageError(f"--results {path} line {n} is not a JSON line ({type(e).__name__})") from None
         acc = r.get("acc") if isinstance(r, dict) else None
         seed = r.get("seed") if isinstance(r, dict) else None
-        if not (isinstance(r, dict) and isinstance(r.get("row"), str) and isinstance(seed, int) and not isinstance(seed, bool)
+        if not (isinstance(r, dict) and isinstance(r.get("row"), str)
+                and isinstance(seed, int) and not isinstance(seed, bool)
                 and isinstance(acc, dict) and acc and all(str(k).isdigit() for k in acc)
                 and all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1
                         for v in acc.values())):

@@ -66,7 +66,8 @@ def test_aot_presets_match_the_models():
 
     lora = {}
     for name, p in recursive.RELAXED_PRESETS.items():
-        ranks = tuple(sorted({r for k, r in p.items() if k.startswith("lora_rank_") and 0 < r <= kernels.MAX_LORA_RANK}))
+        ranks = tuple(sorted({r for k, r in p.items()
+                              if k.startswith("lora_rank_") and 0 < r <= kernels.MAX_LORA_RANK}))
         if ranks:
             lora[name] = dict(d=p["n_embd"], n_loops=p["n_loops"], ranks=ranks)
     assert kernels_aot.AOT_PRESETS == {

@@ -347,7 +347,8 @@ def test_full_rank_relaxed_conversion_of_an_import_matches_transformers(tmp_path
                                         ("relaxed", ["--loops", "2", "--init", "average", "--lora-rank", "4"]),
                                         ("block", [])])
 def test_train_converts_an_hf_checkpoint(tmp_path, arch, extra):
-    """`train.py --arch X --init-from hf:DIR` converts an imported model (issue 9: every conversion, not only vanilla)."""
+    """`train.py --arch X --init-from hf:DIR` converts an imported model (every conversion, not only
+    vanilla)."""
     d = tmp_path / "hf"
     hf_dir_with_tokenizer(d)
     corpus = write_jsonl(tmp_path / "data" / "corpus.jsonl", texts(70))
@@ -361,4 +362,5 @@ def test_train_converts_an_hf_checkpoint(tmp_path, arch, extra):
     assert ck["arch"] == arch and ck["tokenizer"] == {"kind": "hf", "path": str(d.resolve())}
     model = checkpoint.model_from_checkpoint(ck)
     imported = hf.from_pretrained(d)
-    assert torch.equal(model.tok_emb.weight, imported.tok_emb.weight)  # copied by the conversion  # the imported vocabulary, not the run's default tokenizer
+    # copied by the conversion: the imported vocabulary, not the run's default tokenizer
+    assert torch.equal(model.tok_emb.weight, imported.tok_emb.weight)

@@ -232,7 +232,8 @@ def test_per_row_path_runs_multi_lora_and_equals_the_triton_kernel(monkeypatch):
     """LoRALinear's per-row path goes through kernels.multi_lora; with the Triton kernel in its place (run by the
     Triton interpreter on CPU, TRITON_INTERPRET=1 from conftest.py) the output equals running each loop separately."""
     if kernels.triton is None:
-        pytest.skip("Triton is not installed; the reference path is tested by test_per_row_index_equals_int_index_per_row")
+        pytest.skip("Triton is not installed; the reference path is tested by "
+                    "test_per_row_index_equals_int_index_per_row")
     lin = lora_layer(din=24, dout=20, rank=5)
     x = torch.randn(4, 3, 24)
     idx = torch.tensor([2, 0, -1, 1])
