@@ -35,7 +35,6 @@ if __name__ == "__main__":  # Ctrl-C or SIGTERM during the imports below: `stopp
 
 import argparse
 import contextlib
-import functools
 import json
 import math
 import os
@@ -55,34 +54,17 @@ from checkpoint import (add_arch_args, arch_table, given_flags, init_from, load_
                         save_checkpoint, warn_inapplicable)
 from checkpoint import load_checkpoint  # noqa: F401 - train.load_checkpoint, as the architectures' tests read a run
 from cli import (DTYPES, ArgumentParser, CheckpointError, DefaultsHelpFormatter, Stopped, UsageError, check_device,
-                 check_disk_space, check_memory, check_writable_dir, comma_list, number, path_arg, release_dir_lock,
-                 run_cli, seed_arg, stop_signals, take_dir_lock, user_input)
+                 check_disk_space, check_step_memory, check_writable_dir, comma_list, hold_dir_lock, log, number,
+                 path_arg, releasing_dir_locks, run_cli, seed_arg, stop_signals, user_input)
 from data import MixedData, TokenData, Tokenizer, first_tokens_windows, padded_vocab, prepare_corpus, step_generator
 from model import (ArchSpec, distill_loss, least_step_memory, lm_loss, make_optimizer, peak_flops, pick_device,
                    pick_dtype, step_memory, windows_loss)
-
-_locks: list[Path] = []  # the --out-dir lock setup_run takes (cli.take_dir_lock), released when train() ends
-
-
-def releasing_lock(fn):
-    """train(): the --out-dir lock setup_run takes is released when the run ends, however it ends (an error, Ctrl-C,
-    SIGTERM, Stopped)."""
-    @functools.wraps(fn)
-    def run(argv=None):
-        held = len(_locks)
-        try:
-            return fn(argv)
-        finally:
-            while len(_locks) > held:
-                release_dir_lock(_locks.pop())
-    return run
-
 
 # ----------------------------------------------------------------------------------------------------------------
 # The training loop
 
 
-@releasing_lock
+@releasing_dir_locks()
 def train(argv=None):
     """One run: setup_run builds everything from the flags (and refuses what cannot work before the first step), then
     the loop. -> the last logged losses, the best validation loss and, on a task, the last validation accuracies."""
@@ -366,7 +348,7 @@ def setup_run(argv) -> Run:
     spec = table[args.arch]
     start_step, best_val, length_notes = check_run_args(args, spec, resume_ck, given)
     if int(os.environ.get("RANK", "0")) == 0:  # one run per --out-dir (under torchrun rank 0 holds it)
-        _locks.append(take_dir_lock(args.out_dir, "--out-dir"))
+        hold_dir_lock(args.out_dir, "--out-dir")
     ddp, rank, local_rank, world, device = setup_distributed(args.device)
     master = rank == 0
     curve_steps = check_curve(args, world)
@@ -676,12 +658,6 @@ def setup_distributed(device_flag):
     return False, 0, 0, 1, pick_device(device_flag)
 
 
-def log(msg, master=True):
-    if master:
-        tqdm.write(msg, file=sys.stdout)
-        sys.stdout.flush()
-
-
 def build_model(args, spec: ArchSpec, tok: Tokenizer, table, ap, given, master):
     """Fresh model from the preset, or --init-from (checkpoint.init_from: same arch, the weights and the recipe flags
     typed; vanilla, the conversion). The flags' config fields are checked either way."""
@@ -691,14 +667,6 @@ def build_model(args, spec: ArchSpec, tok: Tokenizer, table, ap, given, master):
     if args.init_from:
         return init_from(args, spec, tok, table, ap, given, note=lambda line: log(line, master))
     return spec.model_cls(spec.make_config(args.preset, **overrides))
-
-
-def check_step_memory(need: dict, device, args, at_least=False):
-    """A memory estimate of one step (model.step_memory or least_step_memory) against the memory available
-    (cli.check_memory): a batch that cannot fit is refused, one line, before the first step allocates it."""
-    return check_memory(need, device, f"--batch-size {args.batch_size} x --seq-len {args.seq_len}",
-                        "lower --batch-size (--grad-accum keeps the tokens per step) or --seq-len, or take a smaller "
-                        "model (--preset, --loops)", per="per training step", at_least=at_least)
 
 
 def objective_line(args, cfg, teacher) -> tuple[str, bool, bool]:
