@@ -56,7 +56,7 @@ from checkpoint import load_checkpoint  # noqa: F401 - train.load_checkpoint, as
 from cli import (DTYPES, ArgumentParser, CheckpointError, DefaultsHelpFormatter, Stopped, UsageError, check_device,
                  check_disk_space, check_step_memory, check_writable_dir, comma_list, hold_dir_lock, log, number,
                  path_arg, releasing_dir_locks, run_cli, seed_arg, stop_signals, user_input)
-from data import MixedData, TokenData, Tokenizer, first_tokens_windows, padded_vocab, prepare_corpus, step_generator
+from data import Tokenizer, first_tokens_windows, load_data, padded_vocab, step_generator
 from model import (ArchSpec, distill_loss, least_step_memory, lm_loss, make_optimizer, peak_flops, pick_device,
                    pick_dtype, step_memory, windows_loss)
 
@@ -491,27 +491,6 @@ def build_models(args, spec: ArchSpec, table, ap, given, resume_ck, dtype, devic
         raise UsageError(f"model vocabulary {model.config.vocab_size} is smaller than the tokenizer's {tok.n_vocab}")
     teacher = load_teacher(args, spec, tok, table) if args.teacher else None
     return tok, task, model, teacher
-
-
-def load_data(args, task, tok, master, ddp):
-    """The corpus as token shards (rank 0 tokenizes, the others wait for it), or a synthetic task generated per
-    batch -> (train data, val data)."""
-    if task is not None:
-        return tasks.TaskData(task, "train"), tasks.TaskData(task, "val")
-    exclude = [s for s in args.exclude_sets.split(",") if s]
-    caches = [None, None]  # --data's, --mix-data's
-    if master:
-        caches[0] = prepare_corpus(args.data, tok, args.cache_dir, exclude, args.val_data)
-        if args.mix_data:  # every file of it trains: named as its own validation data, no file is held out
-            caches[1] = prepare_corpus(args.mix_data, tok, args.cache_dir, exclude, val_data=args.mix_data)
-    if ddp:
-        obj = [str(c) if master and c is not None else None for c in caches]
-        dist.broadcast_object_list(obj, src=0)
-        caches = [Path(c) if c else None for c in obj]
-    train = TokenData(caches[0], "train")
-    if args.mix_data:  # --mix-weight of the training windows from --mix-data; validation stays --data's
-        train = MixedData([train, TokenData(caches[1], "train")], [1 - args.mix_weight, args.mix_weight])
-    return train, TokenData(caches[0], "val")
 
 
 # ----------------------------------------------------------------------------------------------------------------
