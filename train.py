@@ -49,14 +49,12 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import tasks
-from checkpoint import (add_arch_args, arch_table, given_flags, init_from, load_optimizer_state, load_teacher,
-                        model_from_checkpoint, resume_length, resume_run, run_checkpoint, run_tokenizer,
-                        save_checkpoint, warn_inapplicable)
-from checkpoint import load_checkpoint  # noqa: F401 - train.load_checkpoint, as the architectures' tests read a run
-from cli import (DTYPES, ArgumentParser, CheckpointError, DefaultsHelpFormatter, Stopped, UsageError, check_device,
-                 check_disk_space, check_step_memory, check_writable_dir, comma_list, hold_dir_lock, log, number,
-                 path_arg, releasing_dir_locks, run_cli, seed_arg, stop_signals, user_input)
-from data import Tokenizer, first_tokens_windows, load_data, padded_vocab, step_generator
+from checkpoint import (add_arch_args, arch_table, build_models, check_run_args, given_flags, load_optimizer_state,
+                        resume_run, run_checkpoint, save_checkpoint, warn_inapplicable)
+from cli import (DTYPES, ArgumentParser, CheckpointError, DefaultsHelpFormatter, Stopped, UsageError,
+                 check_disk_space, check_step_memory, comma_list, hold_dir_lock, log, number, path_arg,
+                 releasing_dir_locks, run_cli, seed_arg, stop_signals, user_input)
+from data import Tokenizer, first_tokens_windows, load_data, step_generator
 from model import (ArchSpec, distill_loss, least_step_memory, lm_loss, make_optimizer, peak_flops, pick_device,
                    pick_dtype, step_memory, windows_loss)
 
@@ -453,46 +451,6 @@ def parse_run_args(argv, table):
     return ap, args, given, resume_ck, notes
 
 
-def check_run_args(args, spec: ArchSpec, resume_ck, given) -> tuple[int, float, list[str]]:
-    """The architecture's defaults, then the checks made before anything is built: --device, --out-dir and --cache-dir
-    writable, a resumed run not past --max-iters -> (the first step, the best validation loss so far, notes about the
-    resumed run's length)."""
-    try:
-        resolve_defaults(args, spec)
-    except UsageError as e:  # on --resume the flags are the checkpoint's: say so
-        raise (UsageError(f"checkpoint {resume_ck['loaded_from']}: its saved flags: {e}") if resume_ck else e) from None
-    args.out_dir = Path(args.out_dir or f"out/{args.arch}")
-    check_device(args.device)
-    check_writable_dir(args.out_dir, "--out-dir")
-    if not tasks.is_task_source(args.data):
-        check_writable_dir(Path(args.cache_dir), "--cache-dir")
-    if resume_ck is None:
-        return 0, math.inf, []
-    return resume_ck["step"], resume_ck.get("best_val_loss", math.inf), resume_length(args, given, resume_ck)
-
-
-def build_models(args, spec: ArchSpec, table, ap, given, resume_ck, dtype, device, master):
-    """The tokenizer (the checkpoint's, a task's, --init-from's or the flags'), the model (resumed, converted or new;
-    the step's memory checked before it is built) and the teacher -> (tok, task or None, model, teacher or None)."""
-    task = tasks.task_from_args(args) if tasks.is_task_source(args.data) else None
-    if task is not None and "seq_len" not in given and resume_ck is None:
-        args.seq_len = -(-task.seq_len // 8) * 8  # a multiple of 8: block models need whole blocks
-    tok = run_tokenizer(args, resume_ck, task)
-    check_step_memory(least_step_memory(args.batch_size, args.seq_len, padded_vocab(tok.n_vocab), dtype), device, args,
-                      at_least=True)
-    if resume_ck is not None:
-        model = model_from_checkpoint(resume_ck, table)
-    else:
-        model = build_model(args, spec, tok, table, ap, given, master)
-    if task is not None:
-        task = tok.task  # on resume: the checkpoint's task
-        task.check_seq_len(args.seq_len)
-    if model.config.vocab_size < tok.n_vocab:
-        raise UsageError(f"model vocabulary {model.config.vocab_size} is smaller than the tokenizer's {tok.n_vocab}")
-    teacher = load_teacher(args, spec, tok, table) if args.teacher else None
-    return tok, task, model, teacher
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Optimizer and schedule
 
@@ -593,33 +551,6 @@ def build_parser(table) -> ArgumentParser:
     return ap
 
 
-def resolve_defaults(args, spec):
-    for k, v in spec.train_defaults.items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
-    args.max_iters = args.max_iters if args.max_iters is not None else 300
-    args.lr = args.lr if args.lr is not None else 2e-3
-    args.eval_interval = args.eval_interval or max(1, args.max_iters // 4)
-    args.warmup_iters = args.warmup_iters if args.warmup_iters is not None else min(200, args.max_iters // 10)
-    args.lr_decay_iters = args.lr_decay_iters or args.max_iters
-    args.min_lr = args.min_lr if args.min_lr is not None else args.lr / 10
-    if args.min_lr > args.lr:
-        raise UsageError(f"--min-lr {args.min_lr} is above --lr {args.lr}")
-    if args.kd != "none" and not args.teacher:
-        raise UsageError("--kd needs --teacher")
-    if args.keep_layers and not args.init_from:
-        raise UsageError("--keep-layers needs --init-from (the model whose layers are kept)")
-    if args.teacher and args.kd == "none":
-        args.kd = "fkl"
-    if args.mix_weight is not None and not args.mix_data:
-        raise UsageError("--mix-weight needs --mix-data (the corpus it mixes in)")
-    if args.mix_data and args.mix_weight is None:
-        args.mix_weight = 0.5
-    if tasks.is_task_source(args.data) and (args.mix_data or args.curve_at):
-        raise UsageError(f"--{'mix-data' if args.mix_data else 'curve-at'} reads a text corpus; --data {args.data} is "
-                         f"a synthetic task")
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Processes and models: DDP, the log, the model from the preset or --init-from
 
@@ -635,17 +566,6 @@ def setup_distributed(device_flag):
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         return True, rank, local, world, device
     return False, 0, 0, 1, pick_device(device_flag)
-
-
-def build_model(args, spec: ArchSpec, tok: Tokenizer, table, ap, given, master):
-    """Fresh model from the preset, or --init-from (checkpoint.init_from: same arch, the weights and the recipe flags
-    typed; vanilla, the conversion). The flags' config fields are checked either way."""
-    overrides = dict(vocab_size=padded_vocab(tok.n_vocab), max_seq_len=args.seq_len)
-    if spec.config_overrides is not None:
-        overrides.update(spec.config_overrides(args, tok=tok))
-    if args.init_from:
-        return init_from(args, spec, tok, table, ap, given, note=lambda line: log(line, master))
-    return spec.model_cls(spec.make_config(args.preset, **overrides))
 
 
 def objective_line(args, cfg, teacher) -> tuple[str, bool, bool]:
