@@ -1,6 +1,8 @@
 """
-checkpoint.py -- the architecture table and the checkpoint files of train.py, shared by serve.py and bench.py, and
-the run flags that --resume and --init-from reconcile with a checkpoint.
+checkpoint.py -- the architecture table and the checkpoint files of train.py, shared by serve.py and bench.py, the
+run flags that --resume and --init-from reconcile with a checkpoint, train.py's run from its flags (their defaults,
+the checks made before anything is built, the models it starts from) and its recovery curve (--curve-at,
+OUT_DIR/curve.jsonl).
 
 The table: each architecture module (ARCH_MODULES, imported here) exposes ARCH_SPECS, a list of model.ArchSpec (config
 class, model class, presets, and optional hooks: extra flags, config overrides from flags, conversion from a vanilla
@@ -66,6 +68,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import json
 import math
 import mmap
 import os
@@ -85,11 +88,11 @@ import model
 import plt
 import recursive
 import tasks
-from cli import (CheckpointError, UsageError, check_device, check_model_fits, check_step_memory, check_writable_dir,
-                 flag_name, log, one_line, regular_file)
-from data import Tokenizer, hf_tokenizer_spec, is_gguf_source, is_hf_source, padded_vocab
+from cli import (CheckpointError, UsageError, check_device, check_model_fits, check_step_memory,
+                 check_writable_dir, flag_name, log, one_line, regular_file)
+from data import Tokenizer, first_tokens_windows, hf_tokenizer_spec, is_gguf_source, is_hf_source, padded_vocab
 from hf import from_gguf, from_pretrained, gguf_tokenizer_spec
-from model import ArchSpec, least_step_memory
+from model import ArchSpec, least_step_memory, windows_loss
 
 # ----------------------------------------------------------------------------------------------------------------
 # The architecture table
@@ -841,7 +844,7 @@ def build_models(args, spec: ArchSpec, table, ap, given, resume_ck, dtype, devic
 
 
 def build_model(args, spec: ArchSpec, tok: Tokenizer, table, ap, given, master):
-    """Fresh model from the preset, or --init-from (checkpoint.init_from: same arch, the weights and the recipe flags
+    """Fresh model from the preset, or --init-from (init_from: same arch, the weights and the recipe flags
     typed; vanilla, the conversion). The flags' config fields are checked either way."""
     overrides = dict(vocab_size=padded_vocab(tok.n_vocab), max_seq_len=args.seq_len)
     if spec.config_overrides is not None:
@@ -849,3 +852,62 @@ def build_model(args, spec: ArchSpec, tok: Tokenizer, table, ap, given, master):
     if args.init_from:
         return init_from(args, spec, tok, table, ap, given, note=lambda line: log(line, master))
     return spec.model_cls(spec.make_config(args.preset, **overrides))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The recovery curve (--curve-at): the run's losses at token counts, OUT_DIR/curve.jsonl beside its checkpoint
+
+
+def check_curve(args, world) -> set[int] | None:
+    """--curve-at's token counts -> the steps after which they are reached (the first step at or past each), refused
+    before any work when the run ends earlier."""
+    if not args.curve_at:
+        return None
+    per_step = args.batch_size * args.seq_len * args.grad_accum * world
+    counts = [int(float(c)) for c in args.curve_at.split(",")]
+    steps = {-(-c // per_step) for c in counts}
+    late = [c for c in counts if -(-c // per_step) > args.max_iters]
+    if late:
+        raise UsageError(f"--curve-at {late[0]:,} tokens is past the run's end: {args.max_iters} steps x {per_step:,} "
+                         f"tokens = {args.max_iters * per_step:,}")
+    return steps
+
+
+def setup_curve(args, steps, val_data, world, device, resume_ck, master) -> dict | None:
+    """The recovery curve's pieces: the fixed evaluation set (the first --curve-tokens of the validation split),
+    its steps and OUT_DIR/curve.jsonl (a fresh run starts it empty; a resumed one keeps the points it has)."""
+    if steps is None:
+        return None
+    x, y = first_tokens_windows(val_data, args.curve_tokens, args.seq_len, f"the validation split of {args.data}")
+    path = args.out_dir / "curve.jsonl"
+    done = set()
+    if resume_ck is not None and path.exists():
+        done = {json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()}
+    elif master:
+        path.unlink(missing_ok=True)
+    card = f"{world} x " if world > 1 else ""
+    card += f"{device.type} {torch.cuda.get_device_name(device)}" if device.type == "cuda" else device.type
+    return {"steps": steps, "done": done, "x": x, "y": y, "file": path, "device": card,
+            "tokens_per_step": args.batch_size * args.seq_len * args.grad_accum * world}
+
+
+def curve_point(run, step):
+    """--curve-at: the loss on the fixed evaluation set (data.first_tokens_windows; model.windows_loss, the number
+    `python eval.py loss` gives the checkpoint: fp32 weights, no autocast) after `step` optimizer steps, logged and
+    appended to OUT_DIR/curve.jsonl with the tokens trained so far. A resumed run skips the steps already there."""
+    c = run.curve
+    if run.master:
+        run.raw_model.eval()
+        loss = windows_loss(run.raw_model, c["x"], c["y"], CURVE_BATCH, run.device)
+        run.raw_model.train()
+        tokens = step * c["tokens_per_step"]
+        log(f"curve step {step} tokens {tokens} loss {loss:.4f}")
+        with open(c["file"], "a") as f:
+            f.write(json.dumps({"step": step, "tokens": tokens, "loss": loss, "eval_tokens": c["y"].numel(),
+                                "seq_len": c["y"].size(1), "data": run.args.data, "device": c["device"],
+                                "params": run.raw_model.num_params(False), "non_emb": run.raw_model.num_params()})
+                    + "\n")
+    c["done"].add(step)
+
+
+CURVE_BATCH = 8  # windows per forward pass of the fixed evaluation set (the loss does not depend on it)

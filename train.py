@@ -3,10 +3,10 @@ train.py -- pretraining and uptraining for every architecture of this repository
 
 The training loop first (AdamW with warmup + cosine, knowledge distillation, an evaluation and a checkpoint every
 --eval-interval steps, single process or DDP under torchrun), then what it calls: the run's setup, the schedule, the
-flags. Elsewhere: the tokenizer, the corpus (`--data stdlib`, the offline default) and the batches in data.py; the
-synthetic tasks (`--data task:phop`) in tasks.py; the architecture table, the checkpoint files and how --resume and
---init-from treat the flags (the contract) in checkpoint.py; a step's memory estimate in model.py; the error contract
-and the checks made before the first step in cli.py.
+flags. Elsewhere: data.py (the tokenizer, the corpus: `--data stdlib` is the offline default, the batches), tasks.py
+(`--data task:phop`), checkpoint.py (the architecture table, the checkpoint files, how --resume and --init-from treat
+the flags, the flags' defaults, the models a run starts from, --curve-at's file), model.py (a step's memory estimate),
+cli.py (the error contract, the log, the --out-dir lock, the checks made before the first step).
 
 Runs (their wall times on 2 CPU cores: RESULTS.md, Timings):
     python train.py --arch vanilla                                  # the baseline, on the offline default corpus
@@ -49,14 +49,15 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import tasks
-from checkpoint import (add_arch_args, arch_table, build_models, check_run_args, given_flags, load_optimizer_state,
-                        resume_run, run_checkpoint, save_checkpoint, warn_inapplicable)
-from cli import (DTYPES, ArgumentParser, CheckpointError, DefaultsHelpFormatter, Stopped, UsageError,
-                 check_disk_space, check_step_memory, comma_list, hold_dir_lock, log, number, path_arg,
-                 releasing_dir_locks, run_cli, seed_arg, stop_signals, user_input)
-from data import Tokenizer, first_tokens_windows, load_data, step_generator
+from checkpoint import (add_arch_args, arch_table, build_models, check_curve, check_run_args, curve_point, given_flags,
+                        load_optimizer_state, resume_run, run_checkpoint, save_checkpoint, setup_curve,
+                        warn_inapplicable)
+from cli import (DTYPES, ArgumentParser, CheckpointError, DefaultsHelpFormatter, Stopped, check_disk_space,
+                 check_step_memory, comma_list, hold_dir_lock, log, number, path_arg, releasing_dir_locks, run_cli,
+                 seed_arg, stop_signals, user_input)
+from data import Tokenizer, load_data, step_generator
 from model import (ArchSpec, distill_loss, least_step_memory, lm_loss, make_optimizer, peak_flops, pick_device,
-                   pick_dtype, step_memory, windows_loss)
+                   pick_dtype, step_memory)
 
 # ----------------------------------------------------------------------------------------------------------------
 # The training loop
@@ -189,28 +190,6 @@ def evaluate(run):
         loss /= run.world
     model.train()
     return loss.item(), counts
-
-
-def curve_point(run, step):
-    """--curve-at: the loss on the fixed evaluation set (data.first_tokens_windows; model.windows_loss, the number
-    `python eval.py loss` gives the checkpoint: fp32 weights, no autocast) after `step` optimizer steps, logged and
-    appended to OUT_DIR/curve.jsonl with the tokens trained so far. A resumed run skips the steps already there."""
-    c = run.curve
-    if run.master:
-        run.raw_model.eval()
-        loss = windows_loss(run.raw_model, c["x"], c["y"], CURVE_BATCH, run.device)
-        run.raw_model.train()
-        tokens = step * c["tokens_per_step"]
-        log(f"curve step {step} tokens {tokens} loss {loss:.4f}")
-        with open(c["file"], "a") as f:
-            f.write(json.dumps({"step": step, "tokens": tokens, "loss": loss, "eval_tokens": c["y"].numel(),
-                                "seq_len": c["y"].size(1), "data": run.args.data, "device": c["device"],
-                                "params": run.raw_model.num_params(False), "non_emb": run.raw_model.num_params()})
-                    + "\n")
-    c["done"].add(step)
-
-
-CURVE_BATCH = 8  # windows per forward pass of the fixed evaluation set (the loss does not depend on it)
 
 
 def scores(run, logits, x, y) -> dict:
@@ -407,39 +386,6 @@ def setup_run(argv) -> Run:
                curve=curve)
 
 
-def check_curve(args, world) -> set[int] | None:
-    """--curve-at's token counts -> the steps after which they are reached (the first step at or past each), refused
-    before any work when the run ends earlier."""
-    if not args.curve_at:
-        return None
-    per_step = args.batch_size * args.seq_len * args.grad_accum * world
-    counts = [int(float(c)) for c in args.curve_at.split(",")]
-    steps = {-(-c // per_step) for c in counts}
-    late = [c for c in counts if -(-c // per_step) > args.max_iters]
-    if late:
-        raise UsageError(f"--curve-at {late[0]:,} tokens is past the run's end: {args.max_iters} steps x {per_step:,} "
-                         f"tokens = {args.max_iters * per_step:,}")
-    return steps
-
-
-def setup_curve(args, steps, val_data, world, device, resume_ck, master) -> dict | None:
-    """The recovery curve's pieces: the fixed evaluation set (the first --curve-tokens of the validation split),
-    its steps and OUT_DIR/curve.jsonl (a fresh run starts it empty; a resumed one keeps the points it has)."""
-    if steps is None:
-        return None
-    x, y = first_tokens_windows(val_data, args.curve_tokens, args.seq_len, f"the validation split of {args.data}")
-    path = args.out_dir / "curve.jsonl"
-    done = set()
-    if resume_ck is not None and path.exists():
-        done = {json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()}
-    elif master:
-        path.unlink(missing_ok=True)
-    card = f"{world} x " if world > 1 else ""
-    card += f"{device.type} {torch.cuda.get_device_name(device)}" if device.type == "cuda" else device.type
-    return {"steps": steps, "done": done, "x": x, "y": y, "file": path, "device": card,
-            "tokens_per_step": args.batch_size * args.seq_len * args.grad_accum * world}
-
-
 def parse_run_args(argv, table):
     """The flags; with --resume, the run's own flags restored from its checkpoint (checkpoint.resume_run) -> (parser,
     args, the flags typed, the checkpoint to resume or None, notes about flags taken from the command line)."""
@@ -552,7 +498,7 @@ def build_parser(table) -> ArgumentParser:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Processes and models: DDP, the log, the model from the preset or --init-from
+# Processes and what the run prints: DDP, the objective's header line, the closing sample
 
 
 def setup_distributed(device_flag):
