@@ -7,8 +7,9 @@ A mistake the user can fix (a flag, a file, a checkpoint, a batch that cannot fi
 `stopped: ...` and exit code 130; warnings are one line `warning: ...` each. Anything else is a bug and keeps its
 traceback. The pieces live here, not in train.py, so that the architecture files (which never import train.py) can
 route their own command lines through them. The checks made before a run's first step live here too: a directory
-that must be writable (check_writable_dir), one that another live run writes (take_dir_lock: a lock file), the disk
-space a checkpoint needs (check_disk_space) and the memory an estimate says a command needs (check_memory).
+that must be writable (check_writable_dir), one that another live run writes (take_dir_lock: a lock file, held for a
+run by hold_dir_lock and releasing_dir_locks), the disk space a checkpoint needs (check_disk_space) and the memory an
+estimate says a command needs (check_memory, check_step_memory). log writes a run's lines.
 """
 from __future__ import annotations
 
