@@ -1,6 +1,8 @@
 """
-checkpoint.py -- the architecture table and the checkpoint files of train.py, shared by serve.py and bench.py, and
-the run flags that --resume and --init-from reconcile with a checkpoint.
+checkpoint.py -- the architecture table and the checkpoint files of train.py, shared by serve.py and bench.py, the
+run flags that --resume and --init-from reconcile with a checkpoint, train.py's run from its flags (their defaults,
+the checks made before anything is built, the models it starts from) and its recovery curve (--curve-at,
+OUT_DIR/curve.jsonl).
 
 The table: each architecture module (ARCH_MODULES, imported here) exposes ARCH_SPECS, a list of model.ArchSpec (config
 class, model class, presets, and optional hooks: extra flags, config overrides from flags, conversion from a vanilla
@@ -66,6 +68,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import json
+import math
 import mmap
 import os
 import struct
@@ -84,10 +88,11 @@ import model
 import plt
 import recursive
 import tasks
-from cli import CheckpointError, UsageError, check_device, check_model_fits, flag_name, one_line, regular_file
-from data import Tokenizer, hf_tokenizer_spec, is_gguf_source, is_hf_source
+from cli import (CheckpointError, UsageError, check_device, check_model_fits, check_step_memory,
+                 check_writable_dir, flag_name, log, one_line, regular_file)
+from data import Tokenizer, first_tokens_windows, hf_tokenizer_spec, is_gguf_source, is_hf_source, padded_vocab
 from hf import from_gguf, from_pretrained, gguf_tokenizer_spec
-from model import ArchSpec
+from model import ArchSpec, least_step_memory, windows_loss
 
 # ----------------------------------------------------------------------------------------------------------------
 # The architecture table
@@ -763,3 +768,146 @@ def _consistent_with_checkpoint(ap, dest, args, saved, ck, table) -> bool:
     except ValueError:
         return False
     return all(ck["config"].get(k) == v for k, v in after.items() if before.get(k, object()) != v)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# train.py's run from its flags: their defaults, the checks made before anything is built, the models
+
+
+def resolve_defaults(args, spec):
+    """The flags left unset (None) <- the architecture's train_defaults, then train.py's; the combinations that
+    cannot work are UsageErrors."""
+    for k, v in spec.train_defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    args.max_iters = args.max_iters if args.max_iters is not None else 300
+    args.lr = args.lr if args.lr is not None else 2e-3
+    args.eval_interval = args.eval_interval or max(1, args.max_iters // 4)
+    args.warmup_iters = args.warmup_iters if args.warmup_iters is not None else min(200, args.max_iters // 10)
+    args.lr_decay_iters = args.lr_decay_iters or args.max_iters
+    args.min_lr = args.min_lr if args.min_lr is not None else args.lr / 10
+    if args.min_lr > args.lr:
+        raise UsageError(f"--min-lr {args.min_lr} is above --lr {args.lr}")
+    if args.kd != "none" and not args.teacher:
+        raise UsageError("--kd needs --teacher")
+    if args.keep_layers and not args.init_from:
+        raise UsageError("--keep-layers needs --init-from (the model whose layers are kept)")
+    if args.teacher and args.kd == "none":
+        args.kd = "fkl"
+    if args.mix_weight is not None and not args.mix_data:
+        raise UsageError("--mix-weight needs --mix-data (the corpus it mixes in)")
+    if args.mix_data and args.mix_weight is None:
+        args.mix_weight = 0.5
+    if tasks.is_task_source(args.data) and (args.mix_data or args.curve_at):
+        raise UsageError(f"--{'mix-data' if args.mix_data else 'curve-at'} reads a text corpus; --data {args.data} is "
+                         f"a synthetic task")
+
+
+def check_run_args(args, spec: ArchSpec, resume_ck, given) -> tuple[int, float, list[str]]:
+    """The architecture's defaults, then the checks made before anything is built: --device, --out-dir and --cache-dir
+    writable, a resumed run not past --max-iters -> (the first step, the best validation loss so far, notes about the
+    resumed run's length)."""
+    try:
+        resolve_defaults(args, spec)
+    except UsageError as e:  # on --resume the flags are the checkpoint's: say so
+        raise (UsageError(f"checkpoint {resume_ck['loaded_from']}: its saved flags: {e}") if resume_ck else e) from None
+    args.out_dir = Path(args.out_dir or f"out/{args.arch}")
+    check_device(args.device)
+    check_writable_dir(args.out_dir, "--out-dir")
+    if not tasks.is_task_source(args.data):
+        check_writable_dir(Path(args.cache_dir), "--cache-dir")
+    if resume_ck is None:
+        return 0, math.inf, []
+    return resume_ck["step"], resume_ck.get("best_val_loss", math.inf), resume_length(args, given, resume_ck)
+
+
+def build_models(args, spec: ArchSpec, table, ap, given, resume_ck, dtype, device, master):
+    """The tokenizer (the checkpoint's, a task's, --init-from's or the flags'), the model (resumed, converted or new;
+    the step's memory checked before it is built) and the teacher -> (tok, task or None, model, teacher or None)."""
+    task = tasks.task_from_args(args) if tasks.is_task_source(args.data) else None
+    if task is not None and "seq_len" not in given and resume_ck is None:
+        args.seq_len = -(-task.seq_len // 8) * 8  # a multiple of 8: block models need whole blocks
+    tok = run_tokenizer(args, resume_ck, task)
+    check_step_memory(least_step_memory(args.batch_size, args.seq_len, padded_vocab(tok.n_vocab), dtype), device, args,
+                      at_least=True)
+    if resume_ck is not None:
+        model = model_from_checkpoint(resume_ck, table)
+    else:
+        model = build_model(args, spec, tok, table, ap, given, master)
+    if task is not None:
+        task = tok.task  # on resume: the checkpoint's task
+        task.check_seq_len(args.seq_len)
+    if model.config.vocab_size < tok.n_vocab:
+        raise UsageError(f"model vocabulary {model.config.vocab_size} is smaller than the tokenizer's {tok.n_vocab}")
+    teacher = load_teacher(args, spec, tok, table) if args.teacher else None
+    return tok, task, model, teacher
+
+
+def build_model(args, spec: ArchSpec, tok: Tokenizer, table, ap, given, master):
+    """Fresh model from the preset, or --init-from (init_from: same arch, the weights and the recipe flags
+    typed; vanilla, the conversion). The flags' config fields are checked either way."""
+    overrides = dict(vocab_size=padded_vocab(tok.n_vocab), max_seq_len=args.seq_len)
+    if spec.config_overrides is not None:
+        overrides.update(spec.config_overrides(args, tok=tok))
+    if args.init_from:
+        return init_from(args, spec, tok, table, ap, given, note=lambda line: log(line, master))
+    return spec.model_cls(spec.make_config(args.preset, **overrides))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The recovery curve (--curve-at): the run's losses at token counts, OUT_DIR/curve.jsonl beside its checkpoint
+
+
+def check_curve(args, world) -> set[int] | None:
+    """--curve-at's token counts -> the steps after which they are reached (the first step at or past each), refused
+    before any work when the run ends earlier."""
+    if not args.curve_at:
+        return None
+    per_step = args.batch_size * args.seq_len * args.grad_accum * world
+    counts = [int(float(c)) for c in args.curve_at.split(",")]
+    steps = {-(-c // per_step) for c in counts}
+    late = [c for c in counts if -(-c // per_step) > args.max_iters]
+    if late:
+        raise UsageError(f"--curve-at {late[0]:,} tokens is past the run's end: {args.max_iters} steps x {per_step:,} "
+                         f"tokens = {args.max_iters * per_step:,}")
+    return steps
+
+
+def setup_curve(args, steps, val_data, world, device, resume_ck, master) -> dict | None:
+    """The recovery curve's pieces: the fixed evaluation set (the first --curve-tokens of the validation split),
+    its steps and OUT_DIR/curve.jsonl (a fresh run starts it empty; a resumed one keeps the points it has)."""
+    if steps is None:
+        return None
+    x, y = first_tokens_windows(val_data, args.curve_tokens, args.seq_len, f"the validation split of {args.data}")
+    path = args.out_dir / "curve.jsonl"
+    done = set()
+    if resume_ck is not None and path.exists():
+        done = {json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()}
+    elif master:
+        path.unlink(missing_ok=True)
+    card = f"{world} x " if world > 1 else ""
+    card += f"{device.type} {torch.cuda.get_device_name(device)}" if device.type == "cuda" else device.type
+    return {"steps": steps, "done": done, "x": x, "y": y, "file": path, "device": card,
+            "tokens_per_step": args.batch_size * args.seq_len * args.grad_accum * world}
+
+
+def curve_point(run, step):
+    """--curve-at: the loss on the fixed evaluation set (data.first_tokens_windows; model.windows_loss, the number
+    `python eval.py loss` gives the checkpoint: fp32 weights, no autocast) after `step` optimizer steps, logged and
+    appended to OUT_DIR/curve.jsonl with the tokens trained so far. A resumed run skips the steps already there."""
+    c = run.curve
+    if run.master:
+        run.raw_model.eval()
+        loss = windows_loss(run.raw_model, c["x"], c["y"], CURVE_BATCH, run.device)
+        run.raw_model.train()
+        tokens = step * c["tokens_per_step"]
+        log(f"curve step {step} tokens {tokens} loss {loss:.4f}")
+        with open(c["file"], "a") as f:
+            f.write(json.dumps({"step": step, "tokens": tokens, "loss": loss, "eval_tokens": c["y"].numel(),
+                                "seq_len": c["y"].size(1), "data": run.args.data, "device": c["device"],
+                                "params": run.raw_model.num_params(False), "non_emb": run.raw_model.num_params()})
+                    + "\n")
+    c["done"].add(step)
+
+
+CURVE_BATCH = 8  # windows per forward pass of the fixed evaluation set (the loss does not depend on it)

@@ -7,8 +7,9 @@ A mistake the user can fix (a flag, a file, a checkpoint, a batch that cannot fi
 `stopped: ...` and exit code 130; warnings are one line `warning: ...` each. Anything else is a bug and keeps its
 traceback. The pieces live here, not in train.py, so that the architecture files (which never import train.py) can
 route their own command lines through them. The checks made before a run's first step live here too: a directory
-that must be writable (check_writable_dir), one that another live run writes (take_dir_lock: a lock file), the disk
-space a checkpoint needs (check_disk_space) and the memory an estimate says a command needs (check_memory).
+that must be writable (check_writable_dir), one that another live run writes (take_dir_lock: a lock file, held for a
+run by hold_dir_lock and releasing_dir_locks), the disk space a checkpoint needs (check_disk_space) and the memory an
+estimate says a command needs (check_memory, check_step_memory). log writes a run's lines.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 
 class UsageError(ValueError):
@@ -306,6 +308,14 @@ def check_memory(need: dict, device, what: str, fix: str, per: str = "", at_leas
                      f"{gb(avail)} GB available ({source}): {fix}")
 
 
+def check_step_memory(need: dict, device, args, at_least=False):
+    """A memory estimate of one training step (model.step_memory or least_step_memory) against the memory available
+    (check_memory): a batch that cannot fit is refused, one line, before the first step allocates it."""
+    return check_memory(need, device, f"--batch-size {args.batch_size} x --seq-len {args.seq_len}",
+                        "lower --batch-size (--grad-accum keeps the tokens per step) or --seq-len, or take a smaller "
+                        "model (--preset, --loops)", per="per training step", at_least=at_least)
+
+
 def check_model_fits(cfg, where: str, elem: int = 4, device="cpu"):
     """A model description (a GGUF file's metadata, a config.json, a checkpoint's config) whose model cannot fit in
     the memory `device` has (a block_count or context_length far beyond any model: RoPE tables of 2^32 positions) is
@@ -467,6 +477,26 @@ def release_dir_lock(lock: Path):
             os.unlink(lock)
 
 
+_held_locks: list[Path] = []  # the locks hold_dir_lock took, innermost last
+
+
+def hold_dir_lock(path: Path, flag: str):
+    """take_dir_lock, held until the releasing_dir_locks() around this call ends."""
+    _held_locks.append(take_dir_lock(path, flag))
+
+
+@contextlib.contextmanager
+def releasing_dir_locks():
+    """The locks hold_dir_lock takes inside it are released when it ends, however it ends (an error, Ctrl-C, SIGTERM,
+    Stopped). Also a decorator: train.py's train() is wrapped in it, so its --out-dir lock lives as long as the run."""
+    held = len(_held_locks)
+    try:
+        yield
+    finally:
+        while len(_held_locks) > held:
+            release_dir_lock(_held_locks.pop())
+
+
 def check_disk_space(model, path: Path):
     """A checkpoint holds the weights (and buffers) of the state dict plus AdamW's two moments per trainable
     parameter; it is written next to the last good one (then renamed), so that many bytes must be free in path before
@@ -481,6 +511,13 @@ def check_disk_space(model, path: Path):
 
 def one_line(msg) -> str:
     return "; ".join(part.strip() for part in str(msg).splitlines() if part.strip())
+
+
+def log(msg, master=True):
+    """A run's log line on stdout (above any progress bar); under DDP only rank 0 (master) writes."""
+    if master:
+        tqdm.write(msg, file=sys.stdout)
+        sys.stdout.flush()
 
 
 class Terminated(KeyboardInterrupt):

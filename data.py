@@ -9,6 +9,7 @@ The pipeline, in the order of this file:
     token shards            prepare_corpus tokenizes once into data_cache/<key>/{train,val}_NNNN.bin + meta.json
     TokenData               memory-mapped random windows of seq_len + 1 tokens -> x, y
     MixedData               windows from several corpora at fixed shares (train.py --mix-data)
+    load_data               a run's training and validation data: token shards, or a synthetic task (tasks.py)
     first_tokens_windows    the fixed evaluation set: the first tokens of a split, consecutive windows
     step_generator          the batch order as a pure function of (seed, step, micro-step, rank): exact resume
 
@@ -47,8 +48,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
+import tasks
 from cli import DataError, regular_file
 from hf import PACKAGED_GGUF, gguf_tokenizer, gguf_tokenizer_spec, hf_tokenizer
 
@@ -547,6 +550,27 @@ class MixedData:
             if rows.numel():
                 x[rows], y[rows] = part.get_batch(rows.numel(), seq_len, gen)
         return x, y
+
+
+def load_data(args, task, tok, master, ddp):
+    """The corpus as token shards (rank 0 tokenizes, the others wait for it), or a synthetic task generated per
+    batch -> (train data, val data)."""
+    if task is not None:
+        return tasks.TaskData(task, "train"), tasks.TaskData(task, "val")
+    exclude = [s for s in args.exclude_sets.split(",") if s]
+    caches = [None, None]  # --data's, --mix-data's
+    if master:
+        caches[0] = prepare_corpus(args.data, tok, args.cache_dir, exclude, args.val_data)
+        if args.mix_data:  # every file of it trains: named as its own validation data, no file is held out
+            caches[1] = prepare_corpus(args.mix_data, tok, args.cache_dir, exclude, val_data=args.mix_data)
+    if ddp:
+        obj = [str(c) if master and c is not None else None for c in caches]
+        dist.broadcast_object_list(obj, src=0)
+        caches = [Path(c) if c else None for c in obj]
+    train = TokenData(caches[0], "train")
+    if args.mix_data:  # --mix-weight of the training windows from --mix-data; validation stays --data's
+        train = MixedData([train, TokenData(caches[1], "train")], [1 - args.mix_weight, args.mix_weight])
+    return train, TokenData(caches[0], "val")
 
 
 def first_tokens_windows(val: TokenData, n_tokens: int, seq_len: int, name: str = "the validation split"):

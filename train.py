@@ -3,10 +3,10 @@ train.py -- pretraining and uptraining for every architecture of this repository
 
 The training loop first (AdamW with warmup + cosine, knowledge distillation, an evaluation and a checkpoint every
 --eval-interval steps, single process or DDP under torchrun), then what it calls: the run's setup, the schedule, the
-flags. Elsewhere: the tokenizer, the corpus (`--data stdlib`, the offline default) and the batches in data.py; the
-synthetic tasks (`--data task:phop`) in tasks.py; the architecture table, the checkpoint files and how --resume and
---init-from treat the flags (the contract) in checkpoint.py; a step's memory estimate in model.py; the error contract
-and the checks made before the first step in cli.py.
+flags. Elsewhere: data.py (the tokenizer, the corpus: `--data stdlib` is the offline default, the batches), tasks.py
+(`--data task:phop`), checkpoint.py (the architecture table, the checkpoint files, how --resume and --init-from treat
+the flags, the flags' defaults, the models a run starts from, --curve-at's file), model.py (a step's memory estimate),
+cli.py (the error contract, the log, the --out-dir lock, the checks made before the first step).
 
 Runs (their wall times on 2 CPU cores: RESULTS.md, Timings):
     python train.py --arch vanilla                                  # the baseline, on the offline default corpus
@@ -35,7 +35,6 @@ if __name__ == "__main__":  # Ctrl-C or SIGTERM during the imports below: `stopp
 
 import argparse
 import contextlib
-import functools
 import json
 import math
 import os
@@ -50,39 +49,21 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import tasks
-from checkpoint import (add_arch_args, arch_table, given_flags, init_from, load_optimizer_state, load_teacher,
-                        model_from_checkpoint, resume_length, resume_run, run_checkpoint, run_tokenizer,
-                        save_checkpoint, warn_inapplicable)
-from checkpoint import load_checkpoint  # noqa: F401 - train.load_checkpoint, as the architectures' tests read a run
-from cli import (DTYPES, ArgumentParser, CheckpointError, DefaultsHelpFormatter, Stopped, UsageError, check_device,
-                 check_disk_space, check_memory, check_writable_dir, comma_list, number, path_arg, release_dir_lock,
-                 run_cli, seed_arg, stop_signals, take_dir_lock, user_input)
-from data import MixedData, TokenData, Tokenizer, first_tokens_windows, padded_vocab, prepare_corpus, step_generator
+from checkpoint import (add_arch_args, arch_table, build_models, check_curve, check_run_args, curve_point, given_flags,
+                        load_optimizer_state, resume_run, run_checkpoint, save_checkpoint, setup_curve,
+                        warn_inapplicable)
+from cli import (DTYPES, ArgumentParser, CheckpointError, DefaultsHelpFormatter, Stopped, check_disk_space,
+                 check_step_memory, comma_list, hold_dir_lock, log, number, path_arg, releasing_dir_locks, run_cli,
+                 seed_arg, stop_signals, user_input)
+from data import Tokenizer, load_data, step_generator
 from model import (ArchSpec, distill_loss, least_step_memory, lm_loss, make_optimizer, peak_flops, pick_device,
-                   pick_dtype, step_memory, windows_loss)
-
-_locks: list[Path] = []  # the --out-dir lock setup_run takes (cli.take_dir_lock), released when train() ends
-
-
-def releasing_lock(fn):
-    """train(): the --out-dir lock setup_run takes is released when the run ends, however it ends (an error, Ctrl-C,
-    SIGTERM, Stopped)."""
-    @functools.wraps(fn)
-    def run(argv=None):
-        held = len(_locks)
-        try:
-            return fn(argv)
-        finally:
-            while len(_locks) > held:
-                release_dir_lock(_locks.pop())
-    return run
-
+                   pick_dtype, step_memory)
 
 # ----------------------------------------------------------------------------------------------------------------
 # The training loop
 
 
-@releasing_lock
+@releasing_dir_locks()
 def train(argv=None):
     """One run: setup_run builds everything from the flags (and refuses what cannot work before the first step), then
     the loop. -> the last logged losses, the best validation loss and, on a task, the last validation accuracies."""
@@ -209,28 +190,6 @@ def evaluate(run):
         loss /= run.world
     model.train()
     return loss.item(), counts
-
-
-def curve_point(run, step):
-    """--curve-at: the loss on the fixed evaluation set (data.first_tokens_windows; model.windows_loss, the number
-    `python eval.py loss` gives the checkpoint: fp32 weights, no autocast) after `step` optimizer steps, logged and
-    appended to OUT_DIR/curve.jsonl with the tokens trained so far. A resumed run skips the steps already there."""
-    c = run.curve
-    if run.master:
-        run.raw_model.eval()
-        loss = windows_loss(run.raw_model, c["x"], c["y"], CURVE_BATCH, run.device)
-        run.raw_model.train()
-        tokens = step * c["tokens_per_step"]
-        log(f"curve step {step} tokens {tokens} loss {loss:.4f}")
-        with open(c["file"], "a") as f:
-            f.write(json.dumps({"step": step, "tokens": tokens, "loss": loss, "eval_tokens": c["y"].numel(),
-                                "seq_len": c["y"].size(1), "data": run.args.data, "device": c["device"],
-                                "params": run.raw_model.num_params(False), "non_emb": run.raw_model.num_params()})
-                    + "\n")
-    c["done"].add(step)
-
-
-CURVE_BATCH = 8  # windows per forward pass of the fixed evaluation set (the loss does not depend on it)
 
 
 def scores(run, logits, x, y) -> dict:
@@ -366,7 +325,7 @@ def setup_run(argv) -> Run:
     spec = table[args.arch]
     start_step, best_val, length_notes = check_run_args(args, spec, resume_ck, given)
     if int(os.environ.get("RANK", "0")) == 0:  # one run per --out-dir (under torchrun rank 0 holds it)
-        _locks.append(take_dir_lock(args.out_dir, "--out-dir"))
+        hold_dir_lock(args.out_dir, "--out-dir")
     ddp, rank, local_rank, world, device = setup_distributed(args.device)
     master = rank == 0
     curve_steps = check_curve(args, world)
@@ -427,39 +386,6 @@ def setup_run(argv) -> Run:
                curve=curve)
 
 
-def check_curve(args, world) -> set[int] | None:
-    """--curve-at's token counts -> the steps after which they are reached (the first step at or past each), refused
-    before any work when the run ends earlier."""
-    if not args.curve_at:
-        return None
-    per_step = args.batch_size * args.seq_len * args.grad_accum * world
-    counts = [int(float(c)) for c in args.curve_at.split(",")]
-    steps = {-(-c // per_step) for c in counts}
-    late = [c for c in counts if -(-c // per_step) > args.max_iters]
-    if late:
-        raise UsageError(f"--curve-at {late[0]:,} tokens is past the run's end: {args.max_iters} steps x {per_step:,} "
-                         f"tokens = {args.max_iters * per_step:,}")
-    return steps
-
-
-def setup_curve(args, steps, val_data, world, device, resume_ck, master) -> dict | None:
-    """The recovery curve's pieces: the fixed evaluation set (the first --curve-tokens of the validation split),
-    its steps and OUT_DIR/curve.jsonl (a fresh run starts it empty; a resumed one keeps the points it has)."""
-    if steps is None:
-        return None
-    x, y = first_tokens_windows(val_data, args.curve_tokens, args.seq_len, f"the validation split of {args.data}")
-    path = args.out_dir / "curve.jsonl"
-    done = set()
-    if resume_ck is not None and path.exists():
-        done = {json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()}
-    elif master:
-        path.unlink(missing_ok=True)
-    card = f"{world} x " if world > 1 else ""
-    card += f"{device.type} {torch.cuda.get_device_name(device)}" if device.type == "cuda" else device.type
-    return {"steps": steps, "done": done, "x": x, "y": y, "file": path, "device": card,
-            "tokens_per_step": args.batch_size * args.seq_len * args.grad_accum * world}
-
-
 def parse_run_args(argv, table):
     """The flags; with --resume, the run's own flags restored from its checkpoint (checkpoint.resume_run) -> (parser,
     args, the flags typed, the checkpoint to resume or None, notes about flags taken from the command line)."""
@@ -469,67 +395,6 @@ def parse_run_args(argv, table):
     given = given_flags(ap, argv)
     resume_ck, notes = resume_run(ap, args, given, table) if args.resume else (None, [])
     return ap, args, given, resume_ck, notes
-
-
-def check_run_args(args, spec: ArchSpec, resume_ck, given) -> tuple[int, float, list[str]]:
-    """The architecture's defaults, then the checks made before anything is built: --device, --out-dir and --cache-dir
-    writable, a resumed run not past --max-iters -> (the first step, the best validation loss so far, notes about the
-    resumed run's length)."""
-    try:
-        resolve_defaults(args, spec)
-    except UsageError as e:  # on --resume the flags are the checkpoint's: say so
-        raise (UsageError(f"checkpoint {resume_ck['loaded_from']}: its saved flags: {e}") if resume_ck else e) from None
-    args.out_dir = Path(args.out_dir or f"out/{args.arch}")
-    check_device(args.device)
-    check_writable_dir(args.out_dir, "--out-dir")
-    if not tasks.is_task_source(args.data):
-        check_writable_dir(Path(args.cache_dir), "--cache-dir")
-    if resume_ck is None:
-        return 0, math.inf, []
-    return resume_ck["step"], resume_ck.get("best_val_loss", math.inf), resume_length(args, given, resume_ck)
-
-
-def build_models(args, spec: ArchSpec, table, ap, given, resume_ck, dtype, device, master):
-    """The tokenizer (the checkpoint's, a task's, --init-from's or the flags'), the model (resumed, converted or new;
-    the step's memory checked before it is built) and the teacher -> (tok, task or None, model, teacher or None)."""
-    task = tasks.task_from_args(args) if tasks.is_task_source(args.data) else None
-    if task is not None and "seq_len" not in given and resume_ck is None:
-        args.seq_len = -(-task.seq_len // 8) * 8  # a multiple of 8: block models need whole blocks
-    tok = run_tokenizer(args, resume_ck, task)
-    check_step_memory(least_step_memory(args.batch_size, args.seq_len, padded_vocab(tok.n_vocab), dtype), device, args,
-                      at_least=True)
-    if resume_ck is not None:
-        model = model_from_checkpoint(resume_ck, table)
-    else:
-        model = build_model(args, spec, tok, table, ap, given, master)
-    if task is not None:
-        task = tok.task  # on resume: the checkpoint's task
-        task.check_seq_len(args.seq_len)
-    if model.config.vocab_size < tok.n_vocab:
-        raise UsageError(f"model vocabulary {model.config.vocab_size} is smaller than the tokenizer's {tok.n_vocab}")
-    teacher = load_teacher(args, spec, tok, table) if args.teacher else None
-    return tok, task, model, teacher
-
-
-def load_data(args, task, tok, master, ddp):
-    """The corpus as token shards (rank 0 tokenizes, the others wait for it), or a synthetic task generated per
-    batch -> (train data, val data)."""
-    if task is not None:
-        return tasks.TaskData(task, "train"), tasks.TaskData(task, "val")
-    exclude = [s for s in args.exclude_sets.split(",") if s]
-    caches = [None, None]  # --data's, --mix-data's
-    if master:
-        caches[0] = prepare_corpus(args.data, tok, args.cache_dir, exclude, args.val_data)
-        if args.mix_data:  # every file of it trains: named as its own validation data, no file is held out
-            caches[1] = prepare_corpus(args.mix_data, tok, args.cache_dir, exclude, val_data=args.mix_data)
-    if ddp:
-        obj = [str(c) if master and c is not None else None for c in caches]
-        dist.broadcast_object_list(obj, src=0)
-        caches = [Path(c) if c else None for c in obj]
-    train = TokenData(caches[0], "train")
-    if args.mix_data:  # --mix-weight of the training windows from --mix-data; validation stays --data's
-        train = MixedData([train, TokenData(caches[1], "train")], [1 - args.mix_weight, args.mix_weight])
-    return train, TokenData(caches[0], "val")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -632,35 +497,8 @@ def build_parser(table) -> ArgumentParser:
     return ap
 
 
-def resolve_defaults(args, spec):
-    for k, v in spec.train_defaults.items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
-    args.max_iters = args.max_iters if args.max_iters is not None else 300
-    args.lr = args.lr if args.lr is not None else 2e-3
-    args.eval_interval = args.eval_interval or max(1, args.max_iters // 4)
-    args.warmup_iters = args.warmup_iters if args.warmup_iters is not None else min(200, args.max_iters // 10)
-    args.lr_decay_iters = args.lr_decay_iters or args.max_iters
-    args.min_lr = args.min_lr if args.min_lr is not None else args.lr / 10
-    if args.min_lr > args.lr:
-        raise UsageError(f"--min-lr {args.min_lr} is above --lr {args.lr}")
-    if args.kd != "none" and not args.teacher:
-        raise UsageError("--kd needs --teacher")
-    if args.keep_layers and not args.init_from:
-        raise UsageError("--keep-layers needs --init-from (the model whose layers are kept)")
-    if args.teacher and args.kd == "none":
-        args.kd = "fkl"
-    if args.mix_weight is not None and not args.mix_data:
-        raise UsageError("--mix-weight needs --mix-data (the corpus it mixes in)")
-    if args.mix_data and args.mix_weight is None:
-        args.mix_weight = 0.5
-    if tasks.is_task_source(args.data) and (args.mix_data or args.curve_at):
-        raise UsageError(f"--{'mix-data' if args.mix_data else 'curve-at'} reads a text corpus; --data {args.data} is "
-                         f"a synthetic task")
-
-
 # ----------------------------------------------------------------------------------------------------------------
-# Processes and models: DDP, the log, the model from the preset or --init-from
+# Processes and what the run prints: DDP, the objective's header line, the closing sample
 
 
 def setup_distributed(device_flag):
@@ -674,31 +512,6 @@ def setup_distributed(device_flag):
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         return True, rank, local, world, device
     return False, 0, 0, 1, pick_device(device_flag)
-
-
-def log(msg, master=True):
-    if master:
-        tqdm.write(msg, file=sys.stdout)
-        sys.stdout.flush()
-
-
-def build_model(args, spec: ArchSpec, tok: Tokenizer, table, ap, given, master):
-    """Fresh model from the preset, or --init-from (checkpoint.init_from: same arch, the weights and the recipe flags
-    typed; vanilla, the conversion). The flags' config fields are checked either way."""
-    overrides = dict(vocab_size=padded_vocab(tok.n_vocab), max_seq_len=args.seq_len)
-    if spec.config_overrides is not None:
-        overrides.update(spec.config_overrides(args, tok=tok))
-    if args.init_from:
-        return init_from(args, spec, tok, table, ap, given, note=lambda line: log(line, master))
-    return spec.model_cls(spec.make_config(args.preset, **overrides))
-
-
-def check_step_memory(need: dict, device, args, at_least=False):
-    """A memory estimate of one step (model.step_memory or least_step_memory) against the memory available
-    (cli.check_memory): a batch that cannot fit is refused, one line, before the first step allocates it."""
-    return check_memory(need, device, f"--batch-size {args.batch_size} x --seq-len {args.seq_len}",
-                        "lower --batch-size (--grad-accum keeps the tokens per step) or --seq-len, or take a smaller "
-                        "model (--preset, --loops)", per="per training step", at_least=at_least)
 
 
 def objective_line(args, cfg, teacher) -> tuple[str, bool, bool]:

@@ -384,22 +384,24 @@ def corpus(tmp_path_factory):
 
 def test_train_block_from_scratch_and_uptrained(corpus):
     import train
+    import checkpoint
+    from data import padded_vocab
 
     d, common = corpus
     res = train.train(["--arch", "block", "--out-dir", str(d / "scratch"), *common])
     assert res["loss"] is not None
-    ck = train.load_checkpoint(d / "scratch" / "ckpt.pt")
+    ck = checkpoint.load_checkpoint(d / "scratch" / "ckpt.pt")
     cfg = ck["config"]
     # the tokenizer's end-of-text id (300) reached the config, so prepare_batch pads documents; pad = spare last row
-    assert ck["arch"] == "block" and cfg["eot_id"] == 300 and cfg["vocab_size"] == train.padded_vocab(301)
+    assert ck["arch"] == "block" and cfg["eot_id"] == 300 and cfg["vocab_size"] == padded_vocab(301)
     assert BlockConfig.from_dict(cfg).pad == cfg["vocab_size"] - 1 > 300
-    assert isinstance(train.model_from_checkpoint(ck), BlockTransformer)
+    assert isinstance(checkpoint.model_from_checkpoint(ck), BlockTransformer)
 
     van = str(d / "vanilla" / "ckpt.pt")
     res = train.train(["--arch", "block", "--init-from", van, "--out-dir", str(d / "up"), "--block-prefix-len", "3",
                        *common])
     assert res["loss"] is not None
-    ck = train.load_checkpoint(d / "up" / "ckpt.pt")
+    ck = checkpoint.load_checkpoint(d / "up" / "ckpt.pt")
     cfg = ck["config"]
     assert (cfg["embedder"], cfg["prefix_len"], cfg["block_n_layer"], cfg["n_layer"], cfg["eot_id"]) == \
            ("lookup_proj", 3, 2, 2, 300)

@@ -605,6 +605,7 @@ def test_bad_generation_inputs_raise_clear_errors():
 
 def test_train_runs_both_objectives_and_evaluates(tmp_path, capsys):
     import train
+    import checkpoint
     from conftest import write_jsonl
 
     texts = [f"def f{i}(x):\n    return x * {i} + {i % 7}\n" * 3 for i in range(40)]
@@ -617,8 +618,8 @@ def test_train_runs_both_objectives_and_evaluates(tmp_path, capsys):
                            "--max-iters", "2", "--batch-size", "2", "--seq-len", "32", "--eval-iters", "1",
                            "--sample-tokens", "4", "--device", "cpu", "--vocab-size", "300"])
         assert out["loss"] is not None and math.isfinite(out["loss"]) and math.isfinite(out["best_val_loss"])
-        ck = train.load_checkpoint(out_dir / "ckpt.pt")
-        model = train.model_from_checkpoint(ck)
+        ck = checkpoint.load_checkpoint(out_dir / "ckpt.pt")
+        model = checkpoint.model_from_checkpoint(ck)
         assert isinstance(model, DoubleDecoder) and model.config.objective == objective
         assert model.config.ctx_lr == 0.25  # train.py's default for --arch double (the fix of the module docstring)
         assert (model.config.ctx_layers, model.config.gen_layers, model.config.n_layer) == (2, 1, 3)

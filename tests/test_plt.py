@@ -411,6 +411,7 @@ def test_flag_overrides():
 @pytest.mark.parametrize("variant", ["plt"])  # the other rows' flags: test_flag_overrides
 def test_train_runs(tmp_path, variant):
     import train
+    import checkpoint
     from conftest import write_jsonl
 
     texts = [f"def f{i}(x):\n    return x * {i} + {i % 7}\n" * 3 for i in range(40)]
@@ -420,8 +421,8 @@ def test_train_runs(tmp_path, variant):
                        "--max-iters", "3", "--batch-size", "2", "--seq-len", "32", "--eval-iters", "1",
                        "--sample-tokens", "8", "--device", "cpu", "--vocab-size", "300"])
     assert out["loss"] is not None and torch.isfinite(torch.tensor(out["loss"]))
-    ck = train.load_checkpoint(tmp_path / "out" / "ckpt.pt")
-    model = train.model_from_checkpoint(ck)
+    ck = checkpoint.load_checkpoint(tmp_path / "out" / "ckpt.pt")
+    model = checkpoint.model_from_checkpoint(ck)
     assert isinstance(model, PLT) and model.config.n_loops == 2 and model.config.window == 8
     assert model.config.clp == (variant == "plt") and model.config.gswa == (variant == "plt")
 
@@ -494,13 +495,14 @@ def test_main_job_defaults_and_explicit_lr():
     """`python train.py --arch plt` runs the arch's defaults (800 steps at lr 4e-3); an explicit --lr wins; other
     archs keep train.py's 2e-3."""
     import train
+    import checkpoint
 
     table = train.arch_table()
     ap = train.build_parser(table)
     for argv, lr, iters in ((["--arch", "plt"], 4e-3, 800), (["--arch", "plt", "--lr", "1e-3"], 1e-3, 800),
                             (["--arch", "vanilla"], 2e-3, 300)):
         args = ap.parse_args(argv)
-        train.resolve_defaults(args, table[args.arch])
+        checkpoint.resolve_defaults(args, table[args.arch])
         assert (args.lr, args.max_iters) == (lr, iters), argv
 
 

@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+import checkpoint
 import eval as ev
 import train
 from conftest import write_jsonl
@@ -39,8 +40,8 @@ def test_every_row_is_a_conversion_train_py_builds(source, tmp_path):
         train.train([*flags, "--init-from", src, "--teacher", src, "--max-iters", "1", "--eval-iters", "1",
                      "--seq-len", "32", "--batch-size", "2", "--sample-tokens", "0", "--dtype", "float32",
                      "--out-dir", str(tmp_path / row), *common])
-        ck = train.load_checkpoint(tmp_path / row / "ckpt.pt")
-        n_params[row] = train.model_from_checkpoint(ck).num_params()
+        ck = checkpoint.load_checkpoint(tmp_path / row / "ckpt.pt")
+        n_params[row] = checkpoint.model_from_checkpoint(ck).num_params()
         assert ck["args"]["teacher"] == src
     assert n_params["a"] == n_params["b"] == n_params["a+samples"] < n_params["c"] < n_params["e"]
     assert n_params["a"] < n_params["d"] < n_params["e"]  # Middle-Cycle: 1 + 1 shared + 1 of the 4 layers

@@ -461,6 +461,7 @@ def corpus(tmp_path_factory):
 
 def test_train_converts_and_uptrains_relaxed(corpus, capsys):
     import train
+    import checkpoint
 
     d, common = corpus
     van_ckpt = str(d / "vanilla" / "ckpt.pt")
@@ -470,13 +471,13 @@ def test_train_converts_and_uptrains_relaxed(corpus, capsys):
                        "--exit-gate", *common])
     assert res["loss"] is not None
     assert " gate_acc " in capsys.readouterr().out  # the gate's training metrics in the step lines
-    ck = train.load_checkpoint(d / "relaxed" / "ckpt.pt")
+    ck = checkpoint.load_checkpoint(d / "relaxed" / "ckpt.pt")
     assert ck["arch"] == "relaxed"
     cfg = ck["config"]
     assert (cfg["n_loops"], cfg["lora_rank_q"], cfg["lora_rank_kv"], cfg["exit_loss"], cfg["self_distill"],
             cfg["exit_gate"]) == (2, 8, 4, "aggressive", True, True)
     assert ck["model"]["exit_gate.weight"].abs().sum() > 0  # trained, saved
-    model = train.model_from_checkpoint(ck)
+    model = checkpoint.model_from_checkpoint(ck)
     torch.testing.assert_close(model.exit_gate.weight, ck["model"]["exit_gate.weight"])
     assert isinstance(model, RecursiveGPT) and isinstance(model.blocks[0].attn.q_proj, LoRALinear)
     # `python eval.py exits` reads it back: per-loop losses, the oracle and the threshold curve on validation text
@@ -491,12 +492,13 @@ def test_train_converts_and_uptrains_relaxed(corpus, capsys):
 
 def test_train_recursive_conversion_and_errors(corpus):
     import train
+    import checkpoint
 
     d, common = corpus
     van_ckpt = str(d / "vanilla" / "ckpt.pt")
     train.train(["--arch", "recursive", "--init-from", van_ckpt, "--init", "stepwise", "--max-iters", "1",
                  "--out-dir", str(d / "recursive"), *common])
-    ck = train.load_checkpoint(d / "recursive" / "ckpt.pt")
+    ck = checkpoint.load_checkpoint(d / "recursive" / "ckpt.pt")
     assert ck["arch"] == "recursive" and ck["config"]["lora_rank_q"] == 0 and ck["config"]["n_loops"] == 2
     rec_ckpt = str(d / "recursive" / "ckpt.pt")
     with pytest.raises(ValueError, match="from a recursive checkpoint"):  # another architecture's checkpoint
@@ -704,16 +706,17 @@ def test_depthwise_step_equals_exit_pass_on_the_live_rows():
 
 def test_exit_gate_added_in_post_training_from_a_gateless_checkpoint(corpus, tmp_path):
     import train
+    import checkpoint
 
     d, common = corpus
     plain = tmp_path / "plain"
     train.train(["--arch", "recursive", "--init-from", str(d / "vanilla" / "ckpt.pt"), "--max-iters", "1",
                  "--out-dir", str(plain), *common])
-    src = train.load_checkpoint(plain / "ckpt.pt")
+    src = checkpoint.load_checkpoint(plain / "ckpt.pt")
     assert not src["config"]["exit_gate"] and not any(k.startswith("exit_gate") for k in src["model"])
     train.train(["--arch", "recursive", "--init-from", str(plain / "ckpt.pt"), "--exit-gate", "--exit-loss",
                  "aggressive", "--max-iters", "2", "--lr", "0", "--out-dir", str(tmp_path / "gate"), *common])
-    ck = train.load_checkpoint(tmp_path / "gate" / "ckpt.pt")
+    ck = checkpoint.load_checkpoint(tmp_path / "gate" / "ckpt.pt")
     assert ck["config"]["exit_gate"] and ck["model"]["exit_gate.weight"].shape == (2 - 1, ck["config"]["n_embd"])
     for k, v in src["model"].items():  # lr 0: every loaded weight unchanged, the gate added beside them
         torch.testing.assert_close(ck["model"][k], v, rtol=0, atol=0, msg=k)
@@ -812,12 +815,13 @@ def test_middle_cycle_refuses_what_assumes_cycle():
 def test_train_middle_cycle_conversion_and_refusal(corpus, capsys):
     import eval as ev
     import train
+    import checkpoint
 
     d, common = corpus
     van_ckpt = str(d / "vanilla" / "ckpt.pt")
     train.train(["--arch", "recursive", "--init-from", van_ckpt, "--sharing", "middle_cycle", "--max-iters", "1",
                  "--out-dir", str(d / "middle"), *common])
-    ck = train.load_checkpoint(d / "middle" / "ckpt.pt")
+    ck = checkpoint.load_checkpoint(d / "middle" / "ckpt.pt")
     assert ck["config"]["sharing"] == "middle_cycle" and "unique_last.0.mlp_norm.weight" in ck["model"]
     with pytest.raises(ValueError, match="exit_loss='aggressive' needs sharing='cycle'"):
         train.train(["--arch", "recursive", "--init-from", van_ckpt, "--sharing", "middle_cycle", "--exit-loss",

@@ -291,21 +291,21 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, corpus, 
 def test_corrupt_and_foreign_checkpoints(tmp_path):
     p = tmp_path / "ckpt.pt"
     p.write_bytes(os.urandom(256))
-    with pytest.raises(train.CheckpointError, match="corrupt"):
+    with pytest.raises(cli.CheckpointError, match="corrupt"):
         checkpoint.load_checkpoint(p)
     torch.save({"weights": torch.zeros(2)}, p)
-    with pytest.raises(train.CheckpointError, match="not a checkpoint written by train.py"):
+    with pytest.raises(cli.CheckpointError, match="not a checkpoint written by train.py"):
         checkpoint.load_checkpoint(p)
     good = {"format": checkpoint.CKPT_FORMAT, "arch": "vanilla", "config": vars(model_lib.GPTConfig()),
             "model": model_lib.GPT(model_lib.GPTConfig()).state_dict()}
     checkpoint.save_checkpoint(p, good)
     p.write_bytes(p.read_bytes()[:1000])  # truncated
-    with pytest.raises(train.CheckpointError, match="corrupt"):
+    with pytest.raises(cli.CheckpointError, match="corrupt"):
         checkpoint.load_checkpoint(p)
-    with pytest.raises(train.CheckpointError, match="does not exist"):
+    with pytest.raises(cli.CheckpointError, match="does not exist"):
         checkpoint.load_checkpoint(tmp_path / "missing.pt")
     good["config"] = {**good["config"], "n_embd": 64, "n_head": 4}
-    with pytest.raises(train.CheckpointError, match="do not fit"):
+    with pytest.raises(cli.CheckpointError, match="do not fit"):
         checkpoint.model_from_checkpoint(good)
 
 
@@ -392,9 +392,9 @@ def test_resume_refuses_contradicting_flags_and_extends_the_run_length(tmp_path,
                          (["--vocab-size", "600"], "--vocab-size 600 (the run had 512)"),
                          (["--preset", "small", "--lr", "1e-3"], "--preset small (the run had tiny), --lr 0.001"),
                          (["--teacher", str(tmp_path / "out" / "ckpt.pt")], "--teacher")]:
-        with pytest.raises(train.UsageError, match="contradict it: " + named.replace("(", r"\(").replace(")", r"\)")):
+        with pytest.raises(cli.UsageError, match="contradict it: " + named.replace("(", r"\(").replace(")", r"\)")):
             train.train(out + flags)
-    with pytest.raises(train.UsageError, match="--max-iters 3 is below the step 4"):
+    with pytest.raises(cli.UsageError, match="--max-iters 3 is below the step 4"):
         train.train(out + ["--max-iters", "3"])
     capsys.readouterr()
     train.train(out + ["--vocab-size", "512", "--max-iters", "6", "--eval-interval", "3"])  # same value: fine
@@ -416,7 +416,7 @@ def test_resume_accepts_a_flag_equal_to_the_checkpoint_config(tmp_path, corpus, 
 
     shutil.copytree(relaxed_ckpt, tmp_path / "r")
     out = ["--resume", "--out-dir", str(tmp_path / "r" / "out"), "--cache-dir", str(tmp_path / "r" / "cache")]
-    with pytest.raises(train.UsageError, match="--loops 4 \\(the run had None\\)"):
+    with pytest.raises(cli.UsageError, match="--loops 4 \\(the run had None\\)"):
         train.train(out + ["--loops", "4"])
     train.train(out + ["--loops", "2", "--max-iters", "3"])  # the run left --loops at the preset's 2
     assert checkpoint.load_checkpoint(tmp_path / "r" / "out" / "ckpt.pt")["step"] == 3
@@ -443,7 +443,7 @@ def test_init_from_same_arch_applies_post_training_flags(tmp_path, corpus, relax
     x, y = windows.get_batch(4, 64, data.step_generator(1337, 0, 0, 0))
     with torch.no_grad():
         assert m(x, y)[1].item() == pytest.approx(v["loss"], abs=1e-4)
-    with pytest.raises(train.UsageError, match="lora_rank_q 16 -> 4.*would change its parameters"):
+    with pytest.raises(cli.UsageError, match="lora_rank_q 16 -> 4.*would change its parameters"):
         train.train(base_args(corpus, tmp_path / "x", "--arch", "relaxed", "--init-from", src, "--lora-rank", "4"))
 
 
@@ -519,7 +519,7 @@ def test_a_batch_that_cannot_fit_is_refused_before_the_first_step(tmp_path, corp
     calls = []
     monkeypatch.setattr(cli, "available_memory", lambda device: (50_000_000, "test budget"))
     monkeypatch.setattr(train, "make_optimizer", lambda *a: calls.append(a))
-    with pytest.raises(train.UsageError, match=r"--batch-size 64 x --seq-len 64 needs about 0.\d+ GB \([\d,]+ bytes\) "
+    with pytest.raises(cli.UsageError, match=r"--batch-size 64 x --seq-len 64 needs about 0.\d+ GB \([\d,]+ bytes\) "
                                                r"per training step \(activations .* but cpu has 0.05 GB available"):
         train.train(base_args(corpus, tmp_path, "--batch-size", "64", "--max-iters", "1"))
     assert not calls  # refused before the optimizer (and any activation) was allocated
@@ -533,7 +533,7 @@ def test_init_from_same_arch_keeps_settings_no_flag_was_typed_for(tmp_path, corp
                           "--max-iters", "1"))
     cfg = checkpoint.load_checkpoint(tmp_path / "b" / "out" / "ckpt.pt")["config"]
     assert (cfg["clp"], cfg["kv_share"], cfg["gswa"], cfg["window"]) == (True, False, False, 16)
-    with pytest.raises(train.UsageError, match="holds a plt model, and gswa False -> True would change its param"):
+    with pytest.raises(cli.UsageError, match="holds a plt model, and gswa False -> True would change its param"):
         train.train(base_args(corpus, tmp_path / "c", "--arch", "plt", "--init-from", src, "--plt-variant", "plt"))
 
 
