@@ -194,7 +194,7 @@ def bench_kernels(args):
                 return (g * y_loc.float() + (1 - g) * y_glob.float()).to(q.dtype)
 
             if flex is not None:
-                from torch.nn.attention.flex_attention import create_block_mask
+                from torch.nn.attention.flex_attention import create_block_mask  # this torch has FlexAttention (flex)
                 wm = create_block_mask(lambda b, h, i, j: (j <= i) & (j > i - window), None, None, T, T, device=dev)
 
                 def stock():  # flex for the window, flash SDPA for the causal shared branch, gate and mix
@@ -267,7 +267,7 @@ def bench_kernels(args):
                 _report("reference: 2 dense attentions + LSE merge",
                         ktime(lambda: K.dual_attention_ref(*dargs), heavy=True), nbytes, flops, t_k)
                 if flex is not None:
-                    from torch.nn.attention.flex_attention import create_block_mask
+                    from torch.nn.attention.flex_attention import create_block_mask  # this torch has it (flex)
                     sm = create_block_mask(
                         lambda b, h, i, j: (blk_d[b, j] == blk_d[b, i]) & (pos_b[b, j] <= pos_b[b, i]), Bt, None, T, T,
                         device=dev)
