@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import time
 from pathlib import Path
 
@@ -48,6 +47,7 @@ import torch
 
 import cpu_tuning
 import serve
+from bench_common import med, spread
 from checkpoint import load_checkpoint, load_source_model, model_from_checkpoint, tokenizer_from_spec
 from cli import (DTYPES, UsageError, available_memory, check_device, check_dtype, check_writable_dir, comma_list, number,
                  one_of, path_arg, seed_arg, temperature_arg, threads_arg, user_input)
@@ -240,15 +240,6 @@ def report(args, servers, rounds, outputs, B, slots, peak) -> list[dict]:
           "1.4-1.9x continuous sequence-wise batching; measured batched early exit on GPUs (Miao et al. 2024): "
           "<= 1.25x")
     return rows
-
-
-def med(xs) -> float:
-    return statistics.median(xs) if xs else math.nan
-
-
-def spread(xs, scale=1.0, fmt=".1f") -> str:
-    """'median (min..max)' of a list, each multiplied by scale (bench.py's)."""
-    return f"{med(xs) * scale:{fmt}} ({min(xs) * scale:{fmt}}..{max(xs) * scale:{fmt}})"
 
 
 def json_safe(obj):

@@ -10,6 +10,9 @@ import pytest
 import torch
 
 import bench
+import bench_common
+import bench_decode
+import bench_train
 import eval
 from model import GPT, GPTConfig
 
@@ -109,19 +112,19 @@ def test_roofline_counts_every_weight_of_a_layer_and_its_matmul_ratios():
 
     with torch.device("meta"):
         m = plt.PLT(plt.PLTConfig(**{**plt.PRESETS["tiny"], **plt.variant_fields("vanilla")}))  # no G-SWA gate
-    layer, head = bench.linear_shapes(m)
+    layer, head = bench_decode.linear_shapes(m)
     assert sum(o * i for o, i in layer) == sum(p.numel() for p in m.blocks[0].parameters() if p.dim() == 2)
     assert head == (m.lm_head.weight.shape[0], m.lm_head.weight.shape[1])
-    p, lp = bench.matmul_ratios({1: 1.0, 2: 1.5}, {1: 2.0}, n_layer=4, loops=2, batch=1)
+    p, lp = bench_decode.matmul_ratios({1: 1.0, 2: 1.5}, {1: 2.0}, n_layer=4, loops=2, batch=1)
     assert p == pytest.approx((4 * 1.5 + 2) / 6) and lp == pytest.approx((2 * 4 * 1.0 + 2) / 6)
 
 
 def test_rounds_synchronise_the_device_around_each_timed_call(monkeypatch):
-    """bench.rounds reads the clock between two synchronisations of the device, as model.timeit does (CUDA queues its
-    work: a clock read without one would time the launch), the warm-up untimed."""
+    """bench_common.rounds reads the clock between two synchronisations of the device, as model.timeit does (CUDA
+    queues its work: a clock read without one would time the launch), the warm-up untimed."""
     events = []
-    monkeypatch.setattr(bench, "sync", lambda device: events.append(f"sync {device}"))
-    res = bench.rounds({"a": lambda: events.append("a"), "b": lambda: events.append("b")}, 2, "cuda:0")
+    monkeypatch.setattr(bench_common, "sync", lambda device: events.append(f"sync {device}"))
+    res = bench_common.rounds({"a": lambda: events.append("a"), "b": lambda: events.append("b")}, 2, "cuda:0")
     assert events == ["a", "b"] + ["sync cuda:0", "a", "sync cuda:0", "sync cuda:0", "b", "sync cuda:0"] * 2
     assert {k: len(v) for k, v in res.items()} == {"a": 2, "b": 2}
 
@@ -314,11 +317,11 @@ def test_kd_bench_times_the_same_step_in_ours_and_transformers(dtype):
         for block in teacher.blocks:
             block.attn.q_proj.weight.normal_(0, 0.5)
             block.attn.k_proj.weight.normal_(0, 0.5)
-    models = bench.kd_models(teacher, 2, torch.device("cpu"))
+    models = bench_train.kd_models(teacher, 2, torch.device("cpu"))
     assert len(models["transformers"][1].model.layers) == 4  # 2 shared layers, listed once per loop
     x, y = torch.randint(0, 97, (2, 16)), torch.randint(0, 97, (2, 16))
     autocast = torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32)
-    steps = {name: bench.kd_step(*pair, bench.LOGITS_OF[name](x), x, y, autocast, torch.device("cpu"))
+    steps = {name: bench_train.kd_step(*pair, bench_train.LOGITS_OF[name](x), x, y, autocast, torch.device("cpu"))
              for name, pair in models.items()}
     tol = dict(rtol=0, atol=1e-5) if dtype == torch.float32 else dict(rtol=0, atol=2e-2)
     for _ in range(2):

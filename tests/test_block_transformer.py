@@ -417,16 +417,17 @@ def test_bench_block_batch_search_and_ratio(capsys):
     (the paper's maximum batch), a search over 1, 2, 4, ... up to it, rounds at batch 1, the best batch and --batches,
     and the ratio line."""
     import bench
+    import bench_decode
 
     bench.main(["block", "--preset", "tiny", "--scale", str(1 / 32), "--budget-mib", "1", "--repeats", "1",
                 "--dtype", "float32", "--device", "cpu", "--batches", "3"])
     out = capsys.readouterr().out
-    block, vanilla = bench.block_pair(argparse.Namespace(preset="tiny", vanilla=None), torch.device("cpu"),
-                                      torch.float32, 68)
+    block, vanilla = bench_decode.block_pair(argparse.Namespace(preset="tiny", vanilla=None), torch.device("cpu"),
+                                             torch.float32, 68)
     sections = out.split("\n-- ")[1:]
     assert len(sections) == 2
     for sec, (setting, (P, G)) in zip(sections, (("decode-heavy", (4, 64)), ("prefill-heavy", (64, 4)))):
-        per_seq = {k: bench.generation_bytes(m, P, G) for k, m in (("vanilla", vanilla), ("block", block))}
+        per_seq = {k: bench_decode.generation_bytes(m, P, G) for k, m in (("vanilla", vanilla), ("block", block))}
         assert per_seq["block"] < per_seq["vanilla"]
         top = {k: 2 ** 20 // n for k, n in per_seq.items()}
         assert sec.startswith(f"{setting}: prompt {P}, {G} new tokens")

@@ -24,6 +24,8 @@ from gguf import GGUFValueType as V
 from gguf import GGUFWriter
 
 import bench
+import bench_decode
+import bench_train
 import checkpoint
 import cli
 import data
@@ -656,12 +658,19 @@ def eval_files(files):
     return files
 
 
+def no_benchmark_runs(monkeypatch):
+    """Every bench.py benchmark fails the test if it reaches its timed rounds (bench_common.rounds, as the topic
+    files that time import it)."""
+    for m in (bench_decode, bench_train):
+        monkeypatch.setattr(m, "rounds", lambda *a, **k: pytest.fail("a benchmark ran"))
+
+
 @pytest.mark.parametrize("what,run,argv,setup,match", EVAL_BENCH, ids=[r[0] for r in EVAL_BENCH])
 def test_eval_and_bench_mistakes_are_one_line(eval_files, capsys, monkeypatch, what, run, argv, setup, match):
     d = str(eval_files)
     if setup:
         setup(monkeypatch)
-    monkeypatch.setattr(bench, "rounds", lambda *a, **k: pytest.fail("a benchmark ran"))
+    no_benchmark_runs(monkeypatch)
     one_error_line(capsys, run, [a.replace("{d}", d) for a in argv], match.replace("{d}", d))
 
 
@@ -872,24 +881,25 @@ MEMORY = [  # (what, command, argv, budget in bytes or None, what must not run, 
                                                         "cpu"], 200_000_000, (hf, "from_pretrained"),
      "{d}/hf-long in torch.float32 with a 23-token prompt and 1000000 new tokens needs about 0.26 GB (262,"),
     ("bench decode --batch 1e8", bench.main, ["decode", "--preset", "tiny", "--batch", "100000000", "--device", "cpu"],
-     None, (bench, "read_bandwidth"), "bench.py decode in torch.float32 at --batch 100000000" + E),
+     None, (bench_decode, "read_bandwidth"), "bench.py decode in torch.float32 at --batch 100000000" + E),
     ("bench train", bench.main, ["train", "--preset", "tiny", "--train-batch", "1000000", "--device", "cpu"], None,
-     (bench, "GPT"), "bench.py train --train-batch 1000000 x --seq-len 256" + L),
-    ("bench kd", bench.main, ["kd", "--train-batch", "100000", "--device", "cpu"], None, (bench, "GPT"),
+     (bench_train, "GPT"), "bench.py train --train-batch 1000000 x --seq-len 256" + L),
+    ("bench kd", bench.main, ["kd", "--train-batch", "100000", "--device", "cpu"], None, (bench_train, "GPT"),
      "bench.py kd --train-batch 100000 x --seq-len 512" + L),
     ("bench plt", bench.main, ["plt", "--preset", "tiny", "--batch", "100000000", "--device", "cpu"], None,
-     (bench, "generation_times"), "bench.py plt in torch.float32 at --batch 100000000, 288 positions" + E),
+     (bench_decode, "generation_times"), "bench.py plt in torch.float32 at --batch 100000000, 288 positions" + E),
     ("bench roofline", bench.main, ["roofline", "--preset", "tiny", "--rows", "1000000000"], None,
-     (bench, "read_bandwidth"), "bench.py roofline in torch.float32 at 1,000,000,000 rows" + E),
-    ("bench ckpt: a budget", bench.main, ["ckpt", "--preset", "tiny"], 1_000_000, (bench, "GPT"),
+     (bench_decode, "read_bandwidth"), "bench.py roofline in torch.float32 at 1,000,000,000 rows" + E),
+    ("bench ckpt: a budget", bench.main, ["ckpt", "--preset", "tiny"], 1_000_000, (bench_train, "GPT"),
      "bench.py ckpt --preset tiny" + E),
     ("bench double: layers", bench.main, ["double", "--preset", "tiny", "--ctx-layers", "1000000000", "--device",
-                                          "cpu"], None, (bench, "GPT"),
+                                          "cpu"], None, (bench_decode, "GPT"),
      "bench.py double in torch.float32 at --batch 8"),
     ("bench archs", bench.main, ["archs", "--batch", "100000000", "--device", "cpu"], None,
-     (bench, "generation_times"), "bench.py archs in torch.float32 at --batch 100000000, prompt 160 / new 8" + E),
+     (bench_decode, "generation_times"),
+     "bench.py archs in torch.float32 at --batch 100000000, prompt 160 / new 8" + E),
     ("bench block: --scale", bench.main, ["block", "--scale", "1000000", "--device", "cpu"], None,
-     (bench, "block_pair"), "bench.py block in torch.bfloat16 at --scale 1e+06 (2,176,000,000 positions)"),
+     (bench_decode, "block_pair"), "bench.py block in torch.bfloat16 at --scale 1e+06 (2,176,000,000 positions)"),
 ]
 
 
@@ -907,7 +917,7 @@ def test_what_a_command_will_allocate_is_checked_first(memory_files, capsys, mon
     if budget is not None:
         monkeypatch.setattr(cli, "available_memory", lambda device: (budget, "test budget"))
     monkeypatch.setattr(*guard, lambda *a, **k: pytest.fail(f"{guard[1]} ran: the check came too late"))
-    monkeypatch.setattr(bench, "rounds", lambda *a, **k: pytest.fail("a benchmark ran"))
+    no_benchmark_runs(monkeypatch)
     one_error_line(capsys, run, [a.replace("{d}", d) for a in argv], match.replace("{d}", d))
 
 

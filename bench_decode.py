@@ -1,0 +1,547 @@
+"""
+bench_decode.py -- inference speed of the architectures, each model's own generate() on this machine: vanilla decode
+against the machine's read bandwidth and transformers' generate (`python bench.py decode`), PLT-2 against vanilla and
+loop-2 (`plt`, the PLT paper's Table 3) and where its matmuls sit on this CPU's roofline (`roofline`), the double
+decoder against decoder-only (`double`), all six architectures side by side (`archs`) and the Block Transformer's
+throughput at the largest batch of a memory budget (`block`).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from functools import partial
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+
+import block_transformer as bt
+import cpu_tuning
+import double_decoder as dd
+import plt
+from bench_common import (BANDWIDTH_PROBE, check_bench_memory, check_context, header, hf_llama, kv_of, med, ratio,
+                          read_bandwidth, rounds, spread)
+from cli import UsageError, user_input
+from cpu_tuning import LINEAR_PROBE_BYTES, cpu_key, force_linear, linear_report
+from model import (GPT, PRESETS, GPTConfig, forward_memory, memory_sum, model_memory, module_bytes, param_bytes,
+                   pick_device, pick_dtype, sample_next, sync, timeit)
+from recursive import RecursiveConfig, RecursiveGPT
+
+# ----------------------------------------------------------------------------------------------------------------
+# Vanilla decode: this repository vs transformers' LlamaForCausalLM.generate, and vs the machine's bandwidth
+
+
+@torch.no_grad()
+@cpu_tuning.switched_on()
+def bench_decode(args):
+    device = pick_device(args.device)
+    cfg = GPTConfig.from_preset(args.preset)
+    P, N = args.prompt_len, args.new_tokens
+    products = args.linear.split(",")  # "auto" = cpu_tuning's measured choice, else a forced product
+    check_context(P + N, cfg.max_seq_len, f"--prompt-len {P} + --new-tokens {N}")
+    top, twins = max(int(b) for b in args.batch.split(",")), 2 if args.hf else 1  # ours and transformers' model
+    for dtype in [pick_dtype(device, d) for d in args.dtype.split(",")]:
+        elem = dtype.itemsize
+        check_bench_memory(device, f"bench.py decode in {dtype} at --batch {top}", {"bandwidth probe": BANDWIDTH_PROBE},
+                           *[model_memory(cfg, elem)] * twins, {"prompts": top * P * 8},
+                           {"KV caches of generate": twins * kv_of(cfg, top, P + N, elem)},
+                           forward_memory(cfg, top, P, elem, logits_rows=top), fix="lower --batch or --prompt-len")
+    bw = read_bandwidth(device)
+    for dtype in [pick_dtype(device, d) for d in args.dtype.split(",")]:
+        torch.manual_seed(0)
+        ours = GPT(cfg).to(device=device, dtype=dtype).eval()
+        if args.compile:
+            ours.compile_decode()
+        hf = hf_llama(cfg, dtype) if args.hf else None
+        if hf is not None:
+            hf.to(device)
+        wbytes = param_bytes(ours)
+        header("vanilla decode", device, dtype, f"compiled decode step {args.compile} | preset {args.preset}: {cfg.n_layer} layers, d {cfg.n_embd}, "
+               f"{wbytes / 1e6:.0f} MB of weights | prompt {P}, {N} new tokens, greedy | median (min..max) of "
+               f"{args.repeats} interleaved rounds after 1 warm-up")
+        print(f"   read bandwidth of this machine (1 GiB streaming sum): {bw / 1e9:.1f} GB/s -> a batch-1 decode "
+              f"step cannot take less than {wbytes / bw * 1e3:.1f} ms ({bw / wbytes:.1f} tok/s)")
+        for B in [int(b) for b in args.batch.split(",")]:
+            idx = torch.randint(0, cfg.vocab_size - 1, (B, P), device=device)
+            systems = {decode_name(p): partial(forced_generate, ours, p, idx, N) for p in products}
+            if hf is not None:
+                systems["transformers: LlamaForCausalLM.generate"] = lambda: hf.generate(
+                    idx, max_new_tokens=N, min_new_tokens=N, do_sample=False, pad_token_id=0)
+            pre = rounds({"prefill": lambda: ours.generate(idx, 1)}, args.repeats, device)["prefill"]
+            res = rounds(systems, args.repeats, device)
+            for p in products:
+                name = decode_name(p)
+                t_dec = [t - med(pre) for t in res[name]]  # the decode steps alone
+                print(f"   batch {B}, {name}: {spread([B * N / t for t in res[name]])} tok/s end to end; "
+                      f"decode alone {med(t_dec) / (N - 1) * 1e3:.2f} ms/step = "
+                      f"{B * (N - 1) / med(t_dec):.1f} tok/s, {wbytes / (med(t_dec) / (N - 1)) / 1e9:.1f} GB/s of "
+                      f"weights = {wbytes / (med(t_dec) / (N - 1)) / bw:.0%} of the measured bandwidth")
+                if hf is not None:
+                    hname = "transformers: LlamaForCausalLM.generate"
+                    ratio = [a / b for a, b in zip(res[hname], res[name])]
+                    print(f"            transformers {spread([B * N / t for t in res[hname]])} tok/s end to end -> "
+                          f"ours / transformers = {spread(ratio, fmt='.2f')}x (per-round ratios)")
+        if device.type == "cpu":
+            print_linear_choices(dtype)
+    force_linear(None)
+
+
+def decode_name(product: str) -> str:
+    return "ours: GPT.generate" + ("" if product == "auto" else f" [linear: {product}]")
+
+
+def forced_generate(model, product: str, idx, new_tokens: int):
+    """model.generate with `product` forced in cpu_tuning.linear ("auto": the measured choice)."""
+    force_linear(None if product == "auto" else product)
+    return model.generate(idx, new_tokens)
+
+
+def print_linear_choices(dtype):
+    """cpu_tuning's linear measurements in this dtype: per (rows, weight shape) the GB/s of weights each candidate
+    read and the pick, and the bytes of the weight copies alive (what "xwt" and "dnn" cost in memory)."""
+    rows, copies = linear_report()
+    print(f"   cpu_tuning's linear product per (rows, out x in) in {dtype} (GB/s of weights read, timed once over "
+          f">= {LINEAR_PROBE_BYTES >> 20} MiB of copies; * = picked; cpu {cpu_key()}):")
+    for r in rows:
+        if r["dtype"] == str(dtype).removeprefix("torch."):
+            cands = "  ".join(f"{k} {v:5.1f}{'*' if k == r['pick'] else ' '}" for k, v in r["gbps"].items())
+            print(f"      rows {r['rows']:3d}  {r['shape'][0]:6d} x {r['shape'][1]:<6d} {cands}")
+    print(f"   weight copies alive (transposed / oneDNN layout): {copies / 1e6:.1f} MB")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The architectures against vanilla: per-token decode latency and time to first token, each model's own generate()
+
+
+@torch.no_grad()
+def generation_times(models: dict, idx, new_tokens: int, repeats: int) -> dict[str, dict[str, list[float]]]:
+    """models: name -> model. Each round times, for every model in turn, generate(idx, 1) (the prefill and the first
+    token: TTFT) and generate(idx, new_tokens) -> name -> {"ttft": [s], "token": [s per decode step]}, one entry per
+    round. The decode time of a round is the difference of its two runs."""
+    systems = {}
+    for name, m in models.items():
+        systems[name + "/1"] = lambda m=m: m.generate(idx, 1)
+        systems[name + "/n"] = lambda m=m: m.generate(idx, new_tokens)
+    res = rounds(systems, repeats, idx.device)
+    return {name: {"ttft": res[name + "/1"],
+                   "token": [(tn - t1) / (new_tokens - 1) for t1, tn in zip(res[name + "/1"], res[name + "/n"])]}
+            for name in models}
+
+
+@torch.no_grad()
+@cpu_tuning.switched_on()
+def bench_plt(args):
+    """Table 3 of the PLT paper on this machine: per-token decode latency of PLT-2 against the vanilla model of the
+    same parameters (the N-layer stack run once) and against the sequential loop-2 baseline, at several batches."""
+    device = pick_device(args.device)
+    n = args.prompt_len + args.new_tokens
+    base = dict(plt.PRESETS[args.preset], max_seq_len=n + 8)
+    variants = args.variants.split(",")
+    top = max(int(b) for b in args.batch.split(","))
+    with torch.device("meta"):  # the models' sizes and caches, nothing allocated
+        shapes = [plt.PLT(plt.PLTConfig(**{**base, **plt.variant_fields(v)})) for v in variants]
+    for dtype in [pick_dtype(device, d) for d in args.dtype.split(",")]:
+        check_bench_memory(device, f"bench.py plt in {dtype} at --batch {top}, {n} positions",
+                           {"weights": sum(module_bytes(m) for m in shapes) * dtype.itemsize // 4,
+                            "KV caches of generate": max(m.kv_cache_bytes(top, n, dtype.itemsize) for m in shapes)},
+                           forward_memory(shapes[0].config, top, args.prompt_len, dtype.itemsize, logits_rows=top),
+                           fix="lower --batch, --prompt-len or --new-tokens")
+    for dtype in [pick_dtype(device, d) for d in args.dtype.split(",")]:
+        torch.manual_seed(0)
+        models = {v: plt.PLT(plt.PLTConfig(**{**base, **plt.variant_fields(v)})).to(device, dtype).eval()
+                  for v in variants}
+        p = next(iter(models.values()))
+        L = base["n_loops"]
+        header("PLT decode latency", device, dtype, f"preset {args.preset}: {base['n_layer']} layers x L={L}, d "
+               f"{base['n_embd']}, {param_bytes(p) / 1e6:.0f} MB of weights, window {base['window']} | prompt "
+               f"{args.prompt_len}, {args.new_tokens} new tokens | median (min..max) of {args.repeats} rounds")
+        kv = {v: m.kv_cache_bytes(1, n, torch.finfo(dtype).bits // 8) for v, m in models.items()}
+        print("   KV bytes per sequence at the end (Table 1): " + ", ".join(
+            f"{v} {b / 1024:.1f} KiB" + (f" ({b / kv['vanilla'] - 1:+.1%} vs vanilla)" if "vanilla" in kv else "")
+            for v, b in kv.items()))
+        for B in [int(b) for b in args.batch.split(",")]:
+            idx = torch.randint(0, base["vocab_size"] - 1, (B, args.prompt_len), device=device)
+            t = generation_times(models, idx, args.new_tokens, args.repeats)
+            print(f"   batch {B:3d}: ms/token " + ", ".join(f"{v} {spread(t[v]['token'], 1e3, '.2f')}" for v in t))
+            if "plt" in t and "vanilla" in t:
+                print(f"              PLT-{L} / vanilla {ratio(t['plt']['token'], t['vanilla']['token'])} (paper: "
+                      "1.02 at batch 4, 1.04-1.06 at 32-64)")
+            if "plt" in t and "loop" in t:
+                print(f"              PLT-{L} / loop-{L} {ratio(t['plt']['token'], t['loop']['token'])} (paper: "
+                      "0.63 at batch 4, 0.53 at 32-64)")
+
+
+def linear_shapes(model) -> tuple[list[tuple[int, int]], tuple[int, int]]:
+    """(out, in) of every linear layer of one block of `model` (q, k, v, o, gate, up, down, or their fused forms) and
+    of its head."""
+    layer = [tuple(m.weight.shape) for m in model.blocks[0].modules() if isinstance(m, torch.nn.Linear)]
+    return layer, tuple(model.lm_head.weight.shape)
+
+
+def fastest_ms(dtype, rows: int, shape, repeats: int) -> float:
+    """ms of the fastest of cpu_tuning's products (F.linear, mv, mm, x @ W^T, oneDNN) for x (rows, in) @ W^T, W
+    (out, in) = shape, weights streamed from memory (cpu_tuning.time_linear_products)."""
+    names = cpu_tuning.linear_candidates(dtype, rows)
+    return min(cpu_tuning.time_linear_products(dtype, rows, *shape, names, repeats).values()) * 1e3
+
+
+def matmul_ratios(layer_ms: dict[int, float], head_ms: dict[int, float], n_layer: int, loops: int, batch: int):
+    """The matmuls alone of one decode step at `batch` sequences -> (PLT-L / vanilla, loop-L / vanilla). Vanilla runs
+    n_layer layers at B rows; PLT-L the same layers once at L*B rows (its loops side by side); loop-L the layers L
+    times at B rows. Each runs the head once at B rows."""
+    B = batch
+    vanilla = n_layer * layer_ms[B] + head_ms[B]
+    return ((n_layer * layer_ms[loops * B] + head_ms[B]) / vanilla,
+            (loops * n_layer * layer_ms[B] + head_ms[B]) / vanilla)
+
+
+@torch.no_grad()
+def bench_roofline(args):
+    """This CPU's roofline and where PLT's decode sits on it: streaming read bandwidth, the speed of a large matmul
+    (the compute roof), the ridge between them in rows, the weight products of one layer and of the head at 1..32
+    rows, and the PLT-L / vanilla ratio the matmuls alone would give at each batch (what the PLT paper's Table 3
+    latency rests on: L loops side by side read each weight once for L times the rows)."""
+    device = pick_device("cpu")
+    with torch.device("meta"):
+        m = plt.PLT(plt.PLTConfig(**plt.PRESETS[args.preset]))
+    layer, head = linear_shapes(m)
+    N, L = m.config.n_layer, m.config.n_loops
+    batches = sorted({int(b) for b in args.batch.split(",")})
+    rows = sorted({int(r) for r in args.rows.split(",")} | set(batches) | {L * b for b in batches})
+    widest = max(o + i for o, i in [*layer, head])
+    for dtype in [pick_dtype(device, d) for d in args.dtype.split(",")]:
+        check_bench_memory(device, f"bench.py roofline in {dtype} at {rows[-1]:,} rows",
+                           {"bandwidth probe": BANDWIDTH_PROBE, "weight copies of a timing": 3 * LINEAR_PROBE_BYTES,
+                            "inputs and outputs of the widest product": rows[-1] * widest * dtype.itemsize},
+                           fix="lower --rows or --batch")
+    bw = read_bandwidth(device, repeats=args.repeats)
+    for dtype in [pick_dtype(device, d) for d in args.dtype.split(",")]:
+        torch.manual_seed(0)
+        big = (torch.randn(2048, 768, dtype=dtype), torch.randn(3072, 768, dtype=dtype))
+        t = timeit(lambda: F.linear(*big), device, warmup=2, repeats=args.repeats)
+        big_flops = 2 * 2048 * 768 * 3072
+        peak = big_flops / med(t)
+        header("CPU roofline and PLT decode matmuls", device, dtype, f"preset {args.preset}: {N} layers x L={L}, "
+               f"layer products {layer}, head {head} | median of {args.repeats} passes per product")
+        print(f"   streaming read {bw / 1e9:.1f} GB/s (1 GiB sum); F.linear 2048x768 by 768x3072 {peak / 1e9:.0f} "
+              f"GFLOP/s ({spread([big_flops / x / 1e9 for x in t], fmt='.0f')}) -> ridge at "
+              f"{peak * dtype.itemsize / (2 * bw):.1f} rows (a weight read once for M rows: 2M FLOP per "
+              f"{dtype.itemsize} bytes)")
+        layer_ms = {r: sum(fastest_ms(dtype, r, s, args.repeats) for s in layer) for r in rows}
+        head_ms = {r: fastest_ms(dtype, r, head, args.repeats) for r in rows}
+        lbytes = sum(o * i for o, i in layer) * dtype.itemsize
+        print("   rows   layer ms  (GB/s of weights, GFLOP/s)   head ms  (GB/s, GFLOP/s)")
+        for r in rows:
+            print(f"   {r:4d}  {layer_ms[r]:8.3f}  ({lbytes / layer_ms[r] / 1e6:6.1f}, {2 * r * lbytes / dtype.itemsize / layer_ms[r] / 1e6:6.1f})"
+                  f"  {head_ms[r]:8.3f}  ({head[0] * head[1] * dtype.itemsize / head_ms[r] / 1e6:6.1f}, "
+                  f"{2 * r * head[0] * head[1] / head_ms[r] / 1e6:6.1f})")
+        for B in batches:
+            p, lp = matmul_ratios(layer_ms, head_ms, N, L, B)
+            print(f"   batch {B:3d}: matmuls alone PLT-{L} / vanilla {p:.2f}, loop-{L} / vanilla {lp:.2f} (paper, "
+                  f"whole step: PLT-2 / vanilla 1.02 at batch 4)")
+
+
+def prefix_prefills(gpt, dm, idx, prefix: int) -> dict:
+    """TTFT after a cached shared prefix (section 3.3 item 3), the systems for `rounds`: idx[:, :prefix] is computed
+    once, outside the timers (decoder-only: its K/V; double: the context decoder's K/V and the cross K/V); each timed
+    call copies that prefix into a pre-allocated cache and runs the rest of the prompt against it, up to the first
+    token's logits."""
+    B, T = idx.shape
+    rows = torch.arange(B, device=idx.device)
+    g_prefix, g_work = gpt.new_cache(B, prefix), gpt.new_cache(B, T)
+    gpt.prefill(idx[:, :prefix], g_prefix)
+    d_prefix, d_work = dm.new_cache(B, prefix, 1, keep_context=True), dm.new_cache(B, T - 1, 1, keep_context=True)
+    dm.extend_context(idx[:, :prefix], d_prefix)
+
+    def decoder_only():
+        g_work.copy_rows(g_prefix, rows, rows)
+        gpt.head(gpt.forward_cached(idx[:, prefix:], g_work)[:, -1:])
+        sync(idx.device)
+
+    def double():
+        d_work.copy_from(d_prefix)
+        dm.prefill(idx[:, prefix:], d_work)
+        sync(idx.device)
+
+    return {"decoder-only": decoder_only, "double": double}
+
+
+@torch.no_grad()
+@cpu_tuning.switched_on()
+def bench_double(args):
+    """The double decoder's serving claims (section 3.3, Appendix A.1) against the decoder-only model of the same
+    parameters (ctx + gen layers): time to first token, TTFT after a cached shared prefix, per-token latency (each
+    model's own generate(); the double decoder's with --rollover N folds its block into the context every N tokens)
+    and KV bytes."""
+    device = pick_device(args.device)
+    P, N, R = args.prompt_len, args.new_tokens, args.rollover
+    prefix = args.shared_prefix if args.shared_prefix is not None else P // 2
+    if not 1 <= prefix < P:
+        raise UsageError(f"--shared-prefix must be in [1, {P - 1}] (below --prompt-len), got {prefix}" if P > 1 else
+                         "--prompt-len 1: the cached-prefix timing needs a prompt of at least 2 tokens")
+    over = {"max_seq_len": P + N + 8, **({"vocab_size": args.vocab_size} if args.vocab_size else {})}
+    for name in ("ctx_layers", "gen_layers"):
+        if getattr(args, name) is not None:
+            over.update({name: getattr(args, name), "n_layer": None})
+    with user_input():  # layer counts the flags make impossible: one line
+        cfg = dd.DoubleConfig(**{**dd.PRESETS[args.preset], **over})
+    L = cfg.n_layer
+    top = max(int(b) for b in args.batch.split(","))
+    for dtype in [pick_dtype(device, d) for d in args.dtype.split(",")]:  # from the configs: nothing built yet
+        e = dtype.itemsize
+        check_bench_memory(device, f"bench.py double in {dtype} at --batch {top}, {P + N} positions",
+                           model_memory(cfg, e), model_memory(dd.baseline_config(cfg), e),
+                           {"KV caches of generate and of the cached prefix": 2 * (kv_of(cfg, top, P + N, e)
+                                                                                   + 2 * kv_of(cfg, top, P, e))},
+                           forward_memory(cfg, top, P, e, logits_rows=top),
+                           fix="lower --batch, --prompt-len, --new-tokens, --vocab-size or the layers")
+    for dtype in [pick_dtype(device, d) for d in args.dtype.split(",")]:
+        torch.manual_seed(0)
+        models = {"decoder-only": GPT(dd.baseline_config(cfg)).to(device, dtype).eval(),
+                  "double": dd.DoubleDecoder(cfg).to(device, dtype).eval()}
+        gm, dm = models["decoder-only"], models["double"]
+        header("double decoder latency", device, dtype, f"preset {args.preset}: {cfg.ctx_layers} + "
+               f"{cfg.gen_layers} layers vs {L}, d {cfg.n_embd}, vocab {cfg.vocab_size}, {param_bytes(dm) / 1e6:.0f} "
+               f"MB of weights (head {param_bytes(dm.lm_head) / 1e6:.0f} MB) | prompt "
+               f"{P}, {N} new tokens, shared prefix {prefix}, rollover {R} | random weights | median (min..max) of "
+               f"{args.repeats} rounds")
+        floor = param_bytes(dm.gen_blocks, dm.norm, dm.lm_head) / param_bytes(gm)
+        print(f"   paper (section 3.3, Appendix A.1), at a 2/3 : 1/3 split: per-token cost and KV memory ~L_dec/L = "
+              f"{cfg.gen_layers / L:.3f} of the decoder-only model's (the weight bytes a step reads give "
+              f"{floor:.2f}), time to first token ~L_ctx/L = {cfg.ctx_layers / L:.3f}")
+        dbytes = torch.finfo(dtype).bits // 8
+        for B in [int(b) for b in args.batch.split(",")]:
+            idx = torch.randint(0, cfg.vocab_size - 1, (B, P), device=device)
+            timed = {"decoder-only": gm, "double": SimpleNamespace(generate=partial(dm.generate, rollover=R))}
+            t = generation_times(timed, idx, N, args.repeats)
+            pre = rounds(prefix_prefills(gm, dm, idx, prefix), args.repeats, device)
+            kv = {name: m.kv_cache_bytes(B, P + N, dbytes) for name, m in models.items()}  # Appendix A.1
+            dc = dm.generation_cache(B, P, N, rollover=R)  # what generate() allocates
+            alloc = {"decoder-only": gm.generation_cache(B, P, N).nbytes(), "double": dc.nbytes() + dc.context_nbytes()}
+            print(f"   batch {B:3d}:")
+            for name in models:
+                print(f"      {name:12s} TTFT {spread(t[name]['ttft'], 1e3, '.2f')} ms | after the cached prefix "
+                      f"{spread(pre[name], 1e3, '.2f')} ms | per-token {spread(t[name]['token'], 1e3, '.3f')} ms | "
+                      f"KV (A.1) {kv[name] / 2 ** 20:.2f} MiB | allocated caches {alloc[name] / 2 ** 20:.2f} MiB")
+            d, v = t["double"], t["decoder-only"]
+            print(f"      double / decoder-only: TTFT {ratio(d['ttft'], v['ttft'])} | TTFT after the prefix "
+                  f"{ratio(pre['double'], pre['decoder-only'])} | per-token {ratio(d['token'], v['token'])} | "
+                  f"KV bytes {kv['double'] / kv['decoder-only']:.3f}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# All six architectures side by side at matched non-embedding parameters
+
+
+def arch_models(preset: str, loops=2, rank=8, max_seq_len=None) -> dict:
+    """One model.py preset -> {name: model} at matched non-embedding parameters (random weights): vanilla N layers;
+    recursive K = N shared layers looped `loops` times (loops*N effective); relaxed the same + LoRA rank `rank` (a few %
+    more); block: N/2 block-decoder + N/2 token-decoder layers (L_B = 4, P = 2); plt: the N-layer stack looped twice
+    (CLP + KV sharing + G-SWA); double: round(2N/3) context + the rest generation layers."""
+    base = dict(PRESETS[preset], **({"max_seq_len": max_seq_len} if max_seq_len else {}))
+    N = base["n_layer"]
+    out = {"vanilla": GPT(GPTConfig(**base))}
+    out["recursive"] = RecursiveGPT(RecursiveConfig(**{**base, "n_layer": loops * N}, n_loops=loops))
+    ranks = {f"lora_rank_{c}": rank for c in ("q", "kv", "o", "mlp")}
+    out["relaxed"] = RecursiveGPT(RecursiveConfig(**{**base, "n_layer": loops * N}, n_loops=loops, **ranks))
+    shape = bt.halves(**{k: base[k] for k in ("n_layer", "n_head", "n_kv_head", "n_embd", "mlp_hidden")},
+                        max_seq_len=base["max_seq_len"] - base["max_seq_len"] % 4, vocab_size=base["vocab_size"])
+    out["block"] = bt.BlockTransformer(bt.BlockConfig(**shape))
+    out["plt"] = plt.PLT(plt.PLTConfig(**base, n_loops=2, window=min(64, base["max_seq_len"])))
+    ctx = min(max(round(2 * N / 3), 1), N - 1) if N > 1 else 1
+    out["double"] = dd.DoubleDecoder(dd.DoubleConfig(**{k: v for k, v in base.items() if k != "n_layer"},
+                                                     ctx_layers=ctx, gen_layers=max(N - ctx, 1)))
+    return out
+
+
+@torch.no_grad()
+@cpu_tuning.switched_on()
+def bench_archs(args):
+    """Every architecture's own generate() at matched non-embedding parameters: time to first token, per-token decode
+    latency and KV bytes per sequence, in a prefill-heavy and a decode-heavy setting."""
+    device = pick_device(args.device)
+    for dtype in [pick_dtype(device, d) for d in args.dtype.split(",")]:
+        torch.manual_seed(0)
+        with user_input():  # a --rank above full rank: one line
+            models = {k: m.to(device, dtype).eval() for k, m in arch_models(args.preset, rank=args.rank).items()}
+        settings_ = [tuple(int(v) for v in s.split("/")) for s in args.settings.split(",")]
+        top = max(int(b) for b in args.batch.split(","))
+        for P, G in settings_:  # one model generates at a time
+            check_context(P + G, min(m.config.max_seq_len for m in models.values()), f"--settings {P}/{G}")
+            check_bench_memory(device, f"bench.py archs in {dtype} at --batch {top}, prompt {P} / new {G}",
+                               max((memory_sum({"KV caches of generate": m.kv_cache_bytes(top, P + G, dtype.itemsize)},
+                                               forward_memory(m.config, top, P, dtype.itemsize, logits_rows=top))
+                                    for m in models.values()), key=lambda est: est["total"]),
+                               fix="lower --batch or --settings")
+        header("architectures side by side", device, dtype, f"preset {args.preset}, random weights | non-embedding "
+               "params " + ", ".join(f"{k} {m.num_params() / 1e6:.2f}M" for k, m in models.items())
+               + f" | median (min..max) of {args.repeats} interleaved rounds")
+        for setting in args.settings.split(","):
+            P, G = (int(v) for v in setting.split("/"))
+            for B in [int(b) for b in args.batch.split(",")]:
+                idx = torch.randint(0, PRESETS[args.preset]["vocab_size"] - 1, (B, P), device=device)
+                t = generation_times(models, idx, G, args.repeats)
+                print(f"   prompt {P} / new {G}, batch {B}:  (TTFT ms | ms per token | KV KiB per sequence)")
+                for name, m in models.items():
+                    kv = m.kv_cache_bytes(1, P + G, torch.finfo(dtype).bits // 8) / 1024
+                    print(f"      {name:10s} {spread(t[name]['ttft'], 1e3, '.2f'):>22s} | "
+                          f"{spread(t[name]['token'], 1e3, '.3f'):>24s} | {kv:8.1f}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Block Transformer vs vanilla: throughput at the largest batch a memory budget allows (Block Transformer, section
+# 3.2)
+
+# The paper's two settings (prompt tokens, generated tokens) and its figures for the pair at equal non-embedding
+# parameters (Table 2, H100, maximum batch; 1K tokens/s): {preset: {setting: (vanilla, block)}}.
+BLOCK_SETTINGS = {"decode-heavy": (128, 2048), "prefill-heavy": (2048, 128)}
+PAPER_BLOCK = {"t3-5m": {"decode-heavy": (41.6, 809.5), "prefill-heavy": (10.8, 272.3)},
+               "t3-19m": {"decode-heavy": (19.1, 421.4), "prefill-heavy": (6.9, 175.3)},
+               "t3-85m": {"decode-heavy": (6.2, 134.7), "prefill-heavy": (2.3, 59.0)},
+               "t3-302m": {"decode-heavy": (2.1, 44.1), "prefill-heavy": (0.8, 21.0)}}
+
+
+def block_pair(args, device, dtype, max_len):
+    """(Block Transformer of --preset, its vanilla counterpart): the vanilla model with the same non-embedding
+    parameters (BlockConfig.vanilla_config, the paper's pairing), or the model.py preset --vanilla. Random weights."""
+    cfg = bt.BlockConfig.from_preset(args.preset)
+    max_len = -(-max_len // cfg.block_len) * cfg.block_len
+    cfg = bt.BlockConfig.from_preset(args.preset, max_seq_len=max(max_len, cfg.max_seq_len))
+    vcfg = cfg.vanilla_config() if args.vanilla is None else GPTConfig.from_preset(args.vanilla)
+    vcfg.max_seq_len = max(max_len, vcfg.max_seq_len)
+    torch.manual_seed(0)
+    return (bt.BlockTransformer(cfg).to(device=device, dtype=dtype).eval(),
+            GPT(vcfg).to(device=device, dtype=dtype).eval())
+
+
+def generation_bytes(model, prompt, new) -> int:
+    """Bytes of the caches generate() allocates for ONE sequence (KV caches; linear in the batch)."""
+    return model.generation_cache(1, prompt, new).nbytes()
+
+
+def search_batch(model, P, G, top, n_tokens, device) -> tuple[int, dict]:
+    """The batch search: at batch 1, 2, 4, ... and `top` (the largest batch the memory budget allows), the decode
+    throughput at the setting's mean context: a prefill of P + G // 2 random tokens and one decode step (untimed), then
+    n_tokens timed decode steps (greedy) -> (the batch with the most decode tokens/s, {batch: tokens/s}). It only
+    selects the batch (a short run at the start of a long generation would hide what a long context costs); the
+    reported throughput is then timed on the full setting."""
+    n = min(n_tokens, G - 2)
+    ctx = min(P + G // 2, P + G - 2 - n)
+    found = {}
+    for B in sorted({2 ** i for i in range(top.bit_length())} | {top}):
+        cache = model.generation_cache(B, ctx, n + 2)
+        tok = sample_next(model.prefill(torch.randint(0, model.config.vocab_size - 1, (B, ctx), device=device), cache))
+        tok = sample_next(model.decode_step(tok, cache))
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            tok = sample_next(model.decode_step(tok, cache))
+        sync(device)
+        found[B] = B * n / (time.perf_counter() - t0)
+    return max(found, key=found.get), found
+
+
+# operator groups of a decode profile: (name, operators, inclusive time?) -- attention counts with its children (its
+# math fallback copies K/V and runs bmm), the others by their own time
+PROFILE_GROUPS = (("matmul", ("aten::mm", "aten::addmm", "aten::mv", "aten::addmv_"), False),
+                  ("attention", ("aten::scaled_dot_product_attention",), True),
+                  ("argmax (sampling)", ("aten::argmax",), False))
+
+
+def profile_generate(model, idx, n_tokens) -> str:
+    """One generate(idx, n_tokens) under torch.profiler -> where its time goes: matmuls (with their achieved
+    GFLOP/s), attention, the argmax of greedy sampling and everything else, per token step."""
+    with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
+        model.generate(idx, n_tokens)
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    group = {g: [e for e in events if e.key in names] for g, names, _ in PROFILE_GROUPS}
+    times = {g: sum(e.cpu_time_total if incl else e.self_cpu_time_total for e in group[g])
+             for g, _, incl in PROFILE_GROUPS}
+    gflops = sum(e.flops for e in group["matmul"]) / max(times["matmul"], 1) / 1e3  # flops per us -> GFLOP/s
+    parts = [f"{g} {t / total:.0%}" + (f" ({gflops:.0f} GFLOP/s)" if g == "matmul" else "") for g, t in times.items()]
+    return (f"{total / n_tokens / 1e3:.1f} ms of operators per token step: " + ", ".join(parts)
+            + f", other {1 - sum(times.values()) / total:.0%}")
+
+
+@torch.no_grad()
+@cpu_tuning.switched_on()
+def bench_block(args):
+    """Tokens generated per second, prefill included (the paper's throughput), of the Block Transformer and vanilla
+    in the paper's decode-heavy and prefill-heavy settings. Per model: the largest batch whose generation caches fit
+    --budget-mib (the paper's "maximum batch allowed by memory"), a batch search up to it, then interleaved rounds at
+    batch 1 and the best batch; the ratio of the best batches, per round, with the paper's figure beside it."""
+    device = pick_device(args.device)
+    dtype = pick_dtype(device, args.dtype)
+    names = list(BLOCK_SETTINGS) if args.setting == "both" else [args.setting]
+    lengths = {n: tuple(max(1, round(x * args.scale)) for x in BLOCK_SETTINGS[n]) for n in names}
+    if args.budget_mib is None:
+        args.budget_mib = round(2048 * args.scale)
+    budget = args.budget_mib * 2 ** 20
+    longest = max(p + g for p, g in lengths.values())
+    cfg = bt.BlockConfig.from_preset(args.preset)
+    span = max(-(-longest // cfg.block_len) * cfg.block_len, cfg.max_seq_len)  # what block_pair builds
+    vcfg = cfg.vanilla_config() if args.vanilla is None else GPTConfig.from_preset(args.vanilla)
+    check_bench_memory(device, f"bench.py block in {dtype} at --scale {args.scale:g} ({longest:,} positions) and "
+                               f"--budget-mib {args.budget_mib:,}",
+                       model_memory(bt.BlockConfig.from_preset(args.preset, max_seq_len=span), dtype.itemsize),
+                       model_memory(GPTConfig(**{**asdict(vcfg), "max_seq_len": max(longest, vcfg.max_seq_len)}),
+                                    dtype.itemsize),
+                       {"generation caches (--budget-mib, one model at a time)": budget},
+                       fix="lower --scale or --budget-mib")
+    block, vanilla = block_pair(args, device, dtype, longest)
+    models = {"vanilla": vanilla, "block": block}
+    b, v = block.config, vanilla.config
+    header("Block Transformer vs vanilla: generation throughput", device, dtype,
+           f"block {args.preset} ({b.block_n_layer}+{b.n_layer} layers, d {b.n_embd}, L_B {b.block_len}, "
+           f"P {b.prefix_len}, {block.num_params(False) / 1e6:.1f}M params, {param_bytes(block) / 1e6:.0f} MB) vs "
+           f"vanilla {args.vanilla or 'counterpart'} ({v.n_layer} layers, d {v.n_embd}, "
+           f"{vanilla.num_params(False) / 1e6:.1f}M params, {param_bytes(vanilla) / 1e6:.0f} MB) | non-embedding "
+           f"{block.num_params() / 1e6:.1f}M vs {vanilla.num_params() / 1e6:.1f}M | random weights and prompts, "
+           f"greedy, no EOS | cache budget {args.budget_mib} MiB | median (min..max) of {args.repeats} interleaved "
+           f"rounds")
+    for name in names:
+        P, G = lengths[name]
+        per_seq = {k: generation_bytes(m, P, G) for k, m in models.items()}
+        top = {k: budget // n for k, n in per_seq.items()}
+        print(f"\n-- {name}: prompt {P}, {G} new tokens | generation caches per sequence: vanilla "
+              f"{per_seq['vanilla'] / 2 ** 20:.2f} MiB, block {per_seq['block'] / 2 ** 20:.2f} MiB -> largest batch in "
+              f"{args.budget_mib} MiB: vanilla {top['vanilla']}, block {top['block']}")
+        if min(top.values()) < 1:
+            print("   a model does not fit the budget at batch 1: raise --budget-mib")
+            continue
+        check_bench_memory(device, f"bench.py block, {name}: the prefill of the largest batch in the budget",
+                           max((forward_memory(m.config, top[k], P, dtype.itemsize, logits_rows=top[k])
+                                for k, m in models.items()), key=lambda est: est["total"]),
+                           {"generation caches (--budget-mib)": budget}, fix="lower --budget-mib")
+        n_search = min(G - 2, args.search_tokens)  # no search below 3 generated tokens
+        systems, batch, best = {}, {}, {}
+        for k, m in models.items():
+            best[k], found = (search_batch(m, P, G, top[k], n_search, device) if n_search > 0 else (top[k], {}))
+            if found:
+                print(f"   batch search, {k} (decode tok/s at context {min(P + G // 2, P + G - 2 - n_search)}): "
+                      + ", ".join(f"{B}: {t:.0f}" for B, t in found.items()) + f" -> batch {best[k]}")
+            for B in sorted({1, best[k], *[x for x in args.batches if x <= top[k]]}):
+                idx = torch.randint(0, m.config.vocab_size - 1, (B, P), device=device)
+                m.generate(idx, min(G, 2))  # warm-up: allocations, kernels
+                systems[f"{k} {B}"], batch[f"{k} {B}"] = (lambda m=m, idx=idx: m.generate(idx, G)), B
+        res = rounds(systems, args.repeats, device, warmup=0)
+        tput = {s: [batch[s] * G / t for t in ts] for s, ts in res.items()}
+        print(f"   {'model':8s} {'batch':>5s} {'caches MiB':>10s} {'ms/token step':>14s} {'tok/s':>26s}")
+        for s, ts in res.items():
+            k, B = s.split()
+            print(f"   {k:8s} {B:>5s} {per_seq[k] * int(B) / 2 ** 20:10.1f} {med(ts) / G * 1e3:14.2f} "
+                  f"{spread(tput[s], fmt='.0f'):>26s}")
+        ratio = [a / c for a, c in zip(tput[f"block {best['block']}"], tput[f"vanilla {best['vanilla']}"])]
+        one = [a / c for a, c in zip(tput["block 1"], tput["vanilla 1"])]
+        paper = PAPER_BLOCK.get(args.preset, {}).get(name) if args.vanilla is None else None
+        ref = (f"paper (Table 2, {args.preset} pair, H100, max batch): {paper[1] / paper[0]:.1f}x" if paper else
+               "paper: 10-20x at equal perplexity (abstract); no Table 2 pair for this preset")
+        print(f"   best batch: vanilla {best['vanilla']}, block {best['block']} -> block / vanilla = "
+              f"{spread(ratio, fmt='.2f')}x (per round) | {ref} | at batch 1: {spread(one, fmt='.2f')}x")
+        if args.profile:
+            for k, m in models.items():
+                idx = torch.randint(0, m.config.vocab_size - 1, (best[k], P), device=device)
+                print(f"   profile, {k} batch {best[k]}, {min(G, 64)} new tokens: "
+                      f"{profile_generate(m, idx, min(G, 64))}")
