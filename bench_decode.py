@@ -57,7 +57,8 @@ def bench_decode(args):
         if hf is not None:
             hf.to(device)
         wbytes = param_bytes(ours)
-        header("vanilla decode", device, dtype, f"compiled decode step {args.compile} | preset {args.preset}: {cfg.n_layer} layers, d {cfg.n_embd}, "
+        header("vanilla decode", device, dtype, f"compiled decode step {args.compile} | preset {args.preset}: "
+               f"{cfg.n_layer} layers, d {cfg.n_embd}, "
                f"{wbytes / 1e6:.0f} MB of weights | prompt {P}, {N} new tokens, greedy | median (min..max) of "
                f"{args.repeats} interleaved rounds after 1 warm-up")
         print(f"   read bandwidth of this machine (1 GiB streaming sum): {bw / 1e9:.1f} GB/s -> a batch-1 decode "
@@ -233,7 +234,8 @@ def bench_roofline(args):
         lbytes = sum(o * i for o, i in layer) * dtype.itemsize
         print("   rows   layer ms  (GB/s of weights, GFLOP/s)   head ms  (GB/s, GFLOP/s)")
         for r in rows:
-            print(f"   {r:4d}  {layer_ms[r]:8.3f}  ({lbytes / layer_ms[r] / 1e6:6.1f}, {2 * r * lbytes / dtype.itemsize / layer_ms[r] / 1e6:6.1f})"
+            print(f"   {r:4d}  {layer_ms[r]:8.3f}  ({lbytes / layer_ms[r] / 1e6:6.1f}, "
+                  f"{2 * r * lbytes / dtype.itemsize / layer_ms[r] / 1e6:6.1f})"
                   f"  {head_ms[r]:8.3f}  ({head[0] * head[1] * dtype.itemsize / head_ms[r] / 1e6:6.1f}, "
                   f"{2 * r * head[0] * head[1] / head_ms[r] / 1e6:6.1f})")
         for B in batches:

@@ -49,8 +49,8 @@ import cpu_tuning
 import serve
 from bench_common import med, spread
 from checkpoint import load_checkpoint, load_source_model, model_from_checkpoint, tokenizer_from_spec
-from cli import (DTYPES, UsageError, available_memory, check_device, check_dtype, check_writable_dir, comma_list, number,
-                 one_of, path_arg, seed_arg, temperature_arg, threads_arg, user_input)
+from cli import (DTYPES, UsageError, available_memory, check_device, check_dtype, check_writable_dir, comma_list,
+                 number, one_of, path_arg, seed_arg, temperature_arg, threads_arg, user_input)
 from data import Tokenizer
 from model import GPT, PRESETS, GPTConfig, param_bytes, peak_bandwidth, pick_device, pick_dtype
 from recursive import EXIT_RULES, RecursiveGPT, exit_threshold_for, from_vanilla
@@ -451,11 +451,13 @@ def print_table(rows: list[dict], cols: list[tuple[str, str, str]], title: str):
 
 
 SERVE_COLS = [("system", "system", ""), ("slots", "slots", "d"), ("errors", "errors", "d"), ("tokens", "tokens", "d"),
-              ("tok_per_s", "tok/s", ".1f"), ("ttft_ms_p50", "TTFT p50 ms", ".1f"), ("ttft_ms_p99", "TTFT p99 ms", ".1f"),
+              ("tok_per_s", "tok/s", ".1f"), ("ttft_ms_p50", "TTFT p50 ms", ".1f"),
+              ("ttft_ms_p99", "TTFT p99 ms", ".1f"),
               ("tpot_ms_p50", "tok lat p50", ".2f"), ("tpot_ms_p99", "tok lat p99", ".2f"),
               ("mean_exit_loop", "exit loop", ".2f"), ("agree_vanilla", "= vanilla", ".1%"),
               ("agree_full", "= no exit", ".1%"), ("occupancy", "occupancy", ".2f"), ("steps", "steps", "d"),
-              ("step_ms", "step ms", ".2f"), ("loaded_tok_per_s", "loaded tok/s", ".1f"), ("bandwidth_GBs", "GB/s", ".0f"),
+              ("step_ms", "step ms", ".2f"), ("loaded_tok_per_s", "loaded tok/s", ".1f"),
+              ("bandwidth_GBs", "GB/s", ".0f"),
               ("bandwidth_pct_peak", "% peak", ".1f")]
 
 

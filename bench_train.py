@@ -147,7 +147,8 @@ def bench_train(args):
             sync(device)
         steps[name] = step
     n_params = {k: sum(p.numel() for p in m.parameters()) for k, m in models.items()}
-    header("training step", device, dtype, f"compile {args.compile} | preset {args.preset} shape (layers {cfg.n_layer}, d "
+    header("training step", device, dtype, f"compile {args.compile} | preset {args.preset} shape "
+           f"(layers {cfg.n_layer}, d "
            f"{cfg.n_embd}, heads {cfg.n_head}) batch {B} x {T} | params " + ", ".join(
                f"{k} {v / 1e6:.2f}M" for k, v in n_params.items()))
     res = rounds(steps, args.repeats, device, warmup=2)
