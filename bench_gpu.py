@@ -322,6 +322,7 @@ def section_decode(ctx: Ctx, rows: list):
             r = ctx.row(rows, name=name, batch=B, ms_per_step=step * 1e3, tok_per_s=B / step,
                         pct_copy_bw=100 * (wbytes + kv) / step / ctx.copy_bw, rounds=info["rounds"],
                         ms_spread=spread(ts["token"], 1e3, ".3f"), warmup_s=info["warmup_s"],
+                        warmup_graphs=info["warmup_graphs"],
                         recompiles_after_warmup=info["recompiles"])
             vs = ""
             if "transformers eager" in t and name != "transformers eager":
@@ -351,6 +352,7 @@ def bare_step(graphed: GPT, batch: int, prompt: int, new: int, steps: int):
     cache = graphed.generation_cache(batch, prompt, new)
     tok = torch.zeros(cache.batch, dtype=torch.long, device=cache.k.device)
 
+    @torch.no_grad()  # as generate: grad mode is part of the compiled step's guards (else a second graph)
     def fn():
         cache.lengths.fill_(prompt)
         for _ in range(steps):
