@@ -1411,7 +1411,9 @@ def build_parser():
 
     p = sub.add_parser("gpu", help="every efficiency claim on one GPU in one command (--minutes): decode, serving, "
                                    "PLT, Block, double decoder, training, each against its baseline (bench_gpu.py)")
-    bench_gpu.add_args(p)
+    bench_gpu.add_args(p, SimpleNamespace(generation_times=generation_times, block_pair=block_pair,
+                                          search_batch=search_batch, generation_bytes=generation_bytes,
+                                          BLOCK_SETTINGS=BLOCK_SETTINGS, nanogpt_model=nanogpt_model))
 
     p = sub.add_parser("block", help="Block Transformer vs vanilla: throughput at the largest batch of a memory "
                                      "budget (decode-heavy, prefill-heavy)")

@@ -60,7 +60,7 @@ from types import SimpleNamespace
 
 import torch
 
-from bench_common import check_bench_memory, device_name, hf_llama, kv_of, med, ratio, rounds, spread
+from bench_common import check_bench_memory, device_name, hf_llama, kv_of, med, rounds, spread
 from cli import DTYPES, UsageError, comma_list, number, one_of, path_arg, threads_arg
 from model import (GPT, PRESETS, GPTConfig, forward_memory, least_step_memory, make_optimizer, memory_sum,
                    model_memory, param_bytes, peak_flops, pick_device, pick_dtype, sync)
@@ -165,12 +165,11 @@ def graphs_compiled() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-def timed_generation(models: dict, idx, new: int, clock: Clock, want: int) -> tuple[dict, dict]:
+def timed_generation(ctx, models: dict, idx, new: int, want: int) -> tuple[dict, dict]:
     """bench.generation_times (TTFT and per-token decode time of each model's generate, interleaved), its rounds
     fitted to the cap: a warm-up generate of each model first (a graphed model compiles here), then one timed pilot
     round -> (times, {warmup_s, rounds, recompiles: graphs compiled during the timed rounds})."""
-    from bench import generation_times
-
+    clock = ctx.clock
     t0, g0 = time.perf_counter(), graphs_compiled()
     for m in models.values():
         m.generate(idx, new)
@@ -183,7 +182,7 @@ def timed_generation(models: dict, idx, new: int, clock: Clock, want: int) -> tu
     sync(idx.device)
     reps = fit_repeats(time.perf_counter() - t0, clock, want)
     before = graphs_compiled()
-    t = generation_times(models, idx, new, reps)
+    t = ctx.pieces.generation_times(models, idx, new, reps)
     return t, dict(warmup_s=warm, warmup_graphs=warm_graphs, rounds=reps, recompiles=graphs_compiled() - before)
 
 
@@ -228,6 +227,7 @@ class Ctx:
     clock: Clock
     copy_bw: float = math.nan
     shared: dict = field(default_factory=dict)  # models one section builds and a later one reuses
+    pieces: object = None  # bench.py's benchmark pieces (add_args)
 
     @property
     def cfg(self) -> GPTConfig:
@@ -315,7 +315,7 @@ def section_decode(ctx: Ctx, rows: list):
             print(f"   batch {B}: skipped (section cap reached)")
             continue
         idx = torch.randint(0, cfg.vocab_size - 1, (B, P), device=dev)
-        t, info = timed_generation(models, idx, N, ctx.clock, ctx.sizes.repeats)
+        t, info = timed_generation(ctx, models, idx, N, ctx.sizes.repeats)
         for name, ts in t.items():
             kv = kv_of(cfg, B, S if name == "ours graphed" else P + N // 2, elem)
             step = med(ts["token"])
@@ -540,7 +540,7 @@ def section_plt(ctx: Ctx, rows: list):
             print(f"   batch {B}: skipped (section cap reached)")
             continue
         idx = torch.randint(0, base["vocab_size"] - 1, (B, P), device=dev)
-        t, info = timed_generation(models, idx, N, ctx.clock, ctx.sizes.repeats)
+        t, info = timed_generation(ctx, models, idx, N, ctx.sizes.repeats)
         pv = [a / b for a, b in zip(t["plt"]["token"], t["vanilla"]["token"])]
         pl = [a / b for a, b in zip(t["plt"]["token"], t["loop"]["token"])]
         met = ctx.met(med(pv) <= 1.10) if B in (4, 16) else None
@@ -563,8 +563,9 @@ def section_plt(ctx: Ctx, rows: list):
 @torch.no_grad()
 def section_block(ctx: Ctx, rows: list):
     import block_transformer as bt
-    from bench import BLOCK_SETTINGS, block_pair, generation_bytes, search_batch
-
+    b = ctx.pieces
+    BLOCK_SETTINGS, block_pair, generation_bytes, search_batch = (b.BLOCK_SETTINGS, b.block_pair, b.generation_bytes,
+                                                                  b.search_batch)
     sz, dev, dt = ctx.sizes, ctx.device, ctx.dtype
     label, backend = ctx.backend("block")
     preset = BLOCK_PRESET.get(ctx.args.preset, "t3-19m")
@@ -644,7 +645,7 @@ def section_double(ctx: Ctx, rows: list):
             print(f"   batch {B}: skipped (section cap reached)")
             continue
         idx = torch.randint(0, cfg.vocab_size - 1, (B, P), device=dev)
-        t, info = timed_generation(models, idx, N, ctx.clock, ctx.sizes.repeats)
+        t, info = timed_generation(ctx, models, idx, N, ctx.sizes.repeats)
         per = [a / b for a, b in zip(t["double"]["token"], t["decoder-only"]["token"])]
         ctx.row(rows, name="double / decoder-only per token", batch=B, ratio=med(per), paper=paper,
                 target=TARGETS["double"], met=None, rounds=info["rounds"], recompiles_after_warmup=info["recompiles"],
@@ -685,8 +686,7 @@ def train_step(model, opt, x, y, autocast):
 
 
 def section_train(ctx: Ctx, rows: list):
-    from bench import nanogpt_model
-
+    nanogpt_model = ctx.pieces.nanogpt_model
     dev, dt, (B, T) = ctx.device, ctx.dtype, ctx.sizes.train
     label, backend = ctx.backend("train")
     label = label.replace("dynamo, fullgraph, ", "torch.compile, ").replace(" (graph safety only: no kernels, no "
@@ -797,14 +797,15 @@ def one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
 
 
-def bench_gpu(args) -> dict:
+def bench_gpu(args, pieces=None) -> dict:
     only = [s for s in SECTIONS if s in args.only.split(",")]
     if args.nanogpt and not (Path(args.nanogpt) / "model.py").is_file():
         raise UsageError(f"--nanogpt {args.nanogpt} is not a nanoGPT checkout (a directory with its model.py)")
     device = pick_device(args.device)
     dtype = pick_dtype(device, args.dtype)
     sizes = Sizes() if device.type == "cuda" else CPU_SIZES
-    ctx = Ctx(args, device, dtype, replace(sizes, repeats=args.repeats or sizes.repeats), Clock(args.minutes))
+    ctx = Ctx(args, device, dtype, replace(sizes, repeats=args.repeats or sizes.repeats), Clock(args.minutes),
+              pieces=pieces)
     check_gpu_memory(ctx, only)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -873,8 +874,10 @@ def bench_gpu(args) -> dict:
     return results
 
 
-def add_args(p):
-    """The flags of `python bench.py gpu` (p: its subparser)."""
+def add_args(p, pieces):
+    """The flags of `python bench.py gpu` (p: its subparser). pieces: bench.py's benchmark pieces this file reuses
+    (generation_times, block_pair, search_batch, generation_bytes, BLOCK_SETTINGS, nanogpt_model), handed over by
+    bench.py, which imports this file (an import back would be a cycle)."""
     p.add_argument("--device", default="auto", help="cpu | cuda | auto")
     p.add_argument("--dtype", default="auto", choices=DTYPES, help="auto (bf16 on CUDA, fp32 on CPU) | ...")
     p.add_argument("--preset", default="base", choices=sorted(PRESETS), help="model.py preset (default base)")
@@ -891,4 +894,4 @@ def add_args(p):
                         "section runs long)")
     p.add_argument("--json", type=path_arg, default=None, help="write every result here after each section")
     p.add_argument("--threads", type=threads_arg, default=None, help="CPU threads (default: torch's)")
-    p.set_defaults(fn=bench_gpu)
+    p.set_defaults(fn=partial(bench_gpu, pieces=pieces))
