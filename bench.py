@@ -33,6 +33,7 @@ Run:
     python bench.py roofline                     # this CPU's roofline; PLT-2 / vanilla from the matmuls alone
     python bench.py ckpt                         # what verifying a checkpoint's CRC-32s costs beside torch.load
     python bench.py presets --arch plt           # every preset's rows: parameters, KV bytes, FLOPs (no timing)
+    python bench.py gpu --nanogpt DIR --json g.json   # (one GPU, 8 minutes) every section above against its baseline
 
 What a trained checkpoint does on validation text (early exits, SVD residual energy, double-eval, block --eval) is
 measured by eval.py, not here.
@@ -45,6 +46,7 @@ if __name__ == "__main__":  # Ctrl-C or SIGTERM during the imports below: `stopp
 
 import argparse
 
+import bench_gpu
 import bench_serve
 import block_transformer as bt
 import double_decoder as dd
@@ -201,6 +203,10 @@ def build_parser():
     p = sub.add_parser("serve", help="serve.py's servers on the same requests: depth-wise batching + early exit vs "
                                      "continuous sequence-wise batching (bench_serve.py)")
     bench_serve.add_args(p)
+
+    p = sub.add_parser("gpu", help="every efficiency claim on one GPU in one command (--minutes): decode, serving, "
+                                   "PLT, Block, double decoder, training, each against its baseline (bench_gpu.py)")
+    bench_gpu.add_args(p)
 
     p = sub.add_parser("block", help="Block Transformer vs vanilla: throughput at the largest batch of a memory "
                                      "budget (decode-heavy, prefill-heavy)")

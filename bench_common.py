@@ -8,8 +8,8 @@ times system A, then B, then C...), warm-up excluded, and each figure is the med
 (min..max) beside it. A ratio is only ever computed between systems timed in the same run (`ratio`: per round).
 Every benchmark prints a header line (`header`): the device (the card's name on CUDA), the dtype, torch's version.
 
-The topic files (bench_decode.py, bench_train.py, bench_kernels.py, bench_serve.py) import this file; it imports none
-of them, and bench.py (the command line) imports them all.
+The topic files (bench_decode.py, bench_train.py, bench_kernels.py, bench_serve.py, bench_gpu.py) import this file;
+it imports none of them, and bench.py (the command line) imports them all.
 """
 from __future__ import annotations
 
