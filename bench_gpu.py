@@ -27,9 +27,9 @@ Sections (--only picks some; each is timed on its own, its result written to --j
           MFU = tok/s x model.flops_per_token (6N + 12 L H D T) / model.peak_flops.
 
 Graphs (--graphs). auto: on CUDA the decode and serve sections compile their steps with inductor, mode
-"reduce-overhead" (the issue's mechanism); plt, block and double capture theirs with torch's "cudagraphs" backend (a
-CUDA graph of the stock kernels, seconds to capture where inductor takes tens of seconds per graph: they fit the
-budget), train compiles with inductor. On a CPU every graph-safe step is traced by dynamo with fullgraph=True and run
+"reduce-overhead" (static caches, one CUDA graph per step); plt, block and double capture theirs with torch's
+"cudagraphs" backend (a CUDA graph of the stock kernels, seconds to capture where inductor takes tens of seconds per
+graph: they fit the budget), train compiles with inductor. On a CPU every graph-safe step is traced by dynamo with fullgraph=True and run
 by backend "eager": the CPU run proves every step is one graph and that nothing recompiles after warm-up (each
 section reports the graphs compiled during its timed rounds: it must be 0), its timings of "graphed" steps mean
 nothing.
@@ -103,7 +103,7 @@ CPU_SIZES = Sizes(decode=(16, 8), serve_waves=1.5, serve_prompt="4:12", serve_ge
 # The vanilla model's preset -> the other architectures' presets at that scale
 BLOCK_PRESET = {"tiny": "tiny", "small": "t3-5m", "base": "t3-19m"}
 
-TARGETS = {  # the issue's targets and the papers' figures, printed beside each row
+TARGETS = {  # this project's targets on one GPU and the papers' figures, printed beside each row
     "decode_b1_ms": "<= 0.5 ms/token", "decode_b1_vs_hf": ">= 10x transformers eager",
     "decode_b64": ">= 40k tok/s", "serve64": ">= 30k tok/s", "serve_vs_hf": ">= 1.5x generate_batch",
     "serve_step": "<= 1.5x bare graphed step", "serve_exit": ">= 1.25x continuous, loaded (paper K.2/K.4: 1.4-1.9x)",
@@ -239,7 +239,7 @@ class Ctx:
 
     @property
     def judged(self) -> bool:
-        """The targets are the issue's for one GPU at the base preset: judged there only (elsewhere: printed)."""
+        """The targets are set for one GPU at the base preset: judged there only (elsewhere: printed)."""
         return self.device.type == "cuda" and self.args.preset == "base"
 
     def row(self, rows: list, **kw):

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one command of a GPU session (one H100 or H200; a command may run 10 minutes): `python bench.py gpu`, every
+# The one command to run on a GPU machine (one H100 or H200, in under 10 minutes): `python bench.py gpu`, every
 # section against its baseline in about 8 minutes, its table and its JSON under $OUT (what comes back).
 #   nanoGPT's model.py is read from $NANOGPT (default ./nanogpt: copy a checkout there before the run, untracked, so
 #   that it travels with the working tree; without it the training row times ours alone and says why).
