@@ -101,6 +101,17 @@ def ratio(a, b, fmt=".2f") -> str:
     return spread([x / y for x, y in zip(a, b)], fmt=fmt)
 
 
+def json_safe(obj):
+    """NaN/inf (a metric with no sample, e.g. no token generated) -> null: the --json line stays strict JSON."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The peer: transformers' LlamaForCausalLM at the shape of a vanilla GPTConfig (decode, KD)
 

@@ -60,7 +60,7 @@ from types import SimpleNamespace
 import torch
 
 import block_transformer as bt
-from bench_common import check_bench_memory, device_name, hf_llama, kv_of, med, rounds, spread
+from bench_common import check_bench_memory, device_name, hf_llama, json_safe, kv_of, med, rounds, spread
 from bench_decode import BLOCK_SETTINGS, block_pair, generation_bytes, generation_times, search_batch
 from bench_train import nanogpt_model
 from cli import DTYPES, UsageError, comma_list, number, one_of, path_arg, threads_arg
@@ -247,6 +247,14 @@ class Ctx:
         rows.append(kw)
         return kw
 
+    def capped(self, rows: list, what: str, **kw) -> bool:
+        """True (and a `skipped` row) once the section's time cap is reached: the loop over sizes goes on to the end."""
+        if not self.clock.over():
+            return False
+        self.row(rows, name=what, skipped="section cap reached", **kw)
+        print(f"   {what}: skipped (section cap reached)")
+        return True
+
     def met(self, ok: bool):
         """A target's verdict: ok on CUDA at the base preset, None (not judged) elsewhere."""
         return bool(ok) if self.judged else None
@@ -311,9 +319,7 @@ def section_decode(ctx: Ctx, rows: list):
           + ("" if hf is not None else " | transformers not installed: no transformers row"))
     print(f"   {'system':22s} {'batch':>5s} {'ms/step':>22s} {'tok/s':>12s} {'% bw':>6s}  vs transformers")
     for B in ctx.sizes.decode_batches:
-        if ctx.clock.over():
-            ctx.row(rows, name=f"batch {B}", batch=B, skipped="section cap reached")
-            print(f"   batch {B}: skipped (section cap reached)")
+        if ctx.capped(rows, f"batch {B}", batch=B):
             continue
         idx = torch.randint(0, cfg.vocab_size - 1, (B, P), device=dev)
         t, info = timed_generation(ctx, models, idx, N, ctx.sizes.repeats)
@@ -417,9 +423,7 @@ def section_serve(ctx: Ctx, rows: list):
           f"slots | exits SIMULATED: a max-softmax threshold makes {serve.DEMO_EXIT_RATE:.1%} of prompt tokens leave "
           f"at loop 1 (the oracle share) | steps: {label}")
     for S in sz.serve_slots:
-        if ctx.clock.over():
-            ctx.row(rows, name=f"slots {S}", slots=S, skipped="section cap reached")
-            print(f"   slots {S}: skipped (section cap reached)")
+        if ctx.capped(rows, f"slots {S}", slots=S):
             continue
         reqs = synthetic_requests(max(S + 1, round(sz.serve_waves * S)), cfg.vocab_size, sz.serve_prompt,
                                   sz.serve_gen, "all", seed=0)
@@ -536,9 +540,7 @@ def section_plt(ctx: Ctx, rows: list):
     print(f"   plt preset {preset}: {base['n_layer']} layers x L={L}, d {base['n_embd']}, window {base['window']} | "
           f"prompt {P}, {N} new tokens | steps: {label}")
     for B in ctx.sizes.plt_batches:
-        if ctx.clock.over():
-            ctx.row(rows, name=f"batch {B}", batch=B, skipped="section cap reached")
-            print(f"   batch {B}: skipped (section cap reached)")
+        if ctx.capped(rows, f"batch {B}", batch=B):
             continue
         idx = torch.randint(0, base["vocab_size"] - 1, (B, P), device=dev)
         t, info = timed_generation(ctx, models, idx, N, ctx.sizes.repeats)
@@ -637,9 +639,7 @@ def section_double(ctx: Ctx, rows: list):
     print(f"   double preset {preset}: {cfg.ctx_layers} + {cfg.gen_layers} layers vs {cfg.n_layer} | prompt {P}, {N} "
           f"new tokens | paper: per-token ~ L_dec / L = {paper:.3f} | steps: {label}")
     for B in ctx.sizes.double_batches:
-        if ctx.clock.over():
-            ctx.row(rows, name=f"batch {B}", batch=B, skipped="section cap reached")
-            print(f"   batch {B}: skipped (section cap reached)")
+        if ctx.capped(rows, f"batch {B}", batch=B):
             continue
         idx = torch.randint(0, cfg.vocab_size - 1, (B, P), device=dev)
         t, info = timed_generation(ctx, models, idx, N, ctx.sizes.repeats)
@@ -776,16 +776,6 @@ def write_json(path, results):
     tmp = Path(f"{path}.tmp")
     tmp.write_text(json.dumps(json_safe(results), indent=1))
     os.replace(tmp, path)
-
-
-def json_safe(obj):
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [json_safe(v) for v in obj]
-    return obj
 
 
 def one_line(e: BaseException) -> str:

@@ -47,7 +47,7 @@ import torch
 
 import cpu_tuning
 import serve
-from bench_common import med, spread
+from bench_common import json_safe, med, spread
 from checkpoint import load_checkpoint, load_source_model, model_from_checkpoint, tokenizer_from_spec
 from cli import (DTYPES, UsageError, available_memory, check_device, check_dtype, check_writable_dir, comma_list,
                  number, one_of, path_arg, seed_arg, temperature_arg, threads_arg, user_input)
@@ -240,17 +240,6 @@ def report(args, servers, rounds, outputs, B, slots, peak) -> list[dict]:
           "1.4-1.9x continuous sequence-wise batching; measured batched early exit on GPUs (Miao et al. 2024): "
           "<= 1.25x")
     return rows
-
-
-def json_safe(obj):
-    """NaN/inf (a metric with no sample, e.g. no token generated) -> null: the --json line stays strict JSON."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [json_safe(v) for v in obj]
-    return obj
 
 
 # ----------------------------------------------------------------------------------------------------------------
