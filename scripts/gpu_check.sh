@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The one command to run on a GPU machine (one H100 or H200, in under 10 minutes): `python bench.py gpu`, every
 # section against its baseline in about 8 minutes, its table and its JSON under $OUT (what comes back).
-#   nanoGPT's model.py is read from $NANOGPT (default ./nanogpt: copy a checkout there before the run, untracked, so
-#   that it travels with the working tree; without it the training row times ours alone and says why).
+#   nanoGPT's model.py is read from $NANOGPT (default ./nanogpt: a checkout placed there, ignored by git so that it is
+#   never committed; hand it to the GPU machine with the working tree, e.g. the device tool's `carry: ["nanogpt"]`;
+#   without it the training row times ours alone and says why).
 #   DEVICE, DTYPE, PRESET, MINUTES override the defaults (cuda, bfloat16, base, 8), e.g. for a CPU rehearsal:
 #   DEVICE=cpu DTYPE=float32 PRESET=tiny MINUTES=1 OUT=/tmp/gpu bash scripts/gpu_check.sh
 set -uo pipefail
