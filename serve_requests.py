@@ -13,7 +13,7 @@ serve_requests.py -- the requests serve.py serves: what a request is, where requ
     that is not a string, an arrival that is not a number of seconds in [0, MAX_ARRIVAL_S]) gets an error of its own
     (request_problem: a short reason and a clear message naming the file:line); the others are served. A file that
     is not a regular file (a FIFO, a device), cannot be read, or holds more than MAX_REQUESTS requests, is one
-    UsageError. A chat template that does not render is one UsageError too (render_chat).
+    UsageError. A chat template that does not render is one UsageError too (chat_renderer).
   * The error tables: the requests' errors counted by reason (error_counts, in every system's summary and --json)
     and printed under the serving table with a few examples (print_errors).
 """
@@ -167,19 +167,30 @@ def raise_exception(message):
     raise TemplateError(message)
 
 
-def render_chat(template: str, messages: list[dict], source: str = "the model") -> str:
-    """A chat template (a Jinja template from a model file, run sandboxed: no side effects) rendered for `messages`
-    with the assistant turn opened. A template that does not parse, raises (raise_exception), reads what is not there
-    or fails in any other way is one UsageError naming its source, never a jinja2 traceback."""
+def chat_renderer(template: str, source: str = "the model"):
+    """A chat template (a Jinja template from a model file, run sandboxed: no side effects) compiled once; returns
+    render(messages) -> the prompt for `messages` with the assistant turn opened. A template that does not parse,
+    raises (raise_exception), reads what is not there or fails in any other way is one UsageError naming its source,
+    never a jinja2 traceback."""
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def fail(e):
+        raise UsageError(f"the chat template of {source} does not render ({type(e).__name__}: {one_line(e)[:200]}); "
+                         f"serve --prompts synthetic or corpus, or a requests file") from None
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
     try:
-        return env.from_string(template).render(messages=messages, add_generation_prompt=True)
-    except Exception as e:  # TemplateSyntaxError, UndefinedError, SecurityError, TypeError from the template's code
-        raise UsageError(f"the chat template of {source} does not render ({type(e).__name__}: {one_line(e)[:200]}); "
-                         f"serve --prompts synthetic or corpus, or a requests file") from None
+        compiled = env.from_string(template)
+    except Exception as e:  # TemplateSyntaxError
+        fail(e)
+
+    def render(messages: list[dict]) -> str:
+        try:
+            return compiled.render(messages=messages, add_generation_prompt=True)
+        except Exception as e:  # UndefinedError, SecurityError, TemplateError, TypeError from the template's code
+            fail(e)
+    return render
 
 
 def chat_template(spec) -> str:
@@ -197,13 +208,14 @@ def chat_requests(n, tok, template, data="stdlib", cache_dir="data_cache", promp
                   arrival="all", rate=10.0, seed=0, source="the model"):
     """Chat prompts: each corpus window (corpus_requests) becomes a user question about that code, rendered with the
     model's chat template (its default system prompt included) and the assistant turn opened, as a chat front end
-    sends it (render_chat: a template that fails is one line naming `source`, checked before the corpus is read).
+    sends it (chat_renderer: a template that fails is one line naming `source`, checked before the corpus is read).
     The prompt is longer than the window by the template's tokens."""
-    render_chat(template, [{"role": "user", "content": CHAT_QUESTION.format(code="pass")}], source)
+    render = chat_renderer(template, source)  # compiled once, used for the check and every request
+    render([{"role": "user", "content": CHAT_QUESTION.format(code="pass")}])
     reqs = corpus_requests(n, tok, data, cache_dir, prompt_len, gen_len, arrival, rate, seed)
     for r in reqs:
         question = CHAT_QUESTION.format(code=tok.decode(r.prompt).strip())
-        r.prompt = tok.encode(render_chat(template, [{"role": "user", "content": question}], source))
+        r.prompt = tok.encode(render([{"role": "user", "content": question}]))
     return reqs
 
 
