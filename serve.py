@@ -185,7 +185,6 @@ class Server:
             r.t_first = now
         if len(r.output) >= r.max_new_tokens or (self.eos_id is not None and tok == self.eos_id):
             r.finished, r.t_done = True, now
-            self.n_done += 1
             return True
         return False
 
@@ -211,7 +210,7 @@ class Server:
         reqs = sorted((r.fresh() for r in requests), key=lambda r: (r.arrival, r.rid))
         for r in reqs:
             r.gen = request_generator(self.seed, r.rid, self.device) if self.temperature > 0 else None
-        self.n_done = self.n_steps = self.kv_read = self.full_tokens = 0
+        self.n_steps = self.kv_read = self.full_tokens = 0
         self.step_time = self.occupancy = self.full_time = 0.0
         self.reset()
         head = seen = 0  # next request to admit / to stamp with its arrival time
@@ -236,7 +235,6 @@ class Server:
                 if r.source and r.source.rsplit(":", 1)[0] not in r.error:
                     r.error = f"{r.source}: {r.error}"
                 r.t_done = time.perf_counter()
-                self.n_done += 1
             if self.busy():
                 self.iterate()
                 tick += 1
