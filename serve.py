@@ -308,7 +308,7 @@ class ContinuousServer(Server):
 
     def finish_step(self, live, cols, finished) -> int:
         for s in live:
-            if self.req[s] is not None and not self.req[s].finished and self.emit(self.req[s], cols[0][s], None):
+            if not self.req[s].finished and self.emit(self.req[s], cols[0][s], None):
                 finished.append(s)
         return len(live)
 
@@ -407,7 +407,7 @@ class DepthWiseServer(Server):
                 self.req[s].gen.set_state(state)
         self.kept, emitted = [], 0
         for s in live:
-            if leave[s] and self.req[s] is not None and not self.req[s].finished:
+            if leave[s] and not self.req[s].finished:
                 emitted += 1
                 if self.emit(self.req[s], tok[s], loop[s]):
                     finished.append(s)
