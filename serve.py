@@ -71,11 +71,11 @@ from serve_requests import MAX_REQUESTS, Request, request_generator, request_pro
 
 class Server:
     """The loop every server shares: arrivals -> admission into free slots -> one prefill chunk -> one decode step ->
-    one transfer -> emit. A subclass gives make_state() (its slot tensors), start() (slots begin decoding on their
-    first tokens), step() (one decode step over the slots -> per-slot results on the device) and finish_step() (the
-    host's bookkeeping of those results). clock='wall' reads arrivals as seconds (sleeping while nothing has
-    arrived), clock='step' as iterations (deterministic schedules for tests). compile: None = on CUDA only; backend:
-    compile_step's (tests: GraphCheck)."""
+    one transfer -> emit. A subclass gives make_state() (its slot tensors, position and live_mask among them),
+    start() (slots begin decoding on their first tokens), step() (one decode step over the slots -> per-slot results
+    on the device) and finish_step() (the host's bookkeeping of those results). clock='wall' reads arrivals as
+    seconds (sleeping while nothing has arrived), clock='step' as iterations (deterministic schedules for tests).
+    compile: None = on CUDA only; backend: compile_step's (tests: GraphCheck)."""
 
     name, prefill_exit = "server", None  # prefill_exit: the exit loop recorded for the token a prefill produces
     static = False  # static batching (ContinuousServer(static=True))
@@ -162,8 +162,9 @@ class Server:
         toks = self.sample(self.model.head(last[:, None])[:, 0], [self.req[s] for s in started])
         lengths = torch.tensor([self.filled[s] for s in started], device=self.device)
         decoding = [s for s in started if self.req[s].max_new_tokens > 1]  # a one-token request ends here
-        self.start(started, toks, lengths, decoding)
+        self.start(started, toks, lengths)
         self.live += decoding
+        self.live_mask[torch.tensor(decoding, device=self.device, dtype=torch.long)] = True
         return started, toks
 
     def free(self, slots):
@@ -282,10 +283,9 @@ class ContinuousServer(Server):
         self.position = self.cache.lengths
         self.state = (self.tok, self.live_mask)  # (the static cache marks its own k, v and lengths)
 
-    def start(self, slots, toks, lengths, decoding):
+    def start(self, slots, toks, lengths):
         idx = torch.tensor(slots, device=self.device)
         self.tok[idx], self.cache.lengths[idx] = toks, lengths
-        self.live_mask[torch.tensor(decoding, device=self.device, dtype=torch.long)] = True
 
     def decode(self):
         """Graph-safe: every slot decodes its token; the rows that are not live keep their position."""
@@ -334,21 +334,22 @@ class DepthWiseServer(Server):
         self.live_mask = torch.zeros(S, dtype=torch.bool, device=dev)
         self.state = (self.position, self.loop, self.h, self.live_mask)
 
-    def start(self, slots, toks, lengths, decoding):
+    def start(self, slots, toks, lengths):
         """Slots begin token toks (b,) at positions lengths (b,): loop 0, state = its embedding."""
         idx = torch.tensor(slots, device=self.device)
         self.position[idx], self.loop[idx] = lengths, 0
         self.h[idx] = self.model.embed(toks[:, None]).to(self.dtype)
-        self.live_mask[torch.tensor(decoding, device=self.device, dtype=torch.long)] = True
 
     def advance(self, out, leave, tok):
         """The next state of every slot: a leaving row starts token tok at loop 0 (its embedding) one position on,
-        another live row goes one loop deeper with its new state; the rest stay as they are."""
-        live = self.live_mask
+        another live row goes one loop deeper with its new state; the rest stay as they are. -> the step's result
+        (3, slots): leave, token, the loop each row ran."""
+        live, loop = self.live_mask, self.loop.clone()
         self.h.copy_(torch.where(leave[:, None, None], self.model.embed(tok[:, None]).to(self.dtype),
                                  torch.where(live[:, None, None], out, self.h)))
         self.loop.copy_(torch.where(leave, 0, self.loop + live.long()))
         self.position.add_(leave.long())
+        return torch.stack([leave.long(), tok, loop])
 
     def masked_pass(self):  # the graph-safe step: every slot, masks
         return self.model.depthwise_step(self.h, self.loop, self.position, self.live_mask, self.cache,
@@ -356,9 +357,7 @@ class DepthWiseServer(Server):
 
     def greedy_step(self):
         out, leave, logits = self.masked_pass()
-        tok, loop = logits.argmax(-1), self.loop.clone()
-        self.advance(out, leave, tok)
-        return torch.stack([leave.long(), tok, loop])
+        return self.advance(out, leave, logits.argmax(-1))
 
     def step(self):
         if self.compiled:
@@ -372,9 +371,7 @@ class DepthWiseServer(Server):
             self.kept = [(s, self.req[s].gen.get_state()) for s in self.live]
             tok = torch.zeros(self.slots, dtype=torch.long, device=self.device)
             tok[live] = self.sample(logits[live], [self.req[s] for s in self.live])
-            loop = self.loop.clone()
-            self.advance(out, leave, tok)
-            return torch.stack([leave.long(), tok, loop])
+            return self.advance(out, leave, tok)
         return self.eager_step()
 
     def eager_step(self):
