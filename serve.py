@@ -189,6 +189,14 @@ class Server:
             return True
         return False
 
+    def emit_rows(self, rows, tok, loop, finished) -> int:
+        """A step's token tok[s] (exit loop loop[s], None: not recorded) for each of `rows`, the finished ones added
+        to `finished`. A row whose request is already done -- its prefill, in this iteration, sampled eos as its first
+        token; live all the same for the step -- emits nothing. -> the tokens emitted."""
+        rows = [s for s in rows if not self.req[s].finished]
+        finished += [s for s in rows if self.emit(self.req[s], tok[s], None if loop is None else loop[s])]
+        return len(rows)
+
     def record_step(self, seconds, rows, kv_len, emitted):
         """One decode step: its time, live slots, keys read (kv_len per row it reads) and tokens emitted. Steps with
         every slot busy are also summed apart: the loaded server's throughput, free of the tail of the drain."""
@@ -307,10 +315,7 @@ class ContinuousServer(Server):
         return self.tok[None]
 
     def finish_step(self, live, cols, finished) -> int:
-        for s in live:
-            if not self.req[s].finished and self.emit(self.req[s], cols[0][s], None):
-                finished.append(s)
-        return len(live)
+        return self.emit_rows(live, cols[0], None, finished)
 
 
 class DepthWiseServer(Server):
@@ -402,13 +407,8 @@ class DepthWiseServer(Server):
         for s, state in getattr(self, "kept", ()):  # the compiled sampled step's draws of the rows that stay
             if not leave[s]:
                 self.req[s].gen.set_state(state)
-        self.kept, emitted = [], 0
-        for s in live:
-            if leave[s] and not self.req[s].finished:
-                emitted += 1
-                if self.emit(self.req[s], tok[s], loop[s]):
-                    finished.append(s)
-        return emitted
+        self.kept = []
+        return self.emit_rows([s for s in live if leave[s]], tok, loop, finished)
 
 
 # ----------------------------------------------------------------------------------------------------------------

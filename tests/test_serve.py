@@ -204,6 +204,24 @@ def test_static_batching_admits_whole_batches_only():
     assert cont.n_steps < static.n_steps
 
 
+@pytest.mark.parametrize("kind", ["vanilla", "depth-wise"])
+def test_eos_ends_a_request_and_a_first_token_eos_is_not_counted_again(kind):
+    """eos_id: a request ends at its first eos (its output: the sequential one up to it). One whose prefill samples
+    eos as its first token is done before any decode step, and its row, still live for the step of that iteration,
+    emits nothing: with one slot every step is a full one, so full_tokens is every token a step emitted, each output
+    less its first."""
+    model = VAN if kind == "vanilla" else REL
+    reqs = serve_requests.synthetic_requests(12, CFG["vocab_size"], "2:8", "3:6", seed=17)
+    refs = [serve.sequential_generate(model, r)[0] for r in reqs]
+    eos = refs[0][0]  # request 0 ends on the token its prefill samples
+    srv = (serve.ContinuousServer if kind == "vanilla" else serve.DepthWiseServer)(model, 1, eos_id=eos)
+    out = srv.run(reqs, clock="step")
+    for r, ref in zip(out, refs):
+        assert r.output == (ref[:ref.index(eos) + 1] if eos in ref else ref), r.rid
+    assert out[0].output == [eos] and out[0].max_new_tokens > 1
+    assert srv.full_tokens == sum(len(r.output) - 1 for r in out)
+
+
 def test_500_requests_none_lost_or_duplicated():
     reqs = _requests(500, seed=5, gen="1:2", rate=8.0)
     bad = {7: dict(prompt=[]), 99: dict(max_new_tokens=0), 250: dict(prompt=[1, 2, CFG["vocab_size"]]),
