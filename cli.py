@@ -22,6 +22,7 @@ import shutil
 import signal
 import socket
 import stat
+import subprocess
 import sys
 import tempfile
 import threading
@@ -544,6 +545,30 @@ def _sigterm_interrupts():
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def run_child(cmd: list[str], on_line, stopped: str, failed) -> None:
+    """A command of this repository (`python train.py ...`) in a child process, each line of its stdout handed to
+    on_line. Its own `error: ...` line (exit code 2) ends this command with the same code; a stopped child (130) is
+    Stopped(stopped); any other failure a UsageError(failed(exit code)). Ctrl-C reaches the child too (one process
+    group); a SIGTERM to this process alone (Terminated) is passed on, so that the child stops as it would (a run
+    finishes its step and writes its checkpoint) instead of running on without its parent."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:
+            on_line(line)
+        code = proc.wait()
+    except KeyboardInterrupt as e:
+        if isinstance(e, Terminated):
+            proc.terminate()
+        proc.wait()
+        raise
+    if code == 2:  # the child refused a flag or an input: its one `error: ...` line (just above) is the error
+        raise SystemExit(2)
+    if code == 130:
+        raise Stopped(stopped)
+    if code != 0:
+        raise UsageError(failed(code))
 
 
 def run_cli(fn, argv=None, expected=EXPECTED_ERRORS):

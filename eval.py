@@ -65,7 +65,6 @@ import platform
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -78,8 +77,8 @@ import block_transformer as bt
 import double_decoder as dd
 import recursive
 from checkpoint import check_vocab, load_checkpoint, load_source_model, model_from_checkpoint, tokenizer_from_spec
-from cli import (DTYPES, ArgumentParser, Stopped, UsageError, check_memory, check_output_file, check_writable_dir,
-                 comma_list, number, one_of, path_arg, run_cli, run_subcommand, seed_arg, temperature_arg, threads_arg,
+from cli import (DTYPES, ArgumentParser, UsageError, check_memory, check_output_file, check_writable_dir, comma_list,
+                 number, one_of, path_arg, run_child, run_cli, run_subcommand, seed_arg, temperature_arg, threads_arg,
                  user_input)
 from data import TokenData, first_tokens_windows, is_gguf_source, is_hf_source, prepare_corpus, step_generator
 from model import IGNORE, forward_memory, memory_sum, module_bytes, pick_device, pick_dtype, windows_loss
@@ -602,20 +601,16 @@ def run_script(script: str, argv: list[str], keep=lambda line: False) -> tuple[l
     cmd = [sys.executable, str(HERE / script), *argv]
     print("$ python " + " ".join([script, *argv]), flush=True)
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     kept = []
-    for line in proc.stdout:
+
+    def on_line(line):
         if keep(line):
             kept.append(line)
         else:
             print(line, end="", flush=True)
-    code = proc.wait()
-    if code == 2:
-        raise SystemExit(2)
-    if code == 130:
-        raise Stopped(f"python {script} was stopped; run the same command again to go on (finished rows are kept)")
-    if code != 0:
-        raise UsageError(f"python {' '.join([script, *argv])} failed (exit code {code})")
+
+    run_child(cmd, on_line, f"python {script} was stopped; run the same command again to go on (finished rows are kept)",
+              lambda code: f"python {' '.join([script, *argv])} failed (exit code {code})")
     return kept, time.perf_counter() - t0
 
 

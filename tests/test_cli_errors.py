@@ -208,7 +208,7 @@ def trained_run(case):  # {d}/trained/ckpt.pt: a vanilla checkpoint of one step
 NO_CHILD = before(subprocess, "Popen")  # eval.py recovery: no train.py / serve.py process started
 NO_WORK = before(train, "setup_distributed")
 NO_STEP = before(train, "make_optimizer")
-NO_RUN = before(tasks.subprocess, "Popen")
+NO_RUN = before(cli.subprocess, "Popen")
 SEED_MAX = 2 ** 64 - 1
 DEVICES = ["xla", "vulkan", "xpu", "meta", "hpu"]
 THREADS = f"argument --threads: must be <= {os.cpu_count()}, got 100000"
@@ -618,7 +618,7 @@ def test_tasks_py_depth_passes_a_refused_run_on_and_table_reads_its_results(tmp_
         def wait(self):
             return 2
 
-    monkeypatch.setattr(tasks.subprocess, "Popen", Refused)
+    monkeypatch.setattr(cli.subprocess, "Popen", Refused)
     with pytest.raises(SystemExit) as e:
         tasks.main(["depth", "--rows", "plt-2", "--seeds", "0", "--out", str(tmp_path / "d"), "--extra",
                     "--max-iters x"])

@@ -553,7 +553,7 @@ def test_special_files_are_one_line_not_a_hang(files, capsys, no_hang, what, kin
 
 def test_a_special_file_where_tasks_py_appends_its_results_is_refused_before_any_run(capsys, tmp_path, monkeypatch,
                                                                                       no_hang):
-    monkeypatch.setattr(tasks.subprocess, "Popen", lambda *a, **k: pytest.fail("a run started"))
+    monkeypatch.setattr(cli.subprocess, "Popen", lambda *a, **k: pytest.fail("a run started"))
     os.mkfifo(tmp_path / "results.jsonl")
     one_error_line(capsys, tasks.main, ["depth", "--rows", "plt-2", "--out", str(tmp_path)],
                    f"--out's results file {tmp_path}/results.jsonl is a FIFO (named pipe), not a regular file")
@@ -719,7 +719,7 @@ def test_an_empty_value_is_an_error_for_every_flag(capsys, monkeypatch, cmd, sub
 
 
 def test_the_tasks_rows_flag_judges_an_empty_value_itself(capsys, monkeypatch):
-    monkeypatch.setattr(tasks.subprocess, "Popen", lambda *a, **k: pytest.fail("a run started"))
+    monkeypatch.setattr(cli.subprocess, "Popen", lambda *a, **k: pytest.fail("a run started"))
     one_error_line(capsys, tasks.main, ["depth", "--rows", ""], "--rows '' names no row; known: vanilla-2")
 
 
