@@ -234,8 +234,9 @@ def eval_loss(args):
 def eval_exits(args):
     """Early exit of a recursive/relaxed checkpoint on validation text: static exit per loop, the oracle, and the
     confidence-exit trade-off curve with state propagation (recursive.exit_analysis), summed over the windows.
-    -> {"tokens", "loop_loss", "rules": {rule: [{"threshold", "share", "mean_loop", "loss", "agree"}, ...]}}, token
-    means over the windows."""
+    -> {"tokens", "loop_loss", "rules": {rule: [{"threshold", "share", "mean_loop", "loss", "agree"}, ...]}, "windows"},
+    token means over the windows; "windows" are the (x, y) batches scored, for a caller that scores another model on
+    the same ones (the recovery exits stage: the original's loss), never a result."""
     device = pick_device(args.device)
     check_writable_dir(Path(args.cache_dir), "--cache-dir")
     ck, model, tok = load_run(args.ckpt, device)
@@ -265,7 +266,7 @@ def eval_exits(args):
     print(f"{args.ckpt}: {ck['arch']} B={L} K={model.config.n_shared} step {ck['step']} | {n:,} validation tokens "
           f"({args.batches} x {args.batch_size} windows of {seq}, seed {args.seed}) | exit rules {rules}"
           + ("" if model.exit_gate is not None else " (no learned gate in this checkpoint: train with --exit-gate)"))
-    out = {"tokens": n, "rules": {}}
+    out = {"tokens": n, "rules": {}, "windows": windows}
     for k, rule in enumerate(rules):
         thresholds = [float(t) for t in (args.saturation_thresholds if rule == "saturation" else
                                          args.thresholds).split(",")]
@@ -900,7 +901,7 @@ def exits_stage(args, settings, done, common, out) -> dict:
     print("$ python eval.py " + " ".join(ex_argv), flush=True)
     ex_args = build_parser().parse_args(ex_argv)
     ex = eval_exits(ex_args)
-    original = source_loss_on_exit_windows(ex_args, settings["source"])
+    original = source_loss_on_windows(ex.pop("windows"), settings["source"], pick_device(ex_args.device))
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the serving run is another process
     script, serve_argv = serve_command(ckpt, settings, args)
@@ -913,16 +914,11 @@ def exits_stage(args, settings, done, common, out) -> dict:
 
 
 @torch.no_grad()
-def source_loss_on_exit_windows(ex_args, source) -> float:
-    """The original's loss on the windows `eval.py exits` scored (the same windows, positions 1..T-1)."""
-    device = pick_device(ex_args.device)
-    ck = load_checkpoint(ex_args.ckpt)
-    model, _, spec = load_source_model(source)
-    model = model.to(device).eval()
-    tok = tokenizer_from_spec(spec)
+def source_loss_on_windows(windows, source, device) -> float:
+    """The original's loss on the windows `eval.py exits` scored (eval_exits hands them over; positions 1..T-1)."""
+    model = load_source_model(source)[0].to(device).eval()
     total, n = 0.0, 0
-    for x, y in val_windows(ck, tok, ex_args.batches, ex_args.batch_size, ex_args.seq_len, ex_args.seed, device,
-                            ex_args.cache_dir):
+    for x, y in windows:
         logits = model(x)[0][:, 1:].float()
         total += F.cross_entropy(logits.flatten(0, 1), y[:, 1:].flatten(), reduction="sum").item()
         n += y[:, 1:].numel()
