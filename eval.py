@@ -610,7 +610,8 @@ def run_script(script: str, argv: list[str], keep=lambda line: False) -> tuple[l
         else:
             print(line, end="", flush=True)
 
-    run_child(cmd, on_line, f"python {script} was stopped; run the same command again to go on (finished rows are kept)",
+    run_child(cmd, on_line,
+              f"python {script} was stopped; run the same command again to go on (finished rows are kept)",
               lambda code: f"python {' '.join([script, *argv])} failed (exit code {code})")
     return kept, time.perf_counter() - t0
 
