@@ -887,7 +887,7 @@ def setup_curve(args, steps, val_data, world, device, resume_ck, master) -> dict
     path = args.out_dir / "curve.jsonl"
     done = set()
     if resume_ck is not None and path.exists():
-        done = {json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()}
+        done = {point["step"] for point in read_curve(path)}
     elif master:
         path.unlink(missing_ok=True)
     card = f"{world} x " if world > 1 else ""
@@ -913,6 +913,11 @@ def curve_point(run, step):
                                 "params": run.raw_model.num_params(False), "non_emb": run.raw_model.num_params()})
                     + "\n")
     c["done"].add(step)
+
+
+def read_curve(path) -> list[dict]:
+    """OUT_DIR/curve.jsonl (curve_point's lines) -> its points, in the order they were written."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
 CURVE_BATCH = 8  # windows per forward pass of the fixed evaluation set (the loss does not depend on it)

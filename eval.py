@@ -76,7 +76,8 @@ from tqdm import tqdm
 import block_transformer as bt
 import double_decoder as dd
 import recursive
-from checkpoint import check_vocab, load_checkpoint, load_source_model, model_from_checkpoint, tokenizer_from_spec
+from checkpoint import (check_vocab, load_checkpoint, load_source_model, model_from_checkpoint, read_curve,
+                        tokenizer_from_spec)
 from cli import (DTYPES, ArgumentParser, UsageError, check_memory, check_output_file, check_writable_dir, comma_list,
                  number, one_of, path_arg, run_child, run_cli, run_subcommand, seed_arg, temperature_arg, threads_arg,
                  user_input)
@@ -765,7 +766,7 @@ def train_row(row, label, flags, common, settings, args, out) -> dict:
             "--out-dir", str(run_dir)]
     rates = []
     _, wall = run_script("train.py", argv, keep=lambda line: step_rate(line, rates))
-    curve = [json.loads(line) for line in (run_dir / "curve.jsonl").read_text().splitlines() if line.strip()]
+    curve = read_curve(run_dir / "curve.jsonl")
     return {"kind": "row", "row": row, "label": label, "points": [[c["tokens"], c["loss"]] for c in curve],
             "params": curve[-1]["params"], "non_emb": curve[-1]["non_emb"], "device": curve[-1]["device"],
             "tok_s": statistics.median(rates[1:] or rates) if rates else None, "wall_s": wall, "steps": steps,
@@ -893,7 +894,7 @@ def exits_stage(args, settings, done, common, out) -> dict:
             "aggressive", "--exit-coef", "0.1", "--self-distill", "--exit-gate",
             *steps_flags(steps, args.lr / 3, [0, steps * tps]), "--out-dir", str(run_dir)]
     run_script("train.py", argv)
-    curve = [json.loads(line) for line in (run_dir / "curve.jsonl").read_text().splitlines() if line.strip()]
+    curve = read_curve(run_dir / "curve.jsonl")
     ckpt = str(run_dir / "ckpt.pt")
     seq = min(settings["seq_len"], 512)
     ex_argv = ["exits", "--ckpt", ckpt, "--rules", "gate", "--thresholds", args.thresholds, "--batches", "1",

@@ -576,7 +576,7 @@ def test_cpu_optimizer_is_the_fused_adamw_and_steps_like_the_per_tensor_loop():
 
 
 def _curve(run_dir):
-    return [json.loads(line) for line in (run_dir / "out" / "curve.jsonl").read_text().splitlines()]
+    return checkpoint.read_curve(run_dir / "out" / "curve.jsonl")
 
 
 def test_curve_points_are_the_eval_loss_of_the_fixed_set_and_survive_a_resume(tmp_path, corpus, monkeypatch, capsys):
