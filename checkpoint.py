@@ -863,19 +863,24 @@ def build_model(args, spec: ArchSpec, tok: Tokenizer, table, ap, given, master, 
 # The recovery curve (--curve-at): the run's losses at token counts, OUT_DIR/curve.jsonl beside its checkpoint
 
 
+def tokens_per_step(args, world) -> int:
+    """The tokens one optimizer step trains on: --batch-size x --seq-len x --grad-accum x the processes."""
+    return args.batch_size * args.seq_len * args.grad_accum * world
+
+
 def check_curve(args, world) -> set[int] | None:
     """--curve-at's token counts -> the steps after which they are reached (the first step at or past each), refused
     before any work when the run ends earlier."""
     if not args.curve_at:
         return None
-    per_step = args.batch_size * args.seq_len * args.grad_accum * world
+    per_step = tokens_per_step(args, world)
     counts = [int(float(c)) for c in args.curve_at.split(",")]
-    steps = {-(-c // per_step) for c in counts}
-    late = [c for c in counts if -(-c // per_step) > args.max_iters]
+    steps = {c: -(-c // per_step) for c in counts}  # each count -> the first step at or past it
+    late = [c for c, step in steps.items() if step > args.max_iters]
     if late:
         raise UsageError(f"--curve-at {late[0]:,} tokens is past the run's end: {args.max_iters} steps x {per_step:,} "
                          f"tokens = {args.max_iters * per_step:,}")
-    return steps
+    return set(steps.values())
 
 
 def setup_curve(args, steps, val_data, world, device, resume_ck, master) -> dict | None:
@@ -892,8 +897,7 @@ def setup_curve(args, steps, val_data, world, device, resume_ck, master) -> dict
         path.unlink(missing_ok=True)
     card = f"{world} x " if world > 1 else ""
     card += f"{device.type} {torch.cuda.get_device_name(device)}" if device.type == "cuda" else device.type
-    return {"steps": steps, "done": done, "x": x, "y": y, "file": path, "device": card,
-            "tokens_per_step": args.batch_size * args.seq_len * args.grad_accum * world}
+    return {"steps": steps, "done": done, "x": x, "y": y, "file": path, "device": card}
 
 
 def curve_point(run, step):
@@ -905,7 +909,7 @@ def curve_point(run, step):
         run.raw_model.eval()
         loss = windows_loss(run.raw_model, c["x"], c["y"], CURVE_BATCH, run.device)
         run.raw_model.train()
-        tokens = step * c["tokens_per_step"]
+        tokens = step * run.tokens_per_step
         log(f"curve step {step} tokens {tokens} loss {loss:.4f}")
         with open(c["file"], "a") as f:
             f.write(json.dumps({"step": step, "tokens": tokens, "loss": loss, "eval_tokens": c["y"].numel(),
