@@ -130,14 +130,19 @@ def text_tokenizer(spec, where):
         raise UsageError(f"{where}: {e}" if spec.get("kind") == "tiktoken" else str(e)) from None
 
 
+def checkpoint_val_data(ck, tok, cache_dir) -> TokenData:
+    """The validation split of the checkpoint's corpus (its run arguments: --data, --exclude-sets, --val-data). The
+    token cache goes to this command's --cache-dir (cache_dir), never to a directory the checkpoint names."""
+    a = ck.get("args") or {}
+    return TokenData(prepare_corpus(a.get("data", "stdlib"), tok, cache_dir,
+                                    [s for s in a.get("exclude_sets", "").split(",") if s], a.get("val_data"),
+                                    verbose=False), "val")
+
+
 def val_windows(ck, tok, n_batches, batch, seq_len, seed, device, cache_dir):
-    """The validation windows of the checkpoint's corpus (its run arguments), drawn from seeded generators: every
-    checkpoint of the same corpus and tokenizer sees the same windows. The token cache goes to this command's
-    --cache-dir (cache_dir), never to a directory the checkpoint names."""
-    a = ck.get("args", {})
-    cache = prepare_corpus(a.get("data", "stdlib"), tok, cache_dir,
-                           [s for s in a.get("exclude_sets", "").split(",") if s], a.get("val_data"), verbose=False)
-    val = TokenData(cache, "val")
+    """The validation windows of the checkpoint's corpus (checkpoint_val_data), drawn from seeded generators: every
+    checkpoint of the same corpus and tokenizer sees the same windows."""
+    val = checkpoint_val_data(ck, tok, cache_dir)
     for i in range(n_batches):
         x, y = val.get_batch(batch, seq_len, step_generator(seed, -1, i, 0))
         yield x.to(device), y.to(device)
@@ -372,9 +377,7 @@ def eval_double(args):
             out = m.generate(idx, n, temperature=args.temperature, top_k=args.top_k, generator=gen, **kw)
             print(f"== {ck['arch']} | {p}\n{tok.decode(out[0].tolist())}")
         return None
-    exclude = [s for s in a.get("exclude_sets", "").split(",") if s]
-    val = TokenData(prepare_corpus(a.get("data", "stdlib"), tok, args.cache_dir, exclude, a.get("val_data"),
-                                   verbose=False), "val")
+    val = checkpoint_val_data(cks[0], tok, args.cache_dir)
     T = min(min(m.config.max_seq_len, (ck.get("args") or {}).get("seq_len") or 10 ** 9)
             for ck, m in zip(cks, models))  # trained length
     sums = torch.zeros(len(models), 2, batches, dtype=torch.float64)  # [model, native | prefix-LM, batch] CE sums
