@@ -498,6 +498,13 @@ def releasing_dir_locks():
             release_dir_lock(_held_locks.pop())
 
 
+def write_atomic(path: Path, text: str):
+    """path's new text, written to path.tmp and renamed over it: an interrupted write never leaves half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def check_disk_space(model, path: Path):
     """A checkpoint holds the weights (and buffers) of the state dict plus AdamW's two moments per trainable
     parameter; it is written next to the last good one (then renamed), so that many bytes must be free in path before

@@ -60,7 +60,6 @@ if __name__ == "__main__":  # Ctrl-C or SIGTERM during the imports below: `stopp
 import argparse
 import json
 import math
-import os
 import platform
 import re
 import shutil
@@ -80,7 +79,7 @@ from checkpoint import (check_vocab, load_checkpoint, load_source_model, model_f
                         tokenizer_from_spec)
 from cli import (DTYPES, ArgumentParser, UsageError, check_memory, check_output_file, check_writable_dir, comma_list,
                  number, one_of, path_arg, run_child, run_cli, run_subcommand, seed_arg, temperature_arg, threads_arg,
-                 user_input)
+                 user_input, write_atomic)
 from data import TokenData, first_tokens_windows, is_gguf_source, is_hf_source, prepare_corpus, step_generator
 from model import IGNORE, forward_memory, memory_sum, module_bytes, pick_device, pick_dtype, windows_loss
 from svd_lora import max_ranks, residual_energy
@@ -227,8 +226,7 @@ def eval_loss(args):
           f" | {n:,} tokens of the {args.data} validation split ({len(x)} windows of {args.seq_len}) | "
           f"loss {row['loss']:.4f} ppl {math.exp(row['loss']):.2f}")
     if args.results:
-        with open(args.results, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        append_record(args.results, row)
     return row
 
 
@@ -545,12 +543,6 @@ def eval_samples(args):
     return out
 
 
-def write_atomic(path: Path, text: str):
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def read_json(path: Path):
     try:
         return json.loads(Path(path).read_text())
@@ -644,7 +636,8 @@ def read_recovery(path: Path) -> tuple[dict | None, dict, dict | None]:
     return settings, rows, exits
 
 
-def append_record(path: Path, record: dict):
+def append_record(path, record: dict):
+    """One JSON line appended to a results file (eval.py loss --results, OUT_DIR/recovery.jsonl)."""
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
 
