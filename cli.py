@@ -246,27 +246,35 @@ def user_input():
 
 
 @contextlib.contextmanager
+def _signal_handlers(handlers: dict):
+    """{signal: handler} installed for the block, the previous handlers restored after it, however it ends. Only the
+    main thread gets signals (and may install handlers): elsewhere nothing is installed."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, handler) for s, handler in handlers.items()}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+@contextlib.contextmanager
 def stop_signals():
     """Ctrl-C (SIGINT) and SIGTERM during the training loop: the first asks the loop to stop after the current step
     (it writes the checkpoint and exits with code 130, Stopped); a second one stops at once (KeyboardInterrupt).
     Yields the list the handler appends the signal's name to. Outside the main thread, where Python delivers no
     signal, the list stays empty."""
     asked = []
-    if threading.current_thread() is not threading.main_thread():
-        yield asked
-        return
 
     def on_signal(signum, frame):
         if asked:
             raise KeyboardInterrupt
         asked.append(signal.Signals(signum).name)
 
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
+    with _signal_handlers({signal.SIGINT: on_signal, signal.SIGTERM: on_signal}):
         yield asked
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
 
 
 def available_memory(device) -> tuple[int | None, str]:
@@ -424,7 +432,7 @@ def _owner_alive(pid: int, start: str, host: str) -> bool:
     return start == "-" or now is None or now == start
 
 
-def take_dir_lock(path: Path, flag: str, what: str = "train.py run") -> Path:
+def take_dir_lock(path: Path, flag: str) -> Path:
     """Refuse a directory another live run writes: create path/LOCK_NAME exclusively with this process's owner line,
     or, when it exists, read its owner. A live owner is a UsageError naming the flag, the directory, the pid and the
     lock file (two runs in one directory would overwrite each other's checkpoints); a dead one's lock (kill -9, a
@@ -443,14 +451,14 @@ def take_dir_lock(path: Path, flag: str, what: str = "train.py run") -> Path:
                 except FileNotFoundError:
                     continue  # released meanwhile: try again
                 if young:
-                    raise UsageError(f"{flag} {path} is being taken by another {what} right now (lock file {lock}): "
-                                     f"give another {flag}") from None
+                    raise UsageError(f"{flag} {path} is being taken by another train.py run right now (lock file "
+                                     f"{lock}): give another {flag}") from None
             elif _owner_alive(*owner):
                 pid, _, host = owner
                 where = "" if host == socket.gethostname() else f" on {host}"
-                raise UsageError(f"{flag} {path} is in use by another {what} (pid {pid}{where}; lock file {lock}): two "
-                                 f"runs would overwrite each other's checkpoints; wait for it to end, or give another "
-                                 f"{flag}") from None
+                raise UsageError(f"{flag} {path} is in use by another train.py run (pid {pid}{where}; lock file "
+                                 f"{lock}): two runs would overwrite each other's checkpoints; wait for it to end, or "
+                                 f"give another {flag}") from None
             dir_fd = os.open(path, os.O_RDONLY)
             try:
                 fcntl.flock(dir_fd, fcntl.LOCK_EX)
@@ -538,20 +546,13 @@ def _sigterm_interrupts():
     (`stopped: ...`, exit code 130) instead of ending the process with no word, and Ctrl-C raises KeyboardInterrupt
     again (startup.py's handler covered the imports). train.py's loop installs its own handlers over these
     (stop_signals: finish the step, write the checkpoint). Only the main thread gets signals."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
 
     def on_sigterm(signum, frame):
         raise Terminated
 
-    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, on_sigterm),  # startup.py's handlers before this
-                signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler)}  # Ctrl-C: KeyboardInterrupt
-    try:
+    # over startup.py's handlers (Ctrl-C: KeyboardInterrupt again)
+    with _signal_handlers({signal.SIGTERM: on_sigterm, signal.SIGINT: signal.default_int_handler}):
         yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
 
 
 def run_child(cmd: list[str], on_line, stopped: str, failed) -> None:
