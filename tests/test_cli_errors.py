@@ -23,6 +23,7 @@ import serve
 import tasks
 import train
 from conftest import ROOT, write_jsonl
+from conftest import one_error_line as _one_error_line  # the name test_bench and test_serve import
 
 
 @pytest.fixture(scope="module")
@@ -57,15 +58,6 @@ def _train_args(d, *extra):
     return ["--data", str(d / "corpus"), "--cache-dir", str(d / "cache"), "--out-dir", str(d / "out"),
             "--vocab-size", "512", "--batch-size", "2", "--seq-len", "32", "--eval-iters", "1", "--max-iters", "1",
             "--sample-tokens", "0", *extra]
-
-
-def _one_error_line(capsys, run, argv, match):
-    with pytest.raises(SystemExit) as e:
-        run(argv)
-    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
-    assert match in err[0], err[0]
-    assert "weights_only=False" not in err[0] and "Traceback" not in err[0]
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ import hf
 import serve
 import serve_requests
 import tasks
-from conftest import ROOT, write_jsonl
+from conftest import ROOT, one_error_line, write_jsonl
 from model import GPT, GPTConfig
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -155,16 +155,6 @@ def files(tmp_path_factory):
     (d / "adir").mkdir()
     (d / "afile").write_text("x")
     return d
-
-
-def one_error_line(capsys, run, argv, match):
-    """run(argv) exits with code 2 after ONE stderr line `error: ...` that contains match (no traceback)."""
-    with pytest.raises(SystemExit) as e:
-        run(argv)
-    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
-    assert match in err[0], err[0]
-    return err[0]
 
 
 @pytest.fixture
