@@ -386,10 +386,7 @@ def model_from_checkpoint(ck: dict, table=None):
             raise CheckpointError(f"{name}: its config field {field}: {e}") from e
         raise CheckpointError(f"{name}: its {ck['arch']} config does not fit this code ({e}); was it written by "
                               f"another version of the repository?") from e
-    try:
-        check_model_fits(cfg, name)  # a layer count or context far beyond memory: refused before it is built
-    except UsageError as e:
-        raise CheckpointError(str(e)) from None
+    check_model_fits(cfg, name, error=CheckpointError)  # a layer count or context far beyond memory: refused first
     model = spec.model_cls(cfg)
     try:
         model.load_state_dict(ck["model"])

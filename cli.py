@@ -300,18 +300,20 @@ def gb(nbytes) -> str:
     return "<0.01" if 0 < v < 0.005 else f"{v:.2f}" if v < 1 else f"{v:.1f}" if v < 1e4 else f"{v:.3g}"
 
 
-def check_memory(need: dict, device, what: str, fix: str, per: str = "", at_least: bool = False) -> int | None:
+def check_memory(need: dict, device, what: str, fix: str, per: str = "", at_least: bool = False,
+                 error=UsageError) -> int | None:
     """The one comparison of every command's memory check: an estimate of what `what` is about to allocate (model.py's
     pieces, {part: bytes, ..., "total": bytes}) against available_memory(device), before it is allocated. On a CPU
-    every process of this machine under torchrun (LOCAL_WORLD_SIZE) allocates as much. One that cannot fit is a
-    UsageError, one line: `WHAT needs about (at least) X GB (N bytes) PER (the parts), but DEVICE has Y GB available
-    (source): FIX`. -> the bytes available, None where unknown (then nothing is checked)."""
+    every process of this machine under torchrun (LOCAL_WORLD_SIZE) allocates as much. One that cannot fit is an
+    `error` (UsageError unless the caller's class), one line: `WHAT needs about (at least) X GB (N bytes) PER (the
+    parts), but DEVICE has Y GB available (source): FIX`. -> the bytes available, None where unknown (then nothing is
+    checked)."""
     avail, source = available_memory(torch.device(device))
     procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if torch.device(device).type == "cpu" else 1
     if avail is None or need["total"] * procs <= avail:
         return avail
     parts = ", ".join(f"{k} {gb(v)} GB" for k, v in need.items() if k != "total")
-    raise UsageError(f"{what} needs {'at least' if at_least else 'about'} {gb(need['total'])} GB "
+    raise error(f"{what} needs {'at least' if at_least else 'about'} {gb(need['total'])} GB "
                      f"({need['total']:,.0f} bytes){f' {per}' if per else ''}"
                      f"{f' in each of {procs} processes' if procs > 1 else ''} ({parts}), but {device} has "
                      f"{gb(avail)} GB available ({source}): {fix}")
@@ -325,16 +327,16 @@ def check_step_memory(need: dict, device, args, at_least=False):
                         "model (--preset, --loops)", per="per training step", at_least=at_least)
 
 
-def check_model_fits(cfg, where: str, elem: int = 4, device="cpu"):
+def check_model_fits(cfg, where: str, elem: int = 4, device="cpu", error=UsageError):
     """A model description (a GGUF file's metadata, a config.json, a checkpoint's config) whose model cannot fit in
     the memory `device` has (a block_count or context_length far beyond any model: RoPE tables of 2^32 positions) is
-    refused before anything is allocated: model.model_memory against check_memory, one UsageError naming the source,
-    the shape and both figures."""
+    refused before anything is allocated: model.model_memory against check_memory, one `error` (the caller's class,
+    as regular_file's) naming the source, the shape and both figures."""
     from model import model_memory  # the command-line module stays importable without the model
 
     check_memory(model_memory(cfg, elem), device, f"{where}: a model of this config ({cfg.n_layer:,} layers, d "
                  f"{cfg.n_embd:,}, vocab {cfg.vocab_size:,}, RoPE tables of {cfg.max_seq_len:,} positions)",
-                 "it cannot be loaded here")
+                 "it cannot be loaded here", error=error)
 
 
 # What os.stat says a path is, when it is not a regular file
