@@ -9,7 +9,9 @@ traceback. The pieces live here, not in train.py, so that the architecture files
 route their own command lines through them. The checks made before a run's first step live here too: a directory
 that must be writable (check_writable_dir), one that another live run writes (take_dir_lock: a lock file, held for a
 run by hold_dir_lock and releasing_dir_locks), the disk space a checkpoint needs (check_disk_space) and the memory an
-estimate says a command needs (check_memory, check_step_memory). log writes a run's lines.
+estimate says a command needs (check_memory, check_step_memory). log writes a run's lines, write_atomic a small file
+(a temporary name, then a rename), and run_child runs a command of this repository as a child process under the same
+contract (tasks.py depth, eval.py recovery: its error ends this command with code 2, a SIGTERM is passed on to it).
 """
 from __future__ import annotations
 
