@@ -68,6 +68,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import functools
 import json
 import math
 import mmap
@@ -385,10 +386,7 @@ def model_from_checkpoint(ck: dict, table=None):
             raise CheckpointError(f"{name}: its config field {field}: {e}") from e
         raise CheckpointError(f"{name}: its {ck['arch']} config does not fit this code ({e}); was it written by "
                               f"another version of the repository?") from e
-    try:
-        check_model_fits(cfg, name)  # a layer count or context far beyond memory: refused before it is built
-    except UsageError as e:
-        raise CheckpointError(str(e)) from None
+    check_model_fits(cfg, name, error=CheckpointError)  # a layer count or context far beyond memory: refused first
     model = spec.model_cls(cfg)
     try:
         model.load_state_dict(ck["model"])
@@ -397,9 +395,9 @@ def model_from_checkpoint(ck: dict, table=None):
     return model
 
 
-def load_source_model(src: str, table=None):
-    """--init-from / --teacher: a train.py checkpoint, hf:DIR (a local Hugging Face checkpoint) or gguf:PATH (a GGUF
-    file, or the short name of a packaged one).
+def load_source_model(src: str, table=None, load=load_checkpoint):
+    """--init-from / --teacher: a train.py checkpoint (read by `load`), hf:DIR (a local Hugging Face checkpoint) or
+    gguf:PATH (a GGUF file, or the short name of a packaged one).
 
     -> (model, arch name, tokenizer spec)
     """
@@ -409,7 +407,7 @@ def load_source_model(src: str, table=None):
     if is_hf_source(src):  # a plain model.GPT (fp32, CPU); conversions start from it like from a vanilla checkpoint
         model = from_pretrained(src[3:] if src.startswith("hf:") else src)
         return model, "vanilla", model.tokenizer_spec
-    ck = load_checkpoint(src)
+    ck = load(src)
     return model_from_checkpoint(ck, table), ck["arch"], ck["tokenizer"]
 
 
@@ -423,14 +421,14 @@ def check_vocab(config, tok, where: str):
                               f"belong together")
 
 
-def load_source_tokenizer(src):
+def load_source_tokenizer(src, load=load_checkpoint):
     """The tokenizer spec of --init-from: a Hugging Face checkpoint's tokenizer.json, a GGUF file's vocabulary, or a
-    checkpoint's own spec."""
+    checkpoint's own spec (read by `load`)."""
     if is_gguf_source(src):
         return gguf_tokenizer_spec(src)
     if is_hf_source(src):
         return hf_tokenizer_spec(src)
-    return load_checkpoint(src)["tokenizer"]
+    return load(src)["tokenizer"]
 
 
 def tokenizer_from_spec(spec: dict):
@@ -439,7 +437,7 @@ def tokenizer_from_spec(spec: dict):
     return tasks.TaskTokenizer(spec) if spec.get("kind") == "task" else Tokenizer(spec)
 
 
-def run_tokenizer(args, resume_ck=None, task=None):
+def run_tokenizer(args, resume_ck=None, task=None, load=load_checkpoint):
     """train.py's tokenizer: the resumed checkpoint's, the task's, --init-from's when no tokenizer flag is typed, else
     the flags' (--vocab-size, --tokenizer)."""
     if resume_ck is not None:
@@ -447,17 +445,17 @@ def run_tokenizer(args, resume_ck=None, task=None):
     if task is not None:
         return tasks.TaskTokenizer(task.spec())
     if args.init_from and not args.tokenizer and not args.vocab_size:
-        return tokenizer_from_spec(load_source_tokenizer(args.init_from))
+        return tokenizer_from_spec(load_source_tokenizer(args.init_from, load))
     return Tokenizer.from_args(args.vocab_size, args.tokenizer)
 
 
-def load_teacher(args, spec: ArchSpec, tok, table):
+def load_teacher(args, spec: ArchSpec, tok, table, load=load_checkpoint):
     """--teacher: the model (a checkpoint, hf:DIR, gguf:PATH), refused for an architecture whose batches are re-laid out
     or when its tokenizer is not the run's."""
     if not spec.kd_ok:
         raise UsageError(f"--teacher is not supported for --arch {args.arch}: its training inputs are re-laid "
                          f"out, so teacher and student logits would not align")
-    teacher, _, t_tok = load_source_model(args.teacher, table)
+    teacher, _, t_tok = load_source_model(args.teacher, table, load)
     if t_tok != tok.spec:
         raise UsageError(f"teacher {args.teacher} uses tokenizer {t_tok}, this run uses {tok.spec}: they must be the "
                          f"same")
@@ -536,11 +534,11 @@ def recipe_overrides(args, spec: ArchSpec, ap, given) -> dict:
     return {k: v for k, v in every.items() if k in owned}
 
 
-def init_from(args, spec: ArchSpec, tok, table, ap, given, note=print) -> torch.nn.Module:
+def init_from(args, spec: ArchSpec, tok, table, ap, given, note=print, load=load_checkpoint) -> torch.nn.Module:
     """--init-from SOURCE: a model of this architecture keeps its shapes and takes the recipe flags typed
     (init_same_arch); a vanilla one (after --keep-layers picks its layers) is converted by spec.convert. `note` gets
     the lines train.py logs about it."""
-    src, src_arch, _ = load_source_model(args.init_from, table)
+    src, src_arch, _ = load_source_model(args.init_from, table, load)
     if args.keep_layers:
         if src_arch != "vanilla":
             raise UsageError(f"--keep-layers takes layers of a vanilla model; {args.init_from} holds a {src_arch} one")
@@ -827,30 +825,34 @@ def build_models(args, spec: ArchSpec, table, ap, given, resume_ck, dtype, devic
     task = tasks.task_from_args(args) if tasks.is_task_source(args.data) else None
     if task is not None and "seq_len" not in given and resume_ck is None:
         args.seq_len = -(-task.seq_len // 8) * 8  # a multiple of 8: block models need whole blocks
-    tok = run_tokenizer(args, resume_ck, task)
+    load = functools.cache(load_checkpoint)  # a checkpoint in several roles (--init-from's tokenizer and weights,
+    # --teacher the same file) is read and verified once; each model is built from it (load_state_dict copies)
+    tok = run_tokenizer(args, resume_ck, task, load)
     check_step_memory(least_step_memory(args.batch_size, args.seq_len, padded_vocab(tok.n_vocab), dtype), device, args,
                       at_least=True)
     if resume_ck is not None:
         model = model_from_checkpoint(resume_ck, table)
     else:
-        model = build_model(args, spec, tok, table, ap, given, master)
+        model = build_model(args, spec, tok, table, ap, given, master, load)
+    if args.teacher != args.init_from:
+        load.cache_clear()  # kept only for a teacher that is the same file
     if task is not None:
         task = tok.task  # on resume: the checkpoint's task
         task.check_seq_len(args.seq_len)
     if model.config.vocab_size < tok.n_vocab:
         raise UsageError(f"model vocabulary {model.config.vocab_size} is smaller than the tokenizer's {tok.n_vocab}")
-    teacher = load_teacher(args, spec, tok, table) if args.teacher else None
+    teacher = load_teacher(args, spec, tok, table, load) if args.teacher else None
     return tok, task, model, teacher
 
 
-def build_model(args, spec: ArchSpec, tok: Tokenizer, table, ap, given, master):
+def build_model(args, spec: ArchSpec, tok: Tokenizer, table, ap, given, master, load):
     """Fresh model from the preset, or --init-from (init_from: same arch, the weights and the recipe flags
     typed; vanilla, the conversion). The flags' config fields are checked either way."""
     overrides = dict(vocab_size=padded_vocab(tok.n_vocab), max_seq_len=args.seq_len)
     if spec.config_overrides is not None:
         overrides.update(spec.config_overrides(args, tok=tok))
     if args.init_from:
-        return init_from(args, spec, tok, table, ap, given, note=lambda line: log(line, master))
+        return init_from(args, spec, tok, table, ap, given, note=lambda line: log(line, master), load=load)
     return spec.model_cls(spec.make_config(args.preset, **overrides))
 
 
@@ -858,19 +860,24 @@ def build_model(args, spec: ArchSpec, tok: Tokenizer, table, ap, given, master):
 # The recovery curve (--curve-at): the run's losses at token counts, OUT_DIR/curve.jsonl beside its checkpoint
 
 
+def tokens_per_step(args, world) -> int:
+    """The tokens one optimizer step trains on: --batch-size x --seq-len x --grad-accum x the processes."""
+    return args.batch_size * args.seq_len * args.grad_accum * world
+
+
 def check_curve(args, world) -> set[int] | None:
     """--curve-at's token counts -> the steps after which they are reached (the first step at or past each), refused
     before any work when the run ends earlier."""
     if not args.curve_at:
         return None
-    per_step = args.batch_size * args.seq_len * args.grad_accum * world
+    per_step = tokens_per_step(args, world)
     counts = [int(float(c)) for c in args.curve_at.split(",")]
-    steps = {-(-c // per_step) for c in counts}
-    late = [c for c in counts if -(-c // per_step) > args.max_iters]
+    steps = {c: -(-c // per_step) for c in counts}  # each count -> the first step at or past it
+    late = [c for c, step in steps.items() if step > args.max_iters]
     if late:
         raise UsageError(f"--curve-at {late[0]:,} tokens is past the run's end: {args.max_iters} steps x {per_step:,} "
                          f"tokens = {args.max_iters * per_step:,}")
-    return steps
+    return set(steps.values())
 
 
 def setup_curve(args, steps, val_data, world, device, resume_ck, master) -> dict | None:
@@ -882,13 +889,12 @@ def setup_curve(args, steps, val_data, world, device, resume_ck, master) -> dict
     path = args.out_dir / "curve.jsonl"
     done = set()
     if resume_ck is not None and path.exists():
-        done = {json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()}
+        done = {point["step"] for point in read_curve(path)}
     elif master:
         path.unlink(missing_ok=True)
     card = f"{world} x " if world > 1 else ""
     card += f"{device.type} {torch.cuda.get_device_name(device)}" if device.type == "cuda" else device.type
-    return {"steps": steps, "done": done, "x": x, "y": y, "file": path, "device": card,
-            "tokens_per_step": args.batch_size * args.seq_len * args.grad_accum * world}
+    return {"steps": steps, "done": done, "x": x, "y": y, "file": path, "device": card}
 
 
 def curve_point(run, step):
@@ -900,7 +906,7 @@ def curve_point(run, step):
         run.raw_model.eval()
         loss = windows_loss(run.raw_model, c["x"], c["y"], CURVE_BATCH, run.device)
         run.raw_model.train()
-        tokens = step * c["tokens_per_step"]
+        tokens = step * run.tokens_per_step
         log(f"curve step {step} tokens {tokens} loss {loss:.4f}")
         with open(c["file"], "a") as f:
             f.write(json.dumps({"step": step, "tokens": tokens, "loss": loss, "eval_tokens": c["y"].numel(),
@@ -908,6 +914,11 @@ def curve_point(run, step):
                                 "params": run.raw_model.num_params(False), "non_emb": run.raw_model.num_params()})
                     + "\n")
     c["done"].add(step)
+
+
+def read_curve(path) -> list[dict]:
+    """OUT_DIR/curve.jsonl (curve_point's lines) -> its points, in the order they were written."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
 CURVE_BATCH = 8  # windows per forward pass of the fixed evaluation set (the loss does not depend on it)

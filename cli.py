@@ -9,7 +9,9 @@ traceback. The pieces live here, not in train.py, so that the architecture files
 route their own command lines through them. The checks made before a run's first step live here too: a directory
 that must be writable (check_writable_dir), one that another live run writes (take_dir_lock: a lock file, held for a
 run by hold_dir_lock and releasing_dir_locks), the disk space a checkpoint needs (check_disk_space) and the memory an
-estimate says a command needs (check_memory, check_step_memory). log writes a run's lines.
+estimate says a command needs (check_memory, check_step_memory). log writes a run's lines, write_atomic a small file
+(a temporary name, then a rename), and run_child runs a command of this repository as a child process under the same
+contract (tasks.py depth, eval.py recovery: its error ends this command with code 2, a SIGTERM is passed on to it).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import shutil
 import signal
 import socket
 import stat
+import subprocess
 import sys
 import tempfile
 import threading
@@ -245,27 +248,35 @@ def user_input():
 
 
 @contextlib.contextmanager
+def _signal_handlers(handlers: dict):
+    """{signal: handler} installed for the block, the previous handlers restored after it, however it ends. Only the
+    main thread gets signals (and may install handlers): elsewhere nothing is installed."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, handler) for s, handler in handlers.items()}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+@contextlib.contextmanager
 def stop_signals():
     """Ctrl-C (SIGINT) and SIGTERM during the training loop: the first asks the loop to stop after the current step
     (it writes the checkpoint and exits with code 130, Stopped); a second one stops at once (KeyboardInterrupt).
     Yields the list the handler appends the signal's name to. Outside the main thread, where Python delivers no
     signal, the list stays empty."""
     asked = []
-    if threading.current_thread() is not threading.main_thread():
-        yield asked
-        return
 
     def on_signal(signum, frame):
         if asked:
             raise KeyboardInterrupt
         asked.append(signal.Signals(signum).name)
 
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
+    with _signal_handlers({signal.SIGINT: on_signal, signal.SIGTERM: on_signal}):
         yield asked
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
 
 
 def available_memory(device) -> tuple[int | None, str]:
@@ -291,18 +302,20 @@ def gb(nbytes) -> str:
     return "<0.01" if 0 < v < 0.005 else f"{v:.2f}" if v < 1 else f"{v:.1f}" if v < 1e4 else f"{v:.3g}"
 
 
-def check_memory(need: dict, device, what: str, fix: str, per: str = "", at_least: bool = False) -> int | None:
+def check_memory(need: dict, device, what: str, fix: str, per: str = "", at_least: bool = False,
+                 error=UsageError) -> int | None:
     """The one comparison of every command's memory check: an estimate of what `what` is about to allocate (model.py's
     pieces, {part: bytes, ..., "total": bytes}) against available_memory(device), before it is allocated. On a CPU
-    every process of this machine under torchrun (LOCAL_WORLD_SIZE) allocates as much. One that cannot fit is a
-    UsageError, one line: `WHAT needs about (at least) X GB (N bytes) PER (the parts), but DEVICE has Y GB available
-    (source): FIX`. -> the bytes available, None where unknown (then nothing is checked)."""
+    every process of this machine under torchrun (LOCAL_WORLD_SIZE) allocates as much. One that cannot fit is an
+    `error` (UsageError unless the caller's class), one line: `WHAT needs about (at least) X GB (N bytes) PER (the
+    parts), but DEVICE has Y GB available (source): FIX`. -> the bytes available, None where unknown (then nothing is
+    checked)."""
     avail, source = available_memory(torch.device(device))
     procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if torch.device(device).type == "cpu" else 1
     if avail is None or need["total"] * procs <= avail:
         return avail
     parts = ", ".join(f"{k} {gb(v)} GB" for k, v in need.items() if k != "total")
-    raise UsageError(f"{what} needs {'at least' if at_least else 'about'} {gb(need['total'])} GB "
+    raise error(f"{what} needs {'at least' if at_least else 'about'} {gb(need['total'])} GB "
                      f"({need['total']:,.0f} bytes){f' {per}' if per else ''}"
                      f"{f' in each of {procs} processes' if procs > 1 else ''} ({parts}), but {device} has "
                      f"{gb(avail)} GB available ({source}): {fix}")
@@ -316,16 +329,16 @@ def check_step_memory(need: dict, device, args, at_least=False):
                         "model (--preset, --loops)", per="per training step", at_least=at_least)
 
 
-def check_model_fits(cfg, where: str, elem: int = 4, device="cpu"):
+def check_model_fits(cfg, where: str, elem: int = 4, device="cpu", error=UsageError):
     """A model description (a GGUF file's metadata, a config.json, a checkpoint's config) whose model cannot fit in
     the memory `device` has (a block_count or context_length far beyond any model: RoPE tables of 2^32 positions) is
-    refused before anything is allocated: model.model_memory against check_memory, one UsageError naming the source,
-    the shape and both figures."""
+    refused before anything is allocated: model.model_memory against check_memory, one `error` (the caller's class,
+    as regular_file's) naming the source, the shape and both figures."""
     from model import model_memory  # the command-line module stays importable without the model
 
     check_memory(model_memory(cfg, elem), device, f"{where}: a model of this config ({cfg.n_layer:,} layers, d "
                  f"{cfg.n_embd:,}, vocab {cfg.vocab_size:,}, RoPE tables of {cfg.max_seq_len:,} positions)",
-                 "it cannot be loaded here")
+                 "it cannot be loaded here", error=error)
 
 
 # What os.stat says a path is, when it is not a regular file
@@ -423,7 +436,7 @@ def _owner_alive(pid: int, start: str, host: str) -> bool:
     return start == "-" or now is None or now == start
 
 
-def take_dir_lock(path: Path, flag: str, what: str = "train.py run") -> Path:
+def take_dir_lock(path: Path, flag: str) -> Path:
     """Refuse a directory another live run writes: create path/LOCK_NAME exclusively with this process's owner line,
     or, when it exists, read its owner. A live owner is a UsageError naming the flag, the directory, the pid and the
     lock file (two runs in one directory would overwrite each other's checkpoints); a dead one's lock (kill -9, a
@@ -442,14 +455,14 @@ def take_dir_lock(path: Path, flag: str, what: str = "train.py run") -> Path:
                 except FileNotFoundError:
                     continue  # released meanwhile: try again
                 if young:
-                    raise UsageError(f"{flag} {path} is being taken by another {what} right now (lock file {lock}): "
-                                     f"give another {flag}") from None
+                    raise UsageError(f"{flag} {path} is being taken by another train.py run right now (lock file "
+                                     f"{lock}): give another {flag}") from None
             elif _owner_alive(*owner):
                 pid, _, host = owner
                 where = "" if host == socket.gethostname() else f" on {host}"
-                raise UsageError(f"{flag} {path} is in use by another {what} (pid {pid}{where}; lock file {lock}): two "
-                                 f"runs would overwrite each other's checkpoints; wait for it to end, or give another "
-                                 f"{flag}") from None
+                raise UsageError(f"{flag} {path} is in use by another train.py run (pid {pid}{where}; lock file "
+                                 f"{lock}): two runs would overwrite each other's checkpoints; wait for it to end, or "
+                                 f"give another {flag}") from None
             dir_fd = os.open(path, os.O_RDONLY)
             try:
                 fcntl.flock(dir_fd, fcntl.LOCK_EX)
@@ -497,6 +510,13 @@ def releasing_dir_locks():
             release_dir_lock(_held_locks.pop())
 
 
+def write_atomic(path: Path, text: str):
+    """path's new text, written to path.tmp and renamed over it: an interrupted write never leaves half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def check_disk_space(model, path: Path):
     """A checkpoint holds the weights (and buffers) of the state dict plus AdamW's two moments per trainable
     parameter; it is written next to the last good one (then renamed), so that many bytes must be free in path before
@@ -530,20 +550,37 @@ def _sigterm_interrupts():
     (`stopped: ...`, exit code 130) instead of ending the process with no word, and Ctrl-C raises KeyboardInterrupt
     again (startup.py's handler covered the imports). train.py's loop installs its own handlers over these
     (stop_signals: finish the step, write the checkpoint). Only the main thread gets signals."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
 
     def on_sigterm(signum, frame):
         raise Terminated
 
-    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, on_sigterm),  # startup.py's handlers before this
-                signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler)}  # Ctrl-C: KeyboardInterrupt
-    try:
+    # over startup.py's handlers (Ctrl-C: KeyboardInterrupt again)
+    with _signal_handlers({signal.SIGTERM: on_sigterm, signal.SIGINT: signal.default_int_handler}):
         yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+
+
+def run_child(cmd: list[str], on_line, stopped: str, failed) -> None:
+    """A command of this repository (`python train.py ...`) in a child process, each line of its stdout handed to
+    on_line. Its own `error: ...` line (exit code 2) ends this command with the same code; a stopped child (130) is
+    Stopped(stopped); any other failure a UsageError(failed(exit code)). Ctrl-C reaches the child too (one process
+    group); a SIGTERM to this process alone (Terminated) is passed on, so that the child stops as it would (a run
+    finishes its step and writes its checkpoint) instead of running on without its parent."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:
+            on_line(line)
+        code = proc.wait()
+    except KeyboardInterrupt as e:
+        if isinstance(e, Terminated):
+            proc.terminate()
+        proc.wait()
+        raise
+    if code == 2:  # the child refused a flag or an input: its one `error: ...` line (just above) is the error
+        raise SystemExit(2)
+    if code == 130:
+        raise Stopped(stopped)
+    if code != 0:
+        raise UsageError(failed(code))
 
 
 def run_cli(fn, argv=None, expected=EXPECTED_ERRORS):

@@ -52,7 +52,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import tasks
-from cli import DataError, regular_file
+from cli import DataError, regular_file, write_atomic
 from hf import PACKAGED_GGUF, gguf_tokenizer, gguf_tokenizer_spec, hf_tokenizer
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -462,9 +462,7 @@ def prepare_corpus(data: str, tok: Tokenizer, cache_dir: str, exclude_sets=(), v
         raise DataError(_empty_split_message(data, val_data, train_files, val_files, doc_split, docs, stats))
     meta = {s: {"shards": w.paths, "tokens": w.total} for s, w in writers.items()}
     meta.update(tokenizer=tok.spec, source=data, skipped=stats.counts)
-    tmp = out / "meta.json.tmp"
-    tmp.write_text(json.dumps(meta, indent=1))
-    os.replace(tmp, out / "meta.json")
+    write_atomic(out / "meta.json", json.dumps(meta, indent=1))
     return out
 
 

@@ -60,12 +60,10 @@ if __name__ == "__main__":  # Ctrl-C or SIGTERM during the imports below: `stopp
 import argparse
 import json
 import math
-import os
 import platform
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -77,10 +75,11 @@ from tqdm import tqdm
 import block_transformer as bt
 import double_decoder as dd
 import recursive
-from checkpoint import check_vocab, load_checkpoint, load_source_model, model_from_checkpoint, tokenizer_from_spec
-from cli import (DTYPES, ArgumentParser, Stopped, UsageError, check_memory, check_output_file, check_writable_dir,
-                 comma_list, number, one_of, path_arg, run_cli, run_subcommand, seed_arg, temperature_arg, threads_arg,
-                 user_input)
+from checkpoint import (check_vocab, load_checkpoint, load_source_model, model_from_checkpoint, read_curve,
+                        tokenizer_from_spec)
+from cli import (DTYPES, ArgumentParser, UsageError, check_memory, check_output_file, check_writable_dir, comma_list,
+                 number, one_of, path_arg, run_child, run_cli, run_subcommand, seed_arg, temperature_arg, threads_arg,
+                 user_input, write_atomic)
 from data import TokenData, first_tokens_windows, is_gguf_source, is_hf_source, prepare_corpus, step_generator
 from model import IGNORE, forward_memory, memory_sum, module_bytes, pick_device, pick_dtype, windows_loss
 from svd_lora import max_ranks, residual_energy
@@ -130,14 +129,19 @@ def text_tokenizer(spec, where):
         raise UsageError(f"{where}: {e}" if spec.get("kind") == "tiktoken" else str(e)) from None
 
 
+def checkpoint_val_data(ck, tok, cache_dir) -> TokenData:
+    """The validation split of the checkpoint's corpus (its run arguments: --data, --exclude-sets, --val-data). The
+    token cache goes to this command's --cache-dir (cache_dir), never to a directory the checkpoint names."""
+    a = ck.get("args") or {}
+    return TokenData(prepare_corpus(a.get("data", "stdlib"), tok, cache_dir,
+                                    [s for s in a.get("exclude_sets", "").split(",") if s], a.get("val_data"),
+                                    verbose=False), "val")
+
+
 def val_windows(ck, tok, n_batches, batch, seq_len, seed, device, cache_dir):
-    """The validation windows of the checkpoint's corpus (its run arguments), drawn from seeded generators: every
-    checkpoint of the same corpus and tokenizer sees the same windows. The token cache goes to this command's
-    --cache-dir (cache_dir), never to a directory the checkpoint names."""
-    a = ck.get("args", {})
-    cache = prepare_corpus(a.get("data", "stdlib"), tok, cache_dir,
-                           [s for s in a.get("exclude_sets", "").split(",") if s], a.get("val_data"), verbose=False)
-    val = TokenData(cache, "val")
+    """The validation windows of the checkpoint's corpus (checkpoint_val_data), drawn from seeded generators: every
+    checkpoint of the same corpus and tokenizer sees the same windows."""
+    val = checkpoint_val_data(ck, tok, cache_dir)
     for i in range(n_batches):
         x, y = val.get_batch(batch, seq_len, step_generator(seed, -1, i, 0))
         yield x.to(device), y.to(device)
@@ -222,8 +226,7 @@ def eval_loss(args):
           f" | {n:,} tokens of the {args.data} validation split ({len(x)} windows of {args.seq_len}) | "
           f"loss {row['loss']:.4f} ppl {math.exp(row['loss']):.2f}")
     if args.results:
-        with open(args.results, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        append_record(args.results, row)
     return row
 
 
@@ -235,8 +238,9 @@ def eval_loss(args):
 def eval_exits(args):
     """Early exit of a recursive/relaxed checkpoint on validation text: static exit per loop, the oracle, and the
     confidence-exit trade-off curve with state propagation (recursive.exit_analysis), summed over the windows.
-    -> {"tokens", "loop_loss", "rules": {rule: [{"threshold", "share", "mean_loop", "loss", "agree"}, ...]}}, token
-    means over the windows."""
+    -> {"tokens", "loop_loss", "rules": {rule: [{"threshold", "share", "mean_loop", "loss", "agree"}, ...]}, "windows"},
+    token means over the windows; "windows" are the (x, y) batches scored, for a caller that scores another model on
+    the same ones (the recovery exits stage: the original's loss), never a result."""
     device = pick_device(args.device)
     check_writable_dir(Path(args.cache_dir), "--cache-dir")
     ck, model, tok = load_run(args.ckpt, device)
@@ -266,7 +270,7 @@ def eval_exits(args):
     print(f"{args.ckpt}: {ck['arch']} B={L} K={model.config.n_shared} step {ck['step']} | {n:,} validation tokens "
           f"({args.batches} x {args.batch_size} windows of {seq}, seed {args.seed}) | exit rules {rules}"
           + ("" if model.exit_gate is not None else " (no learned gate in this checkpoint: train with --exit-gate)"))
-    out = {"tokens": n, "rules": {}}
+    out = {"tokens": n, "rules": {}, "windows": windows}
     for k, rule in enumerate(rules):
         thresholds = [float(t) for t in (args.saturation_thresholds if rule == "saturation" else
                                          args.thresholds).split(",")]
@@ -371,9 +375,7 @@ def eval_double(args):
             out = m.generate(idx, n, temperature=args.temperature, top_k=args.top_k, generator=gen, **kw)
             print(f"== {ck['arch']} | {p}\n{tok.decode(out[0].tolist())}")
         return None
-    exclude = [s for s in a.get("exclude_sets", "").split(",") if s]
-    val = TokenData(prepare_corpus(a.get("data", "stdlib"), tok, args.cache_dir, exclude, a.get("val_data"),
-                                   verbose=False), "val")
+    val = checkpoint_val_data(cks[0], tok, args.cache_dir)
     T = min(min(m.config.max_seq_len, (ck.get("args") or {}).get("seq_len") or 10 ** 9)
             for ck, m in zip(cks, models))  # trained length
     sums = torch.zeros(len(models), 2, batches, dtype=torch.float64)  # [model, native | prefix-LM, batch] CE sums
@@ -541,12 +543,6 @@ def eval_samples(args):
     return out
 
 
-def write_atomic(path: Path, text: str):
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def read_json(path: Path):
     try:
         return json.loads(Path(path).read_text())
@@ -602,20 +598,17 @@ def run_script(script: str, argv: list[str], keep=lambda line: False) -> tuple[l
     cmd = [sys.executable, str(HERE / script), *argv]
     print("$ python " + " ".join([script, *argv]), flush=True)
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     kept = []
-    for line in proc.stdout:
+
+    def on_line(line):
         if keep(line):
             kept.append(line)
         else:
             print(line, end="", flush=True)
-    code = proc.wait()
-    if code == 2:
-        raise SystemExit(2)
-    if code == 130:
-        raise Stopped(f"python {script} was stopped; run the same command again to go on (finished rows are kept)")
-    if code != 0:
-        raise UsageError(f"python {' '.join([script, *argv])} failed (exit code {code})")
+
+    run_child(cmd, on_line,
+              f"python {script} was stopped; run the same command again to go on (finished rows are kept)",
+              lambda code: f"python {' '.join([script, *argv])} failed (exit code {code})")
     return kept, time.perf_counter() - t0
 
 
@@ -643,7 +636,8 @@ def read_recovery(path: Path) -> tuple[dict | None, dict, dict | None]:
     return settings, rows, exits
 
 
-def append_record(path: Path, record: dict):
+def append_record(path, record: dict):
+    """One JSON line appended to a results file (eval.py loss --results, OUT_DIR/recovery.jsonl)."""
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
 
@@ -768,7 +762,7 @@ def train_row(row, label, flags, common, settings, args, out) -> dict:
             "--out-dir", str(run_dir)]
     rates = []
     _, wall = run_script("train.py", argv, keep=lambda line: step_rate(line, rates))
-    curve = [json.loads(line) for line in (run_dir / "curve.jsonl").read_text().splitlines() if line.strip()]
+    curve = read_curve(run_dir / "curve.jsonl")
     return {"kind": "row", "row": row, "label": label, "points": [[c["tokens"], c["loss"]] for c in curve],
             "params": curve[-1]["params"], "non_emb": curve[-1]["non_emb"], "device": curve[-1]["device"],
             "tok_s": statistics.median(rates[1:] or rates) if rates else None, "wall_s": wall, "steps": steps,
@@ -896,7 +890,7 @@ def exits_stage(args, settings, done, common, out) -> dict:
             "aggressive", "--exit-coef", "0.1", "--self-distill", "--exit-gate",
             *steps_flags(steps, args.lr / 3, [0, steps * tps]), "--out-dir", str(run_dir)]
     run_script("train.py", argv)
-    curve = [json.loads(line) for line in (run_dir / "curve.jsonl").read_text().splitlines() if line.strip()]
+    curve = read_curve(run_dir / "curve.jsonl")
     ckpt = str(run_dir / "ckpt.pt")
     seq = min(settings["seq_len"], 512)
     ex_argv = ["exits", "--ckpt", ckpt, "--rules", "gate", "--thresholds", args.thresholds, "--batches", "1",
@@ -905,7 +899,7 @@ def exits_stage(args, settings, done, common, out) -> dict:
     print("$ python eval.py " + " ".join(ex_argv), flush=True)
     ex_args = build_parser().parse_args(ex_argv)
     ex = eval_exits(ex_args)
-    original = source_loss_on_exit_windows(ex_args, settings["source"])
+    original = source_loss_on_windows(ex.pop("windows"), settings["source"], pick_device(ex_args.device))
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the serving run is another process
     script, serve_argv = serve_command(ckpt, settings, args)
@@ -918,16 +912,11 @@ def exits_stage(args, settings, done, common, out) -> dict:
 
 
 @torch.no_grad()
-def source_loss_on_exit_windows(ex_args, source) -> float:
-    """The original's loss on the windows `eval.py exits` scored (the same windows, positions 1..T-1)."""
-    device = pick_device(ex_args.device)
-    ck = load_checkpoint(ex_args.ckpt)
-    model, _, spec = load_source_model(source)
-    model = model.to(device).eval()
-    tok = tokenizer_from_spec(spec)
+def source_loss_on_windows(windows, source, device) -> float:
+    """The original's loss on the windows `eval.py exits` scored (eval_exits hands them over; positions 1..T-1)."""
+    model = load_source_model(source)[0].to(device).eval()
     total, n = 0.0, 0
-    for x, y in val_windows(ck, tok, ex_args.batches, ex_args.batch_size, ex_args.seq_len, ex_args.seed, device,
-                            ex_args.cache_dir):
+    for x, y in windows:
         logits = model(x)[0][:, 1:].float()
         total += F.cross_entropy(logits.flatten(0, 1), y[:, 1:].flatten(), reduction="sum").item()
         n += y[:, 1:].numel()

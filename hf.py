@@ -547,12 +547,14 @@ def gguf_dequantize(reader, tensor) -> torch.Tensor:
     return torch.from_numpy(w.reshape(shape))
 
 
-def from_gguf(src, dtype=torch.float32, device="cpu") -> GPT:
+def from_gguf(src, dtype=torch.float32, device="cpu", reader=None) -> GPT:
     """A GGUF file ('gguf:PATH', a short name of PACKAGED_GGUF) of the Llama family -> model.GPT: the config from its
     metadata, the tensors checked against the plan (missing, unknown or misshapen tensors are ValueErrors naming
-    them), dequantized to fp32 and then cast to `dtype`, q/k back in the rotate-half layout."""
+    them), dequantized to fp32 and then cast to `dtype`, q/k back in the rotate-half layout. `reader`: the file's
+    read_gguf, where the caller has it open already."""
     path = gguf_file(src) or Path(str(src))
-    reader = read_gguf(path)
+    if reader is None:
+        reader = read_gguf(path)
     cfg = gguf_config(reader)
     plan = gguf_tensor_plan(cfg)
     tensors = {t.name: t for t in reader.tensors}
@@ -604,8 +606,9 @@ def gguf_tokenizer_spec(src: str) -> dict:
     return {"kind": "gguf", "path": str((gguf_file(src) or Path(src)).resolve())}
 
 
-def gguf_tokenizer(path):
-    """-> (tokenizers.Tokenizer built from the GGUF file's own vocabulary, end-of-text id).
+def gguf_tokenizer(path, reader=None):
+    """-> (tokenizers.Tokenizer built from the GGUF file's own vocabulary, end-of-text id); `reader`: the file's
+    read_gguf, where the caller has it open already.
 
     Byte-level BPE over the file's tokens and merges; the pre-tokenizer of tokenizer.ggml.pre (SmolLM2's "smollm"
     splits every digit on its own first, as its original tokenizer.json does: transformers' GGUF loader skips that
@@ -618,7 +621,8 @@ def gguf_tokenizer(path):
         raise ModuleNotFoundError("tokenizing with a GGUF file's vocabulary needs the package `tokenizers`: "
                                   "pip install tokenizers") from e
     path = Path(str(path))
-    reader = read_gguf(gguf_file(str(path)) or path)
+    if reader is None:
+        reader = read_gguf(gguf_file(str(path)) or path)
     kind = _gguf_value(reader, "tokenizer.ggml.model")
     if kind != "gpt2":
         raise ValueError(f"{path}: tokenizer model {_shown(kind)} is not supported (only byte-level BPE, 'gpt2'); give "
@@ -755,8 +759,9 @@ def generate(argv=None):
     with user_input():  # the config and the tokenizer first: what the model and its generation need is known
         gguf = gguf_file(args.dir)
         if gguf is not None:
-            c = gguf_config(read_gguf(gguf))
-            tok, eos = gguf_tokenizer(gguf)
+            reader = read_gguf(gguf)  # the file is read once: config, tokenizer and weights
+            c = gguf_config(reader)
+            tok, eos = gguf_tokenizer(gguf, reader)
         else:
             c = hf_dir_config(hf_dir(args.dir))[1]
             tok, eos = hf_tokenizer(args.dir)
@@ -776,7 +781,7 @@ def generate(argv=None):
                  "take a smaller --dtype or fewer --max-new-tokens, or run it on a device with more memory")
     with user_input():
         if gguf is not None:
-            model = from_gguf(args.dir, dtype=dtype, device=device).eval()
+            model = from_gguf(args.dir, dtype=dtype, device=device, reader=reader).eval()
         else:
             model = from_pretrained(args.dir, dtype=dtype, device=device).eval()
     print(f"{args.dir}: {c.n_layer} layers, d {c.n_embd}, heads {c.n_head}/{c.n_kv_head}, vocab {c.vocab_size}, "

@@ -42,15 +42,14 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from cli import (ArgumentParser, Stopped, Terminated, UsageError, check_output_file, check_writable_dir, comma_list,
-                 number, path_arg, regular_file, run_cli, run_subcommand, seed_arg)
+from cli import (ArgumentParser, UsageError, check_output_file, check_writable_dir, comma_list, number, path_arg,
+                 regular_file, run_child, run_cli, run_subcommand, seed_arg)
 from model import IGNORE
 
 MAX_P = 8  # markers in the vocabulary: a checkpoint trained on p <= 4 can be evaluated at p up to 8
@@ -345,26 +344,21 @@ def run_train(argv: list[str]) -> dict[int, float]:
     """`python train.py ARGV` in a child process (train.py imports this file), its log passed through; -> the
     accuracy per p of its last `val` line."""
     print("python train.py " + " ".join(argv), flush=True)
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("train.py")), *argv], stdout=subprocess.PIPE,
-                            text=True)
     acc = None
-    try:
-        for line in proc.stdout:
-            print(line, end="", flush=True)
-            if line.startswith("val step") and " acc " in line:
-                acc = {int(q): float(v) for q, v in re.findall(r"p(\d+) ([\d.]+)", line.split(" acc ", 1)[1])}
-        code = proc.wait()
-    except KeyboardInterrupt as e:  # Ctrl-C reaches the run too (one process group); a SIGTERM to this process alone
-        if isinstance(e, Terminated):  # is passed on: the run finishes its step and writes its checkpoint
-            proc.terminate()
-        proc.wait()
-        raise
-    if code == 2:  # train.py refused a flag or an input: its one `error: ...` line (just above) is the error
-        raise SystemExit(2)
-    if code == 130:
-        raise Stopped(f"the run was stopped: python train.py {' '.join(argv)}; continue it with --resume")
-    if code != 0 or acc is None:
-        raise UsageError(f"the run failed (exit code {code}): python train.py {' '.join(argv)}")
+
+    def on_line(line):
+        nonlocal acc
+        print(line, end="", flush=True)
+        if line.startswith("val step") and " acc " in line:
+            acc = {int(q): float(v) for q, v in re.findall(r"p(\d+) ([\d.]+)", line.split(" acc ", 1)[1])}
+
+    def failed(code):
+        return f"the run failed (exit code {code}): python train.py {' '.join(argv)}"
+
+    run_child([sys.executable, str(Path(__file__).with_name("train.py")), *argv], on_line,
+              f"the run was stopped: python train.py {' '.join(argv)}; continue it with --resume", failed)
+    if acc is None:
+        raise UsageError(failed(0))
     return acc
 
 

@@ -51,7 +51,7 @@ from tqdm import tqdm
 import tasks
 from checkpoint import (add_arch_args, arch_table, build_models, check_curve, check_run_args, curve_point, given_flags,
                         load_optimizer_state, resume_run, run_checkpoint, save_checkpoint, setup_curve,
-                        warn_inapplicable)
+                        tokens_per_step, warn_inapplicable)
 from cli import (DTYPES, ArgumentParser, CheckpointError, DefaultsHelpFormatter, Stopped, check_disk_space,
                  check_step_memory, comma_list, hold_dir_lock, log, number, path_arg, releasing_dir_locks, run_cli,
                  seed_arg, stop_signals, user_input)
@@ -69,8 +69,7 @@ def train(argv=None):
     the loop. -> the last logged losses, the best validation loss and, on a task, the last validation accuracies."""
     run = setup_run(argv)
     args, model, optimizer, master = run.args, run.model, run.optimizer, run.master
-    tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * run.world
-    flops_per_step, peak = run.raw_model.flops_per_token(args.seq_len) * tokens_per_step, peak_flops(run.device)
+    flops_per_step, peak = run.raw_model.flops_per_token(args.seq_len) * run.tokens_per_step, peak_flops(run.device)
     bar = tqdm(total=args.max_iters, initial=run.start_step, desc=f"train {args.arch}",
                disable=None if master else True, file=sys.stderr, leave=False)
     last_loss, last_total, last_acc, t0 = None, None, None, time.perf_counter()
@@ -130,7 +129,7 @@ def train(argv=None):
                 mfu = f"{flops_per_step / dt / (peak * run.world) * 100:.1f}%" if peak else "n/a"
                 metrics = "".join(f" {k} {v:.4f}" for k, v in getattr(run.raw_model, "metrics", {}).items())
                 log(f"step {done} loss {last_loss:.4f}{terms}{scores_text(counts)} lr {lr:.2e} ms {dt * 1000:.1f} "
-                    f"tok/s {tokens_per_step / dt:.0f} mfu {mfu}{metrics}", master)
+                    f"tok/s {run.tokens_per_step / dt:.0f} mfu {mfu}{metrics}", master)
     bar.close()
     if master and run.task is not None:
         x, y = run.val_data.get_batch(1, args.seq_len, step_generator(args.seed, -1, 0, 0))
@@ -294,6 +293,7 @@ class Run:
     ddp: bool
     rank: int
     world: int
+    tokens_per_step: int  # checkpoint.tokens_per_step, after build_models (a task sets --seq-len there)
     raw_model: torch.nn.Module
     model: torch.nn.Module
     teacher: torch.nn.Module | None
@@ -352,6 +352,7 @@ def setup_run(argv) -> Run:
         load_optimizer_state(optimizer, resume_ck, resume_ck["loaded_from"])
     train_data, val_data = load_data(args, task, tok, master, ddp)
     curve = setup_curve(args, curve_steps, val_data, world, device, resume_ck, master)
+    per_step = tokens_per_step(args, world)
 
     objective, exit_on, extra_terms = objective_line(args, model.config, teacher)
     if master:
@@ -372,7 +373,7 @@ def setup_run(argv) -> Run:
         if curve is not None:
             log(f"curve: the first {curve['y'].numel():,} tokens of the validation split of {args.data} "
                 f"({len(curve['y'])} windows of {args.seq_len}) after steps {sorted(curve['steps'])} (x "
-                f"{curve['tokens_per_step']:,} tokens) -> {curve['file']}")
+                f"{per_step:,} tokens) -> {curve['file']}")
     raw_model = model
     if args.compile:
         model = torch.compile(model)
@@ -380,8 +381,8 @@ def setup_run(argv) -> Run:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda"
                                                           else None)
     return Run(args=args, spec=spec, tok=tok, task=task, device=device, autocast=autocast, ddp=ddp, rank=rank,
-               world=world, raw_model=raw_model, model=model, teacher=teacher, optimizer=optimizer,
-               train_data=train_data, val_data=val_data, exit_on=exit_on, extra_terms=extra_terms,
+               world=world, tokens_per_step=per_step, raw_model=raw_model, model=model, teacher=teacher,
+               optimizer=optimizer, train_data=train_data, val_data=val_data, exit_on=exit_on, extra_terms=extra_terms,
                start_step=start_step, best_val=best_val, last_good=start_step if resume_ck is not None else None,
                curve=curve)
 

@@ -26,6 +26,18 @@ def _seed():
     yield
 
 
+def one_error_line(capsys, run, argv, match):
+    """run(argv) exits with code 2 after ONE stderr line `error: ...` that contains match (no traceback, never torch's
+    advice to load with weights_only=False) -> that line."""
+    with pytest.raises(SystemExit) as e:
+        run(argv)
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
+    assert match in err[0], err[0]
+    assert "weights_only=False" not in err[0] and "Traceback" not in err[0]
+    return err[0]
+
+
 def write_jsonl(path: Path, texts, meta_set="RedPajamaCommonCrawl"):
     """A small SlimPajama-style shard: {"text": ..., "meta": {"redpajama_set_name": ...}} per line."""
     import json

@@ -23,6 +23,7 @@ import serve
 import tasks
 import train
 from conftest import ROOT, write_jsonl
+from conftest import one_error_line as _one_error_line  # the name test_bench and test_serve import
 
 
 @pytest.fixture(scope="module")
@@ -57,15 +58,6 @@ def _train_args(d, *extra):
     return ["--data", str(d / "corpus"), "--cache-dir", str(d / "cache"), "--out-dir", str(d / "out"),
             "--vocab-size", "512", "--batch-size", "2", "--seq-len", "32", "--eval-iters", "1", "--max-iters", "1",
             "--sample-tokens", "0", *extra]
-
-
-def _one_error_line(capsys, run, argv, match):
-    with pytest.raises(SystemExit) as e:
-        run(argv)
-    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
-    assert match in err[0], err[0]
-    assert "weights_only=False" not in err[0] and "Traceback" not in err[0]
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +200,7 @@ def trained_run(case):  # {d}/trained/ckpt.pt: a vanilla checkpoint of one step
 NO_CHILD = before(subprocess, "Popen")  # eval.py recovery: no train.py / serve.py process started
 NO_WORK = before(train, "setup_distributed")
 NO_STEP = before(train, "make_optimizer")
-NO_RUN = before(tasks.subprocess, "Popen")
+NO_RUN = before(cli.subprocess, "Popen")
 SEED_MAX = 2 ** 64 - 1
 DEVICES = ["xla", "vulkan", "xpu", "meta", "hpu"]
 THREADS = f"argument --threads: must be <= {os.cpu_count()}, got 100000"
@@ -618,7 +610,7 @@ def test_tasks_py_depth_passes_a_refused_run_on_and_table_reads_its_results(tmp_
         def wait(self):
             return 2
 
-    monkeypatch.setattr(tasks.subprocess, "Popen", Refused)
+    monkeypatch.setattr(cli.subprocess, "Popen", Refused)
     with pytest.raises(SystemExit) as e:
         tasks.main(["depth", "--rows", "plt-2", "--seeds", "0", "--out", str(tmp_path / "d"), "--extra",
                     "--max-iters x"])

@@ -34,7 +34,7 @@ import hf
 import serve
 import serve_requests
 import tasks
-from conftest import ROOT, write_jsonl
+from conftest import ROOT, one_error_line, write_jsonl
 from model import GPT, GPTConfig
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -155,16 +155,6 @@ def files(tmp_path_factory):
     (d / "adir").mkdir()
     (d / "afile").write_text("x")
     return d
-
-
-def one_error_line(capsys, run, argv, match):
-    """run(argv) exits with code 2 after ONE stderr line `error: ...` that contains match (no traceback)."""
-    with pytest.raises(SystemExit) as e:
-        run(argv)
-    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
-    assert match in err[0], err[0]
-    return err[0]
 
 
 @pytest.fixture
@@ -553,7 +543,7 @@ def test_special_files_are_one_line_not_a_hang(files, capsys, no_hang, what, kin
 
 def test_a_special_file_where_tasks_py_appends_its_results_is_refused_before_any_run(capsys, tmp_path, monkeypatch,
                                                                                       no_hang):
-    monkeypatch.setattr(tasks.subprocess, "Popen", lambda *a, **k: pytest.fail("a run started"))
+    monkeypatch.setattr(cli.subprocess, "Popen", lambda *a, **k: pytest.fail("a run started"))
     os.mkfifo(tmp_path / "results.jsonl")
     one_error_line(capsys, tasks.main, ["depth", "--rows", "plt-2", "--out", str(tmp_path)],
                    f"--out's results file {tmp_path}/results.jsonl is a FIFO (named pipe), not a regular file")
@@ -719,7 +709,7 @@ def test_an_empty_value_is_an_error_for_every_flag(capsys, monkeypatch, cmd, sub
 
 
 def test_the_tasks_rows_flag_judges_an_empty_value_itself(capsys, monkeypatch):
-    monkeypatch.setattr(tasks.subprocess, "Popen", lambda *a, **k: pytest.fail("a run started"))
+    monkeypatch.setattr(cli.subprocess, "Popen", lambda *a, **k: pytest.fail("a run started"))
     one_error_line(capsys, tasks.main, ["depth", "--rows", ""], "--rows '' names no row; known: vanilla-2")
 
 

@@ -1,11 +1,15 @@
 """eval.py recovery and samples: the recovery experiment's CPU path on a tiny vanilla checkpoint that stands in for
 SmolLM2 (trained here for a few steps), the teacher samples, and what every row's train.py flags build."""
+import contextlib
 import json
+import os
+import signal
 
 import pytest
 import torch
 
 import checkpoint
+import cli
 import eval as ev
 import train
 from conftest import write_jsonl
@@ -132,3 +136,26 @@ def test_crossing_says_where_a_row_ends_below_its_baseline():
                                                    "at 10k only)"
     assert ev.curve_points(40000, None) == [0, 10000, 30000, 40000]
     assert ev.curve_points(10 ** 7, None)[-3:] == [1000000, 3000000, 10 ** 7]
+
+
+def test_a_sigterm_to_recovery_is_passed_on_to_the_run_it_started(tmp_path):
+    """`kill PID` of eval.py recovery while a train.py child runs: the child is stopped too (SIGTERM passed on, then
+    waited for), never left running on its own; the parent ends as stopped (Terminated)."""
+    child = tmp_path / "child.py"  # stands in for train.py: says its pid, then runs on
+    child.write_text("import os, time\nprint(os.getpid(), flush=True)\ntime.sleep(60)\n")
+    pids = []
+
+    def on_line(line):  # the child runs: SIGTERM to this process alone
+        pids.append(int(line))
+        os.kill(os.getpid(), signal.SIGTERM)
+        return True
+
+    try:
+        with cli._sigterm_interrupts(), pytest.raises(cli.Terminated):
+            ev.run_script(str(child), [], keep=on_line)
+        with pytest.raises(ProcessLookupError):  # stopped and reaped
+            os.kill(pids[0], 0)
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

@@ -343,6 +343,17 @@ def teacher(corpus, tmp_path_factory):
     return str(tmp / "out" / "ckpt.pt")
 
 
+def test_init_from_and_teacher_of_one_checkpoint_read_it_once(tmp_path, corpus, teacher, monkeypatch):
+    """--init-from CKPT --teacher CKPT and no tokenizer flag (CKPT's tokenizer): three roles, one read of the file
+    (CRC-32, torch.load, checks)."""
+    read, real = [], checkpoint.load_checkpoint
+    monkeypatch.setattr(checkpoint, "load_checkpoint", lambda path: (read.append(str(path)), real(path))[1])
+    argv = base_args(corpus, tmp_path, "--max-iters", "1", "--init-from", teacher, "--teacher", teacher, "--kd", "jsd")
+    i = argv.index("--vocab-size")
+    train.train(argv[:i] + argv[i + 2:])
+    assert read == [teacher]
+
+
 def _kill_after_step(monkeypatch, step):
     real_save = checkpoint.save_checkpoint
 
@@ -565,7 +576,7 @@ def test_cpu_optimizer_is_the_fused_adamw_and_steps_like_the_per_tensor_loop():
 
 
 def _curve(run_dir):
-    return [json.loads(line) for line in (run_dir / "out" / "curve.jsonl").read_text().splitlines()]
+    return checkpoint.read_curve(run_dir / "out" / "curve.jsonl")
 
 
 def test_curve_points_are_the_eval_loss_of_the_fixed_set_and_survive_a_resume(tmp_path, corpus, monkeypatch, capsys):
