@@ -116,15 +116,17 @@ def print_linear_choices(dtype):
 
 
 @torch.no_grad()
-def generation_times(models: dict, idx, new_tokens: int, repeats: int) -> dict[str, dict[str, list[float]]]:
-    """models: name -> model. Each round times, for every model in turn, generate(idx, 1) (the prefill and the first
-    token: TTFT) and generate(idx, new_tokens) -> name -> {"ttft": [s], "token": [s per decode step]}, one entry per
-    round. The decode time of a round is the difference of its two runs."""
+def generation_times(models: dict, idx, new_tokens: int, repeats: int,
+                     warmup: int = 1) -> dict[str, dict[str, list[float]]]:
+    """models: name -> model. After `warmup` untimed rounds, each round times, for every model in turn,
+    generate(idx, 1) (the prefill and the first token: TTFT) and generate(idx, new_tokens) -> name -> {"ttft": [s],
+    "token": [s per decode step]}, one entry per round. The decode time of a round is the difference of its two
+    runs."""
     systems = {}
     for name, m in models.items():
         systems[name + "/1"] = lambda m=m: m.generate(idx, 1)
         systems[name + "/n"] = lambda m=m: m.generate(idx, new_tokens)
-    res = rounds(systems, repeats, idx.device)
+    res = rounds(systems, repeats, idx.device, warmup=warmup)
     return {name: {"ttft": res[name + "/1"],
                    "token": [(tn - t1) / (new_tokens - 1) for t1, tn in zip(res[name + "/1"], res[name + "/n"])]}
             for name in models}

@@ -142,10 +142,9 @@ class Clock:
         return self.left() <= 0
 
 
-def fit_repeats(cost: float, clock: Clock, want: int, extra: int = 1) -> int:
-    """Rounds that fit what is left of the section's cap, each costing `cost` s (plus `extra` more untimed runs):
-    at most `want`, at least 1."""
-    return max(1, min(want, int(clock.left() / max(cost, 1e-9)) - extra))
+def fit_repeats(cost: float, clock: Clock, want: int) -> int:
+    """Rounds that fit what is left of the section's cap, each costing `cost` s: at most `want`, at least 1."""
+    return max(1, min(want, int(clock.left() / max(cost, 1e-9))))
 
 
 def capped_rounds(systems: dict, want: int, device, clock: Clock, warmup: int = 1) -> tuple[dict, int]:
@@ -168,9 +167,10 @@ def graphs_compiled() -> int:
 
 
 def timed_generation(ctx, models: dict, idx, new: int, want: int) -> tuple[dict, dict]:
-    """bench.generation_times (TTFT and per-token decode time of each model's generate, interleaved), its rounds
-    fitted to the cap: a warm-up generate of each model first (a graphed model compiles here), then one timed pilot
-    round -> (times, {warmup_s, rounds, recompiles: graphs compiled during the timed rounds})."""
+    """bench_decode.generation_times (TTFT and per-token decode time of each model's generate, interleaved), its
+    rounds fitted to the cap: a warm-up generate of each model first (a graphed model compiles here), then one timed
+    pilot round (the rounds' warm-up) -> (times, {warmup_s, rounds, recompiles: graphs compiled during the timed
+    rounds})."""
     clock = ctx.clock
     t0, g0 = time.perf_counter(), graphs_compiled()
     for m in models.values():
@@ -184,7 +184,7 @@ def timed_generation(ctx, models: dict, idx, new: int, want: int) -> tuple[dict,
     sync(idx.device)
     reps = fit_repeats(time.perf_counter() - t0, clock, want)
     before = graphs_compiled()
-    t = generation_times(models, idx, new, reps)
+    t = generation_times(models, idx, new, reps, warmup=0)  # the pilot round warmed them up
     return t, dict(warmup_s=warm, warmup_graphs=warm_graphs, rounds=reps, recompiles=graphs_compiled() - before)
 
 
