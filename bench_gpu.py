@@ -147,17 +147,20 @@ def fit_repeats(cost: float, clock: Clock, want: int) -> int:
     return max(1, min(want, int(clock.left() / max(cost, 1e-9))))
 
 
-def capped_rounds(systems: dict, want: int, device, clock: Clock, warmup: int = 1) -> tuple[dict, int]:
-    """bench_common.rounds, one interleaved round at a time, until `want` rounds or the section's cap (at least one
-    round) -> (name -> list of seconds, rounds run)."""
+def capped_rounds(systems: dict, want: int, device, clock: Clock, warmup: int = 1) -> tuple[dict, dict]:
+    """bench_common.rounds after `warmup` untimed calls of each system (graphed steps compile here), one interleaved
+    round at a time, until `want` rounds or the section's cap (at least one round) -> (name -> list of seconds,
+    {rounds: rounds run, warmup_s, recompiles: graphs compiled during the timed rounds})."""
+    t0 = time.perf_counter()
     rounds(systems, 0, device, warmup=warmup)
+    warm, before = time.perf_counter() - t0, graphs_compiled()
     out = {name: [] for name in systems}
     n = 0
     while n < want and (n == 0 or not clock.over()):
         for name, ts in rounds(systems, 1, device, warmup=0).items():
             out[name] += ts
         n += 1
-    return out, n
+    return out, dict(rounds=n, warmup_s=warm, recompiles=graphs_compiled() - before)
 
 
 def graphs_compiled() -> int:
@@ -596,12 +599,8 @@ def section_block(ctx: Ctx, rows: list):
         for B in sorted({1, best[k]}):
             idx = torch.randint(0, m.config.vocab_size - 1, (B, P), device=dev)
             systems[f"{k} {B}"], batch[f"{k} {B}"] = (lambda m=m, idx=idx: m.generate(idx, G)), B
-    t0 = time.perf_counter()
-    rounds(systems, 0, dev, warmup=1)  # compiles the graphed steps
-    warm = time.perf_counter() - t0
-    before = graphs_compiled()
-    res, n = capped_rounds(systems, sz.repeats, dev, ctx.clock, warmup=0)
-    recompiles = graphs_compiled() - before
+    res, info = capped_rounds(systems, sz.repeats, dev, ctx.clock)  # its warm-up compiles the graphed steps
+    n, warm, recompiles = info["rounds"], info["warmup_s"], info["recompiles"]
     tput = {s: [batch[s] * G / x for x in ts] for s, ts in res.items()}
     for s, ts in res.items():
         ctx.row(rows, name=s.split()[0], batch=batch[s], tok_per_s=med(tput[s]), ms_per_token_step=med(ts) / G * 1e3,
@@ -711,10 +710,8 @@ def section_train(ctx: Ctx, rows: list):
           f"{label} | MFU = tok/s x {flops / 1e6:.0f} MFLOP/token (6N + 12LHDT) / "
           + (f"{peak / 1e12:.0f} TFLOP/s" if peak else "no known peak on this device (MFU -)")
           + ("" if ctx.args.nanogpt else " | no --nanogpt: ours alone (nanoGPT's model.py comes from a checkout)"))
-    t0 = time.perf_counter()
-    rounds(steps, 0, dev, warmup=2)  # compiles
-    warm = time.perf_counter() - t0
-    res, n = capped_rounds(steps, ctx.sizes.repeats, dev, ctx.clock, warmup=0)
+    res, info = capped_rounds(steps, ctx.sizes.repeats, dev, ctx.clock, warmup=2)  # the warm-up compiles
+    n, warm = info["rounds"], info["warmup_s"]
     for name, ts in res.items():
         tps = [B * T / t for t in ts]
         mfu = 100 * med(tps) * flops / peak if peak else None
