@@ -62,10 +62,10 @@ import torch
 import block_transformer as bt
 from bench_common import check_bench_memory, device_name, hf_llama, json_safe, kv_of, med, rounds, spread
 from bench_decode import BLOCK_SETTINGS, block_pair, generation_bytes, generation_times, search_batch
-from bench_train import nanogpt_model
+from bench_train import check_nanogpt, optimizer_for, param_counts, train_batch, train_memory, train_models, train_step
 from cli import DTYPES, UsageError, comma_list, number, one_of, path_arg, threads_arg
-from model import (GPT, PRESETS, GPTConfig, forward_memory, least_step_memory, make_optimizer, memory_sum,
-                   model_memory, param_bytes, peak_flops, pick_device, pick_dtype, sync)
+from model import (GPT, PRESETS, GPTConfig, forward_memory, memory_sum, model_memory, param_bytes, peak_flops,
+                   pick_device, pick_dtype, sync)
 
 SECTIONS = ("decode", "serve", "plt", "block", "double", "train")
 SHARES = {"decode": 0.20, "serve": 0.28, "plt": 0.13, "block": 0.14, "double": 0.08, "train": 0.17}
@@ -671,38 +671,22 @@ def train_shapes(preset: str, seq_len: int) -> tuple[GPTConfig, str]:
                      tie_embeddings=True), what
 
 
-def train_step(model, opt, x, y, autocast):
-    def step():
-        with autocast:
-            _, loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return step
-
-
 def section_train(ctx: Ctx, rows: list):
     dev, dt, (B, T) = ctx.device, ctx.dtype, ctx.sizes.train
     label, backend = ctx.backend("train")
     label = label.replace("dynamo, fullgraph, ", "torch.compile, ").replace(" (graph safety only: no kernels, no "
                                                                              "speed)", " (no kernels, no speed)")
     cfg, what = train_shapes(ctx.args.preset, T)
-    torch.manual_seed(0)
-    models = {"ours": GPT(cfg).to(dev)}
-    if ctx.args.nanogpt:
-        models["nanoGPT"] = nanogpt_model(ctx.args.nanogpt, cfg, T).to(dev)
-    x = torch.randint(0, cfg.vocab_size - 1, (B, T), device=dev)
-    y = torch.randint(0, cfg.vocab_size - 1, (B, T), device=dev)
-    autocast = torch.autocast(dev.type, dtype=dt, enabled=dt != torch.float32)
+    models = train_models(cfg, ctx.args.nanogpt, T, dev)
+    x, y, autocast = train_batch(cfg, B, T, dev, dt)
     steps = {}
     for name, m in models.items():  # as bench.py train: ours train.py's AdamW, nanoGPT torch's (fused on CUDA)
-        opt = (make_optimizer(m, 1e-4, 0.1, dev) if name == "ours" else
-               torch.optim.AdamW(m.parameters(), lr=1e-4, fused=dev.type == "cuda"))
+        opt = optimizer_for(name, m, dev)
         steps[f"{name} eager"] = train_step(m, opt, x, y, autocast)
         if backend is not False:
             fwd = torch.compile(m) if backend is None else torch.compile(m, backend=backend)
             steps[f"{name} compiled"] = train_step(fwd, opt, x, y, autocast)
-    n_params = {k: sum(p.numel() for p in m.parameters()) for k, m in models.items()}
+    n_params = param_counts(models)
     flops, peak = models["ours"].flops_per_token(T), peak_flops(dev)
     print(f"   {what}: layers {cfg.n_layer}, d {cfg.n_embd}, heads {cfg.n_head} (MHA), ours SwiGLU {cfg.mlp_hidden} + "
           f"RMSNorm vs nanoGPT GELU {4 * cfg.n_embd} + LayerNorm | params " + ", ".join(
@@ -752,10 +736,7 @@ def check_gpu_memory(ctx: Ctx, only):
             "serve": memory_sum(*[model_memory(cfg, e)] * 4, {"server caches": 6 * kv_of(cfg, top, P + N + 128, e)},
                                 forward_memory(cfg, top, P, e, logits_rows=top))}
     tcfg, _ = train_shapes(ctx.args.preset, sz.train[1])
-    n = 2 if ctx.args.nanogpt else 1
-    m = model_memory(tcfg, 4)
-    need["train"] = memory_sum({"weights, gradients and AdamW moments": 4 * n * m["weights"]},
-                               least_step_memory(sz.train[0], sz.train[1], tcfg.vocab_size, dt))
+    need["train"] = train_memory(tcfg, *sz.train, dt, 2 if ctx.args.nanogpt else 1)
     worst = max((need[s] for s in only if s in need), key=lambda d: d["total"], default=None)
     check_bench_memory(ctx.device, f"bench.py gpu (preset {ctx.args.preset}, the largest section)",
                        {"copy bandwidth probe": 2 * sz.bandwidth_bytes}, *([worst] if worst else []),
@@ -782,8 +763,7 @@ def one_line(e: BaseException) -> str:
 
 def bench_gpu(args) -> dict:
     only = [s for s in SECTIONS if s in args.only.split(",")]
-    if args.nanogpt and not (Path(args.nanogpt) / "model.py").is_file():
-        raise UsageError(f"--nanogpt {args.nanogpt} is not a nanoGPT checkout (a directory with its model.py)")
+    check_nanogpt(args.nanogpt)
     device = pick_device(args.device)
     dtype = pick_dtype(device, args.dtype)
     sizes = Sizes() if device.type == "cuda" else CPU_SIZES
