@@ -415,7 +415,7 @@ def section_serve(ctx: Ctx, rows: list):
         hf = hf_llama(cfg, dt)
         hf_why = None if hf is not None else "transformers is not installed"
     except Exception as e:  # noqa: BLE001 - the peer's row says why
-        hf_why = f"{type(e).__name__}: {e}"
+        hf_why = one_line(e)
     if hf is not None:
         hf.to(dev)
         import logging
@@ -449,7 +449,7 @@ def section_serve(ctx: Ctx, rows: list):
                 hf_fn = hf_generate_batch(hf, [r.prompt for r in reqs], gen, S, dev)
                 hf_fn()  # warm-up: the manager, its graphs
             except Exception as e:  # noqa: BLE001 - transformers' own limits: its row says why
-                hf_fn, hf_err = None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+                hf_fn, hf_err = None, one_line(e)
         sync(dev)
         warm = time.perf_counter() - t0
         before = graphs_compiled()
@@ -757,6 +757,7 @@ def write_json(path, results):
 
 
 def one_line(e: BaseException) -> str:
+    """An exception as one line for a row and the log: its type and the first line of its message."""
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
 
