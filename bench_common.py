@@ -96,9 +96,14 @@ def read_bandwidth(device, nbytes=BANDWIDTH_PROBE, repeats=5) -> float:
     return nbytes / min(ts)
 
 
+def per_round(a, b) -> list[float]:
+    """The ratio of each round: a[r] / b[r] (two lists of one figure per round, timed in the same rounds)."""
+    return [x / y for x, y in zip(a, b)]
+
+
 def ratio(a, b, fmt=".2f") -> str:
     """Per-round ratios of two lists of times, as 'median (min..max)'."""
-    return spread([x / y for x, y in zip(a, b)], fmt=fmt)
+    return spread(per_round(a, b), fmt=fmt)
 
 
 def json_safe(obj):

@@ -80,9 +80,8 @@ def bench_decode(args):
                       f"weights = {wbytes / (med(t_dec) / (N - 1)) / bw:.0%} of the measured bandwidth")
                 if hf is not None:
                     hname = "transformers: LlamaForCausalLM.generate"
-                    ratio = [a / b for a, b in zip(res[hname], res[name])]
                     print(f"            transformers {spread([B * N / t for t in res[hname]])} tok/s end to end -> "
-                          f"ours / transformers = {spread(ratio, fmt='.2f')}x (per-round ratios)")
+                          f"ours / transformers = {ratio(res[hname], res[name])}x (per-round ratios)")
         if device.type == "cpu":
             print_linear_choices(dtype)
     force_linear(None)
@@ -537,13 +536,12 @@ def bench_block(args):
             k, B = s.split()
             print(f"   {k:8s} {B:>5s} {per_seq[k] * int(B) / 2 ** 20:10.1f} {med(ts) / G * 1e3:14.2f} "
                   f"{spread(tput[s], fmt='.0f'):>26s}")
-        ratio = [a / c for a, c in zip(tput[f"block {best['block']}"], tput[f"vanilla {best['vanilla']}"])]
-        one = [a / c for a, c in zip(tput["block 1"], tput["vanilla 1"])]
         paper = PAPER_BLOCK.get(args.preset, {}).get(name) if args.vanilla is None else None
         ref = (f"paper (Table 2, {args.preset} pair, H100, max batch): {paper[1] / paper[0]:.1f}x" if paper else
                "paper: 10-20x at equal perplexity (abstract); no Table 2 pair for this preset")
+        at_best = ratio(tput[f"block {best['block']}"], tput[f"vanilla {best['vanilla']}"])
         print(f"   best batch: vanilla {best['vanilla']}, block {best['block']} -> block / vanilla = "
-              f"{spread(ratio, fmt='.2f')}x (per round) | {ref} | at batch 1: {spread(one, fmt='.2f')}x")
+              f"{at_best}x (per round) | {ref} | at batch 1: {ratio(tput['block 1'], tput['vanilla 1'])}x")
         if args.profile:
             for k, m in models.items():
                 idx = torch.randint(0, m.config.vocab_size - 1, (best[k], P), device=device)

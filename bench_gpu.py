@@ -60,7 +60,8 @@ from types import SimpleNamespace
 import torch
 
 import block_transformer as bt
-from bench_common import check_bench_memory, device_name, hf_llama, json_safe, kv_of, med, rounds, spread
+from bench_common import (check_bench_memory, device_name, hf_llama, json_safe, kv_of, med, per_round, rounds,
+                          spread)
 from bench_decode import BLOCK_SETTINGS, block_pair, generation_bytes, generation_times, search_batch
 from bench_train import check_nanogpt, optimizer_for, param_counts, train_batch, train_memory, train_models, train_step
 from cli import DTYPES, UsageError, comma_list, number, one_of, path_arg, threads_arg
@@ -336,7 +337,7 @@ def section_decode(ctx: Ctx, rows: list):
                         recompiles_after_warmup=info["recompiles"])
             vs = ""
             if "transformers eager" in t and name != "transformers eager":
-                per = [h / o for h, o in zip(t["transformers eager"]["token"], ts["token"])]
+                per = per_round(t["transformers eager"]["token"], ts["token"])
                 r["x_transformers"] = med(per)
                 vs = f"{spread(per, fmt='.2f')}x"
             target = met = None
@@ -478,7 +479,7 @@ def section_serve(ctx: Ctx, rows: list):
         print(f"   {'system':24s} {'tok/s':>22s} {'loaded tok/s':>22s} {'step ms':>8s} {'x continuous loaded':>20s}")
         for srv in servers:
             rs = summ[srv.name]
-            loaded = [r["loaded_tok_per_s"] / b["loaded_tok_per_s"] for r, b in zip(rs, base)]
+            loaded = per_round([x["loaded_tok_per_s"] for x in rs], [b["loaded_tok_per_s"] for b in base])
             r = ctx.row(rows, name=srv.name, slots=S, tok_per_s=med([x["tok_per_s"] for x in rs]),
                         loaded_tok_per_s=med([x["loaded_tok_per_s"] for x in rs]),
                         step_ms=med([x["step_ms"] for x in rs]), x_continuous_loaded=med(loaded),
@@ -506,7 +507,7 @@ def section_serve(ctx: Ctx, rows: list):
             print(f"   {'bare graphed decode step':24s} {spread(bare_ms, fmt='.3f')} ms/step at batch {S}, {S_ctx} "
                   f"positions")
         if hf_fn is not None:
-            per = [c["tok_per_s"] / h for c, h in zip(base, hf_tps)]
+            per = per_round([c["tok_per_s"] for c in base], hf_tps)
             ok = ctx.met(med(per) >= 1.5)
             ctx.row(rows, name="transformers generate_batch", slots=S, tok_per_s=med(hf_tps), continuous_x=med(per),
                     rounds=n, target=TARGETS["serve_vs_hf"], met=ok)
@@ -547,8 +548,8 @@ def section_plt(ctx: Ctx, rows: list):
             continue
         idx = torch.randint(0, base["vocab_size"] - 1, (B, P), device=dev)
         t, info = timed_generation(ctx, models, idx, N, ctx.sizes.repeats)
-        pv = [a / b for a, b in zip(t["plt"]["token"], t["vanilla"]["token"])]
-        pl = [a / b for a, b in zip(t["plt"]["token"], t["loop"]["token"])]
+        pv = per_round(t["plt"]["token"], t["vanilla"]["token"])
+        pl = per_round(t["plt"]["token"], t["loop"]["token"])
         met = ctx.met(med(pv) <= 1.10) if B in (4, 16) else None
         ctx.row(rows, name=f"PLT-{L} / vanilla", batch=B, ratio=med(pv), target=TARGETS["plt"], met=met,
                 rounds=info["rounds"], recompiles_after_warmup=info["recompiles"],
@@ -606,8 +607,8 @@ def section_block(ctx: Ctx, rows: list):
         ctx.row(rows, name=s.split()[0], batch=batch[s], tok_per_s=med(tput[s]), ms_per_token_step=med(ts) / G * 1e3,
                 rounds=n)
         print(f"   {s:14s} {spread(tput[s], fmt='.0f'):>24s} tok/s  {med(ts) / G * 1e3:.3f} ms per token step")
-    r_best = [a / c for a, c in zip(tput[f"block {best['block']}"], tput[f"vanilla {best['vanilla']}"])]
-    r_one = [a / c for a, c in zip(tput["block 1"], tput["vanilla 1"])]
+    r_best = per_round(tput[f"block {best['block']}"], tput[f"vanilla {best['vanilla']}"])
+    r_one = per_round(tput["block 1"], tput["vanilla 1"])
     ok = ctx.met(med(r_best) >= 10)
     ctx.row(rows, name="block / vanilla at the best batches", batch=best["block"], ratio=med(r_best),
             ratio_batch1=med(r_one), target=TARGETS["block"], met=ok, rounds=n, warmup_s=warm,
@@ -642,7 +643,7 @@ def section_double(ctx: Ctx, rows: list):
             continue
         idx = torch.randint(0, cfg.vocab_size - 1, (B, P), device=dev)
         t, info = timed_generation(ctx, models, idx, N, ctx.sizes.repeats)
-        per = [a / b for a, b in zip(t["double"]["token"], t["decoder-only"]["token"])]
+        per = per_round(t["double"]["token"], t["decoder-only"]["token"])
         ctx.row(rows, name="double / decoder-only per token", batch=B, ratio=med(per), paper=paper,
                 target=TARGETS["double"], met=None, rounds=info["rounds"], recompiles_after_warmup=info["recompiles"],
                 **{f"ms_{k.replace('-', '_')}": med(v["token"]) * 1e3 for k, v in t.items()})
@@ -703,7 +704,7 @@ def section_train(ctx: Ctx, rows: list):
                     warmup_s=warm)
         vs, target, met = "", None, None
         if name.startswith("ours") and name.replace("ours", "nanoGPT") in res:
-            per = [b / a for a, b in zip(ts, res[name.replace("ours", "nanoGPT")])]
+            per = per_round(res[name.replace("ours", "nanoGPT")], ts)
             r["x_nanogpt"] = med(per)
             vs = f"  ours / nanoGPT {spread(per, fmt='.2f')}x"
             if name.endswith("compiled"):

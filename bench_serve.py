@@ -47,7 +47,7 @@ import torch
 
 import cpu_tuning
 import serve
-from bench_common import json_safe, med, spread
+from bench_common import json_safe, med, per_round, spread
 from checkpoint import load_checkpoint, load_source_model, model_from_checkpoint, tokenizer_from_spec
 from cli import (DTYPES, UsageError, available_memory, check_device, check_dtype, check_writable_dir, comma_list,
                  number, one_of, path_arg, seed_arg, temperature_arg, threads_arg, user_input)
@@ -227,8 +227,8 @@ def report(args, servers, rounds, outputs, B, slots, peak) -> list[dict]:
         return rows
     for srv, row in zip(servers, rows):
         rs = rounds[srv.name]
-        e2e = [r["tok_per_s"] / b["tok_per_s"] for r, b in zip(rs, base)]
-        loaded = [r["loaded_tok_per_s"] / b["loaded_tok_per_s"] for r, b in zip(rs, base)]
+        e2e = per_round([r["tok_per_s"] for r in rs], [b["tok_per_s"] for b in base])
+        loaded = per_round([r["loaded_tok_per_s"] for r in rs], [b["loaded_tok_per_s"] for b in base])
         row.update(e2e_vs_csb=med(e2e), loaded_vs_csb=med(loaded))
         loops = row["mean_exit_loop"]
         ceiling = (f"ceiling {B / loops * slots['rec'] / slots['van']:.2f}x"

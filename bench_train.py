@@ -198,8 +198,7 @@ def bench_train(args):
     for name, ts in res.items():
         print(f"   {name:8s} {spread([B * T / t for t in ts], fmt='.0f')} tok/s")
     if "nanoGPT" in res:
-        ratio = [b / a for a, b in zip(res["ours"], res["nanoGPT"])]
-        print(f"   ours / nanoGPT = {spread(ratio, fmt='.2f')}x tokens/s (per-round ratios)")
+        print(f"   ours / nanoGPT = {ratio(res['nanoGPT'], res['ours'])}x tokens/s (per-round ratios)")
 
 
 # ----------------------------------------------------------------------------------------------------------------
