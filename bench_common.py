@@ -135,6 +135,11 @@ def hf_llama(cfg: GPTConfig, dtype, **kwargs):
     return LlamaForCausalLM(hc).to(dtype).eval()
 
 
+def hf_generate(hf, idx, n: int):
+    """transformers' generate of exactly n new tokens, greedy (the peer's row of a decode benchmark)."""
+    return hf.generate(idx, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+
+
 def hf_twin(gpt: GPT, loops: int = 1):
     """transformers' LlamaForCausalLM computing what `gpt` computes, with its weights copied (hf.hf_tensor_plan's
     names, read backwards): a vanilla GPT, or (loops > 1) a RecursiveGPT's K shared layers run `loops` times, the

@@ -20,8 +20,8 @@ import block_transformer as bt
 import cpu_tuning
 import double_decoder as dd
 import plt
-from bench_common import (BANDWIDTH_PROBE, check_bench_memory, check_context, header, hf_llama, kv_of, med, ratio,
-                          read_bandwidth, rounds, spread)
+from bench_common import (BANDWIDTH_PROBE, check_bench_memory, check_context, header, hf_generate, hf_llama, kv_of, med,
+                          ratio, read_bandwidth, rounds, spread)
 from cli import UsageError, user_input
 from cpu_tuning import LINEAR_PROBE_BYTES, cpu_key, force_linear, linear_report
 from model import (GPT, PRESETS, GPTConfig, forward_memory, memory_sum, model_memory, module_bytes, param_bytes,
@@ -67,8 +67,7 @@ def bench_decode(args):
             idx = torch.randint(0, cfg.vocab_size - 1, (B, P), device=device)
             systems = {decode_name(p): partial(forced_generate, ours, p, idx, N) for p in products}
             if hf is not None:
-                systems["transformers: LlamaForCausalLM.generate"] = lambda: hf.generate(
-                    idx, max_new_tokens=N, min_new_tokens=N, do_sample=False, pad_token_id=0)
+                systems["transformers: LlamaForCausalLM.generate"] = partial(hf_generate, hf, idx, N)
             pre = rounds({"prefill": lambda: ours.generate(idx, 1)}, args.repeats, device)["prefill"]
             res = rounds(systems, args.repeats, device)
             for p in products:

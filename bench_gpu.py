@@ -60,8 +60,8 @@ from types import SimpleNamespace
 import torch
 
 import block_transformer as bt
-from bench_common import (check_bench_memory, device_name, hf_llama, json_safe, kv_of, med, per_round, rounds,
-                          spread)
+from bench_common import (check_bench_memory, device_name, hf_generate, hf_llama, json_safe, kv_of, med, per_round,
+                          rounds, spread)
 from bench_decode import BLOCK_SETTINGS, block_pair, generation_bytes, generation_times, search_batch
 from bench_train import check_nanogpt, optimizer_for, param_counts, train_batch, train_memory, train_models, train_step
 from cli import DTYPES, UsageError, comma_list, number, one_of, path_arg, threads_arg
@@ -315,8 +315,7 @@ def section_decode(ctx: Ctx, rows: list):
     hf = hf_llama(cfg, dt)
     if hf is not None:
         hf.to(dev)
-        models["transformers eager"] = SimpleNamespace(generate=lambda idx, n: hf.generate(
-            idx, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0))
+        models["transformers eager"] = SimpleNamespace(generate=lambda idx, n: hf_generate(hf, idx, n))
     wbytes, elem, S = param_bytes(eager), dt.itemsize, context_len(cfg, P, N)
     print(f"   prompt {P}, {N} new tokens, greedy | weights {wbytes / 1e6:.0f} MB | graphs: {label} | % bw = (weights "
           f"+ the KV a step attends over) / step time / copy bandwidth"
