@@ -215,11 +215,6 @@ def graph_backend(flag: str, device, section: str):
     return label, None if flag == "inductor" else flag
 
 
-def compiled(model, backend):
-    """model.compile_decode with --graphs' backend (None: inductor, "reduce-overhead" on CUDA)."""
-    return model.compile_decode("auto", backend)
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Context shared by the sections
 
@@ -299,7 +294,7 @@ def graphed_vanilla(ctx: Ctx, weights: GPT | None = None) -> GPT:
         g = GPT(ctx.cfg).to(ctx.device, ctx.dtype).eval()
         if weights is not None:
             g.load_state_dict(weights.state_dict())
-        ctx.shared["graphed"] = compiled(g, ctx.backend("decode")[1])
+        ctx.shared["graphed"] = g.compile_decode("auto", ctx.backend("decode")[1])
     return ctx.shared["graphed"]
 
 
@@ -538,7 +533,7 @@ def section_plt(ctx: Ctx, rows: list):
               for v in ("vanilla", "loop", "plt")}
     if backend is not False:
         for m in models.values():
-            compiled(m, backend)
+            m.compile_decode("auto", backend)
     L = base["n_loops"]
     print(f"   plt preset {preset}: {base['n_layer']} layers x L={L}, d {base['n_embd']}, window {base['window']} | "
           f"prompt {P}, {N} new tokens | steps: {label}")
@@ -590,7 +585,7 @@ def section_block(ctx: Ctx, rows: list):
               + f" -> batch {best[k]}")
     if backend is not False:
         for m in models.values():
-            compiled(m, backend)
+            m.compile_decode("auto", backend)
     print(f"   block {preset} vs its vanilla counterpart | decode-heavy x{sz.block_scale:g}: prompt {P}, {G} new "
           f"tokens | caches {sz.block_budget_mib} MiB: largest batch vanilla {top['vanilla']}, block {top['block']} | "
           f"timed: {label}")
@@ -632,7 +627,8 @@ def section_double(ctx: Ctx, rows: list):
     torch.manual_seed(0)
     gm, dm = GPT(dd.baseline_config(cfg)).to(dev, dt).eval(), dd.DoubleDecoder(cfg).to(dev, dt).eval()
     if backend is not False:
-        compiled(gm, backend), compiled(dm, backend)
+        for m in (gm, dm):
+            m.compile_decode("auto", backend)
     models = {"decoder-only": gm, "double": dm}
     paper = cfg.gen_layers / cfg.n_layer
     print(f"   double preset {preset}: {cfg.ctx_layers} + {cfg.gen_layers} layers vs {cfg.n_layer} | prompt {P}, {N} "
