@@ -209,9 +209,10 @@ def graph_backend(flag: str, device, section: str):
             flag = "inductor" if section in ("decode", "serve", "train") else "cudagraphs"
     if flag == "none":
         return "none (eager steps)", False
+    eager = ('torch.compile, backend "eager" (no kernels, no speed)' if section == "train" else  # the whole model
+             'dynamo, fullgraph, backend "eager" (graph safety only: no kernels, no speed)')
     label = {"inductor": "inductor" + (', mode "reduce-overhead" (CUDA graphs)' if device.type == "cuda" else ""),
-             "cudagraphs": 'backend "cudagraphs" (CUDA graphs of the stock kernels)',
-             "eager": 'dynamo, fullgraph, backend "eager" (graph safety only: no kernels, no speed)'}[flag]
+             "cudagraphs": 'backend "cudagraphs" (CUDA graphs of the stock kernels)', "eager": eager}[flag]
     return label, None if flag == "inductor" else flag
 
 
@@ -670,8 +671,6 @@ def train_shapes(preset: str, seq_len: int) -> tuple[GPTConfig, str]:
 def section_train(ctx: Ctx, rows: list):
     dev, dt, (B, T) = ctx.device, ctx.dtype, ctx.sizes.train
     label, backend = ctx.backend("train")
-    label = label.replace("dynamo, fullgraph, ", "torch.compile, ").replace(" (graph safety only: no kernels, no "
-                                                                             "speed)", " (no kernels, no speed)")
     cfg, what = train_shapes(ctx.args.preset, T)
     models = train_models(cfg, ctx.args.nanogpt, T, dev)
     x, y, autocast = train_batch(cfg, B, T, dev, dt)
