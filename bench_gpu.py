@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import math
 import os
 import signal
@@ -59,7 +60,11 @@ from types import SimpleNamespace
 
 import torch
 
+import bench_serve
 import block_transformer as bt
+import double_decoder as dd
+import plt
+import serve
 from bench_common import (check_bench_memory, device_name, hf_generate, hf_llama, json_safe, kv_of, med, per_round,
                           rounds, spread)
 from bench_decode import BLOCK_SETTINGS, block_pair, generation_bytes, generation_times, search_batch
@@ -67,6 +72,8 @@ from bench_train import check_nanogpt, optimizer_for, param_counts, train_batch,
 from cli import DTYPES, UsageError, comma_list, number, one_of, path_arg, threads_arg
 from model import (GPT, PRESETS, GPTConfig, forward_memory, memory_sum, model_memory, param_bytes, peak_flops,
                    pick_device, pick_dtype, sync)
+from recursive import from_vanilla
+from serve_requests import parse_range, synthetic_requests
 
 SECTIONS = ("decode", "serve", "plt", "block", "double", "train")
 SHARES = {"decode": 0.20, "serve": 0.28, "plt": 0.13, "block": 0.14, "double": 0.08, "train": 0.17}
@@ -388,11 +395,6 @@ def hf_generate_batch(hf, prompts, new: int, slots: int, device):
 
 @torch.no_grad()
 def section_serve(ctx: Ctx, rows: list):
-    import bench_serve
-    import serve
-    from recursive import from_vanilla
-    from serve_requests import parse_range, synthetic_requests
-
     sz, dev, dt = ctx.sizes, ctx.device, ctx.dtype
     label, backend = ctx.backend("serve")
     P, N = sz.decode
@@ -414,7 +416,6 @@ def section_serve(ctx: Ctx, rows: list):
         hf_why = one_line(e)
     if hf is not None:
         hf.to(dev)
-        import logging
         logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)  # "persistent_manager=True" notes
     graphed = graphed_vanilla(ctx) if backend is not False else None
     print(f"   vanilla {cfg.n_layer} layers vs recursive B=2 (Average tying, no LoRA) | context {S_ctx} per slot | "
@@ -523,8 +524,6 @@ def section_serve(ctx: Ctx, rows: list):
 
 @torch.no_grad()
 def section_plt(ctx: Ctx, rows: list):
-    import plt
-
     dev, dt, (P, N) = ctx.device, ctx.dtype, ctx.sizes.plt
     label, backend = ctx.backend("plt")
     preset = ctx.args.preset if ctx.args.preset in plt.PRESETS else "base"
@@ -619,8 +618,6 @@ def section_block(ctx: Ctx, rows: list):
 
 @torch.no_grad()
 def section_double(ctx: Ctx, rows: list):
-    import double_decoder as dd
-
     dev, dt, (P, N) = ctx.device, ctx.dtype, ctx.sizes.double
     label, backend = ctx.backend("double")
     preset = ctx.args.preset if ctx.args.preset in dd.PRESETS else "base"
