@@ -47,7 +47,7 @@ import torch
 
 import cpu_tuning
 import serve
-from bench_common import json_safe, med, per_round, spread
+from bench_common import header, json_safe, med, per_round, spread
 from checkpoint import load_checkpoint, load_source_model, model_from_checkpoint, tokenizer_from_spec
 from cli import (DTYPES, UsageError, available_memory, check_device, check_dtype, check_writable_dir, comma_list,
                  number, one_of, path_arg, seed_arg, temperature_arg, threads_arg, user_input)
@@ -97,7 +97,7 @@ def serve_setting(args, device, dtype, B) -> list[dict]:
         return []
     van, rec, reqs, rules, thresholds, how = built
     servers, slots = make_servers(args, van, rec, rules, thresholds, dtype, device)
-    header(args, device, dtype, van, rec, reqs, slots, rules, thresholds, how)
+    setting_header(args, device, dtype, van, rec, reqs, slots, rules, thresholds, how, servers[0].compiled)
     for srv in servers:  # warm-up: allocator, first-call overheads, the linear product choice, compiling
         if args.warmup != 0:
             srv.run(reqs[:args.warmup or max(slots.values())], clock="step")
@@ -174,19 +174,18 @@ def make_servers(args, van, rec, rules, thresholds, dtype, device):
     return servers, slots
 
 
-def header(args, device, dtype, van, rec, reqs, slots, rules, thresholds, how):
+def setting_header(args, device, dtype, van, rec, reqs, slots, rules, thresholds, how, compiled: bool):
+    """bench_common.header of a (dtype, B) setting (compiled: the servers' steps are), then what its exits are."""
     rc = rec.config
-    cpu = f"cpu, {torch.get_num_threads()} threads" if device.type == "cpu" else torch.cuda.get_device_name(device)
     kind = f"relaxed ranks {rc.lora_ranks}" if rc.relaxed else "recursive"
     thr = "; ".join(f"{r} {','.join(format(t, '.4g') for t in thresholds[r]) or '-'}" for r in rules)
-    compiled = args.compile if args.compile is not None else device.type == "cuda"
     budget = f" (memory budget {args.batch_memory_mb} MiB)" if args.batch_memory_mb else ""
-    print(f"\n== serving B={rc.n_loops} | device {cpu} | dtype {dtype} | torch {torch.__version__} | vanilla "
-          f"{van.config.n_layer} layers, d {van.config.n_embd}, {param_bytes(van) / 1e6:.0f} MB | {kind} "
-          f"B={rc.n_loops} K={rc.n_shared} {param_bytes(rec) / 1e6:.0f} MB | {len(reqs)} requests, arrivals "
-          f"{args.arrival}{f' at {args.rate}/s' if args.arrival == 'poisson' else ''} | slots {slots['van']} vanilla, "
-          f"{slots['rec']} depth-wise{budget} | steps {'compiled' if compiled else 'eager'} | median (min..max) of "
-          f"{args.repeats} interleaved rounds after a warm-up")
+    header(f"serving B={rc.n_loops}", device, dtype,
+           f"vanilla {van.config.n_layer} layers, d {van.config.n_embd}, {param_bytes(van) / 1e6:.0f} MB | {kind} "
+           f"B={rc.n_loops} K={rc.n_shared} {param_bytes(rec) / 1e6:.0f} MB | {len(reqs)} requests, arrivals "
+           f"{args.arrival}{f' at {args.rate}/s' if args.arrival == 'poisson' else ''} | slots {slots['van']} vanilla, "
+           f"{slots['rec']} depth-wise{budget} | steps {'compiled' if compiled else 'eager'} | median (min..max) of "
+           f"{args.repeats} interleaved rounds after a warm-up")
     if args.ckpt:
         print(f"   EXITS REAL: --ckpt {args.ckpt}; thresholds {thr} ({how})")
         return
