@@ -52,7 +52,7 @@ from checkpoint import load_checkpoint, load_source_model, model_from_checkpoint
 from cli import (DTYPES, UsageError, available_memory, check_device, check_dtype, check_writable_dir, comma_list,
                  number, one_of, path_arg, seed_arg, temperature_arg, threads_arg, user_input)
 from data import Tokenizer
-from model import GPT, PRESETS, GPTConfig, param_bytes, peak_bandwidth, pick_device, pick_dtype
+from model import GPT, PRESETS, GPTConfig, kv_bytes, param_bytes, peak_bandwidth, pick_device, pick_dtype
 from recursive import EXIT_RULES, RecursiveGPT, exit_threshold_for, from_vanilla
 from svd_lora import max_ranks
 from serve_requests import (MAX_REQUESTS, chat_requests, chat_template, check_request, corpus_requests, error_counts,
@@ -396,8 +396,8 @@ def step_bytes(server) -> int:
     shared block and the head) each step, and K/V of every key read (server.kv_read) in the layers a step runs."""
     m, c = server.model, server.cfg
     layers = c.n_shared if isinstance(m, RecursiveGPT) else c.n_layer
-    kv = 2 * c.n_kv_head * c.hd * server.cache.k.element_size() * layers
-    return server.n_steps * param_bytes(m.blocks, m.norm, m.lm_head) + server.kv_read * kv
+    kv = kv_bytes(layers, 1, server.kv_read, c.n_kv_head, c.hd, server.cache.k.element_size())
+    return server.n_steps * param_bytes(m.blocks, m.norm, m.lm_head) + kv
 
 
 def summarize(server, reqs, peak_bw=None) -> dict:
@@ -417,9 +417,10 @@ def summarize(server, reqs, peak_bw=None) -> dict:
              loaded_tok_per_s=server.full_tokens / server.full_time if server.full_time > 0 else float("nan"),
              errors_by_reason=error_counts(reqs), request_errors={r.rid: r.error for r in reqs if r.error})
     if server.device.type == "cuda" and server.step_time > 0:
-        d["bandwidth_GBs"] = step_bytes(server) / server.step_time / 1e9
+        read = step_bytes(server) / server.step_time  # bytes/s
+        d["bandwidth_GBs"] = read / 1e9
         if peak_bw:
-            d["bandwidth_pct_peak"] = 100 * step_bytes(server) / server.step_time / peak_bw
+            d["bandwidth_pct_peak"] = 100 * read / peak_bw
     return d
 
 
