@@ -109,7 +109,7 @@ def serve_setting(args, device, dtype, B) -> list[dict]:
             done = srv.run(reqs)
             rounds[srv.name].append(summarize(srv, done, peak))
             outputs.setdefault(srv.name, {r.rid: r.output for r in done if r.error is None})
-    rows = report(args, servers, rounds, outputs, B or rec.config.n_loops, slots, peak)
+    rows = report(args, servers, rounds, outputs, rec.config.n_loops, slots, peak)
     for row in rows:
         row.update(dtype=str(dtype).removeprefix("torch."), loops=rec.config.n_loops)
     if args.profile:  # an eager step's parts (a compiled step is one graph)
@@ -126,14 +126,15 @@ def serve_setting(args, device, dtype, B) -> list[dict]:
 def build_setting(args, device, dtype, B):
     """-> (vanilla, recursive, requests, exit rules, thresholds per rule, how they were set), or None (skipped)."""
     source = f"--vanilla-ckpt {args.vanilla_ckpt}" if args.vanilla_ckpt else f"--preset {args.preset}"
-    if B is not None and not args.vanilla_ckpt and GPTConfig.from_preset(args.preset).n_layer % B:
-        print(f"\n== serving B={B}: skipped, the {GPTConfig.from_preset(args.preset).n_layer} layers of {source} do "
-              f"not split into {B} loops")
-        return None
-    with user_input():  # a config the flags make impossible (a LoRA rank above full rank, ...): one line
-        van, rec, spec = build_models(args, device, dtype, B)
-    if rec is None:
-        print(f"\n== serving B={B}: skipped, the {van.config.n_layer} layers of {source} do not split into {B} loops")
+    # random weights: the preset's layers are known before anything is built; a source checkpoint's once loaded
+    n_layer = GPTConfig.from_preset(args.preset).n_layer if B is not None and not args.vanilla_ckpt else None
+    van = rec = None
+    if n_layer is None or n_layer % B == 0:
+        with user_input():  # a config the flags make impossible (a LoRA rank above full rank, ...): one line
+            van, rec, spec = build_models(args, device, dtype, B)
+    if rec is None:  # the layers do not split into B loops (build_models: those of --vanilla-ckpt)
+        n_layer = van.config.n_layer if van is not None else n_layer
+        print(f"\n== serving B={B}: skipped, the {n_layer} layers of {source} do not split into {B} loops")
         return None
     reqs = build_requests(args, van, rec, spec)
     rules = (args.rules.split(",") if args.rules else
