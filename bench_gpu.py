@@ -61,13 +61,13 @@ from types import SimpleNamespace
 import torch
 
 import bench_serve
-import block_transformer as bt
 import double_decoder as dd
 import plt
 import serve
 from bench_common import (check_bench_memory, device_name, hf_generate, hf_llama, json_safe, kv_of, med, per_round,
                           rounds, spread)
-from bench_decode import BLOCK_SETTINGS, block_pair, generation_bytes, generation_times, search_batch
+from bench_decode import (block_lengths, block_pair, block_pair_memory, block_ratios, block_systems, generation_bytes,
+                          generation_times, search_batch)
 from bench_train import check_nanogpt, optimizer_for, param_counts, train_batch, train_memory, train_models, train_step
 from cli import DTYPES, UsageError, comma_list, number, one_of, path_arg, threads_arg
 from model import (GPT, PRESETS, GPTConfig, forward_memory, memory_sum, model_memory, param_bytes, peak_flops,
@@ -566,13 +566,12 @@ def section_block(ctx: Ctx, rows: list):
     sz, dev, dt = ctx.sizes, ctx.device, ctx.dtype
     label, backend = ctx.backend("block")
     preset = BLOCK_PRESET.get(ctx.args.preset, "t3-19m")
-    P, G = (max(1, round(x * sz.block_scale)) for x in BLOCK_SETTINGS["decode-heavy"])
+    P, G = block_lengths("decode-heavy", sz.block_scale)
     budget = sz.block_budget_mib * 2 ** 20
-    bcfg = bt.BlockConfig.from_preset(preset)
     check_bench_memory(dev, f"bench.py gpu block ({preset}, {P + G} positions, {sz.block_budget_mib} MiB of caches)",
-                       model_memory(bcfg, dt.itemsize), model_memory(bcfg.vanilla_config(), dt.itemsize),
+                       *block_pair_memory(preset, None, P + G, dt.itemsize),
                        {"generation caches (one model at a time)": budget})
-    block, vanilla = block_pair(SimpleNamespace(preset=preset, vanilla=None), dev, dt, P + G)
+    block, vanilla = block_pair(preset, None, dev, dt, P + G)
     models = {"vanilla": vanilla, "block": block}
     top = {k: budget // generation_bytes(m, P, G) for k, m in models.items()}
     if min(top.values()) < 1:
@@ -589,20 +588,14 @@ def section_block(ctx: Ctx, rows: list):
     print(f"   block {preset} vs its vanilla counterpart | decode-heavy x{sz.block_scale:g}: prompt {P}, {G} new "
           f"tokens | caches {sz.block_budget_mib} MiB: largest batch vanilla {top['vanilla']}, block {top['block']} | "
           f"timed: {label}")
-    systems, batch = {}, {}
-    for k, m in models.items():
-        for B in sorted({1, best[k]}):
-            idx = torch.randint(0, m.config.vocab_size - 1, (B, P), device=dev)
-            systems[f"{k} {B}"], batch[f"{k} {B}"] = (lambda m=m, idx=idx: m.generate(idx, G)), B
+    systems, batch = block_systems(models, {k: sorted({1, best[k]}) for k in models}, P, G, dev)
     res, info = capped_rounds(systems, sz.repeats, dev, ctx.clock)  # its warm-up compiles the graphed steps
     n, warm, recompiles = info["rounds"], info["warmup_s"], info["recompiles"]
-    tput = {s: [batch[s] * G / x for x in ts] for s, ts in res.items()}
+    tput, r_best, r_one = block_ratios(res, batch, best, G)
     for s, ts in res.items():
         ctx.row(rows, name=s.split()[0], batch=batch[s], tok_per_s=med(tput[s]), ms_per_token_step=med(ts) / G * 1e3,
                 rounds=n)
         print(f"   {s:14s} {spread(tput[s], fmt='.0f'):>24s} tok/s  {med(ts) / G * 1e3:.3f} ms per token step")
-    r_best = per_round(tput[f"block {best['block']}"], tput[f"vanilla {best['vanilla']}"])
-    r_one = per_round(tput["block 1"], tput["vanilla 1"])
     ok = ctx.met(med(r_best) >= 10)
     ctx.row(rows, name="block / vanilla at the best batches", batch=best["block"], ratio=med(r_best),
             ratio_batch1=med(r_one), target=TARGETS["block"], met=ok, rounds=n, warmup_s=warm,
