@@ -96,9 +96,14 @@ def read_bandwidth(device, nbytes=BANDWIDTH_PROBE, repeats=5) -> float:
     return nbytes / min(ts)
 
 
+def per_round(a, b) -> list[float]:
+    """The ratio of each round: a[r] / b[r] (two lists of one figure per round, timed in the same rounds)."""
+    return [x / y for x, y in zip(a, b)]
+
+
 def ratio(a, b, fmt=".2f") -> str:
     """Per-round ratios of two lists of times, as 'median (min..max)'."""
-    return spread([x / y for x, y in zip(a, b)], fmt=fmt)
+    return spread(per_round(a, b), fmt=fmt)
 
 
 def json_safe(obj):
@@ -128,6 +133,11 @@ def hf_llama(cfg: GPTConfig, dtype, **kwargs):
                      head_dim=cfg.hd, max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
                      tie_word_embeddings=cfg.tie_embeddings, rope_theta=cfg.rope_theta, **kwargs)
     return LlamaForCausalLM(hc).to(dtype).eval()
+
+
+def hf_generate(hf, idx, n: int):
+    """transformers' generate of exactly n new tokens, greedy (the peer's row of a decode benchmark)."""
+    return hf.generate(idx, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
 
 
 def hf_twin(gpt: GPT, loops: int = 1):

@@ -8,7 +8,6 @@ throughput at the largest batch of a memory budget (`block`).
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
 from functools import partial
 from types import SimpleNamespace
 
@@ -20,8 +19,8 @@ import block_transformer as bt
 import cpu_tuning
 import double_decoder as dd
 import plt
-from bench_common import (BANDWIDTH_PROBE, check_bench_memory, check_context, header, hf_llama, kv_of, med, ratio,
-                          read_bandwidth, rounds, spread)
+from bench_common import (BANDWIDTH_PROBE, check_bench_memory, check_context, header, hf_generate, hf_llama, kv_of, med,
+                          per_round, ratio, read_bandwidth, rounds, spread)
 from cli import UsageError, user_input
 from cpu_tuning import LINEAR_PROBE_BYTES, cpu_key, force_linear, linear_report
 from model import (GPT, PRESETS, GPTConfig, forward_memory, memory_sum, model_memory, module_bytes, param_bytes,
@@ -67,8 +66,7 @@ def bench_decode(args):
             idx = torch.randint(0, cfg.vocab_size - 1, (B, P), device=device)
             systems = {decode_name(p): partial(forced_generate, ours, p, idx, N) for p in products}
             if hf is not None:
-                systems["transformers: LlamaForCausalLM.generate"] = lambda: hf.generate(
-                    idx, max_new_tokens=N, min_new_tokens=N, do_sample=False, pad_token_id=0)
+                systems["transformers: LlamaForCausalLM.generate"] = partial(hf_generate, hf, idx, N)
             pre = rounds({"prefill": lambda: ours.generate(idx, 1)}, args.repeats, device)["prefill"]
             res = rounds(systems, args.repeats, device)
             for p in products:
@@ -80,9 +78,8 @@ def bench_decode(args):
                       f"weights = {wbytes / (med(t_dec) / (N - 1)) / bw:.0%} of the measured bandwidth")
                 if hf is not None:
                     hname = "transformers: LlamaForCausalLM.generate"
-                    ratio = [a / b for a, b in zip(res[hname], res[name])]
                     print(f"            transformers {spread([B * N / t for t in res[hname]])} tok/s end to end -> "
-                          f"ours / transformers = {spread(ratio, fmt='.2f')}x (per-round ratios)")
+                          f"ours / transformers = {ratio(res[hname], res[name])}x (per-round ratios)")
         if device.type == "cpu":
             print_linear_choices(dtype)
     force_linear(None)
@@ -116,15 +113,17 @@ def print_linear_choices(dtype):
 
 
 @torch.no_grad()
-def generation_times(models: dict, idx, new_tokens: int, repeats: int) -> dict[str, dict[str, list[float]]]:
-    """models: name -> model. Each round times, for every model in turn, generate(idx, 1) (the prefill and the first
-    token: TTFT) and generate(idx, new_tokens) -> name -> {"ttft": [s], "token": [s per decode step]}, one entry per
-    round. The decode time of a round is the difference of its two runs."""
+def generation_times(models: dict, idx, new_tokens: int, repeats: int,
+                     warmup: int = 1) -> dict[str, dict[str, list[float]]]:
+    """models: name -> model. After `warmup` untimed rounds, each round times, for every model in turn,
+    generate(idx, 1) (the prefill and the first token: TTFT) and generate(idx, new_tokens) -> name -> {"ttft": [s],
+    "token": [s per decode step]}, one entry per round. The decode time of a round is the difference of its two
+    runs."""
     systems = {}
     for name, m in models.items():
         systems[name + "/1"] = lambda m=m: m.generate(idx, 1)
         systems[name + "/n"] = lambda m=m: m.generate(idx, new_tokens)
-    res = rounds(systems, repeats, idx.device)
+    res = rounds(systems, repeats, idx.device, warmup=warmup)
     return {name: {"ttft": res[name + "/1"],
                    "token": [(tn - t1) / (new_tokens - 1) for t1, tn in zip(res[name + "/1"], res[name + "/n"])]}
             for name in models}
@@ -404,17 +403,55 @@ PAPER_BLOCK = {"t3-5m": {"decode-heavy": (41.6, 809.5), "prefill-heavy": (10.8, 
                "t3-302m": {"decode-heavy": (2.1, 44.1), "prefill-heavy": (0.8, 21.0)}}
 
 
-def block_pair(args, device, dtype, max_len):
-    """(Block Transformer of --preset, its vanilla counterpart): the vanilla model with the same non-embedding
-    parameters (BlockConfig.vanilla_config, the paper's pairing), or the model.py preset --vanilla. Random weights."""
-    cfg = bt.BlockConfig.from_preset(args.preset)
+def block_lengths(setting: str, scale: float) -> tuple[int, int]:
+    """(prompt, generated tokens) of one of the paper's settings (BLOCK_SETTINGS) times `scale`, at least 1 each."""
+    return tuple(max(1, round(x * scale)) for x in BLOCK_SETTINGS[setting])
+
+
+def block_configs(preset: str, vanilla: str | None, max_len: int) -> tuple[bt.BlockConfig, GPTConfig]:
+    """The configs of block_pair, their contexts raised to max_len positions (whole blocks) where shorter."""
+    cfg = bt.BlockConfig.from_preset(preset)
     max_len = -(-max_len // cfg.block_len) * cfg.block_len
-    cfg = bt.BlockConfig.from_preset(args.preset, max_seq_len=max(max_len, cfg.max_seq_len))
-    vcfg = cfg.vanilla_config() if args.vanilla is None else GPTConfig.from_preset(args.vanilla)
+    cfg = bt.BlockConfig.from_preset(preset, max_seq_len=max(max_len, cfg.max_seq_len))
+    vcfg = cfg.vanilla_config() if vanilla is None else GPTConfig.from_preset(vanilla)
     vcfg.max_seq_len = max(max_len, vcfg.max_seq_len)
+    return cfg, vcfg
+
+
+def block_pair_memory(preset: str, vanilla: str | None, max_len: int, elem: int) -> list[dict]:
+    """What building block_pair's two models allocates (model.model_memory of each), before they exist."""
+    return [model_memory(c, elem) for c in block_configs(preset, vanilla, max_len)]
+
+
+def block_pair(preset: str, vanilla: str | None, device, dtype, max_len: int):
+    """(Block Transformer of `preset`, its vanilla counterpart): the vanilla model with the same non-embedding
+    parameters (BlockConfig.vanilla_config, the paper's pairing), or the model.py preset `vanilla`. Random weights."""
+    cfg, vcfg = block_configs(preset, vanilla, max_len)
     torch.manual_seed(0)
     return (bt.BlockTransformer(cfg).to(device=device, dtype=dtype).eval(),
             GPT(vcfg).to(device=device, dtype=dtype).eval())
+
+
+def block_systems(models: dict, batches: dict, P: int, G: int, device, warmup_tokens: int = 0) -> tuple[dict, dict]:
+    """The timed systems of the pair: per model and batch B in batches[model], generate(G) of random prompts (B, P)
+    -> ({"model B": fn}, {"model B": B}). warmup_tokens > 0: each first generates that many tokens (allocations,
+    kernels)."""
+    systems, batch = {}, {}
+    for k, m in models.items():
+        for B in batches[k]:
+            idx = torch.randint(0, m.config.vocab_size - 1, (B, P), device=device)
+            if warmup_tokens:
+                m.generate(idx, warmup_tokens)
+            systems[f"{k} {B}"], batch[f"{k} {B}"] = (lambda m=m, idx=idx: m.generate(idx, G)), B
+    return systems, batch
+
+
+def block_ratios(res: dict, batch: dict, best: dict, G: int) -> tuple[dict, list, list]:
+    """Rounds of block_systems -> (tokens/s of each system per round, block / vanilla per round at the best batches,
+    at batch 1)."""
+    tput = {s: [batch[s] * G / t for t in ts] for s, ts in res.items()}
+    return (tput, per_round(tput[f"block {best['block']}"], tput[f"vanilla {best['vanilla']}"]),
+            per_round(tput["block 1"], tput["vanilla 1"]))
 
 
 def generation_bytes(model, prompt, new) -> int:
@@ -477,22 +514,17 @@ def bench_block(args):
     device = pick_device(args.device)
     dtype = pick_dtype(device, args.dtype)
     names = list(BLOCK_SETTINGS) if args.setting == "both" else [args.setting]
-    lengths = {n: tuple(max(1, round(x * args.scale)) for x in BLOCK_SETTINGS[n]) for n in names}
+    lengths = {n: block_lengths(n, args.scale) for n in names}
     if args.budget_mib is None:
         args.budget_mib = round(2048 * args.scale)
     budget = args.budget_mib * 2 ** 20
     longest = max(p + g for p, g in lengths.values())
-    cfg = bt.BlockConfig.from_preset(args.preset)
-    span = max(-(-longest // cfg.block_len) * cfg.block_len, cfg.max_seq_len)  # what block_pair builds
-    vcfg = cfg.vanilla_config() if args.vanilla is None else GPTConfig.from_preset(args.vanilla)
     check_bench_memory(device, f"bench.py block in {dtype} at --scale {args.scale:g} ({longest:,} positions) and "
                                f"--budget-mib {args.budget_mib:,}",
-                       model_memory(bt.BlockConfig.from_preset(args.preset, max_seq_len=span), dtype.itemsize),
-                       model_memory(GPTConfig(**{**asdict(vcfg), "max_seq_len": max(longest, vcfg.max_seq_len)}),
-                                    dtype.itemsize),
+                       *block_pair_memory(args.preset, args.vanilla, longest, dtype.itemsize),
                        {"generation caches (--budget-mib, one model at a time)": budget},
                        fix="lower --scale or --budget-mib")
-    block, vanilla = block_pair(args, device, dtype, longest)
+    block, vanilla = block_pair(args.preset, args.vanilla, device, dtype, longest)
     models = {"vanilla": vanilla, "block": block}
     b, v = block.config, vanilla.config
     header("Block Transformer vs vanilla: generation throughput", device, dtype,
@@ -518,30 +550,26 @@ def bench_block(args):
                                 for k, m in models.items()), key=lambda est: est["total"]),
                            {"generation caches (--budget-mib)": budget}, fix="lower --budget-mib")
         n_search = min(G - 2, args.search_tokens)  # no search below 3 generated tokens
-        systems, batch, best = {}, {}, {}
+        best = {}
         for k, m in models.items():
             best[k], found = (search_batch(m, P, G, top[k], n_search, device) if n_search > 0 else (top[k], {}))
             if found:
                 print(f"   batch search, {k} (decode tok/s at context {min(P + G // 2, P + G - 2 - n_search)}): "
                       + ", ".join(f"{B}: {t:.0f}" for B, t in found.items()) + f" -> batch {best[k]}")
-            for B in sorted({1, best[k], *[x for x in args.batches if x <= top[k]]}):
-                idx = torch.randint(0, m.config.vocab_size - 1, (B, P), device=device)
-                m.generate(idx, min(G, 2))  # warm-up: allocations, kernels
-                systems[f"{k} {B}"], batch[f"{k} {B}"] = (lambda m=m, idx=idx: m.generate(idx, G)), B
+        systems, batch = block_systems(models, {k: sorted({1, best[k], *[x for x in args.batches if x <= top[k]]})
+                                                for k in models}, P, G, device, warmup_tokens=min(G, 2))
         res = rounds(systems, args.repeats, device, warmup=0)
-        tput = {s: [batch[s] * G / t for t in ts] for s, ts in res.items()}
+        tput, at_best, at_one = block_ratios(res, batch, best, G)
         print(f"   {'model':8s} {'batch':>5s} {'caches MiB':>10s} {'ms/token step':>14s} {'tok/s':>26s}")
         for s, ts in res.items():
             k, B = s.split()
             print(f"   {k:8s} {B:>5s} {per_seq[k] * int(B) / 2 ** 20:10.1f} {med(ts) / G * 1e3:14.2f} "
                   f"{spread(tput[s], fmt='.0f'):>26s}")
-        ratio = [a / c for a, c in zip(tput[f"block {best['block']}"], tput[f"vanilla {best['vanilla']}"])]
-        one = [a / c for a, c in zip(tput["block 1"], tput["vanilla 1"])]
         paper = PAPER_BLOCK.get(args.preset, {}).get(name) if args.vanilla is None else None
         ref = (f"paper (Table 2, {args.preset} pair, H100, max batch): {paper[1] / paper[0]:.1f}x" if paper else
                "paper: 10-20x at equal perplexity (abstract); no Table 2 pair for this preset")
         print(f"   best batch: vanilla {best['vanilla']}, block {best['block']} -> block / vanilla = "
-              f"{spread(ratio, fmt='.2f')}x (per round) | {ref} | at batch 1: {spread(one, fmt='.2f')}x")
+              f"{spread(at_best, fmt='.2f')}x (per round) | {ref} | at batch 1: {spread(at_one, fmt='.2f')}x")
         if args.profile:
             for k, m in models.items():
                 idx = torch.randint(0, m.config.vocab_size - 1, (best[k], P), device=device)

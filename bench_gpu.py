@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import math
 import os
 import signal
@@ -59,13 +60,20 @@ from types import SimpleNamespace
 
 import torch
 
-import block_transformer as bt
-from bench_common import check_bench_memory, device_name, hf_llama, json_safe, kv_of, med, rounds, spread
-from bench_decode import BLOCK_SETTINGS, block_pair, generation_bytes, generation_times, search_batch
-from bench_train import nanogpt_model
+import bench_serve
+import double_decoder as dd
+import plt
+import serve
+from bench_common import (check_bench_memory, device_name, hf_generate, hf_llama, json_safe, kv_of, med, per_round,
+                          rounds, spread)
+from bench_decode import (block_lengths, block_pair, block_pair_memory, block_ratios, block_systems, generation_bytes,
+                          generation_times, search_batch)
+from bench_train import check_nanogpt, optimizer_for, param_counts, train_batch, train_memory, train_models, train_step
 from cli import DTYPES, UsageError, comma_list, number, one_of, path_arg, threads_arg
-from model import (GPT, PRESETS, GPTConfig, forward_memory, least_step_memory, make_optimizer, memory_sum,
-                   model_memory, param_bytes, peak_flops, pick_device, pick_dtype, sync)
+from model import (GPT, PRESETS, GPTConfig, forward_memory, memory_sum, model_memory, param_bytes, peak_flops,
+                   pick_device, pick_dtype, sync)
+from recursive import from_vanilla
+from serve_requests import parse_range, synthetic_requests
 
 SECTIONS = ("decode", "serve", "plt", "block", "double", "train")
 SHARES = {"decode": 0.20, "serve": 0.28, "plt": 0.13, "block": 0.14, "double": 0.08, "train": 0.17}
@@ -142,23 +150,25 @@ class Clock:
         return self.left() <= 0
 
 
-def fit_repeats(cost: float, clock: Clock, want: int, extra: int = 1) -> int:
-    """Rounds that fit what is left of the section's cap, each costing `cost` s (plus `extra` more untimed runs):
-    at most `want`, at least 1."""
-    return max(1, min(want, int(clock.left() / max(cost, 1e-9)) - extra))
+def fit_repeats(cost: float, clock: Clock, want: int) -> int:
+    """Rounds that fit what is left of the section's cap, each costing `cost` s: at most `want`, at least 1."""
+    return max(1, min(want, int(clock.left() / max(cost, 1e-9))))
 
 
-def capped_rounds(systems: dict, want: int, device, clock: Clock, warmup: int = 1) -> tuple[dict, int]:
-    """bench_common.rounds, one interleaved round at a time, until `want` rounds or the section's cap (at least one
-    round) -> (name -> list of seconds, rounds run)."""
+def capped_rounds(systems: dict, want: int, device, clock: Clock, warmup: int = 1) -> tuple[dict, dict]:
+    """bench_common.rounds after `warmup` untimed calls of each system (graphed steps compile here), one interleaved
+    round at a time, until `want` rounds or the section's cap (at least one round) -> (name -> list of seconds,
+    {rounds: rounds run, warmup_s, recompiles: graphs compiled during the timed rounds})."""
+    t0 = time.perf_counter()
     rounds(systems, 0, device, warmup=warmup)
+    warm, before = time.perf_counter() - t0, graphs_compiled()
     out = {name: [] for name in systems}
     n = 0
     while n < want and (n == 0 or not clock.over()):
         for name, ts in rounds(systems, 1, device, warmup=0).items():
             out[name] += ts
         n += 1
-    return out, n
+    return out, dict(rounds=n, warmup_s=warm, recompiles=graphs_compiled() - before)
 
 
 def graphs_compiled() -> int:
@@ -168,9 +178,10 @@ def graphs_compiled() -> int:
 
 
 def timed_generation(ctx, models: dict, idx, new: int, want: int) -> tuple[dict, dict]:
-    """bench.generation_times (TTFT and per-token decode time of each model's generate, interleaved), its rounds
-    fitted to the cap: a warm-up generate of each model first (a graphed model compiles here), then one timed pilot
-    round -> (times, {warmup_s, rounds, recompiles: graphs compiled during the timed rounds})."""
+    """bench_decode.generation_times (TTFT and per-token decode time of each model's generate, interleaved), its
+    rounds fitted to the cap: a warm-up generate of each model first (a graphed model compiles here), then one timed
+    pilot round (the rounds' warm-up) -> (times, {warmup_s, rounds, recompiles: graphs compiled during the timed
+    rounds})."""
     clock = ctx.clock
     t0, g0 = time.perf_counter(), graphs_compiled()
     for m in models.values():
@@ -184,7 +195,7 @@ def timed_generation(ctx, models: dict, idx, new: int, want: int) -> tuple[dict,
     sync(idx.device)
     reps = fit_repeats(time.perf_counter() - t0, clock, want)
     before = graphs_compiled()
-    t = generation_times(models, idx, new, reps)
+    t = generation_times(models, idx, new, reps, warmup=0)  # the pilot round warmed them up
     return t, dict(warmup_s=warm, warmup_graphs=warm_graphs, rounds=reps, recompiles=graphs_compiled() - before)
 
 
@@ -205,15 +216,11 @@ def graph_backend(flag: str, device, section: str):
             flag = "inductor" if section in ("decode", "serve", "train") else "cudagraphs"
     if flag == "none":
         return "none (eager steps)", False
+    eager = ('torch.compile, backend "eager" (no kernels, no speed)' if section == "train" else  # the whole model
+             'dynamo, fullgraph, backend "eager" (graph safety only: no kernels, no speed)')
     label = {"inductor": "inductor" + (', mode "reduce-overhead" (CUDA graphs)' if device.type == "cuda" else ""),
-             "cudagraphs": 'backend "cudagraphs" (CUDA graphs of the stock kernels)',
-             "eager": 'dynamo, fullgraph, backend "eager" (graph safety only: no kernels, no speed)'}[flag]
+             "cudagraphs": 'backend "cudagraphs" (CUDA graphs of the stock kernels)', "eager": eager}[flag]
     return label, None if flag == "inductor" else flag
-
-
-def compiled(model, backend):
-    """model.compile_decode with --graphs' backend (None: inductor, "reduce-overhead" on CUDA)."""
-    return model.compile_decode("auto", backend)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -295,7 +302,7 @@ def graphed_vanilla(ctx: Ctx, weights: GPT | None = None) -> GPT:
         g = GPT(ctx.cfg).to(ctx.device, ctx.dtype).eval()
         if weights is not None:
             g.load_state_dict(weights.state_dict())
-        ctx.shared["graphed"] = compiled(g, ctx.backend("decode")[1])
+        ctx.shared["graphed"] = g.compile_decode("auto", ctx.backend("decode")[1])
     return ctx.shared["graphed"]
 
 
@@ -311,8 +318,7 @@ def section_decode(ctx: Ctx, rows: list):
     hf = hf_llama(cfg, dt)
     if hf is not None:
         hf.to(dev)
-        models["transformers eager"] = SimpleNamespace(generate=lambda idx, n: hf.generate(
-            idx, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0))
+        models["transformers eager"] = SimpleNamespace(generate=lambda idx, n: hf_generate(hf, idx, n))
     wbytes, elem, S = param_bytes(eager), dt.itemsize, context_len(cfg, P, N)
     print(f"   prompt {P}, {N} new tokens, greedy | weights {wbytes / 1e6:.0f} MB | graphs: {label} | % bw = (weights "
           f"+ the KV a step attends over) / step time / copy bandwidth"
@@ -333,7 +339,7 @@ def section_decode(ctx: Ctx, rows: list):
                         recompiles_after_warmup=info["recompiles"])
             vs = ""
             if "transformers eager" in t and name != "transformers eager":
-                per = [h / o for h, o in zip(t["transformers eager"]["token"], ts["token"])]
+                per = per_round(t["transformers eager"]["token"], ts["token"])
                 r["x_transformers"] = med(per)
                 vs = f"{spread(per, fmt='.2f')}x"
             target = met = None
@@ -389,11 +395,6 @@ def hf_generate_batch(hf, prompts, new: int, slots: int, device):
 
 @torch.no_grad()
 def section_serve(ctx: Ctx, rows: list):
-    import bench_serve
-    import serve
-    from recursive import from_vanilla
-    from serve_requests import parse_range, synthetic_requests
-
     sz, dev, dt = ctx.sizes, ctx.device, ctx.dtype
     label, backend = ctx.backend("serve")
     P, N = sz.decode
@@ -412,10 +413,9 @@ def section_serve(ctx: Ctx, rows: list):
         hf = hf_llama(cfg, dt)
         hf_why = None if hf is not None else "transformers is not installed"
     except Exception as e:  # noqa: BLE001 - the peer's row says why
-        hf_why = f"{type(e).__name__}: {e}"
+        hf_why = one_line(e)
     if hf is not None:
         hf.to(dev)
-        import logging
         logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)  # "persistent_manager=True" notes
     graphed = graphed_vanilla(ctx) if backend is not False else None
     print(f"   vanilla {cfg.n_layer} layers vs recursive B=2 (Average tying, no LoRA) | context {S_ctx} per slot | "
@@ -446,7 +446,7 @@ def section_serve(ctx: Ctx, rows: list):
                 hf_fn = hf_generate_batch(hf, [r.prompt for r in reqs], gen, S, dev)
                 hf_fn()  # warm-up: the manager, its graphs
             except Exception as e:  # noqa: BLE001 - transformers' own limits: its row says why
-                hf_fn, hf_err = None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+                hf_fn, hf_err = None, one_line(e)
         sync(dev)
         warm = time.perf_counter() - t0
         before = graphs_compiled()
@@ -475,7 +475,7 @@ def section_serve(ctx: Ctx, rows: list):
         print(f"   {'system':24s} {'tok/s':>22s} {'loaded tok/s':>22s} {'step ms':>8s} {'x continuous loaded':>20s}")
         for srv in servers:
             rs = summ[srv.name]
-            loaded = [r["loaded_tok_per_s"] / b["loaded_tok_per_s"] for r, b in zip(rs, base)]
+            loaded = per_round([x["loaded_tok_per_s"] for x in rs], [b["loaded_tok_per_s"] for b in base])
             r = ctx.row(rows, name=srv.name, slots=S, tok_per_s=med([x["tok_per_s"] for x in rs]),
                         loaded_tok_per_s=med([x["loaded_tok_per_s"] for x in rs]),
                         step_ms=med([x["step_ms"] for x in rs]), x_continuous_loaded=med(loaded),
@@ -503,7 +503,7 @@ def section_serve(ctx: Ctx, rows: list):
             print(f"   {'bare graphed decode step':24s} {spread(bare_ms, fmt='.3f')} ms/step at batch {S}, {S_ctx} "
                   f"positions")
         if hf_fn is not None:
-            per = [c["tok_per_s"] / h for c, h in zip(base, hf_tps)]
+            per = per_round([c["tok_per_s"] for c in base], hf_tps)
             ok = ctx.met(med(per) >= 1.5)
             ctx.row(rows, name="transformers generate_batch", slots=S, tok_per_s=med(hf_tps), continuous_x=med(per),
                     rounds=n, target=TARGETS["serve_vs_hf"], met=ok)
@@ -524,8 +524,6 @@ def section_serve(ctx: Ctx, rows: list):
 
 @torch.no_grad()
 def section_plt(ctx: Ctx, rows: list):
-    import plt
-
     dev, dt, (P, N) = ctx.device, ctx.dtype, ctx.sizes.plt
     label, backend = ctx.backend("plt")
     preset = ctx.args.preset if ctx.args.preset in plt.PRESETS else "base"
@@ -535,7 +533,7 @@ def section_plt(ctx: Ctx, rows: list):
               for v in ("vanilla", "loop", "plt")}
     if backend is not False:
         for m in models.values():
-            compiled(m, backend)
+            m.compile_decode("auto", backend)
     L = base["n_loops"]
     print(f"   plt preset {preset}: {base['n_layer']} layers x L={L}, d {base['n_embd']}, window {base['window']} | "
           f"prompt {P}, {N} new tokens | steps: {label}")
@@ -544,8 +542,8 @@ def section_plt(ctx: Ctx, rows: list):
             continue
         idx = torch.randint(0, base["vocab_size"] - 1, (B, P), device=dev)
         t, info = timed_generation(ctx, models, idx, N, ctx.sizes.repeats)
-        pv = [a / b for a, b in zip(t["plt"]["token"], t["vanilla"]["token"])]
-        pl = [a / b for a, b in zip(t["plt"]["token"], t["loop"]["token"])]
+        pv = per_round(t["plt"]["token"], t["vanilla"]["token"])
+        pl = per_round(t["plt"]["token"], t["loop"]["token"])
         met = ctx.met(med(pv) <= 1.10) if B in (4, 16) else None
         ctx.row(rows, name=f"PLT-{L} / vanilla", batch=B, ratio=med(pv), target=TARGETS["plt"], met=met,
                 rounds=info["rounds"], recompiles_after_warmup=info["recompiles"],
@@ -568,13 +566,12 @@ def section_block(ctx: Ctx, rows: list):
     sz, dev, dt = ctx.sizes, ctx.device, ctx.dtype
     label, backend = ctx.backend("block")
     preset = BLOCK_PRESET.get(ctx.args.preset, "t3-19m")
-    P, G = (max(1, round(x * sz.block_scale)) for x in BLOCK_SETTINGS["decode-heavy"])
+    P, G = block_lengths("decode-heavy", sz.block_scale)
     budget = sz.block_budget_mib * 2 ** 20
-    bcfg = bt.BlockConfig.from_preset(preset)
     check_bench_memory(dev, f"bench.py gpu block ({preset}, {P + G} positions, {sz.block_budget_mib} MiB of caches)",
-                       model_memory(bcfg, dt.itemsize), model_memory(bcfg.vanilla_config(), dt.itemsize),
+                       *block_pair_memory(preset, None, P + G, dt.itemsize),
                        {"generation caches (one model at a time)": budget})
-    block, vanilla = block_pair(SimpleNamespace(preset=preset, vanilla=None), dev, dt, P + G)
+    block, vanilla = block_pair(preset, None, dev, dt, P + G)
     models = {"vanilla": vanilla, "block": block}
     top = {k: budget // generation_bytes(m, P, G) for k, m in models.items()}
     if min(top.values()) < 1:
@@ -587,28 +584,18 @@ def section_block(ctx: Ctx, rows: list):
               + f" -> batch {best[k]}")
     if backend is not False:
         for m in models.values():
-            compiled(m, backend)
+            m.compile_decode("auto", backend)
     print(f"   block {preset} vs its vanilla counterpart | decode-heavy x{sz.block_scale:g}: prompt {P}, {G} new "
           f"tokens | caches {sz.block_budget_mib} MiB: largest batch vanilla {top['vanilla']}, block {top['block']} | "
           f"timed: {label}")
-    systems, batch = {}, {}
-    for k, m in models.items():
-        for B in sorted({1, best[k]}):
-            idx = torch.randint(0, m.config.vocab_size - 1, (B, P), device=dev)
-            systems[f"{k} {B}"], batch[f"{k} {B}"] = (lambda m=m, idx=idx: m.generate(idx, G)), B
-    t0 = time.perf_counter()
-    rounds(systems, 0, dev, warmup=1)  # compiles the graphed steps
-    warm = time.perf_counter() - t0
-    before = graphs_compiled()
-    res, n = capped_rounds(systems, sz.repeats, dev, ctx.clock, warmup=0)
-    recompiles = graphs_compiled() - before
-    tput = {s: [batch[s] * G / x for x in ts] for s, ts in res.items()}
+    systems, batch = block_systems(models, {k: sorted({1, best[k]}) for k in models}, P, G, dev)
+    res, info = capped_rounds(systems, sz.repeats, dev, ctx.clock)  # its warm-up compiles the graphed steps
+    n, warm, recompiles = info["rounds"], info["warmup_s"], info["recompiles"]
+    tput, r_best, r_one = block_ratios(res, batch, best, G)
     for s, ts in res.items():
         ctx.row(rows, name=s.split()[0], batch=batch[s], tok_per_s=med(tput[s]), ms_per_token_step=med(ts) / G * 1e3,
                 rounds=n)
         print(f"   {s:14s} {spread(tput[s], fmt='.0f'):>24s} tok/s  {med(ts) / G * 1e3:.3f} ms per token step")
-    r_best = [a / c for a, c in zip(tput[f"block {best['block']}"], tput[f"vanilla {best['vanilla']}"])]
-    r_one = [a / c for a, c in zip(tput["block 1"], tput["vanilla 1"])]
     ok = ctx.met(med(r_best) >= 10)
     ctx.row(rows, name="block / vanilla at the best batches", batch=best["block"], ratio=med(r_best),
             ratio_batch1=med(r_one), target=TARGETS["block"], met=ok, rounds=n, warmup_s=warm,
@@ -624,8 +611,6 @@ def section_block(ctx: Ctx, rows: list):
 
 @torch.no_grad()
 def section_double(ctx: Ctx, rows: list):
-    import double_decoder as dd
-
     dev, dt, (P, N) = ctx.device, ctx.dtype, ctx.sizes.double
     label, backend = ctx.backend("double")
     preset = ctx.args.preset if ctx.args.preset in dd.PRESETS else "base"
@@ -633,7 +618,8 @@ def section_double(ctx: Ctx, rows: list):
     torch.manual_seed(0)
     gm, dm = GPT(dd.baseline_config(cfg)).to(dev, dt).eval(), dd.DoubleDecoder(cfg).to(dev, dt).eval()
     if backend is not False:
-        compiled(gm, backend), compiled(dm, backend)
+        for m in (gm, dm):
+            m.compile_decode("auto", backend)
     models = {"decoder-only": gm, "double": dm}
     paper = cfg.gen_layers / cfg.n_layer
     print(f"   double preset {preset}: {cfg.ctx_layers} + {cfg.gen_layers} layers vs {cfg.n_layer} | prompt {P}, {N} "
@@ -643,7 +629,7 @@ def section_double(ctx: Ctx, rows: list):
             continue
         idx = torch.randint(0, cfg.vocab_size - 1, (B, P), device=dev)
         t, info = timed_generation(ctx, models, idx, N, ctx.sizes.repeats)
-        per = [a / b for a, b in zip(t["double"]["token"], t["decoder-only"]["token"])]
+        per = per_round(t["double"]["token"], t["decoder-only"]["token"])
         ctx.row(rows, name="double / decoder-only per token", batch=B, ratio=med(per), paper=paper,
                 target=TARGETS["double"], met=None, rounds=info["rounds"], recompiles_after_warmup=info["recompiles"],
                 **{f"ms_{k.replace('-', '_')}": med(v["token"]) * 1e3 for k, v in t.items()})
@@ -672,38 +658,20 @@ def train_shapes(preset: str, seq_len: int) -> tuple[GPTConfig, str]:
                      tie_embeddings=True), what
 
 
-def train_step(model, opt, x, y, autocast):
-    def step():
-        with autocast:
-            _, loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return step
-
-
 def section_train(ctx: Ctx, rows: list):
     dev, dt, (B, T) = ctx.device, ctx.dtype, ctx.sizes.train
     label, backend = ctx.backend("train")
-    label = label.replace("dynamo, fullgraph, ", "torch.compile, ").replace(" (graph safety only: no kernels, no "
-                                                                             "speed)", " (no kernels, no speed)")
     cfg, what = train_shapes(ctx.args.preset, T)
-    torch.manual_seed(0)
-    models = {"ours": GPT(cfg).to(dev)}
-    if ctx.args.nanogpt:
-        models["nanoGPT"] = nanogpt_model(ctx.args.nanogpt, cfg, T).to(dev)
-    x = torch.randint(0, cfg.vocab_size - 1, (B, T), device=dev)
-    y = torch.randint(0, cfg.vocab_size - 1, (B, T), device=dev)
-    autocast = torch.autocast(dev.type, dtype=dt, enabled=dt != torch.float32)
+    models = train_models(cfg, ctx.args.nanogpt, T, dev)
+    x, y, autocast = train_batch(cfg, B, T, dev, dt)
     steps = {}
     for name, m in models.items():  # as bench.py train: ours train.py's AdamW, nanoGPT torch's (fused on CUDA)
-        opt = (make_optimizer(m, 1e-4, 0.1, dev) if name == "ours" else
-               torch.optim.AdamW(m.parameters(), lr=1e-4, fused=dev.type == "cuda"))
+        opt = optimizer_for(name, m, dev)
         steps[f"{name} eager"] = train_step(m, opt, x, y, autocast)
         if backend is not False:
             fwd = torch.compile(m) if backend is None else torch.compile(m, backend=backend)
             steps[f"{name} compiled"] = train_step(fwd, opt, x, y, autocast)
-    n_params = {k: sum(p.numel() for p in m.parameters()) for k, m in models.items()}
+    n_params = param_counts(models)
     flops, peak = models["ours"].flops_per_token(T), peak_flops(dev)
     print(f"   {what}: layers {cfg.n_layer}, d {cfg.n_embd}, heads {cfg.n_head} (MHA), ours SwiGLU {cfg.mlp_hidden} + "
           f"RMSNorm vs nanoGPT GELU {4 * cfg.n_embd} + LayerNorm | params " + ", ".join(
@@ -711,10 +679,8 @@ def section_train(ctx: Ctx, rows: list):
           f"{label} | MFU = tok/s x {flops / 1e6:.0f} MFLOP/token (6N + 12LHDT) / "
           + (f"{peak / 1e12:.0f} TFLOP/s" if peak else "no known peak on this device (MFU -)")
           + ("" if ctx.args.nanogpt else " | no --nanogpt: ours alone (nanoGPT's model.py comes from a checkout)"))
-    t0 = time.perf_counter()
-    rounds(steps, 0, dev, warmup=2)  # compiles
-    warm = time.perf_counter() - t0
-    res, n = capped_rounds(steps, ctx.sizes.repeats, dev, ctx.clock, warmup=0)
+    res, info = capped_rounds(steps, ctx.sizes.repeats, dev, ctx.clock, warmup=2)  # the warm-up compiles
+    n, warm = info["rounds"], info["warmup_s"]
     for name, ts in res.items():
         tps = [B * T / t for t in ts]
         mfu = 100 * med(tps) * flops / peak if peak else None
@@ -722,7 +688,7 @@ def section_train(ctx: Ctx, rows: list):
                     warmup_s=warm)
         vs, target, met = "", None, None
         if name.startswith("ours") and name.replace("ours", "nanoGPT") in res:
-            per = [b / a for a, b in zip(ts, res[name.replace("ours", "nanoGPT")])]
+            per = per_round(res[name.replace("ours", "nanoGPT")], ts)
             r["x_nanogpt"] = med(per)
             vs = f"  ours / nanoGPT {spread(per, fmt='.2f')}x"
             if name.endswith("compiled"):
@@ -755,10 +721,7 @@ def check_gpu_memory(ctx: Ctx, only):
             "serve": memory_sum(*[model_memory(cfg, e)] * 4, {"server caches": 6 * kv_of(cfg, top, P + N + 128, e)},
                                 forward_memory(cfg, top, P, e, logits_rows=top))}
     tcfg, _ = train_shapes(ctx.args.preset, sz.train[1])
-    n = 2 if ctx.args.nanogpt else 1
-    m = model_memory(tcfg, 4)
-    need["train"] = memory_sum({"weights, gradients and AdamW moments": 4 * n * m["weights"]},
-                               least_step_memory(sz.train[0], sz.train[1], tcfg.vocab_size, dt))
+    need["train"] = train_memory(tcfg, *sz.train, dt, 2 if ctx.args.nanogpt else 1)
     worst = max((need[s] for s in only if s in need), key=lambda d: d["total"], default=None)
     check_bench_memory(ctx.device, f"bench.py gpu (preset {ctx.args.preset}, the largest section)",
                        {"copy bandwidth probe": 2 * sz.bandwidth_bytes}, *([worst] if worst else []),
@@ -779,14 +742,14 @@ def write_json(path, results):
 
 
 def one_line(e: BaseException) -> str:
+    """An exception as one line for a row and the log: its type and the first line of its message."""
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
 
 
 def bench_gpu(args) -> dict:
     only = [s for s in SECTIONS if s in args.only.split(",")]
-    if args.nanogpt and not (Path(args.nanogpt) / "model.py").is_file():
-        raise UsageError(f"--nanogpt {args.nanogpt} is not a nanoGPT checkout (a directory with its model.py)")
+    check_nanogpt(args.nanogpt)
     device = pick_device(args.device)
     dtype = pick_dtype(device, args.dtype)
     sizes = Sizes() if device.type == "cuda" else CPU_SIZES

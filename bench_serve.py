@@ -47,12 +47,12 @@ import torch
 
 import cpu_tuning
 import serve
-from bench_common import json_safe, med, spread
+from bench_common import header, json_safe, med, per_round, spread
 from checkpoint import load_checkpoint, load_source_model, model_from_checkpoint, tokenizer_from_spec
 from cli import (DTYPES, UsageError, available_memory, check_device, check_dtype, check_writable_dir, comma_list,
                  number, one_of, path_arg, seed_arg, temperature_arg, threads_arg, user_input)
 from data import Tokenizer
-from model import GPT, PRESETS, GPTConfig, param_bytes, peak_bandwidth, pick_device, pick_dtype
+from model import GPT, PRESETS, GPTConfig, kv_bytes, param_bytes, peak_bandwidth, pick_device, pick_dtype
 from recursive import EXIT_RULES, RecursiveGPT, exit_threshold_for, from_vanilla
 from svd_lora import max_ranks
 from serve_requests import (MAX_REQUESTS, chat_requests, chat_template, check_request, corpus_requests, error_counts,
@@ -97,7 +97,7 @@ def serve_setting(args, device, dtype, B) -> list[dict]:
         return []
     van, rec, reqs, rules, thresholds, how = built
     servers, slots = make_servers(args, van, rec, rules, thresholds, dtype, device)
-    header(args, device, dtype, van, rec, reqs, slots, rules, thresholds, how)
+    setting_header(args, device, dtype, van, rec, reqs, slots, rules, thresholds, how, servers[0].compiled)
     for srv in servers:  # warm-up: allocator, first-call overheads, the linear product choice, compiling
         if args.warmup != 0:
             srv.run(reqs[:args.warmup or max(slots.values())], clock="step")
@@ -109,7 +109,7 @@ def serve_setting(args, device, dtype, B) -> list[dict]:
             done = srv.run(reqs)
             rounds[srv.name].append(summarize(srv, done, peak))
             outputs.setdefault(srv.name, {r.rid: r.output for r in done if r.error is None})
-    rows = report(args, servers, rounds, outputs, B or rec.config.n_loops, slots, peak)
+    rows = report(args, servers, rounds, outputs, rec.config.n_loops, slots, peak)
     for row in rows:
         row.update(dtype=str(dtype).removeprefix("torch."), loops=rec.config.n_loops)
     if args.profile:  # an eager step's parts (a compiled step is one graph)
@@ -126,14 +126,15 @@ def serve_setting(args, device, dtype, B) -> list[dict]:
 def build_setting(args, device, dtype, B):
     """-> (vanilla, recursive, requests, exit rules, thresholds per rule, how they were set), or None (skipped)."""
     source = f"--vanilla-ckpt {args.vanilla_ckpt}" if args.vanilla_ckpt else f"--preset {args.preset}"
-    if B is not None and not args.vanilla_ckpt and GPTConfig.from_preset(args.preset).n_layer % B:
-        print(f"\n== serving B={B}: skipped, the {GPTConfig.from_preset(args.preset).n_layer} layers of {source} do "
-              f"not split into {B} loops")
-        return None
-    with user_input():  # a config the flags make impossible (a LoRA rank above full rank, ...): one line
-        van, rec, spec = build_models(args, device, dtype, B)
-    if rec is None:
-        print(f"\n== serving B={B}: skipped, the {van.config.n_layer} layers of {source} do not split into {B} loops")
+    # random weights: the preset's layers are known before anything is built; a source checkpoint's once loaded
+    n_layer = GPTConfig.from_preset(args.preset).n_layer if B is not None and not args.vanilla_ckpt else None
+    van = rec = None
+    if n_layer is None or n_layer % B == 0:
+        with user_input():  # a config the flags make impossible (a LoRA rank above full rank, ...): one line
+            van, rec, spec = build_models(args, device, dtype, B)
+    if rec is None:  # the layers do not split into B loops (build_models: those of --vanilla-ckpt)
+        n_layer = van.config.n_layer if van is not None else n_layer
+        print(f"\n== serving B={B}: skipped, the {n_layer} layers of {source} do not split into {B} loops")
         return None
     reqs = build_requests(args, van, rec, spec)
     rules = (args.rules.split(",") if args.rules else
@@ -174,19 +175,18 @@ def make_servers(args, van, rec, rules, thresholds, dtype, device):
     return servers, slots
 
 
-def header(args, device, dtype, van, rec, reqs, slots, rules, thresholds, how):
+def setting_header(args, device, dtype, van, rec, reqs, slots, rules, thresholds, how, compiled: bool):
+    """bench_common.header of a (dtype, B) setting (compiled: the servers' steps are), then what its exits are."""
     rc = rec.config
-    cpu = f"cpu, {torch.get_num_threads()} threads" if device.type == "cpu" else torch.cuda.get_device_name(device)
     kind = f"relaxed ranks {rc.lora_ranks}" if rc.relaxed else "recursive"
     thr = "; ".join(f"{r} {','.join(format(t, '.4g') for t in thresholds[r]) or '-'}" for r in rules)
-    compiled = args.compile if args.compile is not None else device.type == "cuda"
     budget = f" (memory budget {args.batch_memory_mb} MiB)" if args.batch_memory_mb else ""
-    print(f"\n== serving B={rc.n_loops} | device {cpu} | dtype {dtype} | torch {torch.__version__} | vanilla "
-          f"{van.config.n_layer} layers, d {van.config.n_embd}, {param_bytes(van) / 1e6:.0f} MB | {kind} "
-          f"B={rc.n_loops} K={rc.n_shared} {param_bytes(rec) / 1e6:.0f} MB | {len(reqs)} requests, arrivals "
-          f"{args.arrival}{f' at {args.rate}/s' if args.arrival == 'poisson' else ''} | slots {slots['van']} vanilla, "
-          f"{slots['rec']} depth-wise{budget} | steps {'compiled' if compiled else 'eager'} | median (min..max) of "
-          f"{args.repeats} interleaved rounds after a warm-up")
+    header(f"serving B={rc.n_loops}", device, dtype,
+           f"vanilla {van.config.n_layer} layers, d {van.config.n_embd}, {param_bytes(van) / 1e6:.0f} MB | {kind} "
+           f"B={rc.n_loops} K={rc.n_shared} {param_bytes(rec) / 1e6:.0f} MB | {len(reqs)} requests, arrivals "
+           f"{args.arrival}{f' at {args.rate}/s' if args.arrival == 'poisson' else ''} | slots {slots['van']} vanilla, "
+           f"{slots['rec']} depth-wise{budget} | steps {'compiled' if compiled else 'eager'} | median (min..max) of "
+           f"{args.repeats} interleaved rounds after a warm-up")
     if args.ckpt:
         print(f"   EXITS REAL: --ckpt {args.ckpt}; thresholds {thr} ({how})")
         return
@@ -227,8 +227,8 @@ def report(args, servers, rounds, outputs, B, slots, peak) -> list[dict]:
         return rows
     for srv, row in zip(servers, rows):
         rs = rounds[srv.name]
-        e2e = [r["tok_per_s"] / b["tok_per_s"] for r, b in zip(rs, base)]
-        loaded = [r["loaded_tok_per_s"] / b["loaded_tok_per_s"] for r, b in zip(rs, base)]
+        e2e = per_round([r["tok_per_s"] for r in rs], [b["tok_per_s"] for b in base])
+        loaded = per_round([r["loaded_tok_per_s"] for r in rs], [b["loaded_tok_per_s"] for b in base])
         row.update(e2e_vs_csb=med(e2e), loaded_vs_csb=med(loaded))
         loops = row["mean_exit_loop"]
         ceiling = (f"ceiling {B / loops * slots['rec'] / slots['van']:.2f}x"
@@ -397,8 +397,8 @@ def step_bytes(server) -> int:
     shared block and the head) each step, and K/V of every key read (server.kv_read) in the layers a step runs."""
     m, c = server.model, server.cfg
     layers = c.n_shared if isinstance(m, RecursiveGPT) else c.n_layer
-    kv = 2 * c.n_kv_head * c.hd * server.cache.k.element_size() * layers
-    return server.n_steps * param_bytes(m.blocks, m.norm, m.lm_head) + server.kv_read * kv
+    kv = kv_bytes(layers, 1, server.kv_read, c.n_kv_head, c.hd, server.cache.k.element_size())
+    return server.n_steps * param_bytes(m.blocks, m.norm, m.lm_head) + kv
 
 
 def summarize(server, reqs, peak_bw=None) -> dict:
@@ -418,9 +418,10 @@ def summarize(server, reqs, peak_bw=None) -> dict:
              loaded_tok_per_s=server.full_tokens / server.full_time if server.full_time > 0 else float("nan"),
              errors_by_reason=error_counts(reqs), request_errors={r.rid: r.error for r in reqs if r.error})
     if server.device.type == "cuda" and server.step_time > 0:
-        d["bandwidth_GBs"] = step_bytes(server) / server.step_time / 1e9
+        read = step_bytes(server) / server.step_time  # bytes/s
+        d["bandwidth_GBs"] = read / 1e9
         if peak_bw:
-            d["bandwidth_pct_peak"] = 100 * step_bytes(server) / server.step_time / peak_bw
+            d["bandwidth_pct_peak"] = 100 * read / peak_bw
     return d
 
 

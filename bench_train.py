@@ -37,6 +37,65 @@ def nanogpt_model(path: str, cfg: GPTConfig, seq_len: int):
     return mod.GPT(conf)
 
 
+def check_nanogpt(path):
+    """--nanogpt, when given, must be a nanoGPT checkout: one line before any work."""
+    if path and not (Path(path) / "model.py").is_file():
+        raise UsageError(f"--nanogpt {path} is not a nanoGPT checkout (a directory with its model.py)")
+
+
+def train_memory(cfg: GPTConfig, batch: int, seq_len: int, dtype, n_models: int) -> dict:
+    """What training `n_models` models of cfg's shape allocates at least: fp32 weights, gradients and AdamW's two
+    moments per model, their RoPE tables, the batch and one step's activations (model.least_step_memory)."""
+    m = model_memory(cfg, 4)
+    return memory_sum({"weights, gradients and AdamW moments": 4 * n_models * m["weights"]},
+                      {"RoPE tables": n_models * m["RoPE tables"], "batch": 2 * batch * seq_len * 8},
+                      least_step_memory(batch, seq_len, cfg.vocab_size, dtype))
+
+
+def train_models(cfg: GPTConfig, nanogpt, seq_len: int, device) -> dict:
+    """{"ours": GPT of cfg} and, with a nanoGPT checkout, {"nanoGPT": its model at cfg's shape}: fp32, seed 0."""
+    torch.manual_seed(0)
+    models = {"ours": GPT(cfg).to(device)}
+    if nanogpt:
+        models["nanoGPT"] = nanogpt_model(nanogpt, cfg, seq_len).to(device)
+    return models
+
+
+def train_batch(cfg: GPTConfig, batch: int, seq_len: int, device, dtype):
+    """Random inputs and targets (batch, seq_len) and the autocast the steps run under (bf16: autocast, fp32 weights
+    and optimizer) -> (x, y, autocast)."""
+    x = torch.randint(0, cfg.vocab_size - 1, (batch, seq_len), device=device)
+    y = torch.randint(0, cfg.vocab_size - 1, (batch, seq_len), device=device)
+    return x, y, torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+
+def optimizer_for(name: str, model, device, fused_ours: bool = True):
+    """ours: train.py's AdamW (model.make_optimizer, fused on CPU and CUDA); nanoGPT (and ours without fused_ours):
+    nanoGPT's own choice, torch's AdamW fused on CUDA only (its configure_optimizers), the per-tensor loop on CPU."""
+    if name == "ours" and fused_ours:
+        return make_optimizer(model, 1e-4, 0.1, device)
+    return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+
+
+def train_step(model, opt, x, y, autocast, sync_device=None):
+    """One training step as step(): forward under autocast, backward, AdamW, zero_grad (then a device sync when
+    sync_device is given: a profiled step ends with its kernels)."""
+    def step():
+        with autocast:
+            _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if sync_device is not None:
+            sync(sync_device)
+    return step
+
+
+def param_counts(models: dict) -> dict[str, int]:
+    """name -> every parameter of the model (embeddings included)."""
+    return {k: sum(p.numel() for p in m.parameters()) for k, m in models.items()}
+
+
 # --profile of `train`: where one training step's time goes, by operator group. Forward operators are grouped by the
 # module they run in (hooks open a profiler range per norm, attention and MLP module); a backward operator belongs to
 # the module of the forward operator that made its autograd node (the profiler gives both the same sequence number).
@@ -110,43 +169,22 @@ def ancestors(e) -> list[str]:
 
 
 def bench_train(args):
-    if args.nanogpt and not (Path(args.nanogpt) / "model.py").is_file():
-        raise UsageError(f"--nanogpt {args.nanogpt} is not a nanoGPT checkout (a directory with its model.py)")
+    check_nanogpt(args.nanogpt)
     device = pick_device(args.device)
     cfg = GPTConfig.from_preset(args.preset, max_seq_len=args.seq_len)
     B, T = args.train_batch, args.seq_len
     dtype = pick_dtype(device, args.dtype)
-    n, m = 2 if args.nanogpt else 1, model_memory(cfg, 4)  # fp32 weights, gradients, AdamW's two moments per model
-    check_memory(memory_sum({"weights, gradients and AdamW moments": 4 * n * m["weights"]},
-                            {"RoPE tables": n * m["RoPE tables"], "batch": 2 * B * T * 8},
-                            least_step_memory(B, T, cfg.vocab_size, dtype)), device,
+    check_memory(train_memory(cfg, B, T, dtype, 2 if args.nanogpt else 1), device,
                  f"bench.py train --train-batch {B} x --seq-len {T}", "lower --train-batch or --seq-len",
                  per="per training step", at_least=True)
-    torch.manual_seed(0)
-    models = {"ours": GPT(cfg).to(device)}
-    if args.nanogpt:
-        models["nanoGPT"] = nanogpt_model(args.nanogpt, cfg, T).to(device)
-    x = torch.randint(0, cfg.vocab_size - 1, (B, T), device=device)
-    y = torch.randint(0, cfg.vocab_size - 1, (B, T), device=device)  # bf16: autocast, fp32 weights and optimizer
-    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+    models = train_models(cfg, args.nanogpt, T, device)
+    x, y, autocast = train_batch(cfg, B, T, device, dtype)
     steps = {}
-    for name, m in models.items():  # ours: train.py's AdamW (fused on CPU and CUDA); nanoGPT: its own choice, fused
-        # on CUDA only (its configure_optimizers), torch's per-tensor loop on CPU
-        if name == "ours" and args.fused_adamw:
-            opt = make_optimizer(m, 1e-4, 0.1, device)
-        else:
-            opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=device.type == "cuda")
+    for name, m in models.items():
+        opt = optimizer_for(name, m, device, fused_ours=args.fused_adamw)
         fwd = torch.compile(m) if args.compile else m  # both models alike
-
-        def step(fwd=fwd, opt=opt):
-            with autocast:
-                _, loss = fwd(x, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            sync(device)
-        steps[name] = step
-    n_params = {k: sum(p.numel() for p in m.parameters()) for k, m in models.items()}
+        steps[name] = train_step(fwd, opt, x, y, autocast, sync_device=device)
+    n_params = param_counts(models)
     header("training step", device, dtype, f"compile {args.compile} | preset {args.preset} shape "
            f"(layers {cfg.n_layer}, d "
            f"{cfg.n_embd}, heads {cfg.n_head}) batch {B} x {T} | params " + ", ".join(
@@ -160,8 +198,7 @@ def bench_train(args):
     for name, ts in res.items():
         print(f"   {name:8s} {spread([B * T / t for t in ts], fmt='.0f')} tok/s")
     if "nanoGPT" in res:
-        ratio = [b / a for a, b in zip(res["ours"], res["nanoGPT"])]
-        print(f"   ours / nanoGPT = {spread(ratio, fmt='.2f')}x tokens/s (per-round ratios)")
+        print(f"   ours / nanoGPT = {ratio(res['nanoGPT'], res['ours'])}x tokens/s (per-round ratios)")
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -422,8 +422,7 @@ def test_bench_block_batch_search_and_ratio(capsys):
     bench.main(["block", "--preset", "tiny", "--scale", str(1 / 32), "--budget-mib", "1", "--repeats", "1",
                 "--dtype", "float32", "--device", "cpu", "--batches", "3"])
     out = capsys.readouterr().out
-    block, vanilla = bench_decode.block_pair(argparse.Namespace(preset="tiny", vanilla=None), torch.device("cpu"),
-                                             torch.float32, 68)
+    block, vanilla = bench_decode.block_pair("tiny", None, torch.device("cpu"), torch.float32, 68)
     sections = out.split("\n-- ")[1:]
     assert len(sections) == 2
     for sec, (setting, (P, G)) in zip(sections, (("decode-heavy", (4, 64)), ("prefill-heavy", (64, 4)))):
