@@ -51,7 +51,6 @@ import gc
 import json
 import logging
 import math
-import os
 import signal
 import time
 from dataclasses import dataclass, field, replace
@@ -69,7 +68,7 @@ from bench_common import (check_bench_memory, device_name, hf_generate, hf_llama
 from bench_decode import (block_lengths, block_pair, block_pair_memory, block_ratios, block_systems, generation_bytes,
                           generation_times, search_batch)
 from bench_train import check_nanogpt, optimizer_for, param_counts, train_batch, train_memory, train_models, train_step
-from cli import DTYPES, UsageError, comma_list, number, one_of, path_arg, threads_arg
+from cli import DTYPES, UsageError, comma_list, number, one_of, path_arg, threads_arg, write_atomic
 from model import (GPT, PRESETS, GPTConfig, forward_memory, memory_sum, model_memory, param_bytes, peak_flops,
                    pick_device, pick_dtype, sync)
 from recursive import from_vanilla
@@ -218,7 +217,8 @@ def graph_backend(flag: str, device, section: str):
         return "none (eager steps)", False
     eager = ('torch.compile, backend "eager" (no kernels, no speed)' if section == "train" else  # the whole model
              'dynamo, fullgraph, backend "eager" (graph safety only: no kernels, no speed)')
-    label = {"inductor": "inductor" + (', mode "reduce-overhead" (CUDA graphs)' if device.type == "cuda" else ""),
+    graphed = device.type == "cuda" and section != "train"  # train: torch.compile's default mode, no CUDA graphs
+    label = {"inductor": "inductor" + (', mode "reduce-overhead" (CUDA graphs)' if graphed else ""),
              "cudagraphs": 'backend "cudagraphs" (CUDA graphs of the stock kernels)', "eager": eager}[flag]
     return label, None if flag == "inductor" else flag
 
@@ -736,9 +736,7 @@ def write_json(path, results):
     """Every result so far, atomically (an outer timeout finds the last complete file)."""
     if not path:
         return
-    tmp = Path(f"{path}.tmp")
-    tmp.write_text(json.dumps(json_safe(results), indent=1))
-    os.replace(tmp, path)
+    write_atomic(Path(path), json.dumps(json_safe(results), indent=1))
 
 
 def one_line(e: BaseException) -> str:
