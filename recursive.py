@@ -77,8 +77,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from model import (GPT, IGNORE, PRESETS, ArchSpec, Block, GPTConfig, KVCache, RotaryEmbedding,
-                   causal_mask_from_positions, compile_step, count_params, distill_loss, graph_mode, kv_bytes,
-                   lm_loss, start_prefill)
+                   causal_mask_from_positions, count_params, distill_loss, kv_bytes, lm_loss, start_prefill)
 from svd_lora import COMPONENTS, LoRALinear, add_lora, init_lora, max_ranks
 
 
@@ -388,8 +387,8 @@ class RecursiveGPT(GPT):
         matmuls). The exit loops are also appended to cache.exit_log.
         """
         cfg = self.config
-        if cfg.sharing != "cycle":
-            return self.decode_all_layers(tok, cache, exit_threshold, return_exits)
+        if cfg.sharing != "cycle":  # Middle-Cycle: every layer, no early exit (all_layers_step, graph-safe as it is)
+            return self.masked_decode_step(tok, cache, exit_threshold, return_exits)
         B, L = tok.size(0), cfg.n_loops
         q_pos = cache.lengths[:, None]  # (B, 1)
         kv_len = cache.kv_len(1)
@@ -414,12 +413,9 @@ class RecursiveGPT(GPT):
             cache.exit_log.append(exits)
         return (logits, exits) if return_exits else logits
 
-    @torch.no_grad()
-    def decode_all_layers(self, tok, cache: RecursiveCache, exit_threshold=None, return_exits=False):
-        """decode_step of Middle-Cycle sharing: the first layer, every loop, the last layer, the head; no early exit
-        (a loop's output is no exit there). tok (B,) -> logits (B, V) [, exit loop (B,): always the last]."""
-        if exit_threshold is not None:
-            self.check_cycle("early exit (an exit threshold)")
+    def all_layers_step(self, tok, cache: KVCache):
+        """masked_step of Middle-Cycle sharing: the first layer, every loop, the last layer, the head; no early exit
+        (a loop's output is no exit there). tok (B,) -> logits (B, V), exit loop (B,): always the last."""
         q_pos = cache.lengths[:, None]  # (B, 1)
         mask = causal_mask_from_positions(q_pos, cache.kv_len(1))
         rope = self.rope(q_pos)
@@ -429,15 +425,15 @@ class RecursiveGPT(GPT):
         x = self.run_unique(self.unique_last, x, rope, cache=cache, mask=mask, q_pos=q_pos)
         cache.lengths += 1
         exits = torch.full((tok.size(0),), self.config.n_loops - 1, dtype=torch.long, device=tok.device)
-        if isinstance(cache, RecursiveCache):
-            cache.exit_log.append(exits)
-        logits = self.head(x)[:, 0]
-        return (logits, exits) if return_exits else logits
+        return self.head(x)[:, 0], exits
 
+    @torch.no_grad()
     def masked_decode_step(self, tok, cache: RecursiveCache, exit_threshold: float | None = None,
                            return_exits=False, exit_rule: str | None = None):
         """decode_step in graph-safe form: the same tokens, exit loops and cache (masked_step, what compile_decode
         compiles, and the exit log, which a graph does not append to)."""
+        if exit_threshold is not None:  # Middle-Cycle refuses it here, before the graph
+            self.check_cycle("early exit (an exit threshold)")
         logits, exits = self.masked_step(tok, cache, exit_threshold, exit_rule)
         if isinstance(cache, RecursiveCache):  # a copy: a CUDA graph's outputs live until its next replay
             cache.exit_log.append(exits.clone())
@@ -450,8 +446,10 @@ class RecursiveGPT(GPT):
         skip work per row): its exit state h_e and exit loop are kept by masked selects, the K/V it writes into the
         deeper cache layers are replaced at the end by its state propagation (propagate_masked), and its logits are
         the head on h_e, as in the subset form. No host sync, no data-dependent shape; the threshold and the rule
-        are constants of the compiled step (one graph each)."""
+        are constants of the compiled step (one graph each). Middle-Cycle sharing: all_layers_step."""
         cfg = self.config
+        if cfg.sharing != "cycle":
+            return self.all_layers_step(tok, cache)
         B, L = tok.size(0), cfg.n_loops
         q_pos = cache.lengths[:, None]  # (B, 1)
         kv_len = cache.kv_len(1)
@@ -475,15 +473,13 @@ class RecursiveGPT(GPT):
         cache.lengths += 1
         return logits, exits
 
+    # compile_decode compiles the graph-safe form of decode_step, early exit included (Middle-Cycle: every layer)
+    graph_steps = ("masked_step",)
+
     def compile_decode(self, mode: str | None = "auto", backend=None):
-        """model.GPT.compile_decode for the graph-safe form of decode_step, early exit included: static caches, one
-        per batch bucket, and masked_step compiled (decode_step = masked_decode_step from now on). Middle-Cycle
-        sharing has no early exit: its decode step (decode_all_layers) is graph-safe as it is."""
-        if self.config.sharing != "cycle":
-            return super().compile_decode(mode, backend)
-        self.static_cache = True
-        self.masked_step = compile_step(self.masked_step, graph_mode(mode, self.lm_head.weight.device, backend),
-                                        backend)
+        """model.GPT.compile_decode of masked_step (static caches, one per batch bucket); decode_step =
+        masked_decode_step from now on, which appends the exit log outside the graph."""
+        super().compile_decode(mode, backend)
         self.decode_step = self.masked_decode_step
         return self
 
