@@ -1000,10 +1000,11 @@ def model_memory(cfg, elem: int = 4) -> dict:
     """What building a model of `cfg` allocates, from the config alone, before anything exists (cfg: a GPTConfig or
     a subclass; the fields are read by name, so that a config no machine holds is refused before its layers are even
     listed): its weights at `elem` bytes each -- embedding, head unless tied, the layers' attention, MLP, norms and
-    biases; a looped model's shared layers once (n_shared) with their per-loop LoRA (lora_rank_*); a Block
-    Transformer's block decoder, embedder table and context projection -- and its RoPE tables (float32 cos and sin of
-    every position, and the temporaries that build them). Exact for model.GPT; an architecture's gates and extra norms
-    are not counted. -> {"weights", "RoPE tables", "total"}"""
+    biases; a looped model's shared layers once (n_shared) with their per-loop LoRA (lora_rank_*) and its unique
+    layers (Middle-Cycle's n_first, n_last); a Block Transformer's block decoder, embedder table and context
+    projection -- and its RoPE tables (float32 cos and sin of every position, and the temporaries that build them).
+    Exact for model.GPT; an architecture's gates and extra norms are not counted.
+    -> {"weights", "RoPE tables", "total"}"""
     hd = cfg.head_dim or cfg.n_embd // cfg.n_head
     norm = 2 if cfg.norm == "layer" else 1  # LayerNorm has a bias
 
@@ -1019,6 +1020,8 @@ def model_memory(cfg, elem: int = 4) -> dict:
     ranks = {c: getattr(cfg, f"lora_rank_{c}", 0) for c in ("q", "kv", "o", "mlp")}
     weights = layers(getattr(cfg, "n_shared", cfg.n_layer), cfg.n_embd, cfg.n_head, cfg.n_kv_head, hd,
                      cfg.mlp_hidden, getattr(cfg, "n_loops", 1), ranks)
+    unique = getattr(cfg, "n_first", 0) + getattr(cfg, "n_last", 0)  # Middle-Cycle's unique layers, no LoRA
+    weights += layers(unique, cfg.n_embd, cfg.n_head, cfg.n_kv_head, hd, cfg.mlp_hidden)
     weights += cfg.vocab_size * cfg.n_embd * (1 if cfg.tie_embeddings else 2) + norm * cfg.n_embd
     if getattr(cfg, "block_n_layer", None):  # the Block Transformer: block decoder, embedder, context projection
         bd = cfg.block_n_embd

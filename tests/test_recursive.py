@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import write_jsonl
-from model import GPT, GPTConfig, KVCache, distill_loss, lm_loss
+from model import GPT, GPTConfig, KVCache, distill_loss, lm_loss, model_memory, param_bytes
 from recursive import (ARCH_SPECS, RecursiveCache, RecursiveConfig, RecursiveGPT, exit_analysis, exit_coefficients,
                        from_vanilla, stepwise_layers, tying_sources)
 from svd_lora import LoRALinear, lora_params, max_ranks
@@ -807,6 +807,8 @@ def test_middle_cycle_parameters_flops_and_preset_rows(capsys):
     assert m.num_params() == from_vanilla(van, n_loops=2, **quiet).num_params() + per_layer
     assert m.flops_per_token(16) == pytest.approx(van.flops_per_token(16))  # the same effective depth
     assert m.kv_cache_bytes(2, 10) == van.kv_cache_bytes(2, 10)
+    for mm in (m, middle(**ranks(4))):  # the estimate from the config alone: the unique layers counted, LoRA per loop
+        assert model_memory(mm.config)["weights"] == param_bytes(mm)
     import bench
 
     bench.main(["presets", "--arch", "recursive", "--preset", "tiny6"])
