@@ -950,12 +950,13 @@ def count_params(module: nn.Module, exclude: tuple[nn.Module, ...] = ()) -> int:
     return n
 
 
-def param_bytes(*modules: nn.Module) -> int:
-    """Bytes of the unique parameters of the modules (tied weights once): what a forward pass reads."""
+def param_bytes(*modules: nn.Module, buffers: bool = False) -> int:
+    """Bytes of the unique parameters of the modules (tied weights once): what a forward pass reads; buffers=True
+    adds their buffers (RoPE tables, masks)."""
     seen = {}
     for m in modules:
-        for p in m.parameters():
-            seen[id(p)] = p.numel() * p.element_size()
+        for t in [*m.parameters(), *(m.buffers() if buffers else ())]:
+            seen[id(t)] = t.numel() * t.element_size()
     return sum(seen.values())
 
 
@@ -1032,18 +1033,9 @@ def model_memory(cfg, elem: int = 4) -> dict:
     return with_total({"weights": weights * elem, "RoPE tables": 4 * cfg.max_seq_len * hd * 4})
 
 
-def model_bytes(cfg, elem: int = 4) -> int:
-    """model_memory's total: the bytes a model of `cfg` allocates when it is built."""
-    return model_memory(cfg, elem)["total"]
-
-
 def module_bytes(*modules: nn.Module) -> int:
-    """Bytes of built modules: their unique parameters (param_bytes) and buffers (RoPE tables, masks)."""
-    seen = {}
-    for m in modules:
-        for t in [*m.parameters(), *m.buffers()]:
-            seen[id(t)] = t.numel() * t.element_size()
-    return sum(seen.values())
+    """Bytes of built modules: their unique parameters and buffers (RoPE tables, masks)."""
+    return param_bytes(*modules, buffers=True)
 
 
 def forward_memory(cfg, batch: int, seq_len: int, elem: int = 4, logits_rows: int | None = None,
