@@ -580,6 +580,12 @@ def batch_bucket(n: int) -> int:
     return next((b for b in BATCH_BUCKETS if b >= n), -(-n // top) * top)
 
 
+def static_cache_len(need: int, max_seq_len: int) -> int:
+    """The positions of a static cache for `need` tokens (GPT.generation_cache): rounded up to a multiple of 128, so
+    that calls of nearby lengths share one cache and its graphs, at most max_seq_len."""
+    return min(-(-need // 128) * 128, max_seq_len)
+
+
 def graph_mode(mode: str | None, device, backend=None) -> str | None:
     """compile_step's mode for 'auto': 'reduce-overhead' (CUDA graphs) on CUDA with the default backend, else None."""
     if mode != "auto":
@@ -756,7 +762,7 @@ class GPT(nn.Module):
         rows = batch_bucket(batch) if issubclass(self.cache_cls, KVCache) else batch
         cache, (max_len, dtype, device) = self.graph_caches.get(rows), self.graph_cache_sizes.get(rows, (0, None, None))
         if cache is None or max_len < need or (dtype, device) != (p.dtype, p.device):
-            max_len = min(-(-need // 128) * 128, self.config.max_seq_len)
+            max_len = static_cache_len(need, self.config.max_seq_len)
             cache = self.graph_caches[rows] = self.new_cache(rows, max_len)
             self.graph_cache_sizes[rows] = (max_len, p.dtype, p.device)
         return cache
