@@ -644,7 +644,7 @@ class GPT(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         self.graph_caches = {}  # batch bucket -> the static cache generate() reuses (generation_cache)
-        self.graph_cache_sizes = {}  # batch bucket -> (its positions, dtype, device)
+        self.graph_cache_sizes = {}  # batch bucket -> (its positions, cache_size's other arguments, dtype, device)
 
     def make_blocks(self, cfg) -> nn.ModuleList:
         """The layer stack (a subclass with other layers -- shared, LoRA, another attention -- overrides this)."""
@@ -749,22 +749,35 @@ class GPT(nn.Module):
             setattr(self, name, compile_step(getattr(self, name), mode, backend))
         return self
 
+    def cache_size(self, prompt_len: int, max_new_tokens: int, **step_kwargs) -> tuple[int, dict]:
+        """generation_cache's sizing hook: the positions a generation's cache needs and new_cache's other arguments
+        (an architecture whose cache is sized otherwise overrides this, and cache_covers with it)."""
+        return prompt_len + max_new_tokens, {}
+
+    def cache_covers(self, have: dict, want: dict) -> bool:
+        """Whether a static cache built with cache_size's arguments `have` serves a generation that needs `want`."""
+        return have == want
+
     def generation_cache(self, batch: int, prompt_len: int, max_new_tokens: int, **step_kwargs):
-        """The cache generate() allocates (an architecture whose cache is sized otherwise overrides this). After
-        compile_decode: one static cache per batch bucket, allocated once and reused by every later call (gpt-fast's
-        setup_caches), so a captured graph replays on the same addresses; its rows are the bucket (generate pads the
-        batch of a KVCache; a cache of another kind keeps the batch as its bucket), its positions the need rounded up
-        to 128, grown (one more graph) only when a call needs more."""
-        need = prompt_len + max_new_tokens
+        """The cache generate() allocates, sized by cache_size. After compile_decode: one static cache per batch
+        bucket, allocated once and reused (emptied) by every later call (gpt-fast's setup_caches), so a captured graph
+        replays on the same addresses; its rows are the bucket (generate pads the batch of a KVCache; a cache of
+        another kind keeps the batch as its bucket), its positions the need rounded up to 128 (static_cache_len),
+        rebuilt (one more graph) only when a call needs more (or other arguments: cache_covers)."""
+        need, kwargs = self.cache_size(prompt_len, max_new_tokens, **step_kwargs)
         if not self.static_cache:
-            return self.new_cache(batch, need)
+            return self.new_cache(batch, need, **kwargs)
         p = self.lm_head.weight
         rows = batch_bucket(batch) if issubclass(self.cache_cls, KVCache) else batch
-        cache, (max_len, dtype, device) = self.graph_caches.get(rows), self.graph_cache_sizes.get(rows, (0, None, None))
-        if cache is None or max_len < need or (dtype, device) != (p.dtype, p.device):
+        cache = self.graph_caches.get(rows)
+        max_len, have, dtype, device = self.graph_cache_sizes.get(rows, (0, {}, None, None))
+        if (cache is None or max_len < need or not self.cache_covers(have, kwargs)
+                or (dtype, device) != (p.dtype, p.device)):
             max_len = static_cache_len(need, self.config.max_seq_len)
-            cache = self.graph_caches[rows] = self.new_cache(rows, max_len)
-            self.graph_cache_sizes[rows] = (max_len, p.dtype, p.device)
+            cache = self.graph_caches[rows] = self.new_cache(rows, max_len, **kwargs)
+            self.graph_cache_sizes[rows] = (max_len, kwargs, p.dtype, p.device)
+        else:
+            cache.reset()
         return cache
 
     @torch.no_grad()
