@@ -164,6 +164,12 @@ class BlockCache:
         if static:
             mark_static(self.tokens, self.slots)
 
+    def reset(self):
+        """Forget every block and token (a reused cache: GPT.generation_cache after compile_decode)."""
+        self.blocks.reset()
+        self.local.reset()
+        self.k = 0
+
     def nbytes(self) -> int:
         return self.blocks.nbytes() + self.local.nbytes()
 

@@ -270,7 +270,7 @@ class DoubleDecoder(GPT):
     apply to this model).
     forward(idx, targets=None, blk=None) -> (logits, loss); blk = block ids (T,) or (B, T) (default: the even partition
     into max_blocks blocks). Inference: new_cache -> [extend_context (shared prefix)] -> prefill -> decode_step, and
-    GPT.generate strings them together (generation_cache sizes the cache; `rollover` reaches every decode_step).
+    GPT.generate strings them together (cache_size sizes the cache; `rollover` reaches every decode_step).
     """
 
     blocks = None  # GPT's single stack
@@ -350,12 +350,16 @@ class DoubleDecoder(GPT):
         context decoder's K/V (to extend the context: rollover, a shared prefix)."""
         return dict(cfg=self.config, max_block=max_block, keep_context=keep_context)
 
-    def generation_cache(self, batch: int, prompt_len: int, max_new_tokens: int, rollover: int | None = None):
-        """GPT.generate's hook: the context holds prompt[:-1] (and, with rollover N, every folded block: it is kept
-        for the extensions); the block holds the new tokens, or N of them."""
+    def cache_size(self, prompt_len: int, max_new_tokens: int, rollover: int | None = None) -> tuple[int, dict]:
+        """GPT.generation_cache's sizing hook: the context holds prompt[:-1] (and, with rollover N, every folded
+        block: it is kept for the extensions); the block holds the new tokens, or N of them."""
         grow = max_new_tokens if rollover is not None else 0
-        return self.new_cache(batch, prompt_len - 1 + grow, min(rollover or max_new_tokens, max_new_tokens),
-                              keep_context=rollover is not None)
+        return prompt_len - 1 + grow, dict(max_block=min(rollover or max_new_tokens, max_new_tokens),
+                                           keep_context=rollover is not None)
+
+    def cache_covers(self, have: dict, want: dict) -> bool:
+        """A static cache serves a generation with a block as long or shorter and the same context keeping."""
+        return have["keep_context"] == want["keep_context"] and have["max_block"] >= want["max_block"]
 
     @torch.no_grad()
     def extend_context(self, idx, cache: DoubleCache):

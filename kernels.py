@@ -348,7 +348,11 @@ cpu_lora_form = None
 def multi_lora(x, A, B, idx):
     """Dispatch (same contract as multi_lora_ref): the Triton kernel on CUDA at inference; else the stacked form when
     it reads less than the reference would gather (always the case for the loops of a recursive model), or the
-    reference. On CPU without gradients, where cpu_tuning is enabled, the form it measured faster (cpu_lora_form)."""
+    reference. On CPU without gradients, where cpu_tuning is enabled, the form it measured faster (cpu_lora_form).
+    Inside a compiled step (torch.compile, e.g. serve.py's graph-captured depth-wise step) the stacked form: plain
+    tensor ops that trace into one graph, where the dispatch would time forms on a CPU or launch a kernel by hand."""
+    if torch.compiler.is_compiling():
+        return multi_lora_stacked(x, A, B, idx)
     if use_triton(x, A, B, idx) and _kernel_fits(x, A, B, rank=A.size(1)):
         return multi_lora_triton(x, A, B, idx)
     if cpu_lora_form is not None and x.device.type == "cpu" and not torch.is_grad_enabled() and A.size(0) > 1:

@@ -580,6 +580,12 @@ def batch_bucket(n: int) -> int:
     return next((b for b in BATCH_BUCKETS if b >= n), -(-n // top) * top)
 
 
+def static_cache_len(need: int, max_seq_len: int) -> int:
+    """The positions of a static cache for `need` tokens (GPT.generation_cache): rounded up to a multiple of 128, so
+    that calls of nearby lengths share one cache and its graphs, at most max_seq_len."""
+    return min(-(-need // 128) * 128, max_seq_len)
+
+
 def graph_mode(mode: str | None, device, backend=None) -> str | None:
     """compile_step's mode for 'auto': 'reduce-overhead' (CUDA graphs) on CUDA with the default backend, else None."""
     if mode != "auto":
@@ -638,7 +644,7 @@ class GPT(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         self.graph_caches = {}  # batch bucket -> the static cache generate() reuses (generation_cache)
-        self.graph_cache_sizes = {}  # batch bucket -> (its positions, dtype, device)
+        self.graph_cache_sizes = {}  # batch bucket -> (its positions, cache_size's other arguments, dtype, device)
 
     def make_blocks(self, cfg) -> nn.ModuleList:
         """The layer stack (a subclass with other layers -- shared, LoRA, another attention -- overrides this)."""
@@ -743,22 +749,35 @@ class GPT(nn.Module):
             setattr(self, name, compile_step(getattr(self, name), mode, backend))
         return self
 
+    def cache_size(self, prompt_len: int, max_new_tokens: int, **step_kwargs) -> tuple[int, dict]:
+        """generation_cache's sizing hook: the positions a generation's cache needs and new_cache's other arguments
+        (an architecture whose cache is sized otherwise overrides this, and cache_covers with it)."""
+        return prompt_len + max_new_tokens, {}
+
+    def cache_covers(self, have: dict, want: dict) -> bool:
+        """Whether a static cache built with cache_size's arguments `have` serves a generation that needs `want`."""
+        return have == want
+
     def generation_cache(self, batch: int, prompt_len: int, max_new_tokens: int, **step_kwargs):
-        """The cache generate() allocates (an architecture whose cache is sized otherwise overrides this). After
-        compile_decode: one static cache per batch bucket, allocated once and reused by every later call (gpt-fast's
-        setup_caches), so a captured graph replays on the same addresses; its rows are the bucket (generate pads the
-        batch of a KVCache; a cache of another kind keeps the batch as its bucket), its positions the need rounded up
-        to 128, grown (one more graph) only when a call needs more."""
-        need = prompt_len + max_new_tokens
+        """The cache generate() allocates, sized by cache_size. After compile_decode: one static cache per batch
+        bucket, allocated once and reused (emptied) by every later call (gpt-fast's setup_caches), so a captured graph
+        replays on the same addresses; its rows are the bucket (generate pads the batch of a KVCache; a cache of
+        another kind keeps the batch as its bucket), its positions the need rounded up to 128 (static_cache_len),
+        rebuilt (one more graph) only when a call needs more (or other arguments: cache_covers)."""
+        need, kwargs = self.cache_size(prompt_len, max_new_tokens, **step_kwargs)
         if not self.static_cache:
-            return self.new_cache(batch, need)
+            return self.new_cache(batch, need, **kwargs)
         p = self.lm_head.weight
         rows = batch_bucket(batch) if issubclass(self.cache_cls, KVCache) else batch
-        cache, (max_len, dtype, device) = self.graph_caches.get(rows), self.graph_cache_sizes.get(rows, (0, None, None))
-        if cache is None or max_len < need or (dtype, device) != (p.dtype, p.device):
-            max_len = min(-(-need // 128) * 128, self.config.max_seq_len)
-            cache = self.graph_caches[rows] = self.new_cache(rows, max_len)
-            self.graph_cache_sizes[rows] = (max_len, p.dtype, p.device)
+        cache = self.graph_caches.get(rows)
+        max_len, have, dtype, device = self.graph_cache_sizes.get(rows, (0, {}, None, None))
+        if (cache is None or max_len < need or not self.cache_covers(have, kwargs)
+                or (dtype, device) != (p.dtype, p.device)):
+            max_len = static_cache_len(need, self.config.max_seq_len)
+            cache = self.graph_caches[rows] = self.new_cache(rows, max_len, **kwargs)
+            self.graph_cache_sizes[rows] = (max_len, kwargs, p.dtype, p.device)
+        else:
+            cache.reset()
         return cache
 
     @torch.no_grad()
@@ -950,12 +969,13 @@ def count_params(module: nn.Module, exclude: tuple[nn.Module, ...] = ()) -> int:
     return n
 
 
-def param_bytes(*modules: nn.Module) -> int:
-    """Bytes of the unique parameters of the modules (tied weights once): what a forward pass reads."""
+def param_bytes(*modules: nn.Module, buffers: bool = False) -> int:
+    """Bytes of the unique parameters of the modules (tied weights once): what a forward pass reads; buffers=True
+    adds their buffers (RoPE tables, masks)."""
     seen = {}
     for m in modules:
-        for p in m.parameters():
-            seen[id(p)] = p.numel() * p.element_size()
+        for t in [*m.parameters(), *(m.buffers() if buffers else ())]:
+            seen[id(t)] = t.numel() * t.element_size()
     return sum(seen.values())
 
 
@@ -1000,10 +1020,11 @@ def model_memory(cfg, elem: int = 4) -> dict:
     """What building a model of `cfg` allocates, from the config alone, before anything exists (cfg: a GPTConfig or
     a subclass; the fields are read by name, so that a config no machine holds is refused before its layers are even
     listed): its weights at `elem` bytes each -- embedding, head unless tied, the layers' attention, MLP, norms and
-    biases; a looped model's shared layers once (n_shared) with their per-loop LoRA (lora_rank_*); a Block
-    Transformer's block decoder, embedder table and context projection -- and its RoPE tables (float32 cos and sin of
-    every position, and the temporaries that build them). Exact for model.GPT; an architecture's gates and extra norms
-    are not counted. -> {"weights", "RoPE tables", "total"}"""
+    biases; a looped model's shared layers once (n_shared) with their per-loop LoRA (lora_rank_*) and its unique
+    layers (Middle-Cycle's n_first, n_last); a Block Transformer's block decoder, embedder table and context
+    projection -- and its RoPE tables (float32 cos and sin of every position, and the temporaries that build them).
+    Exact for model.GPT; an architecture's gates and extra norms are not counted.
+    -> {"weights", "RoPE tables", "total"}"""
     hd = cfg.head_dim or cfg.n_embd // cfg.n_head
     norm = 2 if cfg.norm == "layer" else 1  # LayerNorm has a bias
 
@@ -1019,6 +1040,8 @@ def model_memory(cfg, elem: int = 4) -> dict:
     ranks = {c: getattr(cfg, f"lora_rank_{c}", 0) for c in ("q", "kv", "o", "mlp")}
     weights = layers(getattr(cfg, "n_shared", cfg.n_layer), cfg.n_embd, cfg.n_head, cfg.n_kv_head, hd,
                      cfg.mlp_hidden, getattr(cfg, "n_loops", 1), ranks)
+    unique = getattr(cfg, "n_first", 0) + getattr(cfg, "n_last", 0)  # Middle-Cycle's unique layers, no LoRA
+    weights += layers(unique, cfg.n_embd, cfg.n_head, cfg.n_kv_head, hd, cfg.mlp_hidden)
     weights += cfg.vocab_size * cfg.n_embd * (1 if cfg.tie_embeddings else 2) + norm * cfg.n_embd
     if getattr(cfg, "block_n_layer", None):  # the Block Transformer: block decoder, embedder, context projection
         bd = cfg.block_n_embd
@@ -1029,18 +1052,9 @@ def model_memory(cfg, elem: int = 4) -> dict:
     return with_total({"weights": weights * elem, "RoPE tables": 4 * cfg.max_seq_len * hd * 4})
 
 
-def model_bytes(cfg, elem: int = 4) -> int:
-    """model_memory's total: the bytes a model of `cfg` allocates when it is built."""
-    return model_memory(cfg, elem)["total"]
-
-
 def module_bytes(*modules: nn.Module) -> int:
-    """Bytes of built modules: their unique parameters (param_bytes) and buffers (RoPE tables, masks)."""
-    seen = {}
-    for m in modules:
-        for t in [*m.parameters(), *m.buffers()]:
-            seen[id(t)] = t.numel() * t.element_size()
-    return sum(seen.values())
+    """Bytes of built modules: their unique parameters and buffers (RoPE tables, masks)."""
+    return param_bytes(*modules, buffers=True)
 
 
 def forward_memory(cfg, batch: int, seq_len: int, elem: int = 4, logits_rows: int | None = None,

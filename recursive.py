@@ -48,7 +48,7 @@ The model, top to bottom:
         tokens never exit early.
       - Graph-safe forms (torch.compile fullgraph, CUDA graphs: no host sync, no data-dependent shape):
         `masked_decode_step` is decode_step with every row running every loop (a row that left runs along, its
-        deeper K/V replaced by `propagate_masked`'s masked writes), what `compile_decode` compiles; `depthwise_step`
+        deeper K/V replaced by `propagate`'s masked writes), what `compile_decode` compiles; `depthwise_step`
         is serve.py's compiled depth-wise step over every slot. Each equals its subset form (tests).
   * Early exit on text (section 3.8, Appendix K): `exit_analysis` measures the static loss of every loop, the oracle
     exit loop (the earliest loop whose argmax equals the final one), and the confidence-exit trade-off a serving user
@@ -77,8 +77,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from model import (GPT, IGNORE, PRESETS, ArchSpec, Block, GPTConfig, KVCache, RotaryEmbedding,
-                   causal_mask_from_positions, compile_step, count_params, distill_loss, graph_mode, kv_bytes,
-                   lm_loss, start_prefill)
+                   causal_mask_from_positions, count_params, distill_loss, kv_bytes, lm_loss, start_prefill)
 from svd_lora import COMPONENTS, LoRALinear, add_lora, init_lora, max_ranks
 
 
@@ -138,11 +137,15 @@ class RecursiveGPT(GPT):
 
         The loop index selects the LoRA of every projection and, with a cache, the cache layer loop*K + k.
         """
-        K, first = self.config.n_shared, self.config.n_first
         for k, block in enumerate(self.blocks):
-            c = None if cache is None else cache.layer(first + loop * K + k, rows)
+            c = None if cache is None else cache.layer(self.cache_layer(loop, k), rows)
             x = block(x, rope, lora_idx=loop, cache=c, **attn_kwargs)
         return x
+
+    def cache_layer(self, loop, k):
+        """The cache layer (the effective depth) of shared layer k at loop `loop` (an int or a LongTensor):
+        n_first + loop*K + k, after Middle-Cycle's unique first layer."""
+        return self.config.n_first + loop * self.config.n_shared + k
 
     def run_unique(self, blocks, x, rope, cache=None, rows=None, **attn_kwargs):
         """The unique layers of Middle-Cycle sharing (`unique_first` before the loops, `unique_last` after them; empty
@@ -325,24 +328,31 @@ class RecursiveGPT(GPT):
         out = leave.nonzero().squeeze(1)
         return h, leave, (logits[out] if logits is not None else self.exit_logits(h[out])[:, 0])
 
-    def propagate(self, h, from_loop, q_pos, cache: KVCache, rows=None):
+    def propagate(self, h, from_loop, q_pos, cache: KVCache, rows=None, masked=False):
         """State propagation for exited tokens (CALM): fill every deeper cache layer (l' > from_loop, k) with K/V
         projected from the exit hidden state h (b, T, C) through layer k's attn_norm and k/v projections, with loop
         l''s LoRA. from_loop: an int or a LongTensor (b,); q_pos (b, T); rows (b,) cache rows (default all).
 
         Where layer k's K/V projections carry no LoRA (the recursive model; a relaxed one without K/V ranks) the K/V
         of h are the same at every loop: they are projected once for all the rows and written to each layer a row
-        skips (with B = 3 loops half the projections of projecting per loop; the result is the same)."""
+        skips (with B = 3 loops half the projections of projecting per loop; the result is the same).
+
+        masked=True, the graph-safe form (masked_step, depthwise_step): every row at every deeper loop l', the rows
+        with from_loop >= l' writing back what their entry at q_pos held (LayerCache.write's `where`); from_loop =
+        n_loops - 1 propagates nothing. The projections run for every row, the rows that do not exit included: a
+        graph cannot skip work per row."""
         cfg = self.config
-        K = cfg.n_shared
         rows = cache.all_rows if rows is None else rows
         if not isinstance(from_loop, torch.Tensor):
             from_loop = torch.full((h.size(0),), from_loop, device=h.device)
-        deeper = {}  # loop l' -> the rows that skipped it (None = all rows)
-        for lp in range(1, cfg.n_loops):
-            sel = (from_loop < lp).nonzero().squeeze(1)
-            if sel.numel():
-                deeper[lp] = None if sel.numel() == h.size(0) else sel
+        if masked:  # every deeper loop, every row
+            deeper = dict.fromkeys(range(1, cfg.n_loops))
+        else:
+            deeper = {}  # loop l' -> the rows that skipped it (None = all rows)
+            for lp in range(1, cfg.n_loops):
+                sel = (from_loop < lp).nonzero().squeeze(1)
+                if sel.numel():
+                    deeper[lp] = None if sel.numel() == h.size(0) else sel
         if not deeper:
             return
         rope = self.rope(q_pos)  # cos, sin (b, 1, T, rot)
@@ -357,25 +367,8 @@ class RecursiveGPT(GPT):
                     ks, vs = pick(kk, sel), pick(vv, sel)
                 else:
                     ks, vs = block.attn.project_kv(pick(xn, sel), tuple(pick(t, sel) for t in rope), lora_idx=lp)
-                cache.layer(lp * K + k, pick(rows, sel)).write(pick(q_pos, sel), ks, vs)
-
-    def propagate_masked(self, h, from_loop, q_pos, cache: KVCache):
-        """`propagate` in graph-safe form, over every row of the cache: h (B, 1, C), from_loop (B,), q_pos (B, 1).
-        A row gets the K/V of h in each deeper loop l' > from_loop; every other entry at q_pos is written back as it
-        was (LayerCache.write's `where`). from_loop = n_loops - 1 propagates nothing. The projections run for every
-        row, the rows that do not exit included: a graph cannot skip work per row."""
-        cfg = self.config
-        K = cfg.n_shared
-        rope = self.rope(q_pos)
-        for k, block in enumerate(self.blocks):
-            xn = block.attn_norm(h)
-            same_kv_every_loop = not any(isinstance(p, LoRALinear) for p in (block.attn.k_proj, block.attn.v_proj))
-            if same_kv_every_loop:
-                kk, vv = block.attn.project_kv(xn, rope)
-            for lp in range(1, cfg.n_loops):
-                if not same_kv_every_loop:
-                    kk, vv = block.attn.project_kv(xn, rope, lora_idx=lp)
-                cache.layer(lp * K + k).write(q_pos, kk, vv, where=from_loop < lp)
+                where = (from_loop < lp) if masked else None  # masked: the others write back what they hold
+                cache.layer(self.cache_layer(lp, k), pick(rows, sel)).write(pick(q_pos, sel), ks, vs, where=where)
 
     @torch.no_grad()
     def decode_step(self, tok, cache: RecursiveCache, exit_threshold: float | None = None, return_exits=False,
@@ -388,8 +381,8 @@ class RecursiveGPT(GPT):
         matmuls). The exit loops are also appended to cache.exit_log.
         """
         cfg = self.config
-        if cfg.sharing != "cycle":
-            return self.decode_all_layers(tok, cache, exit_threshold, return_exits)
+        if cfg.sharing != "cycle":  # Middle-Cycle: every layer, no early exit (all_layers_step, graph-safe as it is)
+            return self.masked_decode_step(tok, cache, exit_threshold, return_exits)
         B, L = tok.size(0), cfg.n_loops
         q_pos = cache.lengths[:, None]  # (B, 1)
         kv_len = cache.kv_len(1)
@@ -414,12 +407,9 @@ class RecursiveGPT(GPT):
             cache.exit_log.append(exits)
         return (logits, exits) if return_exits else logits
 
-    @torch.no_grad()
-    def decode_all_layers(self, tok, cache: RecursiveCache, exit_threshold=None, return_exits=False):
-        """decode_step of Middle-Cycle sharing: the first layer, every loop, the last layer, the head; no early exit
-        (a loop's output is no exit there). tok (B,) -> logits (B, V) [, exit loop (B,): always the last]."""
-        if exit_threshold is not None:
-            self.check_cycle("early exit (an exit threshold)")
+    def all_layers_step(self, tok, cache: KVCache):
+        """masked_step of Middle-Cycle sharing: the first layer, every loop, the last layer, the head; no early exit
+        (a loop's output is no exit there). tok (B,) -> logits (B, V), exit loop (B,): always the last."""
         q_pos = cache.lengths[:, None]  # (B, 1)
         mask = causal_mask_from_positions(q_pos, cache.kv_len(1))
         rope = self.rope(q_pos)
@@ -429,15 +419,15 @@ class RecursiveGPT(GPT):
         x = self.run_unique(self.unique_last, x, rope, cache=cache, mask=mask, q_pos=q_pos)
         cache.lengths += 1
         exits = torch.full((tok.size(0),), self.config.n_loops - 1, dtype=torch.long, device=tok.device)
-        if isinstance(cache, RecursiveCache):
-            cache.exit_log.append(exits)
-        logits = self.head(x)[:, 0]
-        return (logits, exits) if return_exits else logits
+        return self.head(x)[:, 0], exits
 
+    @torch.no_grad()
     def masked_decode_step(self, tok, cache: RecursiveCache, exit_threshold: float | None = None,
                            return_exits=False, exit_rule: str | None = None):
         """decode_step in graph-safe form: the same tokens, exit loops and cache (masked_step, what compile_decode
         compiles, and the exit log, which a graph does not append to)."""
+        if exit_threshold is not None:  # Middle-Cycle refuses it here, before the graph
+            self.check_cycle("early exit (an exit threshold)")
         logits, exits = self.masked_step(tok, cache, exit_threshold, exit_rule)
         if isinstance(cache, RecursiveCache):  # a copy: a CUDA graph's outputs live until its next replay
             cache.exit_log.append(exits.clone())
@@ -448,10 +438,12 @@ class RecursiveGPT(GPT):
 
         Every row runs every loop. A row that leaves at loop e runs along through the deeper loops (a graph cannot
         skip work per row): its exit state h_e and exit loop are kept by masked selects, the K/V it writes into the
-        deeper cache layers are replaced at the end by its state propagation (propagate_masked), and its logits are
+        deeper cache layers are replaced at the end by its state propagation (propagate, masked), and its logits are
         the head on h_e, as in the subset form. No host sync, no data-dependent shape; the threshold and the rule
-        are constants of the compiled step (one graph each)."""
+        are constants of the compiled step (one graph each). Middle-Cycle sharing: all_layers_step."""
         cfg = self.config
+        if cfg.sharing != "cycle":
+            return self.all_layers_step(tok, cache)
         B, L = tok.size(0), cfg.n_loops
         q_pos = cache.lengths[:, None]  # (B, 1)
         kv_len = cache.kv_len(1)
@@ -470,20 +462,18 @@ class RecursiveGPT(GPT):
             x = h
         h_exit = h if h_exit is None else torch.where(left[:, None, None], h_exit, h)
         if exit_threshold is not None and L > 1:
-            self.propagate_masked(h_exit, exits, q_pos, cache)
+            self.propagate(h_exit, exits, q_pos, cache, masked=True)
         logits = self.exit_logits(h_exit)[:, 0]
         cache.lengths += 1
         return logits, exits
 
+    # compile_decode compiles the graph-safe form of decode_step, early exit included (Middle-Cycle: every layer)
+    graph_steps = ("masked_step",)
+
     def compile_decode(self, mode: str | None = "auto", backend=None):
-        """model.GPT.compile_decode for the graph-safe form of decode_step, early exit included: static caches, one
-        per batch bucket, and masked_step compiled (decode_step = masked_decode_step from now on). Middle-Cycle
-        sharing has no early exit: its decode step (decode_all_layers) is graph-safe as it is."""
-        if self.config.sharing != "cycle":
-            return super().compile_decode(mode, backend)
-        self.static_cache = True
-        self.masked_step = compile_step(self.masked_step, graph_mode(mode, self.lm_head.weight.device, backend),
-                                        backend)
+        """model.GPT.compile_decode of masked_step (static caches, one per batch bucket); decode_step =
+        masked_decode_step from now on, which appends the exit log outside the graph."""
+        super().compile_decode(mode, backend)
         self.decode_step = self.masked_decode_step
         return self
 
@@ -509,7 +499,7 @@ class RecursiveGPT(GPT):
         if threshold is not None:
             score, logits = self.exit_score(h, out, loops, rule or self.config.exit_rule)
             leave = live & ((loops == L - 1) | (score >= threshold))
-            self.propagate_masked(out, torch.where(leave, loops, L - 1), q_pos, cache)
+            self.propagate(out, torch.where(leave, loops, L - 1), q_pos, cache, masked=True)
         return out, leave, (logits if logits is not None else self.exit_logits(out)[:, 0])
 
     @torch.no_grad()

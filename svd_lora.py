@@ -129,16 +129,14 @@ class LoRALinear(Linear):
         all T tokens of a row), or x (N, T, in) and lora_idx (N, T) (one loop per token). -> (N, [T,] out).
 
         Through kernels.multi_lora: the Triton BGMV kernel on CUDA at inference, else the reference that gathers
-        each row's A and B and runs two batched matmuls. Never a Python loop over rows. Inside a compiled step
-        (torch.compile, e.g. serve.py's graph-captured depth-wise step) the stacked form: plain tensor ops that
-        trace into one graph, where the dispatch would time forms on a CPU or launch a kernel by hand."""
+        each row's A and B and runs two batched matmuls (inside a compiled step, the stacked form). Never a Python
+        loop over rows."""
         lead, n_in = x.shape[:-1], x.size(-1)
-        multi_lora = kernels.multi_lora_stacked if torch.compiler.is_compiling() else kernels.multi_lora
         if lora_idx.dim() == 1 and lora_idx.size(0) == x.size(0):  # per row: the kernel broadcasts over T itself
-            delta = multi_lora(x.reshape(x.size(0), -1, n_in), self.lora_A, self.lora_B, lora_idx)
+            delta = kernels.multi_lora(x.reshape(x.size(0), -1, n_in), self.lora_A, self.lora_B, lora_idx)
             idx_shape = (x.size(0),) + (1,) * (x.dim() - 2)
         elif lora_idx.shape == lead:  # per token: flatten to (N*T, in) rows
-            delta = multi_lora(x.reshape(-1, n_in), self.lora_A, self.lora_B, lora_idx.reshape(-1))
+            delta = kernels.multi_lora(x.reshape(-1, n_in), self.lora_A, self.lora_B, lora_idx.reshape(-1))
             idx_shape = tuple(lead)
         else:
             raise ValueError(f"LoRALinear: lora_idx of shape {tuple(lora_idx.shape)} fits neither the rows "

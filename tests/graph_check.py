@@ -42,3 +42,20 @@ class GraphCheck:
             return fgm.forward
 
         return aot_autograd(fw_compiler=forward_compiler)(gm, example_inputs)
+
+
+def check_compiled_generate(model, idx, max_new_tokens: int, graphs: int, again: bool = True, **kwargs) -> GraphCheck:
+    """What every architecture's compiled decode passes: the eager greedy tokens of generate(idx, max_new_tokens,
+    **kwargs), then compile_decode(backend=GraphCheck()): the same tokens in `graphs` graphs (one per step kind), no
+    mutated input left unmarked, no read-back; again: a second generation gives them on the same static caches
+    (GPT.generation_cache's reuse) with no graph more. -> the GraphCheck, for a test's further assertions."""
+    ref = model.generate(idx, max_new_tokens, **kwargs)
+    check = GraphCheck()
+    model.compile_decode(backend=check)
+    assert torch.equal(model.generate(idx, max_new_tokens, **kwargs), ref)
+    assert check.graphs == graphs and check.unsafe == [] and check.syncs == [], (check.unsafe, check.syncs)
+    if again:
+        caches = dict(model.graph_caches)
+        assert torch.equal(model.generate(idx, max_new_tokens, **kwargs), ref) and check.graphs == graphs
+        assert caches and all(model.graph_caches[rows] is c for rows, c in caches.items())
+    return check

@@ -95,19 +95,14 @@ def test_static_caches_give_the_same_generation():
 def test_compiled_decode_is_two_graphs_that_cuda_graphs_can_capture(kw):
     """compile_decode compiles the two step kinds, token_step (inside a block) and block_end_step (a block's last
     token: the block decoder's step, then the next block's prefix): one graph each over a generation of several blocks,
-    none more in a second generation of the same shape (new caches: no recompile as the block index, the token's index
-    in its block and the block decoder's cache advance), every tensor a step writes marked static (what CUDA graphs
-    need), and the eager greedy tokens."""
-    from graph_check import GraphCheck
+    none more in a second generation of the same shape (on the same caches: no recompile as the block index, the
+    token's index in its block and the block decoder's cache advance), every tensor a step writes marked static (what
+    CUDA graphs need), and the eager greedy tokens."""
+    from graph_check import check_compiled_generate
 
     m = tiny_model(**kw)
     idx = real_tokens(3, 6)
-    ref = m.generate(idx, 18)  # 18 tokens after a 6-token prompt: blocks 2..6 (L_B = 4)
-    check = GraphCheck()
-    m.compile_decode(backend=check)
-    assert torch.equal(m.generate(idx, 18), ref)
-    assert check.graphs == 2 and check.unsafe == [] and check.syncs == [], (check.unsafe, check.syncs)
-    assert torch.equal(m.generate(idx, 18), ref) and check.graphs == 2
+    check_compiled_generate(m, idx, 18, graphs=2)  # 18 tokens after a 6-token prompt: blocks 2..6 (L_B = 4)
 
 
 def test_generation_caches_are_small_and_kv_bytes_match_them():

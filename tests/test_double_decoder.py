@@ -402,19 +402,19 @@ def test_shared_prefix_cache_is_reused_across_requests():
 def test_compiled_decode_is_one_graph_per_step_kind(rollover, P):
     """compile_decode on a static DoubleCache compiles the two step kinds: token_step (one graph) and, with rollover,
     rollover_step (the fold of a full block into the context, then the token: one more). Over 14 new tokens (three or
-    four folds; with P = 1 the context is empty until the first) no other graph, none in a second generation, every
-    tensor a step writes marked static; the greedy tokens equal the eager ones."""
-    from graph_check import GraphCheck
+    four folds; with P = 1 the context is empty until the first) no other graph, none in a second generation, which
+    reuses the first one's static cache (GPT.generation_cache), nor in a shorter one, every tensor a step writes
+    marked static; the greedy tokens equal the eager ones."""
+    from graph_check import check_compiled_generate
 
     m = tiny_model()
     idx = torch.randint(0, V, (2, P))
-    ref = m.generate(idx, 14, rollover=rollover)
-    check = GraphCheck()
-    m.compile_decode(backend=check)
+    short = m.generate(idx, 9, rollover=rollover)
     kinds = 1 if rollover is None else 2
-    assert torch.equal(m.generate(idx, 14, rollover=rollover), ref)
-    assert check.graphs == kinds and check.unsafe == [] and check.syncs == [], (check.unsafe, check.syncs)
-    assert torch.equal(m.generate(idx, 14, rollover=rollover), ref) and check.graphs == kinds
+    check = check_compiled_generate(m, idx, 14, graphs=kinds, rollover=rollover)
+    cache = m.graph_caches[2]
+    assert torch.equal(m.generate(idx, 9, rollover=rollover), short) and check.graphs == kinds
+    assert m.graph_caches[2] is cache
 
 
 def test_compiled_decode_runs_flexattention_inside_the_graph_on_a_gpu(monkeypatch):

@@ -245,16 +245,12 @@ def test_compiled_decode_is_one_graph_that_cuda_graphs_can_capture():
     lengths advance), no graph break (fullgraph), and every input the step writes (k, v, lengths) marked static, so
     that on CUDA mode='reduce-overhead' captures it instead of skipping it; the tokens equal the eager ones. A cache
     built without the marks is caught."""
-    from graph_check import GraphCheck
+    from graph_check import check_compiled_generate
 
     torch.manual_seed(0)
     m = GPT(tiny()).eval()
     idx = torch.randint(0, 90, (3, 5))
-    ref = m.generate(idx, 8)
-    check = GraphCheck()
-    m.compile_decode(backend=check)
-    assert torch.equal(m.generate(idx, 8), ref)
-    assert check.graphs == 1 and check.unsafe == [] and check.syncs == []
+    check = check_compiled_generate(m, idx, 8, graphs=1, again=False)
     unmarked = m.new_cache(3, 16, static=False)
     unmarked.static = True  # static shapes, but k, v and lengths not marked
     m.prefill(idx, unmarked)

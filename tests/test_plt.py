@@ -159,16 +159,11 @@ def test_compiled_decode_is_one_graph_that_cuda_graphs_can_capture(variant):
     (12 new tokens after 5, W = 4), none more in a second generation of the same shape, every state tensor the step
     writes (the caches, the rings and their positions, the hidden states, the lengths) marked static; the greedy
     tokens equal the eager ones."""
-    from graph_check import GraphCheck
+    from graph_check import check_compiled_generate
 
     model = make(2, variant)
     idx = torch.randint(SHAPE["vocab_size"], (2, 5))
-    ref = model.generate(idx, 12)
-    check = GraphCheck()
-    model.compile_decode(backend=check)
-    assert torch.equal(model.generate(idx, 12), ref)
-    assert check.graphs == 1 and check.unsafe == [] and check.syncs == [], (check.unsafe, check.syncs)
-    assert torch.equal(model.generate(idx, 12), ref) and check.graphs == 1
+    check_compiled_generate(model, idx, 12, graphs=1)
 
 
 def test_compiled_decode_through_the_triton_operator(monkeypatch):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import write_jsonl
-from model import GPT, GPTConfig, KVCache, distill_loss, lm_loss
+from model import GPT, GPTConfig, KVCache, distill_loss, lm_loss, model_memory, param_bytes
 from recursive import (ARCH_SPECS, RecursiveCache, RecursiveConfig, RecursiveGPT, exit_analysis, exit_coefficients,
                        from_vanilla, stepwise_layers, tying_sources)
 from svd_lora import LoRALinear, lora_params, max_ranks
@@ -778,6 +778,27 @@ def test_middle_cycle_cached_decoding_equals_the_full_forward(ranks_):
     assert torch.equal(m(out)[0][:, 4:-1].argmax(-1), out[:, 5:]) and torch.all(exits == 1)
 
 
+def test_middle_cycle_compiled_decode_is_one_graph_per_bucket_with_the_eager_tokens():
+    """compile_decode of Middle-Cycle sharing (backend GraphCheck): greedy generation gives the eager tokens and exit
+    loops, one graph per batch bucket (3 rows -> 4, 6 rows -> 8) whatever the number of tokens (the exit log is
+    appended outside the graph), and a second round compiles nothing more."""
+    import copy
+
+    from graph_check import GraphCheck
+
+    m = middle()
+    gen = torch.Generator().manual_seed(6)
+    idxs = [torch.randint(0, 96, (b, 5), generator=gen) for b in (3, 6)]
+    refs = [m.generate(idx, 6, return_exits=True) for idx in idxs]
+    check = GraphCheck()
+    c = copy.deepcopy(m).compile_decode(backend=check)
+    for i, (idx, ref) in enumerate(zip(idxs * 2, refs * 2)):
+        out, ex = c.generate(idx, 6, return_exits=True)
+        assert torch.equal(out, ref[0]) and torch.equal(ex, ref[1]) and torch.all(ex == 1)
+        assert check.graphs == min(i + 1, len(idxs))
+    assert check.unsafe == check.syncs == [] and sorted(c.graph_caches) == [4, 8]
+
+
 def test_middle_cycle_parameters_flops_and_preset_rows(capsys):
     van = vanilla()
     m = middle()
@@ -786,6 +807,8 @@ def test_middle_cycle_parameters_flops_and_preset_rows(capsys):
     assert m.num_params() == from_vanilla(van, n_loops=2, **quiet).num_params() + per_layer
     assert m.flops_per_token(16) == pytest.approx(van.flops_per_token(16))  # the same effective depth
     assert m.kv_cache_bytes(2, 10) == van.kv_cache_bytes(2, 10)
+    for mm in (m, middle(**ranks(4))):  # the estimate from the config alone: the unique layers counted, LoRA per loop
+        assert model_memory(mm.config)["weights"] == param_bytes(mm)
     import bench
 
     bench.main(["presets", "--arch", "recursive", "--preset", "tiny6"])
