@@ -70,7 +70,7 @@ from bench_decode import (block_lengths, block_pair, block_pair_memory, block_ra
 from bench_train import check_nanogpt, optimizer_for, param_counts, train_batch, train_memory, train_models, train_step
 from cli import DTYPES, UsageError, comma_list, number, one_of, path_arg, threads_arg, write_atomic
 from model import (GPT, PRESETS, GPTConfig, forward_memory, memory_sum, model_memory, param_bytes, peak_flops,
-                   pick_device, pick_dtype, sync)
+                   pick_device, pick_dtype, static_cache_len, sync)
 from recursive import from_vanilla
 from serve_requests import parse_range, synthetic_requests
 
@@ -292,8 +292,8 @@ def free(device):
 
 
 def context_len(cfg, prompt: int, new: int) -> int:
-    """The positions of a graphed generate's static cache (GPT.generation_cache: the need rounded up to 128)."""
-    return min(-(-(prompt + new) // 128) * 128, cfg.max_seq_len)
+    """The positions of a graphed generate's static cache (GPT.generation_cache)."""
+    return static_cache_len(prompt + new, cfg.max_seq_len)
 
 
 def graphed_vanilla(ctx: Ctx, weights: GPT | None = None) -> GPT:
