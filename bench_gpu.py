@@ -29,10 +29,10 @@ Sections (--only picks some; each is timed on its own, its result written to --j
 Graphs (--graphs). auto: on CUDA the decode and serve sections compile their steps with inductor, mode
 "reduce-overhead" (static caches, one CUDA graph per step); plt, block and double capture theirs with torch's
 "cudagraphs" backend (a CUDA graph of the stock kernels, seconds to capture where inductor takes tens of seconds per
-graph: they fit the budget), train compiles with inductor. On a CPU every graph-safe step is traced by dynamo with fullgraph=True and run
-by backend "eager": the CPU run proves every step is one graph and that nothing recompiles after warm-up (each
-section reports the graphs compiled during its timed rounds: it must be 0), its timings of "graphed" steps mean
-nothing.
+graph: they fit the budget), train compiles with inductor (torch.compile's default mode). On a CPU every graph-safe
+step is traced by dynamo with fullgraph=True and run by backend "eager": the CPU run proves every step is one graph
+and that nothing recompiles after warm-up (each section reports the graphs compiled during its timed rounds: it must
+be 0), its timings of "graphed" steps mean nothing.
 
 Time. Each section gets a share of what is left of --minutes (SHARES); it runs fewer rounds (and skips batches) when
 it runs long, is stopped at 1.25 x its cap + 15 s if it overruns (`stopped at its cap`), and a section that raises
@@ -551,7 +551,8 @@ def section_plt(ctx: Ctx, rows: list):
         ctx.row(rows, name=f"PLT-{L} / loop-{L}", batch=B, ratio=med(pl), target=TARGETS["plt_loop"], met=None,
                 rounds=info["rounds"])
         print(f"   batch {B:3d}: ms/token " + ", ".join(f"{v} {spread(t[v]['token'], 1e3, '.3f')}" for v in t))
-        print(f"              PLT-{L} / vanilla {spread(pv, fmt='.2f')}  target {TARGETS['plt']}{fmt_met(met) if B in (4, 16) else ''}")
+        verdict = fmt_met(met) if B in (4, 16) else ""
+        print(f"              PLT-{L} / vanilla {spread(pv, fmt='.2f')}  target {TARGETS['plt']}{verdict}")
         print(f"              PLT-{L} / loop-{L} {spread(pl, fmt='.2f')}  ({TARGETS['plt_loop']}) | {info['rounds']} "
               f"rounds, warm-up {info['warmup_s']:.1f} s, graphs compiled during the timed rounds: "
               f"{info['recompiles']}")
