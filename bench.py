@@ -41,23 +41,23 @@ measured by eval.py, not here.
 from __future__ import annotations
 
 if __name__ == "__main__":  # Ctrl-C or SIGTERM during the imports below: `stopped:`, exit code 130
-    import startup
+    from harness import startup
     startup.stop_while_starting()
 
 import argparse
 
-import bench_gpu
-import bench_serve
 import block_transformer as bt
 import double_decoder as dd
 import plt
-from bench_decode import BLOCK_SETTINGS, bench_archs, bench_block, bench_decode, bench_double, bench_plt, bench_roofline
-from bench_kernels import bench_kernels
-from bench_train import bench_ckpt, bench_kd, bench_train
-from checkpoint import arch_table
-from cli import (DTYPES, ArgumentParser, UsageError, comma_list, number, one_of, path_arg, run_cli, run_subcommand,
-                 threads_arg, user_input)
-from cpu_tuning import LINEAR_PRODUCTS
+from harness import bench_gpu, bench_serve
+from harness.bench_decode import (BLOCK_SETTINGS, bench_archs, bench_block, bench_decode, bench_double, bench_plt,
+                                  bench_roofline)
+from harness.bench_kernels import bench_kernels
+from harness.bench_train import bench_ckpt, bench_kd, bench_train
+from harness.checkpoint import arch_table
+from harness.cli import (DTYPES, ArgumentParser, UsageError, comma_list, number, one_of, path_arg, run_cli,
+                         run_subcommand, threads_arg, user_input)
+from harness.cpu_tuning import LINEAR_PRODUCTS
 from model import PRESETS, describe
 
 # ----------------------------------------------------------------------------------------------------------------

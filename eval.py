@@ -54,7 +54,7 @@ Run:
 from __future__ import annotations
 
 if __name__ == "__main__":  # Ctrl-C or SIGTERM during the imports below: `stopped:`, exit code 130
-    import startup
+    from harness import startup
     startup.stop_while_starting()
 
 import argparse
@@ -75,12 +75,12 @@ from tqdm import tqdm
 import block_transformer as bt
 import double_decoder as dd
 import recursive
-from checkpoint import (check_vocab, load_checkpoint, load_source_model, model_from_checkpoint, read_curve,
-                        tokenizer_from_spec)
-from cli import (DTYPES, ArgumentParser, UsageError, check_memory, check_output_file, check_writable_dir, comma_list,
-                 number, one_of, path_arg, run_child, run_cli, run_subcommand, seed_arg, temperature_arg, threads_arg,
-                 user_input, write_atomic)
-from data import TokenData, first_tokens_windows, is_gguf_source, is_hf_source, prepare_corpus, step_generator
+from harness.checkpoint import (check_vocab, load_checkpoint, load_source_model, model_from_checkpoint, read_curve,
+                                tokenizer_from_spec)
+from harness.cli import (DTYPES, ArgumentParser, UsageError, check_memory, check_output_file, check_writable_dir,
+                         comma_list, number, one_of, path_arg, run_child, run_cli, run_subcommand, seed_arg,
+                         temperature_arg, threads_arg, user_input, write_atomic)
+from harness.data import TokenData, first_tokens_windows, is_gguf_source, is_hf_source, prepare_corpus, step_generator
 from model import IGNORE, forward_memory, memory_sum, module_bytes, pick_device, pick_dtype, windows_loss
 from svd_lora import max_ranks, residual_energy
 

@@ -47,7 +47,7 @@ Run:
 from __future__ import annotations
 
 if __name__ == "__main__":  # Ctrl-C or SIGTERM during the imports below: `stopped:`, exit code 130
-    import startup
+    from harness import startup
     startup.stop_while_starting()
 
 import argparse
@@ -56,13 +56,13 @@ import time
 
 import torch
 
-import cpu_tuning
-from cli import (DTYPES, ArgumentParser, UsageError, available_memory, check_device, check_dtype, number, run_cli,
-                 seed_arg, user_input)
+from harness import cpu_tuning
+from harness.cli import (DTYPES, ArgumentParser, UsageError, available_memory, check_device, check_dtype, number,
+                         run_cli, seed_arg, user_input)
+from harness.serve_requests import MAX_REQUESTS, Request, request_generator, request_problem, synthetic_requests
 from model import (GPT, PRESETS, GPTConfig, compile_step, graph_mode, mark_static, pick_device, pick_dtype,
                    sample_next, sync)
 from recursive import RecursiveGPT, exit_threshold_for, from_vanilla
-from serve_requests import MAX_REQUESTS, Request, request_generator, request_problem, synthetic_requests
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ end. On a task both lines add its accuracy per p after the loss terms: `acc p1 0
 from __future__ import annotations
 
 if __name__ == "__main__":  # Ctrl-C or SIGTERM during the imports below: `stopped:`, exit code 130
-    import startup
+    from harness import startup
     startup.stop_while_starting()
 
 import argparse
@@ -48,14 +48,14 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-import tasks
-from checkpoint import (add_arch_args, arch_table, build_models, check_curve, check_run_args, curve_point, given_flags,
-                        load_optimizer_state, resume_run, run_checkpoint, save_checkpoint, setup_curve,
-                        tokens_per_step, warn_inapplicable)
-from cli import (DTYPES, ArgumentParser, CheckpointError, DefaultsHelpFormatter, Stopped, check_disk_space,
-                 check_step_memory, comma_list, hold_dir_lock, log, number, path_arg, releasing_dir_locks, run_cli,
-                 seed_arg, stop_signals, user_input)
-from data import Tokenizer, load_data, step_generator
+from harness import tasks
+from harness.checkpoint import (add_arch_args, arch_table, build_models, check_curve, check_run_args, curve_point,
+                                given_flags, load_optimizer_state, resume_run, run_checkpoint, save_checkpoint,
+                                setup_curve, tokens_per_step, warn_inapplicable)
+from harness.cli import (DTYPES, ArgumentParser, CheckpointError, DefaultsHelpFormatter, Stopped, check_disk_space,
+                         check_step_memory, comma_list, hold_dir_lock, log, number, path_arg, releasing_dir_locks,
+                         run_cli, seed_arg, stop_signals, user_input)
+from harness.data import Tokenizer, load_data, step_generator
 from model import (ArchSpec, distill_loss, least_step_memory, lm_loss, make_optimizer, peak_flops, pick_device,
                    pick_dtype, step_memory)
 

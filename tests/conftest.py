@@ -38,6 +38,12 @@ def one_error_line(capsys, run, argv, match):
     return err[0]
 
 
+def command(cmd: str) -> list[str]:
+    """The interpreter line of a command: a root script by its file (train.py), a harness module by its name
+    (harness.hf: `python -m harness.hf`, run with cwd=ROOT)."""
+    return [sys.executable, str(ROOT / cmd)] if cmd.endswith(".py") else [sys.executable, "-m", cmd]
+
+
 def write_jsonl(path: Path, texts, meta_set="RedPajamaCommonCrawl"):
     """A small SlimPajama-style shard: {"text": ..., "meta": {"redpajama_set_name": ...}} per line."""
     import json

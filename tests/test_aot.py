@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import kernels
-import kernels_aot
+from harness import kernels_aot
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = (80, 90)

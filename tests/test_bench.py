@@ -10,10 +10,8 @@ import pytest
 import torch
 
 import bench
-import bench_common
-import bench_decode
-import bench_train
 import eval
+from harness import bench_common, bench_decode, bench_train
 from model import GPT, GPTConfig
 
 
@@ -65,9 +63,9 @@ def test_serve_profile_times_the_parts_of_a_step_and_leaves_the_model_as_it_was(
     """`bench.py serve --profile`: each depth-wise server's step split into its parts; the shares add up to the step,
     a server without exits spends nothing on the exit score or propagation, one with exits does, and the timers are
     removed afterwards (the same tokens as a run without them)."""
-    import bench_serve
+    from harness import bench_serve
     import serve
-    import serve_requests
+    from harness import serve_requests
     from model import GPT, GPTConfig
     from recursive import from_vanilla
 
@@ -135,9 +133,9 @@ def test_serve_profile_counts_only_the_decode_steps_and_restores_instance_attrib
     already replaced on the instances (here: the slow sampler, a counting step) are put back afterwards."""
     import time
 
-    import bench_serve
+    from harness import bench_serve
     import serve
-    import serve_requests
+    from harness import serve_requests
     from model import GPT, GPTConfig
     from recursive import from_vanilla
 
@@ -204,7 +202,7 @@ def test_kernels_aot_table_compiles_for_both_targets():
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     """A missing path, a file of random bytes and a (random-weight) tiny vanilla checkpoint in train.py's format."""
-    from checkpoint import CKPT_FORMAT
+    from harness.checkpoint import CKPT_FORMAT
     from model import GPT, GPTConfig
 
     d = tmp_path_factory.mktemp("bench")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import bench
-import bench_gpu
+from harness import bench_gpu
 from model import GPT, GPTConfig
 
 # A stand-in for nanoGPT's model.py (a checkout is not part of this repository): its GPTConfig fields and its

@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 import block_transformer as bt
-import cpu_tuning
 from block_transformer import BlockConfig, BlockTransformer, from_vanilla, random_pad_documents
 from conftest import write_jsonl
+from harness import cpu_tuning
 from model import GPT, GPTConfig, IGNORE, lm_loss
 
 V = 67  # vocabulary of the unit tests; the pad id is V - 1
@@ -379,8 +379,8 @@ def corpus(tmp_path_factory):
 
 def test_train_block_from_scratch_and_uptrained(corpus):
     import train
-    import checkpoint
-    from data import padded_vocab
+    from harness import checkpoint
+    from harness.data import padded_vocab
 
     d, common = corpus
     res = train.train(["--arch", "block", "--out-dir", str(d / "scratch"), *common])
@@ -412,7 +412,7 @@ def test_bench_block_batch_search_and_ratio(capsys):
     (the paper's maximum batch), a search over 1, 2, 4, ... up to it, rounds at batch 1, the best batch and --batches,
     and the ratio line."""
     import bench
-    import bench_decode
+    from harness import bench_decode
 
     bench.main(["block", "--preset", "tiny", "--scale", str(1 / 32), "--budget-mib", "1", "--repeats", "1",
                 "--dtype", "float32", "--device", "cpu", "--batches", "3"])

@@ -14,16 +14,12 @@ import sys
 import pytest
 import torch
 
-import checkpoint
-import cli
-import data
-import hf
 import model as model_lib
 import serve
-import tasks
 import train
-from conftest import ROOT, write_jsonl
+from conftest import ROOT, command, write_jsonl
 from conftest import one_error_line as _one_error_line  # the name test_bench and test_serve import
+from harness import checkpoint, cli, data, hf, tasks
 
 
 @pytest.fixture(scope="module")
@@ -481,8 +477,8 @@ def test_flags_of_another_architecture_are_named_in_one_warning(files, capsys):
 COMMAND_LINES = [["train.py", BASE, "--seq-len", "100000", "--batch-size", "4096"],
                  ["train.py", "--batch-size", "0"],
                  ["serve.py", "--slots", "0"],
-                 ["hf.py", "{d}", "--prompt", b"caf\xe9".decode("utf-8", "surrogateescape")],  # latin-1 bytes
-                 ["hf.py", "{d}/none"]]
+                 ["harness.hf", "{d}", "--prompt", b"caf\xe9".decode("utf-8", "surrogateescape")],  # latin-1 bytes
+                 ["harness.hf", "{d}/none"]]
 
 
 @pytest.mark.slow
@@ -491,7 +487,7 @@ def test_the_commands_themselves(files, tmp_path, monkeypatch, request, cmd):
     """Through the interpreter: exit code 2, one stderr line, no traceback (and quickly: before any training)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     argv = Case(files, tmp_path, monkeypatch, request).argv(cmd[1:], _train_args)
-    r = subprocess.run([sys.executable, cmd[0], *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([*command(cmd[0]), *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     err = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 2 and len(err) == 1 and err[0].startswith("error: "), r.stderr
     assert "Traceback" not in r.stderr

@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import cpu_tuning
 import kernels as K
 import model
-from cpu_tuning import LINEAR_COPIES, LINEAR_PRODUCTS, force_linear, linear, linear_product, pick_linear
+from harness import cpu_tuning
+from harness.cpu_tuning import LINEAR_COPIES, LINEAR_PRODUCTS, force_linear, linear, linear_product, pick_linear
 from model import GPT, GPTConfig, Linear, attend
 
 
@@ -360,7 +360,7 @@ def test_attend_grouped_equals_sdpa(mask_shape, heads):
     """The decode form of attention (grouped batched matmuls, fp32 accumulation) == SDPA for every mask broadcast
     and GQA: fp64 to 1e-12; bf16 inputs to the rounding of the bf16 output (2^-8 relative); a query with no visible
     key gives 0 as SDPA does."""
-    from cpu_tuning import attend_grouped
+    from harness.cpu_tuning import attend_grouped
 
     H, Hkv = heads
     g = torch.Generator().manual_seed(0)
@@ -460,7 +460,7 @@ def test_multi_lora_runs_the_form_measured_faster(monkeypatch, faster):
 
 
 def test_fastest_keeps_the_default_unless_beaten_by_the_gain():
-    from cpu_tuning import fastest
+    from harness.cpu_tuning import fastest
 
     assert fastest({"a": 1.0, "b": 0.5}.__getitem__, ("a", "b")) == "b"
     assert fastest({"a": 1.0, "b": 0.95}.__getitem__, ("a", "b"), gain=1.10) == "a"

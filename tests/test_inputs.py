@@ -24,17 +24,10 @@ from gguf import GGUFValueType as V
 from gguf import GGUFWriter
 
 import bench
-import bench_decode
-import bench_train
-import checkpoint
-import cli
-import data
 import eval as ev
-import hf
 import serve
-import serve_requests
-import tasks
-from conftest import ROOT, one_error_line, write_jsonl
+from conftest import ROOT, command, one_error_line, write_jsonl
+from harness import bench_decode, bench_train, checkpoint, cli, data, hf, serve_requests, tasks
 from model import GPT, GPTConfig
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -797,7 +790,7 @@ def test_sigterm_stops_a_real_serve_run(tmp_path):
     assert "Traceback" not in err
 
 
-STARTING = [(cmd, sig) for cmd in ("train.py", "eval.py", "bench.py", "hf.py", "tasks.py", "serve.py")
+STARTING = [(cmd, sig) for cmd in ("train.py", "eval.py", "bench.py", "harness.hf", "harness.tasks", "serve.py")
             for sig in (signal.SIGTERM, signal.SIGINT)]
 
 
@@ -806,8 +799,8 @@ STARTING = [(cmd, sig) for cmd in ("train.py", "eval.py", "bench.py", "hf.py", "
 def test_a_signal_during_the_imports_stops_with_exit_130(cmd, sig):
     """The signal arrives while torch is being imported (its library is mapped, the command's own code has not run):
     `stopped: ...` and exit code 130, as later, never 143 or a KeyboardInterrupt traceback (startup.py)."""
-    proc = subprocess.Popen([sys.executable, str(ROOT / cmd), "--help"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([*command(cmd), "--help"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and proc.poll() is None:

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels as K
-from cpu_tuning import attend_grouped
+from harness.cpu_tuning import attend_grouped
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 # Where to run the Triton kernels: the GPU when there is one (compiled), else CPU tensors under the interpreter.

@@ -10,7 +10,7 @@ import eval
 
 def test_serve_bench_hf_and_eval_reach_no_train():
     graph = import_graph()
-    for m in ["serve", "bench", "bench_serve", "hf", "eval"]:
+    for m in ["serve", "bench", "harness.bench_serve", "harness.hf", "eval"]:
         assert "train" not in reachable(graph, m), f"{m}.py reaches train.py"
 
 

@@ -406,7 +406,7 @@ def test_flag_overrides():
 @pytest.mark.parametrize("variant", ["plt"])  # the other rows' flags: test_flag_overrides
 def test_train_runs(tmp_path, variant):
     import train
-    import checkpoint
+    from harness import checkpoint
     from conftest import write_jsonl
 
     texts = [f"def f{i}(x):\n    return x * {i} + {i % 7}\n" * 3 for i in range(40)]
@@ -490,7 +490,7 @@ def test_main_job_defaults_and_explicit_lr():
     """`python train.py --arch plt` runs the arch's defaults (800 steps at lr 4e-3); an explicit --lr wins; other
     archs keep train.py's 2e-3."""
     import train
-    import checkpoint
+    from harness import checkpoint
 
     table = train.arch_table()
     ap = train.build_parser(table)

@@ -8,11 +8,10 @@ import signal
 import pytest
 import torch
 
-import checkpoint
-import cli
 import eval as ev
 import train
 from conftest import write_jsonl
+from harness import checkpoint, cli
 from model import GPT, GPTConfig
 
 

@@ -461,7 +461,7 @@ def corpus(tmp_path_factory):
 
 def test_train_converts_and_uptrains_relaxed(corpus, capsys):
     import train
-    import checkpoint
+    from harness import checkpoint
 
     d, common = corpus
     van_ckpt = str(d / "vanilla" / "ckpt.pt")
@@ -492,7 +492,7 @@ def test_train_converts_and_uptrains_relaxed(corpus, capsys):
 
 def test_train_recursive_conversion_and_errors(corpus):
     import train
-    import checkpoint
+    from harness import checkpoint
 
     d, common = corpus
     van_ckpt = str(d / "vanilla" / "ckpt.pt")
@@ -706,7 +706,7 @@ def test_depthwise_step_equals_exit_pass_on_the_live_rows():
 
 def test_exit_gate_added_in_post_training_from_a_gateless_checkpoint(corpus, tmp_path):
     import train
-    import checkpoint
+    from harness import checkpoint
 
     d, common = corpus
     plain = tmp_path / "plain"
@@ -838,7 +838,7 @@ def test_middle_cycle_refuses_what_assumes_cycle():
 def test_train_middle_cycle_conversion_and_refusal(corpus, capsys):
     import eval as ev
     import train
-    import checkpoint
+    from harness import checkpoint
 
     d, common = corpus
     van_ckpt = str(d / "vanilla" / "ckpt.pt")

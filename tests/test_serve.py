@@ -9,10 +9,9 @@ import pytest
 import torch
 
 import bench
-import bench_serve
 import serve
-import serve_requests
 from graph_check import GraphCheck
+from harness import bench_serve, serve_requests
 from model import GPT, GPTConfig
 from recursive import from_vanilla
 

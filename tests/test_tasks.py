@@ -2,9 +2,8 @@
 import pytest
 import torch
 
-import checkpoint
-import tasks
 import train
+from harness import checkpoint, tasks
 from model import IGNORE
 
 

@@ -9,12 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-import checkpoint
-import cli
-import data
 import model as model_lib
 import train
 from conftest import ROOT, write_jsonl
+from harness import checkpoint, cli, data
 
 # ---- a small real corpus: a few standard-library files as SlimPajama-style documents ----------------------------
 

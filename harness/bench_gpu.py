@@ -59,20 +59,21 @@ from types import SimpleNamespace
 
 import torch
 
-import bench_serve
 import double_decoder as dd
 import plt
 import serve
-from bench_common import (check_bench_memory, device_name, hf_generate, hf_llama, json_safe, kv_of, med, per_round,
-                          rounds, spread)
-from bench_decode import (block_lengths, block_pair, block_pair_memory, block_ratios, block_systems, generation_bytes,
-                          generation_times, search_batch)
-from bench_train import check_nanogpt, optimizer_for, param_counts, train_batch, train_memory, train_models, train_step
-from cli import DTYPES, UsageError, comma_list, number, one_of, path_arg, threads_arg, write_atomic
+from harness import bench_serve
+from harness.bench_common import (check_bench_memory, device_name, hf_generate, hf_llama, json_safe, kv_of, med,
+                                  per_round, rounds, spread)
+from harness.bench_decode import (block_lengths, block_pair, block_pair_memory, block_ratios, block_systems,
+                                  generation_bytes, generation_times, search_batch)
+from harness.bench_train import (check_nanogpt, optimizer_for, param_counts, train_batch, train_memory, train_models,
+                                 train_step)
+from harness.cli import DTYPES, UsageError, comma_list, number, one_of, path_arg, threads_arg, write_atomic
+from harness.serve_requests import parse_range, synthetic_requests
 from model import (GPT, PRESETS, GPTConfig, forward_memory, memory_sum, model_memory, param_bytes, peak_flops,
                    pick_device, pick_dtype, static_cache_len, sync)
 from recursive import from_vanilla
-from serve_requests import parse_range, synthetic_requests
 
 SECTIONS = ("decode", "serve", "plt", "block", "double", "train")
 SHARES = {"decode": 0.20, "serve": 0.28, "plt": 0.13, "block": 0.14, "double": 0.08, "train": 0.17}

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cli import UsageError, one_line, regular_file
-from data import TokenData, prepare_corpus, step_generator
+from harness.cli import UsageError, one_line, regular_file
+from harness.data import TokenData, prepare_corpus, step_generator
 
 # ----------------------------------------------------------------------------------------------------------------
 # Requests
@@ -199,7 +199,7 @@ def chat_template(spec) -> str:
     if not spec or spec.get("kind") != "gguf":
         raise ValueError("--prompts chat needs a model whose tokenizer has a chat template (a GGUF file's: "
                          "--vanilla-ckpt smollm2-135m, or a --ckpt converted from one)")
-    from hf import gguf_chat_template
+    from harness.hf import gguf_chat_template
 
     return gguf_chat_template(spec["path"])
 

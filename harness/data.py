@@ -51,9 +51,9 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-import tasks
-from cli import DataError, regular_file, write_atomic
-from hf import PACKAGED_GGUF, gguf_tokenizer, gguf_tokenizer_spec, hf_tokenizer
+from harness import tasks
+from harness.cli import DataError, regular_file, write_atomic
+from harness.hf import PACKAGED_GGUF, gguf_tokenizer, gguf_tokenizer_spec, hf_tokenizer
 
 # ----------------------------------------------------------------------------------------------------------------
 # Tokenizer

@@ -16,13 +16,13 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 import block_transformer as bt
-import cpu_tuning
 import double_decoder as dd
 import plt
-from bench_common import (BANDWIDTH_PROBE, check_bench_memory, check_context, header, hf_generate, hf_llama, kv_of, med,
-                          per_round, ratio, read_bandwidth, rounds, spread)
-from cli import UsageError, user_input
-from cpu_tuning import LINEAR_PROBE_BYTES, cpu_key, force_linear, linear_report
+from harness import cpu_tuning
+from harness.bench_common import (BANDWIDTH_PROBE, check_bench_memory, check_context, header, hf_generate, hf_llama,
+                                  kv_of, med, per_round, ratio, read_bandwidth, rounds, spread)
+from harness.cli import UsageError, user_input
+from harness.cpu_tuning import LINEAR_PROBE_BYTES, cpu_key, force_linear, linear_report
 from model import (GPT, PRESETS, GPTConfig, forward_memory, memory_sum, model_memory, module_bytes, param_bytes,
                    pick_device, pick_dtype, sample_next, sync, timeit)
 from recursive import RecursiveConfig, RecursiveGPT

@@ -7,9 +7,9 @@ quality at almost no latency") cannot show there. Tasks that need many sequentia
 one such task offline, seeded, as train.py's data:
 
     python train.py --arch plt --data task:phop --task-p 1-4 --preset tiny --batch-size 32 --max-iters 800
-    python tasks.py show --task-p 3              # one sequence with its labels, readable
-    python tasks.py depth --seeds 0,1,2          # RESULTS.md's Depth table: every architecture on the task
-    python tasks.py table                        # the table again, from out/depth/results.jsonl
+    python -m harness.tasks show --task-p 3              # one sequence with its labels, readable
+    python -m harness.tasks depth --seeds 0,1,2          # RESULTS.md's Depth table: every architecture on the task
+    python -m harness.tasks table                        # the table again, from out/depth/results.jsonl
 
 Its command line keeps the contract of every command here (cli.py): a mistake is one line `error: ...` and exit code 2,
 found before the first run starts.
@@ -33,7 +33,7 @@ model's forward(idx, targets) unchanged.
 from __future__ import annotations
 
 if __name__ == "__main__":  # Ctrl-C or SIGTERM during the imports below: `stopped:`, exit code 130
-    import startup
+    from harness import startup
     startup.stop_while_starting()
 
 import argparse
@@ -48,8 +48,8 @@ from pathlib import Path
 
 import torch
 
-from cli import (ArgumentParser, UsageError, check_output_file, check_writable_dir, comma_list, number, path_arg,
-                 regular_file, run_child, run_cli, run_subcommand, seed_arg)
+from harness.cli import (ArgumentParser, UsageError, check_output_file, check_writable_dir, comma_list, number,
+                         path_arg, regular_file, run_child, run_cli, run_subcommand, seed_arg)
 from model import IGNORE
 
 MAX_P = 8  # markers in the vocabulary: a checkpoint trained on p <= 4 can be evaluated at p up to 8
@@ -355,7 +355,7 @@ def run_train(argv: list[str]) -> dict[int, float]:
     def failed(code):
         return f"the run failed (exit code {code}): python train.py {' '.join(argv)}"
 
-    run_child([sys.executable, str(Path(__file__).with_name("train.py")), *argv], on_line,
+    run_child([sys.executable, str(Path(__file__).resolve().parents[1] / "train.py"), *argv], on_line,
               f"the run was stopped: python train.py {' '.join(argv)}; continue it with --resume", failed)
     if acc is None:
         raise UsageError(failed(0))
@@ -378,7 +378,7 @@ def read_results(path) -> dict[str, dict[int, dict]]:
         with open(path, "rb") as f:
             lines = f.read().splitlines()
     except FileNotFoundError:
-        raise UsageError(f"--results {path} does not exist (python tasks.py depth writes it)") from None
+        raise UsageError(f"--results {path} does not exist (python -m harness.tasks depth writes it)") from None
     except IsADirectoryError:
         raise UsageError(f"--results {path} is a directory, not a results file") from None
     except OSError as e:
@@ -438,7 +438,8 @@ def show(args):
 
 
 def build_parser():
-    ap = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap = ArgumentParser(prog="python -m harness.tasks", description=__doc__.split("\n\n")[0],
+                        formatter_class=argparse.RawTextHelpFormatter)
     sub = ap.add_subparsers(dest="what", required=True)
     p = sub.add_parser("show", help="print task sequences with their labels")
     add_args(p)

@@ -33,17 +33,17 @@ The model remembers which tokenizer it needs: `model.tokenizer_spec = {"kind": "
 tokenizes with it through the optional `tokenizers` package).
 
 Run:
-    python hf.py DIR --prompt "The capital of France is"     # greedy continuation: a sanity check of the import
+    python -m harness.hf DIR --prompt "The capital of France is"     # greedy continuation: a sanity check of the import
                                                              # (the model, its RoPE tables and generate's KV cache
                                                              # checked against the device's memory first)
-    python hf.py gguf:smollm2-135m --prompt "def fib(n):"    # the same from a GGUF file
+    python -m harness.hf gguf:smollm2-135m --prompt "def fib(n):"    # the same from a GGUF file
     python train.py --arch vanilla --init-from hf:DIR ...    # fine-tune / convert / distill from it (README)
     python -m pytest -q tests/test_hf_import.py tests/test_gguf.py   # against transformers' own models
 """
 from __future__ import annotations
 
 if __name__ == "__main__":  # Ctrl-C or SIGTERM during the imports below: `stopped:`, exit code 130
-    import startup
+    from harness import startup
     startup.stop_while_starting()
 
 import json
@@ -53,8 +53,8 @@ from typing import Callable
 
 import torch
 
-from cli import (DTYPES, ArgumentParser, UsageError, check_device, check_dtype, check_memory, check_model_fits, number,
-                 path_arg, regular_file, run_cli, user_input)
+from harness.cli import (DTYPES, ArgumentParser, UsageError, check_device, check_dtype, check_memory, check_model_fits,
+                         number, path_arg, regular_file, run_cli, user_input)
 from model import (GPT, GPTConfig, RotaryEmbedding, forward_memory, kv_bytes, memory_sum, model_memory, pick_device,
                    pick_dtype)
 
@@ -738,8 +738,8 @@ def hf_tokenizer(path):
 
 
 def generate(argv=None):
-    """python hf.py DIR --prompt "...": load a checkpoint and print a greedy continuation (a sanity check)."""
-    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
+    """python -m harness.hf DIR --prompt "...": load a checkpoint and print a greedy continuation (a sanity check)."""
+    ap = ArgumentParser(prog="python -m harness.hf", description=__doc__.split("\n\n")[0])
     ap.add_argument("dir", type=path_arg,
                     help="local Hugging Face checkpoint directory, or gguf:PATH (a GGUF file; gguf:smollm2-135m "
                          "is the packaged SmolLM2-135M)")

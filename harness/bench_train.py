@@ -14,11 +14,11 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-import checkpoint
 import recursive
-from bench_common import check_bench_memory, header, hf_twin, med, ratio, rounds, spread
-from cli import UsageError, check_memory, check_writable_dir, user_input
-from hf import from_gguf, gguf_config, gguf_file, read_gguf
+from harness import checkpoint
+from harness.bench_common import check_bench_memory, header, hf_twin, med, ratio, rounds, spread
+from harness.cli import UsageError, check_memory, check_writable_dir, user_input
+from harness.hf import from_gguf, gguf_config, gguf_file, read_gguf
 from model import (GPT, GPTConfig, distill_loss, least_step_memory, lm_loss, make_optimizer, memory_sum, model_memory,
                    pick_device, pick_dtype, sync)
 

@@ -88,11 +88,11 @@ import double_decoder
 import model
 import plt
 import recursive
-import tasks
-from cli import (CheckpointError, UsageError, check_device, check_model_fits, check_step_memory,
-                 check_writable_dir, flag_name, log, one_line, regular_file)
-from data import Tokenizer, first_tokens_windows, hf_tokenizer_spec, is_gguf_source, is_hf_source, padded_vocab
-from hf import from_gguf, from_pretrained, gguf_tokenizer_spec
+from harness import tasks
+from harness.cli import (CheckpointError, UsageError, check_device, check_model_fits, check_step_memory,
+                         check_writable_dir, flag_name, log, one_line, regular_file)
+from harness.data import Tokenizer, first_tokens_windows, hf_tokenizer_spec, is_gguf_source, is_hf_source, padded_vocab
+from harness.hf import from_gguf, from_pretrained, gguf_tokenizer_spec
 from model import ArchSpec, least_step_memory, windows_loss
 
 # ----------------------------------------------------------------------------------------------------------------

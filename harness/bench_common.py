@@ -20,8 +20,8 @@ from dataclasses import fields
 
 import torch
 
-from cli import UsageError, check_memory
-from hf import hf_tensor_plan
+from harness.cli import UsageError, check_memory
+from harness.hf import hf_tensor_plan
 from model import GPT, GPTConfig, kv_bytes, memory_sum, sync, timeit
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 
 import kernels as K
-import kernels_aot
-from bench_common import med
-from cli import UsageError
+from harness import kernels_aot
+from harness.bench_common import med
+from harness.cli import UsageError
 from model import pick_device, pick_dtype, timeit
 
 # ----------------------------------------------------------------------------------------------------------------
