@@ -884,11 +884,14 @@ def lm_loss(logits, targets):
 def windows_loss(model, x, y, batch_size: int, device, wrap=lambda batches: batches) -> float:
     """Mean next-token cross-entropy of `model` (as it is: its dtype, no autocast) over windows x, y (N, T), in fp32
     over the full logits, `batch_size` windows per forward pass: the loss of the fixed evaluation set (`python eval.py
-    loss`, train.py --curve-at). `wrap` wraps the batch starts (a progress bar)."""
+    loss`, train.py --curve-at). Each token's loss is added in float64, so the mean does not depend on how the windows
+    are batched (a float32 sum per batch rounds differently for 2 x 4 windows than for 1 x 8). `wrap` wraps the batch
+    starts (a progress bar)."""
     total = 0.0
     for i in wrap(range(0, len(x), batch_size)):
         logits = model(x[i:i + batch_size].to(device))[0].float()
-        total += F.cross_entropy(logits.flatten(0, 1), y[i:i + batch_size].to(device).flatten(), reduction="sum").item()
+        losses = F.cross_entropy(logits.flatten(0, 1), y[i:i + batch_size].to(device).flatten(), reduction="none")
+        total += losses.double().sum().item()
     return total / y.numel()
 
 
