@@ -76,8 +76,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import (GPT, IGNORE, PRESETS, ArchSpec, Block, GPTConfig, KVCache, RotaryEmbedding,
-                   causal_mask_from_positions, count_params, distill_loss, kv_bytes, lm_loss, start_prefill)
+from model import (GPT, IGNORE, PRESETS, ArchSpec, Block, GPTConfig, KVCache, RotaryEmbedding, count_params,
+                   distill_loss, kv_bytes, lm_loss, run_cached, start_prefill)
 from svd_lora import COMPONENTS, LoRALinear, add_lora, init_lora, max_ranks
 
 
@@ -132,28 +132,29 @@ class RecursiveGPT(GPT):
                 add_lora(block, cfg.n_loops, cfg.lora_ranks, cfg.lora_bias)
         return blocks
 
-    def run_loop(self, x, loop, rope, cache=None, rows=None, **attn_kwargs):
-        """One pass of the K shared layers at loop `loop` (an int, or a LongTensor (B,) with one loop per row).
-
-        The loop index selects the LoRA of every projection and, with a cache, the cache layer loop*K + k.
-        """
-        for k, block in enumerate(self.blocks):
-            c = None if cache is None else cache.layer(self.cache_layer(loop, k), rows)
-            x = block(x, rope, lora_idx=loop, cache=c, **attn_kwargs)
-        return x
-
     def cache_layer(self, loop, k):
         """The cache layer (the effective depth) of shared layer k at loop `loop` (an int or a LongTensor):
         n_first + loop*K + k, after Middle-Cycle's unique first layer."""
         return self.config.n_first + loop * self.config.n_shared + k
 
-    def run_unique(self, blocks, x, rope, cache=None, rows=None, **attn_kwargs):
-        """The unique layers of Middle-Cycle sharing (`unique_first` before the loops, `unique_last` after them; empty
-        under CYCLE), each with a cache layer of its own: 0.. for the first, N - n_last.. for the last."""
-        base = 0 if blocks is self.unique_first else self.config.n_layer - self.config.n_last
-        for i, block in enumerate(blocks):
-            x = block(x, rope, cache=None if cache is None else cache.layer(base + i, rows), **attn_kwargs)
-        return x
+    def path(self, loops, unique: bool = False) -> tuple[tuple, tuple, tuple]:
+        """THE depth order of the model: the layers a token runs through at `loops`, as three tuples -- the blocks,
+        their cache layers and their LoRA indices. Each loop l of `loops` (an int, or a LongTensor (b,) with one loop
+        per row) runs the K shared layers with loop l's LoRA and cache layers cache_layer(l, k). unique=True adds
+        Middle-Cycle's unique first layer before the loops and its unique last layer after them (cache layers 0 and
+        N - 1, no LoRA); under CYCLE there are none."""
+        c = self.config
+        first = [(b, i, None) for i, b in enumerate(self.unique_first)] if unique else []
+        last = [(b, c.n_layer - c.n_last + i, None) for i, b in enumerate(self.unique_last)] if unique else []
+        shared = [(b, self.cache_layer(l, k), l) for l in loops for k, b in enumerate(self.blocks)]
+        blocks, layers, lora = zip(*(first + shared + last))
+        return blocks, layers, lora
+
+    def run_path(self, x, loops, cache: KVCache, unique: bool = False, **kwargs):
+        """x (b, T, C) through path(loops, unique) with its KV cache layers: model.run_cached, the cached layer stack
+        of every decoder here (kwargs: its fresh, rows, q_pos, kv_len) -> h (b, T, C)."""
+        blocks, layers, lora = self.path(loops, unique)
+        return run_cached(blocks, self.rope, x, cache, layers=layers, lora_idx=lora, **kwargs)
 
     def check_cycle(self, what: str):
         """Early exit reads the final norm and head after a loop: only CYCLE sharing ends every loop there."""
@@ -164,23 +165,24 @@ class RecursiveGPT(GPT):
     # -- training forward ----------------------------------------------------------------------------------------
 
     def loop_hidden(self, idx, all_loops=True) -> list[torch.Tensor]:
-        """idx (B, T) -> hidden states (B, T, C) after every loop (or only the last), before the final norm."""
+        """idx (B, T) -> hidden states (B, T, C) after every loop (or only the last), before the final norm; the
+        last one after Middle-Cycle's unique last layer."""
         B, T = idx.shape
         self.check_length(T)
+        c = self.config
         rope = self.rope(torch.arange(T, device=idx.device))
-        x, out = self.run_unique(self.unique_first, self.embed(idx), rope), []
-        for l in range(self.config.n_loops):
-            x = self.run_loop(x, l, rope)
-            if all_loops or l == self.config.n_loops - 1:
+        ends = {c.n_first + (l + 1) * c.n_shared for l in range(c.n_loops - 1)} if all_loops else set()
+        x, out = self.embed(idx), []
+        for i, (block, lora) in enumerate(zip(*self.path(range(c.n_loops), unique=True)[::2]), 1):
+            x = block(x, rope, lora_idx=lora)
+            if i in ends:  # the end of a loop before the last
                 out.append(x)
-        out[-1] = self.run_unique(self.unique_last, out[-1], rope)  # Middle-Cycle: the last layer before the head
-        return out
+        return out + [x]
 
     def loop_logits(self, idx) -> list[torch.Tensor]:
-        """idx (B, T) -> logits (B, T, V) of every loop (static exiting at each depth; exit_analysis uses it)."""
+        """idx (B, T) -> logits (B, T, V) of every loop (static exiting at each depth; eval.py's exit_analysis)."""
         self.check_cycle("static exit after every loop")
         return [self.head(h) for h in self.loop_hidden(idx)]
-
     def forward(self, idx, targets=None):
         """idx (B, T) -> final-loop logits (B, T, V) and, with targets, the loss (section 3.7 terms included)."""
         cfg = self.config
@@ -247,17 +249,20 @@ class RecursiveGPT(GPT):
         """Prompts idx (B, T), right-padded, true lengths (B,) (default T) -> logits (B, V) of each row's last prompt
         token. Every prompt token runs all loops (no early exit) and fills every cache layer. The cache must be
         empty; afterwards cache.lengths == lengths."""
-        B, T = idx.shape
+        B = idx.size(0)
         lengths = start_prefill(idx, cache, lengths)
-        q_pos = torch.arange(T, device=idx.device)[None].expand(B, T)
-        rope = self.rope(q_pos)
-        x = self.run_unique(self.unique_first, self.embed(idx), rope, cache=cache, q_pos=q_pos)
-        for l in range(self.config.n_loops):  # fresh prefill: causal attention over x itself, K/V written
-            x = self.run_loop(x, l, rope, cache=cache, q_pos=q_pos)
-        x = self.run_unique(self.unique_last, x, rope, cache=cache, q_pos=q_pos)
+        x = self.run_path(self.embed(idx), range(self.config.n_loops), cache, unique=True, fresh=True)
         cache.lengths.copy_(lengths)
         last = x[torch.arange(B, device=idx.device), lengths - 1]  # (B, C)
         return self.head(last[:, None])[:, 0]
+
+    @torch.no_grad()
+    def prefill_chunk(self, idx, q_pos, cache: KVCache, rows, first: bool = False):
+        """model.GPT.prefill_chunk through every layer (prompt tokens never exit): tokens idx (b, T) at positions
+        q_pos (b, T) of cache rows `rows` -> hidden states (b, T, C) after the last layer; every cache layer of those
+        rows written at q_pos, cache.lengths untouched. first=True: causal over the chunk itself (as prefill)."""
+        return self.run_path(self.embed(idx), range(self.config.n_loops), cache, unique=True, fresh=first, rows=rows,
+                             q_pos=q_pos)
 
     def loop_step(self, x, loops, q_pos, cache: KVCache, rows=None, kv_len: int | None = None):
         """ONE pass of the shared block over tokens that may sit at different loops.
@@ -268,9 +273,7 @@ class RecursiveGPT(GPT):
         K/V of cache layers loops*K + k at q_pos, attends causally over each row's cache prefix, returns h (b, T, C).
         cache.lengths is not touched.
         """
-        kv_len = cache.kv_len(q_pos) if kv_len is None else cache.fits(kv_len)
-        mask = causal_mask_from_positions(q_pos, kv_len)
-        return self.run_loop(x, loops, self.rope(q_pos), cache=cache, rows=rows, mask=mask, q_pos=q_pos)
+        return self.run_path(x, [loops], cache, rows=rows, q_pos=q_pos, kv_len=kv_len)
 
     def exit_logits(self, h):
         """h (b, T, C) after any loop -> logits (b, T, V) through the shared final norm and head."""
@@ -297,28 +300,38 @@ class RecursiveGPT(GPT):
             return F.cosine_similarity(x[:, 0].float(), h[:, 0].float(), dim=-1), None
         raise ValueError(f"unknown exit rule {rule!r}; choose one of {EXIT_RULES}")
 
+    def leaving(self, x, h, loops, threshold=None, rule=None):
+        """THE exit decision, of every decoding path (decode_step, serve.py's depth-wise steps, their graph-safe
+        forms): which rows leave after this loop. x, h (b, 1, C) the rows' states before and after it; loops an int
+        or a LongTensor (b,). A row at its last loop leaves; with a threshold, so does a row whose exit score (rule:
+        default config.exit_rule) reaches it. -> leave (b,) bool, and the logits (b, V) the score computed (None if
+        none). No host sync; an int loop that is the last computes no score."""
+        L = self.config.n_loops
+        if not isinstance(loops, torch.Tensor):
+            threshold = None if loops == L - 1 else threshold
+            loops = torch.full((x.size(0),), loops, device=x.device)
+        last = loops == L - 1
+        if threshold is None:
+            return last, None
+        score, logits = self.exit_score(x, h, loops, rule or self.config.exit_rule)
+        return last | (score >= threshold), logits
+
     def exit_pass(self, x, loops, q_pos, cache: KVCache, rows=None, kv_len=None, threshold=None, rule=None):
-        """THE exit rule, used by decode_step and serve.py's depth-wise server: one loop over rows that may sit at
-        different loops, then who leaves, their state propagation and their logits.
+        """One loop over rows that may sit at different loops, then the exit rule (leaving), the state propagation of
+        the rows that leave early and their logits: the step of decode_step and of serve.py's depth-wise server.
 
         x (b, 1, C) the rows' states before this loop; loops an int or (b,); q_pos (b, 1); rows (b,) cache rows
-        (None = all). Rows at the last loop always leave; with a threshold, rows whose exit score (rule: default
-        config.exit_rule) reaches it leave too, and their deeper cache layers are filled by `propagate`.
-        -> h (b, 1, C), leave (b,) bool, logits (n, V) of the n leaving rows in row order (None if none leaves).
-        The head runs only on the leaving rows, except under rule 'softmax', whose score is the head's output on
-        every row.
+        (None = all). -> h (b, 1, C), leave (b,) bool, logits (n, V) of the n leaving rows in row order (None if none
+        leaves). The head runs only on the leaving rows, except under rule 'softmax', whose score is the head's output
+        on every row.
         """
         self.check_cycle("a loop's exit (exit_pass: early exit, depth-wise serving)")
-        L = self.config.n_loops
         h = self.loop_step(x, loops, q_pos, cache, rows=rows, kv_len=kv_len)
-        loops = loops if isinstance(loops, torch.Tensor) else torch.full((x.size(0),), loops, device=x.device)
-        last = loops == L - 1
-        leave, logits = last, None
-        if threshold is not None and not bool(last.all()):
-            score, logits = self.exit_score(x, h, loops, rule or self.config.exit_rule)
-            leave = last | (score >= threshold)
-            early = (leave & ~last).nonzero().squeeze(1)
-            if early.numel():  # the exited tokens' K/V for the loops they skip, all rows at once
+        leave, logits = self.leaving(x, h, loops, threshold, rule)
+        if threshold is not None:  # the tokens that leave before their last loop: K/V for the loops they skip
+            loops = loops if isinstance(loops, torch.Tensor) else torch.full_like(q_pos[:, 0], loops)
+            early = (leave & (loops < self.config.n_loops - 1)).nonzero().squeeze(1)
+            if early.numel():
                 self.propagate(h[early], loops[early], q_pos[early], cache,
                                rows=(cache.all_rows if rows is None else rows)[early])
         if bool(leave.all()):
@@ -407,16 +420,36 @@ class RecursiveGPT(GPT):
             cache.exit_log.append(exits)
         return (logits, exits) if return_exits else logits
 
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens: int, temperature: float = 0.0, top_k=None, generator=None,
+                 exit_threshold: float | None = None, return_exits=False, exit_rule: str | None = None):
+        """model.GPT.generate with early exit: idx (B, T) -> (B, T + max_new_tokens) [, exits (B, max_new_tokens)].
+
+        exit_threshold (default: config.exit_threshold; None = never exit) turns on confidence-based early exit.
+        exits[:, i] is the loop whose logits produced new token i (the first comes from the prefill: the last loop);
+        it is also the exit loop of the token fed at position T - 1 + i.
+        """
+        thr = self.config.exit_threshold if exit_threshold is None else exit_threshold
+        B, T = idx.shape
+        self.check_length(T + max_new_tokens)
+        cache = self.generation_cache(B, T, max(max_new_tokens, 0))
+        tokens = super().generate(idx, max_new_tokens, temperature, top_k, generator, cache=cache,
+                                  exit_threshold=thr, exit_rule=exit_rule)
+        if not return_exits:
+            return tokens
+        first = torch.full((B,), self.config.n_loops - 1, dtype=torch.long, device=idx.device)
+        return tokens, torch.stack(([first] + [e[:B] for e in cache.exit_log])[:max_new_tokens], 1)
+
+    # -- graph-safe forms ----------------------------------------------------------------------------------------
+    # The same steps for torch.compile(fullgraph) and CUDA graphs (model.compile_step): no host sync, no
+    # data-dependent shape. Every row runs every loop; who leaves is kept by masked selects (`leaving`'s decision),
+    # and the K/V a row that left writes into deeper cache layers are replaced by its state propagation (propagate,
+    # masked=True). Each equals its readable form above (tests/test_recursive.py, tests/test_serve.py).
+
     def all_layers_step(self, tok, cache: KVCache):
         """masked_step of Middle-Cycle sharing: the first layer, every loop, the last layer, the head; no early exit
         (a loop's output is no exit there). tok (B,) -> logits (B, V), exit loop (B,): always the last."""
-        q_pos = cache.lengths[:, None]  # (B, 1)
-        mask = causal_mask_from_positions(q_pos, cache.kv_len(1))
-        rope = self.rope(q_pos)
-        x = self.run_unique(self.unique_first, self.embed(tok[:, None]), rope, cache=cache, mask=mask, q_pos=q_pos)
-        for l in range(self.config.n_loops):
-            x = self.run_loop(x, l, rope, cache=cache, mask=mask, q_pos=q_pos)
-        x = self.run_unique(self.unique_last, x, rope, cache=cache, mask=mask, q_pos=q_pos)
+        x = self.run_path(self.embed(tok[:, None]), range(self.config.n_loops), cache, unique=True)
         cache.lengths += 1
         exits = torch.full((tok.size(0),), self.config.n_loops - 1, dtype=torch.long, device=tok.device)
         return self.head(x)[:, 0], exits
@@ -439,31 +472,28 @@ class RecursiveGPT(GPT):
         Every row runs every loop. A row that leaves at loop e runs along through the deeper loops (a graph cannot
         skip work per row): its exit state h_e and exit loop are kept by masked selects, the K/V it writes into the
         deeper cache layers are replaced at the end by its state propagation (propagate, masked), and its logits are
-        the head on h_e, as in the subset form. No host sync, no data-dependent shape; the threshold and the rule
-        are constants of the compiled step (one graph each). Middle-Cycle sharing: all_layers_step."""
+        the head on h_e, as in the subset form. The threshold and the rule are constants of the compiled step (one
+        graph each). Middle-Cycle sharing: all_layers_step."""
         cfg = self.config
         if cfg.sharing != "cycle":
             return self.all_layers_step(tok, cache)
         B, L = tok.size(0), cfg.n_loops
         q_pos = cache.lengths[:, None]  # (B, 1)
         kv_len = cache.kv_len(1)
-        x = self.embed(tok[:, None])
+        x, h_exit = self.embed(tok[:, None]), None
         exits = torch.full((B,), L - 1, dtype=torch.long, device=tok.device)
         left = torch.zeros(B, dtype=torch.bool, device=tok.device)
-        h_exit = None
         for l in range(L):
             h = self.loop_step(x, l, q_pos, cache, kv_len=kv_len)
-            if l < L - 1 and exit_threshold is not None:
-                score, _ = self.exit_score(x, h, torch.full_like(exits, l), exit_rule or cfg.exit_rule)
-                leave = ~left & (score >= exit_threshold)
+            if exit_threshold is not None:  # at the last loop every row still in leaves
+                leave = self.leaving(x, h, l, exit_threshold, exit_rule)[0] & ~left
                 exits = torch.where(leave, l, exits)
                 h_exit = h if h_exit is None else torch.where(leave[:, None, None], h, h_exit)
                 left = left | leave
             x = h
-        h_exit = h if h_exit is None else torch.where(left[:, None, None], h_exit, h)
         if exit_threshold is not None and L > 1:
             self.propagate(h_exit, exits, q_pos, cache, masked=True)
-        logits = self.exit_logits(h_exit)[:, 0]
+        logits = self.exit_logits(h if h_exit is None else h_exit)[:, 0]
         cache.lengths += 1
         return logits, exits
 
@@ -481,7 +511,7 @@ class RecursiveGPT(GPT):
     def depthwise_step(self, h, loops, pos, live, cache: KVCache, threshold: float | None = None, rule=None):
         """The continuous depth-wise batching step (section 2.4, Figure 3) in graph-safe form, over every row of
         the cache (serve.py's slots): ONE pass of the shared block, each row at its own loop (per-row LoRA index,
-        per-row cache layer loops*K + k), then who leaves, their state propagation and the head.
+        per-row cache layer loops*K + k), then who leaves (leaving), their state propagation and the head.
 
         h (S, 1, C) the state of each row's token in flight before this loop (its embedding at loop 0), loops (S,),
         pos (S,) its position, live (S,) bool: rows with a token in flight. A live row leaves at its last loop or,
@@ -492,46 +522,13 @@ class RecursiveGPT(GPT):
         bool, logits (S, V) of every row (the head on every row: a graph cannot pick the leaving ones). Equal to
         exit_pass's subset form on the live rows (tests/test_serve.py)."""
         self.check_cycle("depth-wise batching")
-        L = self.config.n_loops
         q_pos = pos[:, None]
         out = self.loop_step(h, loops, q_pos, cache)
-        leave, logits = live & (loops == L - 1), None
+        leave, logits = self.leaving(h, out, loops, threshold, rule)
+        leave = live & leave
         if threshold is not None:
-            score, logits = self.exit_score(h, out, loops, rule or self.config.exit_rule)
-            leave = live & ((loops == L - 1) | (score >= threshold))
-            self.propagate(out, torch.where(leave, loops, L - 1), q_pos, cache, masked=True)
+            self.propagate(out, torch.where(leave, loops, self.config.n_loops - 1), q_pos, cache, masked=True)
         return out, leave, (logits if logits is not None else self.exit_logits(out)[:, 0])
-
-    @torch.no_grad()
-    def prefill_chunk(self, idx, q_pos, cache: KVCache, rows, first: bool = False):
-        """model.GPT.prefill_chunk through every loop (prompt tokens never exit): tokens idx (b, T) at positions
-        q_pos (b, T) of cache rows `rows` -> hidden states (b, T, C) after the last loop; every cache layer of those
-        rows written at q_pos, cache.lengths untouched. first=True: causal over the chunk itself (as prefill)."""
-        x, rope = self.embed(idx), self.rope(q_pos)
-        for l in range(self.config.n_loops):
-            x = (self.run_loop(x, l, rope, cache=cache, rows=rows, q_pos=q_pos) if first else
-                 self.loop_step(x, l, q_pos, cache, rows=rows))
-        return x
-
-    @torch.no_grad()
-    def generate(self, idx, max_new_tokens: int, temperature: float = 0.0, top_k=None, generator=None,
-                 exit_threshold: float | None = None, return_exits=False, exit_rule: str | None = None):
-        """model.GPT.generate with early exit: idx (B, T) -> (B, T + max_new_tokens) [, exits (B, max_new_tokens)].
-
-        exit_threshold (default: config.exit_threshold; None = never exit) turns on confidence-based early exit.
-        exits[:, i] is the loop whose logits produced new token i (the first comes from the prefill: the last loop);
-        it is also the exit loop of the token fed at position T - 1 + i.
-        """
-        thr = self.config.exit_threshold if exit_threshold is None else exit_threshold
-        B, T = idx.shape
-        self.check_length(T + max_new_tokens)
-        cache = self.generation_cache(B, T, max(max_new_tokens, 0))
-        tokens = super().generate(idx, max_new_tokens, temperature, top_k, generator, cache=cache,
-                                  exit_threshold=thr, exit_rule=exit_rule)
-        if not return_exits:
-            return tokens
-        first = torch.full((B,), self.config.n_loops - 1, dtype=torch.long, device=idx.device)
-        return tokens, torch.stack(([first] + [e[:B] for e in cache.exit_log])[:max_new_tokens], 1)
 
     # -- accounting ----------------------------------------------------------------------------------------------
 
