@@ -17,7 +17,7 @@ The model, top to bottom:
     chosen init over the middle layers 1..N-2 (Stepwise: round(linspace(1, N-2, K)), as that paper's public code).
     Cache layers: 0 for the first layer, 1 + l*K + k for loop l, N - 1 for the last. A loop's output is not an exit
     here (the last layer still follows), so early exit, exit losses, the exit gate and depth-wise serving are
-    refused for it (config validation, exit_pass, exit_analysis).
+    refused for it (config validation, exit_pass, `python eval.py exits`).
   * Conversion from a vanilla N-layer model (section 2.2, Figure 2, Appendix F): Stepwise keeps the first and the
     last layer and picks the rest at even intervals ("fixed-ends", Appendix F.1: source layers
     round(linspace(0, N-1, K)) with Python's round, half to even, as the authors' public MoR code; N=6, B=2 -> layers
@@ -31,29 +31,33 @@ The model, top to bottom:
     every intermediate output, with the same coefficient. All of it is returned as the single loss of forward() in
     training mode; train.py adds its teacher KD on the final logits. `self.metrics` holds the per-loop CE (and KD)
     terms. In eval mode forward() returns the final loop's cross-entropy (train.py's val loss compares across
-    settings); `exit_analysis` (`python eval.py exits`) gives the validation loss of every loop.
-  * Inference (section 2.4): a KV cache with one "layer" per (loop, layer) pair, cache layer l*K + k.
+    settings); `python eval.py exits` gives the validation loss of every loop (`loop_logits`).
+  * Inference (section 2.4): a KV cache with one "layer" per (loop, layer) pair, cache layer l*K + k. `path` is the
+    depth order (unique first -> the loops -> unique last: blocks, cache layers, LoRA indices), and every cached step
+    runs it through model.run_cached, the cached layer stack of every decoder here (mask, RoPE, cache views).
       - `prefill(idx, cache, lengths)` runs all loops over prompts;
       - `loop_step(x, loops, q_pos, cache, rows)` runs ONE pass of the shared block over rows that may sit at
         different loops (per-row LoRA index, per-row cache layer, per-row positions): the primitive of continuous
         depth-wise batching, which serve.py schedules;
-      - `exit_logits(h)` = final norm + head; `exit_confidence` = max softmax probability;
+      - `exit_logits(h)` = final norm + head; `exit_score` = the rule's score (max softmax probability, learned gate,
+        saturation); `leaving` = THE exit decision (last loop, or score >= threshold) of every decoding path;
       - `propagate(h, from_loop, q_pos, cache, rows)`: state propagation for tokens that exit early (CALM,
         Schuster et al. 2022). Later tokens attend to this token in the deeper loops, so every skipped (l', k) cache
         layer gets K/V projected from the exit hidden state through layer k's attn_norm and k/v projections (with
         loop l''s LoRA). Cost per skipped layer: one norm and two projections (k, v) of one token, i.e. about
         2 * d * H_kv * D_head MACs, no attention and no MLP; for GQA models well under a fifth of a layer.
-      - `decode_step` and `generate` (model.GPT's loop) use exactly these methods. A token exits at the first loop
-        whose max softmax probability reaches `exit_threshold` (None = never; any value > 1 also never exits). Prompt
-        tokens never exit early.
-      - Graph-safe forms (torch.compile fullgraph, CUDA graphs: no host sync, no data-dependent shape):
-        `masked_decode_step` is decode_step with every row running every loop (a row that left runs along, its
-        deeper K/V replaced by `propagate`'s masked writes), what `compile_decode` compiles; `depthwise_step`
-        is serve.py's compiled depth-wise step over every slot. Each equals its subset form (tests).
-  * Early exit on text (section 3.8, Appendix K): `exit_analysis` measures the static loss of every loop, the oracle
-    exit loop (the earliest loop whose argmax equals the final one), and the confidence-exit trade-off a serving user
-    picks a threshold from (threshold -> share of tokens exiting at each loop -> loss of the emitted tokens), with
-    the real cached decoding and state propagation.
+      - `exit_pass` (one loop, then leaving, propagation and the leavers' logits), `decode_step` and `generate`
+        (model.GPT's loop) use exactly these methods. A token exits at the first loop whose exit score reaches
+        `exit_threshold` (None = never; any value > 1 also never exits). Prompt tokens never exit early.
+      - Graph-safe forms, in one section after the readable ones (torch.compile fullgraph, CUDA graphs: no host
+        sync, no data-dependent shape): `masked_decode_step` is decode_step with every row running every loop (a row
+        that left runs along, its deeper K/V replaced by `propagate`'s masked writes), what `compile_decode`
+        compiles; `depthwise_step` is serve.py's compiled depth-wise step over every slot. Each equals its subset
+        form (tests).
+  * Early exit on text (section 3.8, Appendix K): `python eval.py exits` measures the static loss of every loop, the
+    oracle exit loop (the earliest loop whose argmax equals the final one), and the confidence-exit trade-off a
+    serving user picks a threshold from (threshold -> share of tokens exiting at each loop -> loss of the emitted
+    tokens), with the real cached decoding and state propagation.
 
 Run:
     python train.py --arch recursive --init-from out/vanilla/ckpt.pt --loops 2 --init stepwise
@@ -70,14 +74,14 @@ from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import (GPT, IGNORE, PRESETS, ArchSpec, Block, GPTConfig, KVCache, RotaryEmbedding, count_params,
-                   distill_loss, kv_bytes, lm_loss, run_cached, start_prefill)
+from model import (GPT, IGNORE, PRESETS, ArchSpec, Block, GPTConfig, KVCache, count_params, distill_loss,
+                   kv_bytes, lm_loss, run_cached, start_prefill)
 from svd_lora import COMPONENTS, LoRALinear, add_lora, init_lora, max_ranks
 
 
@@ -703,39 +707,6 @@ def tying_sources(N: int, K: int, init: str, sharing: str = "cycle") -> list[lis
     raise ValueError(f"unknown tying init {init!r}; choose one of {INITS}")
 
 
-def keep_layers(src: GPT, spec: str) -> GPT:
-    """The reduced-size baseline of section 3.2 built from pretrained layers: a vanilla GPT made of some of src's
-    layers, in their order, with its embedding, final norm and head. spec: 'stepwise:K' (the K layers Stepwise ties,
-    i.e. the unique layers of the recursive model), 'lower:K' (the first K), or a comma list of layer indices. The
-    paper pretrains its reduced-size models from scratch; starting them from the same pretrained layers as the
-    recursive model isolates what looping adds."""
-    N = src.config.n_layer
-    kind, _, k = spec.partition(":")
-    if kind in ("stepwise", "lower"):
-        if not k.isdigit() or not 1 <= int(k) <= N:
-            raise ValueError(f"--keep-layers {spec}: give {kind}:K with 1 <= K <= {N} (the source's layers)")
-        layers = stepwise_layers(N, int(k)) if kind == "stepwise" else list(range(int(k)))
-    else:
-        try:
-            layers = [int(i) for i in spec.split(",")]
-        except ValueError:
-            raise ValueError(f"--keep-layers {spec!r}: give stepwise:K, lower:K or a comma list of layer indices")
-        if not layers or any(not 0 <= i < N for i in layers) or len(set(layers)) != len(layers):
-            raise ValueError(f"--keep-layers {spec}: layer indices must be distinct and in [0, {N})")
-    cfg = replace(src.config, n_layer=len(layers))
-    p = src.tok_emb.weight
-    with torch.device("meta"):
-        model = GPT(cfg)
-    sd = {k: v for k, v in src.state_dict().items() if not k.startswith("blocks.")}
-    for new, old in enumerate(layers):
-        sd.update({f"blocks.{new}.{k}": v for k, v in src.blocks[old].state_dict().items()})
-    model.load_state_dict({k: v.clone() for k, v in sd.items()}, assign=True)
-    if cfg.tie_embeddings:
-        model.lm_head.weight = model.tok_emb.weight
-    model.rope = RotaryEmbedding(cfg.rot_dim, cfg.max_seq_len, cfg.rope_theta).to(p.device)  # fp32 tables
-    return model
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Conversion from a vanilla model (section 2.2, Figure 2, Appendix C)
 
@@ -807,54 +778,6 @@ def from_vanilla(src: GPT, n_loops: int = 2, init: str = "stepwise", lora_init: 
             + (f"; {total['revived']} dead norm channel(s) revived" if total["revived"] else "")
             + ("; per-loop bias deltas (the source has biases)" if cfg.lora_bias else ""))
     return model
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Early exit on real text (section 3.8, Appendix K): static exits, the oracle, and the confidence-exit trade-off
-
-
-@torch.no_grad()
-def exit_analysis(model: RecursiveGPT, x, y, thresholds=(0.5, 0.7, 0.8, 0.9, 0.95), rule: str | None = None) -> dict:
-    """What early exit does on text: windows x (B, T) and their next tokens y (B, T).
-
-    -> dict with
-      loop_loss, loop_acc   cross-entropy / accuracy if EVERY token left after loop l (static exit), per loop;
-      oracle                (L,) counts: the earliest loop whose argmax equals the final loop's (section 3.8's oracle
-                            exit; a lower bound on what any exit rule can save without changing the greedy output);
-      curve                 per threshold t of the exit rule (default config.exit_rule; EXIT_RULES): `share` (L,) of
-                            the tokens that exit at each loop, `loss` of
-                            the logits actually emitted, `agree` = share of emitted argmaxes equal to the final loop's,
-                            `mean_loop` (1-based).
-    The curve runs the real cached decoding (decode_step with the threshold: confidence exits with state propagation,
-    the code that generate() and serve.py run), teacher-forced on the windows: position 0 is a one-token prompt
-    (prefill, all loops, not scored), every later position a decode step; all statistics cover positions 1..T-1. So
-    a token's loss is that of the loop it exited at, and later tokens attend to the propagated K/V of exited ones.
-    Threshold 0 exits everything after loop 1 and reproduces loop_loss[0]; a threshold above 1 never exits and
-    reproduces the final loop's loss (tests check both).
-    """
-    B, T = x.shape
-    L = model.config.n_loops
-    y = y[:, 1:]  # position 0 is the one-token prompt of the decoding below: it is scored nowhere
-    logits = torch.stack(model.loop_logits(x))[:, :, 1:].float()  # (L, B, T-1, V): static exit at every loop
-    pred = logits.argmax(-1)  # (L, B, T-1)
-    ce = lambda lg: F.cross_entropy(lg.reshape(-1, lg.size(-1)).float(), y.reshape(-1)).item()  # noqa: E731
-    out = {"tokens": y.numel(), "loop_loss": [ce(logits[l]) for l in range(L)],
-           "loop_acc": [(pred[l] == y).float().mean().item() for l in range(L)],
-           "oracle": torch.bincount((pred == pred[-1:]).int().argmax(0).flatten().cpu(), minlength=L), "curve": []}
-    for thr in thresholds:
-        cache = model.new_cache(B, T)
-        model.prefill(x[:, :1], cache)
-        emitted, exits = [], []
-        for t in range(1, T):
-            lg, e = model.decode_step(x[:, t], cache, thr, return_exits=True, exit_rule=rule)
-            emitted.append(lg)
-            exits.append(e)
-        lg, e = torch.stack(emitted, 1).float(), torch.stack(exits, 1)  # (B, T-1, V), (B, T-1)
-        share = torch.bincount(e.flatten().cpu(), minlength=L).double() / e.numel()
-        out["curve"].append({"threshold": thr, "share": share.tolist(), "loss": ce(lg),
-                             "agree": (lg.argmax(-1) == pred[-1]).float().mean().item(),
-                             "mean_loop": float((share * torch.arange(1, L + 1)).sum())})
-    return out
 
 
 @torch.no_grad()

@@ -5,9 +5,10 @@ import pytest
 import torch
 
 from conftest import write_jsonl
+from eval import exit_analysis
 from model import GPT, GPTConfig, KVCache, distill_loss, lm_loss, model_memory, param_bytes
-from recursive import (ARCH_SPECS, RecursiveCache, RecursiveConfig, RecursiveGPT, exit_analysis, exit_coefficients,
-                       from_vanilla, stepwise_layers, tying_sources)
+from recursive import (ARCH_SPECS, RecursiveCache, RecursiveConfig, RecursiveGPT, exit_coefficients, from_vanilla,
+                       stepwise_layers, tying_sources)
 from svd_lora import LoRALinear, lora_params, max_ranks
 
 SMALL = dict(n_layer=6, n_head=4, n_kv_head=2, n_embd=32, mlp_hidden=48, vocab_size=96, max_seq_len=48)
