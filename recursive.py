@@ -800,10 +800,8 @@ def exit_threshold_for(model: RecursiveGPT, prompts, exit_rate: float = 0.5, rul
 
 
 def add_args(ap: argparse.ArgumentParser):
-    """Flags of recursive and relaxed (added once; both specs share them). --loops is train.py's. ap: a
-    cli.ArgumentParser (ap.number bounds a flag)."""
-    if "--lora-rank" in ap._option_string_actions:
-        return
+    """Flags of recursive and relaxed (both specs share them). --loops is train.py's. A flag's `bounds` (min, above,
+    max) are checked by train.py as it parses (cli.number: one line naming the flag); RecursiveConfig checks again."""
     g = ap.add_argument_group("recursive / relaxed")
     g.add_argument("--init", default=None, choices=INITS,
                    help="tying of looped layers when converting (--init-from): default stepwise for recursive, "
@@ -818,12 +816,13 @@ def add_args(ap: argparse.ArgumentParser):
     g.add_argument("--lora-init", default=None, choices=["svd", "zero"],
                    help="relaxed conversion: truncated-SVD init (eq. 4, default) or standard zero init")
     g.add_argument("--exit-loss", default=None, choices=EXIT_LOSSES, help="early-exit training loss (section 3.7)")
-    g.add_argument("--exit-coef", type=ap.number(float, min=0), default=None,
-                   help="intermediate-loop coefficient of --exit-loss aggressive (default 0.1)")
+    g.add_argument("--exit-coef", type=float, default=None,
+                   help="intermediate-loop coefficient of --exit-loss aggressive (default 0.1)").bounds = {"min": 0}
     g.add_argument("--self-distill", action="store_true", default=None,
                    help="KD from the detached final-loop logits into the intermediate ones")
-    g.add_argument("--exit-threshold", type=ap.number(float, above=0, max=1), default=None,
-                   help="confidence threshold in (0, 1] for early exit in generate (default: none)")
+    g.add_argument("--exit-threshold", type=float, default=None,
+                   help="confidence threshold in (0, 1] for early exit in generate (default: none)"
+                   ).bounds = {"above": 0, "max": 1}
     g.add_argument("--exit-gate", action="store_true", default=None,
                    help="train a learned exit gate (one linear classifier per non-final loop, detached inputs)")
     g.add_argument("--exit-rule", default=None, choices=EXIT_RULES,

@@ -90,7 +90,7 @@ import plt
 import recursive
 from harness import tasks
 from harness.cli import (CheckpointError, UsageError, check_device, check_model_fits, check_step_memory,
-                         check_writable_dir, flag_name, log, one_line, regular_file)
+                         check_writable_dir, flag_name, log, number, one_line, regular_file)
 from harness.data import Tokenizer, first_tokens_windows, hf_tokenizer_spec, is_gguf_source, is_hf_source, padded_vocab
 from harness.hf import from_gguf, from_pretrained, gguf_tokenizer_spec
 from model import ArchSpec, least_step_memory, windows_loss
@@ -467,16 +467,21 @@ def load_teacher(args, spec: ArchSpec, tok, table, load=load_checkpoint):
 
 
 def add_arch_args(ap, table, shared: dict):
-    """Every architecture's flags (spec.add_args) into train.py's parser, and `ap.arch_flags`: the dest of every flag
-    that only some architectures read -> their names (the flags each add_args adds, plus `shared`: the command's own
-    flags that only some read, {dest: names})."""
+    """Every architecture's flags (spec.add_args, plain argparse) into train.py's parser, and `ap.arch_flags`: the
+    dest of every flag that only some architectures read -> their names (the flags each add_args adds, plus `shared`:
+    the command's own flags that only some read, {dest: names}). A flag with `bounds` ({min, above, max}, set by its
+    add_args) gets them checked as it is parsed: its type becomes cli.number(type, **bounds), the one-line error."""
     ap.arch_flags = {dest: set(names) for dest, names in shared.items()}
     added = {}  # add_args function -> dests it added (recursive and relaxed share one function, called once)
     for spec in table.values():
-        if spec.add_args is not None:
+        if spec.add_args is not None and spec.add_args not in added:
             before = set(map(id, ap._actions))
             spec.add_args(ap)
-            added.setdefault(spec.add_args, []).extend(a.dest for a in ap._actions if id(a) not in before)
+            new = [a for a in ap._actions if id(a) not in before]
+            for a in new:
+                if getattr(a, "bounds", None):
+                    a.type = number(a.type, **a.bounds)
+            added[spec.add_args] = [a.dest for a in new]
     for spec in table.values():
         for dest in added.get(spec.add_args, []):
             ap.arch_flags.setdefault(dest, set()).add(spec.name)
