@@ -80,8 +80,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import (GPT, IGNORE, PRESETS, ArchSpec, Block, GPTConfig, KVCache, count_params, distill_loss,
-                   kv_bytes, lm_loss, run_cached, start_prefill)
+from model import (GPT, IGNORE, PRESETS, ArchSpec, Block, GPTConfig, KVCache, count_params, distill_loss, lm_loss,
+                   run_cached, start_prefill)
 from svd_lora import COMPONENTS, LoRALinear, add_lora, init_lora, max_ranks
 
 
@@ -111,7 +111,9 @@ class RecursiveGPT(GPT):
     new_cache -> prefill -> decode_step (or loop_step / exit_logits / propagate for a scheduler) -> generate.
     """
 
-    cache_cls = RecursiveCache  # GPT.new_cache builds it: one cache layer per (loop, shared layer), N = B*K of them
+    # GPT.new_cache builds it: one cache layer per (loop, shared layer) and unique layer, N in all, so GPT's
+    # kv_cache_bytes holds (sharing saves weights, not cache); GPT's num_params counts the shared layers once
+    cache_cls = RecursiveCache
 
     def __init__(self, cfg: RecursiveConfig):
         # the stacks in depth order: unique first layers (Middle-Cycle; empty under CYCLE), the shared block, unique
@@ -151,8 +153,7 @@ class RecursiveGPT(GPT):
         first = [(b, i, None) for i, b in enumerate(self.unique_first)] if unique else []
         last = [(b, c.n_layer - c.n_last + i, None) for i, b in enumerate(self.unique_last)] if unique else []
         shared = [(b, self.cache_layer(l, k), l) for l in loops for k, b in enumerate(self.blocks)]
-        blocks, layers, lora = zip(*(first + shared + last))
-        return blocks, layers, lora
+        return tuple(zip(*(first + shared + last)))
 
     def run_path(self, x, loops, cache: KVCache, unique: bool = False, **kwargs):
         """x (b, T, C) through path(loops, unique) with its KV cache layers: model.run_cached, the cached layer stack
@@ -176,9 +177,10 @@ class RecursiveGPT(GPT):
         c = self.config
         rope = self.rope(torch.arange(T, device=idx.device))
         ends = {c.n_first + (l + 1) * c.n_shared for l in range(c.n_loops - 1)} if all_loops else set()
+        blocks, _, lora = self.path(range(c.n_loops), unique=True)  # no cache: every layer attends over idx itself
         x, out = self.embed(idx), []
-        for i, (block, lora) in enumerate(zip(*self.path(range(c.n_loops), unique=True)[::2]), 1):
-            x = block(x, rope, lora_idx=lora)
+        for i, (block, l) in enumerate(zip(blocks, lora), 1):
+            x = block(x, rope, lora_idx=l)
             if i in ends:  # the end of a loop before the last
                 out.append(x)
         return out + [x]
@@ -187,11 +189,12 @@ class RecursiveGPT(GPT):
         """idx (B, T) -> logits (B, T, V) of every loop (static exiting at each depth; eval.py's exit_analysis)."""
         self.check_cycle("static exit after every loop")
         return [self.head(h) for h in self.loop_hidden(idx)]
+
     def forward(self, idx, targets=None):
         """idx (B, T) -> final-loop logits (B, T, V) and, with targets, the loss (section 3.7 terms included)."""
         cfg = self.config
         # the early-exit objective is a training loss; in eval mode the loss is the final loop's cross-entropy, so
-        # that validation losses compare across exit-loss settings (per-loop losses: `loop_logits`, `exit_analysis`)
+        # that validation losses compare across exit-loss settings (per-loop losses: `loop_logits`, eval.py exits)
         early = targets is not None and cfg.exit_loss != "none" and cfg.n_loops > 1 and self.training
         gate = targets is not None and self.exit_gate is not None and self.training
         hs = self.loop_hidden(idx, all_loops=early or gate)
@@ -269,14 +272,11 @@ class RecursiveGPT(GPT):
                              q_pos=q_pos)
 
     def loop_step(self, x, loops, q_pos, cache: KVCache, rows=None, kv_len: int | None = None):
-        """ONE pass of the shared block over tokens that may sit at different loops.
-
-        x (b, T, C) hidden states (embeddings for loop 0); loops: an int, or a LongTensor (b,) with one loop per
-        row; q_pos (b, T) absolute positions; rows (b,) the cache rows of x (default all rows of the cache);
-        kv_len: keys to read (default cache.kv_len(q_pos): max(q_pos) + 1, or max_len for a static cache). Writes
-        K/V of cache layers loops*K + k at q_pos, attends causally over each row's cache prefix, returns h (b, T, C).
-        cache.lengths is not touched.
-        """
+        """ONE pass of the shared block over tokens that may sit at different loops: x (b, T, C) hidden states
+        (embeddings for loop 0); loops an int, or a LongTensor (b,) with one loop per row; q_pos (b, T) absolute
+        positions; rows (b,) the cache rows of x (default all); kv_len the keys to read (default: model.run_cached's).
+        Writes K/V of cache layers loops*K + k at q_pos, attends causally over each row's cache prefix -> h (b, T, C).
+        cache.lengths is not touched."""
         return self.run_path(x, [loops], cache, rows=rows, q_pos=q_pos, kv_len=kv_len)
 
     def exit_logits(self, h):
@@ -398,7 +398,7 @@ class RecursiveGPT(GPT):
         matmuls). The exit loops are also appended to cache.exit_log.
         """
         cfg = self.config
-        if cfg.sharing != "cycle":  # Middle-Cycle: every layer, no early exit (all_layers_step, graph-safe as it is)
+        if cfg.sharing != "cycle":  # Middle-Cycle: every layer, no early exit (masked_step, graph-safe as it is)
             return self.masked_decode_step(tok, cache, exit_threshold, return_exits)
         B, L = tok.size(0), cfg.n_loops
         q_pos = cache.lengths[:, None]  # (B, 1)
@@ -450,14 +450,6 @@ class RecursiveGPT(GPT):
     # and the K/V a row that left writes into deeper cache layers are replaced by its state propagation (propagate,
     # masked=True). Each equals its readable form above (tests/test_recursive.py, tests/test_serve.py).
 
-    def all_layers_step(self, tok, cache: KVCache):
-        """masked_step of Middle-Cycle sharing: the first layer, every loop, the last layer, the head; no early exit
-        (a loop's output is no exit there). tok (B,) -> logits (B, V), exit loop (B,): always the last."""
-        x = self.run_path(self.embed(tok[:, None]), range(self.config.n_loops), cache, unique=True)
-        cache.lengths += 1
-        exits = torch.full((tok.size(0),), self.config.n_loops - 1, dtype=torch.long, device=tok.device)
-        return self.head(x)[:, 0], exits
-
     @torch.no_grad()
     def masked_decode_step(self, tok, cache: RecursiveCache, exit_threshold: float | None = None,
                            return_exits=False, exit_rule: str | None = None):
@@ -477,15 +469,17 @@ class RecursiveGPT(GPT):
         skip work per row): its exit state h_e and exit loop are kept by masked selects, the K/V it writes into the
         deeper cache layers are replaced at the end by its state propagation (propagate, masked), and its logits are
         the head on h_e, as in the subset form. The threshold and the rule are constants of the compiled step (one
-        graph each). Middle-Cycle sharing: all_layers_step."""
-        cfg = self.config
-        if cfg.sharing != "cycle":
-            return self.all_layers_step(tok, cache)
-        B, L = tok.size(0), cfg.n_loops
-        q_pos = cache.lengths[:, None]  # (B, 1)
-        kv_len = cache.kv_len(1)
+        graph each). Middle-Cycle sharing: every layer (the first, every loop, the last), then the head; no early exit
+        (a loop's output is no exit there), every exit loop the last."""
+        B, L = tok.size(0), self.config.n_loops
         x, h_exit = self.embed(tok[:, None]), None
         exits = torch.full((B,), L - 1, dtype=torch.long, device=tok.device)
+        if self.config.sharing != "cycle":
+            h = self.run_path(x, range(L), cache, unique=True)
+            cache.lengths += 1
+            return self.head(h)[:, 0], exits
+        q_pos = cache.lengths[:, None]  # (B, 1)
+        kv_len = cache.kv_len(1)
         left = torch.zeros(B, dtype=torch.bool, device=tok.device)
         for l in range(L):
             h = self.loop_step(x, l, q_pos, cache, kv_len=kv_len)
@@ -538,16 +532,6 @@ class RecursiveGPT(GPT):
 
     def lora_param_count(self) -> int:
         return sum(p.numel() for n, p in self.named_parameters() if ".lora_" in n)
-
-    def num_params(self, non_embedding: bool = True) -> int:
-        """Unique parameters (shared layers once, LoRA included); non-embedding excludes embedding and untied head."""
-        return count_params(self, (self.tok_emb, self.lm_head) if non_embedding else ())
-
-    def kv_cache_bytes(self, batch: int, seq_len: int, dtype_bytes: int = 2) -> int:
-        """Each loop keeps its own K/V: B*K = N cache layers, as many as the vanilla model (sharing saves weights,
-        not cache)."""
-        c = self.config
-        return kv_bytes(c.n_layer, batch, seq_len, c.n_kv_head, c.hd, dtype_bytes)
 
     def flops_per_token(self, seq_len: int, training: bool = True) -> float:
         """6 N_eff + 12 L H D T (PaLM), N_eff = matmul parameters a token passes through: the shared block B times,
@@ -809,8 +793,7 @@ def add_args(ap: argparse.ArgumentParser):
     g.add_argument("--sharing", default=None, choices=SHARINGS,
                    help="which layers loop: cycle (all, the default) or middle_cycle (the first and last layer unique, "
                         "the middle looped; Mixture-of-Recursions)")
-    g.add_argument("--lora-rank", type=int, default=None,
-                   help="relaxed: LoRA rank of every component (default: preset)")
+    g.add_argument("--lora-rank", type=int, default=None, help="relaxed: LoRA rank of every component (default preset)")
     for c in COMPONENTS:
         g.add_argument(f"--lora-rank-{c}", type=int, default=None, help=f"relaxed: LoRA rank of the {c} projections")
     g.add_argument("--lora-init", default=None, choices=["svd", "zero"],

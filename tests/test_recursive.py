@@ -779,6 +779,23 @@ def test_middle_cycle_cached_decoding_equals_the_full_forward(ranks_):
     assert torch.equal(m(out)[0][:, 4:-1].argmax(-1), out[:, 5:]) and torch.all(exits == 1)
 
 
+@torch.no_grad()
+def test_middle_cycle_chunked_prefill_equals_the_prefill():
+    """prefill_chunk (a server's chunked prefill into some cache rows) runs the whole depth order, the unique first
+    and last layers included: two chunks into rows 3 and 1 of a 4-row cache write what prefill writes (every cache
+    layer) and end on its last hidden state."""
+    m = middle("llama", **ranks(4))
+    idx = torch.randint(0, 96, (2, 9))
+    ref_cache, cache = m.new_cache(2, 12), m.new_cache(4, 12)
+    ref = m.prefill(idx, ref_cache)
+    rows, pos = torch.tensor([3, 1]), torch.arange(9).expand(2, 9)
+    m.prefill_chunk(idx[:, :5], pos[:, :5], cache, rows, first=True)
+    h = m.prefill_chunk(idx[:, 5:], pos[:, 5:], cache, rows)
+    torch.testing.assert_close(m.head(h[:, -1:])[:, 0], ref, rtol=0, atol=1e-5)
+    for a, b in ((cache.k, ref_cache.k), (cache.v, ref_cache.v)):  # all N = 6 cache layers, the unique ones too
+        torch.testing.assert_close(a[:, rows, :, :9], b[:, :, :, :9], rtol=0, atol=1e-5)
+
+
 def test_middle_cycle_compiled_decode_is_one_graph_per_bucket_with_the_eager_tokens():
     """compile_decode of Middle-Cycle sharing (backend GraphCheck): greedy generation gives the eager tokens and exit
     loops, one graph per batch bucket (3 rows -> 4, 6 rows -> 8) whatever the number of tokens (the exit log is

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 import kernels
-from model import GPT, Block, GPTConfig, Linear
 from eval import residual_energy
+from model import GPT, Block, GPTConfig, Linear
 from recursive import tying_sources
 from svd_lora import LoRALinear, add_lora, init_lora, lora_params, max_ranks, norm_affine, svd_method, truncated_svd
 
