@@ -663,7 +663,7 @@ def from_vanilla(gpt: GPT, block_len: int = 4, prefix_len: int = 2, max_seq_len:
 
 
 def add_args(ap: argparse.ArgumentParser):
-    """Flags of the Block Transformer (ap: a cli.ArgumentParser; ap.number bounds a flag)."""
+    """Flags of the Block Transformer (BlockConfig checks their values)."""
     g = ap.add_argument_group("block (Block Transformer)")
     g.add_argument("--block-len", type=int, default=None, help="block: tokens per block L_B (default: preset, 4)")
     g.add_argument("--block-prefix-len", type=int, default=None, help="block: prefix length P (default: preset, 2)")

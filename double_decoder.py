@@ -691,9 +691,9 @@ def add_args(ap: argparse.ArgumentParser):
                    help="double: weight init (gpt2: model.init_weights per stack; xavier: the paper's, gain sqrt 2)")
     g.add_argument("--latent-norm", choices=["rms", "layer"], default=None,
                    help="double: the context decoder's final norm (rms: as every other norm; layer: LayerNorm + bias)")
-    g.add_argument("--ctx-lr", type=ap.number(float, above=0), default=None,
+    g.add_argument("--ctx-lr", type=float, default=None,
                    help="double: the context decoder's learning rate as a multiple of --lr (default 0.25; 1: the "
-                        "paper's)")
+                        "paper's)").bounds = {"above": 0}  # checked by train.py as it parses; DoubleConfig again
     g.add_argument("--dd-attn", choices=["auto", "dense", "flex"], default=None,
                    help="double: training attention (auto = FlexAttention on CUDA, the dense reference elsewhere)")
 

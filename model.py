@@ -535,27 +535,32 @@ def start_prefill(idx, cache, lengths=None) -> torch.Tensor:
 
 
 def run_cached(blocks, rope: RotaryEmbedding, x, cache: KVCache, fresh: bool = False, layers=None, rows=None,
-               q_pos=None):
+               q_pos=None, kv_len: int | None = None, lora_idx=None):
     """The cached layer stack: inputs x (B, T, C) at positions cache.lengths + (0..T-1) through `blocks`, each block
     writing its K/V into its cache layer (layers[i], default i) -> hidden states (B, T, C). cache.lengths is left to
     the caller. Every decoder of this repository runs its cached steps through here (GPT, the Block Transformer's two
-    decoders, the double decoder's context decoder).
+    decoders, the double decoder's context decoder, every loop of recursive.py).
 
     fresh=True is the prefill of an empty cache: attention runs causally over x itself (the flash path on GPU) and
     nothing is read back. Otherwise every query attends over the cache prefix under the positional causal mask: the
-    filled prefix [0, max(q_pos) + 1), or all max_len positions for a static cache (no host sync, fixed shapes).
+    filled prefix [0, max(q_pos) + 1), or all max_len positions for a static cache (no host sync, fixed shapes);
+    kv_len overrides it (a caller that runs several stacks at the same positions computes it once).
     rows (B,) and q_pos (B, T): x belongs to these cache rows, at these positions (a server's chunked prefill into
-    some of its slots); default all rows, at their lengths.
+    some of its slots); default all rows, at their lengths. layers[i] may be a LongTensor (B,), one cache layer per
+    row, and lora_idx[i] is block i's LoRA index (svd_lora.py: an int, or (B,) one per row; default None): rows of
+    a looped model that sit at different loops.
     """
     B, T, _ = x.shape
     if q_pos is None:
         q_pos = cache.lengths[:, None] + torch.arange(T, device=x.device)  # (B, T)
     mask = None
     if not fresh:
-        mask = causal_mask_from_positions(q_pos, cache.kv_len(q_pos))  # (B, 1, T, kv_len)
+        kv_len = cache.kv_len(q_pos) if kv_len is None else cache.fits(kv_len)
+        mask = causal_mask_from_positions(q_pos, kv_len)  # (B, 1, T, kv_len)
     cos_sin = rope(q_pos)
     for i, block in enumerate(blocks):
-        x = block(x, cos_sin, mask=mask, cache=cache.layer(i if layers is None else layers[i], rows), q_pos=q_pos)
+        x = block(x, cos_sin, lora_idx=None if lora_idx is None else lora_idx[i], mask=mask,
+                  cache=cache.layer(i if layers is None else layers[i], rows), q_pos=q_pos)
     return x
 
 

@@ -79,12 +79,6 @@ class ArgumentParser(argparse.ArgumentParser):
                                                  "for its default")
         return value
 
-    @staticmethod
-    def number(kind=int, min=None, above=None, max=None):  # noqa: A002
-        """`number` below, reachable from a parser: an architecture's add_args(ap) bounds its flags with ap.number(...)
-        without importing this module (the model files import no command-line code)."""
-        return number(kind, min=min, above=above, max=max)
-
 
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """--help with each flag's default said once: argparse's "(default: X)" is added only where the help text does

@@ -474,6 +474,19 @@ def test_flags_of_another_architecture_are_named_in_one_warning(files, capsys):
                    "--lora-rank (recursive/relaxed), --plt-window (plt), --kd-weight (needs --teacher)"]
 
 
+def test_architecture_flags_register_on_a_plain_argparse_parser():
+    """The paper files import no command-line code: each add_args works on argparse's own parser, once per function
+    (recursive and relaxed share one); the bounds beside a flag are data that train.py's parser applies (the
+    one-line errors above), so a plain parser reads the plain value and leaves the check to the config."""
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    for add_args in {spec.add_args for spec in checkpoint.arch_table().values()} - {None}:
+        add_args(ap)
+    args = ap.parse_args(["--exit-threshold", "0.5", "--exit-coef", "0.2", "--ctx-lr", "0.25", "--plt-window", "8"])
+    assert (args.exit_threshold, args.exit_coef, args.ctx_lr, args.plt_window) == (0.5, 0.2, 0.25, 8)
+
+
 COMMAND_LINES = [["train.py", BASE, "--seq-len", "100000", "--batch-size", "4096"],
                  ["train.py", "--batch-size", "0"],
                  ["serve.py", "--slots", "0"],

@@ -5,9 +5,10 @@ import pytest
 import torch
 
 from conftest import write_jsonl
+from eval import exit_analysis
 from model import GPT, GPTConfig, KVCache, distill_loss, lm_loss, model_memory, param_bytes
-from recursive import (ARCH_SPECS, RecursiveCache, RecursiveConfig, RecursiveGPT, exit_analysis, exit_coefficients,
-                       from_vanilla, stepwise_layers, tying_sources)
+from recursive import (ARCH_SPECS, RecursiveCache, RecursiveConfig, RecursiveGPT, exit_coefficients, from_vanilla,
+                       stepwise_layers, tying_sources)
 from svd_lora import LoRALinear, lora_params, max_ranks
 
 SMALL = dict(n_layer=6, n_head=4, n_kv_head=2, n_embd=32, mlp_hidden=48, vocab_size=96, max_seq_len=48)
@@ -776,6 +777,23 @@ def test_middle_cycle_cached_decoding_equals_the_full_forward(ranks_):
         assert cache.k[0].abs().sum() > 0 and cache.k[5].abs().sum() > 0  # the unique layers' K/V are written
     out, exits = m.generate(idx[:, :5], 8, return_exits=True)
     assert torch.equal(m(out)[0][:, 4:-1].argmax(-1), out[:, 5:]) and torch.all(exits == 1)
+
+
+@torch.no_grad()
+def test_middle_cycle_chunked_prefill_equals_the_prefill():
+    """prefill_chunk (a server's chunked prefill into some cache rows) runs the whole depth order, the unique first
+    and last layers included: two chunks into rows 3 and 1 of a 4-row cache write what prefill writes (every cache
+    layer) and end on its last hidden state."""
+    m = middle("llama", **ranks(4))
+    idx = torch.randint(0, 96, (2, 9))
+    ref_cache, cache = m.new_cache(2, 12), m.new_cache(4, 12)
+    ref = m.prefill(idx, ref_cache)
+    rows, pos = torch.tensor([3, 1]), torch.arange(9).expand(2, 9)
+    m.prefill_chunk(idx[:, :5], pos[:, :5], cache, rows, first=True)
+    h = m.prefill_chunk(idx[:, 5:], pos[:, 5:], cache, rows)
+    torch.testing.assert_close(m.head(h[:, -1:])[:, 0], ref, rtol=0, atol=1e-5)
+    for a, b in ((cache.k, ref_cache.k), (cache.v, ref_cache.v)):  # all N = 6 cache layers, the unique ones too
+        torch.testing.assert_close(a[:, rows, :, :9], b[:, :, :, :9], rtol=0, atol=1e-5)
 
 
 def test_middle_cycle_compiled_decode_is_one_graph_per_bucket_with_the_eager_tokens():
