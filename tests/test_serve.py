@@ -213,12 +213,13 @@ def test_eos_ends_a_request_and_a_first_token_eos_is_not_counted_again(kind):
     reqs = serve_requests.synthetic_requests(12, CFG["vocab_size"], "2:8", "3:6", seed=17)
     refs = [serve.sequential_generate(model, r)[0] for r in reqs]
     eos = refs[0][0]  # request 0 ends on the token its prefill samples
-    srv = (serve.ContinuousServer if kind == "vanilla" else serve.DepthWiseServer)(model, 1, eos_id=eos)
+    srv = (serve.ContinuousServer if kind == "vanilla" else serve.DepthWiseServer)(model, 1, eos_id=eos,
+                                                                                  hook=serve.Metrics())
     out = srv.run(reqs, clock="step")
     for r, ref in zip(out, refs):
         assert r.output == (ref[:ref.index(eos) + 1] if eos in ref else ref), r.rid
     assert out[0].output == [eos] and out[0].max_new_tokens > 1
-    assert srv.full_tokens == sum(len(r.output) - 1 for r in out)
+    assert srv.hook.full_tokens == sum(len(r.output) - 1 for r in out)
 
 
 def test_500_requests_none_lost_or_duplicated():
@@ -290,7 +291,7 @@ def test_same_seed_same_sampled_outputs():
 
 def test_metrics_and_bad_args():
     reqs = _requests(10, seed=8)
-    srv = serve.DepthWiseServer(REL, 4, exit_threshold=bench_serve.calibrate_threshold(REL, reqs))
+    srv = serve.DepthWiseServer(REL, 4, exit_threshold=bench_serve.calibrate_threshold(REL, reqs), hook=serve.Metrics())
     d = bench_serve.summarize(srv, srv.run(reqs, clock="step"))
     assert d["tokens"] == sum(r.max_new_tokens for r in reqs) and d["tok_per_s"] > 0
     assert 1.0 <= d["mean_exit_loop"] <= 2.0 and 0 < d["occupancy"] <= 1.0
