@@ -164,9 +164,10 @@ def recording(cache: KVCache, name: str, log: list) -> RecordingCache:
 def block_fields(prompt_blocks=2, new_tokens=11, seed=0) -> dict:
     """A Block Transformer (L_B = 4, P = 2 prefix vectors) generates after a prompt of whole blocks, on a BlockCache
     whose two KV caches record (recording) and with every decode step marked in the log. Each pass -- the prefill,
-    then each decode step -- predicts one token g; the token decoder's entries are labelled by what wrote them:
-    ('prefix', block, j) by the pass that started the block, ('token', p) by the step that fed token p. A fresh pass
-    (the prefill, a block's start: causal over what it writes, nothing read back) reads what it wrote.
+    then each decode step -- predicts one token g; the token decoder's entries are labelled by what wrote them: the
+    j-th written after the block decoder ran (a block's start) ('prefix', block of g, j), else ('token', p) by the
+    step that fed token p. A fresh pass (the prefill, a block's start: causal over what it writes, nothing read back)
+    reads what it wrote.
     -> {"prompt_len", "block_len", "prefix_len", "model", "tokens" (prompt + generated), "fields": [{"token": g,
     "block_keys": [blocks], "token_keys": [labels]}]}: the block decoder's keys are those of the last block-decoder
     pass before g."""
@@ -193,8 +194,8 @@ def block_fields(prompt_blocks=2, new_tokens=11, seed=0) -> dict:
         for name, kind, x in events:
             if kind == "write":
                 wrote[name] += x
-                for i in x if name == "token" else ():
-                    local[i] = ("prefix", g // L, i) if i < P else ("token", g - 1)
+                for j, i in enumerate(x if name == "token" else ()):  # after the block decoder: a block's start
+                    local[i] = ("prefix", g // L, j) if wrote["block"] else ("token", g - 1)
             elif name == "token":
                 token_keys = [local[i] for i in range(x)]
             else:
