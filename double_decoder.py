@@ -50,6 +50,7 @@ Run:
     python train.py --arch double --objective prefixlm        # the prefix-LM objective of section 4
     python eval.py double-eval out/double/ckpt.pt --sample "def " --rollover 16   # generate, folding every 16 tokens
     python bench.py double --preset small --threads 1 --batch 1 --prompt-len 128   # TTFT, per token, KV vs decoder-only
+    python bench.py figures                                   # Figure 2's mask of generation, from DoubleCache.trace
     python -m pytest -q tests/test_double_decoder.py
 """
 from __future__ import annotations

@@ -79,6 +79,7 @@ Run:
     python bench.py presets --arch plt                          # presets x variants: parameters, KV bytes, FLOPs
     python bench.py plt                                         # Table 3: decode latency vs vanilla and loop-2
     python bench.py plt --variants vanilla,loop,clp,kv_share,plt --batch 4,16 --preset small --device cuda
+    python bench.py figures                                     # Algorithm 1 drawn from PLTCache.trace (and the others)
     python -m pytest -q tests/test_plt.py
 """
 from __future__ import annotations

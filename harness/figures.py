@@ -410,7 +410,8 @@ def draw_block(pyplot, d, path):
     for b in range(0, n + 1, L):
         ax.axvline(P + 0.6 + b, color="gray", lw=0.8)
     one = len(fields) - 2  # one token's receptive field, as the paper draws its last token's
-    ax.add_patch(pyplot.Rectangle((0, one), P + 0.6 + n, 1, fill=False, edgecolor="#d62728", lw=2, clip_on=False))
+    ax.add_patch(pyplot.Rectangle((0, one), P + 0.6 + n, 1, fill=False, edgecolor="#d62728", lw=2, clip_on=False,
+                                 zorder=5))
     ax.set_xlim(0, P + 0.6 + n)
     ax.set_ylim(len(fields), 0)
     ax.set_xticks([j * 0.8 + 0.4 for j in range(P)] + [P + 1.1 + p for p in range(n)],

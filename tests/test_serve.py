@@ -497,3 +497,17 @@ def test_demo_serves_every_system_and_prints_its_table(capsys):
                           "depth-wise softmax>=" + out.split("threshold ")[1].split()[0]]
     assert len({r[0] for r in rows.values()}) == 1  # every system generated every token
     assert rows["vanilla continuous"][-1] == "1.00" and 1.0 < float(rows[list(rows)[-1]][-2]) < 2.0
+
+
+def test_demo_schedule_prints_figure_3_of_its_run(capsys):
+    """`python serve.py --schedule N`: after the table, the first N forward passes of the depth-wise server with exits
+    on the same requests, one line per slot (serve.ScheduleTrace): every slot starts with its prompt's prefill pass,
+    and the decode steps run rows at loops 1 and 2, tokens leaving at both."""
+    serve.main(["--preset", "tiny", "--requests", "5", "--slots", "3", "--dtype", "float32", "--schedule", "12"])
+    out = capsys.readouterr().out
+    grid = out.split("Figure 3 (continuous depth-wise batching), traced from the run above:\n")[1].splitlines()
+    assert grid[3].startswith("depth-wise softmax>=") and ": forward passes 1..12 of " in grid[3]
+    rows = grid[5:]
+    assert len(rows) == 3 and all(r.startswith("slot ") and len(r) == 7 + 3 * 12 and r[9] == "p" for r in rows)
+    cells = {c for r in rows for c in r[7:].split()}
+    assert {c[1] for c in cells} >= {"p", "1", "2"} and any(c == c.upper() and c[1] in "12" for c in cells)
