@@ -279,30 +279,50 @@ def _pyplot():
     return pyplot
 
 
-def _save(pyplot, fig, path: Path):
+def _cell(ax, x, y, color, text="", edge=None, bold=False):
+    """One cell of a grid: the unit square at (x, y), its text centred, an outlined cell above its neighbours."""
+    from matplotlib.patches import Rectangle
+
+    ax.add_patch(Rectangle((x, y), 1, 1, facecolor=color, edgecolor=edge or "white", lw=1.8 if edge else 0.6,
+                           zorder=3 if edge else 2))
+    if text:
+        ax.text(x + 0.5, y + 0.5, text, ha="center", va="center", fontsize=7, weight="bold" if bold else "normal",
+                zorder=4)
+
+
+def _grid(ax, cols, rows, xlabel, title, fontsize=7):
+    """The axes of a grid of cells: cols / rows the labels of its columns (x = 0, 1, ...) and rows (y, top down)."""
+    ax.set_xlim(0, len(cols))
+    ax.set_ylim(len(rows), 0)
+    ax.set_xticks([x + 0.5 for x in range(len(cols))], cols, fontsize=fontsize)
+    ax.set_yticks([y + 0.5 for y in range(len(rows))], rows, fontsize=fontsize)
+    ax.tick_params(length=0)
+    ax.set_xlabel(xlabel, fontsize=8)
+    ax.set_title(title, fontsize=9, loc="left")
+
+
+def _finish(pyplot, fig, path: Path, title: str, legend: list[tuple[str, str, str]]):
+    """The figure's title (paper, figure, what was traced), its legend (label, face colour, edge colour) below, and
+    the PNG, written atomically."""
+    from matplotlib.patches import Patch
+
+    fig.legend(handles=[Patch(facecolor=face, edgecolor=edge, label=label) for label, face, edge in legend],
+               loc="lower center", ncol=len(legend), fontsize=7)
+    fig.suptitle(title, fontsize=10, x=0.01, ha="left")
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)
     pyplot.close(fig)
     write_atomic(path, buf.getvalue())
 
 
-def _cell(ax, x, y, color, text="", edge=None, bold=False, w=1.0):
-    from matplotlib.patches import Rectangle
-
-    ax.add_patch(Rectangle((x, y), w, 1, facecolor=color, edgecolor=edge or "white", lw=1.8 if edge else 0.6,
-                           zorder=3 if edge else 2))  # an outlined cell above its neighbours
-    if text:
-        ax.text(x + w / 2, y + 0.5, text, ha="center", va="center", fontsize=7, weight="bold" if bold else "normal",
-                zorder=4)
-
-
 LOOP_COLORS = ["#c6dbef", "#6baed6", "#2171b5", "#08306b"]
 ALL_LAYERS, PROMPT_CHUNK, HELD = "#fdae6b", "#bdbdbd", "#f0f0f0"
+CROSS = PREFIX = "#9e9ac8"  # what comes from the other level: a context latent, a prefix vector
+SELF, READ, BLOCK_READ, PREDICTED = "#41ab5d", "#238b45", "#c7e9c0", "#fec44f"
 
 
 def draw_depthwise(pyplot, d, path):
-    from matplotlib.patches import Patch
-
     names = [k for k in d if k.startswith(("depth-wise", "vanilla"))]
     width = max(len(d[n][0].passes) for n in names)
     fig, axes = pyplot.subplots(len(names), 1, figsize=(13, 5.6))
@@ -325,29 +345,18 @@ def draw_depthwise(pyplot, d, path):
                 letter = chr(ord("a") + rid % 26)
                 _cell(ax, x, s, color, "" if what is None else letter.upper() if emitted else letter,
                       "black" if emitted else None, emitted)
-        ax.set_xlim(0, width)
-        ax.set_ylim(trace.slots, 0)
-        ax.set_yticks([s + 0.5 for s in range(trace.slots)], [f"slot {s}" for s in range(trace.slots)])
-        ax.set_xticks([x + 0.5 for x in range(len(labels))], labels, fontsize=6)
-        ax.set_title(f"{name}: {step} decode steps", fontsize=9, loc="left")
-        ax.tick_params(length=0)
-    axes[-1].set_xlabel("forward pass of the model, in order (p = a prefill pass, n = decode step n); a letter = "
-                        "a request, UPPERCASE = a token leaves", fontsize=8)
-    handles = [Patch(color=LOOP_COLORS[i], label=f"loop {i + 1}") for i in range(d["loops"])] + [
-        Patch(color=ALL_LAYERS, label="all layers (vanilla)"), Patch(color=PROMPT_CHUNK, label="prompt chunk"),
-        Patch(facecolor="white", edgecolor="black", label="a token leaves"), Patch(color=HELD, label="held, not run"),
-        Patch(color="red", label="refill")]
-    fig.legend(handles=handles, loc="lower center", fontsize=7, ncol=len(handles))
-    fig.suptitle("Relaxed Recursive Transformers, Figure 3: continuous depth-wise batching with early exit\n"
-                 f"traced from serve.py: {len(d['requests'])} requests, Poisson arrivals, prompts prefilled in chunks "
-                 f"of {d['chunk']}, exits simulated (random weights)", fontsize=10, x=0.01, ha="left")
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
-    _save(pyplot, fig, path)
+        _grid(ax, labels + [""] * (width - len(labels)), [f"slot {s}" for s in range(trace.slots)],
+              "forward pass of the model, in order (p = a prefill pass, n = decode step n); a letter = a request, "
+              "UPPERCASE = a token leaves" if ax is axes[-1] else "", f"{name}: {step} decode steps")
+    _finish(pyplot, fig, path, "Relaxed Recursive Transformers, Figure 3: continuous depth-wise batching with early "
+            f"exit\ntraced from serve.py: {len(d['requests'])} requests, Poisson arrivals, prompts prefilled in "
+            f"chunks of {d['chunk']}, exits simulated (random weights)",
+            [(f"loop {i + 1}", LOOP_COLORS[i], LOOP_COLORS[i]) for i in range(d["loops"])]
+            + [("all layers (vanilla)", ALL_LAYERS, ALL_LAYERS), ("prompt chunk", PROMPT_CHUNK, PROMPT_CHUNK),
+               ("a token leaves", "white", "black"), ("held, not run", HELD, HELD), ("refill", "red", "red")])
 
 
 def draw_plt(pyplot, d, path):
-    from matplotlib.patches import Patch
-
     fws, L, n0 = d["forwards"], d["loops"], d["prompt_len"]
     last = fws[-1]["pos"]
     fig, (ax, ax_s, ax_w) = pyplot.subplots(1, 3, figsize=(13, 5), gridspec_kw=dict(width_ratios=[1.1, 1, 1]))
@@ -357,13 +366,9 @@ def draw_plt(pyplot, d, path):
             if f and row:  # h^(l)_(i-1), the state row l-1 wrote in the forward before, feeds row l
                 ax.annotate("", (f + 0.2, row + 0.4), (f - 0.2, row - 0.4),
                             arrowprops=dict(arrowstyle="->", color="black", lw=0.8))
-    ax.set_xlim(0, len(fws))
-    ax.set_ylim(L, 0)
-    ax.set_xticks([f + 0.5 for f in range(len(fws))], [f"pos {fw['pos']}" for fw in fws], fontsize=7)
-    ax.set_yticks([r + 0.5 for r in range(L)], [f"row {r}: loop {r + 1}" for r in range(L)], fontsize=8)
-    ax.set_xlabel(f"decode forward at position i (row {L - 1}'s logits give token i+1)", fontsize=8)
-    ax.set_title("rows of each forward: t_k = the chain of token k\n(arrow: h^(l) of the forward before feeds loop "
-                 "l+1)", fontsize=9)
+    _grid(ax, [f"pos {fw['pos']}" for fw in fws], [f"row {r}: loop {r + 1}" for r in range(L)],
+          f"decode forward at position i (row {L - 1}'s logits give token i+1)",
+          "rows of each forward: t_k = the chain of token k\n(arrow: h^(l) of the forward before feeds loop l+1)")
     rows = [(f, row) for f, fw in enumerate(fws) for row in range(fw["rows"])]
     for axis, title, color in ((ax_s, "shared loop-1 cache (K_share, V_share)", LOOP_COLORS[1]),
                                (ax_w, f"own sliding window (w = {d['window']})", ALL_LAYERS)):
@@ -373,97 +378,61 @@ def draw_plt(pyplot, d, path):
             for j in range(last + 1):
                 _cell(axis, j, y, color if j in keys else "white" if j <= fws[f]["pos"] else HELD,
                       edge="black" if j == fws[f]["pos"] and j in keys else None)
-        axis.set_xlim(0, last + 1)
-        axis.set_ylim(len(rows), 0)
-        axis.set_xticks([j + 0.5 for j in range(last + 1)], range(last + 1), fontsize=7)
-        axis.set_yticks([y + 0.5 for y in range(len(rows))],
-                        [f"pos {fws[f]['pos']} loop {row + 1}" for f, row in rows], fontsize=6)
-        axis.set_xlabel("key position (outlined: the row's own position)", fontsize=8)
-        axis.set_title(f"keys read: {title}", fontsize=9)
-        axis.axvline(n0, color="gray", lw=0.8, ls="--")
-    fig.legend(handles=[Patch(color=LOOP_COLORS[1], label="shared key read"),
-                        Patch(color=ALL_LAYERS, label="own-window key read"),
-                        Patch(facecolor="white", edgecolor="gray", label="not read"),
-                        Patch(color=HELD, label="not yet written")], loc="lower right", fontsize=7, ncol=4)
-    fig.suptitle(f"Parallel Loop Transformer, Algorithm 1 / Figure 2 (right): cross-loop parallel decoding, L = {L}, "
-                 f"first-loop KV sharing, gated window\ntraced from plt.py's decode forwards (prompt: positions "
-                 f"0..{n0 - 1}, left of the dashed line; random weights)", fontsize=10, x=0.01, ha="left")
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
-    _save(pyplot, fig, path)
+        _grid(axis, [str(j) for j in range(last + 1)], [f"pos {fws[f]['pos']} loop {row + 1}" for f, row in rows],
+              "key position (outlined: the row's own position)", f"keys read: {title}", fontsize=6)
+        axis.axvline(n0, color="gray", lw=0.8, ls="--", zorder=5)
+    _finish(pyplot, fig, path, f"Parallel Loop Transformer, Algorithm 1 / Figure 2 (right): cross-loop parallel "
+            f"decoding, L = {L}, first-loop KV sharing, gated window\ntraced from plt.py's decode forwards (prompt: "
+            f"positions 0..{n0 - 1}, left of the dashed line; random weights)",
+            [("shared key read", LOOP_COLORS[1], LOOP_COLORS[1]), ("own-window key read", ALL_LAYERS, ALL_LAYERS),
+             ("not read", "white", "gray"), ("not yet written", HELD, HELD)])
 
 
 def draw_block(pyplot, d, path):
-    from matplotlib.patches import Patch
-
     L, P, fields = d["block_len"], d["prefix_len"], d["fields"]
     n = fields[-1]["token"] + 1
-    fig, ax = pyplot.subplots(figsize=(12.5, 5))
-    for y, f in enumerate(fields):
+    fig, ax = pyplot.subplots(figsize=(12, 5.4))
+    for y, f in enumerate(fields):  # columns: the P prefix vectors, a gap, the token positions
         toks = {lab[1] for lab in f["token_keys"] if lab[0] == "token"}
         for j in range(P):
-            _cell(ax, j * 0.8, y, "#9e9ac8" if ("prefix", f["token"] // L, j) in f["token_keys"] else "white",
-                  f"P{j + 1}", w=0.8)
+            _cell(ax, j, y, PREFIX if ("prefix", f["token"] // L, j) in f["token_keys"] else "white", f"P{j + 1}")
         for p in range(n):
-            color = ("#238b45" if p in toks else "#c7e9c0" if p // L in f["block_keys"] else
-                     "#fec44f" if p == f["token"] else "white")
-            _cell(ax, P + 0.6 + p, y, color, "?" if p == f["token"] else "", "black" if p == f["token"] else None)
+            color = (READ if p in toks else BLOCK_READ if p // L in f["block_keys"] else
+                     PREDICTED if p == f["token"] else "white")
+            _cell(ax, P + 1 + p, y, color, "?" if p == f["token"] else "", "black" if p == f["token"] else None)
     for b in range(0, n + 1, L):
-        ax.axvline(P + 0.6 + b, color="gray", lw=0.8)
+        ax.axvline(P + 1 + b, color="gray", lw=0.8, zorder=5)
     one = len(fields) - 2  # one token's receptive field, as the paper draws its last token's
-    ax.add_patch(pyplot.Rectangle((0, one), P + 0.6 + n, 1, fill=False, edgecolor="#d62728", lw=2, clip_on=False,
-                                 zorder=5))
-    ax.set_xlim(0, P + 0.6 + n)
-    ax.set_ylim(len(fields), 0)
-    ax.set_xticks([j * 0.8 + 0.4 for j in range(P)] + [P + 1.1 + p for p in range(n)],
-                  [""] * P + [str(p) for p in range(n)], fontsize=7)
-    ax.set_yticks([y + 0.5 for y in range(len(fields))], [f"token {f['token']}" for f in fields], fontsize=7)
-    ax.set_xlabel(f"prefix vectors of the token's block | token position (blocks of L_B = {L}; the prompt: "
-                  f"0..{d['prompt_len'] - 1})", fontsize=8)
-    ax.legend(handles=[Patch(color="#c7e9c0", label="block read by the block decoder (its embedding)"),
-                       Patch(color="#9e9ac8", label="prefix vector read by the token decoder"),
-                       Patch(color="#238b45", label="token read by the token decoder"),
-                       Patch(color="#fec44f", label="the predicted token"),
-                       Patch(facecolor="white", edgecolor="#d62728", label=f"token {fields[one]['token']}: "
-                             "one token's receptive field")],
-              loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7)
-    ax.tick_params(length=0)
-    ax.set_title("Block Transformer, Figure 1: the receptive field of each generated token, global (block decoder) "
-                 "and local (token decoder)\ntraced from block_transformer.py's KV caches (L_B = 4, P = 2, random "
-                 "weights): the token decoder never reads outside its block", fontsize=10, loc="left")
-    fig.tight_layout()
-    _save(pyplot, fig, path)
+    ax.add_patch(pyplot.Rectangle((0, one), P + 1 + n, 1, fill=False, edgecolor="#d62728", lw=2, clip_on=False,
+                                  zorder=6))
+    _grid(ax, [""] * (P + 1) + [str(p) for p in range(n)], [f"token {f['token']}" for f in fields],
+          f"prefix vectors of the token's block | token position (blocks of L_B = {L}; the prompt: "
+          f"0..{d['prompt_len'] - 1})", "")
+    _finish(pyplot, fig, path, "Block Transformer, Figure 1: the receptive field of each generated token, global "
+            "(block decoder) and local (token decoder)\ntraced from block_transformer.py's KV caches (L_B = 4, P = 2, "
+            f"random weights); red: token {fields[one]['token']}'s. The token decoder never reads outside its block.",
+            [("block read by the block decoder (its embedding)", BLOCK_READ, BLOCK_READ),
+             ("prefix vector read by the token decoder", PREFIX, PREFIX),
+             ("token read by the token decoder", READ, READ), ("the predicted token", PREDICTED, "black")])
 
 
 def draw_double(pyplot, settings, path):
-    from matplotlib.patches import Patch
-
     fig, axes = pyplot.subplots(1, len(settings), figsize=(12, 5))
     for ax, s in zip(axes, settings):
         n = s["rows"][-1]["pos"] + 1
         for y, r in enumerate(s["rows"]):
             for p in range(n):
-                _cell(ax, p, y, "#9e9ac8" if p in r["cross"] else "#41ab5d" if p in r["self"] else "white")
-        starts = sorted({min(r["self"]) for r in s["rows"]})  # where each block begins
-        for b in starts:
-            ax.axvline(b, color="black", lw=0.8)
-        ax.set_xlim(0, n)
-        ax.set_ylim(len(s["rows"]), 0)
-        ax.set_xticks([p + 0.5 for p in range(n)], range(n), fontsize=7)
-        ax.set_yticks([y + 0.5 for y in range(len(s["rows"]))], [f"query {r['pos']}" for r in s["rows"]], fontsize=7)
-        ax.set_xlabel("key position (lines: where a block starts)", fontsize=8)
+                _cell(ax, p, y, CROSS if p in r["cross"] else SELF if p in r["self"] else "white")
+        for b in sorted({min(r["self"]) for r in s["rows"]}):  # where each block begins
+            ax.axvline(b, color="black", lw=0.8, zorder=5)
         context = f"context 0..{s['prompt_len'] - 2}" if s["prompt_len"] > 1 else "no context"
-        ax.set_title(f"prompt of {s['prompt_len']} token{'s' * (s['prompt_len'] > 1)} ({context}), a new block "
-                     f"every {s['rollover']} tokens", fontsize=9)
-        ax.tick_params(length=0)
-    fig.legend(handles=[Patch(color="#9e9ac8", label="context latent of an earlier block (cross key)"),
-                        Patch(color="#41ab5d", label="own block, causal (self key)"),
-                        Patch(facecolor="white", edgecolor="gray", label="hidden")], loc="lower center", ncol=3,
-               fontsize=8)
-    fig.suptitle("Block-Based Double Decoders, Figure 2: the doubly-causal block mask of generation\ntraced from "
-                 "double_decoder.py's generation steps (kernels.dual_masks; random weights)", fontsize=10, x=0.01,
-                 ha="left")
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
-    _save(pyplot, fig, path)
+        _grid(ax, [str(p) for p in range(n)], [f"query {r['pos']}" for r in s["rows"]],
+              "key position (lines: where a block starts)", f"prompt of {s['prompt_len']} "
+              f"token{'s' * (s['prompt_len'] > 1)} ({context}), a new block every {s['rollover']} tokens")
+    _finish(pyplot, fig, path, "Block-Based Double Decoders, Figure 2: the doubly-causal block mask of generation\n"
+            "traced from double_decoder.py's generation steps (kernels.dual_masks; random weights)",
+            [("context latent of an earlier block (cross key)", CROSS, CROSS),
+             ("own block, causal (self key)", SELF, SELF), ("hidden", "white", "gray")])
 
 
 # ----------------------------------------------------------------------------------------------------------------
