@@ -143,6 +143,8 @@ class RecordingCache(KVCache):
 
 
 class RecordingLayer(LayerCache):
+    """A LayerCache that logs its writes and reads (RecordingCache), then does them."""
+
     def write(self, pos, k, v, where=None):
         if self.layer == 0:
             self.cache.log.append((self.cache.name, "write", pos[0].tolist()))
@@ -183,9 +185,12 @@ def block_fields(prompt_blocks=2, new_tokens=11, seed=0) -> dict:
         tokens = m.generate(idx, new_tokens, cache=cache)
     finally:
         del m.decode_step
-    passes = [[]]
+    passes = [[]]  # the log cut at the step marks: the prefill, then one list per decode step
     for e in log:
-        passes.append([]) if e == ("step",) else passes[-1].append(e)
+        if e == ("step",):
+            passes.append([])
+        else:
+            passes[-1].append(e)
     local, fields, block_keys = {}, [], []
     for k, events in enumerate(passes):
         g = T0 + k  # the token this pass predicts (pass k > 0 fed token g - 1)
