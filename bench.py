@@ -34,6 +34,7 @@ Run:
     python bench.py ckpt                         # what verifying a checkpoint's CRC-32s costs beside torch.load
     python bench.py presets --arch plt           # every preset's rows: parameters, KV bytes, FLOPs (no timing)
     python bench.py gpu --nanogpt DIR --json g.json   # (one GPU, 8 minutes) every section above against its baseline
+    python bench.py figures                      # each paper's figure traced from the code: text, PNGs in docs/figures
 
 What a trained checkpoint does on validation text (early exits, SVD residual energy, double-eval, block --eval) is
 measured by eval.py, not here.
@@ -49,7 +50,7 @@ import argparse
 import block_transformer as bt
 import double_decoder as dd
 import plt
-from harness import bench_gpu, bench_serve
+from harness import bench_gpu, bench_serve, figures
 from harness.bench_decode import (BLOCK_SETTINGS, bench_archs, bench_block, bench_decode, bench_double, bench_plt,
                                   bench_roofline)
 from harness.bench_kernels import bench_kernels
@@ -239,6 +240,10 @@ def build_parser():
     p.add_argument("--ranks", type=comma_list(number(int, min=1)), default=None,
                    help="relaxed: comma list of LoRA ranks to list (default 8,16,32,64)")
     p.set_defaults(fn=bench_presets)
+
+    p = sub.add_parser("figures", help="each paper's central figure traced from the code on a tiny model: a text "
+                                       "grid, and a PNG with matplotlib (figures.py)")
+    figures.add_args(p)
 
     p = sub.add_parser("kernels", help="(CUDA) Triton kernels vs their references and stock PyTorch")
     p.add_argument("--only", default="", help="comma list of: lora, gswa, gswa_decode, dual (default: all); with --aot: "

@@ -60,6 +60,7 @@ Run:
                                                              # budget, both settings at 1/4 length
     python bench.py block --scale 1 --setting decode-heavy   # the paper's 128/2048 setting (takes longer)
     python eval.py block --eval out/block/ckpt.pt out/vanilla/ckpt.pt   # val loss on the block model's targets
+    python bench.py figures                                  # Figure 1's receptive fields, recorded from the KV caches
     python -m pytest -q tests/test_block_transformer.py
 """
 from __future__ import annotations

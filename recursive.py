@@ -73,7 +73,6 @@ Run:
 from __future__ import annotations
 
 import argparse
-import math
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -762,21 +761,6 @@ def from_vanilla(src: GPT, n_loops: int = 2, init: str = "stepwise", lora_init: 
             + (f"; {total['revived']} dead norm channel(s) revived" if total["revived"] else "")
             + ("; per-loop bias deltas (the source has biases)" if cfg.lora_bias else ""))
     return model
-
-
-@torch.no_grad()
-def exit_threshold_for(model: RecursiveGPT, prompts, exit_rate: float = 0.5, rule: str | None = None) -> float:
-    """A threshold at which about `exit_rate` of the tokens leave after the first loop under the exit rule (default
-    config.exit_rule), measured on the tokens of `prompts` (lists of token ids): loop-0 states do not depend on the
-    deeper loops, so this is what decoding sees at loop 0. Random weights give flat softmaxes where a fixed 0.9 would
-    never exit: serve.py's demo and bench.py serve simulate exits at a chosen share with it."""
-    scores = []
-    for p in prompts:
-        idx = torch.tensor([p], device=model.lm_head.weight.device)
-        x, h = model.embed(idx)[0][:, None], model.loop_hidden(idx)[0][0][:, None]  # (T, 1, C): loop 0's in/out
-        loops = torch.zeros(len(p), dtype=torch.long, device=idx.device)
-        scores.append(model.exit_score(x, h, loops, rule or model.config.exit_rule)[0].cpu())
-    return float(torch.quantile(torch.cat(scores), 1.0 - exit_rate))
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ harness -- what measures, checks and converts the models of this repository; the
     hf.py               a local Hugging Face checkpoint or a GGUF file into model.GPT (`python -m harness.hf DIR`)
     serve_requests.py   the requests the serving benchmark serves (synthetic, corpus, JSONL, chat)
     cpu_tuning.py       the CPU forms of linear, attention and LoRA measured fastest on this machine
+    figures.py          each paper's central figure traced from the code (`python bench.py figures`)
     kernels_aot.py      kernels.py's Triton kernels compiled ahead of time for sm_80 / sm_90 without a GPU
 
 Run its commands from the repository root (`python -m harness.hf ...`, `python -m harness.tasks ...`): the modules

@@ -432,7 +432,7 @@ def section_serve(ctx: Ctx, rows: list):
         servers = [serve.ContinuousServer(van, S, **compile_kw), serve.DepthWiseServer(rec, S, **compile_kw),
                    serve.DepthWiseServer(rec, S, exit_threshold=thr, exit_rule="softmax", **compile_kw)]
         for srv, name in zip(servers, ("continuous", "depth-wise, no exit", "depth-wise + exit")):
-            srv.name = name
+            srv.name, srv.hook = name, serve.Metrics()  # what bench_serve.summarize reads
         bench_serve.check_cache_memory({s.name: s.model for s in servers}, {s.name: s.slots for s in servers},
                                        dt.itemsize, dev, f"bench.py gpu serve at {S} slots")
         t0 = time.perf_counter()

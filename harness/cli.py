@@ -504,10 +504,11 @@ def releasing_dir_locks():
             release_dir_lock(_held_locks.pop())
 
 
-def write_atomic(path: Path, text: str):
-    """path's new text, written to path.tmp and renamed over it: an interrupted write never leaves half a file."""
+def write_atomic(path: Path, text: str | bytes):
+    """path's new text (or bytes), written to path.tmp and renamed over it: an interrupted write never leaves half a
+    file."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
+    tmp.write_bytes(text) if isinstance(text, bytes) else tmp.write_text(text)
     os.replace(tmp, path)
 
 
