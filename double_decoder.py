@@ -63,8 +63,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import kernels
+from graphs import mark_static
 from model import (IGNORE, ArchSpec, Attention, Block, GPT, GPTConfig, KVCache, Linear, apply_rotary,
-                   check, init_weights, kv_bytes, lm_loss, make_norm, mark_static, run_cached)
+                   check, init_weights, kv_bytes, lm_loss, make_norm, run_cached)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -188,7 +189,7 @@ class DoubleCache:
              device as the lengths of cross (and ctx) and of self_kv, which place every key inside a step.
 
     static: every step reads all max_len cross keys and all max_block self keys (masked), so its shapes never change,
-    and every tensor a step writes is marked static (KVCache, model.mark_static): what a captured step needs.
+    and every tensor a step writes is marked static (KVCache, graphs.mark_static): what a captured step needs.
     """
 
     def __init__(self, cfg: DoubleConfig, batch: int, max_len: int, max_block: int, keep_context: bool, dtype, device,

@@ -27,7 +27,7 @@ The engine (nanochat's engine.py and gpt-fast's generate.py are its models):
   * Eager or compiled steps. Eager (the CPU default) is the readable reference: the depth-wise step runs the live rows
     only (RecursiveGPT.exit_pass: row subsets, the head on the leaving rows). Compiled (the CUDA default) runs the
     graph-safe forms over every slot -- GPT.decode_step on a static cache, RecursiveGPT.depthwise_step -- through
-    model.compile_step: one graph per step kind, a CUDA graph on CUDA, greedy sampling and the next state inside it.
+    graphs.compile_step: one graph per step kind, a CUDA graph on CUDA, greedy sampling and the next state inside it.
     A graph cannot skip work per row: rows with nothing to do run along, their writes masked. Same tokens either way.
   * One device-to-host transfer per iteration: the first tokens of the prompts finished in it and the step's tokens,
     exit flags and loops, in one tensor; then the host records them and frees finished slots.
@@ -56,12 +56,13 @@ import time
 
 import torch
 
+from graphs import compile_step, graph_mode, mark_static
 from harness import cpu_tuning
 from harness.cli import (DTYPES, ArgumentParser, UsageError, available_memory, check_device, check_dtype, number,
                          run_cli, seed_arg, user_input)
+from harness.device import pick_device, pick_dtype, sync
 from harness.serve_requests import MAX_REQUESTS, Request, request_generator, request_problem, synthetic_requests
-from model import (GPT, PRESETS, GPTConfig, compile_step, graph_mode, mark_static, pick_device, pick_dtype,
-                   sample_next, sync)
+from model import GPT, PRESETS, GPTConfig, sample_next
 from recursive import RecursiveGPT, exit_threshold_for, from_vanilla
 
 

@@ -17,14 +17,16 @@ from torch.profiler import ProfilerActivity, profile
 
 import block_transformer as bt
 import double_decoder as dd
+import graphs
 import plt
 from harness import cpu_tuning
 from harness.bench_common import (BANDWIDTH_PROBE, check_bench_memory, check_context, header, hf_generate, hf_llama,
                                   kv_of, med, per_round, ratio, read_bandwidth, rounds, spread)
 from harness.cli import UsageError, user_input
 from harness.cpu_tuning import LINEAR_PROBE_BYTES, cpu_key, force_linear, linear_report
-from model import (GPT, PRESETS, GPTConfig, forward_memory, memory_sum, model_memory, module_bytes, param_bytes,
-                   pick_device, pick_dtype, sample_next, sync, timeit)
+from harness.device import pick_device, pick_dtype, sync, timeit
+from harness.memory import forward_memory, memory_sum, model_memory, module_bytes, param_bytes
+from model import GPT, PRESETS, GPTConfig, sample_next
 from recursive import RecursiveConfig, RecursiveGPT
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -51,7 +53,7 @@ def bench_decode(args):
         torch.manual_seed(0)
         ours = GPT(cfg).to(device=device, dtype=dtype).eval()
         if args.compile:
-            ours.compile_decode()
+            graphs.compile_decode(ours)
         hf = hf_llama(cfg, dtype) if args.hf else None
         if hf is not None:
             hf.to(device)
@@ -419,7 +421,7 @@ def block_configs(preset: str, vanilla: str | None, max_len: int) -> tuple[bt.Bl
 
 
 def block_pair_memory(preset: str, vanilla: str | None, max_len: int, elem: int) -> list[dict]:
-    """What building block_pair's two models allocates (model.model_memory of each), before they exist."""
+    """What building block_pair's two models allocates (memory.model_memory of each), before they exist."""
     return [model_memory(c, elem) for c in block_configs(preset, vanilla, max_len)]
 
 

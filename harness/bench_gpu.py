@@ -8,7 +8,7 @@ the throughput of vanilla at the best batch), "Parallel Loop Transformer" (PLT; 
 token), the block-based double decoder (section 3.3: per-token cost ~ L_dec / L).
 
 Sections (--only picks some; each is timed on its own, its result written to --json as soon as it ends):
-  decode  vanilla decode at batch 1/16/64: our eager decode (GPT.generate), our graphed decode (GPT.compile_decode:
+  decode  vanilla decode at batch 1/16/64: our eager decode (GPT.generate), our graphed decode (graphs.compile_decode:
           static caches per batch bucket, on CUDA torch.compile mode="reduce-overhead": one CUDA graph per step) and
           transformers' eager LlamaForCausalLM.generate at our shape: ms per step, tok/s, % of the measured copy
           bandwidth (bytes a step reads: the weights and the KV positions it attends over).
@@ -24,7 +24,7 @@ Sections (--only picks some; each is timed on its own, its result written to --j
   train   training tok/s and MFU of ours against nanoGPT's model.py at the same parameter count: nanoGPT-124M (12
           layers, d 768, 12 heads, GELU 4d MLP, LayerNorm, vocab 50304) and ours at the same d / layers / heads with
           MHA, SwiGLU 2048 = 8d/3 (the MLP's parameters match), tied embedding; eager and torch.compile'd.
-          MFU = tok/s x model.flops_per_token (6N + 12 L H D T) / model.peak_flops.
+          MFU = tok/s x model.flops_per_token (6N + 12 L H D T) / device.peak_flops.
 
 Graphs (--graphs). auto: on CUDA the decode and serve sections compile their steps with inductor, mode
 "reduce-overhead" (static caches, one CUDA graph per step); plt, block and double capture theirs with torch's
@@ -60,6 +60,7 @@ from types import SimpleNamespace
 import torch
 
 import double_decoder as dd
+import graphs
 import plt
 import serve
 from harness import bench_serve
@@ -70,9 +71,10 @@ from harness.bench_decode import (block_lengths, block_pair, block_pair_memory, 
 from harness.bench_train import (check_nanogpt, optimizer_for, param_counts, train_batch, train_memory, train_models,
                                  train_step)
 from harness.cli import DTYPES, UsageError, comma_list, number, one_of, path_arg, threads_arg, write_atomic
+from harness.device import peak_flops, pick_device, pick_dtype, sync
+from harness.memory import forward_memory, memory_sum, model_memory, param_bytes
 from harness.serve_requests import parse_range, synthetic_requests
-from model import (GPT, PRESETS, GPTConfig, forward_memory, memory_sum, model_memory, param_bytes, peak_flops,
-                   pick_device, pick_dtype, static_cache_len, sync)
+from model import GPT, PRESETS, GPTConfig
 from recursive import from_vanilla
 
 SECTIONS = ("decode", "serve", "plt", "block", "double", "train")
@@ -207,7 +209,7 @@ GRAPH_BACKENDS = ("auto", "inductor", "cudagraphs", "eager", "none")
 
 
 def graph_backend(flag: str, device, section: str):
-    """--graphs for one section -> (label, backend for model.compile_step / GPT.compile_decode / serve.Server) or
+    """--graphs for one section -> (label, backend for graphs.compile_step / graphs.compile_decode / serve.Server) or
     (label, False) for no graphs. backend None is inductor (mode "reduce-overhead" on CUDA)."""
     if flag == "auto":
         if device.type != "cuda":
@@ -294,7 +296,7 @@ def free(device):
 
 def context_len(cfg, prompt: int, new: int) -> int:
     """The positions of a graphed generate's static cache (GPT.generation_cache)."""
-    return static_cache_len(prompt + new, cfg.max_seq_len)
+    return graphs.static_cache_len(prompt + new, cfg.max_seq_len)
 
 
 def graphed_vanilla(ctx: Ctx, weights: GPT | None = None) -> GPT:
@@ -303,7 +305,7 @@ def graphed_vanilla(ctx: Ctx, weights: GPT | None = None) -> GPT:
         g = GPT(ctx.cfg).to(ctx.device, ctx.dtype).eval()
         if weights is not None:
             g.load_state_dict(weights.state_dict())
-        ctx.shared["graphed"] = g.compile_decode("auto", ctx.backend("decode")[1])
+        ctx.shared["graphed"] = graphs.compile_decode(g, "auto", ctx.backend("decode")[1])
     return ctx.shared["graphed"]
 
 
@@ -534,7 +536,7 @@ def section_plt(ctx: Ctx, rows: list):
               for v in ("vanilla", "loop", "plt")}
     if backend is not False:
         for m in models.values():
-            m.compile_decode("auto", backend)
+            graphs.compile_decode(m, "auto", backend)
     L = base["n_loops"]
     print(f"   plt preset {preset}: {base['n_layer']} layers x L={L}, d {base['n_embd']}, window {base['window']} | "
           f"prompt {P}, {N} new tokens | steps: {label}")
@@ -586,7 +588,7 @@ def section_block(ctx: Ctx, rows: list):
               + f" -> batch {best[k]}")
     if backend is not False:
         for m in models.values():
-            m.compile_decode("auto", backend)
+            graphs.compile_decode(m, "auto", backend)
     print(f"   block {preset} vs its vanilla counterpart | decode-heavy x{sz.block_scale:g}: prompt {P}, {G} new "
           f"tokens | caches {sz.block_budget_mib} MiB: largest batch vanilla {top['vanilla']}, block {top['block']} | "
           f"timed: {label}")
@@ -621,7 +623,7 @@ def section_double(ctx: Ctx, rows: list):
     gm, dm = GPT(dd.baseline_config(cfg)).to(dev, dt).eval(), dd.DoubleDecoder(cfg).to(dev, dt).eval()
     if backend is not False:
         for m in (gm, dm):
-            m.compile_decode("auto", backend)
+            graphs.compile_decode(m, "auto", backend)
     models = {"decoder-only": gm, "double": dm}
     paper = cfg.gen_layers / cfg.n_layer
     print(f"   double preset {preset}: {cfg.ctx_layers} + {cfg.gen_layers} layers vs {cfg.n_layer} | prompt {P}, {N} "

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import bench
+import graphs
 from harness import bench_gpu
 from model import GPT, GPTConfig
 
@@ -101,7 +102,7 @@ def test_graphed_decode_is_one_graph_per_bucket_and_the_bare_step_replays_it():
     eager = GPT(GPTConfig.from_preset("tiny")).eval()
     m = GPT(GPTConfig.from_preset("tiny")).eval()
     m.load_state_dict(eager.state_dict())
-    m.compile_decode("auto", check)
+    graphs.compile_decode(m, "auto", check)
     P, N = 8, 4
     for B in (1, 16):
         idx = torch.randint(0, 4000, (B, P))

@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import graphs
 from model import (GPT, IGNORE, GPTConfig, KVCache, RMSNorm, apply_rotary, attend, causal_mask_from_positions,
                    distill_loss, lm_loss, sample_next)
 
@@ -216,7 +217,7 @@ def test_static_cache_and_compiled_decode_equal_eager_generation():
     ref = m.generate(idx, 9)
     cache = m.new_cache(2, 16, static=True)
     assert torch.equal(m.generate(idx, 9, cache=cache), ref)
-    m.compile_decode()
+    graphs.compile_decode(m)
     assert m.static_cache and hasattr(m.decode_step, "_torchdynamo_orig_callable")
     assert torch.equal(m.generate(idx, 9), ref)
 
@@ -264,7 +265,7 @@ def test_graph_check_names_every_host_sync():
     (masked_fill, argmax as a tensor, torch.where) do not."""
     from graph_check import GraphCheck
 
-    from model import compile_step
+    from graphs import compile_step
 
     x, m = torch.arange(4.0), torch.tensor([True, False, True, True])
     check = GraphCheck()
@@ -284,7 +285,7 @@ def test_each_compiled_step_keeps_its_own_graphs():
     in one process) would fail. One step holds a graph for every batch bucket."""
     from torch._dynamo.testing import CompileCounter
 
-    from model import BATCH_BUCKETS, compile_step
+    from graphs import BATCH_BUCKETS, compile_step
 
     @torch.no_grad()
     def step(x):
@@ -302,7 +303,7 @@ def test_each_compiled_step_keeps_its_own_graphs():
 
 
 def test_batch_bucket():
-    from model import batch_bucket
+    from graphs import batch_bucket
 
     assert [batch_bucket(n) for n in (1, 2, 3, 5, 16, 17, 256, 257, 600)] == [1, 2, 4, 8, 16, 32, 256, 512, 768]
     with pytest.raises(ValueError, match="batch must be >= 1"):
@@ -323,7 +324,7 @@ def test_graphed_generate_pads_to_a_bucket_and_reuses_one_cache_per_bucket():
     sampled = lambda: m.generate(a, 8, temperature=1.0, top_k=20, generator=torch.Generator().manual_seed(5))  # noqa
     ref_s = sampled()
     check = GraphCheck()
-    m.compile_decode(backend=check)
+    graphs.compile_decode(m, backend=check)
     assert torch.equal(m.generate(a, 8), ref_a) and check.graphs == 1
     cache = m.graph_caches[4]
     assert cache.batch == 4 and cache.static and cache.max_len == 64  # 5 + 8 rounded up to 128, capped at the context
