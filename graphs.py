@@ -13,15 +13,20 @@ model.py's decode steps and every architecture's `graph_steps`):
   * no host round trip: the step reads no tensor back (no .item(), no int(t)) and branches on no tensor value; the
     host picks the step kind (Block Transformer: inside a block or its last token) from counts it keeps itself.
 
-compile_step records one: torch.compile(fullgraph=True), mode "reduce-overhead" on CUDA: inductor fuses the step's
-kernels, then records them. compile_decode(model, mode) records every step kind of a model and gives its generate()
-the static caches.
+Two ways to record one:
+  * compile_step: torch.compile(fullgraph=True), mode "reduce-overhead" on CUDA: inductor fuses the step's kernels,
+    then records them (tens of seconds per graph);
+  * CapturedStep: torch.cuda.CUDAGraph of the eager step as it is (about a second): the stock kernels, replayed with
+    one launch; only the token ids are copied in, the weights and the caches are read where they are.
+compile_decode(model, mode) records every step kind of a model and gives its generate() the static caches.
 
 Run:
     python bench.py decode --compile            # eager vs graphed decode on this machine
     python bench.py gpu --only decode           # (one GPU) the graphed decode vs eager and transformers
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -75,6 +80,99 @@ def compile_step(fn, mode: str | None = None, backend=None):
     return torch.compile(step, mode=mode, backend=backend or "inductor", fullgraph=True, dynamic=False)
 
 
+class CapturedStep:
+    """A graph-safe step recorded as one CUDA graph per signature from its eager kernels (torch.cuda.CUDAGraph), the
+    other way to record it: no compiler (a second to record where inductor takes tens), the stock kernels.
+
+    The first call with a new signature runs the step eagerly (its result is that call's: on CUDA on a side stream,
+    the warm-up a capture needs), then records it into a graph (recording runs nothing). A later call copies its
+    tensor arguments into the recorded ones and replays the graph, which reads the weights and the caches where they
+    are and leaves its result in the recorded outputs: valid until the next replay (generate samples it first).
+    A signature: the shapes of the tensor arguments, the other arguments themselves (a step kind's ints) and, for an
+    object (a cache), which one and the address of every tensor it holds -- a cache whose tensors moved is recorded
+    anew, never replayed on stale addresses. A tensor marked static (a server's slot state) is read in place.
+    A step that changes a number or a flag of a cache (host state, which a replay would not change) is refused.
+
+    On a CPU there is no CUDA graph: a replay runs the step on the recorded arguments, through the same copies and
+    signatures. `graphs` holds one entry per recorded signature, `copied` the bytes copied in at each replay, and
+    CapturedStep.recorded counts the records of every step."""
+
+    recorded = 0
+
+    def __init__(self, fn):
+        self.fn, self.graphs, self.copied = fn, {}, []
+
+    def __call__(self, *args):
+        key = tuple(signature(a) for a in args)
+        if key not in self.graphs:
+            return self.record(key, args)
+        graph, inputs, out = self.graphs[key]
+        self.copied.append(sum(copy_in(x, a) for x, a in zip(inputs, args)))
+        if graph is None:  # a CPU: the eager step on the recorded arguments
+            return self.fn(*inputs)
+        graph.replay()
+        return out
+
+    def record(self, key, args):
+        inputs = [a.clone() if torch.is_tensor(a) and not is_static(a) else a for a in args]
+        before = host_state(args)
+        cuda = inputs[0].device.type == "cuda"
+        side = torch.cuda.Stream() if cuda else None
+        if cuda:
+            side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
+            result = self.fn(*args)  # the warm-up: cuBLAS handles and workspaces exist before the capture
+        changed = [k for k, v in host_state(args).items() if before.get(k) != v]
+        if changed:
+            raise ValueError(f"{getattr(self.fn, '__name__', 'a step')} changed {', '.join(changed)} on the host: a "
+                             f"recorded graph would not change it again")
+        graph, out = None, None
+        if cuda:
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=side):
+                out = self.fn(*inputs)
+        self.graphs[key] = (graph, inputs, out)
+        CapturedStep.recorded += 1
+        return result
+
+
+def is_static(t: torch.Tensor) -> bool:
+    return getattr(t, "_dynamo_static_input_type", None) is not None
+
+
+def leaves(obj, path: str = "", depth: int = 3):
+    """(path, value) of an object's attributes that are tensors, numbers, strings or None, `depth` objects deep."""
+    for k, v in vars(obj).items():
+        if torch.is_tensor(v) or isinstance(v, (int, float, str, type(None))):
+            yield path + k, v
+        elif depth > 1 and hasattr(v, "__dict__") and not isinstance(v, (torch.nn.Module, type)):
+            yield from leaves(v, f"{path}{k}.", depth - 1)
+
+
+def signature(a):
+    """What a recorded graph is specific to (CapturedStep): see there."""
+    if torch.is_tensor(a):
+        return ("static", a.data_ptr()) if is_static(a) else (tuple(a.shape), a.dtype, a.device)
+    if isinstance(a, (int, float, str, type(None))):
+        return a
+    return id(a), tuple(v.data_ptr() for _, v in leaves(a) if torch.is_tensor(v))
+
+
+def host_state(args) -> dict:
+    """The numbers and flags the object arguments of a step hold (their tensors are the graph's business)."""
+    return {f"{type(a).__name__}.{k}": v for a in args if hasattr(a, "__dict__") and not torch.is_tensor(a)
+            for k, v in leaves(a) if not torch.is_tensor(v)}
+
+
+def copy_in(recorded, a) -> int:
+    """A tensor argument into its recorded copy -> the bytes copied (0 for a static tensor or another argument)."""
+    if not torch.is_tensor(a) or recorded is a:
+        return 0
+    recorded.copy_(a)
+    return a.numel() * a.element_size()
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # A model's decode, recorded
 
@@ -105,13 +203,16 @@ class StaticCaches(dict):
 
 def compile_decode(model, mode: str | None = "auto", backend=None):
     """Record every step kind of `model` (model.graph_steps: GPT's decode_step, or an architecture's kinds) and give
-    its generate() static caches, one per batch bucket (model.graph_caches, StaticCaches): compile_step with `mode`
-    ('auto': 'reduce-overhead' on CUDA, torch.compile's default elsewhere) and `backend`.
+    its generate() static caches, one per batch bucket (model.graph_caches, StaticCaches). mode 'capture': each step
+    a CapturedStep (CUDA graphs of the eager kernels); otherwise compile_step with that mode ('auto': 'reduce-overhead'
+    on CUDA, torch.compile's default elsewhere) and `backend`.
     The prefill stays eager (its shapes change with every prompt). -> model"""
     model.static_cache = True
     model.graph_caches = StaticCaches(model)
-    mode = graph_mode(mode, model.lm_head.weight.device, backend)
+    device = model.lm_head.weight.device
     for name in model.graph_steps:
-        setattr(model, name, compile_step(getattr(model, name), mode, backend))
+        fn = getattr(model, name)
+        setattr(model, name, CapturedStep(fn) if mode == "capture" else
+                compile_step(fn, graph_mode(mode, device, backend), backend))
     model.decode_step = getattr(model, model.graph_decode)
     return model
