@@ -285,13 +285,28 @@ def attend(q, k, v, mask=None, is_causal=False, scale=None):
     """Scaled dot-product attention with GQA: q (B, H, T, D), k/v (B, H_kv, S, D) -> (B, H, T, D).
 
     `mask` is a bool tensor broadcastable to (B, H, T, S), True = may attend. With no mask and is_causal=True this
-    is the flash path on GPU. H must be a multiple of H_kv; the KV heads are shared without being copied (enable_gqa).
-    Attention.forward and the architectures that reuse it attend through here (see `tuned_ops` above).
+    is the flash path on GPU. H must be a multiple of H_kv; the KV heads are shared without being copied: SDPA's own
+    GQA (enable_gqa) runs in its flash and math kernels only, and on CUDA a mask rules flash out and the math kernel
+    copies K/V per query head, so a masked step there (decode, a prefill chunk) attends in the stacked form
+    (attend_stacked). Attention.forward and the architectures that reuse it attend through here (see `tuned_ops`).
     """
     if tuned_ops is not None:
         return tuned_ops.attend(q, k, v, mask, is_causal, scale)
+    if q.is_cuda and q.size(1) != k.size(1) and mask is not None and mask.dim() == 4 and mask.size(1) == 1:
+        return attend_stacked(q, k, v, mask, scale)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal and mask is None, scale=scale,
                                           enable_gqa=q.size(1) != k.size(1))
+
+
+def attend_stacked(q, k, v, mask, scale=None):
+    """attend's math with a mask the same for every head, mask (B|1, 1, T|1, S): the G = H / H_kv query heads of a
+    KV head attend as G*T queries of it, q (B, H_kv, G*T, D) in one SDPA call without GQA -- no K/V copied."""
+    (B, H, T, D), Hkv = q.shape, k.size(1)
+    G = H // Hkv
+    if mask.size(2) > 1:  # (B|1, 1, T, S) -> (B|1, 1, G*T, S), the rows in q's (g, t) order
+        mask = mask[:, :, None].expand(-1, -1, G, -1, -1).flatten(2, 3)
+    return F.scaled_dot_product_attention(q.reshape(B, Hkv, G * T, D), k, v, attn_mask=mask, scale=scale).view(
+        B, H, T, D)
 
 
 def causal_mask_from_positions(q_pos: torch.Tensor, kv_len: int) -> torch.Tensor:

@@ -121,6 +121,32 @@ def test_attend_gqa_equals_repeated_heads():
     torch.testing.assert_close(attend(q, k, v, mask=mask), ref)
 
 
+def test_stacked_attention_equals_repeated_heads_and_greedy_decoding():
+    """attend_stacked (CUDA's masked GQA: the G query heads of a KV head as G*T queries of it, no K/V copied) is the
+    same attention as SDPA over repeated K/V heads, for one query per row (decode) and several (a prefill chunk), a
+    per-row or a shared mask; a model decoding through it gives the greedy tokens of SDPA's own GQA."""
+    import model
+
+    torch.manual_seed(0)
+    for T, rows in ((1, 2), (3, 2), (3, 1)):
+        q, k, v = torch.randn(2, 12, T, 16), torch.randn(2, 4, 9, 16), torch.randn(2, 4, 9, 16)
+        mask = torch.rand(rows, 1, T, 9) > 0.4
+        mask[..., 0] = True
+        ref = F.scaled_dot_product_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), attn_mask=mask)
+        torch.testing.assert_close(model.attend_stacked(q, k, v, mask), ref)
+    m = GPT(tiny()).eval()
+    idx = torch.randint(0, 90, (3, 6))
+    ref = m.generate(idx, 10)
+    stacked = lambda q, k, v, mask=None, is_causal=False, scale=None: (  # noqa: E731 - every masked step stacked
+        model.attend_stacked(q, k, v, mask, scale) if mask is not None else F.scaled_dot_product_attention(
+            q, k, v, is_causal=is_causal, scale=scale, enable_gqa=True))
+    orig, model.attend = model.attend, stacked
+    try:
+        assert torch.equal(m.generate(idx, 10), ref)
+    finally:
+        model.attend = orig
+
+
 def test_rmsnorm_offset():
     x = torch.randn(3, 8)
     n = RMSNorm(8, offset=1.0)
