@@ -48,13 +48,22 @@ def rounds(systems: dict, repeats: int, device, warmup: int = 1) -> dict[str, li
     return out
 
 
+def measured(xs) -> list:
+    """The samples of a list that were measured: NaN marks a round whose figure could not be (generation_times)."""
+    return [x for x in xs if not math.isnan(x)]
+
+
 def med(xs) -> float:
-    """The median; NaN for no sample (a metric nothing measured)."""
+    """The median of the measured samples; NaN for none (a metric nothing measured)."""
+    xs = measured(xs)
     return statistics.median(xs) if xs else math.nan
 
 
 def spread(xs, scale=1.0, fmt=".1f") -> str:
-    """'median (min..max)' of a list, each multiplied by scale."""
+    """'median (min..max)' of the measured samples, each multiplied by scale; '-' for none."""
+    xs = measured(xs)
+    if not xs:
+        return "-"
     return f"{med(xs) * scale:{fmt}} ({min(xs) * scale:{fmt}}..{max(xs) * scale:{fmt}})"
 
 
