@@ -304,8 +304,9 @@ class Ctx:
         return kw
 
     def capped(self, rows: list, what: str, **kw) -> bool:
-        """True (and a `skipped` row) once the section's time cap is reached: the loop over sizes goes on to the end."""
-        if not self.clock.over():
+        """True (and a `skipped` row) once the section's time cap is reached and it has measured its first size: the
+        loop over sizes goes on to the end."""
+        if not self.clock.over() or all("skipped" in r for r in rows):
             return False
         self.row(rows, name=what, skipped="section cap reached", **kw)
         print(f"   {what}: skipped (section cap reached)")

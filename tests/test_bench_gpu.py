@@ -221,3 +221,30 @@ def test_json_to_a_directory_or_a_read_only_place_is_one_error_before_any_work(t
     one_error_line(capsys, bench.main, ["gpu", "--device", "cpu", "--preset", "tiny", "--only", "plt", "--json",
                                         str(target)], match)
     assert sorted(p.name for p in tmp_path.rglob("*")) == before
+
+
+def test_fp16_on_a_cpu_runs_the_decode_section(tmp_path):
+    """--dtype fp16 --device cpu: the decode section runs its three systems in float16 (our weights into the graphed
+    step's server, transformers' twin) and the command ends with status 0 only because it did."""
+    out = tmp_path / "g.json"
+    bench.main(["gpu", "--device", "cpu", "--preset", "tiny", "--dtype", "fp16", "--only", "decode", "--repeats", "1",
+                "--minutes", "30", "--json", str(out)])
+    res = json.loads(out.read_text())
+    assert res["header"]["dtype"] == "float16"
+    sec = res["sections"]["decode"]
+    assert sec["status"] == "ok" and sec["rows"] and all(numeric(r) for r in sec["rows"])
+    assert {r["name"] for r in sec["rows"]} == {"ours eager", "ours graphed", "transformers eager"}
+
+
+def test_a_section_past_its_cap_still_measures_its_first_size(capsys):
+    """The clock is read between sizes only: a section whose share of --minutes is spent before it starts still
+    measures its first size, then skips the rest, each skip a row that says so."""
+    clock = bench_gpu.Clock(1)
+    clock.start_section(0.0, 1.0)  # a cap of 0 s
+    ctx = bench_gpu.Ctx(None, torch.device("cpu"), torch.float32, bench_gpu.CPU_SIZES, clock)
+    rows = []
+    assert clock.over() and not ctx.capped(rows, "batch 1", batch=1)
+    ctx.row(rows, name="measured", batch=1, ms=1.0)
+    assert ctx.capped(rows, "batch 16", batch=16) and ctx.capped(rows, "batch 64", batch=64)
+    assert [r.get("skipped") for r in rows] == [None, "section cap reached", "section cap reached"]
+    assert "batch 16: skipped (section cap reached)" in capsys.readouterr().out
