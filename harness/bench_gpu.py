@@ -42,7 +42,7 @@ Time. Each section gets a share of what is left of --minutes (SHARES) and runs f
 `skipped` in its rows) when it runs long, down to one round of its first size; the clock is read between rounds only,
 never inside a compile or a capture, so a run can outlast --minutes by what its compiles take.
 A section that raises (a UsageError included) prints `section X failed: ...` and the others still run; the command then
-exits with status 1. --json is rewritten after each section with every result so far: an outer timeout keeps what is
+exits with status 1. --json is rewritten after each row with every result so far: an outer timeout keeps what is
 done. scripts/gpu_check.sh runs each section in a process of its own, each under its own timeout.
 
 The GPU run (one H100 or H200): `bash scripts/gpu_check.sh` (its table and JSON under $OUT). One section by hand:
@@ -62,6 +62,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Callable
 
 import torch
 
@@ -114,7 +115,7 @@ class Sizes:
 
 
 CPU_SIZES = Sizes(decode=(16, 8), serve_waves=1.5, serve_prompt="4:12", serve_gen="8", plt=(16, 6),
-                  block_scale=1 / 32, block_budget_mib=16, block_search=4, double=(16, 6), train=(2, 64),
+                  block_scale=1 / 32, block_budget_mib=4, block_search=4, double=(16, 6), train=(2, 64),
                   bandwidth_bytes=2 ** 26, repeats=3)
 
 # The vanilla model's preset -> the other architectures' presets at that scale
@@ -285,6 +286,7 @@ class Ctx:
     clock: Clock
     copy_bw: float = math.nan
     warm_s: float = 0.0  # the current section's warm-up seconds: its compiles and recordings
+    save: Callable = lambda: None  # rewrites --json with every result so far
 
     @property
     def cfg(self) -> GPTConfig:
@@ -299,8 +301,9 @@ class Ctx:
         return self.device.type == "cuda" and self.args.preset == "base"
 
     def row(self, rows: list, **kw):
-        """A row of the section's table, kept for --json."""
+        """A row of the section's table, kept for --json (rewritten now: a section stopped from outside keeps it)."""
         rows.append(kw)
+        self.save()
         return kw
 
     def capped(self, rows: list, what: str, **kw) -> bool:
@@ -886,7 +889,8 @@ def bench_gpu(args) -> dict:
           f"{ctx.copy_bw / 1e9:.1f} GB/s (read + written by a {ctx.sizes.bandwidth_bytes >> 20} MiB copy_) | "
           f"--minutes {args.minutes:g} | median (min..max) of interleaved rounds after a warm-up")
     results = {"header": head, "sections": {}}
-    write_json(args.json, results)
+    ctx.save = lambda: write_json(args.json, results)
+    ctx.save()
     for i, name in enumerate(only):
         cap = ctx.clock.start_section(SHARES[name], sum(SHARES[s] for s in only[i:]))
         rows, t0, ctx.warm_s, counted = [], time.perf_counter(), 0.0, cudagraph_counters(device)

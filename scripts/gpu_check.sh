@@ -6,7 +6,7 @@
 # call. Everything comes back under $OUT: gpu.txt (every log line), gpu-SECTION.json (`python bench.py gpu --json`),
 # recovery/ (eval.py recovery's results), versions.txt, status.txt (one line per step: its exit status).
 #   PYTHON (default python3: the GPU machine has no `python`), DEVICE (cuda), DTYPE (bfloat16), PRESET (base),
-#   SCALE (1: the seconds below; 0.5 halves every budget), RECOVERY_MINUTES (per row, default 0.4), SOURCE (recovery's
+#   SCALE (1 on CUDA: the seconds below; 3 on a CPU), RECOVERY_MINUTES (per row, default 0.4), SOURCE (recovery's
 #   original, default smollm2-135m) override the defaults. CPU rehearsal (toy sizes, every step, a few minutes):
 #     DEVICE=cpu DTYPE=float32 PRESET=tiny OUT=/tmp/gpu bash scripts/gpu_check.sh
 #   Carried in with the working tree (git-ignored): ./nanogpt (a nanoGPT checkout: its model.py for the train row;
@@ -17,7 +17,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 OUT=${OUT:-out/gpu}
 DEVICE=${DEVICE:-cuda}
-SCALE=${SCALE:-1}
+SCALE=${SCALE:-$([ "$DEVICE" = cpu ] && echo 3 || echo 1)}  # a CPU rehearsal: 3 x the GPU budgets
 mkdir -p "$OUT"
 : > "$OUT/status.txt"
 export TORCH_LOGS=${TORCH_LOGS:-perf_hints}
