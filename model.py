@@ -711,8 +711,8 @@ class GPT(nn.Module):
         return have == want
 
     def generation_cache(self, batch: int, prompt_len: int, max_new_tokens: int, **step_kwargs):
-        """The cache generate() allocates, sized by cache_size: a new one, or after compile_decode the static cache of
-        the batch's bucket (graph_caches), which may hold more rows than the batch."""
+        """The cache generate() allocates, sized by cache_size: a new one, or after graphs.compile_decode the static
+        cache of the batch's bucket (graph_caches), which may hold more rows than the batch."""
         need, kwargs = self.cache_size(prompt_len, max_new_tokens, **step_kwargs)
         if self.graph_caches is not None:
             return self.graph_caches.get_cache(batch, need, kwargs)

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The one command to run on a lent GPU (one H100 or H200): every check in priority order -- decode and serving, then
 # PLT and Block, then the recovery rows a-c, then the double decoder and training -- each in a process of its own
-# under its own timeout (a section that fails or overruns leaves the others), in about 9 minutes, so that one call of
-# the device tool (10 minutes at most) holds it and 15 device-minutes leave room for the machine's start and a second
-# call. Everything comes back under $OUT: gpu.txt (every log line), gpu-SECTION.json (`python bench.py gpu --json`),
+# under its own timeout (a section that fails or overruns leaves the others), in at most 7.5 minutes, so that one call
+# of the device tool (10 minutes at most) holds it and 15 device-minutes leave room for the machine's start and a
+# second call. Everything comes back under $OUT: gpu.txt (every log line), gpu-SECTION.json (`bench.py gpu --json`),
 # recovery/ (eval.py recovery's results), versions.txt, status.txt (one line per step: its exit status).
 #   PYTHON (default python3: the GPU machine has no `python`), DEVICE (cuda), DTYPE (bfloat16), PRESET (base),
 #   SCALE (1 on CUDA: the seconds below; 3 on a CPU), RECOVERY_MINUTES (per row, default 0.4), SOURCE (recovery's
@@ -31,7 +31,11 @@ fi
     > "$OUT/versions.txt" 2>&1
 NANO=${NANOGPT:-nanogpt}
 nano=()
-if [ -f "$NANO/model.py" ]; then nano=(--nanogpt "$NANO"); else log "no $NANO/model.py: the train row times ours alone"; fi
+if [ -f "$NANO/model.py" ]; then
+    nano=(--nanogpt "$NANO")
+else
+    log "no $NANO/model.py: the train row times ours alone"
+fi
 
 failed=0
 # step NAME SECONDS COMMAND...: COMMAND under `timeout SECONDS x SCALE`, its output into gpu.txt, its status noted
@@ -44,8 +48,9 @@ step() {
     local t0=$SECONDS
     timeout -k 10 "$secs" "$@" 2>&1 | tee -a "$OUT/gpu.txt"
     local rc=${PIPESTATUS[0]}
-    echo "$name exit $rc ($((SECONDS - t0)) s)$([ "$rc" = 124 ] && echo ': its timeout; its JSON holds what it finished')" \
-        | tee -a "$OUT/status.txt" "$OUT/gpu.txt"
+    local why=""
+    [ "$rc" = 124 ] && why=": its timeout; its JSON holds the rows it finished"
+    echo "$name exit $rc ($((SECONDS - t0)) s)$why" | tee -a "$OUT/status.txt" "$OUT/gpu.txt"
     [ "$rc" = 0 ] || failed=1
 }
 # section NAME SECONDS [FLAGS...]: one section of bench.py gpu in its own process, --minutes within its timeout
@@ -58,10 +63,10 @@ section() {
         --only "$name" --minutes "$minutes" --json "$OUT/gpu-$name.json" "$@"
 }
 
-section decode 90 --profile
-section serve 120
-section plt 45
-section block 45
+section decode 80 --profile
+section serve 100
+section plt 40
+section block 40
 source=${SOURCE:-smollm2-135m}
 recovery=(--minutes "${RECOVERY_MINUTES:-0.4}")
 if [ "$DEVICE" = cpu ]; then  # the rehearsal: the same rows from a tiny vanilla source, at toy sizes
@@ -70,10 +75,10 @@ if [ "$DEVICE" = cpu ]; then  # the rehearsal: the same rows from a tiny vanilla
     "$PY" train.py --arch vanilla --preset tiny --max-iters 4 --eval-interval 4 --eval-iters 1 --batch-size 2 \
         --seq-len 64 --sample-tokens 0 --device cpu --out-dir "$OUT/recovery-source" >> "$OUT/gpu.txt" 2>&1
 fi
-step recovery 110 "$PY" eval.py recovery --device "$DEVICE" --source "$source" --rows a,b,c --out-dir "$OUT/recovery" \
+step recovery 120 "$PY" eval.py recovery --device "$DEVICE" --source "$source" --rows a,b,c --out-dir "$OUT/recovery" \
     "${recovery[@]}"
-section double 30
-section train 55 "${nano[@]}"
+section double 25
+section train 45 "${nano[@]}"
 log ""
 log "== status (exit codes; 124: the step's timeout):"
 tee -a "$OUT/gpu.txt" < "$OUT/status.txt"

@@ -147,13 +147,13 @@ def test_the_gpu_run_brings_the_targets_first():
     """The order of the GPU run: bench.py gpu's sections decode, serve, plt, block, double, train, the targets' batch
     and slot count first (decode 1, 64, 16; serving 64, 16), and scripts/gpu_check.sh runs them in that order, each in
     its own process under its own timeout, the recovery rows after PLT and Block, through python3 or $PYTHON (the GPU
-    machine has no `python`), with TORCH_LOGS=perf_hints; its steps' budgets fit one 10-minute call."""
+    machine has no `python`), with TORCH_LOGS=perf_hints; its steps' budgets fit one 10-minute call with room."""
     assert bench_gpu.SECTIONS == ("decode", "serve", "plt", "block", "double", "train")
     assert bench_gpu.Sizes().decode_batches[:2] == (1, 64) and bench_gpu.Sizes().serve_slots[0] == 64
     script = (ROOT / "scripts" / "gpu_check.sh").read_text()
     steps = re.findall(r"^(section|step) (\w+) (\d+)", script, re.M)
     assert [name for _, name, _ in steps] == ["decode", "serve", "plt", "block", "recovery", "double", "train"]
-    assert sum(int(secs) for *_, secs in steps) + 10 * len(steps) <= 600  # each timeout, and its -k 10
+    assert sum(int(secs) for *_, secs in steps) + 10 * len(steps) <= 540  # each timeout and its -k 10: 9 minutes
     assert 'PY=${PYTHON:-python3}' in script and not re.search(r"(^|[\s(])python ", script, re.M)
     assert "export TORCH_LOGS=${TORCH_LOGS:-perf_hints}" in script
 
