@@ -64,8 +64,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import kernels
+from graphs import mark_static
 from model import (IGNORE, ArchSpec, Attention, Block, GPT, GPTConfig, KVCache, Linear, apply_rotary,
-                   check, init_weights, kv_bytes, lm_loss, make_norm, mark_static, run_cached)
+                   check, init_weights, kv_bytes, lm_loss, make_norm, run_cached)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -189,7 +190,7 @@ class DoubleCache:
              device as the lengths of cross (and ctx) and of self_kv, which place every key inside a step.
 
     static: every step reads all max_len cross keys and all max_block self keys (masked), so its shapes never change,
-    and every tensor a step writes is marked static (KVCache, model.mark_static): what a captured step needs.
+    and every tensor a step writes is marked static (KVCache, graphs.mark_static): what a captured step needs.
     trace: None, or a list: a recording cache. Each generation step (gen_step) then appends the masks its queries
     attend under (`python bench.py figures` draws the doubly-causal mask of generation from it).
     """

@@ -74,6 +74,7 @@ from tqdm import tqdm
 
 import block_transformer as bt
 import double_decoder as dd
+import graphs
 import recursive
 from harness.checkpoint import (check_vocab, keep_layers, load_checkpoint, load_source_model, model_from_checkpoint,
                                 read_curve, tokenizer_from_spec)
@@ -81,7 +82,9 @@ from harness.cli import (DTYPES, ArgumentParser, UsageError, check_memory, check
                          comma_list, number, one_of, path_arg, run_child, run_cli, run_subcommand, seed_arg,
                          temperature_arg, threads_arg, user_input, write_atomic)
 from harness.data import TokenData, first_tokens_windows, is_gguf_source, is_hf_source, prepare_corpus, step_generator
-from model import IGNORE, forward_memory, memory_sum, module_bytes, pick_device, pick_dtype, windows_loss
+from harness.device import pick_device, pick_dtype
+from harness.memory import forward_memory, memory_sum, module_bytes
+from model import IGNORE, windows_loss
 from svd_lora import COMPONENTS, max_ranks
 
 
@@ -559,7 +562,7 @@ def eval_samples(args):
     --mix-data). Sequence-level distillation as in LLM-QAT (Liu et al., arXiv:2305.17888, section 2.1): the first token
     drawn uniformly from the vocabulary, the next --greedy-first tokens greedy, the rest sampled from the full softmax;
     a document ends at the first end-of-text. The model's own cached generate (compiled, a CUDA graph per step on a GPU:
-    GPT.compile_decode). One shard per batch, written atomically and seeded by (--seed, its index), so a rerun with
+    graphs.compile_decode). One shard per batch, written atomically and seeded by (--seed, its index), so a rerun with
     the same settings continues where the last one stopped and every shard is reproducible alone; manifest.json
     holds the settings and each shard's tokens."""
     device = pick_device(args.device)
@@ -585,7 +588,7 @@ def eval_samples(args):
     model = model.to(device=device, dtype=dtype).eval()
     compiled = args.compile if args.compile is not None else device.type == "cuda"
     if compiled:
-        model.compile_decode(mode="reduce-overhead" if device.type == "cuda" else None)
+        graphs.compile_decode(model, mode="reduce-overhead" if device.type == "cuda" else None)
     have = sum(manifest["shards"].values())
     print(f"samples of {args.model} ({dtype}, {device}{', compiled decode' if compiled else ''}): {args.batch_size} x "
           f"{args.length} tokens per shard, first token uniform, {args.greedy_first} greedy, then sampled (temperature "

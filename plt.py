@@ -91,9 +91,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from graphs import mark_static
 from kernels import gated_swa, gated_swa_decode, plt_gate, ring_window_mask
 from model import (GPT, ArchSpec, Attention, Block, GPTConfig, KVCache, attend, causal_mask_from_positions, kv_bytes,
-                   lm_loss, make_norm, mark_static, start_prefill)
+                   lm_loss, make_norm, start_prefill)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -169,7 +170,7 @@ class PLTCache:
     lengths (B,) tokens seen per row = the position of the next token.
     static  attend over the whole pre-allocated cache (masked) instead of its filled prefix: fixed shapes and no
             host sync per step, for torch.compile / CUDA graphs (kv's: kv.kv_len reads all max_len positions); every
-            state tensor is marked static (model.mark_static), since the step writes each in place.
+            state tensor is marked static (graphs.mark_static), since the step writes each in place.
     trace   None, or a list: a recording cache. Each layer of each CLP decode step with kv_share then appends what its
             rows read (PLTAttention.record; `python bench.py figures` draws Algorithm 1 from it).
     """
@@ -700,4 +701,5 @@ def preset_rows(preset: str, options=None) -> list:
 # its wall time under "Timings"). lr 4e-3 rather than train.py's 2e-3: at 800 steps it is better for both PLT-2 and the
 # 2-layer vanilla (RESULTS.md).
 ARCH_SPECS = [ArchSpec("plt", PLTConfig, PLT, PRESETS, add_args=add_args, config_overrides=config_overrides,
-                       convert=convert, train_defaults={"max_iters": 800, "lr": 4e-3}, preset_rows=preset_rows)]
+                       convert=convert, train_defaults={"max_iters": 800, "lr": 4e-3}, preset_rows=preset_rows,
+                       stack_passes=lambda cfg: cfg.n_loops)]

@@ -51,8 +51,8 @@ The model, top to bottom:
         `exit_threshold` (None = never; any value > 1 also never exits). Prompt tokens never exit early.
       - Graph-safe forms, in one section after the readable ones (torch.compile fullgraph, CUDA graphs: no host
         sync, no data-dependent shape): `masked_decode_step` is decode_step with every row running every loop (a row
-        that left runs along, its deeper K/V replaced by `propagate`'s masked writes), what `compile_decode`
-        compiles; `depthwise_step` is serve.py's compiled depth-wise step over every slot. Each equals its subset
+        that left runs along, its deeper K/V replaced by `propagate`'s masked writes), what `graphs.compile_decode`
+        records; `depthwise_step` is serve.py's compiled depth-wise step over every slot. Each equals its subset
         form (tests).
   * Early exit on text (section 3.8, Appendix K): `python eval.py exits` measures the static loss of every loop, the
     oracle exit loop (the earliest loop whose argmax equals the final one), and the confidence-exit trade-off a
@@ -444,7 +444,7 @@ class RecursiveGPT(GPT):
         return tokens, torch.stack(([first] + [e[:B] for e in cache.exit_log])[:max_new_tokens], 1)
 
     # -- graph-safe forms ----------------------------------------------------------------------------------------
-    # The same steps for torch.compile(fullgraph) and CUDA graphs (model.compile_step): no host sync, no
+    # The same steps for torch.compile(fullgraph) and CUDA graphs (graphs.compile_step): no host sync, no
     # data-dependent shape. Every row runs every loop; who leaves is kept by masked selects (`leaving`'s decision),
     # and the K/V a row that left writes into deeper cache layers are replaced by its state propagation (propagate,
     # masked=True). Each equals its readable form above (tests/test_recursive.py, tests/test_serve.py).
@@ -452,8 +452,8 @@ class RecursiveGPT(GPT):
     @torch.no_grad()
     def masked_decode_step(self, tok, cache: RecursiveCache, exit_threshold: float | None = None,
                            return_exits=False, exit_rule: str | None = None):
-        """decode_step in graph-safe form: the same tokens, exit loops and cache (masked_step, what compile_decode
-        compiles, and the exit log, which a graph does not append to)."""
+        """decode_step in graph-safe form: the same tokens, exit loops and cache (masked_step, what
+        graphs.compile_decode records, and the exit log, which a graph does not append to)."""
         if exit_threshold is not None:  # Middle-Cycle refuses it here, before the graph
             self.check_cycle("early exit (an exit threshold)")
         logits, exits = self.masked_step(tok, cache, exit_threshold, exit_rule)
@@ -494,15 +494,10 @@ class RecursiveGPT(GPT):
         cache.lengths += 1
         return logits, exits
 
-    # compile_decode compiles the graph-safe form of decode_step, early exit included (Middle-Cycle: every layer)
+    # graphs.compile_decode records the graph-safe form of decode_step, early exit included (Middle-Cycle: every
+    # layer), and decodes through masked_decode_step from then on, which appends the exit log outside the graph
     graph_steps = ("masked_step",)
-
-    def compile_decode(self, mode: str | None = "auto", backend=None):
-        """model.GPT.compile_decode of masked_step (static caches, one per batch bucket); decode_step =
-        masked_decode_step from now on, which appends the exit log outside the graph."""
-        super().compile_decode(mode, backend)
-        self.decode_step = self.masked_decode_step
-        return self
+    graph_decode = "masked_decode_step"
 
     @torch.no_grad()
     def depthwise_step(self, h, loops, pos, live, cache: KVCache, threshold: float | None = None, rule=None):
@@ -867,12 +862,19 @@ def preset_rows(preset: str, options=None, relaxed: bool = False) -> list:
         return rows
 
 
+def stack_params(cfg: RecursiveConfig, layers) -> int:
+    """The parameters of the layer stacks from the config alone (ArchSpec.stack_params): the K shared layers once,
+    with a LoRA per loop of each component's rank, and Middle-Cycle's unique first and last layers."""
+    return layers(cfg.n_shared, loops=cfg.n_loops, ranks=cfg.lora_ranks) + layers(cfg.n_first + cfg.n_last)
+
+
 def _spec(name, presets, relaxed):
     return ArchSpec(name, RecursiveConfig, RecursiveGPT, presets, add_args=add_args,
                     config_overrides=lambda args, tok=None: config_overrides(args, relaxed),
                     convert=lambda args, src, tok=None: convert(args, src, relaxed),
                     train_defaults=TRAIN_DEFAULTS[name],
-                    preset_rows=lambda preset, options=None: preset_rows(preset, options, relaxed))
+                    preset_rows=lambda preset, options=None: preset_rows(preset, options, relaxed),
+                    stack_params=stack_params, stack_passes=lambda cfg: cfg.n_loops)
 
 
 ARCH_SPECS = [_spec("recursive", RECURSIVE_PRESETS, False), _spec("relaxed", RELAXED_PRESETS, True)]

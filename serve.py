@@ -30,7 +30,7 @@ The engine (nanochat's engine.py and gpt-fast's generate.py are its models):
   * Eager or compiled steps. Eager (the CPU default) is the readable reference: the depth-wise step runs the live rows
     only (RecursiveGPT.exit_pass: row subsets, the head on the leaving rows). Compiled (the CUDA default) runs the
     graph-safe forms over every slot -- GPT.decode_step on a static cache, RecursiveGPT.depthwise_step -- through
-    model.compile_step: one graph per step kind, a CUDA graph on CUDA, greedy sampling and the next state inside it.
+    graphs.compile_step: one graph per step kind, a CUDA graph on CUDA, greedy sampling and the next state inside it.
     A graph cannot skip work per row: rows with nothing to do run along, their writes masked. Same tokens either way.
   * One device-to-host transfer per iteration: the first tokens of the prompts finished in it and the step's tokens,
     exit flags and loops, in one tensor; then the host records them and frees finished slots.
@@ -65,7 +65,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from model import GPT, PRESETS, GPTConfig, compile_step, graph_mode, mark_static, sample_next
+from graphs import compile_step, graph_mode, mark_static
+from model import GPT, PRESETS, GPTConfig, sample_next
 from recursive import RecursiveGPT
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -665,7 +666,7 @@ def demo(argv=None):
     """Vanilla static and continuous batching, depth-wise batching without and with exits -> the serving table (and
     with --schedule the depth-wise schedule of the run with exits)."""
     from harness.cli import UsageError, available_memory, check_device, check_dtype, user_input
-    from model import pick_device, pick_dtype
+    from harness.device import pick_device, pick_dtype
     from recursive import from_vanilla
 
     args = demo_parser().parse_args(argv)

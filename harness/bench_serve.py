@@ -52,9 +52,11 @@ from harness.checkpoint import load_checkpoint, load_source_model, model_from_ch
 from harness.cli import (DTYPES, UsageError, available_memory, check_device, check_dtype, check_writable_dir,
                          comma_list, number, one_of, path_arg, seed_arg, temperature_arg, threads_arg, user_input)
 from harness.data import Tokenizer
+from harness.device import peak_bandwidth, pick_device, pick_dtype
+from harness.memory import param_bytes
 from harness.serve_requests import (chat_requests, chat_template, check_request, corpus_requests, error_counts,
                                     jsonl_requests, parse_range, print_errors, synthetic_requests)
-from model import GPT, PRESETS, GPTConfig, kv_bytes, param_bytes, peak_bandwidth, pick_device, pick_dtype
+from model import GPT, PRESETS, GPTConfig, kv_bytes
 from recursive import EXIT_RULES, RecursiveGPT, from_vanilla
 from svd_lora import max_ranks
 

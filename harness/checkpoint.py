@@ -93,7 +93,8 @@ from harness.cli import (CheckpointError, UsageError, check_device, check_model_
                          check_writable_dir, flag_name, log, number, one_line, regular_file)
 from harness.data import Tokenizer, first_tokens_windows, hf_tokenizer_spec, is_gguf_source, is_hf_source, padded_vocab
 from harness.hf import from_gguf, from_pretrained, gguf_tokenizer_spec
-from model import ArchSpec, least_step_memory, windows_loss
+from harness.memory import least_step_memory
+from model import ArchSpec, windows_loss
 
 # ----------------------------------------------------------------------------------------------------------------
 # The architecture table

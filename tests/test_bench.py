@@ -118,7 +118,7 @@ def test_roofline_counts_every_weight_of_a_layer_and_its_matmul_ratios():
 
 
 def test_rounds_synchronise_the_device_around_each_timed_call(monkeypatch):
-    """bench_common.rounds reads the clock between two synchronisations of the device, as model.timeit does (CUDA
+    """bench_common.rounds reads the clock between two synchronisations of the device, as device.timeit does (CUDA
     queues its work: a clock read without one would time the launch), the warm-up untimed."""
     events = []
     monkeypatch.setattr(bench_common, "sync", lambda device: events.append(f"sync {device}"))

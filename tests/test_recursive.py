@@ -4,9 +4,11 @@ state propagation, the early-exit training objective, train.py integration and t
 import pytest
 import torch
 
+import graphs
 from conftest import write_jsonl
 from eval import exit_analysis
-from model import GPT, GPTConfig, KVCache, distill_loss, lm_loss, model_memory, param_bytes
+from harness.memory import model_memory, param_bytes
+from model import GPT, GPTConfig, KVCache, distill_loss, lm_loss
 from recursive import (ARCH_SPECS, RecursiveCache, RecursiveConfig, RecursiveGPT, exit_coefficients, from_vanilla,
                        stepwise_layers, tying_sources)
 from svd_lora import LoRALinear, lora_params, max_ranks
@@ -670,7 +672,7 @@ def test_compiled_decode_is_one_graph_per_exit_setting_with_the_eager_tokens():
     refs = [m.generate(idx, 10, exit_threshold=t, exit_rule=r, return_exits=True) for t, r in settings]
     assert all(len(set(ex[:, 1:].flatten().tolist())) > 1 for _, ex in refs[1:])  # exits happen
     check = GraphCheck()
-    c = copy.deepcopy(m).compile_decode(backend=check)
+    c = graphs.compile_decode(copy.deepcopy(m), backend=check)
     for i, ((t, r), ref) in enumerate(zip(settings * 2, refs * 2)):
         out, ex = c.generate(idx, 10, exit_threshold=t, exit_rule=r, return_exits=True)
         assert torch.equal(out, ref[0]) and torch.equal(ex, ref[1]), (t, r)
@@ -809,7 +811,7 @@ def test_middle_cycle_compiled_decode_is_one_graph_per_bucket_with_the_eager_tok
     idxs = [torch.randint(0, 96, (b, 5), generator=gen) for b in (3, 6)]
     refs = [m.generate(idx, 6, return_exits=True) for idx in idxs]
     check = GraphCheck()
-    c = copy.deepcopy(m).compile_decode(backend=check)
+    c = graphs.compile_decode(copy.deepcopy(m), backend=check)
     for i, (idx, ref) in enumerate(zip(idxs * 2, refs * 2)):
         out, ex = c.generate(idx, 6, return_exits=True)
         assert torch.equal(out, ref[0]) and torch.equal(ex, ref[1]) and torch.all(ex == 1)

@@ -94,7 +94,7 @@ def test_vanilla_continuous_and_static_equal_sequential():
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Compiled steps: what the CPU can prove about the CUDA-graph path (model.compile_step, tests/graph_check.py)
+# Compiled steps: what the CPU can prove about the CUDA-graph path (graphs.compile_step, tests/graph_check.py)
 
 
 def _servers(kind, **kw):
