@@ -13,7 +13,9 @@ serve_requests.py -- the requests serve.py serves: what a request is, where requ
     that is not a string, an arrival that is not a number of seconds in [0, MAX_ARRIVAL_S]) gets an error of its own
     (request_problem: a short reason and a clear message naming the file:line); the others are served. A file that
     is not a regular file (a FIFO, a device), cannot be read, or holds more than MAX_REQUESTS requests, is one
-    UsageError. A chat template that does not render is one UsageError too (chat_renderer).
+    UsageError; a line with both "prompt" and "prompt_ids" is that request's error (which one was meant is not
+    known). A chat template runs bounded in a child process (chat_template.py): one that does not render a first
+    question is one UsageError, one that fails on a request that request's error ("chat template").
   * The error tables: the requests' errors counted by reason (error_counts, in every system's summary and --json)
     and printed under the serving table with a few examples (print_errors).
 """
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from harness.chat_template import ChatTemplate, RenderError
 from harness.cli import UsageError, one_line, regular_file
 from harness.data import TokenData, prepare_corpus, step_generator
 
@@ -79,7 +82,7 @@ def request_generator(seed: int, rid: int, device="cpu") -> torch.Generator:
 def request_problem(r: Request, vocab_size: int, max_seq_len: int) -> tuple[str, str] | None:
     """(short reason, clear message) why this request cannot be served, or None."""
     if r.invalid:
-        return "bad request line", r.invalid
+        return "chat template" if r.invalid.startswith(CHAT_TEMPLATE_FAILS) else "bad request line", r.invalid
     if not isinstance(r.max_new_tokens, int) or isinstance(r.max_new_tokens, bool) or r.max_new_tokens <= 0:
         return "bad max_new_tokens", f"max_new_tokens={r.max_new_tokens!r} must be a positive integer"
     if not isinstance(r.prompt, list):
@@ -158,39 +161,7 @@ def corpus_requests(n, tok, data="stdlib", cache_dir="data_cache", prompt_len="8
 
 
 CHAT_QUESTION = "What does this Python code do? Explain briefly.\n\n```python\n{code}\n```"
-
-
-def raise_exception(message):
-    """What a chat template calls to refuse a conversation (Hugging Face's convention): the message is the reason."""
-    from jinja2.exceptions import TemplateError
-
-    raise TemplateError(message)
-
-
-def chat_renderer(template: str, source: str = "the model"):
-    """A chat template (a Jinja template from a model file, run sandboxed: no side effects) compiled once; returns
-    render(messages) -> the prompt for `messages` with the assistant turn opened. A template that does not parse,
-    raises (raise_exception), reads what is not there or fails in any other way is one UsageError naming its source,
-    never a jinja2 traceback."""
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def fail(e):
-        raise UsageError(f"the chat template of {source} does not render ({type(e).__name__}: {one_line(e)[:200]}); "
-                         f"serve --prompts synthetic or corpus, or a requests file") from None
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
-    try:
-        compiled = env.from_string(template)
-    except Exception as e:  # TemplateSyntaxError
-        fail(e)
-
-    def render(messages: list[dict]) -> str:
-        try:
-            return compiled.render(messages=messages, add_generation_prompt=True)
-        except Exception as e:  # UndefinedError, SecurityError, TemplateError, TypeError from the template's code
-            fail(e)
-    return render
+CHAT_TEMPLATE_FAILS = "the chat template"  # how the error of a request its template did not render begins
 
 
 def chat_template(spec) -> str:
@@ -208,14 +179,24 @@ def chat_requests(n, tok, template, data="stdlib", cache_dir="data_cache", promp
                   arrival="all", rate=10.0, seed=0, source="the model"):
     """Chat prompts: each corpus window (corpus_requests) becomes a user question about that code, rendered with the
     model's chat template (its default system prompt included) and the assistant turn opened, as a chat front end
-    sends it (chat_renderer: a template that fails is one line naming `source`, checked before the corpus is read).
-    The prompt is longer than the window by the template's tokens."""
-    render = chat_renderer(template, source)  # compiled once, used for the check and every request
-    render([{"role": "user", "content": CHAT_QUESTION.format(code="pass")}])
-    reqs = corpus_requests(n, tok, data, cache_dir, prompt_len, gen_len, arrival, rate, seed)
-    for r in reqs:
-        question = CHAT_QUESTION.format(code=tok.decode(r.prompt).strip())
-        r.prompt = tok.encode(render([{"role": "user", "content": question}]))
+    sends it. The template runs sandboxed, bounded in CPU time, memory and output (chat_template.ChatTemplate). It is
+    tried first on a question about `pass`, before the corpus is read: a template that fails there (a syntax error,
+    raise_exception, a loop that does not end, strings beyond its memory) is one UsageError naming `source`; one that
+    fails only on some window makes that request's error (request_problem: "chat template"). The prompt is longer
+    than the window by the template's tokens."""
+    with ChatTemplate(template) as chat:
+        try:
+            chat.render([{"role": "user", "content": CHAT_QUESTION.format(code="pass")}])
+        except RenderError as e:
+            raise UsageError(f"the chat template of {source} does not render ({e}); serve --prompts synthetic or "
+                             f"corpus, or a requests file") from None
+        reqs = corpus_requests(n, tok, data, cache_dir, prompt_len, gen_len, arrival, rate, seed)
+        for r in reqs:
+            question = CHAT_QUESTION.format(code=tok.decode(r.prompt).strip())
+            try:
+                r.prompt = tok.encode(chat.render([{"role": "user", "content": question}]))
+            except RenderError as e:
+                r.invalid = f"{CHAT_TEMPLATE_FAILS} of {source} does not render this request's question ({e})"
     return reqs
 
 
@@ -258,6 +239,8 @@ def jsonl_requests(path, tok=None, default_gen=32, arrival="all", rate=10.0, see
             d = json.loads(ln)
             if not isinstance(d, dict):
                 raise ValueError("not a JSON object")
+            if "prompt_ids" in d and "prompt" in d:  # which one the client meant is not known
+                raise ValueError("both 'prompt' and 'prompt_ids': give one (text, or the token ids of a prompt)")
             if "prompt_ids" in d:
                 r.prompt = d["prompt_ids"]
             elif "prompt" in d:
