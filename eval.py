@@ -723,6 +723,7 @@ def eval_recovery(args):
     if args.points and budget and max(curve_points(0, args.points)) > budget:
         raise UsageError(f"--points {args.points}: a point is past the budget of {budget:,} tokens")
     check_writable_dir(out, "--out-dir")
+    check_output_file(path, "--out-dir's results file")  # appended after every row: never a link or a FIFO
     common = ["--data", args.data, "--cache-dir", args.cache_dir, "--seq-len", str(args.seq_len), "--batch-size",
               str(batch), "--device", args.device, "--dtype", args.dtype, "--seed", str(args.seed),
               "--teacher", args.source, "--kd", "fkl", "--sample-tokens", "0", "--eval-iters", "4",

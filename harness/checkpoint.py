@@ -91,8 +91,8 @@ import plt
 import recursive
 from harness import tasks
 from harness.cli import (CheckpointError, UsageError, append_line, atomic_file, check_device, check_model_fits,
-                         check_step_memory, check_writable_dir, fields_problem, flag_name, log, one_line, read_json,
-                         regular_file)
+                         check_output_file, check_step_memory, check_writable_dir, fields_problem, flag_name, log,
+                         one_line, read_json, regular_file)
 from harness.data import (DEFAULT_BASE, Tokenizer, first_tokens_windows, hf_tokenizer_spec, is_gguf_source,
                           is_hf_source, padded_vocab)
 from harness.hf import from_gguf, from_pretrained, gguf_tokenizer_spec
@@ -897,10 +897,12 @@ def setup_curve(args, steps, val_data, world, device, resume_ck, master) -> dict
     x, y = first_tokens_windows(val_data, args.curve_tokens, args.seq_len, f"the validation split of {args.data}")
     path = args.out_dir / "curve.jsonl"
     done = set()
-    if resume_ck is not None and path.exists():
+    if resume_ck is not None and os.path.lexists(path):
         done = {point["step"] for point in read_curve(path)}
     elif master:
         path.unlink(missing_ok=True)
+    if master:  # appended after each point: never through a link, never into a FIFO
+        check_output_file(path, "--curve-at's file")
     card = f"{world} x " if world > 1 else ""
     card += f"{device.type} {torch.cuda.get_device_name(device)}" if device.type == "cuda" else device.type
     return {"steps": steps, "done": done, "x": x, "y": y, "file": path, "device": card}

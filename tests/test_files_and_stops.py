@@ -125,6 +125,26 @@ def test_the_token_cache_of_a_run_is_written_past_planted_links(tmp_path, corpus
     assert data.read_meta(out)["train"]["tokens"] > 0
 
 
+def test_a_link_planted_at_a_runs_curve_file_is_refused_before_the_run(tmp_path, corpus, capsys, monkeypatch):
+    """--resume of a run whose OUT_DIR/curve.jsonl was replaced by a link (to a file of the same points): the run
+    would append through it after its next point; it is refused before the first step instead."""
+    flags = ["--max-iters", "2", "--eval-interval", "1", "--curve-at", "0,64", "--curve-tokens", "64"]
+    train.main(run_args(corpus, tmp_path, *flags))
+    curve, victim = tmp_path / "out" / "curve.jsonl", tmp_path / "victim.jsonl"
+    ck = torch.load(tmp_path / "out" / "ckpt.pt", weights_only=True)
+    ck["step"] = 1  # a run to continue from step 1
+    checkpoint.save_checkpoint(tmp_path / "out" / "ckpt.pt", ck)
+    victim.write_bytes(curve.read_bytes())
+    curve.unlink()
+    curve.symlink_to(victim)
+    before = victim.read_bytes()
+    capsys.readouterr()
+    monkeypatch.setattr(train, "batch_on_device", lambda *a: pytest.fail("a step ran"))
+    one_error_line(capsys, train.main, ["--resume", "--out-dir", str(tmp_path / "out"), "--cache-dir",
+                                        str(tmp_path / "cache")], f"--curve-at's file {curve} is a symbolic link")
+    assert victim.read_bytes() == before
+
+
 OUTPUTS = [  # (what, the target, setup(tmp_path), the message after "--results TARGET")
     ("a directory", "{tmp}/adir", lambda t: (t / "adir").mkdir(), " is a directory, not a regular file"),
     ("a FIFO", "{tmp}/fifo", lambda t: os.mkfifo(t / "fifo"), " is a FIFO (named pipe), not a regular file"),
