@@ -34,6 +34,7 @@ Run:
     python bench.py ckpt                         # what verifying a checkpoint's CRC-32s costs beside torch.load
     python bench.py presets --arch plt           # every preset's rows: parameters, KV bytes, FLOPs (no timing)
     python bench.py gpu --nanogpt DIR --json g.json   # (one GPU, 8 minutes) every section above against its baseline
+    python bench.py figures                      # each paper's figure traced from the code: text, PNGs in docs/figures
 
 What a trained checkpoint does on validation text (early exits, SVD residual energy, double-eval, block --eval) is
 measured by eval.py, not here.
@@ -49,7 +50,8 @@ import argparse
 import block_transformer as bt
 import double_decoder as dd
 import plt
-from harness import bench_gpu, bench_serve
+from harness import bench_gpu, bench_serve, figures
+from harness.bench_common import describe
 from harness.bench_decode import (BLOCK_SETTINGS, bench_archs, bench_block, bench_decode, bench_double, bench_plt,
                                   bench_roofline)
 from harness.bench_kernels import bench_kernels
@@ -58,7 +60,7 @@ from harness.checkpoint import arch_table
 from harness.cli import (DTYPES, ArgumentParser, UsageError, comma_list, number, one_of, path_arg, run_cli,
                          run_subcommand, threads_arg, user_input)
 from harness.cpu_tuning import LINEAR_PRODUCTS
-from model import PRESETS, describe
+from model import PRESETS
 
 # ----------------------------------------------------------------------------------------------------------------
 # The command line: each subcommand runs a benchmark of bench_decode.py, bench_train.py, bench_kernels.py or
@@ -79,7 +81,7 @@ def settings(text):
 
 def bench_presets(args):
     """Every preset of the architectures asked for, through the architecture table: each ArchSpec's rows (the model
-    and its baseline, built on the meta device) printed by model.describe. Nothing is timed or allocated."""
+    and its baseline, built on the meta device) printed by bench_common.describe. Nothing is timed or allocated."""
     table = arch_table()
     names = args.arch.split(",") if args.arch else list(table)
     for name in names:
@@ -120,7 +122,7 @@ def build_parser():
     common(p)
     generation(p, "float32,bfloat16", "1", 128, 64)
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip the transformers comparison")
-    p.add_argument("--compile", action="store_true", help="ours: GPT.compile_decode() (static cache, compiled step)")
+    p.add_argument("--compile", action="store_true", help="ours: graphs.compile_decode (static cache, compiled step)")
     p.add_argument("--linear", type=comma_list(one_of(["auto", *LINEAR_PRODUCTS])), default="auto",
                    help="comma list of cpu_tuning's linear products to time, each forced in turn: "
                    "auto (the measured choice), linear, mv, mm, xwt, dnn")
@@ -239,6 +241,10 @@ def build_parser():
     p.add_argument("--ranks", type=comma_list(number(int, min=1)), default=None,
                    help="relaxed: comma list of LoRA ranks to list (default 8,16,32,64)")
     p.set_defaults(fn=bench_presets)
+
+    p = sub.add_parser("figures", help="each paper's central figure traced from the code on a tiny model: a text "
+                                       "grid, and a PNG with matplotlib (figures.py)")
+    figures.add_args(p)
 
     p = sub.add_parser("kernels", help="(CUDA) Triton kernels vs their references and stock PyTorch")
     p.add_argument("--only", default="", help="comma list of: lora, gswa, gswa_decode, dual (default: all); with --aot: "

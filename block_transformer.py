@@ -60,6 +60,7 @@ Run:
                                                              # budget, both settings at 1/4 length
     python bench.py block --scale 1 --setting decode-heavy   # the paper's 128/2048 setting (takes longer)
     python eval.py block --eval out/block/ckpt.pt out/vanilla/ckpt.pt   # val loss on the block model's targets
+    python bench.py figures                                  # Figure 1's receptive fields, recorded from the KV caches
     python -m pytest -q tests/test_block_transformer.py
 """
 from __future__ import annotations
@@ -71,8 +72,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from graphs import mark_static
 from model import (GPT, IGNORE, ArchSpec, Block, GPTConfig, KVCache, Linear, RotaryEmbedding, count_params,
-                   init_weights, kv_bytes, lm_loss, make_norm, mark_static, run_cached)
+                   init_weights, kv_bytes, lm_loss, make_norm, run_cached)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -151,7 +153,7 @@ class BlockCache:
             step kind; inside a step the token's index in its block comes from local.lengths, a device tensor).
 
     GPT.new_cache(batch, max_len) builds it for max_len tokens. static: both KV caches attend over all their
-    positions at every step (KVCache), and every tensor a step writes in place is marked static (model.mark_static).
+    positions at every step (KVCache), and every tensor a step writes in place is marked static (graphs.mark_static).
     """
 
     def __init__(self, cfg: BlockConfig, batch: int, max_len: int, dtype, device, static=False):
@@ -164,8 +166,12 @@ class BlockCache:
         if static:
             mark_static(self.tokens, self.slots)
 
+    @property
+    def batch(self) -> int:
+        return self.tokens.size(0)
+
     def reset(self):
-        """Forget every block and token (a reused cache: GPT.generation_cache after compile_decode)."""
+        """Forget every block and token (a reused cache: graphs.compile_decode's static caches)."""
         self.blocks.reset()
         self.local.reset()
         self.k = 0
@@ -663,7 +669,7 @@ def from_vanilla(gpt: GPT, block_len: int = 4, prefix_len: int = 2, max_seq_len:
 
 
 def add_args(ap: argparse.ArgumentParser):
-    """Flags of the Block Transformer (ap: a cli.ArgumentParser; ap.number bounds a flag)."""
+    """Flags of the Block Transformer (BlockConfig checks their values)."""
     g = ap.add_argument_group("block (Block Transformer)")
     g.add_argument("--block-len", type=int, default=None, help="block: tokens per block L_B (default: preset, 4)")
     g.add_argument("--block-prefix-len", type=int, default=None, help="block: prefix length P (default: preset, 2)")
@@ -709,8 +715,19 @@ def preset_rows(preset: str, options=None) -> list:
         return [(label, BlockTransformer(cfg), GPT(cfg.vanilla_config()))]
 
 
+def stack_params(cfg: BlockConfig, layers) -> int:
+    """The parameters of the two decoders from the config alone (ArchSpec.stack_params): the token decoder's layers,
+    the block decoder's layers and final norm, the embedder's table (and its projection, lookup_proj) and the context
+    projection to the P prefix vectors (or L_B summands)."""
+    bd, norm = cfg.block_n_embd, 2 if cfg.norm == "layer" else 1
+    block = layers(cfg.block_n_layer, bd, cfg.block_n_head, cfg.block_n_kv_head, bd // cfg.block_n_head,
+                   cfg.block_mlp_hidden) + norm * bd
+    embedder = cfg.vocab_size * cfg.emb_dim + (cfg.block_len * cfg.emb_dim * bd if cfg.embedder == "lookup_proj" else 0)
+    return layers(cfg.n_layer) + block + embedder + (bd + 1) * cfg.n_ctx * cfg.n_embd
+
+
 ARCH_SPECS = [ArchSpec("block", BlockConfig, BlockTransformer, PRESETS, add_args=add_args,
                        config_overrides=config_overrides, convert=convert, prepare_batch=prepare_batch, kd_ok=False,
                        # so that `python train.py --arch block` alone takes about five minutes on two CPU cores
                        # (its wall time: RESULTS.md, Timings)
-                       train_defaults={"max_iters": 1000}, preset_rows=preset_rows)]
+                       train_defaults={"max_iters": 1000}, preset_rows=preset_rows, stack_params=stack_params)]

@@ -13,10 +13,10 @@ device, the windows, a batch's logits, the caches of decoding: check_eval_memory
     and accuracy when every token leaves after loop l (static exit), the oracle exit (the earliest loop whose argmax
     equals the last loop's), and per exit rule (max softmax, the learned gate, saturation) the trade-off curve over
     thresholds: the share of tokens leaving at each loop, the mean loop, the loss against the last loop's and the
-    agreement with it, in real cached decoding with state propagation (recursive.exit_analysis).
+    agreement with it, in real cached decoding with state propagation (exit_analysis).
   * energy (Relaxed Recursive Transformers, section 2.3, eq. 4, and section 3.5): the share of ||W_l - W'||_F^2 that a
     rank-r truncated SVD captures when a vanilla checkpoint is relaxed into B loops under a tying strategy
-    (svd_lora.residual_energy): how much of the full model the LoRA initialisation can recover at each rank.
+    (residual_energy): how much of the full model the LoRA initialisation can recover at each rank.
   * double-eval (Block-Based Double Decoders, section 4): validation losses of double-decoder and decoder-only
     checkpoints on identical windows, each under its own objective and under the prefix-LM split that equalises them
     (loss on the suffix only), with paired differences to the first checkpoint; --sample: generations.
@@ -75,15 +75,18 @@ from tqdm import tqdm
 
 import block_transformer as bt
 import double_decoder as dd
+import graphs
 import recursive
-from harness.checkpoint import (check_vocab, load_checkpoint, load_source_model, model_from_checkpoint, read_curve,
-                                tokenizer_from_spec)
+from harness.checkpoint import (check_vocab, keep_layers, load_checkpoint, load_source_model, model_from_checkpoint,
+                                read_curve, tokenizer_from_spec)
 from harness.cli import (DTYPES, ArgumentParser, UsageError, append_line, atomic_file, check_memory, check_output_file,
                          check_writable_dir, comma_list, fields_problem, number, one_of, path_arg, read_json, run_child,
                          run_cli, run_subcommand, seed_arg, temperature_arg, threads_arg, user_input, write_atomic)
 from harness.data import TokenData, first_tokens_windows, is_gguf_source, is_hf_source, prepare_corpus, step_generator
-from model import IGNORE, forward_memory, memory_sum, module_bytes, pick_device, pick_dtype, windows_loss
-from svd_lora import max_ranks, residual_energy
+from harness.device import pick_device, pick_dtype
+from harness.memory import forward_memory, memory_sum, module_bytes
+from model import IGNORE, windows_loss
+from svd_lora import COMPONENTS, max_ranks
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -170,7 +173,7 @@ def loss_model(args):
         src, _, spec = load_source_model(args.model)
         label = "pretrained"
     if args.keep_layers:
-        src = recursive.keep_layers(src, args.keep_layers)
+        src = keep_layers(src, args.keep_layers)
         label = f"layers {args.keep_layers}"
     arch = args.arch or "vanilla"
     if arch == "vanilla":
@@ -236,9 +239,54 @@ def eval_loss(args):
 
 
 @torch.no_grad()
+def exit_analysis(model: recursive.RecursiveGPT, x, y, thresholds=(0.5, 0.7, 0.8, 0.9, 0.95),
+                  rule: str | None = None) -> dict:
+    """What early exit does on text (Relaxed Recursive Transformers, section 3.8, Appendix K): windows x (B, T) and
+    their next tokens y (B, T).
+
+    -> dict with
+      loop_loss, loop_acc   cross-entropy / accuracy if EVERY token left after loop l (static exit), per loop;
+      oracle                (L,) counts: the earliest loop whose argmax equals the final loop's (section 3.8's oracle
+                            exit; a lower bound on what any exit rule can save without changing the greedy output);
+      curve                 per threshold t of the exit rule (default config.exit_rule; recursive.EXIT_RULES):
+                            `share` (L,) of the tokens that exit at each loop, `loss` of the logits actually emitted,
+                            `agree` = share of emitted argmaxes equal to the final loop's, `mean_loop` (1-based).
+    The curve runs the real cached decoding (decode_step with the threshold: confidence exits with state propagation,
+    the code that generate() and serve.py run), teacher-forced on the windows: position 0 is a one-token prompt
+    (prefill, all loops, not scored), every later position a decode step; all statistics cover positions 1..T-1. So
+    a token's loss is that of the loop it exited at, and later tokens attend to the propagated K/V of exited ones.
+    Threshold 0 exits everything after loop 1 and reproduces loop_loss[0]; a threshold above 1 never exits and
+    reproduces the final loop's loss (tests check both).
+    """
+    B, T = x.shape
+    L = model.config.n_loops
+    y = y[:, 1:]  # position 0 is the one-token prompt of the decoding below: it is scored nowhere
+    logits = torch.stack(model.loop_logits(x))[:, :, 1:].float()  # (L, B, T-1, V): static exit at every loop
+    pred = logits.argmax(-1)  # (L, B, T-1)
+    ce = lambda lg: F.cross_entropy(lg.reshape(-1, lg.size(-1)).float(), y.reshape(-1)).item()  # noqa: E731
+    out = {"tokens": y.numel(), "loop_loss": [ce(logits[l]) for l in range(L)],
+           "loop_acc": [(pred[l] == y).float().mean().item() for l in range(L)],
+           "oracle": torch.bincount((pred == pred[-1:]).int().argmax(0).flatten().cpu(), minlength=L), "curve": []}
+    for thr in thresholds:
+        cache = model.new_cache(B, T)
+        model.prefill(x[:, :1], cache)
+        emitted, exits = [], []
+        for t in range(1, T):
+            lg, e = model.decode_step(x[:, t], cache, thr, return_exits=True, exit_rule=rule)
+            emitted.append(lg)
+            exits.append(e)
+        lg, e = torch.stack(emitted, 1).float(), torch.stack(exits, 1)  # (B, T-1, V), (B, T-1)
+        share = torch.bincount(e.flatten().cpu(), minlength=L).double() / e.numel()
+        out["curve"].append({"threshold": thr, "share": share.tolist(), "loss": ce(lg),
+                             "agree": (lg.argmax(-1) == pred[-1]).float().mean().item(),
+                             "mean_loop": float((share * torch.arange(1, L + 1)).sum())})
+    return out
+
+
+@torch.no_grad()
 def eval_exits(args):
     """Early exit of a recursive/relaxed checkpoint on validation text: static exit per loop, the oracle, and the
-    confidence-exit trade-off curve with state propagation (recursive.exit_analysis), summed over the windows.
+    confidence-exit trade-off curve with state propagation (exit_analysis), summed over the windows.
     -> {"tokens", "loop_loss", "rules": {rule: [{"threshold", "share", "mean_loop", "loss", "agree"}, ...]}, "windows"},
     token means over the windows; "windows" are the (x, y) batches scored, for a caller that scores another model on
     the same ones (the recovery exits stage: the original's loss), never a result."""
@@ -275,7 +323,7 @@ def eval_exits(args):
     for k, rule in enumerate(rules):
         thresholds = [float(t) for t in (args.saturation_thresholds if rule == "saturation" else
                                          args.thresholds).split(",")]
-        parts = [recursive.exit_analysis(model, x, y, thresholds, rule) for x, y in windows]
+        parts = [exit_analysis(model, x, y, thresholds, rule) for x, y in windows]
         avg = lambda get: sum(get(p) * p["tokens"] for p in parts) / n  # noqa: E731  token-weighted mean
         if k == 0:
             print("static exit (every token leaves after loop l):")
@@ -311,8 +359,36 @@ EXIT_RULE_TEXT = {"softmax": "max softmax >= t, the head on every row", "gate": 
 # Residual energy of a rank-r SVD (energy)
 
 
+@torch.no_grad()
+def residual_energy(src_blocks: list, sources: list[list[int]], ranks=(8, 16, 32, 64, 128)) -> dict:
+    """Fraction of the squared Frobenius norm of each residual W_l - W' (plain eq. 4 of the Relaxed Recursive
+    Transformers paper, W' the mean of the tied layers) captured by its top-r singular values, averaged per rank
+    component (svd_lora.COMPONENTS). `src_blocks` are the N vanilla blocks; sources[k] the vanilla layers shared
+    layer k is made of (recursive.tying_sources), K = len(sources) the shared depth. -> {component: {r: share}}."""
+    N, K = len(src_blocks), len(sources)
+    B = N // K
+    present = dict(src_blocks[0].named_modules())
+    paths = {c: [p for p in ps if p in present] for c, ps in COMPONENTS.items()}  # NeoX's GELU MLP has no gate
+    weight = lambda i, p: src_blocks[i].get_submodule(p).weight.double()  # noqa: E731
+    shared = [{p: torch.stack([weight(i, p) for i in srcs]).mean(0) for ps in paths.values() for p in ps}
+              for srcs in sources]
+    out = {}
+    for comp, ps in paths.items():
+        captured = {r: [] for r in ranks}  # rank -> the captured share of each residual
+        for p in ps:
+            for l in range(B):
+                for k in range(K):
+                    S2 = torch.linalg.svdvals(weight(l * K + k, p) - shared[k][p]) ** 2
+                    if S2.sum() == 0:
+                        continue
+                    for r in ranks:
+                        captured[r].append(float(S2[:r].sum() / S2.sum()))
+        out[comp] = {r: (sum(v) / len(v) if v else float("nan")) for r, v in captured.items()}
+    return out
+
+
 def eval_energy(args):
-    """Share of the residual energy ||W_l - W'||^2 a rank-r truncated SVD captures (svd_lora.residual_energy)."""
+    """Share of the residual energy ||W_l - W'||^2 a rank-r truncated SVD captures (residual_energy)."""
     ck, model, _ = load_run(args.ckpt, "cpu")
     if ck["arch"] != "vanilla":
         raise UsageError(f"{args.ckpt} holds a {ck['arch']} model, not a vanilla one")
@@ -487,7 +563,7 @@ def eval_samples(args):
     --mix-data). Sequence-level distillation as in LLM-QAT (Liu et al., arXiv:2305.17888, section 2.1): the first token
     drawn uniformly from the vocabulary, the next --greedy-first tokens greedy, the rest sampled from the full softmax;
     a document ends at the first end-of-text. The model's own cached generate (compiled, a CUDA graph per step on a GPU:
-    GPT.compile_decode). One shard per batch, written atomically and seeded by (--seed, its index), so a rerun with
+    graphs.compile_decode). One shard per batch, written atomically and seeded by (--seed, its index), so a rerun with
     the same settings continues where the last one stopped and every shard is reproducible alone; manifest.json
     holds the settings and each shard's tokens."""
     device = pick_device(args.device)
@@ -514,7 +590,7 @@ def eval_samples(args):
     model = model.to(device=device, dtype=dtype).eval()
     compiled = args.compile if args.compile is not None else device.type == "cuda"
     if compiled:
-        model.compile_decode(mode="reduce-overhead" if device.type == "cuda" else None)
+        graphs.compile_decode(model, mode="reduce-overhead" if device.type == "cuda" else None)
     have = sum(manifest["shards"].values())
     print(f"samples of {args.model} ({dtype}, {device}{', compiled decode' if compiled else ''}): {args.batch_size} x "
           f"{args.length} tokens per shard, first token uniform, {args.greedy_first} greedy, then sampled (temperature "

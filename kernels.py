@@ -565,6 +565,12 @@ def swa_mask(T, window, device):
     return (j <= i) & (j > i - window)
 
 
+def ring_window_mask(ring_pos, q_pos, window):
+    """The decode form of swa_mask: ring_pos (B, W) the position each ring slot holds (-1 = empty), q_pos (B,) ->
+    (B, W) bool: slot visible iff q_pos - window < ring_pos <= q_pos."""
+    return (ring_pos >= 0) & (ring_pos <= q_pos[:, None]) & (ring_pos > q_pos[:, None] - window)
+
+
 def plt_gate(q, gate_w, gate_b):
     """g = sigmoid(<q_h, w_h> + b_h): one scalar per head and query. q (B, H, T, D) (after RoPE), gate_w (H, D),
     gate_b (H,) -> (B, H, T) fp32."""
@@ -701,7 +707,7 @@ def _gated_swa_decode(attend, q, k_ring, v_ring, ring_pos, k_shared, v_shared, q
     """The decode form's math with `attend(q, k, v, mask, scale) -> y` as the attention (GQA inside it)."""
     B, L1, H, D = q.shape
     qq = q.reshape(B * L1, H, 1, D)
-    local_ok = (ring_pos >= 0) & (ring_pos <= q_pos[:, None]) & (ring_pos > q_pos[:, None] - window)  # (B, W)
+    local_ok = ring_window_mask(ring_pos, q_pos, window)  # (B, W)
     y_local = attend(qq, k_ring.flatten(0, 1), v_ring.flatten(0, 1),
                      local_ok.repeat_interleave(L1, dim=0)[:, None, None, :], scale)  # (B*L1, H, 1, D)
     glob_ok = torch.arange(k_shared.size(2), device=q.device)[None, :] <= q_pos[:, None]  # (B, S)

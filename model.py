@@ -8,8 +8,9 @@ A Llama/Gemma-style decoder, written to be read top to bottom:
     (SwiGLU or GeGLU) -> Block -> KVCache (kv_len: the keys a cached step reads, and the one overflow error) ->
     run_cached (the one cached layer stack) -> GPT (forward, new_cache, prefill, decode_step, generate).
 
-After the model: sampling, the losses, the architecture table's row (ArchSpec), parameter, memory and FLOP
-accounting (with the peak figures of known cards), and last the device, dtype and timing helpers.
+After the model: sampling, the losses, the architecture table's row (ArchSpec), parameter counting and the
+initialisation. A decode step recorded as one CUDA graph on static caches is graphs.py's (graphs.compile_decode);
+what measures, estimates memory and picks devices is the harness's (harness/memory.py, harness/device.py).
 
 `linear` and `attend` are plain PyTorch (F.linear; SDPA with GQA) with one hook, `tuned_ops`: cpu_tuning.py puts the
 forms of the same math measured fastest on a CPU there when a command switches it on (bench.py, serve.py); nothing
@@ -40,7 +41,6 @@ Run:
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field, fields
 from functools import partial
 from typing import Callable
@@ -285,13 +285,28 @@ def attend(q, k, v, mask=None, is_causal=False, scale=None):
     """Scaled dot-product attention with GQA: q (B, H, T, D), k/v (B, H_kv, S, D) -> (B, H, T, D).
 
     `mask` is a bool tensor broadcastable to (B, H, T, S), True = may attend. With no mask and is_causal=True this
-    is the flash path on GPU. H must be a multiple of H_kv; the KV heads are shared without being copied (enable_gqa).
-    Attention.forward and the architectures that reuse it attend through here (see `tuned_ops` above).
+    is the flash path on GPU. H must be a multiple of H_kv; the KV heads are shared without being copied: SDPA's own
+    GQA (enable_gqa) runs in its flash and math kernels only, and on CUDA a mask rules flash out and the math kernel
+    copies K/V per query head, so a masked step there (decode, a prefill chunk) attends in the stacked form
+    (attend_stacked). Attention.forward and the architectures that reuse it attend through here (see `tuned_ops`).
     """
     if tuned_ops is not None:
         return tuned_ops.attend(q, k, v, mask, is_causal, scale)
+    if q.is_cuda and q.size(1) != k.size(1) and mask is not None and mask.dim() == 4 and mask.size(1) == 1:
+        return attend_stacked(q, k, v, mask, scale)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal and mask is None, scale=scale,
                                           enable_gqa=q.size(1) != k.size(1))
+
+
+def attend_stacked(q, k, v, mask, scale=None):
+    """attend's math with a mask the same for every head, mask (B|1, 1, T|1, S): the G = H / H_kv query heads of a
+    KV head attend as G*T queries of it, q (B, H_kv, G*T, D) in one SDPA call without GQA -- no K/V copied."""
+    (B, H, T, D), Hkv = q.shape, k.size(1)
+    G = H // Hkv
+    if mask.size(2) > 1:  # (B|1, 1, T, S) -> (B|1, 1, G*T, S), the rows in q's (g, t) order
+        mask = mask[:, :, None].expand(-1, -1, G, -1, -1).flatten(2, 3)
+    return F.scaled_dot_product_attention(q.reshape(B, Hkv, G * T, D), k, v, attn_mask=mask, scale=scale).view(
+        B, H, T, D)
 
 
 def causal_mask_from_positions(q_pos: torch.Tensor, kv_len: int) -> torch.Tensor:
@@ -433,8 +448,9 @@ class KVCache:
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self.all_rows = torch.arange(batch, device=device)
         self.static = static
-        if static:  # a compiled step writes k, v and lengths in place: they must keep their addresses
-            mark_static(self.k, self.v, self.lengths)
+        if static:  # a recorded step writes k, v and lengths in place: they keep their addresses (graphs.mark_static)
+            for t in (self.k, self.v, self.lengths):
+                torch._dynamo.mark_static_address(t, guard=False)
 
     @property
     def batch(self) -> int:
@@ -535,80 +551,33 @@ def start_prefill(idx, cache, lengths=None) -> torch.Tensor:
 
 
 def run_cached(blocks, rope: RotaryEmbedding, x, cache: KVCache, fresh: bool = False, layers=None, rows=None,
-               q_pos=None):
+               q_pos=None, kv_len: int | None = None, lora_idx=None):
     """The cached layer stack: inputs x (B, T, C) at positions cache.lengths + (0..T-1) through `blocks`, each block
     writing its K/V into its cache layer (layers[i], default i) -> hidden states (B, T, C). cache.lengths is left to
     the caller. Every decoder of this repository runs its cached steps through here (GPT, the Block Transformer's two
-    decoders, the double decoder's context decoder).
+    decoders, the double decoder's context decoder, every loop of recursive.py).
 
     fresh=True is the prefill of an empty cache: attention runs causally over x itself (the flash path on GPU) and
     nothing is read back. Otherwise every query attends over the cache prefix under the positional causal mask: the
-    filled prefix [0, max(q_pos) + 1), or all max_len positions for a static cache (no host sync, fixed shapes).
+    filled prefix [0, max(q_pos) + 1), or all max_len positions for a static cache (no host sync, fixed shapes);
+    kv_len overrides it (a caller that runs several stacks at the same positions computes it once).
     rows (B,) and q_pos (B, T): x belongs to these cache rows, at these positions (a server's chunked prefill into
-    some of its slots); default all rows, at their lengths.
+    some of its slots); default all rows, at their lengths. layers[i] may be a LongTensor (B,), one cache layer per
+    row, and lora_idx[i] is block i's LoRA index (svd_lora.py: an int, or (B,) one per row; default None): rows of
+    a looped model that sit at different loops.
     """
     B, T, _ = x.shape
     if q_pos is None:
         q_pos = cache.lengths[:, None] + torch.arange(T, device=x.device)  # (B, T)
     mask = None
     if not fresh:
-        mask = causal_mask_from_positions(q_pos, cache.kv_len(q_pos))  # (B, 1, T, kv_len)
+        kv_len = cache.kv_len(q_pos) if kv_len is None else cache.fits(kv_len)
+        mask = causal_mask_from_positions(q_pos, kv_len)  # (B, 1, T, kv_len)
     cos_sin = rope(q_pos)
     for i, block in enumerate(blocks):
-        x = block(x, cos_sin, mask=mask, cache=cache.layer(i if layers is None else layers[i], rows), q_pos=q_pos)
+        x = block(x, cos_sin, lora_idx=None if lora_idx is None else lora_idx[i], mask=mask,
+                  cache=cache.layer(i if layers is None else layers[i], rows), q_pos=q_pos)
     return x
-
-
-def mark_static(*tensors):
-    """Promise torch.compile that these tensors keep their address from one call to the next (the state of a static
-    cache), so a captured CUDA graph may write into them in place. Without it torch skips CUDA graphs for a step that
-    mutates its inputs. No guard: a new cache is re-recorded into a graph, not recompiled."""
-    for t in tensors:
-        torch._dynamo.mark_static_address(t, guard=False)
-
-
-# The batch sizes a compiled step is specialised to (vLLM's recipe): a batch is padded up to its bucket, so a server
-# whose occupancy changes replays a few graphs instead of compiling one per batch size.
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-
-
-def batch_bucket(n: int) -> int:
-    """The smallest bucket >= n; past the largest bucket, n rounded up to a multiple of it."""
-    if n < 1:
-        raise ValueError(f"batch must be >= 1, got {n}")
-    top = BATCH_BUCKETS[-1]
-    return next((b for b in BATCH_BUCKETS if b >= n), -(-n // top) * top)
-
-
-def static_cache_len(need: int, max_seq_len: int) -> int:
-    """The positions of a static cache for `need` tokens (GPT.generation_cache): rounded up to a multiple of 128, so
-    that calls of nearby lengths share one cache and its graphs, at most max_seq_len."""
-    return min(-(-need // 128) * 128, max_seq_len)
-
-
-def graph_mode(mode: str | None, device, backend=None) -> str | None:
-    """compile_step's mode for 'auto': 'reduce-overhead' (CUDA graphs) on CUDA with the default backend, else None."""
-    if mode != "auto":
-        return mode
-    return "reduce-overhead" if torch.device(device).type == "cuda" and backend is None else None
-
-
-def compile_step(fn, mode: str | None = None, backend=None):
-    """torch.compile for a graph-safe step: the whole step is one graph (fullgraph: a graph break is an error) with
-    static shapes (one graph per input shape, e.g. per batch bucket). A graph-safe step reads no tensor back to the
-    host, branches on no tensor value and writes its state in place into static tensors (mark_static), so that on
-    CUDA mode='reduce-overhead' captures it as a CUDA graph: one launch per step. `backend` (default inductor) is for
-    tests: backend='eager' traces and counts graphs without generating kernels.
-
-    Dynamo keeps its graphs per code object, with a recompile limit for each. A step decorated in torch (no_grad) would
-    share one code object with every other such step, so each compiled step gets a code object of its own, and the
-    limit is raised to hold a graph for every batch bucket."""
-    def step(*args, **kwargs):
-        return fn(*args, **kwargs)
-
-    step.__code__ = step.__code__.replace()  # a copy: a cache of this step's graphs alone
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(BATCH_BUCKETS))
-    return torch.compile(step, mode=mode, backend=backend or "inductor", fullgraph=True, dynamic=False)
 
 
 def kv_bytes(n_layer, batch, seq_len, n_kv_head, head_dim, dtype_bytes=2) -> int:
@@ -643,8 +612,6 @@ class GPT(nn.Module):
         init_weights(self, cfg.n_layer)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
-        self.graph_caches = {}  # batch bucket -> the static cache generate() reuses (generation_cache)
-        self.graph_cache_sizes = {}  # batch bucket -> (its positions, cache_size's other arguments, dtype, device)
 
     def make_blocks(self, cfg) -> nn.ModuleList:
         """The layer stack (a subclass with other layers -- shared, LoRA, another attention -- overrides this)."""
@@ -681,7 +648,8 @@ class GPT(nn.Module):
     # -- inference -----------------------------------------------------------------------------------------------
 
     cache_cls = KVCache  # what new_cache builds; an architecture with another cache names its class here
-    static_cache = False  # set by compile_decode(): new caches are static (fixed shapes for the compiled step)
+    static_cache = False  # new caches are static (fixed shapes for a recorded step): set by graphs.compile_decode
+    graph_caches = None  # set by graphs.compile_decode: the static generation caches, one per batch bucket
 
     def new_cache(self, batch: int, max_len: int | None = None, *args, dtype=None, device=None, static=None,
                   **kwargs):
@@ -732,53 +700,28 @@ class GPT(nn.Module):
         cache.lengths += 1
         return self.head(h)[:, 0]
 
-    # The graph-safe steps compile_decode compiles: decode_step here; an architecture whose decode step chooses
-    # between a few step kinds on the host (from step counts the host knows) names those kinds instead.
+    # The graph-safe steps graphs.compile_decode records: decode_step here; an architecture whose decode step chooses
+    # between a few step kinds on the host (from step counts the host knows) names those kinds instead, and one whose
+    # eager decode_step is not graph-safe names in graph_decode the method that decodes through them once recorded.
     graph_steps = ("decode_step",)
-
-    def compile_decode(self, mode: str | None = "auto", backend=None):
-        """torch.compile the decode step (gpt-fast's recipe, compile_step): from now on new caches are static (their
-        tensors marked static), so every step has the same shapes and compiles once per batch bucket; generate()
-        pads a batch to its bucket and reuses one cache per bucket (generation_cache). mode 'auto': 'reduce-overhead'
-        on CUDA (the step captured as a CUDA graph: one launch per token), torch.compile's default elsewhere. The
-        prefill stays eager (its shapes change with every prompt). Each method named in graph_steps is compiled: one
-        graph per step kind and batch bucket. `python bench.py decode --compile` measures what it buys."""
-        self.static_cache = True
-        mode = graph_mode(mode, self.lm_head.weight.device, backend)
-        for name in self.graph_steps:
-            setattr(self, name, compile_step(getattr(self, name), mode, backend))
-        return self
+    graph_decode = "decode_step"
 
     def cache_size(self, prompt_len: int, max_new_tokens: int, **step_kwargs) -> tuple[int, dict]:
-        """generation_cache's sizing hook: the positions a generation's cache needs and new_cache's other arguments
-        (an architecture whose cache is sized otherwise overrides this, and cache_covers with it)."""
+        """The positions a generation's cache needs and new_cache's other arguments (an architecture whose cache is
+        sized otherwise overrides this, and cache_covers with it)."""
         return prompt_len + max_new_tokens, {}
 
     def cache_covers(self, have: dict, want: dict) -> bool:
-        """Whether a static cache built with cache_size's arguments `have` serves a generation that needs `want`."""
+        """Whether a cache built with cache_size's arguments `have` serves a generation that needs `want`."""
         return have == want
 
     def generation_cache(self, batch: int, prompt_len: int, max_new_tokens: int, **step_kwargs):
-        """The cache generate() allocates, sized by cache_size. After compile_decode: one static cache per batch
-        bucket, allocated once and reused (emptied) by every later call (gpt-fast's setup_caches), so a captured graph
-        replays on the same addresses; its rows are the bucket (generate pads the batch of a KVCache; a cache of
-        another kind keeps the batch as its bucket), its positions the need rounded up to 128 (static_cache_len),
-        rebuilt (one more graph) only when a call needs more (or other arguments: cache_covers)."""
+        """The cache generate() allocates, sized by cache_size: a new one, or after graphs.compile_decode the static
+        cache of the batch's bucket (graph_caches), which may hold more rows than the batch."""
         need, kwargs = self.cache_size(prompt_len, max_new_tokens, **step_kwargs)
-        if not self.static_cache:
-            return self.new_cache(batch, need, **kwargs)
-        p = self.lm_head.weight
-        rows = batch_bucket(batch) if issubclass(self.cache_cls, KVCache) else batch
-        cache = self.graph_caches.get(rows)
-        max_len, have, dtype, device = self.graph_cache_sizes.get(rows, (0, {}, None, None))
-        if (cache is None or max_len < need or not self.cache_covers(have, kwargs)
-                or (dtype, device) != (p.dtype, p.device)):
-            max_len = static_cache_len(need, self.config.max_seq_len)
-            cache = self.graph_caches[rows] = self.new_cache(rows, max_len, **kwargs)
-            self.graph_cache_sizes[rows] = (max_len, kwargs, p.dtype, p.device)
-        else:
-            cache.reset()
-        return cache
+        if self.graph_caches is not None:
+            return self.graph_caches.get_cache(batch, need, kwargs)
+        return self.new_cache(batch, need, **kwargs)
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens: int, temperature: float = 0.0, top_k=None, generator=None, cache=None,
@@ -796,7 +739,7 @@ class GPT(nn.Module):
             return idx
         if cache is None:
             cache = self.generation_cache(B, T, max_new_tokens, **step_kwargs)
-        pad = cache.batch - B if isinstance(cache, KVCache) else 0  # a batch bucket's cache: padding rows decode along
+        pad = max(cache.batch - B, 0)  # a batch bucket's cache (graphs.py): the padding rows decode along, unread
         logits = self.prefill(torch.cat([idx, idx.new_zeros(pad, T)]) if pad else idx, cache)
         out = [idx]
         for i in range(max_new_tokens):
@@ -884,11 +827,14 @@ def lm_loss(logits, targets):
 def windows_loss(model, x, y, batch_size: int, device, wrap=lambda batches: batches) -> float:
     """Mean next-token cross-entropy of `model` (as it is: its dtype, no autocast) over windows x, y (N, T), in fp32
     over the full logits, `batch_size` windows per forward pass: the loss of the fixed evaluation set (`python eval.py
-    loss`, train.py --curve-at). `wrap` wraps the batch starts (a progress bar)."""
+    loss`, train.py --curve-at). Each token's loss is added in float64, so the mean does not depend on how the windows
+    are batched (a float32 sum per batch rounds differently for 2 x 4 windows than for 1 x 8). `wrap` wraps the batch
+    starts (a progress bar)."""
     total = 0.0
     for i in wrap(range(0, len(x), batch_size)):
         logits = model(x[i:i + batch_size].to(device))[0].float()
-        total += F.cross_entropy(logits.flatten(0, 1), y[i:i + batch_size].to(device).flatten(), reduction="sum").item()
+        losses = F.cross_entropy(logits.flatten(0, 1), y[i:i + batch_size].to(device).flatten(), reduction="none")
+        total += losses.double().sum().item()
     return total / y.numel()
 
 
@@ -937,6 +883,12 @@ class ArchSpec:
     # (preset, options) -> [(label, model, baseline or None)], built on the meta device: the rows `python bench.py
     # presets` prints for this architecture (options: that command's parsed flags). None: one row, no baseline.
     preset_rows: Callable | None = None
+    # (config, layers) -> the parameters of what sits between the embedding and the final norm, from the config alone
+    # (the memory estimate made before a model is built, harness/memory.py), with layers(n, d, heads, kv_heads,
+    # head_dim, mlp_hidden, loops=1, ranks=None) the parameters of n standard layers (sizes default to the config's).
+    # None: config.n_layer standard layers.
+    stack_params: Callable | None = None
+    stack_passes: Callable | None = None  # (config) -> how often one forward runs its layers (loops); None: once
 
     def make_config(self, preset: str, **overrides):
         if preset not in self.presets:
@@ -955,7 +907,7 @@ ARCH_SPECS = [ArchSpec("vanilla", GPTConfig, GPT, PRESETS)]
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Parameter, memory and FLOP accounting (shared by every model in this repository)
+# Parameter counting and initialisation (shared by every model in this repository)
 
 
 def count_params(module: nn.Module, exclude: tuple[nn.Module, ...] = ()) -> int:
@@ -969,16 +921,6 @@ def count_params(module: nn.Module, exclude: tuple[nn.Module, ...] = ()) -> int:
     return n
 
 
-def param_bytes(*modules: nn.Module, buffers: bool = False) -> int:
-    """Bytes of the unique parameters of the modules (tied weights once): what a forward pass reads; buffers=True
-    adds their buffers (RoPE tables, masks)."""
-    seen = {}
-    for m in modules:
-        for t in [*m.parameters(), *(m.buffers() if buffers else ())]:
-            seen[id(t)] = t.numel() * t.element_size()
-    return sum(seen.values())
-
-
 def init_weights(module: nn.Module, n_layer: int, std: float = 0.02):
     """GPT-2 init: N(0, std) for linears and embeddings, residual projections scaled by 1/sqrt(2 n_layer)."""
     for name, m in module.named_modules():
@@ -989,256 +931,3 @@ def init_weights(module: nn.Module, n_layer: int, std: float = 0.02):
                 nn.init.zeros_(m.bias)
         elif isinstance(m, nn.Embedding):
             nn.init.normal_(m.weight, 0.0, std)
-
-
-# Memory: what a command is about to allocate, estimated before it allocates it, as a dict {part: bytes, ...,
-# "total": bytes} (`with_total`): cli.check_memory compares the total with what the device has and names the parts of
-# one that cannot fit. The pieces: a model from its config alone (model_memory: weights and RoPE tables, before it is
-# built) or as built (module_bytes), the KV caches of decoding (kv_bytes, a model's kv_cache_bytes), one inference
-# forward (forward_memory), one training step (step_memory, least_step_memory); a command adds up its own with
-# memory_sum. An estimate, not a measured peak: temporaries inside a layer and allocator slack are not counted, so a
-# run that passes may still be tight, and one that is refused cannot fit.
-
-
-def with_total(parts: dict) -> dict:
-    """{part: bytes} -> the same with "total", their sum: the form of every memory estimate."""
-    return {**parts, "total": sum(parts.values())}
-
-
-def memory_sum(*estimates: dict) -> dict:
-    """Estimates (with or without "total") -> one, their parts side by side (a part named twice is added up); parts of
-    0 bytes are left out."""
-    parts = {}
-    for est in estimates:
-        for k, v in est.items():
-            if k != "total" and v:
-                parts[k] = parts.get(k, 0) + v
-    return with_total(parts)
-
-
-def model_memory(cfg, elem: int = 4) -> dict:
-    """What building a model of `cfg` allocates, from the config alone, before anything exists (cfg: a GPTConfig or
-    a subclass; the fields are read by name, so that a config no machine holds is refused before its layers are even
-    listed): its weights at `elem` bytes each -- embedding, head unless tied, the layers' attention, MLP, norms and
-    biases; a looped model's shared layers once (n_shared) with their per-loop LoRA (lora_rank_*) and its unique
-    layers (Middle-Cycle's n_first, n_last); a Block Transformer's block decoder, embedder table and context
-    projection -- and its RoPE tables (float32 cos and sin of every position, and the temporaries that build them).
-    Exact for model.GPT; an architecture's gates and extra norms are not counted.
-    -> {"weights", "RoPE tables", "total"}"""
-    hd = cfg.head_dim or cfg.n_embd // cfg.n_head
-    norm = 2 if cfg.norm == "layer" else 1  # LayerNorm has a bias
-
-    def layers(n, d, h, kv, h_dim, m, loops=1, ranks=None):
-        q, k = h * h_dim, kv * h_dim
-        mats = {"q": [(q, d)], "kv": [(k, d), (k, d)], "o": [(d, q)],
-                "mlp": [(m, d)] * (1 if cfg.mlp == "gelu" else 2) + [(d, m)]}
-        per = sum(o * i for shapes in mats.values() for o, i in shapes) + 2 * norm * d
-        per += (q + 2 * k + d) * cfg.attn_bias + (m * (len(mats["mlp"]) - 1) + d) * cfg.mlp_bias
-        per += sum(loops * r * (o + i) for c, r in (ranks or {}).items() for o, i in mats[c])  # LoRA, per loop
-        return n * per
-
-    ranks = {c: getattr(cfg, f"lora_rank_{c}", 0) for c in ("q", "kv", "o", "mlp")}
-    weights = layers(getattr(cfg, "n_shared", cfg.n_layer), cfg.n_embd, cfg.n_head, cfg.n_kv_head, hd,
-                     cfg.mlp_hidden, getattr(cfg, "n_loops", 1), ranks)
-    unique = getattr(cfg, "n_first", 0) + getattr(cfg, "n_last", 0)  # Middle-Cycle's unique layers, no LoRA
-    weights += layers(unique, cfg.n_embd, cfg.n_head, cfg.n_kv_head, hd, cfg.mlp_hidden)
-    weights += cfg.vocab_size * cfg.n_embd * (1 if cfg.tie_embeddings else 2) + norm * cfg.n_embd
-    if getattr(cfg, "block_n_layer", None):  # the Block Transformer: block decoder, embedder, context projection
-        bd = cfg.block_n_embd
-        weights += layers(cfg.block_n_layer, bd, cfg.block_n_head, cfg.block_n_kv_head, bd // cfg.block_n_head,
-                          cfg.block_mlp_hidden) + norm * bd
-        weights += cfg.vocab_size * cfg.emb_dim + (cfg.block_len * cfg.emb_dim * bd if cfg.embedder == "lookup_proj"
-                                                   else 0) + (bd + 1) * cfg.n_ctx * cfg.n_embd
-    return with_total({"weights": weights * elem, "RoPE tables": 4 * cfg.max_seq_len * hd * 4})
-
-
-def module_bytes(*modules: nn.Module) -> int:
-    """Bytes of built modules: their unique parameters and buffers (RoPE tables, masks)."""
-    return param_bytes(*modules, buffers=True)
-
-
-def forward_memory(cfg, batch: int, seq_len: int, elem: int = 4, logits_rows: int | None = None,
-                   fp32_copies: int = 0) -> dict:
-    """The largest tensors one inference forward (no gradients) of batch x seq_len tokens holds at once: the logits
-    of `logits_rows` positions (default all batch x seq_len; a prefill scores only each row's last: batch) in the
-    compute dtype, plus `fp32_copies` float32 copies of them (a loss upcasts them and takes their log-softmax: 2), and
-    the hidden states of one layer (the residual stream and its normed copy, the MLP's inner activations).
-    -> {"logits", "hidden states", "total"}"""
-    rows = batch * seq_len if logits_rows is None else logits_rows
-    return with_total({"logits": rows * cfg.vocab_size * (elem + 4 * fp32_copies),
-                       "hidden states": batch * seq_len * (2 * cfg.n_embd + 3 * cfg.mlp_hidden) * elem})
-
-
-def optimizer_bytes(model: nn.Module) -> int:
-    """Gradients and AdamW's two moments: 3 x the bytes of the trainable parameters."""
-    return 3 * sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-
-
-def saved_activation_bytes(model, spec: ArchSpec, B, T, n_vocab, device, autocast) -> tuple[int, float]:
-    """One training forward of a (B, T) random batch (laid out by spec.prepare_batch) under saved_tensors_hooks ->
-    (bytes autograd saves for the backward pass, parameters excluded and each storage counted once, logits bytes per
-    token). The RNG state is left as it was."""
-    gen = torch.Generator().manual_seed(0)
-    xy = torch.randint(0, n_vocab, (B, T + 1), generator=gen)
-    x, y, kw = xy[:, :-1], xy[:, 1:], {}
-    if spec.prepare_batch is not None:
-        x, y, kw = spec.prepare_batch(x, y, gen, model.config)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in params:
-            seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
-        return t
-
-    was_training = model.training
-    model.train()
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
-            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
-        logits, loss = model(x.to(device), y.to(device), **kw)
-    logit_bytes = logits.numel() * logits.element_size() / (B * T)
-    del logits, loss
-    model.train(was_training)
-    return sum(seen.values()), logit_bytes
-
-
-def step_memory(model, spec: ArchSpec, batch, seq_len, n_vocab, device, autocast, teacher=False) -> dict:
-    """Bytes one training step of batch x seq_len tokens needs on top of the weights (which are in place already):
-      * activations: what autograd keeps for the backward pass, probed (saved_activation_bytes) on one row at
-        T = min(seq_len, 64) and T/2, fitted as a*T + c*T^2 (c > 0 where a path materialises a T x T attention matrix
-        or mask; flash/SDPA paths give c = 0) and scaled to batch x seq_len;
-      * one more logits-sized tensor for the gradient of the loss, and the teacher's logits with KD;
-      * gradients and AdamW's moments (optimizer_bytes)."""
-    T1 = min(seq_len, 64)
-    b1, logit_bytes = saved_activation_bytes(model, spec, 1, T1, n_vocab, device, autocast)
-    per_tok, quad = b1 / T1, 0.0
-    if T1 >= 16:
-        T2 = T1 // 2
-        b2, _ = saved_activation_bytes(model, spec, 1, T2, n_vocab, device, autocast)
-        quad = max(0.0, (b1 / T1 - b2 / T2) / (T1 - T2))
-        per_tok = b1 / T1 - quad * T1
-    B, T = batch, seq_len
-    parts = {"activations": B * (per_tok * T + quad * T * T), "loss gradient": B * T * logit_bytes,
-             "gradients + AdamW moments": optimizer_bytes(model)}
-    if teacher:
-        parts["teacher logits"] = B * T * logit_bytes
-    return with_total(parts)
-
-
-def least_step_memory(batch, seq_len, vocab_rows, dtype, model=None) -> dict:
-    """A lower bound of one training step's bytes from sizes alone, checked before anything that grows with them is
-    built or probed (a --seq-len of 1e8 would build RoPE tables of gigabytes, --loops 100000 would exhaust memory
-    inside the probe of step_memory): the logits of the batch and their gradient (B x T x V each, in the compute
-    dtype, which bounds the T x rot_dim RoPE tables too), and, given the model, the input of every block application
-    that autograd keeps for the backward pass (B x T x n_embd per layer and loop)."""
-    B, T, elem = batch, seq_len, torch.finfo(dtype).bits // 8
-    parts = {"logits and their gradient": 2 * B * T * vocab_rows * elem}
-    if model is not None:
-        blocks = getattr(model, "blocks", None)
-        applied = (len(blocks) if isinstance(blocks, nn.ModuleList) else model.config.n_layer) * \
-            getattr(model.config, "n_loops", 1)
-        parts[f"block inputs ({applied} block applications)"] = B * T * applied * model.config.n_embd * elem
-    return with_total(parts)
-
-
-# Known CUDA cards: (a part of torch.cuda.get_device_name, dense bf16 tensor FLOP/s, memory bandwidth in bytes/s), the
-# vendors' datasheet peaks. train.py's step line reports MFU against the first, serve.py's table the bandwidth against
-# the second. A device takes the first row whose name part its name contains: the more specific names come first.
-PEAK = [("H200", 989e12, 4.8e12), ("H100 PCIe", 756e12, 2.0e12), ("H100", 989e12, 3.35e12),
-        ("A100-SXM4-40GB", 312e12, 1.555e12), ("A100-PCIE-40GB", 312e12, 1.555e12), ("A100", 312e12, 2.039e12),
-        ("L40S", 362e12, 0.864e12), ("A10G", 125e12, 0.6e12), ("4090", 165e12, 1.008e12)]
-
-
-def _peak(device: torch.device) -> tuple[float, float] | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next(((flops, bw) for part, flops, bw in PEAK if part in name), None)
-
-
-def peak_flops(device: torch.device) -> float | None:
-    """Dense bf16 peak FLOP/s of a known CUDA device (for MFU), None elsewhere."""
-    peak = _peak(device)
-    return peak[0] if peak else None
-
-
-def peak_bandwidth(device: torch.device) -> float | None:
-    """Peak memory bandwidth (bytes/s) of a known CUDA device, None elsewhere."""
-    peak = _peak(device)
-    return peak[1] if peak else None
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Device and dtype
-
-
-def pick_device(flag: str = "auto") -> torch.device:
-    """cuda > mps > cpu unless a device is named."""
-    if flag != "auto":
-        return torch.device(flag)
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
-
-
-def pick_dtype(device: torch.device, flag: str = "auto") -> torch.dtype:
-    """bf16 where the device supports it (CUDA with bf16, MPS), else fp32; or the named dtype."""
-    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16}
-    if flag != "auto":
-        check(flag in names, f"unknown dtype {flag!r}; choose auto or one of {sorted(names)}", "--dtype")
-        return names[flag]
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
-        return torch.bfloat16
-    if device.type == "mps":
-        return torch.bfloat16
-    return torch.float32
-
-
-def sync(device):
-    """Wait for the device's queued work (CUDA is asynchronous; the CPU is not): call before reading a clock."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()
-
-
-def timeit(fn, device, warmup: int = 1, repeats: int = 5) -> list[float]:
-    """Seconds per call of fn() for `repeats` timed calls after `warmup` untimed ones, the device synchronised around
-    each call. The one timing helper of the benchmarks (they report the median and the spread of this list)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return times
-
-
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def describe(name: str, model: nn.Module, baseline: nn.Module | None = None, seq_len: int | None = None):
-    """One line per preset row (`python bench.py presets` prints every architecture's with it): non-embedding
-    parameters, KV cache bytes of one sequence of seq_len tokens in bf16, training GFLOP per token -- and the same
-    for a baseline model (e.g. the vanilla model of the same parameters) in brackets. Build the models on the meta
-    device: nothing is allocated."""
-    T = seq_len or model.config.max_seq_len
-
-    def fmt(m):
-        return (m.num_params() / 1e6, m.kv_cache_bytes(1, T) / 2 ** 20, m.flops_per_token(T) / 1e9)
-
-    p, kv, fl = fmt(model)
-    line = f"{name:22s} non-emb params {p:8.2f}M  KV @T={T} {kv:8.2f} MiB  train GFLOP/token {fl:7.3f}"
-    if baseline is not None:
-        bp, bkv, bfl = fmt(baseline)
-        line += f"   (baseline {bp:.2f}M, {bkv:.2f} MiB, {bfl:.3f})"
-    print(line)
-

@@ -17,7 +17,7 @@ The model, top to bottom:
     chosen init over the middle layers 1..N-2 (Stepwise: round(linspace(1, N-2, K)), as that paper's public code).
     Cache layers: 0 for the first layer, 1 + l*K + k for loop l, N - 1 for the last. A loop's output is not an exit
     here (the last layer still follows), so early exit, exit losses, the exit gate and depth-wise serving are
-    refused for it (config validation, exit_pass, exit_analysis).
+    refused for it (config validation, exit_pass, `python eval.py exits`).
   * Conversion from a vanilla N-layer model (section 2.2, Figure 2, Appendix F): Stepwise keeps the first and the
     last layer and picks the rest at even intervals ("fixed-ends", Appendix F.1: source layers
     round(linspace(0, N-1, K)) with Python's round, half to even, as the authors' public MoR code; N=6, B=2 -> layers
@@ -31,29 +31,33 @@ The model, top to bottom:
     every intermediate output, with the same coefficient. All of it is returned as the single loss of forward() in
     training mode; train.py adds its teacher KD on the final logits. `self.metrics` holds the per-loop CE (and KD)
     terms. In eval mode forward() returns the final loop's cross-entropy (train.py's val loss compares across
-    settings); `exit_analysis` (`python eval.py exits`) gives the validation loss of every loop.
-  * Inference (section 2.4): a KV cache with one "layer" per (loop, layer) pair, cache layer l*K + k.
+    settings); `python eval.py exits` gives the validation loss of every loop (`loop_logits`).
+  * Inference (section 2.4): a KV cache with one "layer" per (loop, layer) pair, cache layer l*K + k. `path` is the
+    depth order (unique first -> the loops -> unique last: blocks, cache layers, LoRA indices), and every cached step
+    runs it through model.run_cached, the cached layer stack of every decoder here (mask, RoPE, cache views).
       - `prefill(idx, cache, lengths)` runs all loops over prompts;
       - `loop_step(x, loops, q_pos, cache, rows)` runs ONE pass of the shared block over rows that may sit at
         different loops (per-row LoRA index, per-row cache layer, per-row positions): the primitive of continuous
         depth-wise batching, which serve.py schedules;
-      - `exit_logits(h)` = final norm + head; `exit_confidence` = max softmax probability;
+      - `exit_logits(h)` = final norm + head; `exit_score` = the rule's score (max softmax probability, learned gate,
+        saturation); `leaving` = THE exit decision (last loop, or score >= threshold) of every decoding path;
       - `propagate(h, from_loop, q_pos, cache, rows)`: state propagation for tokens that exit early (CALM,
         Schuster et al. 2022). Later tokens attend to this token in the deeper loops, so every skipped (l', k) cache
         layer gets K/V projected from the exit hidden state through layer k's attn_norm and k/v projections (with
         loop l''s LoRA). Cost per skipped layer: one norm and two projections (k, v) of one token, i.e. about
         2 * d * H_kv * D_head MACs, no attention and no MLP; for GQA models well under a fifth of a layer.
-      - `decode_step` and `generate` (model.GPT's loop) use exactly these methods. A token exits at the first loop
-        whose max softmax probability reaches `exit_threshold` (None = never; any value > 1 also never exits). Prompt
-        tokens never exit early.
-      - Graph-safe forms (torch.compile fullgraph, CUDA graphs: no host sync, no data-dependent shape):
-        `masked_decode_step` is decode_step with every row running every loop (a row that left runs along, its
-        deeper K/V replaced by `propagate`'s masked writes), what `compile_decode` compiles; `depthwise_step`
-        is serve.py's compiled depth-wise step over every slot. Each equals its subset form (tests).
-  * Early exit on text (section 3.8, Appendix K): `exit_analysis` measures the static loss of every loop, the oracle
-    exit loop (the earliest loop whose argmax equals the final one), and the confidence-exit trade-off a serving user
-    picks a threshold from (threshold -> share of tokens exiting at each loop -> loss of the emitted tokens), with
-    the real cached decoding and state propagation.
+      - `exit_pass` (one loop, then leaving, propagation and the leavers' logits), `decode_step` and `generate`
+        (model.GPT's loop) use exactly these methods. A token exits at the first loop whose exit score reaches
+        `exit_threshold` (None = never; any value > 1 also never exits). Prompt tokens never exit early.
+      - Graph-safe forms, in one section after the readable ones (torch.compile fullgraph, CUDA graphs: no host
+        sync, no data-dependent shape): `masked_decode_step` is decode_step with every row running every loop (a row
+        that left runs along, its deeper K/V replaced by `propagate`'s masked writes), what `graphs.compile_decode`
+        records; `depthwise_step` is serve.py's compiled depth-wise step over every slot. Each equals its subset
+        form (tests).
+  * Early exit on text (section 3.8, Appendix K): `python eval.py exits` measures the static loss of every loop, the
+    oracle exit loop (the earliest loop whose argmax equals the final one), and the confidence-exit trade-off a
+    serving user picks a threshold from (threshold -> share of tokens exiting at each loop -> loss of the emitted
+    tokens), with the real cached decoding and state propagation.
 
 Run:
     python train.py --arch recursive --init-from out/vanilla/ckpt.pt --loops 2 --init stepwise
@@ -69,15 +73,14 @@ Run:
 from __future__ import annotations
 
 import argparse
-import math
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import (GPT, IGNORE, PRESETS, ArchSpec, Block, GPTConfig, KVCache, RotaryEmbedding,
-                   causal_mask_from_positions, count_params, distill_loss, kv_bytes, lm_loss, start_prefill)
+from model import (GPT, IGNORE, PRESETS, ArchSpec, Block, GPTConfig, KVCache, count_params, distill_loss, lm_loss,
+                   run_cached, start_prefill)
 from svd_lora import COMPONENTS, LoRALinear, add_lora, init_lora, max_ranks
 
 
@@ -107,7 +110,9 @@ class RecursiveGPT(GPT):
     new_cache -> prefill -> decode_step (or loop_step / exit_logits / propagate for a scheduler) -> generate.
     """
 
-    cache_cls = RecursiveCache  # GPT.new_cache builds it: one cache layer per (loop, shared layer), N = B*K of them
+    # GPT.new_cache builds it: one cache layer per (loop, shared layer) and unique layer, N in all, so GPT's
+    # kv_cache_bytes holds (sharing saves weights, not cache); GPT's num_params counts the shared layers once
+    cache_cls = RecursiveCache
 
     def __init__(self, cfg: RecursiveConfig):
         # the stacks in depth order: unique first layers (Middle-Cycle; empty under CYCLE), the shared block, unique
@@ -132,28 +137,28 @@ class RecursiveGPT(GPT):
                 add_lora(block, cfg.n_loops, cfg.lora_ranks, cfg.lora_bias)
         return blocks
 
-    def run_loop(self, x, loop, rope, cache=None, rows=None, **attn_kwargs):
-        """One pass of the K shared layers at loop `loop` (an int, or a LongTensor (B,) with one loop per row).
-
-        The loop index selects the LoRA of every projection and, with a cache, the cache layer loop*K + k.
-        """
-        for k, block in enumerate(self.blocks):
-            c = None if cache is None else cache.layer(self.cache_layer(loop, k), rows)
-            x = block(x, rope, lora_idx=loop, cache=c, **attn_kwargs)
-        return x
-
     def cache_layer(self, loop, k):
         """The cache layer (the effective depth) of shared layer k at loop `loop` (an int or a LongTensor):
         n_first + loop*K + k, after Middle-Cycle's unique first layer."""
         return self.config.n_first + loop * self.config.n_shared + k
 
-    def run_unique(self, blocks, x, rope, cache=None, rows=None, **attn_kwargs):
-        """The unique layers of Middle-Cycle sharing (`unique_first` before the loops, `unique_last` after them; empty
-        under CYCLE), each with a cache layer of its own: 0.. for the first, N - n_last.. for the last."""
-        base = 0 if blocks is self.unique_first else self.config.n_layer - self.config.n_last
-        for i, block in enumerate(blocks):
-            x = block(x, rope, cache=None if cache is None else cache.layer(base + i, rows), **attn_kwargs)
-        return x
+    def path(self, loops, unique: bool = False) -> tuple[tuple, tuple, tuple]:
+        """THE depth order of the model: the layers a token runs through at `loops`, as three tuples -- the blocks,
+        their cache layers and their LoRA indices. Each loop l of `loops` (an int, or a LongTensor (b,) with one loop
+        per row) runs the K shared layers with loop l's LoRA and cache layers cache_layer(l, k). unique=True adds
+        Middle-Cycle's unique first layer before the loops and its unique last layer after them (cache layers 0 and
+        N - 1, no LoRA); under CYCLE there are none."""
+        c = self.config
+        first = [(b, i, None) for i, b in enumerate(self.unique_first)] if unique else []
+        last = [(b, c.n_layer - c.n_last + i, None) for i, b in enumerate(self.unique_last)] if unique else []
+        shared = [(b, self.cache_layer(l, k), l) for l in loops for k, b in enumerate(self.blocks)]
+        return tuple(zip(*(first + shared + last)))
+
+    def run_path(self, x, loops, cache: KVCache, unique: bool = False, **kwargs):
+        """x (b, T, C) through path(loops, unique) with its KV cache layers: model.run_cached, the cached layer stack
+        of every decoder here (kwargs: its fresh, rows, q_pos, kv_len) -> h (b, T, C)."""
+        blocks, layers, lora = self.path(loops, unique)
+        return run_cached(blocks, self.rope, x, cache, layers=layers, lora_idx=lora, **kwargs)
 
     def check_cycle(self, what: str):
         """Early exit reads the final norm and head after a loop: only CYCLE sharing ends every loop there."""
@@ -164,20 +169,23 @@ class RecursiveGPT(GPT):
     # -- training forward ----------------------------------------------------------------------------------------
 
     def loop_hidden(self, idx, all_loops=True) -> list[torch.Tensor]:
-        """idx (B, T) -> hidden states (B, T, C) after every loop (or only the last), before the final norm."""
+        """idx (B, T) -> hidden states (B, T, C) after every loop (or only the last), before the final norm; the
+        last one after Middle-Cycle's unique last layer."""
         B, T = idx.shape
         self.check_length(T)
+        c = self.config
         rope = self.rope(torch.arange(T, device=idx.device))
-        x, out = self.run_unique(self.unique_first, self.embed(idx), rope), []
-        for l in range(self.config.n_loops):
-            x = self.run_loop(x, l, rope)
-            if all_loops or l == self.config.n_loops - 1:
+        ends = {c.n_first + (l + 1) * c.n_shared for l in range(c.n_loops - 1)} if all_loops else set()
+        blocks, _, lora = self.path(range(c.n_loops), unique=True)  # no cache: every layer attends over idx itself
+        x, out = self.embed(idx), []
+        for i, (block, l) in enumerate(zip(blocks, lora), 1):
+            x = block(x, rope, lora_idx=l)
+            if i in ends:  # the end of a loop before the last
                 out.append(x)
-        out[-1] = self.run_unique(self.unique_last, out[-1], rope)  # Middle-Cycle: the last layer before the head
-        return out
+        return out + [x]
 
     def loop_logits(self, idx) -> list[torch.Tensor]:
-        """idx (B, T) -> logits (B, T, V) of every loop (static exiting at each depth; exit_analysis uses it)."""
+        """idx (B, T) -> logits (B, T, V) of every loop (static exiting at each depth; eval.py's exit_analysis)."""
         self.check_cycle("static exit after every loop")
         return [self.head(h) for h in self.loop_hidden(idx)]
 
@@ -185,7 +193,7 @@ class RecursiveGPT(GPT):
         """idx (B, T) -> final-loop logits (B, T, V) and, with targets, the loss (section 3.7 terms included)."""
         cfg = self.config
         # the early-exit objective is a training loss; in eval mode the loss is the final loop's cross-entropy, so
-        # that validation losses compare across exit-loss settings (per-loop losses: `loop_logits`, `exit_analysis`)
+        # that validation losses compare across exit-loss settings (per-loop losses: `loop_logits`, eval.py exits)
         early = targets is not None and cfg.exit_loss != "none" and cfg.n_loops > 1 and self.training
         gate = targets is not None and self.exit_gate is not None and self.training
         hs = self.loop_hidden(idx, all_loops=early or gate)
@@ -247,30 +255,28 @@ class RecursiveGPT(GPT):
         """Prompts idx (B, T), right-padded, true lengths (B,) (default T) -> logits (B, V) of each row's last prompt
         token. Every prompt token runs all loops (no early exit) and fills every cache layer. The cache must be
         empty; afterwards cache.lengths == lengths."""
-        B, T = idx.shape
+        B = idx.size(0)
         lengths = start_prefill(idx, cache, lengths)
-        q_pos = torch.arange(T, device=idx.device)[None].expand(B, T)
-        rope = self.rope(q_pos)
-        x = self.run_unique(self.unique_first, self.embed(idx), rope, cache=cache, q_pos=q_pos)
-        for l in range(self.config.n_loops):  # fresh prefill: causal attention over x itself, K/V written
-            x = self.run_loop(x, l, rope, cache=cache, q_pos=q_pos)
-        x = self.run_unique(self.unique_last, x, rope, cache=cache, q_pos=q_pos)
+        x = self.run_path(self.embed(idx), range(self.config.n_loops), cache, unique=True, fresh=True)
         cache.lengths.copy_(lengths)
         last = x[torch.arange(B, device=idx.device), lengths - 1]  # (B, C)
         return self.head(last[:, None])[:, 0]
 
-    def loop_step(self, x, loops, q_pos, cache: KVCache, rows=None, kv_len: int | None = None):
-        """ONE pass of the shared block over tokens that may sit at different loops.
+    @torch.no_grad()
+    def prefill_chunk(self, idx, q_pos, cache: KVCache, rows, first: bool = False):
+        """model.GPT.prefill_chunk through every layer (prompt tokens never exit): tokens idx (b, T) at positions
+        q_pos (b, T) of cache rows `rows` -> hidden states (b, T, C) after the last layer; every cache layer of those
+        rows written at q_pos, cache.lengths untouched. first=True: causal over the chunk itself (as prefill)."""
+        return self.run_path(self.embed(idx), range(self.config.n_loops), cache, unique=True, fresh=first, rows=rows,
+                             q_pos=q_pos)
 
-        x (b, T, C) hidden states (embeddings for loop 0); loops: an int, or a LongTensor (b,) with one loop per
-        row; q_pos (b, T) absolute positions; rows (b,) the cache rows of x (default all rows of the cache);
-        kv_len: keys to read (default cache.kv_len(q_pos): max(q_pos) + 1, or max_len for a static cache). Writes
-        K/V of cache layers loops*K + k at q_pos, attends causally over each row's cache prefix, returns h (b, T, C).
-        cache.lengths is not touched.
-        """
-        kv_len = cache.kv_len(q_pos) if kv_len is None else cache.fits(kv_len)
-        mask = causal_mask_from_positions(q_pos, kv_len)
-        return self.run_loop(x, loops, self.rope(q_pos), cache=cache, rows=rows, mask=mask, q_pos=q_pos)
+    def loop_step(self, x, loops, q_pos, cache: KVCache, rows=None, kv_len: int | None = None):
+        """ONE pass of the shared block over tokens that may sit at different loops: x (b, T, C) hidden states
+        (embeddings for loop 0); loops an int, or a LongTensor (b,) with one loop per row; q_pos (b, T) absolute
+        positions; rows (b,) the cache rows of x (default all); kv_len the keys to read (default: model.run_cached's).
+        Writes K/V of cache layers loops*K + k at q_pos, attends causally over each row's cache prefix -> h (b, T, C).
+        cache.lengths is not touched."""
+        return self.run_path(x, [loops], cache, rows=rows, q_pos=q_pos, kv_len=kv_len)
 
     def exit_logits(self, h):
         """h (b, T, C) after any loop -> logits (b, T, V) through the shared final norm and head."""
@@ -297,28 +303,38 @@ class RecursiveGPT(GPT):
             return F.cosine_similarity(x[:, 0].float(), h[:, 0].float(), dim=-1), None
         raise ValueError(f"unknown exit rule {rule!r}; choose one of {EXIT_RULES}")
 
+    def leaving(self, x, h, loops, threshold=None, rule=None):
+        """THE exit decision, of every decoding path (decode_step, serve.py's depth-wise steps, their graph-safe
+        forms): which rows leave after this loop. x, h (b, 1, C) the rows' states before and after it; loops an int
+        or a LongTensor (b,). A row at its last loop leaves; with a threshold, so does a row whose exit score (rule:
+        default config.exit_rule) reaches it. -> leave (b,) bool, and the logits (b, V) the score computed (None if
+        none). No host sync; an int loop that is the last computes no score."""
+        L = self.config.n_loops
+        if not isinstance(loops, torch.Tensor):
+            threshold = None if loops == L - 1 else threshold
+            loops = torch.full((x.size(0),), loops, device=x.device)
+        last = loops == L - 1
+        if threshold is None:
+            return last, None
+        score, logits = self.exit_score(x, h, loops, rule or self.config.exit_rule)
+        return last | (score >= threshold), logits
+
     def exit_pass(self, x, loops, q_pos, cache: KVCache, rows=None, kv_len=None, threshold=None, rule=None):
-        """THE exit rule, used by decode_step and serve.py's depth-wise server: one loop over rows that may sit at
-        different loops, then who leaves, their state propagation and their logits.
+        """One loop over rows that may sit at different loops, then the exit rule (leaving), the state propagation of
+        the rows that leave early and their logits: the step of decode_step and of serve.py's depth-wise server.
 
         x (b, 1, C) the rows' states before this loop; loops an int or (b,); q_pos (b, 1); rows (b,) cache rows
-        (None = all). Rows at the last loop always leave; with a threshold, rows whose exit score (rule: default
-        config.exit_rule) reaches it leave too, and their deeper cache layers are filled by `propagate`.
-        -> h (b, 1, C), leave (b,) bool, logits (n, V) of the n leaving rows in row order (None if none leaves).
-        The head runs only on the leaving rows, except under rule 'softmax', whose score is the head's output on
-        every row.
+        (None = all). -> h (b, 1, C), leave (b,) bool, logits (n, V) of the n leaving rows in row order (None if none
+        leaves). The head runs only on the leaving rows, except under rule 'softmax', whose score is the head's output
+        on every row.
         """
         self.check_cycle("a loop's exit (exit_pass: early exit, depth-wise serving)")
-        L = self.config.n_loops
         h = self.loop_step(x, loops, q_pos, cache, rows=rows, kv_len=kv_len)
-        loops = loops if isinstance(loops, torch.Tensor) else torch.full((x.size(0),), loops, device=x.device)
-        last = loops == L - 1
-        leave, logits = last, None
-        if threshold is not None and not bool(last.all()):
-            score, logits = self.exit_score(x, h, loops, rule or self.config.exit_rule)
-            leave = last | (score >= threshold)
-            early = (leave & ~last).nonzero().squeeze(1)
-            if early.numel():  # the exited tokens' K/V for the loops they skip, all rows at once
+        leave, logits = self.leaving(x, h, loops, threshold, rule)
+        if threshold is not None:  # the tokens that leave before their last loop: K/V for the loops they skip
+            loops = loops if isinstance(loops, torch.Tensor) else torch.full_like(q_pos[:, 0], loops)
+            early = (leave & (loops < self.config.n_loops - 1)).nonzero().squeeze(1)
+            if early.numel():
                 self.propagate(h[early], loops[early], q_pos[early], cache,
                                rows=(cache.all_rows if rows is None else rows)[early])
         if bool(leave.all()):
@@ -381,7 +397,7 @@ class RecursiveGPT(GPT):
         matmuls). The exit loops are also appended to cache.exit_log.
         """
         cfg = self.config
-        if cfg.sharing != "cycle":  # Middle-Cycle: every layer, no early exit (all_layers_step, graph-safe as it is)
+        if cfg.sharing != "cycle":  # Middle-Cycle: every layer, no early exit (masked_step, graph-safe as it is)
             return self.masked_decode_step(tok, cache, exit_threshold, return_exits)
         B, L = tok.size(0), cfg.n_loops
         q_pos = cache.lengths[:, None]  # (B, 1)
@@ -407,112 +423,6 @@ class RecursiveGPT(GPT):
             cache.exit_log.append(exits)
         return (logits, exits) if return_exits else logits
 
-    def all_layers_step(self, tok, cache: KVCache):
-        """masked_step of Middle-Cycle sharing: the first layer, every loop, the last layer, the head; no early exit
-        (a loop's output is no exit there). tok (B,) -> logits (B, V), exit loop (B,): always the last."""
-        q_pos = cache.lengths[:, None]  # (B, 1)
-        mask = causal_mask_from_positions(q_pos, cache.kv_len(1))
-        rope = self.rope(q_pos)
-        x = self.run_unique(self.unique_first, self.embed(tok[:, None]), rope, cache=cache, mask=mask, q_pos=q_pos)
-        for l in range(self.config.n_loops):
-            x = self.run_loop(x, l, rope, cache=cache, mask=mask, q_pos=q_pos)
-        x = self.run_unique(self.unique_last, x, rope, cache=cache, mask=mask, q_pos=q_pos)
-        cache.lengths += 1
-        exits = torch.full((tok.size(0),), self.config.n_loops - 1, dtype=torch.long, device=tok.device)
-        return self.head(x)[:, 0], exits
-
-    @torch.no_grad()
-    def masked_decode_step(self, tok, cache: RecursiveCache, exit_threshold: float | None = None,
-                           return_exits=False, exit_rule: str | None = None):
-        """decode_step in graph-safe form: the same tokens, exit loops and cache (masked_step, what compile_decode
-        compiles, and the exit log, which a graph does not append to)."""
-        if exit_threshold is not None:  # Middle-Cycle refuses it here, before the graph
-            self.check_cycle("early exit (an exit threshold)")
-        logits, exits = self.masked_step(tok, cache, exit_threshold, exit_rule)
-        if isinstance(cache, RecursiveCache):  # a copy: a CUDA graph's outputs live until its next replay
-            cache.exit_log.append(exits.clone())
-        return (logits, exits) if return_exits else logits
-
-    def masked_step(self, tok, cache: KVCache, exit_threshold: float | None = None, exit_rule: str | None = None):
-        """The graph of masked_decode_step: tok (B,) at positions cache.lengths -> logits (B, V), exit loops (B,).
-
-        Every row runs every loop. A row that leaves at loop e runs along through the deeper loops (a graph cannot
-        skip work per row): its exit state h_e and exit loop are kept by masked selects, the K/V it writes into the
-        deeper cache layers are replaced at the end by its state propagation (propagate, masked), and its logits are
-        the head on h_e, as in the subset form. No host sync, no data-dependent shape; the threshold and the rule
-        are constants of the compiled step (one graph each). Middle-Cycle sharing: all_layers_step."""
-        cfg = self.config
-        if cfg.sharing != "cycle":
-            return self.all_layers_step(tok, cache)
-        B, L = tok.size(0), cfg.n_loops
-        q_pos = cache.lengths[:, None]  # (B, 1)
-        kv_len = cache.kv_len(1)
-        x = self.embed(tok[:, None])
-        exits = torch.full((B,), L - 1, dtype=torch.long, device=tok.device)
-        left = torch.zeros(B, dtype=torch.bool, device=tok.device)
-        h_exit = None
-        for l in range(L):
-            h = self.loop_step(x, l, q_pos, cache, kv_len=kv_len)
-            if l < L - 1 and exit_threshold is not None:
-                score, _ = self.exit_score(x, h, torch.full_like(exits, l), exit_rule or cfg.exit_rule)
-                leave = ~left & (score >= exit_threshold)
-                exits = torch.where(leave, l, exits)
-                h_exit = h if h_exit is None else torch.where(leave[:, None, None], h, h_exit)
-                left = left | leave
-            x = h
-        h_exit = h if h_exit is None else torch.where(left[:, None, None], h_exit, h)
-        if exit_threshold is not None and L > 1:
-            self.propagate(h_exit, exits, q_pos, cache, masked=True)
-        logits = self.exit_logits(h_exit)[:, 0]
-        cache.lengths += 1
-        return logits, exits
-
-    # compile_decode compiles the graph-safe form of decode_step, early exit included (Middle-Cycle: every layer)
-    graph_steps = ("masked_step",)
-
-    def compile_decode(self, mode: str | None = "auto", backend=None):
-        """model.GPT.compile_decode of masked_step (static caches, one per batch bucket); decode_step =
-        masked_decode_step from now on, which appends the exit log outside the graph."""
-        super().compile_decode(mode, backend)
-        self.decode_step = self.masked_decode_step
-        return self
-
-    @torch.no_grad()
-    def depthwise_step(self, h, loops, pos, live, cache: KVCache, threshold: float | None = None, rule=None):
-        """The continuous depth-wise batching step (section 2.4, Figure 3) in graph-safe form, over every row of
-        the cache (serve.py's slots): ONE pass of the shared block, each row at its own loop (per-row LoRA index,
-        per-row cache layer loops*K + k), then who leaves, their state propagation and the head.
-
-        h (S, 1, C) the state of each row's token in flight before this loop (its embedding at loop 0), loops (S,),
-        pos (S,) its position, live (S,) bool: rows with a token in flight. A live row leaves at its last loop or,
-        with a threshold, when its exit score (rule, default config.exit_rule) reaches it; an early leaver's deeper
-        cache layers get its propagated K/V (masked writes). Rows that are not live run along: their results are
-        dropped, and their K/V go to (loops*K + k, pos), which the owner keeps at a harmless place (a free slot's,
-        or the next position a prefill chunk overwrites). -> out (S, 1, C) the states after this loop, leave (S,)
-        bool, logits (S, V) of every row (the head on every row: a graph cannot pick the leaving ones). Equal to
-        exit_pass's subset form on the live rows (tests/test_serve.py)."""
-        self.check_cycle("depth-wise batching")
-        L = self.config.n_loops
-        q_pos = pos[:, None]
-        out = self.loop_step(h, loops, q_pos, cache)
-        leave, logits = live & (loops == L - 1), None
-        if threshold is not None:
-            score, logits = self.exit_score(h, out, loops, rule or self.config.exit_rule)
-            leave = live & ((loops == L - 1) | (score >= threshold))
-            self.propagate(out, torch.where(leave, loops, L - 1), q_pos, cache, masked=True)
-        return out, leave, (logits if logits is not None else self.exit_logits(out)[:, 0])
-
-    @torch.no_grad()
-    def prefill_chunk(self, idx, q_pos, cache: KVCache, rows, first: bool = False):
-        """model.GPT.prefill_chunk through every loop (prompt tokens never exit): tokens idx (b, T) at positions
-        q_pos (b, T) of cache rows `rows` -> hidden states (b, T, C) after the last loop; every cache layer of those
-        rows written at q_pos, cache.lengths untouched. first=True: causal over the chunk itself (as prefill)."""
-        x, rope = self.embed(idx), self.rope(q_pos)
-        for l in range(self.config.n_loops):
-            x = (self.run_loop(x, l, rope, cache=cache, rows=rows, q_pos=q_pos) if first else
-                 self.loop_step(x, l, q_pos, cache, rows=rows))
-        return x
-
     @torch.no_grad()
     def generate(self, idx, max_new_tokens: int, temperature: float = 0.0, top_k=None, generator=None,
                  exit_threshold: float | None = None, return_exits=False, exit_rule: str | None = None):
@@ -533,20 +443,89 @@ class RecursiveGPT(GPT):
         first = torch.full((B,), self.config.n_loops - 1, dtype=torch.long, device=idx.device)
         return tokens, torch.stack(([first] + [e[:B] for e in cache.exit_log])[:max_new_tokens], 1)
 
+    # -- graph-safe forms ----------------------------------------------------------------------------------------
+    # The same steps for torch.compile(fullgraph) and CUDA graphs (graphs.compile_step): no host sync, no
+    # data-dependent shape. Every row runs every loop; who leaves is kept by masked selects (`leaving`'s decision),
+    # and the K/V a row that left writes into deeper cache layers are replaced by its state propagation (propagate,
+    # masked=True). Each equals its readable form above (tests/test_recursive.py, tests/test_serve.py).
+
+    @torch.no_grad()
+    def masked_decode_step(self, tok, cache: RecursiveCache, exit_threshold: float | None = None,
+                           return_exits=False, exit_rule: str | None = None):
+        """decode_step in graph-safe form: the same tokens, exit loops and cache (masked_step, what
+        graphs.compile_decode records, and the exit log, which a graph does not append to)."""
+        if exit_threshold is not None:  # Middle-Cycle refuses it here, before the graph
+            self.check_cycle("early exit (an exit threshold)")
+        logits, exits = self.masked_step(tok, cache, exit_threshold, exit_rule)
+        if isinstance(cache, RecursiveCache):  # a copy: a CUDA graph's outputs live until its next replay
+            cache.exit_log.append(exits.clone())
+        return (logits, exits) if return_exits else logits
+
+    def masked_step(self, tok, cache: KVCache, exit_threshold: float | None = None, exit_rule: str | None = None):
+        """The graph of masked_decode_step: tok (B,) at positions cache.lengths -> logits (B, V), exit loops (B,).
+
+        Every row runs every loop. A row that leaves at loop e runs along through the deeper loops (a graph cannot
+        skip work per row): its exit state h_e and exit loop are kept by masked selects, the K/V it writes into the
+        deeper cache layers are replaced at the end by its state propagation (propagate, masked), and its logits are
+        the head on h_e, as in the subset form. The threshold and the rule are constants of the compiled step (one
+        graph each). Middle-Cycle sharing: every layer (the first, every loop, the last), then the head; no early exit
+        (a loop's output is no exit there), every exit loop the last."""
+        B, L = tok.size(0), self.config.n_loops
+        x, h_exit = self.embed(tok[:, None]), None
+        exits = torch.full((B,), L - 1, dtype=torch.long, device=tok.device)
+        if self.config.sharing != "cycle":
+            h = self.run_path(x, range(L), cache, unique=True)
+            cache.lengths += 1
+            return self.head(h)[:, 0], exits
+        q_pos = cache.lengths[:, None]  # (B, 1)
+        kv_len = cache.kv_len(1)
+        left = torch.zeros(B, dtype=torch.bool, device=tok.device)
+        for l in range(L):
+            h = self.loop_step(x, l, q_pos, cache, kv_len=kv_len)
+            if exit_threshold is not None:  # at the last loop every row still in leaves
+                leave = self.leaving(x, h, l, exit_threshold, exit_rule)[0] & ~left
+                exits = torch.where(leave, l, exits)
+                h_exit = h if h_exit is None else torch.where(leave[:, None, None], h, h_exit)
+                left = left | leave
+            x = h
+        if exit_threshold is not None and L > 1:
+            self.propagate(h_exit, exits, q_pos, cache, masked=True)
+        logits = self.exit_logits(h if h_exit is None else h_exit)[:, 0]
+        cache.lengths += 1
+        return logits, exits
+
+    # graphs.compile_decode records the graph-safe form of decode_step, early exit included (Middle-Cycle: every
+    # layer), and decodes through masked_decode_step from then on, which appends the exit log outside the graph
+    graph_steps = ("masked_step",)
+    graph_decode = "masked_decode_step"
+
+    @torch.no_grad()
+    def depthwise_step(self, h, loops, pos, live, cache: KVCache, threshold: float | None = None, rule=None):
+        """The continuous depth-wise batching step (section 2.4, Figure 3) in graph-safe form, over every row of
+        the cache (serve.py's slots): ONE pass of the shared block, each row at its own loop (per-row LoRA index,
+        per-row cache layer loops*K + k), then who leaves (leaving), their state propagation and the head.
+
+        h (S, 1, C) the state of each row's token in flight before this loop (its embedding at loop 0), loops (S,),
+        pos (S,) its position, live (S,) bool: rows with a token in flight. A live row leaves at its last loop or,
+        with a threshold, when its exit score (rule, default config.exit_rule) reaches it; an early leaver's deeper
+        cache layers get its propagated K/V (masked writes). Rows that are not live run along: their results are
+        dropped, and their K/V go to (loops*K + k, pos), which the owner keeps at a harmless place (a free slot's,
+        or the next position a prefill chunk overwrites). -> out (S, 1, C) the states after this loop, leave (S,)
+        bool, logits (S, V) of every row (the head on every row: a graph cannot pick the leaving ones). Equal to
+        exit_pass's subset form on the live rows (tests/test_serve.py)."""
+        self.check_cycle("depth-wise batching")
+        q_pos = pos[:, None]
+        out = self.loop_step(h, loops, q_pos, cache)
+        leave, logits = self.leaving(h, out, loops, threshold, rule)
+        leave = live & leave
+        if threshold is not None:
+            self.propagate(out, torch.where(leave, loops, self.config.n_loops - 1), q_pos, cache, masked=True)
+        return out, leave, (logits if logits is not None else self.exit_logits(out)[:, 0])
+
     # -- accounting ----------------------------------------------------------------------------------------------
 
     def lora_param_count(self) -> int:
         return sum(p.numel() for n, p in self.named_parameters() if ".lora_" in n)
-
-    def num_params(self, non_embedding: bool = True) -> int:
-        """Unique parameters (shared layers once, LoRA included); non-embedding excludes embedding and untied head."""
-        return count_params(self, (self.tok_emb, self.lm_head) if non_embedding else ())
-
-    def kv_cache_bytes(self, batch: int, seq_len: int, dtype_bytes: int = 2) -> int:
-        """Each loop keeps its own K/V: B*K = N cache layers, as many as the vanilla model (sharing saves weights,
-        not cache)."""
-        c = self.config
-        return kv_bytes(c.n_layer, batch, seq_len, c.n_kv_head, c.hd, dtype_bytes)
 
     def flops_per_token(self, seq_len: int, training: bool = True) -> float:
         """6 N_eff + 12 L H D T (PaLM), N_eff = matmul parameters a token passes through: the shared block B times,
@@ -706,39 +685,6 @@ def tying_sources(N: int, K: int, init: str, sharing: str = "cycle") -> list[lis
     raise ValueError(f"unknown tying init {init!r}; choose one of {INITS}")
 
 
-def keep_layers(src: GPT, spec: str) -> GPT:
-    """The reduced-size baseline of section 3.2 built from pretrained layers: a vanilla GPT made of some of src's
-    layers, in their order, with its embedding, final norm and head. spec: 'stepwise:K' (the K layers Stepwise ties,
-    i.e. the unique layers of the recursive model), 'lower:K' (the first K), or a comma list of layer indices. The
-    paper pretrains its reduced-size models from scratch; starting them from the same pretrained layers as the
-    recursive model isolates what looping adds."""
-    N = src.config.n_layer
-    kind, _, k = spec.partition(":")
-    if kind in ("stepwise", "lower"):
-        if not k.isdigit() or not 1 <= int(k) <= N:
-            raise ValueError(f"--keep-layers {spec}: give {kind}:K with 1 <= K <= {N} (the source's layers)")
-        layers = stepwise_layers(N, int(k)) if kind == "stepwise" else list(range(int(k)))
-    else:
-        try:
-            layers = [int(i) for i in spec.split(",")]
-        except ValueError:
-            raise ValueError(f"--keep-layers {spec!r}: give stepwise:K, lower:K or a comma list of layer indices")
-        if not layers or any(not 0 <= i < N for i in layers) or len(set(layers)) != len(layers):
-            raise ValueError(f"--keep-layers {spec}: layer indices must be distinct and in [0, {N})")
-    cfg = replace(src.config, n_layer=len(layers))
-    p = src.tok_emb.weight
-    with torch.device("meta"):
-        model = GPT(cfg)
-    sd = {k: v for k, v in src.state_dict().items() if not k.startswith("blocks.")}
-    for new, old in enumerate(layers):
-        sd.update({f"blocks.{new}.{k}": v for k, v in src.blocks[old].state_dict().items()})
-    model.load_state_dict({k: v.clone() for k, v in sd.items()}, assign=True)
-    if cfg.tie_embeddings:
-        model.lm_head.weight = model.tok_emb.weight
-    model.rope = RotaryEmbedding(cfg.rot_dim, cfg.max_seq_len, cfg.rope_theta).to(p.device)  # fp32 tables
-    return model
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Conversion from a vanilla model (section 2.2, Figure 2, Appendix C)
 
@@ -813,77 +759,12 @@ def from_vanilla(src: GPT, n_loops: int = 2, init: str = "stepwise", lora_init: 
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Early exit on real text (section 3.8, Appendix K): static exits, the oracle, and the confidence-exit trade-off
-
-
-@torch.no_grad()
-def exit_analysis(model: RecursiveGPT, x, y, thresholds=(0.5, 0.7, 0.8, 0.9, 0.95), rule: str | None = None) -> dict:
-    """What early exit does on text: windows x (B, T) and their next tokens y (B, T).
-
-    -> dict with
-      loop_loss, loop_acc   cross-entropy / accuracy if EVERY token left after loop l (static exit), per loop;
-      oracle                (L,) counts: the earliest loop whose argmax equals the final loop's (section 3.8's oracle
-                            exit; a lower bound on what any exit rule can save without changing the greedy output);
-      curve                 per threshold t of the exit rule (default config.exit_rule; EXIT_RULES): `share` (L,) of
-                            the tokens that exit at each loop, `loss` of
-                            the logits actually emitted, `agree` = share of emitted argmaxes equal to the final loop's,
-                            `mean_loop` (1-based).
-    The curve runs the real cached decoding (decode_step with the threshold: confidence exits with state propagation,
-    the code that generate() and serve.py run), teacher-forced on the windows: position 0 is a one-token prompt
-    (prefill, all loops, not scored), every later position a decode step; all statistics cover positions 1..T-1. So
-    a token's loss is that of the loop it exited at, and later tokens attend to the propagated K/V of exited ones.
-    Threshold 0 exits everything after loop 1 and reproduces loop_loss[0]; a threshold above 1 never exits and
-    reproduces the final loop's loss (tests check both).
-    """
-    B, T = x.shape
-    L = model.config.n_loops
-    y = y[:, 1:]  # position 0 is the one-token prompt of the decoding below: it is scored nowhere
-    logits = torch.stack(model.loop_logits(x))[:, :, 1:].float()  # (L, B, T-1, V): static exit at every loop
-    pred = logits.argmax(-1)  # (L, B, T-1)
-    ce = lambda lg: F.cross_entropy(lg.reshape(-1, lg.size(-1)).float(), y.reshape(-1)).item()  # noqa: E731
-    out = {"tokens": y.numel(), "loop_loss": [ce(logits[l]) for l in range(L)],
-           "loop_acc": [(pred[l] == y).float().mean().item() for l in range(L)],
-           "oracle": torch.bincount((pred == pred[-1:]).int().argmax(0).flatten().cpu(), minlength=L), "curve": []}
-    for thr in thresholds:
-        cache = model.new_cache(B, T)
-        model.prefill(x[:, :1], cache)
-        emitted, exits = [], []
-        for t in range(1, T):
-            lg, e = model.decode_step(x[:, t], cache, thr, return_exits=True, exit_rule=rule)
-            emitted.append(lg)
-            exits.append(e)
-        lg, e = torch.stack(emitted, 1).float(), torch.stack(exits, 1)  # (B, T-1, V), (B, T-1)
-        share = torch.bincount(e.flatten().cpu(), minlength=L).double() / e.numel()
-        out["curve"].append({"threshold": thr, "share": share.tolist(), "loss": ce(lg),
-                             "agree": (lg.argmax(-1) == pred[-1]).float().mean().item(),
-                             "mean_loop": float((share * torch.arange(1, L + 1)).sum())})
-    return out
-
-
-@torch.no_grad()
-def exit_threshold_for(model: RecursiveGPT, prompts, exit_rate: float = 0.5, rule: str | None = None) -> float:
-    """A threshold at which about `exit_rate` of the tokens leave after the first loop under the exit rule (default
-    config.exit_rule), measured on the tokens of `prompts` (lists of token ids): loop-0 states do not depend on the
-    deeper loops, so this is what decoding sees at loop 0. Random weights give flat softmaxes where a fixed 0.9 would
-    never exit: serve.py's demo and bench.py serve simulate exits at a chosen share with it."""
-    scores = []
-    for p in prompts:
-        idx = torch.tensor([p], device=model.lm_head.weight.device)
-        x, h = model.embed(idx)[0][:, None], model.loop_hidden(idx)[0][0][:, None]  # (T, 1, C): loop 0's in/out
-        loops = torch.zeros(len(p), dtype=torch.long, device=idx.device)
-        scores.append(model.exit_score(x, h, loops, rule or model.config.exit_rule)[0].cpu())
-    return float(torch.quantile(torch.cat(scores), 1.0 - exit_rate))
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # How train.py sees the two architectures
 
 
 def add_args(ap: argparse.ArgumentParser):
-    """Flags of recursive and relaxed (added once; both specs share them). --loops is train.py's. ap: a
-    cli.ArgumentParser (ap.number bounds a flag)."""
-    if "--lora-rank" in ap._option_string_actions:
-        return
+    """Flags of recursive and relaxed (both specs share them). --loops is train.py's. A flag's `bounds` (min, above,
+    max) are checked by train.py as it parses (cli.number: one line naming the flag); RecursiveConfig checks again."""
     g = ap.add_argument_group("recursive / relaxed")
     g.add_argument("--init", default=None, choices=INITS,
                    help="tying of looped layers when converting (--init-from): default stepwise for recursive, "
@@ -891,19 +772,19 @@ def add_args(ap: argparse.ArgumentParser):
     g.add_argument("--sharing", default=None, choices=SHARINGS,
                    help="which layers loop: cycle (all, the default) or middle_cycle (the first and last layer unique, "
                         "the middle looped; Mixture-of-Recursions)")
-    g.add_argument("--lora-rank", type=int, default=None,
-                   help="relaxed: LoRA rank of every component (default: preset)")
+    g.add_argument("--lora-rank", type=int, default=None, help="relaxed: LoRA rank of every component (default preset)")
     for c in COMPONENTS:
         g.add_argument(f"--lora-rank-{c}", type=int, default=None, help=f"relaxed: LoRA rank of the {c} projections")
     g.add_argument("--lora-init", default=None, choices=["svd", "zero"],
                    help="relaxed conversion: truncated-SVD init (eq. 4, default) or standard zero init")
     g.add_argument("--exit-loss", default=None, choices=EXIT_LOSSES, help="early-exit training loss (section 3.7)")
-    g.add_argument("--exit-coef", type=ap.number(float, min=0), default=None,
-                   help="intermediate-loop coefficient of --exit-loss aggressive (default 0.1)")
+    g.add_argument("--exit-coef", type=float, default=None,
+                   help="intermediate-loop coefficient of --exit-loss aggressive (default 0.1)").bounds = {"min": 0}
     g.add_argument("--self-distill", action="store_true", default=None,
                    help="KD from the detached final-loop logits into the intermediate ones")
-    g.add_argument("--exit-threshold", type=ap.number(float, above=0, max=1), default=None,
-                   help="confidence threshold in (0, 1] for early exit in generate (default: none)")
+    g.add_argument("--exit-threshold", type=float, default=None,
+                   help="confidence threshold in (0, 1] for early exit in generate (default: none)"
+                   ).bounds = {"above": 0, "max": 1}
     g.add_argument("--exit-gate", action="store_true", default=None,
                    help="train a learned exit gate (one linear classifier per non-final loop, detached inputs)")
     g.add_argument("--exit-rule", default=None, choices=EXIT_RULES,
@@ -981,12 +862,19 @@ def preset_rows(preset: str, options=None, relaxed: bool = False) -> list:
         return rows
 
 
+def stack_params(cfg: RecursiveConfig, layers) -> int:
+    """The parameters of the layer stacks from the config alone (ArchSpec.stack_params): the K shared layers once,
+    with a LoRA per loop of each component's rank, and Middle-Cycle's unique first and last layers."""
+    return layers(cfg.n_shared, loops=cfg.n_loops, ranks=cfg.lora_ranks) + layers(cfg.n_first + cfg.n_last)
+
+
 def _spec(name, presets, relaxed):
     return ArchSpec(name, RecursiveConfig, RecursiveGPT, presets, add_args=add_args,
                     config_overrides=lambda args, tok=None: config_overrides(args, relaxed),
                     convert=lambda args, src, tok=None: convert(args, src, relaxed),
                     train_defaults=TRAIN_DEFAULTS[name],
-                    preset_rows=lambda preset, options=None: preset_rows(preset, options, relaxed))
+                    preset_rows=lambda preset, options=None: preset_rows(preset, options, relaxed),
+                    stack_params=stack_params, stack_passes=lambda cfg: cfg.n_loops)
 
 
 ARCH_SPECS = [_spec("recursive", RECURSIVE_PRESETS, False), _spec("relaxed", RELAXED_PRESETS, True)]

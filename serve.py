@@ -8,9 +8,12 @@ The paper simulates depth-wise batching from measured per-token times and oracle
 real, with confidence-based exits and state propagation.
 
 The engine (nanochat's engine.py and gpt-fast's generate.py are its models):
+  * Requests: a Request is prompt token ids + max_new_tokens + an arrival time, and what serving records on it (the
+    tokens, the loop each one left at, their times, an error). A request the model cannot serve (request_problem:
+    an empty prompt, an id outside the vocabulary, more tokens than the context) gets an error of its own; the
+    others are served.
   * Slots: a server has `slots` rows of one pre-allocated KV cache and of its state tensors, allocated once. A request
-    is admitted into a free slot (validated alone: a bad one gets its own error), prefilled and decoded there, and
-    frees it when done; the queue refills it at once.
+    is admitted into a free slot, prefilled and decoded there, and frees it when done; the queue refills it at once.
   * Prefill, batched and chunked: each iteration runs ONE chunk (`prefill_chunk` tokens) of every prompt still being
     prefilled, in one batch, straight into the slots' cache rows (model.prefill_chunk): a long prompt delays the
     others' decode steps by a chunk per iteration, not by its whole length. A prompt's last chunk samples its first
@@ -27,7 +30,7 @@ The engine (nanochat's engine.py and gpt-fast's generate.py are its models):
   * Eager or compiled steps. Eager (the CPU default) is the readable reference: the depth-wise step runs the live rows
     only (RecursiveGPT.exit_pass: row subsets, the head on the leaving rows). Compiled (the CUDA default) runs the
     graph-safe forms over every slot -- GPT.decode_step on a static cache, RecursiveGPT.depthwise_step -- through
-    model.compile_step: one graph per step kind, a CUDA graph on CUDA, greedy sampling and the next state inside it.
+    graphs.compile_step: one graph per step kind, a CUDA graph on CUDA, greedy sampling and the next state inside it.
     A graph cannot skip work per row: rows with nothing to do run along, their writes masked. Same tokens either way.
   * One device-to-host transfer per iteration: the first tokens of the prompts finished in it and the step's tokens,
     exit flags and loops, in one tensor; then the host records them and frees finished slots.
@@ -35,12 +38,18 @@ The engine (nanochat's engine.py and gpt-fast's generate.py are its models):
     request's output does not depend on the schedule, it equals model.generate on it alone with that generator
     (sequential_generate, the reference of every test). The compiled depth-wise step draws for every live row and
     keeps a draw only where the row leaves (the generator's state is put back elsewhere): still one transfer.
+  * One hook watches a run (Hook; none by default, and then nothing is recorded): it hears each prefill pass and each
+    decode step with what the engine knows of it anyway. Metrics is the hook of the serving benchmark and of the demo's
+    table (wall time, step times, occupancy, keys read, the loaded server's throughput); ScheduleTrace records Figure
+    3 from the run itself -- which request each slot held, the loop it ran, where tokens left -- and prints it as a
+    grid (`python serve.py --schedule`; drawn by `python bench.py figures`).
 The comparison harness (checkpoints, request sources and files, exit calibration, metric tables, memory sizing,
---json) is bench_serve.py: `python bench.py serve`.
+--json) is harness/bench_serve.py: `python bench.py serve`.
 
 Run:
     python serve.py                    # demo: base preset, random weights, simulated exits: the serving table
     python serve.py --preset tiny      # the same at 0.8M parameters, where per-operator overhead eats the bargain
+    python serve.py --preset tiny --schedule   # ... and the depth-wise schedule of the run (Figure 3, as text)
     python bench.py serve --help       # the serving benchmark: checkpoints, request files, exit rules, --json
     python -m pytest -q tests/test_serve.py
 """
@@ -50,19 +59,127 @@ if __name__ == "__main__":  # Ctrl-C or SIGTERM during the imports below: `stopp
     from harness import startup
     startup.stop_while_starting()
 
-import argparse
 import math
 import time
+from dataclasses import dataclass, field
 
 import torch
 
-from harness import cpu_tuning
-from harness.cli import (DTYPES, ArgumentParser, UsageError, available_memory, check_device, check_dtype, number,
-                         run_cli, seed_arg, user_input)
-from harness.serve_requests import MAX_REQUESTS, Request, request_generator, request_problem, synthetic_requests
-from model import (GPT, PRESETS, GPTConfig, compile_step, graph_mode, mark_static, pick_device, pick_dtype,
-                   sample_next, sync)
-from recursive import RecursiveGPT, exit_threshold_for, from_vanilla
+from graphs import compile_step, graph_mode, mark_static
+from model import GPT, PRESETS, GPTConfig, sample_next
+from recursive import RecursiveGPT
+
+# ----------------------------------------------------------------------------------------------------------------
+# Requests: what a server is asked, what it records on them, what it refuses
+
+# The most requests one run takes: each keeps its prompt, outputs and token times in Python lists (a few KB).
+MAX_REQUESTS = 100_000
+
+
+@dataclass
+class Request:
+    rid: int
+    prompt: list  # token ids
+    max_new_tokens: int
+    arrival: float = 0.0  # seconds after the start (clock='wall') or decode steps (clock='step')
+    error: str | None = None
+    invalid: str | None = None  # a reason found while reading the request (bad JSONL line, a failed chat template)
+    invalid_kind: str = "bad request line"  # the short reason of `invalid`
+    error_kind: str | None = None  # the short reason of `error` (the summaries count requests by it)
+    source: str | None = None  # where the request came from ("reqs.jsonl:3"), named in its error
+    finished: bool = False
+    output: list = field(default_factory=list)  # generated ids
+    exits: list = field(default_factory=list)  # 0-based loop that produced each generated token (None: vanilla)
+    t_arrive: float | None = None  # wall times (perf_counter)
+    t_first: float | None = None
+    t_done: float | None = None
+    token_times: list = field(default_factory=list)
+    gen: torch.Generator | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.error is not None or self.finished
+
+    def fresh(self) -> "Request":
+        """The same request, not yet served (prompt, length, arrival and any reading error kept)."""
+        return Request(self.rid, list(self.prompt) if isinstance(self.prompt, list) else self.prompt,
+                       self.max_new_tokens, self.arrival, invalid=self.invalid,
+                       invalid_kind=self.invalid_kind, source=self.source)
+
+    def refuse(self, kind: str, message: str):
+        """This request is not served: its error, naming where it came from (unless the message names its file)."""
+        named = self.source and self.source.rsplit(":", 1)[0] in message
+        self.error_kind, self.error = kind, f"{self.source}: {message}" if self.source and not named else message
+        self.t_done = time.perf_counter()
+
+
+def request_problem(r: Request, vocab_size: int, max_seq_len: int) -> tuple[str, str] | None:
+    """(short reason, clear message) why this request cannot be served by a model of this vocabulary and context,
+    or None."""
+    if r.invalid:
+        return r.invalid_kind, r.invalid
+    if not isinstance(r.max_new_tokens, int) or isinstance(r.max_new_tokens, bool) or r.max_new_tokens <= 0:
+        return "bad max_new_tokens", f"max_new_tokens={r.max_new_tokens!r} must be a positive integer"
+    if not isinstance(r.prompt, list):
+        return "prompt ids not a list", "prompt_ids must be a list of token ids"
+    if not r.prompt:
+        return "empty prompt", "empty prompt: a request needs at least one prompt token"
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in r.prompt):
+        return "prompt ids not integers", "prompt ids must be integers"
+    bad = [t for t in r.prompt if not 0 <= t < vocab_size]
+    if bad:
+        return "token id outside vocabulary", f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
+    if len(r.prompt) >= max_seq_len:
+        return "prompt longer than context", (f"prompt of {len(r.prompt)} tokens is longer than the context "
+                                              f"({max_seq_len} positions, one kept for a new token)")
+    if len(r.prompt) + r.max_new_tokens > max_seq_len:
+        return "prompt + output longer than context", (
+            f"prompt of {len(r.prompt)} tokens + max_new_tokens={r.max_new_tokens} exceeds the context of "
+            f"{max_seq_len} positions")
+    return None
+
+
+def request_generator(seed: int, rid: int, device="cpu") -> torch.Generator:
+    """The sampling generator of request rid: outputs do not depend on the schedule."""
+    return torch.Generator(device=device).manual_seed((seed * 1_000_003 + rid) % 2 ** 64)  # what torch takes
+
+
+def random_requests(n: int, vocab_size: int, prompt_len: tuple[int, int], gen_len: tuple[int, int], arrivals,
+                    gen: torch.Generator) -> list[Request]:
+    """n requests of random token ids (never the last vocabulary row, which some architectures use as a pad), prompt
+    and output lengths uniform in the (lo, hi) ranges (both included), arriving at `arrivals` (n times), drawn from
+    `gen`: the demo's requests, and bench.py serve's synthetic ones (harness/serve_requests.py)."""
+    out = []
+    for i in range(n):
+        T = int(torch.randint(prompt_len[0], prompt_len[1] + 1, (1,), generator=gen))
+        G = int(torch.randint(gen_len[0], gen_len[1] + 1, (1,), generator=gen))
+        out.append(Request(i, torch.randint(0, vocab_size - 1, (T,), generator=gen).tolist(), G, arrivals[i]))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The hook: what a run tells whoever watches it
+
+
+class Hook:
+    """One object that hears a run: its start, every prefill pass, every decode step and its end. The engine passes
+    what it knows anyway and keeps nothing for the hook; this base class does nothing (a server built without a hook
+    gets it). Metrics and ScheduleTrace below are the two hooks of this repository."""
+
+    def start(self, server):
+        """A run begins: the slots are empty."""
+
+    def prefilled(self, server, slots: list, chunk: list, started: list):
+        """One prefill pass: slot slots[i] ran chunk[i] prompt tokens; the slots in `started` finished their prompt and
+        emitted their first token."""
+
+    def stepped(self, server, live: list, cols: list, emitted: list, kv_len: int, seconds: float):
+        """One decode step over the slots `live`: cols are its results per slot on the host (ContinuousServer: [token];
+        DepthWiseServer: [leave, token, loop]), `emitted` the slots whose token was recorded, kv_len the keys a row
+        read, seconds the step with its bookkeeping."""
+
+    def end(self, server):
+        """The run is done: every request finished or refused."""
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -75,18 +192,20 @@ class Server:
     start() (slots begin decoding on their first tokens), step() (one decode step over the slots -> per-slot results
     on the device) and finish_step() (the host's bookkeeping of those results). clock='wall' reads arrivals as
     seconds (sleeping while nothing has arrived), clock='step' as iterations (deterministic schedules for tests).
-    compile: None = on CUDA only; backend: compile_step's (tests: GraphCheck)."""
+    compile: None = on CUDA only; backend: compile_step's (tests: GraphCheck). hook: a Hook that watches every run
+    (default: none)."""
 
     name, prefill_exit = "server", None  # prefill_exit: the exit loop recorded for the token a prefill produces
     static = False  # static batching (ContinuousServer(static=True))
     every_slot = True  # a step reads every slot's cache row (else the live ones only: the eager depth-wise step)
 
     def __init__(self, model, slots: int, temperature=0.0, top_k=None, seed=0, eos_id=None, prefill_chunk=256,
-                 compile=None, backend=None):
+                 compile=None, backend=None, hook: Hook | None = None):
         if slots < 1 or prefill_chunk < 1:
             raise ValueError(f"slots and prefill_chunk must be >= 1, got {slots} and {prefill_chunk}")
         self.model, self.slots, self.chunk, self.cfg = model, slots, prefill_chunk, model.config
         self.temperature, self.top_k, self.seed, self.eos_id = temperature, top_k, seed, eos_id
+        self.hook = hook if hook is not None else Hook()
         p = model.lm_head.weight
         self.device, self.dtype = p.device, p.dtype
         self.compiled = self.device.type == "cuda" if compile is None else compile
@@ -137,7 +256,8 @@ class Server:
         """One chunk of every prompt still being prefilled, in one batch (right-padded; a pad position past the cache
         is its last one, which no token of a request ever fills) into its slot's cache row. A prompt whose last
         chunk this is samples its first token and its slot starts decoding; the slots still prefilling park at
-        their next prompt position. -> (the slots started, their first tokens on the device)."""
+        their next prompt position. -> (the slots prefilled, their chunk lengths, the slots started, their first
+        tokens on the device)."""
         slots = [s for s in range(self.slots) if self.todo[s]]
         n = [min(len(self.todo[s]), self.chunk) for s in slots]
         idx = torch.zeros(len(slots), max(n), dtype=torch.long)
@@ -156,7 +276,7 @@ class Server:
             parked = [s for s in slots if self.todo[s]]
             self.position[parked] = torch.tensor([self.filled[s] for s in parked], device=self.device)
         if not done:
-            return [], None
+            return slots, n, [], None
         started = [slots[i] for i in done]
         last = h[torch.tensor(done, device=self.device), torch.tensor([n[i] - 1 for i in done], device=self.device)]
         toks = self.sample(self.model.head(last[:, None])[:, 0], [self.req[s] for s in started])
@@ -165,7 +285,7 @@ class Server:
         self.start(started, toks, lengths)
         self.live += decoding
         self.live_mask[torch.tensor(decoding, device=self.device, dtype=torch.long)] = True
-        return started, toks
+        return slots, n, started, toks
 
     def free(self, slots):
         """Finished requests leave their slots: free, parked at position 0, not live."""
@@ -189,24 +309,13 @@ class Server:
             return True
         return False
 
-    def emit_rows(self, rows, tok, loop, finished) -> int:
+    def emit_rows(self, rows, tok, loop, finished) -> list:
         """A step's token tok[s] (exit loop loop[s], None: not recorded) for each of `rows`, the finished ones added
         to `finished`. A row whose request is already done -- its prefill, in this iteration, sampled eos as its first
-        token; live all the same for the step -- emits nothing. -> the tokens emitted."""
+        token; live all the same for the step -- emits nothing. -> the slots that emitted."""
         rows = [s for s in rows if not self.req[s].finished]
         finished += [s for s in rows if self.emit(self.req[s], tok[s], None if loop is None else loop[s])]
-        return len(rows)
-
-    def record_step(self, seconds, rows, kv_len, emitted):
-        """One decode step: its time, live slots, keys read (kv_len per row it reads) and tokens emitted. Steps with
-        every slot busy are also summed apart: the loaded server's throughput, free of the tail of the drain."""
-        self.n_steps += 1
-        self.step_time += seconds
-        self.occupancy += rows / self.slots
-        self.kv_read += (self.slots if self.every_slot else rows) * kv_len
-        if rows == self.slots:
-            self.full_time += seconds
-            self.full_tokens += emitted
+        return rows
 
     # -- the loop ------------------------------------------------------------------------------------------------
 
@@ -219,12 +328,11 @@ class Server:
         reqs = sorted((r.fresh() for r in requests), key=lambda r: (r.arrival, r.rid))
         for r in reqs:
             r.gen = request_generator(self.seed, r.rid, self.device) if self.temperature > 0 else None
-        self.n_steps = self.kv_read = self.full_tokens = 0
-        self.step_time = self.occupancy = self.full_time = 0.0
+        self.n_steps = 0
         self.reset()
+        self.hook.start(self)
         head = seen = 0  # next request to admit / to stamp with its arrival time
         tick, t0 = 0, time.perf_counter()
-        self.t_start = t0
         now = (lambda: time.perf_counter() - t0) if clock == "wall" else (lambda: tick)
         while head < len(reqs) or self.busy():
             t = now()
@@ -239,11 +347,8 @@ class Server:
                 if problem is None:
                     self.place(r)
                     room -= 1
-                    continue
-                r.error_kind, r.error = problem
-                if r.source and r.source.rsplit(":", 1)[0] not in r.error:
-                    r.error = f"{r.source}: {r.error}"
-                r.t_done = time.perf_counter()
+                else:
+                    r.refuse(*problem)
             if self.busy():
                 self.iterate()
                 tick += 1
@@ -252,33 +357,36 @@ class Server:
                     time.sleep(max(0.0, min(reqs[head].arrival - now(), 0.05)))
                 else:
                     tick = max(tick, reqs[head].arrival)
-        sync(self.device)
-        self.t_end = time.perf_counter()
+        self.hook.end(self)  # (the last iteration ended in its transfer: nothing is left queued on the device)
         return sorted(reqs, key=lambda r: r.rid)
 
     def iterate(self):
         """One iteration: a prefill chunk, a decode step over the live slots, ONE transfer, the host's bookkeeping."""
-        started, first = self.prefill() if any(self.todo) else ([], None)
+        prefilled, started, first = None, [], None
+        if any(self.todo):
+            *prefilled, started, first = self.prefill()  # prefilled: the slots and their chunk lengths
         live, t0 = list(self.live), time.perf_counter()
         out = self.step() if live else None  # (k, slots) on the device
         parts = [t for t in (first, None if out is None else out.flatten()) if t is not None]
-        if not parts:  # every busy slot is still prefilling
-            return
-        values = torch.cat(parts).tolist()  # the one device-to-host transfer
+        values = torch.cat(parts).tolist() if parts else []  # the one device-to-host transfer
         finished = [s for s, tok in zip(started, values) if self.emit(self.req[s], tok, self.prefill_exit)]
+        if prefilled:
+            self.hook.prefilled(self, *prefilled, started)
         if out is not None:  # the keys a row read: all max_len of a static cache, else up to the longest live row
             kv_len = self.cache.max_len if self.compiled else max(len(self.req[s].prompt) + len(self.req[s].output)
                                                                   for s in live)
             cols = [values[len(started) + i * self.slots:len(started) + (i + 1) * self.slots] for i in range(len(out))]
             emitted = self.finish_step(live, cols, finished)
-            self.record_step(time.perf_counter() - t0, len(live), kv_len, emitted)
+            self.n_steps += 1
+            self.hook.stepped(self, live, cols, emitted, kv_len, time.perf_counter() - t0)
         if finished:
             self.free(finished)
 
 
 class ContinuousServer(Server):
     """Vanilla GPT, continuous sequence-wise batching: one GPT.decode_step over all slots per step. static=True:
-    static batching (a new batch is admitted only when the whole previous one is done)."""
+    static batching (a new batch is admitted only when the whole previous one is done). The eager and the compiled
+    step are the same graph-safe code (decode, greedy_step), compiled or not."""
 
     def __init__(self, model: GPT, slots, static=False, **kw):
         super().__init__(model, slots, **kw)
@@ -295,6 +403,16 @@ class ContinuousServer(Server):
         idx = torch.tensor(slots, device=self.device)
         self.tok[idx], self.cache.lengths[idx] = toks, lengths
 
+    def step(self):
+        """Greedy: greedy_step (compiled: one graph, the argmax inside it); sampled: decode, then each live row draws
+        with its request's generator."""
+        if self.temperature <= 0:
+            return (self.graph(self.greedy_step) if self.compiled else self.greedy_step)()
+        logits = (self.graph(self.decode) if self.compiled else self.decode)()
+        live = torch.tensor(self.live, device=self.device)
+        self.tok[live] = self.sample(logits[live], [self.req[s] for s in self.live])
+        return self.tok[None]
+
     def decode(self):
         """Graph-safe: every slot decodes its token; the rows that are not live keep their position."""
         logits = self.model.decode_step(self.tok, self.cache)  # (slots, V); lengths += 1
@@ -306,15 +424,7 @@ class ContinuousServer(Server):
         self.tok.copy_(tok)
         return tok[None]
 
-    def step(self):
-        if self.temperature <= 0:
-            return (self.graph(self.greedy_step) if self.compiled else self.greedy_step)()
-        logits = (self.graph(self.decode) if self.compiled else self.decode)()
-        live = torch.tensor(self.live, device=self.device)
-        self.tok[live] = self.sample(logits[live], [self.req[s] for s in self.live])
-        return self.tok[None]
-
-    def finish_step(self, live, cols, finished) -> int:
+    def finish_step(self, live, cols, finished) -> list:
         return self.emit_rows(live, cols[0], None, finished)
 
 
@@ -345,39 +455,9 @@ class DepthWiseServer(Server):
         self.position[idx], self.loop[idx] = lengths, 0
         self.h[idx] = self.model.embed(toks[:, None]).to(self.dtype)
 
-    def advance(self, out, leave, tok):
-        """The next state of every slot: a leaving row starts token tok at loop 0 (its embedding) one position on,
-        another live row goes one loop deeper with its new state; the rest stay as they are. -> the step's result
-        (3, slots): leave, token, the loop each row ran."""
-        live, loop = self.live_mask, self.loop.clone()
-        self.h.copy_(torch.where(leave[:, None, None], self.model.embed(tok[:, None]).to(self.dtype),
-                                 torch.where(live[:, None, None], out, self.h)))
-        self.loop.copy_(torch.where(leave, 0, self.loop + live.long()))
-        self.position.add_(leave.long())
-        return torch.stack([leave.long(), tok, loop])
-
-    def masked_pass(self):  # the graph-safe step: every slot, masks
-        return self.model.depthwise_step(self.h, self.loop, self.position, self.live_mask, self.cache,
-                                         self.threshold, self.rule)
-
-    def greedy_step(self):
-        out, leave, logits = self.masked_pass()
-        return self.advance(out, leave, logits.argmax(-1))
-
     def step(self):
-        if self.compiled:
-            if self.temperature <= 0:
-                return self.graph(self.greedy_step)()
-            # sampled: the pass is the graph (its outputs copied out: the next replay reuses its memory); each live
-            # row draws with its own generator, the draw kept only where the row leaves (finish_step puts the
-            # generator back elsewhere); the next state in eager ops
-            out, leave, logits = (t.clone() for t in self.graph(self.masked_pass)())
-            live = torch.tensor(self.live, device=self.device)
-            self.kept = [(s, self.req[s].gen.get_state()) for s in self.live]
-            tok = torch.zeros(self.slots, dtype=torch.long, device=self.device)
-            tok[live] = self.sample(logits[live], [self.req[s] for s in self.live])
-            return self.advance(out, leave, tok)
-        return self.eager_step()
+        """-> (3, slots): leave, token, the loop each row ran. Eager (eager_step) or compiled (graphed_step)."""
+        return self.graphed_step() if self.compiled else self.eager_step()
 
     def eager_step(self):
         """The readable reference: ONE pass of the shared block over the live slots only, each at its own loop (all
@@ -402,13 +482,48 @@ class DepthWiseServer(Server):
         res[:, active] = torch.stack([leave.long(), toks, loops])
         return res
 
-    def finish_step(self, live, cols, finished) -> int:
+    def finish_step(self, live, cols, finished) -> list:
         leave, tok, loop = cols
         for s, state in getattr(self, "kept", ()):  # the compiled sampled step's draws of the rows that stay
             if not leave[s]:
                 self.req[s].gen.set_state(state)
         self.kept = []
         return self.emit_rows([s for s in live if leave[s]], tok, loop, finished)
+
+    # -- the compiled step: graph-safe forms over every slot (masks, no row subsets, no host reads) --------------
+
+    def graphed_step(self):
+        """Greedy: greedy_step, one graph (the argmax and the next state inside it). Sampled: the pass is the graph
+        (its outputs copied out: the next replay reuses its memory); each live row draws with its own generator, the
+        draw kept only where the row leaves (finish_step puts the generator back elsewhere); the next state in eager
+        ops."""
+        if self.temperature <= 0:
+            return self.graph(self.greedy_step)()
+        out, leave, logits = (t.clone() for t in self.graph(self.masked_pass)())
+        live = torch.tensor(self.live, device=self.device)
+        self.kept = [(s, self.req[s].gen.get_state()) for s in self.live]
+        tok = torch.zeros(self.slots, dtype=torch.long, device=self.device)
+        tok[live] = self.sample(logits[live], [self.req[s] for s in self.live])
+        return self.advance(out, leave, tok)
+
+    def masked_pass(self):
+        return self.model.depthwise_step(self.h, self.loop, self.position, self.live_mask, self.cache,
+                                         self.threshold, self.rule)
+
+    def greedy_step(self):
+        out, leave, logits = self.masked_pass()
+        return self.advance(out, leave, logits.argmax(-1))
+
+    def advance(self, out, leave, tok):
+        """The next state of every slot: a leaving row starts token tok at loop 0 (its embedding) one position on,
+        another live row goes one loop deeper with its new state; the rest stay as they are. -> the step's result
+        (3, slots): leave, token, the loop each row ran."""
+        live, loop = self.live_mask, self.loop.clone()
+        self.h.copy_(torch.where(leave[:, None, None], self.model.embed(tok[:, None]).to(self.dtype),
+                                 torch.where(live[:, None, None], out, self.h)))
+        self.loop.copy_(torch.where(leave, 0, self.loop + live.long()))
+        self.position.add_(leave.long())
+        return torch.stack([leave.long(), tok, loop])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -429,13 +544,110 @@ def sequential_generate(model, r: Request, temperature=0.0, top_k=None, seed=0, 
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The demo: python serve.py
+# Hooks: the metrics of a run, and its schedule (Figure 3)
+
+
+class Metrics(Hook):
+    """The numbers of `python bench.py serve` (harness/bench_serve.py: summarize) and of the demo's table: the run's
+    wall time (t_start, t_end) and, per decode step, its time, live slots, keys read and tokens emitted; the steps
+    with every slot busy are also summed apart (full_time, full_tokens: the throughput of a loaded server, free of
+    the tail of the drain). server.n_steps counts the steps."""
+
+    def start(self, server):
+        self.t_start, self.t_end = time.perf_counter(), None
+        self.step_time = self.occupancy = self.full_time = 0.0
+        self.kv_read = self.full_tokens = 0
+
+    def stepped(self, server, live, cols, emitted, kv_len, seconds):
+        self.step_time += seconds
+        self.occupancy += len(live) / server.slots
+        self.kv_read += (server.slots if server.every_slot else len(live)) * kv_len
+        if len(live) == server.slots:
+            self.full_time += seconds
+            self.full_tokens += len(emitted)
+
+    def end(self, server):
+        self.t_end = time.perf_counter()
+
+
+class ScheduleTrace(Hook):
+    """Figure 3 of the paper, recorded from a run: every forward pass of the model in order, a prefill pass or a
+    decode step, with a cell per slot: None for a free slot, else (request id, what the slot ran, whether a token
+    left in this pass). What: None the slot holds a request but is not in this pass, 'p' a prompt chunk, an int the
+    loop (0-based) of a depth-wise row, 'all' every layer (vanilla). passes: [(kind, [cell per slot])]; `text()`
+    prints them as a grid."""
+
+    def start(self, server):
+        self.server_name, self.slots, self.passes = server.name, server.slots, []
+
+    def record(self, server, kind, ran: dict, emitted):
+        """One pass: ran {slot: what it ran}, emitted the slots whose token left."""
+        self.passes.append((kind, [None if r is None else (r.rid, ran.get(s), s in emitted)
+                                   for s, r in enumerate(server.req)]))
+
+    def prefilled(self, server, slots, chunk, started):
+        self.record(server, "prefill", dict.fromkeys(slots, "p"), started)
+
+    def stepped(self, server, live, cols, emitted, kv_len, seconds):
+        loops = cols[2] if len(cols) == 3 else None  # the depth-wise step's loop of each row
+        self.record(server, "decode", {s: "all" if loops is None else loops[s] for s in live}, emitted)
+
+    def text(self, first: int = 0, last: int | None = None) -> str:
+        """The passes first..last as a grid (SCHEDULE_LEGEND), one line per slot."""
+        cols = self.passes[first:last]
+        head, step = "", sum(kind == "decode" for kind, _ in self.passes[:first])
+        for kind, _ in cols:
+            step += kind == "decode"
+            head += " pf" if kind == "prefill" else f"{step % 100:3d}"
+        lines = [f"{self.server_name}: forward passes {first + 1}..{first + len(cols)} of {len(self.passes)} "
+                 f"(pf = a prefill pass, n = decode step n)", f"{'pass':7s}{head}"]
+        for s in range(self.slots):
+            row = ""
+            for _, cells in cols:
+                if cells[s] is None or cells[s][1] is None:
+                    row += "  ." if cells[s] is None else "   "
+                    continue
+                rid, what, emitted = cells[s]
+                letter = chr(ord("a") + rid % 26)
+                row += " " + (letter.upper() if emitted else letter) + ("p" if what == "p" else "#" if what == "all"
+                                                                         else str(what + 1))
+            lines.append(f"slot {s:<2d}{row}")
+        return "\n".join(lines)
+
+
+SCHEDULE_LEGEND = ("a cell = the request's letter (a = request 0, b = 1, ...) + what its slot ran: the loop (1, 2, ...)\n"
+                   "of a depth-wise row, # all layers (vanilla), p a prompt chunk; UPPERCASE = a token left in that pass;\n"
+                   "blank = the slot holds a request that is not in this pass; . = a free slot")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The demo: python serve.py. Only the demo reads a command line (harness/cli.py) and tunes the CPU (cpu_tuning.py).
 
 
 DEMO_EXIT_RATE = 0.633  # the share of tokens the demo makes exit at loop 1: a trained tiny model's oracle share
 
 
-def demo_parser() -> ArgumentParser:
+@torch.no_grad()
+def exit_threshold_for(model: RecursiveGPT, prompts, exit_rate: float = 0.5, rule: str | None = None) -> float:
+    """A threshold at which about `exit_rate` of the tokens leave after the first loop under the exit rule (default
+    config.exit_rule), measured on the tokens of `prompts` (lists of token ids): loop-0 states do not depend on the
+    deeper loops, so this is what decoding sees at loop 0. Random weights give flat softmaxes where a fixed 0.9 would
+    never exit: the demo and bench.py serve simulate exits at a chosen share with it."""
+    scores = []
+    for p in prompts:
+        idx = torch.tensor([p], device=model.lm_head.weight.device)
+        x, h = model.embed(idx)[0][:, None], model.loop_hidden(idx)[0][0][:, None]  # (T, 1, C): loop 0's in/out
+        loops = torch.zeros(len(p), dtype=torch.long, device=idx.device)
+        scores.append(model.exit_score(x, h, loops, rule or model.config.exit_rule)[0].cpu())
+    return float(torch.quantile(torch.cat(scores), 1.0 - exit_rate))
+
+
+def demo_parser():
+    """The demo's flags (a cli.ArgumentParser: a bad value is one line `error: ...`)."""
+    import argparse
+
+    from harness.cli import DTYPES, ArgumentParser, number, seed_arg
+
     ap = ArgumentParser(description="serve.py's demo: the same requests through every server, random weights, exits "
                                     "simulated (the serving benchmark, with checkpoints: python bench.py serve)")
     ap.add_argument("--preset", default="base", choices=sorted(PRESETS), help="model.py preset (default base: 125M)")
@@ -445,12 +657,20 @@ def demo_parser() -> ArgumentParser:
     ap.add_argument("--device", default="auto", help="auto (cuda > mps > cpu) | cpu | cuda | mps")
     ap.add_argument("--dtype", default="auto", choices=DTYPES, help="auto (bf16 on GPU, fp32 on CPU) | ...")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, help="compiled steps (default: on CUDA)")
+    ap.add_argument("--schedule", type=number(int, min=1), nargs="?", const=40, default=None, metavar="PASSES",
+                    help="after the table, the depth-wise schedule of the run with exits: which request each slot "
+                         "held and the loop it ran, for its first PASSES forward passes (default 40; Figure 3)")
     ap.add_argument("--seed", type=seed_arg, default=1337)
     return ap
 
 
 def demo(argv=None):
-    """Vanilla static and continuous batching, depth-wise batching without and with exits -> the serving table."""
+    """Vanilla static and continuous batching, depth-wise batching without and with exits -> the serving table (and
+    with --schedule the depth-wise schedule of the run with exits)."""
+    from harness.cli import UsageError, available_memory, check_device, check_dtype, user_input
+    from harness.device import pick_device, pick_dtype
+    from recursive import from_vanilla
+
     args = demo_parser().parse_args(argv)
     check_device(args.device)
     check_dtype(args.device, args.dtype)
@@ -466,7 +686,8 @@ def demo(argv=None):
     if avail is not None and need > avail:
         raise UsageError(f"--slots {args.slots:,}: the servers' KV caches need {need / 1e9:.3g} GB, {device} has "
                          f"{avail / 1e9:.3g} GB available ({where}); lower it")
-    reqs = synthetic_requests(args.requests, van.config.vocab_size, "8:48", "8:32", seed=args.seed)
+    reqs = random_requests(args.requests, van.config.vocab_size, (8, 48), (8, 32), [0.0] * args.requests,
+                           torch.Generator().manual_seed(args.seed))
     thr = exit_threshold_for(rec, [r.prompt for r in reqs[:8]], DEMO_EXIT_RATE)
     kw = dict(slots=args.slots, compile=args.compile)
     servers = [ContinuousServer(van, **kw), ContinuousServer(van, static=True, **kw), DepthWiseServer(rec, **kw),
@@ -480,18 +701,29 @@ def demo(argv=None):
     base = None
     for srv in servers:
         srv.run(reqs[:4], clock="step")  # warm-up: allocator, compile
+        srv.hook = m = Metrics()
         out = srv.run(reqs)
         tokens, exits = sum(len(r.output) for r in out), [e + 1 for r in out for e in r.exits[1:] if e is not None]
-        tps = tokens / (srv.t_end - srv.t_start)
-        base, loaded = base or tps, srv.full_tokens / srv.full_time if srv.full_time else math.nan
-        print(f"{srv.name:30s} {tokens:7d} {tps:8.1f} {loaded:12.1f} {1e3 * srv.step_time / max(srv.n_steps, 1):8.2f} "
+        tps = tokens / (m.t_end - m.t_start)
+        base, loaded = base or tps, m.full_tokens / m.full_time if m.full_time else math.nan
+        print(f"{srv.name:30s} {tokens:7d} {tps:8.1f} {loaded:12.1f} {1e3 * m.step_time / max(srv.n_steps, 1):8.2f} "
               f"{sum(exits) / max(len(exits), 1) or math.nan:9.2f} {tps / base:12.2f}")
+    if args.schedule:  # the schedule does not depend on the clock: every request is there at the start
+        srv = servers[-1]
+        srv.hook = trace = ScheduleTrace()
+        srv.run(reqs, clock="step")
+        print(f"\nFigure 3 (continuous depth-wise batching), traced from the run above:\n{SCHEDULE_LEGEND}\n"
+              f"{trace.text(last=args.schedule)}")
 
 
 def main(argv=None):
-    """The command: a mistake (a flag) is one line `error: ...` and exit code 2 (cli.run_cli)."""
+    """The command: a mistake (a flag) is one line `error: ...` and exit code 2 (cli.run_cli); on a CPU the linear,
+    attention and LoRA forms measured fastest here (cpu_tuning.py)."""
+    from harness import cpu_tuning
+    from harness.cli import run_cli
+
     def run(argv):
-        with cpu_tuning.switched_on():  # on a CPU: the linear, attention and LoRA forms measured fastest here
+        with cpu_tuning.switched_on():
             demo(argv)
     return run_cli(run, argv)
 

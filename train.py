@@ -56,8 +56,9 @@ from harness.cli import (DTYPES, ArgumentParser, CheckpointError, DefaultsHelpFo
                          check_step_memory, comma_list, hold_dir_lock, log, number, path_arg, releasing_dir_locks,
                          run_cli, seed_arg, stop_signals, user_input)
 from harness.data import Tokenizer, load_data, step_generator
-from model import (ArchSpec, distill_loss, least_step_memory, lm_loss, make_optimizer, peak_flops, pick_device,
-                   pick_dtype, step_memory)
+from harness.device import peak_flops, pick_device, pick_dtype
+from harness.memory import least_step_memory, step_memory
+from model import ArchSpec, distill_loss, lm_loss, make_optimizer
 
 # ----------------------------------------------------------------------------------------------------------------
 # The training loop

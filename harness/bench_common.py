@@ -1,7 +1,7 @@
 """
 bench_common.py -- what every benchmark of bench.py shares: the protocol (interleaved rounds, median and spread, the
-header line), the memory check before anything is allocated, the device's measured bandwidth, and the peer model
-(transformers' LlamaForCausalLM at our shape, with our weights).
+header line, `describe`'s preset rows), the memory check before anything is allocated, the device's measured
+bandwidth, and the peer model (transformers' LlamaForCausalLM at our shape, with our weights).
 
 The protocol. The systems being compared are built once, then timed in INTERLEAVED rounds in one process (round r
 times system A, then B, then C...), warm-up excluded, and each figure is the median over the rounds with the spread
@@ -21,8 +21,10 @@ from dataclasses import fields
 import torch
 
 from harness.cli import UsageError, check_memory
+from harness.device import sync, timeit
 from harness.hf import hf_tensor_plan
-from model import GPT, GPTConfig, kv_bytes, memory_sum, sync, timeit
+from harness.memory import memory_sum
+from model import GPT, GPTConfig, kv_bytes
 
 # ----------------------------------------------------------------------------------------------------------------
 # Protocol: interleaved rounds, median and spread
@@ -30,7 +32,7 @@ from model import GPT, GPTConfig, kv_bytes, memory_sum, sync, timeit
 
 def rounds(systems: dict, repeats: int, device, warmup: int = 1) -> dict[str, list[float]]:
     """systems: name -> fn() (one timed unit of work on `device`). Each fn is warmed up, then the systems are timed in
-    turn, `repeats` rounds, the device synchronised around each call as model.timeit does -> name -> list of seconds
+    turn, `repeats` rounds, the device synchronised around each call as device.timeit does -> name -> list of seconds
     (one per round)."""
     for fn in systems.values():
         for _ in range(warmup):
@@ -46,13 +48,22 @@ def rounds(systems: dict, repeats: int, device, warmup: int = 1) -> dict[str, li
     return out
 
 
+def measured(xs) -> list:
+    """The samples of a list that were measured: NaN marks a round whose figure could not be (generation_times)."""
+    return [x for x in xs if not math.isnan(x)]
+
+
 def med(xs) -> float:
-    """The median; NaN for no sample (a metric nothing measured)."""
+    """The median of the measured samples; NaN for none (a metric nothing measured)."""
+    xs = measured(xs)
     return statistics.median(xs) if xs else math.nan
 
 
 def spread(xs, scale=1.0, fmt=".1f") -> str:
-    """'median (min..max)' of a list, each multiplied by scale."""
+    """'median (min..max)' of the measured samples, each multiplied by scale; '-' for none."""
+    xs = measured(xs)
+    if not xs:
+        return "-"
     return f"{med(xs) * scale:{fmt}} ({min(xs) * scale:{fmt}}..{max(xs) * scale:{fmt}})"
 
 
@@ -71,6 +82,24 @@ def header(title: str, device, dtype, extra: str = ""):
 # The memory a benchmark allocates (model.py's pieces: its models, caches and batches), checked before it allocates
 # it (cli.check_memory): a size no machine holds (--batch 100000000) is one line, not an allocator traceback.
 BANDWIDTH_PROBE = 2 ** 30  # read_bandwidth's buffer
+
+
+def describe(name: str, model: torch.nn.Module, baseline: torch.nn.Module | None = None, seq_len: int | None = None):
+    """One line per preset row (`python bench.py presets` prints every architecture's with it): non-embedding
+    parameters, KV cache bytes of one sequence of seq_len tokens in bf16, training GFLOP per token -- and the same
+    for a baseline model (e.g. the vanilla model of the same parameters) in brackets. Build the models on the meta
+    device: nothing is allocated."""
+    T = seq_len or model.config.max_seq_len
+
+    def fmt(m):
+        return (m.num_params() / 1e6, m.kv_cache_bytes(1, T) / 2 ** 20, m.flops_per_token(T) / 1e9)
+
+    p, kv, fl = fmt(model)
+    line = f"{name:22s} non-emb params {p:8.2f}M  KV @T={T} {kv:8.2f} MiB  train GFLOP/token {fl:7.3f}"
+    if baseline is not None:
+        bp, bkv, bfl = fmt(baseline)
+        line += f"   (baseline {bp:.2f}M, {bkv:.2f} MiB, {bfl:.3f})"
+    print(line)
 
 
 def check_bench_memory(device, what: str, *parts: dict, fix: str = "lower it, or take a smaller --preset"):

@@ -7,6 +7,7 @@ throughput at the largest batch of a memory budget (`block`).
 """
 from __future__ import annotations
 
+import math
 import time
 from functools import partial
 from types import SimpleNamespace
@@ -17,14 +18,16 @@ from torch.profiler import ProfilerActivity, profile
 
 import block_transformer as bt
 import double_decoder as dd
+import graphs
 import plt
 from harness import cpu_tuning
 from harness.bench_common import (BANDWIDTH_PROBE, check_bench_memory, check_context, header, hf_generate, hf_llama,
                                   kv_of, med, per_round, ratio, read_bandwidth, rounds, spread)
 from harness.cli import UsageError, user_input
 from harness.cpu_tuning import LINEAR_PROBE_BYTES, cpu_key, force_linear, linear_report
-from model import (GPT, PRESETS, GPTConfig, forward_memory, memory_sum, model_memory, module_bytes, param_bytes,
-                   pick_device, pick_dtype, sample_next, sync, timeit)
+from harness.device import pick_device, pick_dtype, sync, timeit
+from harness.memory import forward_memory, memory_sum, model_memory, module_bytes, param_bytes
+from model import GPT, PRESETS, GPTConfig, sample_next
 from recursive import RecursiveConfig, RecursiveGPT
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -51,7 +54,7 @@ def bench_decode(args):
         torch.manual_seed(0)
         ours = GPT(cfg).to(device=device, dtype=dtype).eval()
         if args.compile:
-            ours.compile_decode()
+            graphs.compile_decode(ours)
         hf = hf_llama(cfg, dtype) if args.hf else None
         if hf is not None:
             hf.to(device)
@@ -115,18 +118,28 @@ def print_linear_choices(dtype):
 @torch.no_grad()
 def generation_times(models: dict, idx, new_tokens: int, repeats: int,
                      warmup: int = 1) -> dict[str, dict[str, list[float]]]:
-    """models: name -> model. After `warmup` untimed rounds, each round times, for every model in turn,
-    generate(idx, 1) (the prefill and the first token: TTFT) and generate(idx, new_tokens) -> name -> {"ttft": [s],
-    "token": [s per decode step]}, one entry per round. The decode time of a round is the difference of its two
-    runs."""
-    systems = {}
-    for name, m in models.items():
-        systems[name + "/1"] = lambda m=m: m.generate(idx, 1)
-        systems[name + "/n"] = lambda m=m: m.generate(idx, new_tokens)
+    """models: name -> model. After `warmup` untimed rounds, each round times, for every model in turn, generate(idx,
+    n) at n = 1 (the prefill and the first token: TTFT), the midpoint and new_tokens -> name -> {"ttft": [s], "token":
+    [s per decode step]}, one entry per round. The decode time of a round is the slope of its times over n (least
+    squares over the three); a round whose slope is not positive -- on a loaded machine the noise of a run can exceed
+    the decode time it measures -- is NaN, which med and spread leave out: never a negative time."""
+    ns = sorted({1, (1 + new_tokens) // 2, new_tokens})
+    systems = {f"{name}/{n}": (lambda m=m, n=n: m.generate(idx, n)) for name, m in models.items() for n in ns}
     res = rounds(systems, repeats, idx.device, warmup=warmup)
-    return {name: {"ttft": res[name + "/1"],
-                   "token": [(tn - t1) / (new_tokens - 1) for t1, tn in zip(res[name + "/1"], res[name + "/n"])]}
+    return {name: {"ttft": res[f"{name}/1"], "token": [positive(slope(ns, ts)) for ts in
+                                                       zip(*(res[f"{name}/{n}"] for n in ns))]}
             for name in models}
+
+
+def slope(xs, ys) -> float:
+    """The least-squares slope of ys over xs."""
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
+def positive(t: float) -> float:
+    """A time, or NaN where the measurement gave none above zero."""
+    return t if t > 0 else math.nan
 
 
 @torch.no_grad()
@@ -419,7 +432,7 @@ def block_configs(preset: str, vanilla: str | None, max_len: int) -> tuple[bt.Bl
 
 
 def block_pair_memory(preset: str, vanilla: str | None, max_len: int, elem: int) -> list[dict]:
-    """What building block_pair's two models allocates (model.model_memory of each), before they exist."""
+    """What building block_pair's two models allocates (memory.model_memory of each), before they exist."""
     return [model_memory(c, elem) for c in block_configs(preset, vanilla, max_len)]
 
 
@@ -459,16 +472,18 @@ def generation_bytes(model, prompt, new) -> int:
     return model.generation_cache(1, prompt, new).nbytes()
 
 
-def search_batch(model, P, G, top, n_tokens, device) -> tuple[int, dict]:
-    """The batch search: at batch 1, 2, 4, ... and `top` (the largest batch the memory budget allows), the decode
-    throughput at the setting's mean context: a prefill of P + G // 2 random tokens and one decode step (untimed), then
-    n_tokens timed decode steps (greedy) -> (the batch with the most decode tokens/s, {batch: tokens/s}). It only
-    selects the batch (a short run at the start of a long generation would hide what a long context costs); the
-    reported throughput is then timed on the full setting."""
+def search_batch(model, P, G, top, n_tokens, device, buckets_only: bool = False) -> tuple[int, dict]:
+    """The batch search: at batch 1, 2, 4, ... and `top` (the largest batch the memory budget allows; buckets_only:
+    only the batches a graphed model runs unpadded, graphs.batch_bucket(B) == B), the decode throughput
+    at the setting's mean context: a prefill of P + G // 2 random tokens and one decode step (untimed), then n_tokens
+    timed decode steps (greedy) -> (the batch with the most decode tokens/s, {batch: tokens/s}). It only selects the
+    batch (a short run at the start of a long generation would hide what a long context costs); the reported
+    throughput is then timed on the full setting."""
     n = min(n_tokens, G - 2)
     ctx = min(P + G // 2, P + G - 2 - n)
     found = {}
-    for B in sorted({2 ** i for i in range(top.bit_length())} | {top}):
+    batches = {2 ** i for i in range(top.bit_length())} | {top}
+    for B in sorted(b for b in batches if not buckets_only or graphs.batch_bucket(b) == b):
         cache = model.generation_cache(B, ctx, n + 2)
         tok = sample_next(model.prefill(torch.randint(0, model.config.vocab_size - 1, (B, ctx), device=device), cache))
         tok = sample_next(model.decode_step(tok, cache))

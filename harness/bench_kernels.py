@@ -15,7 +15,7 @@ import kernels as K
 from harness import kernels_aot
 from harness.bench_common import med
 from harness.cli import UsageError
-from model import pick_device, pick_dtype, timeit
+from harness.device import pick_device, pick_dtype, timeit
 
 # ----------------------------------------------------------------------------------------------------------------
 # Kernels: python bench.py kernels (CUDA; each Triton kernel of kernels.py vs its reference and stock PyTorch)
@@ -27,7 +27,7 @@ def kernel_us(fn, device, warmup=10, iters=50) -> float:
 
     CUDA: a CUDA event pair around each call, with L2 flushed before each call (in a real forward pass the weights and
     caches of this layer are not in L2), and torch.cuda.synchronize() before the events are read. Other devices:
-    model.timeit's wall clock.
+    device.timeit's wall clock.
     """
     if device.type != "cuda":
         return med(timeit(fn, device, warmup, iters)) * 1e6

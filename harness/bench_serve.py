@@ -20,11 +20,11 @@ slots (a step runs N/B layers; a token needs E[loops] steps).
   * Exits: the threshold of each exit rule (--rules) is calibrated so that --exit-rate of the prompt tokens leave at
     loop 1 (SIMULATED exits on random weights: the rate measured on a trained checkpoint by `python eval.py exits`),
     or given (--exit-threshold, a comma list: one server per rule and threshold).
-  * Metrics: generated tok/s (all tokens / wall time from the first arrival to the last token), loaded tok/s (tokens
-    emitted in the decode steps with every slot busy / those steps' time: what a server with a queue sustains), TTFT,
-    per-token latency p50/p99, mean exit loop (1-based), slot occupancy, step time, agreement of the greedy text with
-    CSB's and with the no-exit server's, and on CUDA the bytes a decode step reads (parameters + KV) per second
-    against the device's peak.
+  * Metrics (each server's hook is a serve.Metrics): generated tok/s (all tokens / wall time from the first arrival
+    to the last token), loaded tok/s (tokens emitted in the decode steps with every slot busy / those steps' time:
+    what a server with a queue sustains), TTFT, per-token latency p50/p99, mean exit loop (1-based), slot occupancy,
+    step time, agreement of the greedy text with CSB's and with the no-exit server's, and on CUDA the bytes a decode
+    step reads (parameters + KV) per second against the device's peak.
   * Memory: --batch-memory-mb gives each system the slots that fit that many MiB of weights + full-context KV (Table
     K.3/K.4's memory-limited setting: smaller shared weights buy slots); every server's cache is checked against the
     memory available before any is allocated.
@@ -52,10 +52,12 @@ from harness.checkpoint import load_checkpoint, load_source_model, model_from_ch
 from harness.cli import (DTYPES, UsageError, available_memory, check_device, check_dtype, check_writable_dir,
                          comma_list, number, one_of, path_arg, seed_arg, temperature_arg, threads_arg, user_input)
 from harness.data import Tokenizer
-from harness.serve_requests import (MAX_REQUESTS, chat_requests, chat_template, check_request, corpus_requests,
-                                    error_counts, jsonl_requests, parse_range, print_errors, synthetic_requests)
-from model import GPT, PRESETS, GPTConfig, kv_bytes, param_bytes, peak_bandwidth, pick_device, pick_dtype
-from recursive import EXIT_RULES, RecursiveGPT, exit_threshold_for, from_vanilla
+from harness.device import peak_bandwidth, pick_device, pick_dtype
+from harness.memory import param_bytes
+from harness.serve_requests import (chat_requests, chat_template, check_request, corpus_requests, error_counts,
+                                    jsonl_requests, parse_range, print_errors, synthetic_requests)
+from model import GPT, PRESETS, GPTConfig, kv_bytes
+from recursive import EXIT_RULES, RecursiveGPT, from_vanilla
 from svd_lora import max_ranks
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -159,15 +161,15 @@ def make_servers(args, van, rec, rules, thresholds, dtype, device):
                  "rec": slots_for_memory(rec, args.batch_memory_mb, rec.config.max_seq_len, elem)}
     kw = dict(temperature=args.temperature, top_k=args.top_k, seed=args.seed, prefill_chunk=args.prefill_chunk,
               compile=args.compile)
-    servers = [serve.ContinuousServer(van, slots["van"], **kw)]
+    servers = [serve.ContinuousServer(van, slots["van"], hook=serve.Metrics(), **kw)]
     servers[0].name = "vanilla CSB"
     if args.static:
-        servers.append(serve.ContinuousServer(van, slots["van"], static=True, **kw))
-    servers.append(serve.DepthWiseServer(rec, slots["rec"], **kw))
+        servers.append(serve.ContinuousServer(van, slots["van"], static=True, hook=serve.Metrics(), **kw))
+    servers.append(serve.DepthWiseServer(rec, slots["rec"], hook=serve.Metrics(), **kw))
     servers[-1].name = "depth-wise, no exit"
     for rule in rules:
         for t in thresholds[rule]:
-            servers.append(serve.DepthWiseServer(rec, slots["rec"], t, rule, **kw))
+            servers.append(serve.DepthWiseServer(rec, slots["rec"], t, rule, hook=serve.Metrics(), **kw))
             servers[-1].name = f"depth-wise + exit ({rule}{'' if args.exit_threshold == 'auto' else f'>={t:g}'})"
     check_cache_memory({s.name: s.model for s in servers}, {s.name: s.slots for s in servers}, elem, device,
                        f"--batch-memory-mb {args.batch_memory_mb:g} (slots {slots['van']:,} vanilla, "
@@ -335,12 +337,12 @@ class NoValidRequest(ValueError):
 
 
 def calibrate_threshold(model: RecursiveGPT, reqs, exit_rate=0.5, n=8, rule=None) -> float:
-    """recursive.exit_threshold_for on the prompts of the first n valid requests."""
+    """serve.exit_threshold_for on the prompts of the first n valid requests."""
     cfg = model.config
     prompts = [r.prompt for r in reqs if check_request(r, cfg.vocab_size, cfg.max_seq_len) is None][:n]
     if not prompts:
         raise NoValidRequest("no valid request to calibrate the exit threshold on")
-    return exit_threshold_for(model, prompts, exit_rate, rule)
+    return serve.exit_threshold_for(model, prompts, exit_rate, rule)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -394,17 +396,21 @@ def _pct(xs, q):
 
 def step_bytes(server) -> int:
     """Bytes a server's decode steps read: the weights of a step (vanilla: all layers and the head; depth-wise: the
-    shared block and the head) each step, and K/V of every key read (server.kv_read) in the layers a step runs."""
+    shared block and the head) each step, and K/V of every key read (its Metrics' kv_read) in the layers a step
+    runs."""
     m, c = server.model, server.cfg
     layers = c.n_shared if isinstance(m, RecursiveGPT) else c.n_layer
-    kv = kv_bytes(layers, 1, server.kv_read, c.n_kv_head, c.hd, server.cache.k.element_size())
+    kv = kv_bytes(layers, 1, server.hook.kv_read, c.n_kv_head, c.hd, server.cache.k.element_size())
     return server.n_steps * param_bytes(m.blocks, m.norm, m.lm_head) + kv
 
 
 def summarize(server, reqs, peak_bw=None) -> dict:
+    """The row of a server's run of `reqs` (the requests it returned), from the requests' records and the server's
+    hook, a serve.Metrics."""
+    m = server.hook
     ok = [r for r in reqs if r.error is None]
     n_tok = sum(len(r.output) for r in ok)
-    wall = server.t_end - min((r.t_arrive for r in reqs if r.t_arrive), default=server.t_start)
+    wall = m.t_end - min((r.t_arrive for r in reqs if r.t_arrive), default=m.t_start)
     ttft = [r.t_first - r.t_arrive for r in ok if r.t_first is not None]
     gaps = [b - a for r in ok for a, b in zip(r.token_times, r.token_times[1:])]
     exits = [e + 1 for r in ok for e in r.exits[1:] if e is not None]  # decode tokens (the first is the prefill's)
@@ -413,12 +419,12 @@ def summarize(server, reqs, peak_bw=None) -> dict:
              ttft_ms_p50=1e3 * _pct(ttft, 0.5), ttft_ms_p99=1e3 * _pct(ttft, 0.99),
              tpot_ms_p50=1e3 * _pct(gaps, 0.5), tpot_ms_p99=1e3 * _pct(gaps, 0.99),
              mean_exit_loop=sum(exits) / len(exits) if exits else float("nan"),
-             occupancy=server.occupancy / max(server.n_steps, 1), steps=server.n_steps,
-             step_ms=1e3 * server.step_time / max(server.n_steps, 1),
-             loaded_tok_per_s=server.full_tokens / server.full_time if server.full_time > 0 else float("nan"),
+             occupancy=m.occupancy / max(server.n_steps, 1), steps=server.n_steps,
+             step_ms=1e3 * m.step_time / max(server.n_steps, 1),
+             loaded_tok_per_s=m.full_tokens / m.full_time if m.full_time > 0 else float("nan"),
              errors_by_reason=error_counts(reqs), request_errors={r.rid: r.error for r in reqs if r.error})
-    if server.device.type == "cuda" and server.step_time > 0:
-        read = step_bytes(server) / server.step_time  # bytes/s
+    if server.device.type == "cuda" and m.step_time > 0:
+        read = step_bytes(server) / m.step_time  # bytes/s
         d["bandwidth_GBs"] = read / 1e9
         if peak_bw:
             d["bandwidth_pct_peak"] = 100 * read / peak_bw
@@ -459,10 +465,10 @@ STEP_PARTS = (("loop_step", "shared block"), ("exit_score", "exit score"), ("pro
 
 
 def step_shares(srv, reqs) -> dict[str, float]:
-    """Run srv once with its step's parts timed -> {part: share of the decode steps' time}. Only calls made inside
-    srv.step count (admission also samples, outside the steps), and a part called by another part is not counted
-    again; host-side wall time, the CPU runs every op synchronously (an eager step: a compiled one is one graph). The
-    instances are left as they were."""
+    """Run srv (built with a serve.Metrics hook) once with its step's parts timed -> {part: share of the decode steps'
+    time}. Only calls made inside srv.step count (admission also samples, outside the steps), and a part called by
+    another part is not counted again; host-side wall time, the CPU runs every op synchronously (an eager step: a
+    compiled one is one graph). The instances are left as they were."""
     spent = dict.fromkeys([label for _, label in STEP_PARTS], 0.0)
     depth = [0]  # 1 inside srv.step, 2 inside one of its parts
 
@@ -491,7 +497,7 @@ def step_shares(srv, reqs) -> dict[str, float]:
                 delattr(owner, name)
             else:
                 setattr(owner, name, old)
-    shares = {label: t / srv.step_time for label, t in spent.items()}
+    shares = {label: t / srv.hook.step_time for label, t in spent.items()}
     shares["the rest (state updates, bookkeeping)"] = 1 - sum(shares.values())
     return shares
 
@@ -535,7 +541,7 @@ def request_count(text: str) -> int:
         text = str(int(v)) if v.is_integer() else text
     except (ValueError, OverflowError):
         pass
-    return number(int, min=1, max=MAX_REQUESTS)(text)
+    return number(int, min=1, max=serve.MAX_REQUESTS)(text)
 
 
 def add_args(p):
@@ -564,7 +570,7 @@ def add_args(p):
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="graph-captured decode steps (default: on CUDA only)")
     g = p.add_argument_group("requests")
-    g.add_argument("--requests", type=request_count, default=48, help=f"requests (at most {MAX_REQUESTS:,})")
+    g.add_argument("--requests", type=request_count, default=48, help=f"requests (at most {serve.MAX_REQUESTS:,})")
     g.add_argument("--prompts", default="synthetic", choices=["synthetic", "corpus", "chat"],
                    help="prompt token source: random ids, validation corpus windows, or those windows as a chat "
                         "question in the tokenizer's chat template (a GGUF file's)")

@@ -18,9 +18,10 @@ import recursive
 from harness import checkpoint
 from harness.bench_common import check_bench_memory, header, hf_twin, med, ratio, rounds, spread
 from harness.cli import UsageError, check_memory, check_writable_dir, user_input
+from harness.device import pick_device, pick_dtype, sync
 from harness.hf import from_gguf, gguf_config, gguf_file, read_gguf
-from model import (GPT, GPTConfig, distill_loss, least_step_memory, lm_loss, make_optimizer, memory_sum, model_memory,
-                   pick_device, pick_dtype, sync)
+from harness.memory import least_step_memory, memory_sum, model_memory
+from model import GPT, GPTConfig, distill_loss, lm_loss, make_optimizer
 
 # ----------------------------------------------------------------------------------------------------------------
 # Training speed: this repository's GPT vs nanoGPT's model.py at the same shape, batch and sequence length
@@ -45,7 +46,7 @@ def check_nanogpt(path):
 
 def train_memory(cfg: GPTConfig, batch: int, seq_len: int, dtype, n_models: int) -> dict:
     """What training `n_models` models of cfg's shape allocates at least: fp32 weights, gradients and AdamW's two
-    moments per model, their RoPE tables, the batch and one step's activations (model.least_step_memory)."""
+    moments per model, their RoPE tables, the batch and one step's activations (memory.least_step_memory)."""
     m = model_memory(cfg, 4)
     return memory_sum({"weights, gradients and AdamW moments": 4 * n_models * m["weights"]},
                       {"RoPE tables": n_models * m["RoPE tables"], "batch": 2 * batch * seq_len * 8},

@@ -79,7 +79,7 @@ import struct
 import warnings
 import zipfile
 import zlib
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -92,11 +92,12 @@ import recursive
 from harness import tasks
 from harness.cli import (CheckpointError, UsageError, append_line, atomic_file, check_device, check_model_fits,
                          check_output_file, check_step_memory, check_writable_dir, fields_problem, flag_name, log,
-                         one_line, read_json, regular_file)
+                         number, one_line, read_json, regular_file)
 from harness.data import (DEFAULT_BASE, Tokenizer, first_tokens_windows, hf_tokenizer_spec, is_gguf_source,
                           is_hf_source, padded_vocab)
 from harness.hf import from_gguf, from_pretrained, gguf_tokenizer_spec
-from model import ArchSpec, least_step_memory, windows_loss
+from harness.memory import least_step_memory
+from model import ArchSpec, windows_loss
 
 # ----------------------------------------------------------------------------------------------------------------
 # The architecture table
@@ -451,16 +452,21 @@ def load_teacher(args, spec: ArchSpec, tok, table, load=load_checkpoint):
 
 
 def add_arch_args(ap, table, shared: dict):
-    """Every architecture's flags (spec.add_args) into train.py's parser, and `ap.arch_flags`: the dest of every flag
-    that only some architectures read -> their names (the flags each add_args adds, plus `shared`: the command's own
-    flags that only some read, {dest: names})."""
+    """Every architecture's flags (spec.add_args, plain argparse) into train.py's parser, and `ap.arch_flags`: the
+    dest of every flag that only some architectures read -> their names (the flags each add_args adds, plus `shared`:
+    the command's own flags that only some read, {dest: names}). A flag with `bounds` ({min, above, max}, set by its
+    add_args) gets them checked as it is parsed: its type becomes cli.number(type, **bounds), the one-line error."""
     ap.arch_flags = {dest: set(names) for dest, names in shared.items()}
     added = {}  # add_args function -> dests it added (recursive and relaxed share one function, called once)
     for spec in table.values():
-        if spec.add_args is not None:
+        if spec.add_args is not None and spec.add_args not in added:
             before = set(map(id, ap._actions))
             spec.add_args(ap)
-            added.setdefault(spec.add_args, []).extend(a.dest for a in ap._actions if id(a) not in before)
+            new = [a for a in ap._actions if id(a) not in before]
+            for a in new:
+                if getattr(a, "bounds", None):
+                    a.type = number(a.type, **a.bounds)
+            added[spec.add_args] = [a.dest for a in new]
     for spec in table.values():
         for dest in added.get(spec.add_args, []):
             ap.arch_flags.setdefault(dest, set()).add(spec.name)
@@ -522,6 +528,39 @@ def recipe_overrides(args, spec: ArchSpec, ap, given) -> dict:
     return {k: v for k, v in every.items() if k in owned}
 
 
+def keep_layers(src: model.GPT, spec: str) -> model.GPT:
+    """--keep-layers: the reduced-size baseline of the Relaxed Recursive Transformers paper (section 3.2) built from
+    pretrained layers: a vanilla GPT made of some of src's layers, in their order, with its embedding, final norm and
+    head. spec: 'stepwise:K' (the K layers Stepwise ties, i.e. the unique layers of the recursive model), 'lower:K'
+    (the first K), or a comma list of layer indices. The paper pretrains its reduced-size models from scratch;
+    starting them from the same pretrained layers as the recursive model isolates what looping adds."""
+    N = src.config.n_layer
+    kind, _, k = spec.partition(":")
+    if kind in ("stepwise", "lower"):
+        if not k.isdigit() or not 1 <= int(k) <= N:
+            raise ValueError(f"--keep-layers {spec}: give {kind}:K with 1 <= K <= {N} (the source's layers)")
+        layers = recursive.stepwise_layers(N, int(k)) if kind == "stepwise" else list(range(int(k)))
+    else:
+        try:
+            layers = [int(i) for i in spec.split(",")]
+        except ValueError:
+            raise ValueError(f"--keep-layers {spec!r}: give stepwise:K, lower:K or a comma list of layer indices")
+        if not layers or any(not 0 <= i < N for i in layers) or len(set(layers)) != len(layers):
+            raise ValueError(f"--keep-layers {spec}: layer indices must be distinct and in [0, {N})")
+    cfg = replace(src.config, n_layer=len(layers))
+    p = src.tok_emb.weight
+    with torch.device("meta"):
+        kept = model.GPT(cfg)
+    sd = {k: v for k, v in src.state_dict().items() if not k.startswith("blocks.")}
+    for new, old in enumerate(layers):
+        sd.update({f"blocks.{new}.{k}": v for k, v in src.blocks[old].state_dict().items()})
+    kept.load_state_dict({k: v.clone() for k, v in sd.items()}, assign=True)
+    if cfg.tie_embeddings:
+        kept.lm_head.weight = kept.tok_emb.weight
+    kept.rope = model.RotaryEmbedding(cfg.rot_dim, cfg.max_seq_len, cfg.rope_theta).to(p.device)  # fp32 tables
+    return kept
+
+
 def init_from(args, spec: ArchSpec, tok, table, ap, given, note=print, load=load_checkpoint) -> torch.nn.Module:
     """--init-from SOURCE: a model of this architecture keeps its shapes and takes the recipe flags typed
     (init_same_arch); a vanilla one (after --keep-layers picks its layers) is converted by spec.convert. `note` gets
@@ -530,7 +569,7 @@ def init_from(args, spec: ArchSpec, tok, table, ap, given, note=print, load=load
     if args.keep_layers:
         if src_arch != "vanilla":
             raise UsageError(f"--keep-layers takes layers of a vanilla model; {args.init_from} holds a {src_arch} one")
-        src = recursive.keep_layers(src, args.keep_layers)
+        src = keep_layers(src, args.keep_layers)
         note(f"init from {args.init_from}: keeping layers {args.keep_layers} ({src.config.n_layer} layers)")
     if src_arch == spec.name:
         model, line = init_same_arch(src, spec, recipe_overrides(args, spec, ap, given), args.seq_len, args.init_from)

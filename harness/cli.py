@@ -64,7 +64,7 @@ EXPECTED_ERRORS = (UsageError, DataError, CheckpointError, FloatingPointError, F
                    torch.OutOfMemoryError)
 
 
-# --dtype of every command (model.pick_dtype's names)
+# --dtype of every command (device.pick_dtype's names)
 DTYPES = ["auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"]
 
 
@@ -83,12 +83,6 @@ class ArgumentParser(argparse.ArgumentParser):
             raise argparse.ArgumentError(action, "expected a value, got '' (an unset variable?); leave the flag out "
                                                  "for its default")
         return value
-
-    @staticmethod
-    def number(kind=int, min=None, above=None, max=None):  # noqa: A002
-        """`number` below, reachable from a parser: an architecture's add_args(ap) bounds its flags with ap.number(...)
-        without importing this module (the model files import no command-line code)."""
-        return number(kind, min=min, above=above, max=max)
 
 
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -206,11 +200,11 @@ def check_device(flag):
 
 
 def check_dtype(device_flag: str, dtypes, flag: str = "--dtype"):
-    """--dtype (one name or a comma list of model.pick_dtype's names) on --device: a few operations of a forward
+    """--dtype (one name or a comma list of device.pick_dtype's names) on --device: a few operations of a forward
     pass (a linear layer with a bias, an RMS norm, a softmax, attention) run once on a tiny tensor, so that a dtype
     this machine's torch cannot compute (float16 on a CPU without it, bfloat16 on an old MPS) is one line before any
     work, not a traceback in the middle of it."""
-    from model import pick_device, pick_dtype  # the command-line module stays importable without the model
+    from harness.device import pick_device, pick_dtype  # the command-line module stays importable without the model
 
     if dtypes is None:
         return
@@ -331,7 +325,7 @@ def check_memory(need: dict, device, what: str, fix: str, per: str = "", at_leas
 
 
 def check_step_memory(need: dict, device, args, at_least=False):
-    """A memory estimate of one training step (model.step_memory or least_step_memory) against the memory available
+    """A memory estimate of one training step (memory.step_memory or least_step_memory) against the memory available
     (check_memory): a batch that cannot fit is refused, one line, before the first step allocates it."""
     return check_memory(need, device, f"--batch-size {args.batch_size} x --seq-len {args.seq_len}",
                         "lower --batch-size (--grad-accum keeps the tokens per step) or --seq-len, or take a smaller "
@@ -341,9 +335,9 @@ def check_step_memory(need: dict, device, args, at_least=False):
 def check_model_fits(cfg, where: str, elem: int = 4, device="cpu", error=UsageError):
     """A model description (a GGUF file's metadata, a config.json, a checkpoint's config) whose model cannot fit in
     the memory `device` has (a block_count or context_length far beyond any model: RoPE tables of 2^32 positions) is
-    refused before anything is allocated: model.model_memory against check_memory, one `error` (the caller's class,
+    refused before anything is allocated: memory.model_memory against check_memory, one `error` (the caller's class,
     as regular_file's) naming the source, the shape and both figures."""
-    from model import model_memory  # the command-line module stays importable without the model
+    from harness.memory import model_memory  # the command-line module stays importable without the model
 
     check_memory(model_memory(cfg, elem), device, f"{where}: a model of this config ({cfg.n_layer:,} layers, d "
                  f"{cfg.n_embd:,}, vocab {cfg.vocab_size:,}, RoPE tables of {cfg.max_seq_len:,} positions)",

@@ -55,8 +55,9 @@ import torch
 
 from harness.cli import (DTYPES, ArgumentParser, UsageError, check_device, check_dtype, check_memory, check_model_fits,
                          number, path_arg, read_json, regular_file, run_cli, user_input)
-from model import (GPT, GPTConfig, RotaryEmbedding, forward_memory, kv_bytes, memory_sum, model_memory, pick_device,
-                   pick_dtype)
+from harness.device import pick_device, pick_dtype
+from harness.memory import forward_memory, memory_sum, model_memory
+from model import GPT, GPTConfig, RotaryEmbedding, kv_bytes
 
 HF_FAMILIES = ("llama", "gemma", "gpt_neox")
 _REQUIRED = object()

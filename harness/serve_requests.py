@@ -1,21 +1,19 @@
 """
-serve_requests.py -- the requests serve.py serves: what a request is, where requests come from, which ones are bad.
+serve_requests.py -- where the requests of the serving benchmark come from, and the tables of their errors.
 
-  * Request: prompt token ids + max_new_tokens + an arrival time, and what serving records on it (outputs, exit
-    loops, times, an error). `request_generator(seed, rid)` is ONE seeded torch.Generator per request, so a sampled
-    request's output does not depend on the schedule.
+  * Requests are serve.py's own (Request, request_problem: what the engine refuses and why; MAX_REQUESTS).
   * Sources: synthetic (all at once, or Poisson at a rate, seeded; lengths uniform in "a:b" ranges), windows of the
     validation corpus (data.prepare_corpus / TokenData), those windows asked about in the model's chat template
     (chat_requests), or a JSONL file of
     {"prompt": str | "prompt_ids": [...], "max_new_tokens": n[, "arrival": s]}, read line by line.
-  * Validation: a bad request (empty prompt, prompt_ids that are not a list, ids outside the vocabulary, prompt +
-    max_new_tokens longer than the context, max_new_tokens <= 0, a bad JSONL line: not UTF-8, not JSON, a "prompt"
-    that is not a string, an arrival that is not a number of seconds in [0, MAX_ARRIVAL_S]) gets an error of its own
-    (request_problem: a short reason and a clear message naming the file:line); the others are served. A file that
-    is not a regular file (a FIFO, a device), cannot be read, or holds more than MAX_REQUESTS requests, is one
-    UsageError; a line with both "prompt" and "prompt_ids" is that request's error (which one was meant is not
-    known). A chat template runs bounded in a child process (chat_template.py): one that does not render a first
-    question is one UsageError, one that fails on a request that request's error ("chat template").
+  * Validation: a bad JSONL line (not UTF-8, not JSON, a "prompt" that is not a string, an arrival that is not a
+    number of seconds in [0, MAX_ARRIVAL_S]) becomes a request marked invalid, which the server refuses with its own
+    error naming the file:line, as it refuses an empty prompt, ids outside the vocabulary or a request longer than the
+    context (serve.request_problem); the others are served. A file that is not a regular file (a FIFO, a device),
+    cannot be read, or holds more than MAX_REQUESTS requests, is one UsageError; a line with both "prompt" and
+    "prompt_ids" is that request's error (which one was meant is not known). A chat template runs bounded in a child
+    process (chat_template.py): one that does not render a first question is one UsageError, one that fails on a
+    request makes that request's error ("chat template").
   * The error tables: the requests' errors counted by reason (error_counts, in every system's summary and --json)
     and printed under the serving table with a few examples (print_errors).
 """
@@ -23,85 +21,20 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
 
 import torch
 
 from harness.chat_template import ChatTemplate, RenderError
 from harness.cli import UsageError, one_line, regular_file
 from harness.data import TokenData, prepare_corpus, step_generator
-
-# ----------------------------------------------------------------------------------------------------------------
-# Requests
-
-# What a run may be asked to do. A request arriving later than MAX_ARRIVAL_S seconds after the start (a file's arrival,
-# or Poisson arrivals at a tiny --rate) would keep every server idle that long: an error, not a wait. MAX_REQUESTS
-# bounds the request table (each request keeps its prompt, outputs and token times in Python lists, a few KB).
-MAX_ARRIVAL_S = 3600.0
-MAX_REQUESTS = 100_000
-
-
-@dataclass
-class Request:
-    rid: int
-    prompt: list  # token ids
-    max_new_tokens: int
-    arrival: float = 0.0  # seconds after the start (clock='wall') or decode steps (clock='step')
-    error: str | None = None
-    invalid: str | None = None  # a reason found while reading the request (bad JSONL line)
-    error_kind: str | None = None  # the short reason of `error` (the summaries count requests by it)
-    source: str | None = None  # where the request came from ("reqs.jsonl:3"), named in its error
-    finished: bool = False
-    output: list = field(default_factory=list)  # generated ids
-    exits: list = field(default_factory=list)  # 0-based loop that produced each generated token (None: vanilla)
-    t_arrive: float | None = None  # wall times (perf_counter)
-    t_first: float | None = None
-    t_done: float | None = None
-    token_times: list = field(default_factory=list)
-    gen: torch.Generator | None = None
-
-    @property
-    def done(self) -> bool:
-        return self.error is not None or self.finished
-
-    def fresh(self) -> "Request":
-        """The same request, not yet served (prompt, length, arrival and any reading error kept)."""
-        return Request(self.rid, list(self.prompt) if isinstance(self.prompt, list) else self.prompt,
-                       self.max_new_tokens, self.arrival, invalid=self.invalid, source=self.source)
-
-
-def request_generator(seed: int, rid: int, device="cpu") -> torch.Generator:
-    """The sampling generator of request rid: outputs do not depend on the schedule."""
-    return torch.Generator(device=device).manual_seed((seed * 1_000_003 + rid) % 2 ** 64)  # what torch takes
-
+from serve import MAX_REQUESTS, Request, random_requests, request_problem
 
 # ----------------------------------------------------------------------------------------------------------------
 # Reading requests: validation, arrivals, synthetic, corpus and JSONL requests
 
-
-def request_problem(r: Request, vocab_size: int, max_seq_len: int) -> tuple[str, str] | None:
-    """(short reason, clear message) why this request cannot be served, or None."""
-    if r.invalid:
-        return "chat template" if r.invalid.startswith(CHAT_TEMPLATE_FAILS) else "bad request line", r.invalid
-    if not isinstance(r.max_new_tokens, int) or isinstance(r.max_new_tokens, bool) or r.max_new_tokens <= 0:
-        return "bad max_new_tokens", f"max_new_tokens={r.max_new_tokens!r} must be a positive integer"
-    if not isinstance(r.prompt, list):
-        return "prompt ids not a list", "prompt_ids must be a list of token ids"
-    if not r.prompt:
-        return "empty prompt", "empty prompt: a request needs at least one prompt token"
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in r.prompt):
-        return "prompt ids not integers", "prompt ids must be integers"
-    bad = [t for t in r.prompt if not 0 <= t < vocab_size]
-    if bad:
-        return "token id outside vocabulary", f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
-    if len(r.prompt) >= max_seq_len:
-        return "prompt longer than context", (f"prompt of {len(r.prompt)} tokens is longer than the context "
-                                              f"({max_seq_len} positions, one kept for a new token)")
-    if len(r.prompt) + r.max_new_tokens > max_seq_len:
-        return "prompt + output longer than context", (
-            f"prompt of {len(r.prompt)} tokens + max_new_tokens={r.max_new_tokens} exceeds the context of "
-            f"{max_seq_len} positions")
-    return None
+# A request arriving later than MAX_ARRIVAL_S seconds after the start (a file's arrival, or Poisson arrivals at a tiny
+# --rate) would keep every server idle that long: an error, not a wait.
+MAX_ARRIVAL_S = 3600.0
 
 
 def check_request(r: Request, vocab_size: int, max_seq_len: int) -> str | None:
@@ -136,16 +69,11 @@ def arrival_times(n: int, process: str, rate: float, gen: torch.Generator) -> li
 
 
 def synthetic_requests(n, vocab_size, prompt_len="8:48", gen_len="8:64", arrival="all", rate=10.0, seed=0):
-    """n requests with random token ids (never the last vocabulary row, which some archs use as a pad)."""
+    """n requests with random token ids (serve.random_requests), lengths uniform in the "a:b" ranges, arriving all
+    at once or Poisson at `rate`."""
     g = torch.Generator().manual_seed(seed)
-    (p0, p1), (g0, g1) = parse_range(prompt_len), parse_range(gen_len)
     times = arrival_times(n, arrival, rate, g)
-    out = []
-    for i in range(n):
-        T = int(torch.randint(p0, p1 + 1, (1,), generator=g))
-        G = int(torch.randint(g0, g1 + 1, (1,), generator=g))
-        out.append(Request(i, torch.randint(0, vocab_size - 1, (T,), generator=g).tolist(), G, times[i]))
-    return out
+    return random_requests(n, vocab_size, parse_range(prompt_len), parse_range(gen_len), times, g)
 
 
 def corpus_requests(n, tok, data="stdlib", cache_dir="data_cache", prompt_len="8:48", gen_len="8:64", arrival="all",
@@ -161,7 +89,6 @@ def corpus_requests(n, tok, data="stdlib", cache_dir="data_cache", prompt_len="8
 
 
 CHAT_QUESTION = "What does this Python code do? Explain briefly.\n\n```python\n{code}\n```"
-CHAT_TEMPLATE_FAILS = "the chat template"  # how the error of a request its template did not render begins
 
 
 def chat_template(spec) -> str:
@@ -196,7 +123,8 @@ def chat_requests(n, tok, template, data="stdlib", cache_dir="data_cache", promp
             try:
                 r.prompt = tok.encode(chat.render([{"role": "user", "content": question}]))
             except RenderError as e:
-                r.invalid = f"{CHAT_TEMPLATE_FAILS} of {source} does not render this request's question ({e})"
+                r.invalid = f"the chat template of {source} does not render this request's question ({e})"
+                r.invalid_kind = "chat template"
     return reqs
 
 

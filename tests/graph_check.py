@@ -1,14 +1,16 @@
 """What the CPU can prove about a graph-safe step before it meets a GPU: a torch.compile backend that counts the
 graphs compiled (one per step kind and shape: a second one for the same shape is a recompile), lists every graph
-input the step mutates that is not marked static (model.mark_static) -- on CUDA, torch skips the CUDA graph of such a
+input the step mutates that is not marked static (graphs.mark_static) -- on CUDA, torch skips the CUDA graph of such a
 step ("skipping cudagraphs due to mutated inputs") -- and every op that reads a device value back to the host (int(t),
 t.item(), bool(t), .tolist(), nonzero, boolean-mask indexing): torch traces these into the graph without a break, but
-each is a host sync, and a CUDA graph cannot hold one. Graph breaks need no counter: model.compile_step compiles with
+each is a host sync, and a CUDA graph cannot hold one. Graph breaks need no counter: graphs.compile_step compiles with
 fullgraph=True, so a break is an error."""
 import torch
 from torch._dynamo.backends.common import aot_autograd
 from torch._guards import TracingContext
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+from graphs import compile_decode
 
 
 def reads_back(node) -> bool:
@@ -21,7 +23,7 @@ def reads_back(node) -> bool:
 
 
 class GraphCheck:
-    """backend=GraphCheck() for model.compile_step: .graphs (frames compiled), .unsafe (names of mutated inputs that
+    """backend=GraphCheck() for graphs.compile_step: .graphs (frames compiled), .unsafe (names of mutated inputs that
     are neither parameters, buffers nor static addresses), .syncs (ops that read a device value back to the host),
     .ops (every op the graphs call). The graphs run as traced (no kernels generated)."""
 
@@ -48,10 +50,10 @@ def check_compiled_generate(model, idx, max_new_tokens: int, graphs: int, again:
     """What every architecture's compiled decode passes: the eager greedy tokens of generate(idx, max_new_tokens,
     **kwargs), then compile_decode(backend=GraphCheck()): the same tokens in `graphs` graphs (one per step kind), no
     mutated input left unmarked, no read-back; again: a second generation gives them on the same static caches
-    (GPT.generation_cache's reuse) with no graph more. -> the GraphCheck, for a test's further assertions."""
+    (graphs.StaticCaches' reuse) with no graph more. -> the GraphCheck, for a test's further assertions."""
     ref = model.generate(idx, max_new_tokens, **kwargs)
     check = GraphCheck()
-    model.compile_decode(backend=check)
+    compile_decode(model, backend=check)
     assert torch.equal(model.generate(idx, max_new_tokens, **kwargs), ref)
     assert check.graphs == graphs and check.unsafe == [] and check.syncs == [], (check.unsafe, check.syncs)
     if again:

@@ -46,7 +46,7 @@ def _selected():
 def rows(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton_cache"))
-    script = ("import json, sys, kernels_aot\n"
+    script = ("import json, sys\nfrom harness import kernels_aot\n"
               "cases = [c for c in kernels_aot.aot_cases() if c.name in sys.argv[1:]]\n"
               f"print(json.dumps(kernels_aot.aot_report({TARGETS}, cases)))\n")
     out = subprocess.run([sys.executable, "-c", script, *(c.name for c in _selected())], cwd=ROOT, env=env,

@@ -77,7 +77,7 @@ def test_serve_profile_times_the_parts_of_a_step_and_leaves_the_model_as_it_was(
     reqs = serve_requests.synthetic_requests(6, 64, "6", "6", seed=0)
     thr = bench_serve.calibrate_threshold(rel, reqs, exit_rate=0.5, rule="gate")
     for threshold in (None, thr):
-        srv = serve.DepthWiseServer(rel, 3, threshold, "gate")
+        srv = serve.DepthWiseServer(rel, 3, threshold, "gate", hook=serve.Metrics())
         before = [r.output for r in srv.run(reqs, clock="step")]
         shares = bench_serve.step_shares(srv, reqs)
         assert abs(sum(shares.values()) - 1) < 1e-9 and shares["shared block"] > 0 and shares["sampling"] > 0
@@ -118,7 +118,7 @@ def test_roofline_counts_every_weight_of_a_layer_and_its_matmul_ratios():
 
 
 def test_rounds_synchronise_the_device_around_each_timed_call(monkeypatch):
-    """bench_common.rounds reads the clock between two synchronisations of the device, as model.timeit does (CUDA
+    """bench_common.rounds reads the clock between two synchronisations of the device, as device.timeit does (CUDA
     queues its work: a clock read without one would time the launch), the warm-up untimed."""
     events = []
     monkeypatch.setattr(bench_common, "sync", lambda device: events.append(f"sync {device}"))
@@ -142,7 +142,7 @@ def test_serve_profile_counts_only_the_decode_steps_and_restores_instance_attrib
     torch.manual_seed(0)
     rel = from_vanilla(GPT(GPTConfig.from_preset("tiny", vocab_size=64, max_seq_len=32)), n_loops=2,
                        init="average", log=lambda *_: None).eval()
-    srv = serve.DepthWiseServer(rel, 2)
+    srv = serve.DepthWiseServer(rel, 2, hook=serve.Metrics())
     calls, inside = {"in": [], "out": []}, [False]  # the measured duration of each call, inside / outside steps
 
     def slow_sample(logits, reqs):
@@ -162,7 +162,7 @@ def test_serve_profile_counts_only_the_decode_steps_and_restores_instance_attrib
     srv.sample, srv.step = slow_sample, counting_step
     shares = bench_serve.step_shares(srv, serve_requests.synthetic_requests(4, 64, "4", "3", seed=0))
     assert calls["out"] and calls["in"]  # admissions sampled too
-    sampled, inside_s = shares["sampling"] * srv.step_time, sum(calls["in"])
+    sampled, inside_s = shares["sampling"] * srv.hook.step_time, sum(calls["in"])
     # the calls inside steps, and not one of those outside (each of which took >= 20 ms); no wall-clock bound, so a
     # loaded machine cannot fail it
     assert inside_s <= sampled < inside_s + min(calls["out"]), (sampled, calls)

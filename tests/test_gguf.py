@@ -355,7 +355,6 @@ def test_train_converts_and_distills_from_a_gguf_file(tmp_path, tiny):
 
 def test_eval_loss_rows_of_a_pretrained_source(tmp_path, tiny, capsys):
     import eval as ev
-    import recursive
 
     path, _ = tiny
     corpus = write_jsonl(tmp_path / "data" / "c.jsonl", [f"the {i} theory of the {i * 7} things\n" * 20
@@ -375,7 +374,7 @@ def test_eval_loss_rows_of_a_pretrained_source(tmp_path, tiny, capsys):
     assert abs(full["loss"] - orig["loss"]) < 1e-4  # full rank is the source (eq. 5)
     assert rec["params"] < orig["params"] and rec["loss"] != orig["loss"]
     # the recursive row and keep-layers lower:1 differ only by the second loop: keep's params are rec's
-    assert keep["params"] == rec["params"] == recursive.keep_layers(src, "lower:1").num_params(False)
+    assert keep["params"] == rec["params"] == checkpoint.keep_layers(src, "lower:1").num_params(False)
     # the loss is the mean next-token cross-entropy of the first tokens of the validation split
     tok = data.Tokenizer(hf.gguf_tokenizer_spec(str(path)))
     val = data.TokenData(data.prepare_corpus(str(corpus), tok, str(tmp_path / "cache"), verbose=False), "val")
@@ -393,12 +392,10 @@ def test_eval_loss_rows_of_a_pretrained_source(tmp_path, tiny, capsys):
 
 
 def test_keep_layers_is_the_chosen_layers_of_the_source(tmp_path, tiny):
-    import recursive
-
     path, _ = tiny
     src = hf.from_gguf(f"gguf:{path}").eval()
     for spec, layers in (("lower:1", [0]), ("stepwise:2", [0, 1]), ("1", [1]), ("1,0", [1, 0])):
-        kept = recursive.keep_layers(src, spec)
+        kept = checkpoint.keep_layers(src, spec)
         assert kept.config.n_layer == len(layers)
         for new, old in enumerate(layers):
             for (n, a), b in zip(kept.blocks[new].state_dict().items(), src.blocks[old].state_dict().values()):
@@ -408,7 +405,7 @@ def test_keep_layers_is_the_chosen_layers_of_the_source(tmp_path, tiny):
     with torch.no_grad():
         h = src.embed(x)
         h = src.blocks[1](h, src.rope(torch.arange(9)))
-        torch.testing.assert_close(recursive.keep_layers(src, "1")(x)[0], src.head(h))
+        torch.testing.assert_close(checkpoint.keep_layers(src, "1")(x)[0], src.head(h))
     corpus = write_jsonl(tmp_path / "data" / "c.jsonl", [f"the {i} theory\n" * 30 for i in range(40)])
     train.train(["--init-from", f"gguf:{path}", "--keep-layers", "lower:1", "--out-dir", str(tmp_path / "o"),
                  "--data", str(corpus), "--cache-dir", str(tmp_path / "cache"), "--max-iters", "1", "--batch-size",

@@ -944,12 +944,13 @@ MODEL_SHAPES = [("vanilla", "tiny"), ("vanilla", "pythia-1b"), ("vanilla", "gemm
 
 @pytest.mark.parametrize("arch,preset", MODEL_SHAPES, ids=[f"{a} {p}" for a, p in MODEL_SHAPES])
 def test_model_memory_from_the_config_is_the_built_models_weights(arch, preset):
-    """model.model_memory, from the config alone, against the model built on the meta device: exact for the vanilla
+    """memory.model_memory, from the config alone, against the model built on the meta device: exact for the vanilla
     decoder (tied or not, GELU or gated MLP with biases, LayerNorm, decoupled head_dim), the recursive and relaxed
     models (shared layers once, LoRA per loop) and the Block Transformer (two decoders, embedder, context projection);
     within 1% where gates or loop norms are left out (PLT, the double decoder). Its KV piece is the cache a model
     allocates."""
-    from model import kv_bytes, model_memory, param_bytes
+    from harness.memory import model_memory, param_bytes
+    from model import kv_bytes
 
     spec = checkpoint.arch_table()[arch]
     cfg = spec.make_config(preset)

@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import graphs
 from model import (GPT, IGNORE, GPTConfig, KVCache, RMSNorm, apply_rotary, attend, causal_mask_from_positions,
                    distill_loss, lm_loss, sample_next)
 
@@ -120,6 +121,32 @@ def test_attend_gqa_equals_repeated_heads():
     torch.testing.assert_close(attend(q, k, v, mask=mask), ref)
 
 
+def test_stacked_attention_equals_repeated_heads_and_greedy_decoding():
+    """attend_stacked (CUDA's masked GQA: the G query heads of a KV head as G*T queries of it, no K/V copied) is the
+    same attention as SDPA over repeated K/V heads, for one query per row (decode) and several (a prefill chunk), a
+    per-row or a shared mask; a model decoding through it gives the greedy tokens of SDPA's own GQA."""
+    import model
+
+    torch.manual_seed(0)
+    for T, rows in ((1, 2), (3, 2), (3, 1)):
+        q, k, v = torch.randn(2, 12, T, 16), torch.randn(2, 4, 9, 16), torch.randn(2, 4, 9, 16)
+        mask = torch.rand(rows, 1, T, 9) > 0.4
+        mask[..., 0] = True
+        ref = F.scaled_dot_product_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), attn_mask=mask)
+        torch.testing.assert_close(model.attend_stacked(q, k, v, mask), ref)
+    m = GPT(tiny()).eval()
+    idx = torch.randint(0, 90, (3, 6))
+    ref = m.generate(idx, 10)
+    stacked = lambda q, k, v, mask=None, is_causal=False, scale=None: (  # noqa: E731 - every masked step stacked
+        model.attend_stacked(q, k, v, mask, scale) if mask is not None else F.scaled_dot_product_attention(
+            q, k, v, is_causal=is_causal, scale=scale, enable_gqa=True))
+    orig, model.attend = model.attend, stacked
+    try:
+        assert torch.equal(m.generate(idx, 10), ref)
+    finally:
+        model.attend = orig
+
+
 def test_rmsnorm_offset():
     x = torch.randn(3, 8)
     n = RMSNorm(8, offset=1.0)
@@ -216,7 +243,7 @@ def test_static_cache_and_compiled_decode_equal_eager_generation():
     ref = m.generate(idx, 9)
     cache = m.new_cache(2, 16, static=True)
     assert torch.equal(m.generate(idx, 9, cache=cache), ref)
-    m.compile_decode()
+    graphs.compile_decode(m)
     assert m.static_cache and hasattr(m.decode_step, "_torchdynamo_orig_callable")
     assert torch.equal(m.generate(idx, 9), ref)
 
@@ -264,7 +291,7 @@ def test_graph_check_names_every_host_sync():
     (masked_fill, argmax as a tensor, torch.where) do not."""
     from graph_check import GraphCheck
 
-    from model import compile_step
+    from graphs import compile_step
 
     x, m = torch.arange(4.0), torch.tensor([True, False, True, True])
     check = GraphCheck()
@@ -284,7 +311,7 @@ def test_each_compiled_step_keeps_its_own_graphs():
     in one process) would fail. One step holds a graph for every batch bucket."""
     from torch._dynamo.testing import CompileCounter
 
-    from model import BATCH_BUCKETS, compile_step
+    from graphs import BATCH_BUCKETS, compile_step
 
     @torch.no_grad()
     def step(x):
@@ -302,7 +329,7 @@ def test_each_compiled_step_keeps_its_own_graphs():
 
 
 def test_batch_bucket():
-    from model import batch_bucket
+    from graphs import batch_bucket
 
     assert [batch_bucket(n) for n in (1, 2, 3, 5, 16, 17, 256, 257, 600)] == [1, 2, 4, 8, 16, 32, 256, 512, 768]
     with pytest.raises(ValueError, match="batch must be >= 1"):
@@ -323,7 +350,7 @@ def test_graphed_generate_pads_to_a_bucket_and_reuses_one_cache_per_bucket():
     sampled = lambda: m.generate(a, 8, temperature=1.0, top_k=20, generator=torch.Generator().manual_seed(5))  # noqa
     ref_s = sampled()
     check = GraphCheck()
-    m.compile_decode(backend=check)
+    graphs.compile_decode(m, backend=check)
     assert torch.equal(m.generate(a, 8), ref_a) and check.graphs == 1
     cache = m.graph_caches[4]
     assert cache.batch == 4 and cache.static and cache.max_len == 64  # 5 + 8 rounded up to 128, capped at the context

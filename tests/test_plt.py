@@ -3,6 +3,7 @@ vanilla model, the shift breaks same-position dependence, the window and the cac
 import pytest
 import torch
 
+import graphs
 from model import GPT, GPTConfig
 from plt import (LOOP_INPUT_NORMS, PLT, PLTAttention, PLTConfig, VARIANTS, config_overrides, shift_right,
                  variant_fields)
@@ -180,7 +181,7 @@ def test_compiled_decode_through_the_triton_operator(monkeypatch):
     ref = model.generate(idx, 8)
     monkeypatch.setattr(kernels, "_all_cuda", lambda tensors: True)
     check = GraphCheck()
-    model.compile_decode(backend=check)
+    graphs.compile_decode(model, backend=check)
     assert torch.equal(model.generate(idx, 8), ref)
     assert check.graphs == 1 and check.unsafe == [] and check.syncs == [], (check.unsafe, check.syncs)
     assert "nano_inference.gated_swa_decode.default" in check.ops, check.ops
@@ -505,7 +506,7 @@ def test_preset_table_lists_every_table2_row_against_vanilla(capsys):
     """`python bench.py presets --arch plt`: per preset, one row per Table 2 variant (label, the model of that variant)
     with the row `vanilla` (one loop of the same stack) as the baseline in brackets."""
     import bench
-    from model import describe
+    from harness.bench_common import describe
     from plt import PRESETS, preset_rows
 
     bench.main(["presets", "--arch", "plt", "--preset", "tiny"])

@@ -4,10 +4,13 @@ state propagation, the early-exit training objective, train.py integration and t
 import pytest
 import torch
 
+import graphs
 from conftest import write_jsonl
-from model import GPT, GPTConfig, KVCache, distill_loss, lm_loss, model_memory, param_bytes
-from recursive import (ARCH_SPECS, RecursiveCache, RecursiveConfig, RecursiveGPT, exit_analysis, exit_coefficients,
-                       from_vanilla, stepwise_layers, tying_sources)
+from eval import exit_analysis
+from harness.memory import model_memory, param_bytes
+from model import GPT, GPTConfig, KVCache, distill_loss, lm_loss
+from recursive import (ARCH_SPECS, RecursiveCache, RecursiveConfig, RecursiveGPT, exit_coefficients, from_vanilla,
+                       stepwise_layers, tying_sources)
 from svd_lora import LoRALinear, lora_params, max_ranks
 
 SMALL = dict(n_layer=6, n_head=4, n_kv_head=2, n_embd=32, mlp_hidden=48, vocab_size=96, max_seq_len=48)
@@ -669,7 +672,7 @@ def test_compiled_decode_is_one_graph_per_exit_setting_with_the_eager_tokens():
     refs = [m.generate(idx, 10, exit_threshold=t, exit_rule=r, return_exits=True) for t, r in settings]
     assert all(len(set(ex[:, 1:].flatten().tolist())) > 1 for _, ex in refs[1:])  # exits happen
     check = GraphCheck()
-    c = copy.deepcopy(m).compile_decode(backend=check)
+    c = graphs.compile_decode(copy.deepcopy(m), backend=check)
     for i, ((t, r), ref) in enumerate(zip(settings * 2, refs * 2)):
         out, ex = c.generate(idx, 10, exit_threshold=t, exit_rule=r, return_exits=True)
         assert torch.equal(out, ref[0]) and torch.equal(ex, ref[1]), (t, r)
@@ -778,6 +781,23 @@ def test_middle_cycle_cached_decoding_equals_the_full_forward(ranks_):
     assert torch.equal(m(out)[0][:, 4:-1].argmax(-1), out[:, 5:]) and torch.all(exits == 1)
 
 
+@torch.no_grad()
+def test_middle_cycle_chunked_prefill_equals_the_prefill():
+    """prefill_chunk (a server's chunked prefill into some cache rows) runs the whole depth order, the unique first
+    and last layers included: two chunks into rows 3 and 1 of a 4-row cache write what prefill writes (every cache
+    layer) and end on its last hidden state."""
+    m = middle("llama", **ranks(4))
+    idx = torch.randint(0, 96, (2, 9))
+    ref_cache, cache = m.new_cache(2, 12), m.new_cache(4, 12)
+    ref = m.prefill(idx, ref_cache)
+    rows, pos = torch.tensor([3, 1]), torch.arange(9).expand(2, 9)
+    m.prefill_chunk(idx[:, :5], pos[:, :5], cache, rows, first=True)
+    h = m.prefill_chunk(idx[:, 5:], pos[:, 5:], cache, rows)
+    torch.testing.assert_close(m.head(h[:, -1:])[:, 0], ref, rtol=0, atol=1e-5)
+    for a, b in ((cache.k, ref_cache.k), (cache.v, ref_cache.v)):  # all N = 6 cache layers, the unique ones too
+        torch.testing.assert_close(a[:, rows, :, :9], b[:, :, :, :9], rtol=0, atol=1e-5)
+
+
 def test_middle_cycle_compiled_decode_is_one_graph_per_bucket_with_the_eager_tokens():
     """compile_decode of Middle-Cycle sharing (backend GraphCheck): greedy generation gives the eager tokens and exit
     loops, one graph per batch bucket (3 rows -> 4, 6 rows -> 8) whatever the number of tokens (the exit log is
@@ -791,7 +811,7 @@ def test_middle_cycle_compiled_decode_is_one_graph_per_bucket_with_the_eager_tok
     idxs = [torch.randint(0, 96, (b, 5), generator=gen) for b in (3, 6)]
     refs = [m.generate(idx, 6, return_exits=True) for idx in idxs]
     check = GraphCheck()
-    c = copy.deepcopy(m).compile_decode(backend=check)
+    c = graphs.compile_decode(copy.deepcopy(m), backend=check)
     for i, (idx, ref) in enumerate(zip(idxs * 2, refs * 2)):
         out, ex = c.generate(idx, 6, return_exits=True)
         assert torch.equal(out, ref[0]) and torch.equal(ex, ref[1]) and torch.all(ex == 1)

@@ -94,7 +94,7 @@ def test_vanilla_continuous_and_static_equal_sequential():
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Compiled steps: what the CPU can prove about the CUDA-graph path (model.compile_step, tests/graph_check.py)
+# Compiled steps: what the CPU can prove about the CUDA-graph path (graphs.compile_step, tests/graph_check.py)
 
 
 def _servers(kind, **kw):
@@ -213,12 +213,13 @@ def test_eos_ends_a_request_and_a_first_token_eos_is_not_counted_again(kind):
     reqs = serve_requests.synthetic_requests(12, CFG["vocab_size"], "2:8", "3:6", seed=17)
     refs = [serve.sequential_generate(model, r)[0] for r in reqs]
     eos = refs[0][0]  # request 0 ends on the token its prefill samples
-    srv = (serve.ContinuousServer if kind == "vanilla" else serve.DepthWiseServer)(model, 1, eos_id=eos)
+    srv = (serve.ContinuousServer if kind == "vanilla" else serve.DepthWiseServer)(model, 1, eos_id=eos,
+                                                                                  hook=serve.Metrics())
     out = srv.run(reqs, clock="step")
     for r, ref in zip(out, refs):
         assert r.output == (ref[:ref.index(eos) + 1] if eos in ref else ref), r.rid
     assert out[0].output == [eos] and out[0].max_new_tokens > 1
-    assert srv.full_tokens == sum(len(r.output) - 1 for r in out)
+    assert srv.hook.full_tokens == sum(len(r.output) - 1 for r in out)
 
 
 def test_500_requests_none_lost_or_duplicated():
@@ -290,7 +291,7 @@ def test_same_seed_same_sampled_outputs():
 
 def test_metrics_and_bad_args():
     reqs = _requests(10, seed=8)
-    srv = serve.DepthWiseServer(REL, 4, exit_threshold=bench_serve.calibrate_threshold(REL, reqs))
+    srv = serve.DepthWiseServer(REL, 4, exit_threshold=bench_serve.calibrate_threshold(REL, reqs), hook=serve.Metrics())
     d = bench_serve.summarize(srv, srv.run(reqs, clock="step"))
     assert d["tokens"] == sum(r.max_new_tokens for r in reqs) and d["tok_per_s"] > 0
     assert 1.0 <= d["mean_exit_loop"] <= 2.0 and 0 < d["occupancy"] <= 1.0
@@ -496,3 +497,17 @@ def test_demo_serves_every_system_and_prints_its_table(capsys):
                           "depth-wise softmax>=" + out.split("threshold ")[1].split()[0]]
     assert len({r[0] for r in rows.values()}) == 1  # every system generated every token
     assert rows["vanilla continuous"][-1] == "1.00" and 1.0 < float(rows[list(rows)[-1]][-2]) < 2.0
+
+
+def test_demo_schedule_prints_figure_3_of_its_run(capsys):
+    """`python serve.py --schedule N`: after the table, the first N forward passes of the depth-wise server with exits
+    on the same requests, one line per slot (serve.ScheduleTrace): every slot starts with its prompt's prefill pass,
+    and the decode steps run rows at loops 1 and 2, tokens leaving at both."""
+    serve.main(["--preset", "tiny", "--requests", "5", "--slots", "3", "--dtype", "float32", "--schedule", "12"])
+    out = capsys.readouterr().out
+    grid = out.split("Figure 3 (continuous depth-wise batching), traced from the run above:\n")[1].splitlines()
+    assert grid[3].startswith("depth-wise softmax>=") and ": forward passes 1..12 of " in grid[3]
+    rows = grid[5:]
+    assert len(rows) == 3 and all(r.startswith("slot ") and len(r) == 7 + 3 * 12 and r[9] == "p" for r in rows)
+    cells = {c for r in rows for c in r[7:].split()}
+    assert {c[1] for c in cells} >= {"p", "1", "2"} and any(c == c.upper() and c[1] in "12" for c in cells)

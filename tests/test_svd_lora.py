@@ -3,10 +3,10 @@ import pytest
 import torch
 
 import kernels
+from eval import residual_energy
 from model import GPT, Block, GPTConfig, Linear
 from recursive import tying_sources
-from svd_lora import (LoRALinear, add_lora, init_lora, lora_params, max_ranks, norm_affine, residual_energy,
-                      svd_method, truncated_svd)
+from svd_lora import LoRALinear, add_lora, init_lora, lora_params, max_ranks, norm_affine, svd_method, truncated_svd
 
 
 def lora_layer(bias=True, bias_delta=True, n_loops=3, rank=4, din=12, dout=10):

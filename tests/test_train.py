@@ -12,7 +12,7 @@ import torch
 import model as model_lib
 import train
 from conftest import ROOT, write_jsonl
-from harness import checkpoint, cli, data
+from harness import checkpoint, cli, data, memory
 
 # ---- a small real corpus: a few standard-library files as SlimPajama-style documents ----------------------------
 
@@ -516,8 +516,8 @@ def test_step_memory_estimate_matches_the_activations_of_a_full_batch(arch):
     spec = table[arch]
     T = 192
     model = spec.model_cls(spec.make_config("tiny", vocab_size=576, max_seq_len=T))
-    est = model_lib.step_memory(model, spec, 3, T, 513, torch.device("cpu"), contextlib.nullcontext())
-    real, _ = model_lib.saved_activation_bytes(model, spec, 3, T, 513, torch.device("cpu"), contextlib.nullcontext())
+    est = memory.step_memory(model, spec, 3, T, 513, torch.device("cpu"), contextlib.nullcontext())
+    real, _ = memory.saved_activation_bytes(model, spec, 3, T, 513, torch.device("cpu"), contextlib.nullcontext())
     # extrapolated from 1-row probes at T = 32 and 64: SDPA paths keep O(T) per row; plt's G-SWA reference and the
     # double decoder's dense path keep T x T masks/scores (the fitted quadratic term; the latter also draws a random
     # block partition per batch)
