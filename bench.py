@@ -169,7 +169,7 @@ def build_parser():
     p.add_argument("--batch", type=comma_list(pos), default="1,4,16", help="comma list of decode batches")
     p.add_argument("--repeats", type=pos, default=5, help="timed passes per product (median)")
     p.add_argument("--threads", type=threads_arg, default=None, help="CPU threads (default: torch's)")
-    p.set_defaults(fn=bench_roofline)
+    p.set_defaults(fn=bench_roofline, device="cpu")  # this CPU's: --dtype is checked there, whatever else is here
 
     p = sub.add_parser("ckpt", help="checkpoint load: the CRC-32 verification of every record vs torch.load")
     p.add_argument("--preset", default="base", choices=sorted(PRESETS), help="GPT preset (default base)")

@@ -60,6 +60,7 @@ if __name__ == "__main__":  # Ctrl-C or SIGTERM during the imports below: `stopp
 import argparse
 import json
 import math
+import os
 import platform
 import re
 import shutil
@@ -78,9 +79,9 @@ import graphs
 import recursive
 from harness.checkpoint import (check_vocab, keep_layers, load_checkpoint, load_source_model, model_from_checkpoint,
                                 read_curve, tokenizer_from_spec)
-from harness.cli import (DTYPES, ArgumentParser, UsageError, check_memory, check_output_file, check_writable_dir,
-                         comma_list, number, one_of, path_arg, run_child, run_cli, run_subcommand, seed_arg,
-                         temperature_arg, threads_arg, user_input, write_atomic)
+from harness.cli import (DTYPES, ArgumentParser, UsageError, append_line, atomic_file, check_memory, check_output_file,
+                         check_writable_dir, comma_list, fields_problem, number, one_of, path_arg, read_json, run_child,
+                         run_cli, run_subcommand, seed_arg, temperature_arg, threads_arg, user_input, write_atomic)
 from harness.data import TokenData, first_tokens_windows, is_gguf_source, is_hf_source, prepare_corpus, step_generator
 from harness.device import pick_device, pick_dtype
 from harness.memory import forward_memory, memory_sum, module_bytes
@@ -579,7 +580,8 @@ def eval_samples(args):
     out = Path(args.out)
     settings = dict(model=args.model, tokenizer=spec, seed=args.seed, length=args.length, batch_size=args.batch_size,
                     greedy_first=args.greedy_first, temperature=args.temperature, top_k=args.top_k)
-    manifest = read_json(out / "manifest.json") if (out / "manifest.json").is_file() else {**settings, "shards": {}}
+    manifest = read_manifest(out / "manifest.json") if os.path.lexists(out / "manifest.json") else \
+        {**settings, "shards": {}}
     differ = [k for k in settings if manifest.get(k) != settings[k]]
     if differ:
         raise UsageError(f"--out {out} holds samples of other settings ({differ[0]} {manifest.get(differ[0])!r}, "
@@ -610,20 +612,27 @@ def eval_samples(args):
             n += len(row)
             lines.append(json.dumps({"text": tok.decode(row), "meta": {"redpajama_set_name": "TeacherSamples"}}))
         name = f"samples_{i:05d}.jsonl"
-        write_atomic(out / name, "\n".join(lines) + "\n")
+        write_atomic(out / name, "\n".join(lines) + "\n", "samples shard")
         manifest["shards"][name] = n
-        write_atomic(out / "manifest.json", json.dumps(manifest, indent=1))
+        write_atomic(out / "manifest.json", json.dumps(manifest, indent=1), "samples manifest")
         have += n
         print(f"shard {name}: {n:,} tokens, {args.batch_size * (args.length - 1) / dt:,.0f} generated tok/s | "
               f"{have:,} of {args.tokens:,}", flush=True)
     return out
 
 
-def read_json(path: Path):
-    try:
-        return json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
-        raise UsageError(f"{path} cannot be read as JSON ({type(e).__name__}): remove it to start again") from None
+def read_manifest(path: Path) -> dict:
+    """OUT/manifest.json of eval_samples: its settings and {shard file name: tokens} (cli.read_json); a damaged one is
+    one line naming it."""
+    def problem(m):
+        shards = m.get("shards")
+        if not isinstance(shards, dict) or not all(
+                isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                for k, v in shards.items()):
+            return "its 'shards' is not a map of shard file names to token counts"
+        return None
+    return read_json(path, "samples manifest", "a manifest of eval.py samples", problem, damaged=True,
+                     fix=f"remove {path.parent} to sample again")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -688,21 +697,36 @@ def run_script(script: str, argv: list[str], keep=lambda line: False) -> tuple[l
     return kept, time.perf_counter() - t0
 
 
+# The fields each kind of OUT/recovery.jsonl record holds (what the table, the plot and the exits stage read back)
+RECOVERY_RECORDS = {
+    "settings": {"source": str, "data": str, "seq_len": int, "batch_size": int, "lr": float, "min_lr": float,
+                 "eval_tokens": int, "seed": int, "tokens": int},
+    "row": {"row": str, "label": str, "points": list, "params": int, "non_emb": int, "device": str},
+    "exits": {"row": str, "label": str, "post_tokens": int, "post_curve": list, "device": str, "eval_tokens": int,
+              "loop_loss": list, "original_loss": float, "gate": list, "served": dict},
+}
+
+
+def recovery_problem(r: dict) -> str | None:
+    """What keeps a line of OUT/recovery.jsonl from being a record of its kind, or None."""
+    fields = RECOVERY_RECORDS.get(r.get("kind"))
+    if fields is None:
+        return f"its kind {r.get('kind')!r} is not one of {', '.join(RECOVERY_RECORDS)}"
+    curve = r.get("points", r.get("post_curve"))
+    return fields_problem(r, fields) or (None if curve is None or all(
+        isinstance(p, list) and len(p) == 2 and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in p)
+        for p in curve) else "its curve is not a list of [tokens, loss] pairs")
+
+
 def read_recovery(path: Path) -> tuple[dict | None, dict, dict | None]:
-    """OUT/recovery.jsonl -> (the settings, {row: its latest record}, the latest exits record). A line that is not
-    such a record is an error naming it."""
+    """OUT/recovery.jsonl -> (the settings, {row: its latest record}, the latest exits record). A file or a line that
+    is not such a record is an error naming it (cli.read_json)."""
     settings, rows, exits = None, {}, None
-    if not path.is_file():
+    if not os.path.lexists(path):
         return settings, rows, exits
-    for n, raw in enumerate(path.read_text().splitlines(), 1):
-        if not raw.strip():
-            continue
-        try:
-            r = json.loads(raw)
-            kind = r["kind"]
-        except Exception as e:  # not JSON, not a dict, no kind
-            raise UsageError(f"{path} line {n} is not a record of eval.py recovery ({type(e).__name__}); remove "
-                             f"the line or the file") from None
+    for r in read_json(path, "results file", "a record of eval.py recovery", recovery_problem, lines=True,
+                       damaged=True, fix="remove the line or the file"):
+        kind = r["kind"]
         if kind == "settings":
             settings = r
         elif kind == "row":
@@ -713,9 +737,8 @@ def read_recovery(path: Path) -> tuple[dict | None, dict, dict | None]:
 
 
 def append_record(path, record: dict):
-    """One JSON line appended to a results file (eval.py loss --results, OUT_DIR/recovery.jsonl)."""
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
+    """One JSON line appended to a results file (eval.py loss --results, OUT_DIR/recovery.jsonl: cli.append_line)."""
+    append_line(path, json.dumps(record))
 
 
 def eval_recovery(args):
@@ -776,6 +799,7 @@ def eval_recovery(args):
     if args.points and budget and max(curve_points(0, args.points)) > budget:
         raise UsageError(f"--points {args.points}: a point is past the budget of {budget:,} tokens")
     check_writable_dir(out, "--out-dir")
+    check_output_file(path, "--out-dir's results file")  # appended after every row: never a link or a FIFO
     common = ["--data", args.data, "--cache-dir", args.cache_dir, "--seq-len", str(args.seq_len), "--batch-size",
               str(batch), "--device", args.device, "--dtype", args.dtype, "--seed", str(args.seed),
               "--teacher", args.source, "--kd", "fkl", "--sample-tokens", "0", "--eval-iters", "4",
@@ -810,14 +834,14 @@ def report_recovery(settings, done, exits, out: Path):
     if done:
         text = recovery_table(settings, done)
         print(text)
-        (out / "recovery.md").write_text(text + "\n")
+        write_atomic(out / "recovery.md", text + "\n", "table")
         plot = recovery_plot(settings, done, out / "recovery.png")
         print(f"table: {out / 'recovery.md'}" + (f", plot: {plot}" if plot else " (no plot: matplotlib does not "
                                                                                "import here)"))
     if exits is not None:
         text = exits_table(exits)
         print(text)
-        (out / "exits.md").write_text(text + "\n")
+        write_atomic(out / "exits.md", text + "\n", "table")
     return settings, done, exits
 
 
@@ -942,7 +966,8 @@ def recovery_plot(settings, done, path: Path) -> Path | None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_file(path, "plot") as f:
+        fig.savefig(f, format="png", dpi=120)
     plt.close(fig)
     return path
 

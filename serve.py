@@ -83,7 +83,8 @@ class Request:
     max_new_tokens: int
     arrival: float = 0.0  # seconds after the start (clock='wall') or decode steps (clock='step')
     error: str | None = None
-    invalid: str | None = None  # a reason found while reading the request (bad JSONL line)
+    invalid: str | None = None  # a reason found while reading the request (bad JSONL line, a failed chat template)
+    invalid_kind: str = "bad request line"  # the short reason of `invalid`
     error_kind: str | None = None  # the short reason of `error` (the summaries count requests by it)
     source: str | None = None  # where the request came from ("reqs.jsonl:3"), named in its error
     finished: bool = False
@@ -102,7 +103,8 @@ class Request:
     def fresh(self) -> "Request":
         """The same request, not yet served (prompt, length, arrival and any reading error kept)."""
         return Request(self.rid, list(self.prompt) if isinstance(self.prompt, list) else self.prompt,
-                       self.max_new_tokens, self.arrival, invalid=self.invalid, source=self.source)
+                       self.max_new_tokens, self.arrival, invalid=self.invalid,
+                       invalid_kind=self.invalid_kind, source=self.source)
 
     def refuse(self, kind: str, message: str):
         """This request is not served: its error, naming where it came from (unless the message names its file)."""
@@ -115,7 +117,7 @@ def request_problem(r: Request, vocab_size: int, max_seq_len: int) -> tuple[str,
     """(short reason, clear message) why this request cannot be served by a model of this vocabulary and context,
     or None."""
     if r.invalid:
-        return "bad request line", r.invalid
+        return r.invalid_kind, r.invalid
     if not isinstance(r.max_new_tokens, int) or isinstance(r.max_new_tokens, bool) or r.max_new_tokens <= 0:
         return "bad max_new_tokens", f"max_new_tokens={r.max_new_tokens!r} must be a positive integer"
     if not isinstance(r.prompt, list):

@@ -41,7 +41,7 @@ import os
 import sys
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -75,11 +75,11 @@ def train(argv=None):
                disable=None if master else True, file=sys.stderr, leave=False)
     last_loss, last_total, last_acc, t0 = None, None, None, time.perf_counter()
     model.train()
-    with stop_signals() as asked:
+    with stop_signals(lambda name: f"{name} again: stopped at once; {kept(run)}{resume_hint(run)}") as run.asked:
         for step in range(run.start_step, args.max_iters + 1):  # `step` optimizer steps are done
             # -- evaluate and checkpoint: every --eval-interval steps and after the last one
             if step > run.start_step and (step % args.eval_interval == 0 or step == args.max_iters):
-                val, val_counts = evaluate(run)
+                val, val_counts = evaluate(run, step)
                 log(f"val step {step} loss {val:.4f} ppl {math.exp(min(val, 30)):.2f}{scores_text(val_counts)}", master)
                 check_val_loss(run, val, step)
                 write_checkpoint(run, step, val)
@@ -90,7 +90,7 @@ def train(argv=None):
             if step == args.max_iters:
                 break
             if step > run.start_step:
-                stop_if_asked(run, asked, step)
+                stop_if_asked(run, step)
 
             # -- forward, backward, update: --grad-accum micro-batches, each drawn by its own step_generator (a resumed
             # run draws the batches an uninterrupted one would), then one AdamW step at the schedule's lr
@@ -98,6 +98,8 @@ def train(argv=None):
             set_lr(optimizer, lr)
             total, lm_total, kd_total, counts = 0.0, 0.0, 0.0, {}
             for micro in range(args.grad_accum):
+                if micro:
+                    stop_within_step(run, step)
                 x, y, kw = batch_on_device(run, run.train_data, step_generator(args.seed, step, micro, run.rank))
                 sync = contextlib.nullcontext() if (not run.ddp or micro == args.grad_accum - 1) else model.no_sync()
                 with sync:
@@ -172,13 +174,16 @@ def loss_of(run, x, y, kwargs):
 
 
 @torch.no_grad()
-def evaluate(run):
-    """-> the mean validation loss and the batches' scores summed (on a task {p: (correct, labels)}, else {})."""
+def evaluate(run, step):
+    """The evaluation after `step` steps -> the mean validation loss and the batches' scores summed (on a task
+    {p: (correct, labels)}, else {})."""
     model = run.model
     model.eval()
     losses, counts = [], {}
     for i in tqdm(range(run.args.eval_iters), desc="eval", leave=False, disable=None if run.master else True,
                   file=sys.stderr):
+        if i:
+            stop_within_step(run, step)
         x, y, kw = batch_on_device(run, run.val_data, step_generator(run.args.seed, -1, i, run.rank))
         with run.autocast:
             logits, loss = model(x, y, **kw)
@@ -238,9 +243,10 @@ def check_val_loss(run, val, step):
                 f"evaluations are compared with this one", run.master)
 
 
-def stop_if_asked(run, asked, step):
+def stop_if_asked(run, step):
     """Ctrl-C or SIGTERM reached this process (cli.stop_signals) or, under DDP, any rank (every rank stops after the
     same step): the checkpoint of `step` unless it is on disk already, then cli.Stopped saying how to continue."""
+    asked = run.asked
     stop = bool(asked)
     if run.ddp:
         flag = torch.tensor([float(stop)], device=run.device)
@@ -251,7 +257,22 @@ def stop_if_asked(run, asked, step):
     if run.last_good != step:
         write_checkpoint(run, step, None)
     raise Stopped(f"{asked[0] if asked else 'another rank was signalled'} after step {step}: checkpoint {run.ck_file} "
-                  f"(step {step}) written; continue with: python train.py --resume --out-dir {run.args.out_dir}")
+                  f"(step {step}) written{resume_hint(run)}")
+
+
+def stop_within_step(run, step):
+    """Between two micro-batches of a step, or two batches of an evaluation: a stop asked for ends the run here, so a
+    long step (a large --grad-accum, --eval-iters) never delays it. Nothing of the unfinished step has touched the
+    weights or the optimizer yet (optimizer.step comes after the last micro-batch), so the checkpoint written is that
+    of the `step` whole steps done (stop_if_asked). Under DDP the ranks agree on a stop between steps only (a rank
+    leaving mid-step would hang the others' gradient all-reduce); a second signal stops at once there too."""
+    if run.asked and not run.ddp:
+        stop_if_asked(run, step)
+
+
+def resume_hint(run) -> str:
+    return f"; continue with: python train.py --resume --out-dir {run.args.out_dir}" if run.last_good is not None \
+        else ""
 
 
 def kept(run) -> str:
@@ -307,6 +328,7 @@ class Run:
     best_val: float
     last_good: int | None  # the step of the checkpoint on disk, None before the first is written
     warned_divergence: bool = False  # check_val_loss warns once per run
+    asked: list = field(default_factory=list)  # the stops asked for (cli.stop_signals: the signals' names)
     curve: dict | None = None  # --curve-at: steps, the fixed evaluation set, OUT_DIR/curve.jsonl (setup_curve)
 
     @property
@@ -331,7 +353,6 @@ def setup_run(argv) -> Run:
     master = rank == 0
     curve_steps = check_curve(args, world)
     if master:
-        warn_inapplicable(ap, args, given)
         for n in notes + length_notes:
             log(f"resume: {n}")
     torch.manual_seed(args.seed)
@@ -339,6 +360,8 @@ def setup_run(argv) -> Run:
     autocast = (torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext())
     with user_input():  # every flag is checked here, before the corpus is tokenized
         tok, task, model, teacher = build_models(args, spec, table, ap, given, resume_ck, dtype, device, master)
+    if master:  # after the checks: a run refused is its one error line
+        warn_inapplicable(ap, args, given)
     model.to(device)
     if teacher is not None:
         teacher.to(device).eval().requires_grad_(False)

@@ -256,8 +256,15 @@ def bench_kd(args):
     else:
         with user_input():
             cfg = gguf_config(read_gguf(gguf_file(args.weights) or Path(args.weights)))
+    if cfg.n_layer % args.loops:  # the student shares n_layer / loops layers (recursive.from_vanilla, Stepwise)
+        fits = [b for b in range(2, cfg.n_layer + 1) if cfg.n_layer % b == 0]
+        raise UsageError(f"--loops {args.loops}: the {cfg.n_layer} layers of --weights {args.weights} do not split "
+                         f"into {args.loops} loops of shared layers; give one of {', '.join(map(str, fits))}")
+    if args.seq_len > cfg.max_seq_len:
+        raise UsageError(f"--seq-len {args.seq_len} exceeds the context of --weights {args.weights} "
+                         f"({cfg.max_seq_len:,} positions)")
     B, T, V = args.train_batch, args.seq_len, cfg.vocab_size
-    student = GPTConfig(**{**asdict(cfg), "n_layer": max(1, cfg.n_layer // args.loops)})  # its shared layers
+    student = GPTConfig(**{**asdict(cfg), "n_layer": cfg.n_layer // args.loops})  # its shared layers
     t, s = model_memory(cfg, 4), model_memory(student, 4)
     check_memory(memory_sum({"teachers (ours and transformers')": 2 * t["total"], "students": 2 * s["total"],
                              "students' gradients and AdamW moments": 2 * 3 * s["weights"], "batch": 2 * B * T * 8,

@@ -52,10 +52,14 @@ A run's flags and its checkpoint (train.py's contract; the flags are reconciled 
   * One run per --out-dir: a run holds OUT_DIR/train.lock (cli.take_dir_lock: created exclusively, with its pid)
     from its setup to its end, however it ends; another run there is refused in one line, and the lock of a run that
     was killed (-9) is taken over with a warning.
-  * Ctrl-C or SIGTERM: the current step finishes, the checkpoint is written (atomically, as always), and the run
-    stops with one line `stopped: ... continue with: python train.py --resume --out-dir OUT_DIR` and exit code 130;
-    before the first step (setup, tokenizing) it stops at once, `stopped: terminated (SIGTERM)`, exit code 130.
-    A checkpoint write that fails (a full disk) removes its temporary file and keeps the last good checkpoint.
+  * Ctrl-C or SIGTERM: the run stops at its next check (after the step, or between two micro-batches or evaluation
+    batches, where nothing of the unfinished step has reached the weights yet), writes the checkpoint of the last
+    whole step (atomically, as always), and stops with one line `stopped: ... continue with: python train.py
+    --resume --out-dir OUT_DIR` and exit code 130; a second one stops at once (a checkpoint being written is
+    abandoned, the last good one stays), `stopped: SIGTERM again: ...`; before the first step (setup, tokenizing) it
+    stops at once, `stopped: terminated (SIGTERM)`, exit code 130. A checkpoint write that fails (a full disk)
+    removes its temporary file and keeps the last good checkpoint. A step is at most MAX_STEP_TOKENS tokens, typed or
+    restored (a saved --grad-accum of 10^9 would be a step that never ends).
   * Divergence: a non-finite loss or weight stops the run without writing its checkpoint (exit code 2). A finite
     validation loss more than a nat above the best of the run so far (of the run it resumes too), or a first one above
     ln(V) + 1 (a nat above a uniform guess over the V tokens) for a run from random weights, is one warning (once per
@@ -66,15 +70,12 @@ A run's flags and its checkpoint (train.py's contract; the flags are reconciled 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import errno
 import functools
 import json
 import math
 import mmap
 import os
 import struct
-import tempfile
 import warnings
 import zipfile
 import zlib
@@ -89,9 +90,11 @@ import model
 import plt
 import recursive
 from harness import tasks
-from harness.cli import (CheckpointError, UsageError, check_device, check_model_fits, check_step_memory,
-                         check_writable_dir, flag_name, log, number, one_line, regular_file)
-from harness.data import Tokenizer, first_tokens_windows, hf_tokenizer_spec, is_gguf_source, is_hf_source, padded_vocab
+from harness.cli import (CheckpointError, UsageError, append_line, atomic_file, check_device, check_model_fits,
+                         check_output_file, check_step_memory, check_writable_dir, fields_problem, flag_name, log,
+                         number, one_line, read_json, regular_file)
+from harness.data import (DEFAULT_BASE, Tokenizer, first_tokens_windows, hf_tokenizer_spec, is_gguf_source,
+                          is_hf_source, padded_vocab)
 from harness.hf import from_gguf, from_pretrained, gguf_tokenizer_spec
 from harness.memory import least_step_memory
 from model import ArchSpec, windows_loss
@@ -127,37 +130,18 @@ def run_checkpoint(model, optimizer, step, best_val, val_loss, tokenizer_spec, a
 
 
 def save_checkpoint(path: Path, obj: dict):
-    """torch.save (with the CRC-32 of every record, which load_checkpoint verifies) to a fresh temporary file in the
-    same directory, then rename: a crash never leaves half a checkpoint, and the previous checkpoint stays until the
-    new one is whole. The temporary file is created exclusively (mkstemp: a link or file already there is never
-    followed or overwritten). A write that fails (a full disk: torch reports it as a RuntimeError "unexpected pos";
+    """torch.save (with the CRC-32 of every record, which load_checkpoint verifies) through cli.atomic_file: a fresh
+    temporary file in the same directory (created exclusively: a link or file already there is never followed or
+    overwritten), fsynced, then renamed, so a crash never leaves half a checkpoint and the previous checkpoint stays
+    until the new one is whole. A write that fails (a full disk: torch reports it as a RuntimeError "unexpected pos";
     a directory that cannot be written) removes the temporary file and is a CheckpointError."""
-    tmp = None
     crc = torch.serialization.get_crc32_options()
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        with open(fd, "wb") as f:
-            os.fchmod(f.fileno(), 0o666 & ~_UMASK)  # mkstemp's 0600 -> what open() would give the checkpoint
+        with atomic_file(path, "checkpoint", CheckpointError) as f:
             torch.serialization.set_crc32_options(True)
             torch.save(obj, f)
-        os.replace(tmp, path)
-    except BaseException as e:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-        if isinstance(e, (OSError, RuntimeError)):
-            full = "; a full disk?" if isinstance(e, RuntimeError) or getattr(e, "errno", None) == errno.ENOSPC else ""
-            gone = f"; its temporary file {Path(tmp).name} was removed" if tmp is not None else ""
-            raise CheckpointError(f"writing checkpoint {path} failed ({type(e).__name__}: {one_line(e)}{full}){gone}") \
-                from e
-        raise
     finally:
         torch.serialization.set_crc32_options(crc)
-
-
-_UMASK = os.umask(0o22)  # read once at import (os.umask can only be read by setting it)
-os.umask(_UMASK)
 
 
 def load_checkpoint(path) -> dict:
@@ -509,6 +493,10 @@ def warn_inapplicable(ap, args, given):
         needs.update(dict.fromkeys(("kd_weight", "kd_temperature"), "needs --teacher"))
     if not tasks.is_task_source(args.data):
         needs.update(dict.fromkeys(tasks.TASK_FLAGS, "needs --data task:phop"))
+    else:
+        needs.update(dict.fromkeys(("tokenizer", "vocab_size"), f"--data {args.data} has its own vocabulary"))
+    if args.tokenizer and args.tokenizer != DEFAULT_BASE and "vocab_size" not in needs:
+        needs["vocab_size"] = f"cuts only {DEFAULT_BASE}; --tokenizer {args.tokenizer} has its own vocabulary"
     odd += [d for d in needs if d in given]
     if odd:
         owner = lambda d: "/".join(sorted(ap.arch_flags[d])) if d in ap.arch_flags else needs[d]  # noqa: E731
@@ -840,12 +828,29 @@ def resolve_defaults(args, spec):
                          f"a synthetic task")
 
 
+# The tokens of one optimizer step of one process (--batch-size x --seq-len x --grad-accum): 2^30 is 64 times the
+# 16M-token batches of the largest published pretraining runs. More is a typo or an edited checkpoint (a saved
+# --grad-accum of 10^9), and one step would never end: its micro-batches run one after another, each allocating only
+# --batch-size x --seq-len, so no memory estimate sees it.
+MAX_STEP_TOKENS = 2 ** 30
+
+
+def check_step_tokens(args):
+    """One optimizer step of at most MAX_STEP_TOKENS tokens per process, typed or restored by --resume."""
+    n = args.batch_size * args.seq_len * args.grad_accum
+    if n > MAX_STEP_TOKENS:
+        raise UsageError(f"--grad-accum {args.grad_accum} x --batch-size {args.batch_size} x --seq-len {args.seq_len} "
+                         f"= {n:,} tokens per optimizer step, more than {MAX_STEP_TOKENS:,} (64 times the largest "
+                         f"published pretraining batches): one step would not end; lower --grad-accum")
+
+
 def check_run_args(args, spec: ArchSpec, resume_ck, given) -> tuple[int, float, list[str]]:
     """The architecture's defaults, then the checks made before anything is built: --device, --out-dir and --cache-dir
     writable, a resumed run not past --max-iters -> (the first step, the best validation loss so far, notes about the
     resumed run's length)."""
     try:
         resolve_defaults(args, spec)
+        check_step_tokens(args)
     except UsageError as e:  # on --resume the flags are the checkpoint's: say so
         raise (UsageError(f"checkpoint {resume_ck['loaded_from']}: its saved flags: {e}") if resume_ck else e) from None
     args.out_dir = Path(args.out_dir or f"out/{args.arch}")
@@ -867,6 +872,10 @@ def build_models(args, spec: ArchSpec, table, ap, given, resume_ck, dtype, devic
     load = functools.cache(load_checkpoint)  # a checkpoint in several roles (--init-from's tokenizer and weights,
     # --teacher the same file) is read and verified once; each model is built from it (load_state_dict copies)
     tok = run_tokenizer(args, resume_ck, task, load)
+    if task is None and isinstance(tok, tasks.TaskTokenizer):  # --init-from a task's checkpoint, on text
+        raise UsageError(f"--init-from {args.init_from} was trained on the synthetic task {tok.spec['name']!r}: its "
+                         f"tokenizer reads no text, and --data {args.data} is a text corpus; give --data "
+                         f"task:{tok.spec['name']}, or start from a model trained on text")
     check_step_memory(least_step_memory(args.batch_size, args.seq_len, padded_vocab(tok.n_vocab), dtype), device, args,
                       at_least=True)
     if resume_ck is not None:
@@ -927,10 +936,12 @@ def setup_curve(args, steps, val_data, world, device, resume_ck, master) -> dict
     x, y = first_tokens_windows(val_data, args.curve_tokens, args.seq_len, f"the validation split of {args.data}")
     path = args.out_dir / "curve.jsonl"
     done = set()
-    if resume_ck is not None and path.exists():
+    if resume_ck is not None and os.path.lexists(path):
         done = {point["step"] for point in read_curve(path)}
     elif master:
         path.unlink(missing_ok=True)
+    if master:  # appended after each point: never through a link, never into a FIFO
+        check_output_file(path, "--curve-at's file")
     card = f"{world} x " if world > 1 else ""
     card += f"{device.type} {torch.cuda.get_device_name(device)}" if device.type == "cuda" else device.type
     return {"steps": steps, "done": done, "x": x, "y": y, "file": path, "device": card}
@@ -947,17 +958,24 @@ def curve_point(run, step):
         run.raw_model.train()
         tokens = step * run.tokens_per_step
         log(f"curve step {step} tokens {tokens} loss {loss:.4f}")
-        with open(c["file"], "a") as f:
-            f.write(json.dumps({"step": step, "tokens": tokens, "loss": loss, "eval_tokens": c["y"].numel(),
-                                "seq_len": c["y"].size(1), "data": run.args.data, "device": c["device"],
-                                "params": run.raw_model.num_params(False), "non_emb": run.raw_model.num_params()})
-                    + "\n")
+        append_line(c["file"], json.dumps({"step": step, "tokens": tokens, "loss": loss, "eval_tokens": c["y"].numel(),
+                                           "seq_len": c["y"].size(1), "data": run.args.data, "device": c["device"],
+                                           "params": run.raw_model.num_params(False),
+                                           "non_emb": run.raw_model.num_params()}), "curve file")
     c["done"].add(step)
 
 
+CURVE_POINT = {"step": int, "tokens": int, "loss": float, "eval_tokens": int, "params": int, "non_emb": int,
+               "device": str}  # the fields of a curve.jsonl line that train.py --resume and eval.py recovery read
+
+
 def read_curve(path) -> list[dict]:
-    """OUT_DIR/curve.jsonl (curve_point's lines) -> its points, in the order they were written."""
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """OUT_DIR/curve.jsonl (curve_point's lines) -> its points, in the order they were written; a file or a line that
+    is not such a point is one line naming it (cli.read_json)."""
+    return read_json(path, "curve file", "a point of train.py's recovery curve",
+                     lambda point: fields_problem(point, CURVE_POINT), lines=True, missing="does not exist",
+                     damaged=True, fix="remove that line or the file (a resumed run measures no point before its "
+                                       "step again)")
 
 
 CURVE_BATCH = 8  # windows per forward pass of the fixed evaluation set (the loss does not depend on it)

@@ -9,15 +9,20 @@ traceback. The pieces live here, not in train.py, so that the architecture files
 route their own command lines through them. The checks made before a run's first step live here too: a directory
 that must be writable (check_writable_dir), one that another live run writes (take_dir_lock: a lock file, held for a
 run by hold_dir_lock and releasing_dir_locks), the disk space a checkpoint needs (check_disk_space) and the memory an
-estimate says a command needs (check_memory, check_step_memory). log writes a run's lines, write_atomic a small file
-(a temporary name, then a rename), and run_child runs a command of this repository as a child process under the same
-contract (tasks.py depth, eval.py recovery: its error ends this command with code 2, a SIGTERM is passed on to it).
+estimate says a command needs (check_memory, check_step_memory), a file a command will write (check_output_file). The
+files themselves: every file a command writes goes through atomic_file / write_atomic (a fresh temporary name, fsync,
+rename) or append_line (a results file: no link followed, no special file), every JSON file it reads back through
+read_json (a regular file, a size bound, UTF-8, a depth bound, the caller's schema: fields_problem). log writes a
+run's lines, and run_child runs a command of this repository as a child process under the same contract (tasks.py
+depth, eval.py recovery: its error ends this command with code 2, a Ctrl-C or SIGTERM is passed on to it).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import fcntl
+import json
 import math
 import os
 import shutil
@@ -196,9 +201,9 @@ def check_device(flag):
 
 def check_dtype(device_flag: str, dtypes, flag: str = "--dtype"):
     """--dtype (one name or a comma list of device.pick_dtype's names) on --device: a few operations of a forward
-    pass (a matmul, an RMS norm, a softmax) run once on a tiny tensor, so that a dtype this machine's torch cannot
-    compute (float16 on a CPU without it, bfloat16 on an old MPS) is one line before any work, not a traceback in
-    the middle of it."""
+    pass (a linear layer with a bias, an RMS norm, a softmax, attention) run once on a tiny tensor, so that a dtype
+    this machine's torch cannot compute (float16 on a CPU without it, bfloat16 on an old MPS) is one line before any
+    work, not a traceback in the middle of it."""
     from harness.device import pick_device, pick_dtype  # the command-line module stays importable without the model
 
     if dtypes is None:
@@ -210,7 +215,7 @@ def check_dtype(device_flag: str, dtypes, flag: str = "--dtype"):
         dtype = pick_dtype(device, name)
         try:
             x = torch.ones(2, 8, device=device, dtype=dtype)
-            y = torch.nn.functional.rms_norm(x @ x.T, (2,), eps=1e-5).softmax(-1)
+            y = torch.nn.functional.rms_norm(torch.nn.functional.linear(x, x, x[:, 0]), (2,), eps=1e-5).softmax(-1)
             torch.nn.functional.scaled_dot_product_attention(y[None, None], y[None, None], y[None, None])
         except (RuntimeError, NotImplementedError, TypeError) as e:
             raise UsageError(f"{flag} {name}: this machine's torch cannot compute {dtype} on {device} "
@@ -257,17 +262,21 @@ def _signal_handlers(handlers: dict):
 
 
 @contextlib.contextmanager
-def stop_signals():
-    """Ctrl-C (SIGINT) and SIGTERM during the training loop: the first asks the loop to stop after the current step
-    (it writes the checkpoint and exits with code 130, Stopped); a second one stops at once (KeyboardInterrupt).
-    Yields the list the handler appends the signal's name to. Outside the main thread, where Python delivers no
-    signal, the list stays empty."""
+def stop_signals(at_once=lambda name: f"{name} again: stopped at once"):
+    """Ctrl-C (SIGINT) and SIGTERM during the training loop: the first asks the loop to stop at its next check (after
+    the step, or between micro-batches: it writes the checkpoint and exits with code 130, Stopped); a second one stops
+    at once, wherever the loop is: KeyboardInterrupt (Terminated for SIGTERM) with the message at_once(signal name)
+    says (where the work is), `stopped: ...` and exit code 130 through run_cli. A BaseException, so that no `except
+    Exception` on its way swallows it; a checkpoint being written is abandoned (its temporary file removed), the last
+    good one stays. Yields the list the handler appends the signal's name to. Outside the main thread, where Python
+    delivers no signal, the list stays empty."""
     asked = []
 
     def on_signal(signum, frame):
+        name = signal.Signals(signum).name
         if asked:
-            raise KeyboardInterrupt
-        asked.append(signal.Signals(signum).name)
+            raise (Terminated if signum == signal.SIGTERM else KeyboardInterrupt)(at_once(name))
+        asked.append(name)
 
     with _signal_handlers({signal.SIGINT: on_signal, signal.SIGTERM: on_signal}):
         yield asked
@@ -362,16 +371,6 @@ def regular_file(path, what: str, error=UsageError, missing: str | None = None) 
     return path
 
 
-def check_output_file(path, flag: str):
-    """A file a command appends its results to (eval.py --results): if it exists it must be a regular file (never a
-    directory, a FIFO or a device), and its directory must exist: one line before any work."""
-    path = Path(path)
-    if os.path.lexists(path):
-        regular_file(path, flag)
-    elif not path.parent.is_dir():
-        raise UsageError(f"{flag} {path}: its directory {path.parent} does not exist")
-
-
 def flag_name(ap, dest) -> str:
     return next((a.option_strings[0] for a in ap._actions if a.dest == dest and a.option_strings),
                 "--" + dest.replace("_", "-"))
@@ -391,10 +390,209 @@ def check_writable_dir(path: Path, flag: str):
         raise UsageError(f"{flag} {path} is not a writable directory ({e.strerror or e})") from None
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Files a command writes and reads back. Every write goes through atomic_file (a whole file: token shards and their
+# meta.json, checkpoints, eval.py samples' shards and manifest, tables, --json, the CPU-tuning cache) or append_line
+# (a results file: eval.py --results, OUT/recovery.jsonl, tasks.py's results, a run's curve.jsonl); neither follows a
+# link or opens a special file. Every JSON file read back (a run's curve.jsonl, recovery.jsonl, samples' manifest,
+# the CPU-tuning cache, a token cache's meta.json, a results file, a model's config.json) goes through read_json.
+
+_UMASK = os.umask(0o22)  # read once at import (os.umask can only be read by setting it)
+os.umask(_UMASK)
+
+
+def check_output_file(path, flag: str):
+    """A file a command writes once its work is done (eval.py --results, tasks.py's results, bench.py gpu --json),
+    checked before the work: if it exists it must be a regular file (never a directory, a FIFO, a device, or a link:
+    writes never follow one), its directory must exist, and a file must be creatable there (not a read-only file
+    system, /proc, a directory without permission: check_writable_dir's probe). One line, nothing left behind."""
+    path = Path(path)
+    if os.path.islink(path):
+        raise UsageError(f"{flag} {path} is a symbolic link (to {os.readlink(path)}): results are never written "
+                         f"through one; give the file itself")
+    if os.path.lexists(path):
+        regular_file(path, flag)
+    if not path.parent.is_dir():
+        raise UsageError(f"{flag} {path}: its directory {path.parent} does not exist")
+    try:
+        check_writable_dir(path.parent, flag)
+    except UsageError as e:
+        raise UsageError(f"{flag} {path}: {str(e).removeprefix(f'{flag} ')}") from None
+
+
+def _write_failed(e: BaseException, doing: str, path, tmp=None) -> str:
+    """'writing checkpoint PATH failed (OSError: [Errno 28] No space left on device; a full disk?)'"""
+    full = "; a full disk?" if isinstance(e, RuntimeError) or getattr(e, "errno", None) == errno.ENOSPC else ""
+    gone = f"; its temporary file {Path(tmp).name} was removed" if tmp is not None else ""
+    return f"{doing} {path} failed ({type(e).__name__}: {one_line(e)}{full}){gone}"
+
+
+@contextlib.contextmanager
+def atomic_file(path, what: str, error=UsageError):
+    """The one way a command writes a whole file: yields a binary file at a fresh temporary name in path's directory
+    (created if missing), then flushes, fsyncs and renames it over path. The temporary name is mkstemp's (created
+    exclusively: a link or file planted at any name is never followed or overwritten) and the file gets the mode
+    open() would give; a link at path itself is replaced, never written through. A crash or a failure leaves path as
+    it was and no temporary file: an OSError (or torch's RuntimeError of a full disk) is `error` ("writing WHAT PATH
+    failed (...)"), anything else (Ctrl-C, a bug) propagates after the cleanup."""
+    path, tmp = Path(path), None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        with open(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o666 & ~_UMASK)  # mkstemp's 0600 -> what open() would give the file
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        if isinstance(e, (OSError, RuntimeError)):
+            raise error(_write_failed(e, f"writing {what}", path, tmp)) from e
+        raise
+
+
+def write_atomic(path, data: str | bytes, what: str = "file", error=UsageError):
+    """path's new contents (text as UTF-8) through atomic_file: an interrupted write never leaves half a file."""
+    with atomic_file(path, what, error) as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+
+
+def append_line(path, line: str, what: str = "results file", error=UsageError):
+    """One line appended to a results file, created if missing: opened without following a link (O_NOFOLLOW) and
+    without waiting for a reader (O_NONBLOCK: a FIFO is refused, never a hang), it must be a regular file; the line
+    goes in one write and is fsynced (appends of other processes interleave by whole lines). A failure is `error`."""
+    data = (line.rstrip("\n") + "\n").encode()
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     0o666)
+    except OSError as e:
+        why = "it is a symbolic link, never written through" if e.errno == errno.ELOOP else \
+            "it is a FIFO without a reader" if e.errno == errno.ENXIO else f"{type(e).__name__}: {one_line(e)}"
+        raise error(f"appending to {what} {path} failed ({why})") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise error(f"appending to {what} {path} failed (not a regular file)")
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    except OSError as e:
+        raise error(_write_failed(e, f"appending to {what}", path)) from None
+    finally:
+        os.close(fd)
+
+
+MAX_READ_BYTES = 64 << 20  # a JSON file a command reads back: far more than any of them holds
+MAX_JSON_DEPTH = 32  # nesting of such a file (a few levels each); Python's parser itself stops near 1,000
+
+
+def _json_depth(obj, limit: int) -> int:
+    """Levels of nesting of a parsed JSON value (a number 0, [] 1, [[]] 2, ...), counted up to limit + 1."""
+    depth, level = 0, [obj] if isinstance(obj, (dict, list)) else []
+    while level and depth <= limit:
+        depth += 1
+        level = [v for o in level for v in (o.values() if isinstance(o, dict) else o) if isinstance(v, (dict, list))]
+    return depth
+
+
+def _parse_json(text: str):
+    """json.loads -> (the object, None), or (None, why it is not JSON of this kind: '(JSONDecodeError): ...')."""
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        return None, f"(JSONDecodeError): {e.msg} at line {e.lineno} column {e.colno}"
+    except RecursionError:  # nested deeper than the parser goes
+        return None, "(RecursionError): nested deeper than the JSON parser goes"
+    if _json_depth(obj, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+        return None, f"(nested more than {MAX_JSON_DEPTH} levels deep)"
+    return obj, None
+
+
+def read_json(path, what: str, record: str, check=None, error=UsageError, lines=False, missing=None, fix="",
+              damaged=False, max_bytes=MAX_READ_BYTES):
+    """The one reader of a JSON file a command reads back: a regular file (regular_file; opened without waiting, so a
+    FIFO swapped in meanwhile is refused too), at most max_bytes, UTF-8, JSON at most MAX_JSON_DEPTH deep, a JSON
+    object (`record` says what it should be: "a point of the curve") that check(obj) finds no problem with (-> the
+    problem, or None). lines=True: a JSON Lines file, each non-empty line such an object. Anything else is `error`
+    (the caller's class) in one line naming `what`, the file, the line and the reason ("is damaged (...)" for a file
+    this repository wrote itself: damaged=True), then `fix` (how to mend it). A missing file: as regular_file
+    (`missing` the reason, else FileNotFoundError). -> the object, or the list of the lines' objects."""
+    path = Path(path)
+
+    def fail(where: str, reason: str):  # reason: "is not valid JSON (...)", "holds a JSON list, not ..."
+        if damaged:
+            reason = f"is damaged ({reason.removeprefix('is ')})"
+        return error(f"{what} {path}{where} {reason}{f'; {fix}' if fix else ''}")
+
+    regular_file(path, what, error, missing)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with open(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise fail("", "is not a regular file")
+            raw = f.read(max_bytes + 1)
+    except OSError as e:
+        raise fail("", f"cannot be read ({e.strerror or e})") from None
+    if len(raw) > max_bytes:
+        raise fail("", f"holds more than {max_bytes:,} bytes, not {record}")
+    out = []
+    for n, chunk in enumerate(raw.split(b"\n") if lines else [raw], 1):
+        where = f" line {n}" if lines else ""
+        if lines and not chunk.strip():
+            continue
+        try:
+            text = chunk.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise fail(where, f"is not UTF-8 text (an undecodable byte at byte {e.start})") from None
+        obj, why = _parse_json(text)
+        if why is not None:
+            raise fail(where, f"is not {'a JSON line' if lines else 'valid JSON'} {why}")
+        if not isinstance(obj, dict):
+            kind = {list: "list", str: "string", bool: "boolean", type(None): "null"}.get(type(obj), "number")
+            raise fail(where, f"holds a JSON {kind}, not {record}")
+        problem = check(obj) if check is not None else None
+        if problem:
+            raise fail(where, f"is not {record}: {problem}")
+        out.append(obj)
+    return out if lines else out[0]
+
+
+def _is_kind(v, kind) -> bool:
+    if kind is int:
+        return isinstance(v, int) and not isinstance(v, bool)
+    if kind is float:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    return isinstance(v, kind)
+
+
+_KIND_NAMES = {int: "an integer", float: "a number", str: "text", bool: "true or false", list: "a list",
+               dict: "an object"}
+
+
+def fields_problem(obj: dict, fields: dict) -> str | None:
+    """What keeps a JSON object from holding `fields` ({name: int | float | str | bool | list | dict}; a float field
+    takes an integer, an integer field never a boolean): "it lacks 'loss'", "'step' is '3', not an integer", or
+    None."""
+    for name, kind in fields.items():
+        if name not in obj:
+            return f"it lacks {name!r}"
+        if not _is_kind(obj[name], kind):
+            v = obj[name]
+            shown = repr(v) if isinstance(v, (int, float, bool, type(None))) or (isinstance(v, str) and len(v) < 30) \
+                else f"a {type(v).__name__}"
+            return f"{name!r} is {shown}, not {_KIND_NAMES[kind]}"
+    return None
+
+
 # The lock of a directory a run writes (train.py's --out-dir): OUT_DIR/train.lock, created exclusively (O_EXCL), holding
 # "PID START HOST" (the owner's process id, its start time in clock ticks since boot from /proc/PID/stat, so that a
 # reused pid is not taken for the owner, and the machine). It is removed when the run ends, however it ends (an error,
-# Ctrl-C, SIGTERM); after kill -9 it stays, and the next run takes it over, saying so, once no process owns it.
+# Ctrl-C, SIGTERM); after kill -9 it stays, and the next run takes it over, saying so, once no process owns it: on a
+# machine that has /proc, the owner is a live process of that pid started at that time ("-", a start the writer could
+# not read, names no process here). A lock file that is a link or a special file is not ours: refused, never followed.
 LOCK_NAME = "train.lock"
 LOCK_BEING_WRITTEN_S = 30  # a lock file without its owner line younger than this: a run taking it right now
 
@@ -409,10 +607,15 @@ def _process_start(pid: int) -> str | None:
 
 
 def _lock_owner(lock: Path) -> tuple[int, str, str] | None:
-    """(pid, start, host) of a lock file, or None when it holds no owner line (being written, or garbage)."""
+    """(pid, start, host) of a lock file, or None when it holds no owner line (being written, or garbage). Read
+    without following a link or waiting on a FIFO (take_dir_lock refuses those), at most one line's worth."""
     try:
-        pid, start, host = lock.read_text().split()
-        return int(pid), start, host
+        fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        with open(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return None
+            pid, start, host = f.read(4096).decode().split()
+        return (int(pid), start, host) if int(pid) > 0 else None  # 0 and -N would name process groups
     except (OSError, ValueError):
         return None
 
@@ -422,26 +625,43 @@ def _owner_alive(pid: int, start: str, host: str) -> bool:
         return True  # another machine's process (a shared file system): it cannot be asked
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):
         return False
     except PermissionError:
         pass  # alive, another user's
     now = _process_start(pid)
-    return start == "-" or now is None or now == start
+    return now is None or now == start  # no /proc here: the pid alone says it
+
+
+def _lock_kind(lock: Path) -> str | None:
+    """What a lock file that is not a regular file is ("a symbolic link (to X)", "a FIFO (named pipe)", ...), or None
+    for a regular file (or none at all)."""
+    try:
+        mode = os.lstat(lock).st_mode
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(mode):
+        return f"a symbolic link (to {os.readlink(lock)})"
+    return None if stat.S_ISREG(mode) else next((name for test, name in _NOT_REGULAR if test(mode)), "not a file")
 
 
 def take_dir_lock(path: Path, flag: str) -> Path:
     """Refuse a directory another live run writes: create path/LOCK_NAME exclusively with this process's owner line,
     or, when it exists, read its owner. A live owner is a UsageError naming the flag, the directory, the pid and the
     lock file (two runs in one directory would overwrite each other's checkpoints); a dead one's lock (kill -9, a
-    crash) is taken over with one warning. Takeovers are serialised by a flock of the directory, so that two runs
-    finding one stale lock never both take it. -> the lock file, for release_dir_lock."""
+    crash) is taken over with one warning; a link or special file there is a UsageError saying what it is. Takeovers
+    are serialised by a flock of the directory, so that two runs finding one stale lock never both take it. -> the
+    lock file, for release_dir_lock."""
     lock = path / LOCK_NAME
     me = f"{os.getpid()} {_process_start(os.getpid()) or '-'} {socket.gethostname()}\n"
     for _ in range(5):
         try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         except FileExistsError:
+            kind = _lock_kind(lock)
+            if kind is not None:
+                raise UsageError(f"{flag} {path}: its lock file {lock} is {kind}, not a lock file train.py writes: "
+                                 f"remove it, or give another {flag}") from None
             owner = _lock_owner(lock)
             if owner is None:
                 try:
@@ -464,8 +684,9 @@ def take_dir_lock(path: Path, flag: str) -> Path:
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(lock)
                     warnings.warn(f"{flag} {path}: its lock file {lock} was left by "
-                                  f"{f'pid {owner[0]}' if owner else 'a run'}, which is no longer running (killed, or "
-                                  f"crashed): taken over by this run", stacklevel=2)
+                                  f"{f'pid {owner[0]}' if owner else 'a run'}, which is no longer running (killed, "
+                                  f"crashed, or its directory was read-only when it ended): taken over by this run",
+                                  stacklevel=2)
             finally:
                 os.close(dir_fd)  # releases the flock
             continue
@@ -477,7 +698,9 @@ def take_dir_lock(path: Path, flag: str) -> Path:
 
 
 def release_dir_lock(lock: Path):
-    """Remove a lock take_dir_lock took, if it is still this process's."""
+    """Remove a lock take_dir_lock took, if it is still this process's. A file system that refuses (remounted
+    read-only meanwhile) raises OSError: the lock stays, naming this process, and the next run takes it over once
+    this process has ended."""
     owner = _lock_owner(lock)
     if owner is not None and owner[0] == os.getpid():
         with contextlib.suppress(FileNotFoundError):
@@ -492,6 +715,22 @@ def hold_dir_lock(path: Path, flag: str):
     _held_locks.append(take_dir_lock(path, flag))
 
 
+def _release_held(held: int, ending: BaseException | None):
+    """Release the locks taken since there were `held`; one that cannot be removed is said once: as a note on the
+    error the command ends with (run_cli prints it on the same line), or as a warning after a run that went well."""
+    while len(_held_locks) > held:
+        lock = _held_locks.pop()
+        try:
+            release_dir_lock(lock)
+        except OSError as e:
+            note = (f"its lock file {lock} could not be removed ({e.strerror or e}); it names this process, so the "
+                    f"next run in {lock.parent} takes it over")
+            if ending is not None:
+                ending.add_note(note)
+            else:
+                warnings.warn(note, stacklevel=3)
+
+
 @contextlib.contextmanager
 def releasing_dir_locks():
     """The locks hold_dir_lock takes inside it are released when it ends, however it ends (an error, Ctrl-C, SIGTERM,
@@ -499,17 +738,10 @@ def releasing_dir_locks():
     held = len(_held_locks)
     try:
         yield
-    finally:
-        while len(_held_locks) > held:
-            release_dir_lock(_held_locks.pop())
-
-
-def write_atomic(path: Path, text: str | bytes):
-    """path's new text (or bytes), written to path.tmp and renamed over it: an interrupted write never leaves half a
-    file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(text) if isinstance(text, bytes) else tmp.write_text(text)
-    os.replace(tmp, path)
+    except BaseException as e:
+        _release_held(held, e)
+        raise
+    _release_held(held, None)
 
 
 def check_disk_space(model, path: Path):
@@ -557,25 +789,37 @@ def _sigterm_interrupts():
 def run_child(cmd: list[str], on_line, stopped: str, failed) -> None:
     """A command of this repository (`python train.py ...`) in a child process, each line of its stdout handed to
     on_line. Its own `error: ...` line (exit code 2) ends this command with the same code; a stopped child (130) is
-    Stopped(stopped); any other failure a UsageError(failed(exit code)). Ctrl-C reaches the child too (one process
-    group); a SIGTERM to this process alone (Terminated) is passed on, so that the child stops as it would (a run
-    finishes its step and writes its checkpoint) instead of running on without its parent."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    try:
-        for line in proc.stdout:
-            on_line(line)
-        code = proc.wait()
-    except KeyboardInterrupt as e:
-        if isinstance(e, Terminated):
-            proc.terminate()
-        proc.wait()
-        raise
+    Stopped(stopped); any other failure a UsageError(failed(exit code)). The child runs in a session of its own, so
+    that a Ctrl-C at the terminal reaches this process alone; each Ctrl-C or SIGTERM this process gets, however it is
+    sent (the terminal, kill, kill -INT), is passed on to the child once, as the same signal: the child stops as it
+    would (a run finishes its step and writes its checkpoint; a second signal stops it at once) while this process
+    keeps passing its output on and waits for it, then ends as it was asked to (the first KeyboardInterrupt or
+    Terminated, raised again: `stopped: ...` through run_cli)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    interrupted = None
+    while True:
+        try:
+            for line in proc.stdout:
+                on_line(line)
+            code = proc.wait()
+            break
+        except KeyboardInterrupt as e:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT)
+            interrupted = interrupted or e
+    if interrupted is not None:
+        raise interrupted
     if code == 2:  # the child refused a flag or an input: its one `error: ...` line (just above) is the error
         raise SystemExit(2)
     if code == 130:
         raise Stopped(stopped)
     if code != 0:
         raise UsageError(failed(code))
+
+
+def _said(e: BaseException, text: str) -> str:
+    """The one line of an error or a stop: its text and the notes added to it on its way out (add_note)."""
+    return one_line("; ".join([text, *getattr(e, "__notes__", ())]))
 
 
 def run_cli(fn, argv=None, expected=EXPECTED_ERRORS):
@@ -587,14 +831,14 @@ def run_cli(fn, argv=None, expected=EXPECTED_ERRORS):
         try:
             return fn(argv)
         except expected as e:
-            print(f"error: {one_line(e)}", file=sys.stderr)
+            print(f"error: {_said(e, str(e))}", file=sys.stderr)
             sys.exit(2)
         except Stopped as e:
-            print(f"stopped: {one_line(e)}", file=sys.stderr)
+            print(f"stopped: {_said(e, str(e))}", file=sys.stderr)
             sys.exit(130)
-        except KeyboardInterrupt as e:
-            how = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted (Ctrl-C)"
-            print(f"stopped: {how}", file=sys.stderr)
+        except KeyboardInterrupt as e:  # its message, when it has one (stop_signals), says where the work is
+            how = str(e) or ("terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted (Ctrl-C)")
+            print(f"stopped: {_said(e, how)}", file=sys.stderr)
             sys.exit(130)
         except BrokenPipeError:  # the reader went away (`python bench.py presets | head`): nothing more to say
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the recipe of Python's signal docs

@@ -41,6 +41,7 @@ import json
 import os
 import platform
 import time
+import warnings
 from types import SimpleNamespace
 
 import torch
@@ -49,6 +50,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 import kernels
 import model
+from harness.cli import read_json, write_atomic
 from model import check
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -214,6 +216,7 @@ LINEAR_PROBE_BYTES = 64 << 20  # bytes of weight copies one timed pass reads: mo
 LINEAR_MAX_COPIES = 128  # at most this many: a small matrix's product is bound by per-call overhead (>= 512 KB: 64 MiB)
 # measured times on disk, per machine; the environment variable LINEAR_CHOICE_CACHE names another file ("": none)
 LINEAR_CACHE = os.path.expanduser("~/.cache/nano-efficient-inference/linear_choice.json")
+LINEAR_CACHE_BYTES = 16 << 20  # far more than the records of every shape of every preset on a few machines
 LINEAR_CACHE_DAYS = 30  # a record older than this is measured again (a new kernel library, firmware, settings)
 LINEAR_FAR_OFF = 2.0  # the recorded pick timed now this many times slower or faster than its record: measure again
 LINEAR_COPY_GAIN = 1.10  # a weight copy costs the weight's bytes again: kept only when > 10% faster than the rest
@@ -303,14 +306,14 @@ def linear_times(dtype, bucket: int, out_f: int, in_f: int) -> dict[str, float]:
     if key not in _linear_times:
         path, names = os.environ.get("LINEAR_CHOICE_CACHE", LINEAR_CACHE), linear_candidates(dtype, bucket)
         mkey, skey = cpu_key(), f"{str(dtype).removeprefix('torch.')} {bucket} {out_f}x{in_f}"
-        entry = _read_json(path).get(mkey, {}).get(skey) if path else None
+        entry = _read_cache(path).get(mkey, {}).get(skey) if path else None
         times = recorded_times(entry, names, dtype, bucket, out_f, in_f)
         if times is None:
             times = time_linear_products(dtype, bucket, out_f, in_f, names)
             if path:
-                disk = _read_json(path)
+                disk = _read_cache(path)
                 disk.setdefault(mkey, {})[skey] = {"times": times, "measured": time.time()}
-                _write_json(path, disk)
+                _write_cache(path, disk)
         _linear_times[key] = times
     return _linear_times[key]
 
@@ -413,20 +416,31 @@ def cpu_key() -> str:
             f"{torch.get_num_threads()} threads")
 
 
-def _read_json(path: str) -> dict:
+def _read_cache(path: str) -> dict:
+    """The disk cache {cpu_key: {shape: record}} through cli.read_json; none yet is empty, and a damaged one (not a
+    regular file, too large, not UTF-8 or JSON, nested too deep, not of this form) is one warning per process: its
+    shapes are measured again and the file is written anew (_write_cache)."""
+    def problem(cache):
+        return None if all(isinstance(v, dict) for v in cache.values()) else "a machine's entry is not an object"
     try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
+        return read_json(path, "CPU-tuning cache", "a cache of measured linear products", problem, error=ValueError,
+                         damaged=True, max_bytes=LINEAR_CACHE_BYTES)
+    except FileNotFoundError:
+        return {}
+    except ValueError as e:
+        if path not in _damaged_caches:  # once per process: every shape reads it
+            _damaged_caches.add(path)
+            warnings.warn(f"{e}: its shapes are measured again and the file written anew", stacklevel=2)
         return {}
 
 
-def _write_json(path: str, obj: dict):
-    """Atomically (another process may read it meanwhile); a cache that cannot be written is skipped."""
+_damaged_caches: set[str] = set()
+
+
+def _write_cache(path: str, obj: dict):
+    """Atomically (cli.write_atomic: another process may read it meanwhile, a link there is never followed); a cache
+    that cannot be written is skipped."""
     try:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        with open(path + f".{os.getpid()}", "w") as f:
-            json.dump(obj, f, indent=1)
-        os.replace(path + f".{os.getpid()}", path)
+        write_atomic(path, json.dumps(obj, indent=1), "CPU-tuning cache", error=OSError)
     except OSError:
         pass

@@ -52,7 +52,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from harness import tasks
-from harness.cli import DataError, regular_file, write_atomic
+from harness.cli import DataError, atomic_file, read_json, regular_file, write_atomic
 from harness.hf import PACKAGED_GGUF, gguf_tokenizer, gguf_tokenizer_spec, hf_tokenizer
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -189,7 +189,7 @@ def is_gguf_source(src: str) -> bool:
 
 def hf_tokenizer_spec(src: str) -> dict:
     """'hf:DIR' or DIR -> the tokenizer spec of that checkpoint, with an absolute path (so specs compare equal)."""
-    return {"kind": "hf", "path": str(Path(src[3:] if src.startswith("hf:") else src).resolve())}
+    return {"kind": "hf", "path": os.path.realpath(src[3:] if src.startswith("hf:") else src)}  # a link loop stays
 
 
 def padded_vocab(n_vocab: int, multiple: int = 64) -> int:
@@ -366,12 +366,11 @@ SHARD_MAGIC, SHARD_VERSION, HEADER = b"NTOK", 1, struct.Struct("<4sIIQ12x")  # 3
 
 
 def write_shard(path: Path, tokens: np.ndarray):
-    """Write atomically: a temp name, then rename, so an interrupted run never leaves half a shard."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    """Write atomically (cli.atomic_file: a fresh temporary name, then rename), so an interrupted run never leaves
+    half a shard and a link planted in the cache directory is never written through."""
+    with atomic_file(path, "token shard", DataError) as f:
         f.write(HEADER.pack(SHARD_MAGIC, SHARD_VERSION, tokens.dtype.itemsize, len(tokens)))
-        f.write(tokens.tobytes())
-    os.replace(tmp, path)
+        f.write(memoryview(np.ascontiguousarray(tokens)).cast("B"))
 
 
 def read_shard(path: Path) -> np.ndarray:
@@ -462,7 +461,7 @@ def prepare_corpus(data: str, tok: Tokenizer, cache_dir: str, exclude_sets=(), v
         raise DataError(_empty_split_message(data, val_data, train_files, val_files, doc_split, docs, stats))
     meta = {s: {"shards": w.paths, "tokens": w.total} for s, w in writers.items()}
     meta.update(tokenizer=tok.spec, source=data, skipped=stats.counts)
-    write_atomic(out / "meta.json", json.dumps(meta, indent=1))
+    write_atomic(out / "meta.json", json.dumps(meta, indent=1), "token cache file", DataError)
     return out
 
 
@@ -488,15 +487,19 @@ def _empty_split_message(data, val_data, train_files, val_files, doc_split, docs
 
 def read_meta(cache: Path) -> dict:
     """meta.json of a token cache directory; unreadable is a DataError naming it (delete the directory to redo it)."""
-    path = cache / "meta.json"
-    try:
-        meta = json.loads(regular_file(path, "token cache file", DataError).read_text())
-        for split in ("train", "val"):
-            meta[split]["shards"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise DataError(f"token cache {path} is damaged ({type(e).__name__}: {e}); delete {cache} to tokenize "
-                        f"the corpus again") from e
-    return meta
+    path = regular_file(cache / "meta.json", "token cache file", DataError, missing="is missing")
+    return read_json(path, "token cache", "a token cache's meta.json", _meta_problem, DataError, damaged=True,
+                     fix=f"delete {cache} to tokenize the corpus again")
+
+
+def _meta_problem(meta: dict) -> str | None:
+    for split in ("train", "val"):
+        part = meta.get(split)
+        if not isinstance(part, dict) or not isinstance(part.get("shards"), list) \
+                or not all(isinstance(name, str) and "/" not in name and name not in ("", ".", "..")
+                           for name in part["shards"]):
+            return f"its {split} split does not list its shards (file names in the cache directory)"
+    return None
 
 
 def _encode_into(texts, tok, writers, split, doc_split, docs):

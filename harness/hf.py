@@ -46,7 +46,7 @@ if __name__ == "__main__":  # Ctrl-C or SIGTERM during the imports below: `stopp
     from harness import startup
     startup.stop_while_starting()
 
-import json
+import os
 import warnings
 from pathlib import Path
 from typing import Callable
@@ -54,7 +54,7 @@ from typing import Callable
 import torch
 
 from harness.cli import (DTYPES, ArgumentParser, UsageError, check_device, check_dtype, check_memory, check_model_fits,
-                         number, path_arg, regular_file, run_cli, user_input)
+                         number, path_arg, read_json, regular_file, run_cli, user_input)
 from harness.device import pick_device, pick_dtype
 from harness.memory import forward_memory, memory_sum, model_memory
 from model import GPT, GPTConfig, RotaryEmbedding, kv_bytes
@@ -95,18 +95,10 @@ def _config_error(e: ValueError, where: str, keys: dict) -> ValueError:
 
 
 def _read_json(f: Path, what="a JSON object"):
-    """A JSON file of the checkpoint -> its object; a missing or special file (a FIFO, a device), unreadable, malformed
-    or not an object is a ValueError naming the file (and the line and column of a syntax error)."""
-    regular_file(f, "file", ValueError, missing="does not exist")
-    try:
-        obj = json.loads(f.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"cannot read {f}: {e}") from e
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{f} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from e
-    if not isinstance(obj, dict):
-        raise ValueError(f"{f} holds a JSON {type(obj).__name__}, not {what}")
-    return obj
+    """A JSON file of the checkpoint -> its object (cli.read_json); a missing or special file (a FIFO, a device), one
+    too large, not UTF-8, malformed, nested too deep or not an object is a ValueError naming the file (and the line
+    and column of a syntax error)."""
+    return read_json(f, "file", what, error=ValueError, missing="does not exist")
 
 
 def _open_safetensors(f: Path):
@@ -425,8 +417,11 @@ def read_gguf(path: Path):
     except ImportError as e:
         raise ModuleNotFoundError("reading a GGUF file needs the package `gguf`: pip install gguf") from e
     regular_file(path, "GGUF file", ValueError, missing="not found")  # a FIFO or /dev/zero would never end
-    with open(path, "rb") as f:
-        magic = f.read(4)
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:  # /proc/self/mem: a regular file to stat, an I/O error to read
+        raise ValueError(f"GGUF file {path} cannot be read ({e.strerror or e})") from None
     if magic != b"GGUF":
         raise ValueError(f"{path} is not a GGUF file (it starts with {magic!r}, not b'GGUF')")
     try:
@@ -604,7 +599,7 @@ def gguf_chat_template(path) -> str:
 
 def gguf_tokenizer_spec(src: str) -> dict:
     """'gguf:PATH', PATH or a short name -> the tokenizer spec of that file (absolute path: specs compare equal)."""
-    return {"kind": "gguf", "path": str((gguf_file(src) or Path(src)).resolve())}
+    return {"kind": "gguf", "path": os.path.realpath(gguf_file(src) or src)}  # a link loop stays: read_gguf says so
 
 
 def gguf_tokenizer(path, reader=None):

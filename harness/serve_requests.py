@@ -10,8 +10,10 @@ serve_requests.py -- where the requests of the serving benchmark come from, and 
     number of seconds in [0, MAX_ARRIVAL_S]) becomes a request marked invalid, which the server refuses with its own
     error naming the file:line, as it refuses an empty prompt, ids outside the vocabulary or a request longer than the
     context (serve.request_problem); the others are served. A file that is not a regular file (a FIFO, a device),
-    cannot be read, or holds more than MAX_REQUESTS requests, is one UsageError. A chat template that does not render
-    is one UsageError too (chat_renderer).
+    cannot be read, or holds more than MAX_REQUESTS requests, is one UsageError; a line with both "prompt" and
+    "prompt_ids" is that request's error (which one was meant is not known). A chat template runs bounded in a child
+    process (chat_template.py): one that does not render a first question is one UsageError, one that fails on a
+    request makes that request's error ("chat template").
   * The error tables: the requests' errors counted by reason (error_counts, in every system's summary and --json)
     and printed under the serving table with a few examples (print_errors).
 """
@@ -22,6 +24,7 @@ import os
 
 import torch
 
+from harness.chat_template import ChatTemplate, RenderError
 from harness.cli import UsageError, one_line, regular_file
 from harness.data import TokenData, prepare_corpus, step_generator
 from serve import MAX_REQUESTS, Request, random_requests, request_problem
@@ -88,39 +91,6 @@ def corpus_requests(n, tok, data="stdlib", cache_dir="data_cache", prompt_len="8
 CHAT_QUESTION = "What does this Python code do? Explain briefly.\n\n```python\n{code}\n```"
 
 
-def raise_exception(message):
-    """What a chat template calls to refuse a conversation (Hugging Face's convention): the message is the reason."""
-    from jinja2.exceptions import TemplateError
-
-    raise TemplateError(message)
-
-
-def chat_renderer(template: str, source: str = "the model"):
-    """A chat template (a Jinja template from a model file, run sandboxed: no side effects) compiled once; returns
-    render(messages) -> the prompt for `messages` with the assistant turn opened. A template that does not parse,
-    raises (raise_exception), reads what is not there or fails in any other way is one UsageError naming its source,
-    never a jinja2 traceback."""
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def fail(e):
-        raise UsageError(f"the chat template of {source} does not render ({type(e).__name__}: {one_line(e)[:200]}); "
-                         f"serve --prompts synthetic or corpus, or a requests file") from None
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
-    try:
-        compiled = env.from_string(template)
-    except Exception as e:  # TemplateSyntaxError
-        fail(e)
-
-    def render(messages: list[dict]) -> str:
-        try:
-            return compiled.render(messages=messages, add_generation_prompt=True)
-        except Exception as e:  # UndefinedError, SecurityError, TemplateError, TypeError from the template's code
-            fail(e)
-    return render
-
-
 def chat_template(spec) -> str:
     """The chat template of a tokenizer spec: a GGUF file's tokenizer.chat_template (Hugging Face directories keep
     theirs in tokenizer_config.json, not read here). ValueError when there is none."""
@@ -136,14 +106,25 @@ def chat_requests(n, tok, template, data="stdlib", cache_dir="data_cache", promp
                   arrival="all", rate=10.0, seed=0, source="the model"):
     """Chat prompts: each corpus window (corpus_requests) becomes a user question about that code, rendered with the
     model's chat template (its default system prompt included) and the assistant turn opened, as a chat front end
-    sends it (chat_renderer: a template that fails is one line naming `source`, checked before the corpus is read).
-    The prompt is longer than the window by the template's tokens."""
-    render = chat_renderer(template, source)  # compiled once, used for the check and every request
-    render([{"role": "user", "content": CHAT_QUESTION.format(code="pass")}])
-    reqs = corpus_requests(n, tok, data, cache_dir, prompt_len, gen_len, arrival, rate, seed)
-    for r in reqs:
-        question = CHAT_QUESTION.format(code=tok.decode(r.prompt).strip())
-        r.prompt = tok.encode(render([{"role": "user", "content": question}]))
+    sends it. The template runs sandboxed, bounded in CPU time, memory and output (chat_template.ChatTemplate). It is
+    tried first on a question about `pass`, before the corpus is read: a template that fails there (a syntax error,
+    raise_exception, a loop that does not end, strings beyond its memory) is one UsageError naming `source`; one that
+    fails only on some window makes that request's error (request_problem: "chat template"). The prompt is longer
+    than the window by the template's tokens."""
+    with ChatTemplate(template) as chat:
+        try:
+            chat.render([{"role": "user", "content": CHAT_QUESTION.format(code="pass")}])
+        except RenderError as e:
+            raise UsageError(f"the chat template of {source} does not render ({e}); serve --prompts synthetic or "
+                             f"corpus, or a requests file") from None
+        reqs = corpus_requests(n, tok, data, cache_dir, prompt_len, gen_len, arrival, rate, seed)
+        for r in reqs:
+            question = CHAT_QUESTION.format(code=tok.decode(r.prompt).strip())
+            try:
+                r.prompt = tok.encode(chat.render([{"role": "user", "content": question}]))
+            except RenderError as e:
+                r.invalid = f"the chat template of {source} does not render this request's question ({e})"
+                r.invalid_kind = "chat template"
     return reqs
 
 
@@ -186,6 +167,8 @@ def jsonl_requests(path, tok=None, default_gen=32, arrival="all", rate=10.0, see
             d = json.loads(ln)
             if not isinstance(d, dict):
                 raise ValueError("not a JSON object")
+            if "prompt_ids" in d and "prompt" in d:  # which one the client meant is not known
+                raise ValueError("both 'prompt' and 'prompt_ids': give one (text, or the token ids of a prompt)")
             if "prompt_ids" in d:
                 r.prompt = d["prompt_ids"]
             elif "prompt" in d:

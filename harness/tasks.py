@@ -48,11 +48,15 @@ from pathlib import Path
 
 import torch
 
-from harness.cli import (ArgumentParser, UsageError, check_output_file, check_writable_dir, comma_list, number,
-                         path_arg, regular_file, run_child, run_cli, run_subcommand, seed_arg)
+from harness.cli import (ArgumentParser, UsageError, append_line, check_output_file, check_writable_dir, comma_list,
+                         fields_problem, number, path_arg, read_json, run_child, run_cli, run_subcommand, seed_arg)
 from model import IGNORE
 
 MAX_P = 8  # markers in the vocabulary: a checkpoint trained on p <= 4 can be evaluated at p up to 8
+# Symbols of the alphabet: a sequence's hops need repeated symbols, so an alphabet far beyond the sequence length only
+# makes labels rare; and each batch keeps the last position of every symbol (batch x alphabet), so 10^12 would be an
+# allocation no machine makes. 2^16 is far more than any length this task is run with.
+MAX_ALPHABET = 2 ** 16
 
 
 def parse_hops(text: str) -> tuple[int, ...]:
@@ -236,7 +240,8 @@ def add_args(ap):
     g = ap.add_argument_group("synthetic task (--data task:phop)")
     g.add_argument("--task-p", type=hops_arg, default="1-4",
                    help="hops p of dense p-hop induction: a range 1-4 or a list 2,4")
-    g.add_argument("--task-alphabet", type=number(int, min=2), default=4, help="symbols in the alphabet")
+    g.add_argument("--task-alphabet", type=number(int, min=2, max=MAX_ALPHABET), default=4,
+                   help="symbols in the alphabet")
     g.add_argument("--task-length", type=number(int, min=2), default=48, help="symbols per sequence")
     g.add_argument("--task-pause", type=number(int, min=0), default=0,
                    help="filler tokens after every symbol; the label sits on the last (0: on the symbol)")
@@ -335,8 +340,7 @@ def depth(args):
     for row, seed, argv_row in runs:
         acc = run_train(argv_row)
         results.setdefault(row, []).append(acc)
-        with open(f"{args.out}/results.jsonl", "a") as f:
-            f.write(json.dumps({"row": row, "seed": seed, "argv": argv_row, "acc": acc}) + "\n")
+        append_line(f"{args.out}/results.jsonl", json.dumps({"row": row, "seed": seed, "argv": argv_row, "acc": acc}))
     print(depth_table(results))
 
 
@@ -371,39 +375,26 @@ def table(args):
 
 def read_results(path) -> dict[str, dict[int, dict]]:
     """The lines `depth` appended to a results file -> {row: {seed: {p: accuracy}}} (a rerun of a seed replaces it).
-    A file that cannot be read, a line that is not such a record, or no record at all is a UsageError naming it."""
-    if os.path.exists(path) and not os.path.isdir(path):  # a FIFO would block the read, /dev/zero never end it
-        regular_file(path, "--results")
-    try:
-        with open(path, "rb") as f:
-            lines = f.read().splitlines()
-    except FileNotFoundError:
-        raise UsageError(f"--results {path} does not exist (python -m harness.tasks depth writes it)") from None
-    except IsADirectoryError:
-        raise UsageError(f"--results {path} is a directory, not a results file") from None
-    except OSError as e:
-        raise UsageError(f"--results {path}: cannot read it ({e.strerror or e})") from None
+    A file that cannot be read, a line that is not such a record, or no record at all is a UsageError naming it
+    (cli.read_json)."""
+    if os.path.isdir(path):
+        raise UsageError(f"--results {path} is a directory, not a results file")
     results = {}
-    for n, raw in enumerate(lines, 1):
-        if not raw.strip():
-            continue
-        try:
-            r = json.loads(raw.decode("utf-8"))
-        except Exception as e:  # not UTF-8, not JSON, nested too deep for the parser (RecursionError)
-            raise UsageError(f"--results {path} line {n} is not a JSON line ({type(e).__name__})") from None
-        acc = r.get("acc") if isinstance(r, dict) else None
-        seed = r.get("seed") if isinstance(r, dict) else None
-        if not (isinstance(r, dict) and isinstance(r.get("row"), str)
-                and isinstance(seed, int) and not isinstance(seed, bool)
-                and isinstance(acc, dict) and acc and all(str(k).isdigit() for k in acc)
-                and all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1
-                        for v in acc.values())):
-            raise UsageError(f"--results {path} line {n} is not a result of tasks.py depth ({{\"row\": ..., "
-                             f"\"seed\": ..., \"acc\": {{p: accuracy in [0, 1]}}}})")
-        results.setdefault(r["row"], {})[r["seed"]] = acc
+    for r in read_json(path, "--results", 'a result of tasks.py depth ({"row": ..., "seed": ..., "acc": {p: accuracy '
+                       'in [0, 1]}})', result_problem, lines=True,
+                       missing="does not exist (python -m harness.tasks depth writes it)"):
+        results.setdefault(r["row"], {})[r["seed"]] = r["acc"]
     if not results:
         raise UsageError(f"--results {path} holds no results")
     return results
+
+
+def result_problem(r: dict) -> str | None:
+    """What keeps a line of a results file from being one of depth's records, or None."""
+    acc = r.get("acc")
+    return fields_problem(r, {"row": str, "seed": int, "acc": dict}) or (
+        None if acc and all(str(k).isdigit() and isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1
+                            for k, v in acc.items()) else "its 'acc' is not {p: an accuracy in [0, 1]}")
 
 
 def slug(row: str) -> str:

