@@ -38,6 +38,17 @@ def one_error_line(capsys, run, argv, match):
     return err[0]
 
 
+def fp16_missing(monkeypatch, op: str, kernel: str):
+    """torch.nn.functional.<op> as on a CPU whose torch has no float16 form of it (raising what torch raises there)."""
+    real = getattr(torch.nn.functional, op)
+
+    def patched(x, *a, **k):
+        if x.dtype == torch.float16:
+            raise RuntimeError(f'"{kernel}" not implemented for \'Half\'')
+        return real(x, *a, **k)
+    monkeypatch.setattr(torch.nn.functional, op, patched)
+
+
 def command(cmd: str) -> list[str]:
     """The interpreter line of a command: a root script by its file (train.py), a harness module by its name
     (harness.hf: `python -m harness.hf`, run with cwd=ROOT)."""

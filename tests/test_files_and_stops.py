@@ -26,7 +26,7 @@ from gguf import GGUFValueType as V
 import bench
 import eval as ev
 import train
-from conftest import ROOT, one_error_line, write_jsonl
+from conftest import ROOT, fp16_missing, one_error_line, write_jsonl
 from harness import chat_template, checkpoint, cli, cpu_tuning, data, hf, serve_requests, tasks
 from model import GPT, GPTConfig
 from test_inputs import write_gguf
@@ -460,13 +460,7 @@ def test_a_damaged_cpu_tuning_cache_is_measured_again(tmp_path, monkeypatch, how
 
 
 def _fp16_linear_missing(monkeypatch):
-    real = torch.nn.functional.linear
-
-    def linear(x, *a, **k):
-        if x.dtype == torch.float16:
-            raise RuntimeError('"addmm_impl_cpu_" not implemented for \'Half\'')
-        return real(x, *a, **k)
-    monkeypatch.setattr(torch.nn.functional, "linear", linear)
+    fp16_missing(monkeypatch, "linear", "addmm_impl_cpu_")
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from gguf import GGUFWriter
 import bench
 import eval as ev
 import serve
-from conftest import ROOT, command, one_error_line, write_jsonl
+from conftest import ROOT, command, fp16_missing, one_error_line, write_jsonl
 from harness import bench_decode, bench_train, checkpoint, cli, data, hf, serve_requests, tasks
 from model import GPT, GPTConfig
 
@@ -572,13 +572,7 @@ def test_eval_writes_the_token_cache_where_its_own_cache_dir_says(files, tmp_pat
 
 
 def _fp16_missing(monkeypatch):
-    real = torch.nn.functional.rms_norm
-
-    def rms_norm(x, *a, **k):
-        if x.dtype == torch.float16:
-            raise RuntimeError('"rms_norm_cpu" not implemented for \'Half\'')
-        return real(x, *a, **k)
-    monkeypatch.setattr(torch.nn.functional, "rms_norm", rms_norm)
+    fp16_missing(monkeypatch, "rms_norm", "rms_norm_cpu")
 
 
 def _read_only(monkeypatch):  # as root a chmod does not make a directory read-only: the probe file is refused
