@@ -472,18 +472,21 @@ def generation_bytes(model, prompt, new) -> int:
     return model.generation_cache(1, prompt, new).nbytes()
 
 
-def search_batch(model, P, G, top, n_tokens, device, buckets_only: bool = False) -> tuple[int, dict]:
+def search_batch(model, P, G, top, n_tokens, device, buckets_only: bool = False, stop=None) -> tuple[int, dict]:
     """The batch search: at batch 1, 2, 4, ... and `top` (the largest batch the memory budget allows; buckets_only:
     only the batches a graphed model runs unpadded, graphs.batch_bucket(B) == B), the decode throughput
     at the setting's mean context: a prefill of P + G // 2 random tokens and one decode step (untimed), then n_tokens
     timed decode steps (greedy) -> (the batch with the most decode tokens/s, {batch: tokens/s}). It only selects the
     batch (a short run at the start of a long generation would hide what a long context costs); the reported
-    throughput is then timed on the full setting."""
+    throughput is then timed on the full setting. stop() (optional), asked before each batch after the first: True
+    ends the search there (a capped run), with the batches measured so far."""
     n = min(n_tokens, G - 2)
     ctx = min(P + G // 2, P + G - 2 - n)
     found = {}
     batches = {2 ** i for i in range(top.bit_length())} | {top}
     for B in sorted(b for b in batches if not buckets_only or graphs.batch_bucket(b) == b):
+        if found and stop is not None and stop():
+            break
         cache = model.generation_cache(B, ctx, n + 2)
         tok = sample_next(model.prefill(torch.randint(0, model.config.vocab_size - 1, (B, ctx), device=device), cache))
         tok = sample_next(model.decode_step(tok, cache))

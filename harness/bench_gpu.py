@@ -141,13 +141,13 @@ class Clock:
     def __init__(self, minutes: float):
         self.t0 = time.perf_counter()
         self.end = self.t0 + minutes * 60 * (1 - RESERVE)
-        self.cap_end = self.end
+        self.cap_end, self.cap = self.end, minutes * 60
 
     def start_section(self, share: float, shares_left: float) -> float:
         left = max(self.end - time.perf_counter(), 0.0)
-        cap = left * share / shares_left
-        self.cap_end = time.perf_counter() + cap
-        return cap
+        self.cap = left * share / shares_left
+        self.cap_end = time.perf_counter() + self.cap
+        return self.cap
 
     def left(self) -> float:
         return self.cap_end - time.perf_counter()
@@ -687,9 +687,14 @@ def section_block(ctx: Ctx, rows: list):
     n_search = min(G - 2, sz.block_search)
     best = {}
     for k, m in models.items():  # the batch search runs the eager steps: one graph per batch would not fit the time
-        best[k], found = search_batch(m, P, G, top[k], n_search, dev, buckets_only=backend is not False)
+        t0, cut = time.perf_counter(), []  # each model's search takes at most a quarter of the section's cap
+
+        def stop():
+            cut.append(time.perf_counter() - t0 > ctx.clock.cap / 4)
+            return cut[-1]
+        best[k], found = search_batch(m, P, G, top[k], n_search, dev, buckets_only=backend is not False, stop=stop)
         print(f"   batch search, {k} (eager decode tok/s): " + ", ".join(f"{b}: {v:.0f}" for b, v in found.items())
-              + f" -> batch {best[k]}")
+              + f" -> batch {best[k]}" + (" (cut at a quarter of the section's cap)" if any(cut) else ""))
     if backend is not False:
         for m in models.values():
             compile_decode(m, backend)

