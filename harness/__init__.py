@@ -3,12 +3,14 @@ harness -- what measures, checks and converts the models of this repository; the
 
     bench_*.py          the benchmarks behind `python bench.py X` (decode, plt, block, serve, train, kernels, gpu, ...)
     checkpoint.py       the architecture table, checkpoint files, --init-from sources, --resume's flag reconciliation
-    cli.py, startup.py  the one error contract of every command (`error: ...` exit 2, `stopped: ...` exit 130)
+    cli.py, startup.py  the one error contract of every command (`error: ...` exit 2, `stopped: ...` exit 130), the
+                        one safe write (a fresh temporary name, fsync, rename) and the one checked JSON reader
     memory.py           what a command will allocate, estimated before it allocates it (the memory checks)
     device.py           the device and dtype of --device / --dtype, known cards' peaks, the benchmarks' clock
     data.py, tasks.py   the tokenizer, corpora, token shards and batches; synthetic tasks that need depth
     hf.py               a local Hugging Face checkpoint or a GGUF file into model.GPT (`python -m harness.hf DIR`)
     serve_requests.py   the requests the serving benchmark serves (synthetic, corpus, JSONL, chat)
+    chat_template.py    a model's chat template rendered in a bounded child process (CPU time, memory, output)
     cpu_tuning.py       the CPU forms of linear, attention and LoRA measured fastest on this machine
     figures.py          each paper's central figure traced from the code (`python bench.py figures`)
     kernels_aot.py      kernels.py's Triton kernels compiled ahead of time for sm_80 / sm_90 without a GPU
