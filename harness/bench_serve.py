@@ -54,7 +54,7 @@ from harness.cli import (DTYPES, UsageError, available_memory, check_device, che
 from harness.data import Tokenizer
 from harness.device import peak_bandwidth, pick_device, pick_dtype
 from harness.memory import param_bytes
-from harness.serve_requests import (chat_requests, chat_template, check_request, corpus_requests, error_counts,
+from harness.serve_requests import (chat_requests, chat_template, corpus_requests, error_counts,
                                     jsonl_requests, parse_range, print_errors, synthetic_requests)
 from model import GPT, PRESETS, GPTConfig, kv_bytes
 from recursive import EXIT_RULES, RecursiveGPT, from_vanilla
@@ -339,7 +339,7 @@ class NoValidRequest(ValueError):
 def calibrate_threshold(model: RecursiveGPT, reqs, exit_rate=0.5, n=8, rule=None) -> float:
     """serve.exit_threshold_for on the prompts of the first n valid requests."""
     cfg = model.config
-    prompts = [r.prompt for r in reqs if check_request(r, cfg.vocab_size, cfg.max_seq_len) is None][:n]
+    prompts = [r.prompt for r in reqs if serve.request_problem(r, cfg.vocab_size, cfg.max_seq_len) is None][:n]
     if not prompts:
         raise NoValidRequest("no valid request to calibrate the exit threshold on")
     return serve.exit_threshold_for(model, prompts, exit_rate, rule)

@@ -27,7 +27,7 @@ import torch
 from harness.chat_template import ChatTemplate, RenderError
 from harness.cli import UsageError, one_line, regular_file
 from harness.data import TokenData, prepare_corpus, step_generator
-from serve import MAX_REQUESTS, Request, random_requests, request_problem
+from serve import MAX_REQUESTS, Request, random_requests
 
 # ----------------------------------------------------------------------------------------------------------------
 # Reading requests: validation, arrivals, synthetic, corpus and JSONL requests
@@ -35,12 +35,6 @@ from serve import MAX_REQUESTS, Request, random_requests, request_problem
 # A request arriving later than MAX_ARRIVAL_S seconds after the start (a file's arrival, or Poisson arrivals at a tiny
 # --rate) would keep every server idle that long: an error, not a wait.
 MAX_ARRIVAL_S = 3600.0
-
-
-def check_request(r: Request, vocab_size: int, max_seq_len: int) -> str | None:
-    """A clear reason why this request cannot be served, or None."""
-    problem = request_problem(r, vocab_size, max_seq_len)
-    return None if problem is None else problem[1]
 
 
 def parse_range(spec: str) -> tuple[int, int]:
