@@ -78,10 +78,11 @@ import double_decoder as dd
 import graphs
 import recursive
 from harness.checkpoint import (check_vocab, keep_layers, load_checkpoint, load_source_model, model_from_checkpoint,
-                                read_curve, tokenizer_from_spec)
+                                tokenizer_from_spec)
 from harness.cli import (DTYPES, ArgumentParser, UsageError, append_line, atomic_file, check_memory, check_output_file,
                          check_writable_dir, comma_list, fields_problem, number, one_of, path_arg, read_json, run_child,
                          run_cli, run_subcommand, seed_arg, temperature_arg, threads_arg, user_input, write_atomic)
+from harness.curve import read_curve
 from harness.data import TokenData, first_tokens_windows, is_gguf_source, is_hf_source, prepare_corpus, step_generator
 from harness.device import pick_device, pick_dtype
 from harness.memory import forward_memory, memory_sum, module_bytes

@@ -10,7 +10,7 @@ cli.py (the error contract, the log, the --out-dir lock, the checks made before 
 
 Runs (their wall times on 2 CPU cores: RESULTS.md, Timings):
     python train.py --arch vanilla                                  # the baseline, on the offline default corpus
-    python train.py --arch plt                                      # any arch of checkpoint.arch_table()
+    python train.py --arch plt                                      # any arch of archs.arch_table()
     python train.py --arch relaxed --init-from out/vanilla/ckpt.pt --loops 2 --init average \\
         --teacher out/vanilla/ckpt.pt --kd fkl                      # uptraining: convert, then distill
     python train.py --resume --out-dir out/relaxed                  # continue a run with its own flags
@@ -49,15 +49,16 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from harness import tasks
-from harness.checkpoint import (add_arch_args, arch_table, build_models, check_curve, check_run_args, curve_point,
-                                given_flags, load_optimizer_state, resume_run, run_checkpoint, save_checkpoint,
-                                setup_curve, tokens_per_step, warn_inapplicable)
+from harness.archs import add_arch_args, arch_table
+from harness.checkpoint import load_optimizer_state, run_checkpoint, save_checkpoint
 from harness.cli import (DTYPES, ArgumentParser, CheckpointError, DefaultsHelpFormatter, Stopped, check_disk_space,
                          check_step_memory, comma_list, hold_dir_lock, log, number, path_arg, releasing_dir_locks,
                          run_cli, seed_arg, stop_signals, user_input)
+from harness.curve import check_curve, curve_point, setup_curve, tokens_per_step
 from harness.data import Tokenizer, load_data, step_generator
 from harness.device import peak_flops, pick_device, pick_dtype
 from harness.memory import least_step_memory, step_memory
+from harness.run_flags import build_models, check_run_args, given_flags, resume_run, warn_inapplicable
 from model import ArchSpec, distill_loss, lm_loss, make_optimizer
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -315,7 +316,7 @@ class Run:
     ddp: bool
     rank: int
     world: int
-    tokens_per_step: int  # checkpoint.tokens_per_step, after build_models (a task sets --seq-len there)
+    tokens_per_step: int  # curve.tokens_per_step, after build_models (a task sets --seq-len there)
     raw_model: torch.nn.Module
     model: torch.nn.Module
     teacher: torch.nn.Module | None
@@ -412,7 +413,7 @@ def setup_run(argv) -> Run:
 
 
 def parse_run_args(argv, table):
-    """The flags; with --resume, the run's own flags restored from its checkpoint (checkpoint.resume_run) -> (parser,
+    """The flags; with --resume, the run's own flags restored from its checkpoint (run_flags.resume_run) -> (parser,
     args, the flags typed, the checkpoint to resume or None, notes about flags taken from the command line)."""
     ap = build_parser(table)
     argv = sys.argv[1:] if argv is None else list(argv)

@@ -27,7 +27,7 @@ import bench
 import eval as ev
 import serve
 from conftest import ROOT, command, fp16_missing, one_error_line, write_jsonl
-from harness import bench_decode, bench_train, checkpoint, cli, data, hf, serve_requests, tasks
+from harness import archs, bench_decode, bench_train, checkpoint, cli, data, hf, serve_requests, tasks
 from model import GPT, GPTConfig
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -628,7 +628,7 @@ def eval_files(files):
     torch.manual_seed(0)
     write_ckpt(files / "rec.pt", files, model=recursive.from_vanilla(GPT(CFG), n_loops=2, init="average",
                                                                       log=lambda s: None), arch="recursive")
-    spec = checkpoint.arch_table()["block"]
+    spec = archs.arch_table()["block"]
     block = bt.BlockTransformer(spec.make_config("tiny", vocab_size=576, max_seq_len=64))
     write_ckpt(files / "block.pt", files, model=block, arch="block")
     write_ckpt(files / "task.pt", files, tokenizer=TASK)
@@ -914,7 +914,7 @@ def test_skipped_documents_are_counted_as_documents(tmp_path):
 def _train_actions():
     import train
 
-    ap = train.build_parser(checkpoint.arch_table())
+    ap = train.build_parser(archs.arch_table())
     return [(a.option_strings[0], a) for a in ap._actions if a.option_strings and a.help], ap
 
 
@@ -946,7 +946,7 @@ def test_model_memory_from_the_config_is_the_built_models_weights(arch, preset):
     from harness.memory import model_memory, param_bytes
     from model import kv_bytes
 
-    spec = checkpoint.arch_table()[arch]
+    spec = archs.arch_table()[arch]
     cfg = spec.make_config(preset)
     with torch.device("meta"):
         m = spec.model_cls(cfg)
