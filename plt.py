@@ -679,11 +679,6 @@ def config_overrides(args, tok=None) -> dict:
     return out
 
 
-def convert(args, gpt: GPT, tok=None) -> PLT:
-    """--init-from a vanilla checkpoint: the same weights looped (the paper's models are trained from scratch)."""
-    return PLT.from_vanilla(gpt, **config_overrides(args))
-
-
 def preset_rows(preset: str, options=None) -> list:
     """`python bench.py presets --arch plt`: every Table 2 row of the preset, the row `vanilla` (the same stack once)
     as the baseline in brackets (meta device: nothing is allocated). Decode latency: `python bench.py plt`."""
@@ -701,5 +696,5 @@ def preset_rows(preset: str, options=None) -> list:
 # its wall time under "Timings"). lr 4e-3 rather than train.py's 2e-3: at 800 steps it is better for both PLT-2 and the
 # 2-layer vanilla (RESULTS.md).
 ARCH_SPECS = [ArchSpec("plt", PLTConfig, PLT, PRESETS, add_args=add_args, config_overrides=config_overrides,
-                       convert=convert, train_defaults={"max_iters": 800, "lr": 4e-3}, preset_rows=preset_rows,
+                       train_defaults={"max_iters": 800, "lr": 4e-3}, preset_rows=preset_rows,
                        stack_passes=lambda cfg: cfg.n_loops)]

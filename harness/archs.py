@@ -3,7 +3,7 @@ archs.py -- the architecture table: which architectures exist, and which of trai
 
 Each architecture module (ARCH_MODULES, imported here) exposes ARCH_SPECS, a list of model.ArchSpec (config class,
 model class, presets, and optional hooks: extra flags, config overrides from flags, batch preparation, training
-defaults); arch_table() maps every spec's name to it. Architectures register here as they land. add_arch_args puts
+defaults); a model converted from a vanilla one is train.py's (train.convert calls each paper's conversion); arch_table() maps every spec's name to it. Architectures register here as they land. add_arch_args puts
 every architecture's flags into train.py's parser and records which architectures read each one (`ap.arch_flags`),
 so that a flag of another architecture is named in a warning (run_flags.warn_inapplicable) and a saved flag is
 checked against the architecture that reads it (run_flags.check_saved_run).

@@ -39,10 +39,9 @@ import model
 import recursive
 from harness import tasks
 from harness.archs import arch_table
-from harness.cli import CheckpointError, UsageError, atomic_file, check_model_fits, one_line, regular_file
+from harness.cli import CheckpointError, atomic_file, check_model_fits, one_line, regular_file
 from harness.data import Tokenizer, hf_tokenizer_spec, is_gguf_source, is_hf_source
 from harness.hf import from_gguf, from_pretrained, gguf_tokenizer_spec
-from model import ArchSpec
 
 # ----------------------------------------------------------------------------------------------------------------
 # Checkpoints
@@ -363,20 +362,6 @@ def run_tokenizer(args, resume_ck=None, task=None, load=load_checkpoint):
     if args.init_from and not args.tokenizer and not args.vocab_size:
         return tokenizer_from_spec(load_source_tokenizer(args.init_from, load))
     return Tokenizer.from_args(args.vocab_size, args.tokenizer)
-
-
-def load_teacher(args, spec: ArchSpec, tok, table, load=load_checkpoint):
-    """--teacher: the model (a checkpoint, hf:DIR, gguf:PATH), refused for an architecture whose batches are re-laid out
-    or when its tokenizer is not the run's."""
-    if not spec.kd_ok:
-        raise UsageError(f"--teacher is not supported for --arch {args.arch}: its training inputs are re-laid "
-                         f"out, so teacher and student logits would not align")
-    teacher, _, t_tok = load_source_model(args.teacher, table, load)
-    if t_tok != tok.spec:
-        raise UsageError(f"teacher {args.teacher} uses tokenizer {t_tok}, this run uses {tok.spec}: they must be the "
-                         f"same")
-    return teacher
-
 
 
 def keep_layers(src: model.GPT, spec: str) -> model.GPT:

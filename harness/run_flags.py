@@ -44,7 +44,7 @@ A run's flags and its checkpoint (train.py's contract; the flags are reconciled 
 from __future__ import annotations
 
 import argparse
-import functools
+import contextlib
 import math
 import os
 import warnings
@@ -54,11 +54,9 @@ from pathlib import Path
 import torch
 
 from harness import tasks
-from harness.checkpoint import (CheckpointError, _shown, check_resumable, keep_layers, load_checkpoint,
-                                load_source_model, load_teacher, model_from_checkpoint, run_tokenizer)
-from harness.cli import (UsageError, check_device, check_step_memory, check_writable_dir, flag_name, log)
-from harness.data import DEFAULT_BASE, Tokenizer, padded_vocab
-from harness.memory import least_step_memory
+from harness.checkpoint import CheckpointError, _shown, check_resumable, load_checkpoint
+from harness.cli import UsageError, check_device, check_writable_dir, flag_name
+from harness.data import DEFAULT_BASE, Tokenizer
 from model import ArchSpec
 
 
@@ -116,27 +114,6 @@ def recipe_overrides(args, spec: ArchSpec, ap, given) -> dict:
         owned |= diff or set(one)
     every = spec.config_overrides(argparse.Namespace(**{**vars(none), **{d: given[d] for d in typed}}))
     return {k: v for k, v in every.items() if k in owned}
-
-
-def init_from(args, spec: ArchSpec, tok, table, ap, given, note=print, load=load_checkpoint) -> torch.nn.Module:
-    """--init-from SOURCE: a model of this architecture keeps its shapes and takes the recipe flags typed
-    (init_same_arch); a vanilla one (after --keep-layers picks its layers) is converted by spec.convert. `note` gets
-    the lines train.py logs about it."""
-    src, src_arch, _ = load_source_model(args.init_from, table, load)
-    if args.keep_layers:
-        if src_arch != "vanilla":
-            raise UsageError(f"--keep-layers takes layers of a vanilla model; {args.init_from} holds a {src_arch} one")
-        src = keep_layers(src, args.keep_layers)
-        note(f"init from {args.init_from}: keeping layers {args.keep_layers} ({src.config.n_layer} layers)")
-    if src_arch == spec.name:
-        model, line = init_same_arch(src, spec, recipe_overrides(args, spec, ap, given), args.seq_len, args.init_from)
-        note(line)
-        return model
-    if src_arch != "vanilla" or spec.convert is None:
-        raise UsageError(f"cannot initialise a {spec.name} model from a {src_arch} checkpoint "
-                         f"({'conversion starts from a vanilla model' if spec.convert else 'no conversion exists'})")
-    note(f"init from {args.init_from}: converting vanilla -> {spec.name}")
-    return spec.convert(args, src, tok=tok)
 
 
 ADDED_MODULES = ("exit_gate.",)  # parameters a recipe flag may add to a checkpoint of the same architecture
@@ -353,36 +330,7 @@ def _consistent_with_checkpoint(ap, dest, args, saved, ck, table) -> bool:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# train.py's run from its flags: their defaults, the checks made before anything is built, the models
-
-
-def resolve_defaults(args, spec):
-    """The flags left unset (None) <- the architecture's train_defaults, then train.py's; the combinations that
-    cannot work are UsageErrors."""
-    for k, v in spec.train_defaults.items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
-    args.max_iters = args.max_iters if args.max_iters is not None else 300
-    args.lr = args.lr if args.lr is not None else 2e-3
-    args.eval_interval = args.eval_interval or max(1, args.max_iters // 4)
-    args.warmup_iters = args.warmup_iters if args.warmup_iters is not None else min(200, args.max_iters // 10)
-    args.lr_decay_iters = args.lr_decay_iters or args.max_iters
-    args.min_lr = args.min_lr if args.min_lr is not None else args.lr / 10
-    if args.min_lr > args.lr:
-        raise UsageError(f"--min-lr {args.min_lr} is above --lr {args.lr}")
-    if args.kd != "none" and not args.teacher:
-        raise UsageError("--kd needs --teacher")
-    if args.keep_layers and not args.init_from:
-        raise UsageError("--keep-layers needs --init-from (the model whose layers are kept)")
-    if args.teacher and args.kd == "none":
-        args.kd = "fkl"
-    if args.mix_weight is not None and not args.mix_data:
-        raise UsageError("--mix-weight needs --mix-data (the corpus it mixes in)")
-    if args.mix_data and args.mix_weight is None:
-        args.mix_weight = 0.5
-    if tasks.is_task_source(args.data) and (args.mix_data or args.curve_at):
-        raise UsageError(f"--{'mix-data' if args.mix_data else 'curve-at'} reads a text corpus; --data {args.data} is "
-                         f"a synthetic task")
+# The checks made before anything is built
 
 
 # The tokens of one optimizer step of one process (--batch-size x --seq-len x --grad-accum): 2^30 is 64 times the
@@ -401,15 +349,23 @@ def check_step_tokens(args):
                          f"published pretraining batches): one step would not end; lower --grad-accum")
 
 
-def check_run_args(args, spec: ArchSpec, resume_ck, given) -> tuple[int, float, list[str]]:
-    """The architecture's defaults, then the checks made before anything is built: --device, --out-dir and --cache-dir
-    writable, a resumed run not past --max-iters -> (the first step, the best validation loss so far, notes about the
-    resumed run's length)."""
+@contextlib.contextmanager
+def saved_flags(resume_ck):
+    """On --resume the flags are the checkpoint's: a UsageError about them names the checkpoint."""
     try:
-        resolve_defaults(args, spec)
+        yield
+    except UsageError as e:
+        if resume_ck is None:
+            raise
+        raise UsageError(f"checkpoint {resume_ck['loaded_from']}: its saved flags: {e}") from None
+
+
+def check_run_args(args, resume_ck, given) -> tuple[int, float, list[str]]:
+    """The checks made before anything is built, once the defaults are resolved (train.resolve_defaults): the step's
+    size, --device, --out-dir and --cache-dir writable, a resumed run not past --max-iters -> (the first step, the
+    best validation loss so far, notes about the resumed run's length)."""
+    with saved_flags(resume_ck):
         check_step_tokens(args)
-    except UsageError as e:  # on --resume the flags are the checkpoint's: say so
-        raise (UsageError(f"checkpoint {resume_ck['loaded_from']}: its saved flags: {e}") if resume_ck else e) from None
     args.out_dir = Path(args.out_dir or f"out/{args.arch}")
     check_device(args.device)
     check_writable_dir(args.out_dir, "--out-dir")
@@ -418,44 +374,3 @@ def check_run_args(args, spec: ArchSpec, resume_ck, given) -> tuple[int, float, 
     if resume_ck is None:
         return 0, math.inf, []
     return resume_ck["step"], resume_ck.get("best_val_loss", math.inf), resume_length(args, given, resume_ck)
-
-
-def build_models(args, spec: ArchSpec, table, ap, given, resume_ck, dtype, device, master):
-    """The tokenizer (the checkpoint's, a task's, --init-from's or the flags'), the model (resumed, converted or new;
-    the step's memory checked before it is built) and the teacher -> (tok, task or None, model, teacher or None)."""
-    task = tasks.task_from_args(args) if tasks.is_task_source(args.data) else None
-    if task is not None and "seq_len" not in given and resume_ck is None:
-        args.seq_len = -(-task.seq_len // 8) * 8  # a multiple of 8: block models need whole blocks
-    load = functools.cache(load_checkpoint)  # a checkpoint in several roles (--init-from's tokenizer and weights,
-    # --teacher the same file) is read and verified once; each model is built from it (load_state_dict copies)
-    tok = run_tokenizer(args, resume_ck, task, load)
-    if task is None and isinstance(tok, tasks.TaskTokenizer):  # --init-from a task's checkpoint, on text
-        raise UsageError(f"--init-from {args.init_from} was trained on the synthetic task {tok.spec['name']!r}: its "
-                         f"tokenizer reads no text, and --data {args.data} is a text corpus; give --data "
-                         f"task:{tok.spec['name']}, or start from a model trained on text")
-    check_step_memory(least_step_memory(args.batch_size, args.seq_len, padded_vocab(tok.n_vocab), dtype), device, args,
-                      at_least=True)
-    if resume_ck is not None:
-        model = model_from_checkpoint(resume_ck, table)
-    else:
-        model = build_model(args, spec, tok, table, ap, given, master, load)
-    if args.teacher != args.init_from:
-        load.cache_clear()  # kept only for a teacher that is the same file
-    if task is not None:
-        task = tok.task  # on resume: the checkpoint's task
-        task.check_seq_len(args.seq_len)
-    if model.config.vocab_size < tok.n_vocab:
-        raise UsageError(f"model vocabulary {model.config.vocab_size} is smaller than the tokenizer's {tok.n_vocab}")
-    teacher = load_teacher(args, spec, tok, table, load) if args.teacher else None
-    return tok, task, model, teacher
-
-
-def build_model(args, spec: ArchSpec, tok: Tokenizer, table, ap, given, master, load):
-    """Fresh model from the preset, or --init-from (init_from: same arch, the weights and the recipe flags
-    typed; vanilla, the conversion). The flags' config fields are checked either way."""
-    overrides = dict(vocab_size=padded_vocab(tok.n_vocab), max_seq_len=args.seq_len)
-    if spec.config_overrides is not None:
-        overrides.update(spec.config_overrides(args, tok=tok))
-    if args.init_from:
-        return init_from(args, spec, tok, table, ap, given, note=lambda line: log(line, master), load=load)
-    return spec.model_cls(spec.make_config(args.preset, **overrides))

@@ -12,7 +12,7 @@ import torch
 import model as model_lib
 import train
 from conftest import ROOT, write_jsonl
-from harness import archs, checkpoint, cli, curve, data, memory, run_flags
+from harness import archs, checkpoint, cli, curve, data, memory
 
 # ---- a small real corpus: a few standard-library files as SlimPajama-style documents ----------------------------
 
@@ -345,7 +345,7 @@ def test_init_from_and_teacher_of_one_checkpoint_read_it_once(tmp_path, corpus, 
     """--init-from CKPT --teacher CKPT and no tokenizer flag (CKPT's tokenizer): three roles, one read of the file
     (CRC-32, torch.load, checks)."""
     read, real = [], checkpoint.load_checkpoint
-    monkeypatch.setattr(run_flags, "load_checkpoint", lambda path: (read.append(str(path)), real(path))[1])
+    monkeypatch.setattr(train, "load_checkpoint", lambda path: (read.append(str(path)), real(path))[1])
     argv = base_args(corpus, tmp_path, "--max-iters", "1", "--init-from", teacher, "--teacher", teacher, "--kd", "jsd")
     i = argv.index("--vocab-size")
     train.train(argv[:i] + argv[i + 2:])
