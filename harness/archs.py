@@ -3,10 +3,11 @@ archs.py -- the architecture table: which architectures exist, and which of trai
 
 Each architecture module (ARCH_MODULES, imported here) exposes ARCH_SPECS, a list of model.ArchSpec (config class,
 model class, presets, and optional hooks: extra flags, config overrides from flags, batch preparation, training
-defaults); a model converted from a vanilla one is train.py's (train.convert calls each paper's conversion); arch_table() maps every spec's name to it. Architectures register here as they land. add_arch_args puts
-every architecture's flags into train.py's parser and records which architectures read each one (`ap.arch_flags`),
-so that a flag of another architecture is named in a warning (run_flags.warn_inapplicable) and a saved flag is
-checked against the architecture that reads it (run_flags.check_saved_run).
+defaults); arch_table() maps every spec's name to it. Architectures register here as they land. A model converted
+from a vanilla one is train.py's to make (train.convert calls each paper's own conversion). add_arch_args puts every
+architecture's flags into train.py's parser and records which architectures read each one (`ap.arch_flags`), so that
+a flag of another architecture is named in a warning (run_flags.warn_inapplicable) and a saved flag is checked against
+the architecture that reads it (run_flags.check_saved_run).
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ installed, draws it as a PNG (OUT/<name>.png; docs/figures/ holds the ones this 
 
   depthwise  Relaxed Recursive Transformers (Bae et al., arXiv:2410.20672), Figure 3: continuous depth-wise batching
              with early exit. serve.py's DepthWiseServer and ContinuousServer serve the same requests (Poisson arrivals
-             counted in decode steps, prompts prefilled in chunks), each with a serve.ScheduleTrace as its hook: for
+             counted in decode steps, prompts prefilled in chunks), each with a serve_hooks.ScheduleTrace as hook: for
              every forward pass, the request each slot held, the loop it ran, where a token left, the prompt chunks.
   plt        Parallel Loop Transformer (Wu et al., arXiv:2510.24824), Algorithm 1 and Figure 2 (right): cross-loop
              parallel decoding. A PLTCache with a trace records, in every layer of every decode forward, the keys its
@@ -23,7 +23,7 @@ installed, draws it as a PNG (OUT/<name>.png; docs/figures/ holds the ones this 
 
 Random weights: none of these schedules or masks depends on what a model learned, except where a depth-wise token
 leaves its loops; those exits are SIMULATED by a max-softmax threshold at which about half of the prompt tokens leave
-after the first loop (serve.exit_threshold_for, as in serve.py's demo). tests/test_figures.py checks every record
+after the first loop (bench_serve.exit_threshold_for, as in serve.py's demo). tests/test_figures.py checks every record
 against the paper's rule, written out independently, and that a record changes when its mechanism is broken.
 
 Run:
@@ -42,7 +42,9 @@ import torch
 import serve
 from block_transformer import BlockConfig, BlockTransformer
 from double_decoder import DoubleConfig, DoubleDecoder
+from harness.bench_serve import exit_threshold_for
 from harness.cli import check_writable_dir, write_atomic
+from harness.serve_hooks import SCHEDULE_LEGEND, ScheduleTrace
 from harness.serve_requests import synthetic_requests
 from model import GPT, GPTConfig, KVCache, LayerCache
 from plt import PLT, PLTConfig
@@ -65,10 +67,10 @@ def depthwise(n_requests=9, slots=3, loops=3, chunk=4, seed=0) -> dict:
     van = GPT(GPTConfig(n_layer=loops, **TINY)).eval()
     rec = from_vanilla(van, loops, "average", log=lambda *_: None).eval()
     reqs = synthetic_requests(n_requests, TINY["vocab_size"], "2:9", "2:5", "poisson", rate=0.4, seed=seed)
-    thr = serve.exit_threshold_for(rec, [r.prompt for r in reqs], 0.5, "softmax")
+    thr = exit_threshold_for(rec, [r.prompt for r in reqs], 0.5, "softmax")
     out = dict(threshold=thr, loops=loops, chunk=chunk, models=(van, rec), requests=reqs)
-    for srv in (serve.DepthWiseServer(rec, slots, thr, "softmax", prefill_chunk=chunk, hook=serve.ScheduleTrace()),
-                serve.ContinuousServer(van, slots, prefill_chunk=chunk, hook=serve.ScheduleTrace())):
+    for srv in (serve.DepthWiseServer(rec, slots, thr, "softmax", prefill_chunk=chunk, hook=ScheduleTrace()),
+                serve.ContinuousServer(van, slots, prefill_chunk=chunk, hook=ScheduleTrace())):
         out[srv.name] = (srv.hook, srv.run(reqs, clock="step"))
     return out
 
@@ -80,7 +82,7 @@ def depthwise_text(d) -> str:
             f"tokens at a time; depth-wise: {d['loops']} loops of one shared layer,\nexits SIMULATED on random "
             f"weights by a max-softmax threshold {d['threshold']:.3g}; continuous: the {d['loops']}-layer vanilla "
             f"model")
-    return "\n\n".join([head, serve.SCHEDULE_LEGEND] + [d[n][0].text() for n in names])
+    return "\n\n".join([head, SCHEDULE_LEGEND] + [d[n][0].text() for n in names])
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -469,8 +469,9 @@ def test_hooks_use_the_tokenizer_train_passes():
     class Tok:
         eot, n_vocab = 7, 60
 
-    args = argparse.Namespace(arch="block", block_len=None, block_prefix_len=None, block_embedder=None, block_context=None,
-                              block_no_random_pad=False, vocab_size=None, tokenizer=None, init_from=None,
+    args = argparse.Namespace(arch="block", block_len=None, block_prefix_len=None, block_embedder=None,
+                              block_context=None, block_no_random_pad=False, vocab_size=None, tokenizer=None,
+                              init_from=None,
                               seq_len=32)
     assert bt.config_overrides(args, tok=Tok()) == {"eot_id": 7}  # rebuilt from these args it would be 4096
     v = GPT(GPTConfig(n_layer=2, n_embd=32, mlp_hidden=48, vocab_size=V, max_seq_len=32))

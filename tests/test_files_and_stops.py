@@ -25,7 +25,6 @@ from gguf import GGUFValueType as V
 
 import bench
 import eval as ev
-import serve
 import train
 from conftest import ROOT, fp16_missing, one_error_line, write_jsonl
 from harness import archs, chat_template, checkpoint, cli, cpu_tuning, curve, data, hf, run_flags, serve_requests, tasks
@@ -338,7 +337,7 @@ def test_a_template_that_fails_on_one_request_is_that_requests_error(tmp_path, c
                 "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
     reqs = serve_requests.chat_requests(6, tok, template, str(corpus), str(tmp_path / "cache"), "8:12", "2",
                                         source="the model")
-    said = [serve.request_problem(r, 1024, 4096) for r in reqs]
+    said = [r.problem(1024, 4096) for r in reqs]
     bad = [p for p in said if p is not None]
     assert bad and len(bad) < len(reqs), said
     assert all(p == ("chat template", "the chat template of the model does not render this request's question "
