@@ -1,6 +1,7 @@
 """
-checkpoint.py -- train.py's checkpoint files (written atomically, read back verified), and the other sources a model
-comes from (hf:DIR, gguf:PATH), shared by train.py, eval.py, serve.py's benchmark and bench.py.
+checkpoint.py -- train.py's checkpoint files (written atomically, read back verified), the other sources a model
+comes from (hf:DIR, gguf:PATH), and a run's model and validation windows as eval.py reads them; shared by train.py,
+eval.py, serve.py's benchmark and bench.py.
 
 A checkpoint is one torch.save'd dict, read back with weights_only=True (no code runs on load):
     format          CKPT_FORMAT (anything else is not ours)
@@ -39,9 +40,11 @@ import model
 import recursive
 from harness import tasks
 from harness.archs import arch_table
-from harness.cli import CheckpointError, atomic_file, check_model_fits, one_line, regular_file
-from harness.data import Tokenizer, hf_tokenizer_spec, is_gguf_source, is_hf_source
+from harness.cli import CheckpointError, UsageError, atomic_file, check_memory, check_model_fits, one_line, regular_file
+from harness.data import (TokenData, Tokenizer, hf_tokenizer_spec, is_gguf_source, is_hf_source, prepare_corpus,
+                          step_generator)
 from harness.hf import from_gguf, from_pretrained, gguf_tokenizer_spec
+from harness.memory import memory_sum, module_bytes
 
 # ----------------------------------------------------------------------------------------------------------------
 # Checkpoints
@@ -395,3 +398,65 @@ def keep_layers(src: model.GPT, spec: str) -> model.GPT:
         kept.lm_head.weight = kept.tok_emb.weight
     kept.rope = model.RotaryEmbedding(cfg.rot_dim, cfg.max_seq_len, cfg.rope_theta).to(p.device)  # fp32 tables
     return kept
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A run's checkpoint, its model and its validation windows (eval.py's evaluations)
+
+
+def load_run(path, device):
+    """A train.py checkpoint -> (checkpoint dict, model in eval mode on device, tokenizer)."""
+    ck = load_checkpoint(path)
+    model = model_from_checkpoint(ck)
+    tok = text_tokenizer(ck["tokenizer"], f"checkpoint {path}")
+    check_vocab(model.config, tok, f"checkpoint {path}")
+    check_eval_memory(weights_on(device, model), device, f"the model of {path}")
+    return ck, model.to(device).eval(), tok
+
+
+# The memory an evaluation allocates (model.py's pieces), checked before it allocates it (cli.check_memory): the
+# models as they move to the device (on a CPU they are in memory already), the evaluation windows and one batch's
+# forward (its logits and their float32 copies for the loss), the KV caches of decoding.
+
+def weights_on(device, *models) -> dict:
+    """The models' weights and buffers as they are copied to `device`; nothing on a CPU (they are there already)."""
+    return {f"models on {device}": module_bytes(*models)} if torch.device(device).type != "cpu" else {}
+
+
+def elem_of(model) -> int:
+    return next(model.parameters()).element_size()
+
+
+def check_eval_memory(parts: dict, device, what: str, fix: str = "evaluate it on a device with more memory"):
+    check_memory(memory_sum(parts), device, what, fix)
+
+
+def text_tokenizer(spec, where):
+    """The tokenizer of a spec, for text: a synthetic task's vocabulary reads no text (tasks.py evaluates those
+    models), and a tokenizer that cannot be built here (a tiktoken name that needs the network, a missing file) is
+    one line naming the model's source."""
+    if spec.get("kind") == "task":
+        raise UsageError(f"{where} was trained on the synthetic task {spec.get('name')!r}: its tokenizer reads no "
+                         f"text, so eval.py has no corpus to evaluate it on (train.py's evaluation reports the task)")
+    try:
+        return tokenizer_from_spec(spec)
+    except ValueError as e:  # a tiktoken name says nothing of the file it came from; hf/gguf messages name theirs
+        raise UsageError(f"{where}: {e}" if spec.get("kind") == "tiktoken" else str(e)) from None
+
+
+def checkpoint_val_data(ck, tok, cache_dir) -> TokenData:
+    """The validation split of the checkpoint's corpus (its run arguments: --data, --exclude-sets, --val-data). The
+    token cache goes to this command's --cache-dir (cache_dir), never to a directory the checkpoint names."""
+    a = ck.get("args") or {}
+    return TokenData(prepare_corpus(a.get("data", "stdlib"), tok, cache_dir,
+                                    [s for s in a.get("exclude_sets", "").split(",") if s], a.get("val_data"),
+                                    verbose=False), "val")
+
+
+def val_windows(ck, tok, n_batches, batch, seq_len, seed, device, cache_dir):
+    """The validation windows of the checkpoint's corpus (checkpoint_val_data), drawn from seeded generators: every
+    checkpoint of the same corpus and tokenizer sees the same windows."""
+    val = checkpoint_val_data(ck, tok, cache_dir)
+    for i in range(n_batches):
+        x, y = val.get_batch(batch, seq_len, step_generator(seed, -1, i, 0))
+        yield x.to(device), y.to(device)

@@ -27,7 +27,8 @@ import bench
 import eval as ev
 import train
 from conftest import ROOT, fp16_missing, one_error_line, write_jsonl
-from harness import archs, chat_template, checkpoint, cli, cpu_tuning, curve, data, hf, run_flags, serve_requests, tasks
+from harness import (archs, chat_template, checkpoint, cli, cpu_tuning, curve, data, hf, recovery, run_flags, serve_requests,
+                     tasks)
 from model import GPT, GPTConfig
 from test_inputs import write_gguf
 
@@ -377,8 +378,8 @@ DAMAGES = [  # (what, the file's bytes or a special file, the reason)
 READERS = [  # (what, the file's name, read(path) in its command, the reader's name for it)
     ("a run's curve.jsonl (--resume, eval.py recovery)", "curve.jsonl", lambda p: curve.read_curve(p),
      "curve file"),
-    ("eval.py recovery's recovery.jsonl", "recovery.jsonl", lambda p: ev.read_recovery(p), "results file"),
-    ("eval.py samples' manifest.json", "manifest.json", lambda p: ev.read_manifest(p), "samples manifest"),
+    ("eval.py recovery's recovery.jsonl", "recovery.jsonl", lambda p: recovery.read_recovery(p), "results file"),
+    ("eval.py samples' manifest.json", "manifest.json", lambda p: recovery.read_manifest(p), "samples manifest"),
     ("a token cache's meta.json", "meta.json", lambda p: data.read_meta(p.parent), "token cache"),
     ("tasks.py table --results", "results.jsonl", lambda p: tasks.read_results(p), "--results"),
     ("a model's config.json", "config.json", lambda p: hf._read_json(p), "file"),
