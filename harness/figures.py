@@ -472,7 +472,7 @@ SELF, READ, BLOCK_READ, PREDICTED, LOCAL = "#41ab5d", "#238b45", "#c7e9c0", "#fe
 def draw_depthwise(pyplot, d, path):
     L, S, panels = d["loops"], d["slots"], d["panels"]
     end = max(p["loop_steps"] for p in panels)
-    fig, axes = pyplot.subplots(len(panels), 1, figsize=(WIDTH, 1.45 * len(panels) + 1.6), sharex=True)
+    fig, axes = pyplot.subplots(len(panels), 1, figsize=(WIDTH, 1.45 * len(panels) + 1.9), sharex=True)
     for ax, p in zip(axes, panels):
         t, held = 0, [None] * S  # the time (loop-steps) where the pass starts; the request each slot held last
         for (kind, cells), w in zip(p["trace"].passes, p["widths"]):
@@ -512,11 +512,12 @@ def draw_depthwise(pyplot, d, path):
                         f"prefill chunk all {L} layers ({L} loop-steps)", fontsize=SMALL)
     fig.suptitle(f"Relaxed Recursive Transformers, Figure 3: the same {len(d['requests'])} requests through four "
                  f"servers, traced from serve.py\n{S} slots, all requests queued at time 0; a letter is a request, "
-                 f"UPPERCASE where its token leaves", fontsize=FONT, x=0.01, ha="left")
+                 f"UPPERCASE where its token leaves\n(a), (c) and (d) are the paper's panels (a), (b) and (c); (b) is the continuous "
+                 f"batching its text compares with", fontsize=FONT, x=0.01, ha="left")
     _legend(fig, [(f"loop / layer {i + 1}", STAGE[i], STAGE[i]) for i in range(L)]
             + [("prompt chunk", PROMPT, PROMPT), ("a token leaves", "white", LEFT),
                ("held, not in the pass", HELD, HELD), ("refill", "red", "red")], ncol=4)
-    fig.subplots_adjust(left=0.08, right=0.85, top=0.88, bottom=0.15, hspace=0.55)
+    fig.subplots_adjust(left=0.08, right=0.85, top=0.855, bottom=0.15, hspace=0.55)
     _save(pyplot, fig, path)
 
 
