@@ -512,8 +512,8 @@ def draw_depthwise(pyplot, d, path):
                         f"prefill chunk all {L} layers ({L} loop-steps)", fontsize=SMALL)
     fig.suptitle(f"Relaxed Recursive Transformers, Figure 3: the same {len(d['requests'])} requests through four "
                  f"servers, traced from serve.py\n{S} slots, all requests queued at time 0; a letter is a request, "
-                 f"UPPERCASE where its token leaves\n(a), (c) and (d) are the paper's panels (a), (b) and (c); (b) is the continuous "
-                 f"batching its text compares with", fontsize=FONT, x=0.01, ha="left")
+                 f"UPPERCASE where its token leaves\n(a), (c) and (d) are the paper's panels (a), (b) and (c); (b) is "
+                 f"the continuous batching its text compares with", fontsize=FONT, x=0.01, ha="left")
     _legend(fig, [(f"loop / layer {i + 1}", STAGE[i], STAGE[i]) for i in range(L)]
             + [("prompt chunk", PROMPT, PROMPT), ("a token leaves", "white", LEFT),
                ("held, not in the pass", HELD, HELD), ("refill", "red", "red")], ncol=4)
