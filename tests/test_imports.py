@@ -95,7 +95,7 @@ def test_model_and_kernels_import_no_project_module():
 
 
 def test_library_modules_do_not_import_the_scripts():
-    """data.py (tokenizer, corpus, batches), checkpoint.py (architecture table, checkpoint files) and cli.py (the error
+    """data.py (tokenizer, corpus, batches), checkpoint.py (checkpoint files, model sources) and cli.py (the error
     contract) are what the scripts share: none of them reaches train.py, serve.py or bench.py, not even through
     another module, so a script can use them without loading another script."""
     graph = import_graph()
