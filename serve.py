@@ -1,6 +1,6 @@
 """
 serve.py -- a lean serving engine on one device: continuous batching for the vanilla model, continuous depth-wise
-batching with early exit for Recursive Transformers, and a demo that serves the same requests through both.
+batching with early exit for Recursive Transformers.
 
 Paper: "Relaxed Recursive Transformers: Effective Parameter Sharing with Layer-wise LoRA" (Bae et al.,
 arXiv:2410.20672), section 2.4 (Continuous Depth-wise Batching and Early-Exiting, Figure 3), section 3.8, Appendix K.
@@ -8,16 +8,14 @@ The paper simulates depth-wise batching from measured per-token times and oracle
 real, with confidence-based exits and state propagation.
 
 The engine (nanochat's engine.py and gpt-fast's generate.py are its models):
-  * Requests: a Request is prompt token ids + max_new_tokens + an arrival time, and what serving records on it (the
-    tokens, the loop each one left at, their times, an error). A request the model cannot serve (Request.problem:
-    an empty prompt, an id outside the vocabulary, more tokens than the context) gets an error of its own; the
-    others are served.
+  * Requests: prompt token ids + max_new_tokens + an arrival time, and what serving records (tokens, the loop each
+    left at, times, an error). One the model cannot serve (Request.problem: an empty prompt, an id outside the
+    vocabulary, more tokens than the context) gets an error of its own; the others are served.
   * Slots: a server has `slots` rows of one pre-allocated KV cache and of its state tensors, allocated once. A request
     is admitted into a free slot, prefilled and decoded there, and frees it when done; the queue refills it at once.
   * Prefill, batched and chunked: each iteration runs ONE chunk (`prefill_chunk` tokens) of every prompt still being
-    prefilled, in one batch, straight into the slots' cache rows (model.prefill_chunk): a long prompt delays the
-    others' decode steps by a chunk per iteration, not by its whole length. A prompt's last chunk samples its first
-    token.
+    prefilled, in one batch, into the slots' cache rows (model.prefill_chunk): a long prompt delays the others' decode
+    steps by a chunk per iteration, not by its whole length. A prompt's last chunk samples its first token.
   * ContinuousServer (vanilla; continuous sequence-wise batching, Orca/vLLM): a step is ONE GPT.decode_step over all
     slots, each at its own position. Rows with no token in flight run along (static shapes) and keep their position:
     0 when free, the next prompt position (which the next chunk overwrites) while prefilling. static=True: static
@@ -33,25 +31,19 @@ The engine (nanochat's engine.py and gpt-fast's generate.py are its models):
     graphs.compile_step: one graph per step kind, a CUDA graph on CUDA, greedy sampling and the next state inside it.
     A graph cannot skip work per row: rows with nothing to do run along, their writes masked. Same tokens either way.
   * One device-to-host transfer per iteration: the first tokens of the prompts finished in it and the step's tokens,
-    exit flags and loops, in one tensor; then the host records them and frees finished slots.
+    exit flags and loops, in one tensor; the host records them and frees finished slots.
   * Sampling: greedy (argmax), or with ONE seeded torch.Generator per request (request_generator(seed, rid)): a
     request's output does not depend on the schedule, it equals model.generate on it alone with that generator
     (sequential_generate, the reference of every test). The compiled depth-wise step draws for every live row and
     keeps a draw only where the row leaves (the generator's state is put back elsewhere): still one transfer.
   * One hook watches a run (Hook; none by default, and then nothing is recorded): it hears each prefill pass and each
-    decode step with what the engine knows of it anyway. harness/serve_hooks.py has the two of this repository:
-    Metrics (wall time, step times, occupancy, keys read, the loaded server's throughput) and ScheduleTrace (Figure 3
-    recorded from the run itself: which request each slot held, the loop it ran, where tokens left).
-What measures and feeds the engine is in the harness: the demo (harness/serve_demo.py), the serving benchmark
-(harness/bench_serve.py: checkpoints, exit calibration, metric tables, memory sizing, --json: `python bench.py serve`)
-and the requests it reads (harness/serve_requests.py: synthetic, corpus, chat, JSONL files).
+    decode step with what the engine knows of it anyway (harness/serve_hooks.py: Metrics, and ScheduleTrace, Figure 3).
+The harness measures and feeds the engine: the demo (serve_demo.py), `python bench.py serve` (bench_serve.py) and the
+requests it reads (serve_requests.py: synthetic, corpus, chat, JSONL files).
 
 Run:
-    python serve.py                    # demo: small preset, random weights, simulated exits: the serving table
-    python serve.py --preset tiny      # the same at 0.8M parameters, where per-operator overhead eats the bargain
-    python serve.py --preset tiny --schedule   # ... and the depth-wise schedule of the run (Figure 3, as text)
-    python bench.py serve --help       # the serving benchmark: checkpoints, request files, exit rules, --json
-    python -m pytest -q tests/test_serve.py
+    python serve.py                    # the demo: small preset, random weights, simulated exits: the serving table
+    python serve.py --preset tiny --schedule   # 0.8M parameters, and the depth-wise schedule of the run (Figure 3)
 """
 from __future__ import annotations
 
