@@ -222,9 +222,9 @@ def test_decode_bench_prints_the_choice_and_each_forced_product(monkeypatch, cap
 
     monkeypatch.setattr(cpu_tuning, "LINEAR_PROBE_BYTES", 1 << 20)
     bench.main(["decode", "--device", "cpu", "--preset", "tiny", "--dtype", "float32", "--repeats", "1",
-                "--prompt-len", "8", "--new-tokens", "3", "--no-hf", "--linear", "auto,dnn"])
+                "--prompt-len", "8", "--new-tokens", "3", "--systems", "eager", "--linear", "auto,dnn"])
     out = capsys.readouterr().out
-    assert "ours: GPT.generate:" in out and "ours: GPT.generate [linear: dnn]:" in out
+    assert "ours eager  " in out and "ours eager [linear: dnn] " in out
     assert "cpu_tuning's linear product per (rows, out x in)" in out and "rows   1    4160 x 128" in out
     assert "weight copies alive" in out and cpu_tuning._linear_forced == [None]
     # the benchmark switched the tuning off again
