@@ -657,7 +657,10 @@ def demo_parser():
     ap.add_argument("--slots", type=number(int, min=1), default=16, help="batch slots of every server")
     ap.add_argument("--device", default="auto", help="auto (cuda > mps > cpu) | cpu | cuda | mps")
     ap.add_argument("--dtype", default="auto", choices=DTYPES, help="auto (bf16 on GPU, fp32 on CPU) | ...")
-    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, help="compiled steps (default: on CUDA)")
+    ap.add_argument("--compile", nargs="?", const="on", default=None, choices=["on", "off", "auto"],
+                    help="compiled steps: on, off, or auto (on a CPU: where measured faster, cpu_tuning.py); "
+                         "default: on CUDA only")
+    ap.add_argument("--no-compile", dest="compile", action="store_const", const="off", help="eager steps")
     ap.add_argument("--schedule", type=number(int, min=1), nargs="?", const=40, default=None, metavar="PASSES",
                     help="after the table, the depth-wise schedule of the run with exits: which request each slot "
                          "held and the loop it ran, for its first PASSES forward passes (default 40; Figure 3)")
@@ -690,7 +693,10 @@ def demo(argv=None):
     reqs = random_requests(args.requests, van.config.vocab_size, (8, 48), (8, 32), [0.0] * args.requests,
                            torch.Generator().manual_seed(args.seed))
     thr = exit_threshold_for(rec, [r.prompt for r in reqs[:8]], DEMO_EXIT_RATE)
-    kw = dict(slots=args.slots, compile=args.compile)
+    from harness import cpu_tuning
+    flag = {"on": True, "off": False, "auto": None}.get(args.compile, device.type == "cuda")  # auto: measured
+    compiled = cpu_tuning.compiled_decode_faster(van, args.slots, flag, keep=False)
+    kw = dict(slots=args.slots, compile=compiled)
     servers = [ContinuousServer(van, **kw), ContinuousServer(van, static=True, **kw), DepthWiseServer(rec, **kw),
                DepthWiseServer(rec, exit_threshold=thr, exit_rule="softmax", **kw)]  # continuous first: the base
     print(f"device {device} dtype {dtype} | {args.preset}: vanilla {van.config.n_layer} layers, recursive B=2 "

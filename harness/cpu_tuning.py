@@ -438,9 +438,11 @@ def decode_step_time(model, batch: int, compiled: bool, rounds: int = 1) -> floa
     return sorted(times)[len(times) // 2]
 
 
-def compiled_decode_faster(model, batch: int, flag: bool | None = None, timer=None) -> bool:
+def compiled_decode_faster(model, batch: int, flag: bool | None = None, timer=None, keep: bool = True) -> bool:
     """Whether `model` decodes `batch` rows with graphs.compile_decode's compiled step on this machine; the model is
     left compiled when it does (the graphs compiled for the measurement are the ones used), eager otherwise.
+    keep=False: the model is left eager either way, and a record on disk is taken as it is, not timed again (a
+    server compiles steps of its own: serve.py, bench.py serve).
 
     flag True / False: as told (a command's --compile / --no-compile). None (`auto`): compiled on CUDA; on a CPU
     by measurement, never by a rule: generate() timed with the eager step (this module's forms) and with the
@@ -455,7 +457,7 @@ def compiled_decode_faster(model, batch: int, flag: bool | None = None, timer=No
     if flag is None and device.type != "cpu":
         flag = device.type == "cuda"
     if flag is not None:
-        if flag and model.graph_caches is None:
+        if flag and keep and model.graph_caches is None:
             graphs.compile_decode(model)
         return flag
     timer = timer or (lambda m, b, c, rounds=1: decode_step_time(m, b, c, rounds))
@@ -463,7 +465,7 @@ def compiled_decode_faster(model, batch: int, flag: bool | None = None, timer=No
     path, mkey, skey = os.environ.get("LINEAR_CHOICE_CACHE", LINEAR_CACHE), cpu_key(), decode_key(model, batch)
     entry = _read_cache(path).get(mkey, {}).get(skey) if path else None
     times = young_record(entry, names)
-    if times is not None:
+    if times is not None and keep:
         pick = "compiled" if times["compiled"] * DECODE_GAIN < times["eager"] else "eager"
         if pick == "compiled":
             graphs.compile_decode(model)
@@ -486,7 +488,7 @@ def compiled_decode_faster(model, batch: int, flag: bool | None = None, timer=No
             disk.setdefault(mkey, {})[skey] = {"times": times, "measured": time.time()}
             _write_cache(path, disk)
     faster = times["compiled"] * DECODE_GAIN < times["eager"]
-    if not faster:
+    if not (faster and keep):
         graphs.uncompile_decode(model)
     return faster
 
