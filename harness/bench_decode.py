@@ -13,6 +13,7 @@ import json
 import math
 import shutil
 import subprocess
+import tempfile
 import time
 from functools import partial
 from pathlib import Path
@@ -172,13 +173,15 @@ class LlamaCpp:
         if not (cls.SCRIPT.parent / "node_modules" / "node-llama-cpp").is_dir():
             return "node-llama-cpp is not installed: " + cls.INSTALL
         self = cls()
+        self.log = tempfile.TemporaryFile(mode="w+")  # node's stderr: read when it fails to start (never a full pipe)
         self.proc = subprocess.Popen([node, str(cls.SCRIPT), str(path), str(torch.get_num_threads()),
                                       str(-(-positions // 64) * 64)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, cwd=cls.SCRIPT.parent)
+                                     stderr=self.log, text=True, cwd=cls.SCRIPT.parent)
         line = self.proc.stdout.readline()
         if not line.startswith("{"):
-            err = self.proc.stderr.read().strip().splitlines()
             self.close()
+            self.log.seek(0)
+            err = self.log.read().strip().splitlines()
             return f"node-llama-cpp did not start: {err[-1] if err else 'no output'}"
         reader = read_gguf(path)
         types = sorted({t.tensor_type.name for t in reader.tensors if len(t.shape) == 2})
@@ -188,7 +191,10 @@ class LlamaCpp:
     def generate(self, idx, n: int):
         self.proc.stdin.write(json.dumps({"prompt": idx[0].tolist(), "n": n}) + "\n")
         self.proc.stdin.flush()
-        return json.loads(self.proc.stdout.readline())
+        out = json.loads(self.proc.stdout.readline())
+        if len(out["tokens"]) != n:  # an end-of-generation token stops llama.cpp's evaluation: a shorter run
+            raise RuntimeError(f"llama.cpp generated {len(out['tokens'])} of {n} tokens")
+        return out
 
     def close(self):
         with contextlib.suppress(Exception):

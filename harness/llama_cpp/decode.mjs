@@ -4,7 +4,8 @@
 // node decode.mjs MODEL.gguf THREADS CONTEXT: loads the model on the CPU (no GPU, no build, no download), prints one
 // JSON line {"ready": seconds, ...}, then answers each JSON line {"prompt": [token ids], "n": new tokens} read from
 // stdin with one line {"seconds": s, "first": s to the first new token, "tokens": [ids]}: the prompt evaluated
-// from an empty context, then n tokens greedily (temperature 0). {"quit": true} or the end of stdin ends it.
+// from an empty context, then n tokens greedily (temperature 0), past an end-of-generation token as ours decode
+// (yieldEogToken). {"quit": true} or the end of stdin ends it.
 import {getLlama, LlamaLogLevel} from "node-llama-cpp";
 import readline from "node:readline";
 
@@ -25,7 +26,7 @@ for await (const line of lines) {
   const tokens = [];
   let first = null;
   const start = performance.now();
-  for await (const token of sequence.evaluate(req.prompt, {temperature: 0})) {
+  for await (const token of sequence.evaluate(req.prompt, {temperature: 0, yieldEogToken: true})) {
     tokens.push(token);
     if (first === null) first = (performance.now() - start) / 1e3;
     if (tokens.length >= req.n) break;
