@@ -27,6 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 QMAX = 127  # symmetric: -127..127 (-128 unused, so that -W and W quantize alike)
+GEMV_ROWS = 16  # int8_linear's int8 kernel up to this many rows (a decode step), a dequantized F.linear above
 
 
 def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,9 +41,11 @@ def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def int8_linear(x, qweight, scales, bias=None):
     """x W^T (+ b) with W = scales[:, None] * qweight: x (..., in), qweight (out, in) int8, scales (out,) in x's dtype.
-    On a CPU in fp32 / bf16 / fp16 torch's int8 product (_weight_int8pack_mm: no dequantized copy of W); elsewhere
-    the weight dequantized to x's dtype, then F.linear (gpt-fast's form)."""
-    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and x.numel():
+    On a CPU in fp32 / bf16 / fp16 with at most GEMV_ROWS rows (decoding) torch's int8 product (_weight_int8pack_mm:
+    no dequantized copy of W); otherwise (a prefill, an evaluation: a matrix product, which that kernel is not) the
+    weight dequantized to x's dtype, then F.linear and the scales (gpt-fast's form)."""
+    rows = x.numel() // max(x.size(-1), 1)
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and 0 < rows <= GEMV_ROWS:
         y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.size(-1)).contiguous(), qweight, scales)
         y = y.reshape(*x.shape[:-1], qweight.size(0))
     else:

@@ -71,13 +71,15 @@ def test_int8_logits_stay_near_the_fp_logits():
     assert int8_bytes(q) == lin_bytes + 4 * sum(mod.out_features for mod in q.modules() if isinstance(mod, Int8Linear))
 
 
+@pytest.mark.parametrize("rows", [3, 40])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_int8_product_equals_its_dequantized_form(dtype):
-    """torch's int8 product (_weight_int8pack_mm, the CPU path) against the dequantized weight through F.linear."""
+def test_the_int8_product_equals_its_dequantized_form(dtype, rows):
+    """Both CPU paths of int8_linear -- torch's int8 product (_weight_int8pack_mm, up to GEMV_ROWS rows) and the
+    dequantized F.linear (more rows) -- against the dequantized weight in fp32."""
     torch.manual_seed(0)
     w = torch.randn(48, 80)
     qw, s = quantize_per_channel(w)
-    x = torch.randn(3, 80, dtype=dtype)
+    x = torch.randn(rows, 80, dtype=dtype)
     ref = torch.nn.functional.linear(x.float(), qw.float() * s[:, None])
     got = int8_linear(x, qw, s.to(dtype)).float()
     tol = 1e-4 if dtype == torch.float32 else 3e-2
