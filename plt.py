@@ -104,6 +104,9 @@ Run:
     python train.py --arch plt                                  # PLT-2 tiny on the default corpus
     python train.py --arch plt --plt-variant loop               # a Table 2 row: vanilla|loop|clp|kv_share|plt
     python train.py --arch plt --loops 3 --plt-window 32        # PLT-3, window 32
+    python train.py --arch plt --plt-loop-norm none --plt-emb-scale 0.707 --plt-hidden-scale 0.053 --plt-loop-final-norm
+                    --plt-gate residual --plt-window-keys w+1   # LoopCoder-V2's forms (one command line)
+    python -m harness.plt_forms run                             # the loop-input / gate forms side by side (RESULTS)
     python train.py --arch plt --init-from out/vanilla/ckpt.pt  # uptrain a vanilla checkpoint into a PLT
     python bench.py presets --arch plt                          # presets x variants: parameters, KV bytes, FLOPs
     python bench.py plt                                         # Table 3: decode latency vs vanilla and loop-2
@@ -476,15 +479,20 @@ class PLT(GPT):
         e + h_prev.
 
         Training (shift_right) and decode_step (the cached h^(l)_(i-1)) both call this, so they compute the same."""
+        e_part, h_part = self.clp_summands(e, h_prev, loop)
+        return e_part + h_part
+
+    def clp_summands(self, e, h_prev, loop):
+        """The two summands of clp_input: (a * n_E(e), b * n_H(h_prev))."""
         c = self.config
         if self.loop_norms:
             norm_e, norm_h = self.loop_norms[0 if len(self.loop_norms) == 1 else loop - 1]
             e, h_prev = norm_e(e), norm_h(h_prev)
         if self.loop_scales is not None:
-            return self.loop_scales[0] * e + self.loop_scales[1] * h_prev
+            return self.loop_scales[0] * e, self.loop_scales[1] * h_prev
         if (c.loop_emb_scale, c.loop_hidden_scale) != (1, 1):
-            return c.loop_emb_scale * e + c.loop_hidden_scale * h_prev
-        return e + h_prev
+            return c.loop_emb_scale * e, c.loop_hidden_scale * h_prev
+        return e, h_prev
 
     def run_loop(self, x, rope, shared=None, own_kv=None):
         """One pass of the N-layer stack over a whole sequence x (B, T, C) -> H (B, T, C), before the final norm.

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from harness.cli import (ArgumentParser, UsageError, append_line, check_output_file, check_writable_dir, comma_list,
-                         number, path_arg, read_json, run_cli, run_child, run_subcommand, seed_arg)
+                         number, path_arg, read_json, run_child, run_cli, run_subcommand, seed_arg)
 
 # The recipe of "The loop input" (RESULTS.md): plt.py's tiny preset, PLT-2 (Table 2's row 5), 16 x 128 tokens a step.
 RECIPE = ["--arch", "plt", "--plt-variant", "plt", "--preset", "tiny", "--batch-size", "16", "--seq-len", "128",
@@ -50,7 +50,7 @@ ROWS = {
     "shared + w+1": ["--plt-loop-norm", "shared", "--plt-window-keys", "w+1"],
     "loopcoder": LOOPCODER_INPUT + ["--plt-gate", "residual", "--plt-window-keys", "w+1"],
 }
-N_WINDOWS, POS = 4, 64  # validation windows of the probe (16 x 128 each) and the position i it probes
+N_WINDOWS = 4  # validation windows of the probe (the run's batch x seq_len each); it probes position seq_len // 2
 
 
 def slug(row: str) -> str:
@@ -60,34 +60,24 @@ def slug(row: str) -> str:
 @torch.no_grad()
 def probe(path, cache_dir) -> dict:
     """A trained checkpoint -> {e_share, own, prev, scales}: loop 2's input at every position, rms of the embedding
-    part over rms of the state part; the mean L2 change of the logits at POS when token POS is replaced (own) and when
-    token POS - 1 is (prev); the learned (a, b) or None."""
+    part over rms of the state part (positions >= 1); the mean L2 change of the logits at i = seq_len // 2 when token
+    i is replaced by the next token id (own) and when token i - 1 is (prev); the learned (a, b) or None."""
     import eval as ev
     from plt import shift_right
 
     ck, model, tok = ev.load_run(path, "cpu")
     a = ck["args"]
-    parts = []
-
-    def capture(e, h_prev, loop):  # the summands of clp_input, as the model computes them
-        if model.loop_norms:
-            norm_e, norm_h = model.loop_norms[0 if len(model.loop_norms) == 1 else loop - 1]
-            e, h_prev = norm_e(e), norm_h(h_prev)
-        s = model.loop_scales if model.loop_scales is not None else (model.config.loop_emb_scale,
-                                                                     model.config.loop_hidden_scale)
-        parts.append(((s[0] * e)[:, 1:].pow(2).mean().sqrt(), (s[1] * h_prev)[:, 1:].pow(2).mean().sqrt()))
-
     share, own, prev = [], [], []
+    i = a["seq_len"] // 2
     for x, _ in ev.val_windows(ck, tok, N_WINDOWS, a["batch_size"], a["seq_len"], 0, "cpu", cache_dir):
         hs, _ = model.hidden_states(x)
-        parts.clear()
-        capture(model.embed(x), shift_right(model.loop_state(hs[0])), 1)
-        share.append(float(parts[0][0] / parts[0][1]))
-        base = model(x)[0][:, POS]
-        for j, out in ((POS, own), (POS - 1, prev)):
+        e_part, h_part = model.clp_summands(model.embed(x), shift_right(model.loop_state(hs[0])), 1)
+        share.append(float(e_part[:, 1:].pow(2).mean().sqrt() / h_part[:, 1:].pow(2).mean().sqrt()))  # i >= 1
+        base = model(x)[0][:, i]
+        for j, out in ((i, own), (i - 1, prev)):
             x2 = x.clone()
             x2[:, j] = (x2[:, j] + 1) % model.config.vocab_size
-            out.append(float((model(x2)[0][:, POS] - base).norm(dim=-1).mean()))
+            out.append(float((model(x2)[0][:, i] - base).norm(dim=-1).mean()))
     scales = model.loop_scales.tolist() if model.loop_scales is not None else None
     return dict(e_share=statistics.mean(share), own=statistics.mean(own), prev=statistics.mean(prev), scales=scales)
 

@@ -1,5 +1,7 @@
 """Tests of plt.py (Parallel Loop Transformer): staggered cached decoding equals the training forward, L=1 is the
 vanilla model, the shift breaks same-position dependence, the window and the caches hold what is documented."""
+import json
+
 import pytest
 import torch
 
@@ -586,6 +588,43 @@ def test_train_runs(tmp_path, variant):
     model = checkpoint.model_from_checkpoint(ck)
     assert isinstance(model, PLT) and model.config.n_loops == 2 and model.config.window == 8
     assert model.config.clp == (variant == "plt") and model.config.gswa == (variant == "plt")
+
+
+def test_plt_forms_probe_and_table(tmp_path, capsys):
+    """harness/plt_forms: the probe of a trained checkpoint (the paper's raw sum: rms(E) over rms(H^(1)) shifted,
+    written out here on the same validation windows; the logit moves; learned a, b) and the table it feeds."""
+    import eval as ev
+    import train
+    from conftest import write_jsonl
+    from harness import plt_forms
+
+    texts = [f"def f{i}(x):\n    return x * {i} + {i % 7}\n" * 3 for i in range(40)]
+    data = write_jsonl(tmp_path / "corpus.jsonl", texts)
+    cache = str(tmp_path / "cache")
+    for name, flags in (("paper", ["--plt-loop-norm", "none"]), ("learned", ["--plt-learn-scales"])):
+        train.train(["--arch", "plt", "--data", str(data), "--cache-dir", cache, "--out-dir", str(tmp_path / name),
+                     "--max-iters", "2", "--batch-size", "2", "--seq-len", "32", "--eval-iters", "1",
+                     "--sample-tokens", "0", "--device", "cpu", "--vocab-size", "300", *flags])
+    got = plt_forms.probe(tmp_path / "paper" / "ckpt.pt", cache)
+    ck, model, tok = ev.load_run(tmp_path / "paper" / "ckpt.pt", "cpu")
+    ratios = []
+    for x, _ in ev.val_windows(ck, tok, plt_forms.N_WINDOWS, 2, 32, 0, "cpu", cache):
+        with torch.no_grad():
+            e, h1 = model.embed(x), model.hidden_states(x)[0][0]
+        ratios.append(float(e[:, 1:].pow(2).mean().sqrt() / h1[:, :-1].pow(2).mean().sqrt()))
+    assert abs(got["e_share"] - sum(ratios) / len(ratios)) < 1e-5, (got, ratios)
+    assert got["own"] > 0 and got["prev"] > 0 and got["scales"] is None
+    learned = plt_forms.probe(tmp_path / "learned" / "ckpt.pt", cache)["scales"]
+    assert len(learned) == 2 and learned != [1.0, 1.0]  # trained two steps away from their start
+    results = tmp_path / "results.jsonl"
+    results.write_text("".join(json.dumps(dict(row=r, seed=s, steps=2, val=v, e_share=0.5, own=1.0, prev=0.5,
+                                               scales=None)) + "\n"
+                               for r, s, v in (("paper", 0, 7.0), ("paper", 1, 7.2), ("shared", 0, 6.0))))
+    capsys.readouterr()  # the training runs' output
+    plt_forms.main(["table", "--results", str(results)])
+    out = capsys.readouterr().out.splitlines()
+    assert out[2] == "| 2 | paper | 7.100 ± 0.100 | 0.500 ± 0.000 | 1.00 ± 0.00 / 0.50 ± 0.00 | - | 0,1 |", out
+    assert out[3].startswith("| 2 | shared | 6.000 ± 0.000 |")
 
 
 # -- training: the CLP loop input keeps token i visible at position i --------------------------------------------
