@@ -510,9 +510,10 @@ def sequential_generate(model, r: Request, temperature=0.0, top_k=None, seed=0, 
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# python serve.py: the demo (harness/serve_demo.py) serves the same requests through every server above
+# python serve.py: the demo (harness/serve_demo.py) serves the same requests through every server above. It runs as
+# `python -m harness.serve_demo` would: the engine takes no name from the harness, which imports it.
 
 if __name__ == "__main__":
-    from harness import serve_demo
+    import runpy
 
-    serve_demo.main()
+    runpy.run_module("harness.serve_demo", run_name="__main__")

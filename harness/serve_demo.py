@@ -144,3 +144,7 @@ def main(argv=None):
         with cpu_tuning.switched_on():
             demo(argv)
     return run_cli(run, argv)
+
+
+if __name__ == "__main__":
+    main()
