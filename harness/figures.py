@@ -693,7 +693,7 @@ def _mask_panel(ax, rows, n, names, title, context=None):
     if context:
         _cell(ax, 0, context[0], HELD, w=n, h=len(context), hatch="//")
         ax.text(n / 2, context[0] + len(context) / 2, f"the context {' '.join(names[p] for p in context)}: no step,\n"
-                "the context decoder runs once over it", ha="center", va="center", fontsize=SMALL, zorder=5,
+                "the context decoder runs once over it", ha="center", va="center", fontsize=SMALL, zorder=7,
                 bbox=dict(facecolor="white", edgecolor="gray", boxstyle="round"))
     for y in range(n):
         r = by_pos.get(y)
