@@ -499,13 +499,17 @@ def _json_depth(obj, limit: int) -> int:
 
 
 def _parse_json(text: str):
-    """json.loads -> (the object, None), or (None, why it is not JSON of this kind: '(JSONDecodeError): ...')."""
+    """json.loads -> (the object, None), or (None, why it is not JSON of this kind: '(JSONDecodeError): ...'), whatever
+    json.loads raises for the text (a syntax error, nesting past the parser, an integer of more digits than Python
+    converts)."""
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         return None, f"(JSONDecodeError): {e.msg} at line {e.lineno} column {e.colno}"
     except RecursionError:  # nested deeper than the parser goes
         return None, "(RecursionError): nested deeper than the JSON parser goes"
+    except ValueError as e:  # what else json.loads raises: an integer past Python's digit limit (5,000 digits)
+        return None, f"({type(e).__name__}): {one_line(e)[:160]}"
     if _json_depth(obj, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
         return None, f"(nested more than {MAX_JSON_DEPTH} levels deep)"
     return obj, None

@@ -372,6 +372,7 @@ DAMAGES = [  # (what, the file's bytes or a special file, the reason)
     ("nested 100,000 deep", b"[" * 100_000 + b"]" * 100_000 + b"\n", "(RecursionError): nested deeper than the JSON"),
     ("nested 40 deep", b'{"a": ' + b"[" * 40 + b"]" * 40 + b"}\n", "(nested more than 32 levels deep)"),
     ("a list", b"[1, 2]\n", "holds a JSON list, not "),
+    ("a 5,000-digit integer", b'{"step": ' + b"9" * 5000 + b"}\n", "(ValueError): Exceeds the limit (4300 digits)"),
     ("a FIFO", "fifo", "is a FIFO (named pipe), not a regular file"),
     ("a directory", "dir", "is a directory, not a regular file"),
 ]
@@ -415,6 +416,18 @@ def test_a_damaged_file_read_back_is_one_error_naming_it(tmp_path, reader, damag
     msg = str(e.value)
     assert msg.startswith(f"{label} {path}") and reason.split(" (RecursionError")[0] in msg, msg
     assert "\n" not in msg
+
+
+def test_a_corpus_line_that_breaks_the_json_parser_is_a_skipped_document(tmp_path):
+    """A corpus line whose JSON json.loads refuses with another error than a syntax error (an integer past Python's
+    digit limit, nesting past the parser) is counted as malformed, as a syntax error is; the documents around it
+    are read."""
+    f = tmp_path / "a.jsonl"
+    f.write_bytes(b'{"text": "one"}\n{"text": "x", "n": ' + b"9" * 5000 + b'}\n' + b"[" * 100_000 + b"]" * 100_000
+                  + b'\n{"text": "two"}\n')
+    stats = data.SkipStats()
+    assert list(data.iter_jsonl_docs(f, stats, set())) == ["one", "two"]
+    assert stats.counts["malformed json"] == 2 and sum(stats.counts.values()) == 2
 
 
 def test_a_damaged_recovery_record_is_one_line_from_the_command(tmp_path, capsys):
