@@ -376,12 +376,58 @@ def flag_name(ap, dest) -> str:
                 "--" + dest.replace("_", "-"))
 
 
+# Path lengths. A name (a path component) has at most NAME_MAX bytes, a path at most PATH_MAX (255 and 4096 on Linux's
+# file systems: os.pathconf says); a path a command writes must leave room for what it writes there: a directory for
+# the names of its files (DIR_ROOM: ".ckpt.pt.XXXXXXXX.tmp", "samples-00001.txt", ...), a file for its temporary name
+# beside it (TMP_EXTRA bytes more, or NAME_MAX: atomic_file shortens the temporary name of a long one to fit).
+TMP_EXTRA = len(".") + len(".XXXXXXXX.tmp")  # atomic_file's ".NAME.XXXXXXXX.tmp" beside NAME
+DIR_ROOM = 64
+
+
+def fs_limits(path) -> tuple[int, int]:
+    """(NAME_MAX, PATH_MAX) of the file system path is on, or would be created on (its nearest existing ancestor's);
+    (255, 4096) where os.pathconf cannot say."""
+    p = os.path.abspath(path)
+    while True:
+        try:
+            return os.pathconf(p, "PC_NAME_MAX"), os.pathconf(p, "PC_PATH_MAX")
+        except (OSError, ValueError):
+            if os.path.dirname(p) == p:
+                return 255, 4096
+            p = os.path.dirname(p)
+
+
+def shown(path) -> str:
+    """A path for a message: a long one cut in its middle."""
+    text = str(path)
+    return text if len(text) <= 160 else f"{text[:80]}...{text[-60:]}"
+
+
+def path_length_problem(path, room: int) -> str | None:
+    """Why path cannot be written with `room` more bytes written under it (DIR_ROOM for a directory, TMP_EXTRA for a
+    file): a name of more bytes than NAME_MAX, or an absolute path that with room passes PATH_MAX; None if it fits."""
+    room_for = "the names of the files written in it" if room == DIR_ROOM else "its temporary name beside it"
+    name_max, path_max = fs_limits(path)
+    raw = os.fsencode(os.path.abspath(path))
+    longest = max(raw.split(b"/"), key=len)
+    if len(longest) > name_max:
+        return f"has a name of {len(longest):,} bytes, more than the {name_max} bytes a name may have on its file " \
+               f"system"
+    if len(raw) + room >= path_max:
+        return f"is a path of {len(raw):,} bytes: with {room_for} ({room} bytes), past the {path_max:,} bytes a " \
+               f"path may have (PATH_MAX)"
+    return None
+
+
 def check_writable_dir(path: Path, flag: str):
-    """--out-dir / --cache-dir: create the directory now and write a probe file in it, so that a file in the way or a
-    read-only file system is one line before any work, not a traceback after the training steps."""
-    if path.exists() and not path.is_dir():
-        raise UsageError(f"{flag} {path} is a file, not a directory")
+    """--out-dir / --cache-dir: create the directory now and write a probe file in it, so that a file in the way, a
+    read-only file system or too long a path is one line before any work, not a traceback after the training steps."""
+    problem = path_length_problem(path, DIR_ROOM)
+    if problem is not None:
+        raise UsageError(f"{flag} {shown(path)} {problem}")
     try:
+        if path.exists() and not path.is_dir():
+            raise UsageError(f"{flag} {path} is a file, not a directory")
         path.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(dir=path, prefix=".write-probe-")
         os.close(fd)
@@ -407,6 +453,9 @@ def check_output_file(path, flag: str):
     writes never follow one), its directory must exist, and a file must be creatable there (not a read-only file
     system, /proc, a directory without permission: check_writable_dir's probe). One line, nothing left behind."""
     path = Path(path)
+    problem = path_length_problem(path, TMP_EXTRA)
+    if problem is not None:
+        raise UsageError(f"{flag} {shown(path)} {problem}")
     if os.path.islink(path):
         raise UsageError(f"{flag} {path} is a symbolic link (to {os.readlink(path)}): results are never written "
                          f"through one; give the file itself")
@@ -432,13 +481,16 @@ def atomic_file(path, what: str, error=UsageError):
     """The one way a command writes a whole file: yields a binary file at a fresh temporary name in path's directory
     (created if missing), then flushes, fsyncs and renames it over path. The temporary name is mkstemp's (created
     exclusively: a link or file planted at any name is never followed or overwritten) and the file gets the mode
-    open() would give; a link at path itself is replaced, never written through. A crash or a failure leaves path as
+    open() would give; a link at path itself is replaced, never written through; the temporary name of a name near
+    NAME_MAX is cut to fit. A crash or a failure leaves path as
     it was and no temporary file: an OSError (or torch's RuntimeError of a full disk) is `error` ("writing WHAT PATH
     failed (...)"), anything else (Ctrl-C, a bug) propagates after the cleanup."""
     path, tmp = Path(path), None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        # ".NAME." + 8 random characters + ".tmp", its prefix cut so that the whole fits NAME_MAX (a legal long NAME)
+        prefix = os.fsdecode(os.fsencode(f".{path.name}.")[:max(1, fs_limits(path.parent)[0] - TMP_EXTRA + 2)])
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=prefix, suffix=".tmp")
         with open(fd, "wb") as f:
             os.fchmod(f.fileno(), 0o666 & ~_UMASK)  # mkstemp's 0600 -> what open() would give the file
             yield f

@@ -180,6 +180,45 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary_one(tmp_path, monke
     assert [p.name for p in tmp_path.iterdir()] == ["meta.json"] and (tmp_path / "meta.json").read_text() == "old"
 
 
+LONG_PATHS = {"a name of 256 bytes": ("n" * 256, "has a name of 256 bytes, more than the 255 bytes a name may have"),
+              "a path past PATH_MAX": ("/".join(["d" * 200] * 21) + "/x", "bytes a path may have (PATH_MAX)")}
+LONG_OUTPUTS = [  # (the flag, command, argv: {p} the long path, {t} tmp_path)
+    ("train.py --out-dir", train.main, ["--out-dir", "{p}", "--cache-dir", "{t}/c"]),
+    ("train.py --cache-dir", train.main, ["--cache-dir", "{p}", "--out-dir", "{t}/o"]),
+    ("eval.py loss --results", ev.main, ["loss", "--model", "m.pt", "--results", "{p}", "--cache-dir", "{t}/c"]),
+    ("eval.py recovery --out-dir", ev.main, ["recovery", "--out-dir", "{p}", "--tokens", "2048"]),
+    ("bench.py gpu --json", bench.main, ["gpu", "--device", "cpu", "--preset", "tiny", "--json", "{p}"]),
+    ("bench.py figures --out", bench.main, ["figures", "--out", "{p}"]),
+    ("tasks.py depth --out", tasks.main, ["depth", "--out", "{p}"]),
+]
+LONG_ROWS = [(flag, run, argv, *LONG_PATHS[kind], kind) for flag, run, argv in LONG_OUTPUTS for kind in LONG_PATHS]
+
+
+@pytest.mark.parametrize("flag,run,argv,name,match,kind", LONG_ROWS, ids=[f"{r[0]} {r[5]}" for r in LONG_ROWS])
+def test_too_long_a_name_or_path_to_write_is_one_line_before_the_work(tmp_path, capsys, monkeypatch, flag, run, argv,
+                                                                      name, match, kind):
+    """An output path with a component past NAME_MAX, or a path that leaves no room for what is written in it (or
+    for its temporary name) within PATH_MAX, is one line naming the flag before any work; nothing is created."""
+    for d in ("c", "o"):
+        (tmp_path / d).mkdir()
+    monkeypatch.setattr(train, "make_optimizer", lambda *a: pytest.fail("the run started"))
+    before = sorted(tmp_path.rglob("*"))
+    fill = lambda a: a.replace("{p}", str(tmp_path / name)).replace("{t}", str(tmp_path))  # noqa: E731
+    line = one_error_line(capsys, run, [fill(a) for a in argv], match)
+    assert line.startswith(f"error: {flag.split()[-1]} ") and sorted(tmp_path.rglob("*")) == before
+
+
+@pytest.mark.parametrize("length", [241, 245, 255])
+def test_a_legal_long_name_is_written_its_temporary_name_cut_to_fit(tmp_path, planted, length):
+    """A name of up to NAME_MAX bytes is written: atomic_file's temporary name (".NAME.XXXXXXXX.tmp", 14 bytes more)
+    is cut to fit, and still never follows a link planted at it (planted: mkstemp's first name)."""
+    name = "m" * (length - 5) + ".json"
+    cli.write_atomic(tmp_path / name, '{"a": 1}')
+    checkpoint.save_checkpoint(tmp_path / ("c" * (length - 3) + ".pt"), {"format": checkpoint.CKPT_FORMAT})
+    assert (tmp_path / name).read_text() == '{"a": 1}' and planted.read_text() == "keep me"
+    assert sorted(p.name[:1] for p in tmp_path.iterdir() if not p.is_symlink()) == ["c", "m", "v"]  # no temporary
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # 2. Stops: a second signal stops at once; a long step stops between micro-batches and evaluation batches; a step
 # of 10^9 micro-batches is refused
