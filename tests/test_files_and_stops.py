@@ -401,6 +401,52 @@ def test_sigterm_stops_a_rendering_at_once(monkeypatch):
     assert child.poll() is not None  # killed, and reaped
 
 
+@pytest.fixture
+def no_hang():
+    """A wait that never ends fails the test after 120 s instead of hanging it."""
+    def alarm(signum, frame):
+        raise AssertionError("hung: waited 120 s")
+
+    previous = signal.signal(signal.SIGALRM, alarm)
+    signal.alarm(120)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_renderer_that_stops_answering_is_killed_and_the_next_rendering_works(monkeypatch, no_hang):
+    """The parent never waits unboundedly on the child: one that takes no CPU time without answering (here stopped
+    with SIGSTOP) is killed after STALL_S seconds of that, the rendering is a RenderError saying so, the child is
+    reaped, and the next rendering starts another."""
+    monkeypatch.setattr(chat_template, "STALL_S", 2, raising=False)
+    with chat_template.ChatTemplate("{{ messages[0]['content'] }}!") as chat:
+        assert chat.render([{"role": "user", "content": "one"}]) == "one!"
+        stopped = chat.proc
+        os.kill(stopped.pid, signal.SIGSTOP)
+        with pytest.raises(chat_template.RenderError, match="stopped answering \\(it took no CPU time for 2 s\\)"):
+            chat.render([{"role": "user", "content": "two"}])
+        assert stopped.poll() == -signal.SIGKILL  # killed, and reaped
+        assert chat.render([{"role": "user", "content": "three"}]) == "three!" and chat.proc is not stopped
+        child = chat.proc
+    assert child.poll() is not None
+
+
+def test_many_short_renderings_beside_busy_processes(no_hang):
+    """Hundreds of renderings while two other processes keep both cores busy: every one renders (a slow child is not
+    a stalled one), and the child is gone after close."""
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        with chat_template.ChatTemplate("<{{ messages[0]['role'] }}>{{ messages[0]['content'] }}") as chat:
+            for i in range(300):
+                assert chat.render([{"role": "user", "content": f"q{i}"}]) == f"<user>q{i}"
+            child = chat.proc
+        assert child.poll() is not None
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # 4. Files read back: one reader, each damage one line naming the file (the CPU-tuning cache: measured again)
 
