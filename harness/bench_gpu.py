@@ -136,7 +136,8 @@ TARGETS = {  # this project's targets on one GPU and the papers' figures, printe
 
 
 class Clock:
-    """The overall deadline (--minutes from the start) and the current section's cap."""
+    """The overall deadline (--minutes from the start) and the current section's cap. Clock(math.inf): no caps (every
+    size, every round of --repeats; what the tests run, so that a slow machine only makes them slower)."""
 
     def __init__(self, minutes: float):
         self.t0 = time.perf_counter()
@@ -158,7 +159,7 @@ class Clock:
 
 def fit_repeats(cost: float, clock: Clock, want: int) -> int:
     """Rounds that fit what is left of the section's cap, each costing `cost` s: at most `want`, at least 1."""
-    return max(1, min(want, int(clock.left() / max(cost, 1e-9))))
+    return max(1, min(want, int(min(clock.left() / max(cost, 1e-9), want))))  # left() is inf without caps
 
 
 def capped_rounds(ctx, systems: dict, want: int, warmup: int = 1) -> tuple[dict, dict]:
