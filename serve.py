@@ -670,15 +670,18 @@ def demo(argv=None):
     from harness.cli import UsageError, available_memory, check_device, check_dtype, user_input
     from harness.device import pick_device, pick_dtype
     from recursive import from_vanilla
+    from svd_lora import check_one_rank
 
     args = demo_parser().parse_args(argv)
     check_device(args.device)
     check_dtype(args.device, args.dtype)
     device = pick_device(args.device)
     dtype, ranks = pick_dtype(device, args.dtype), {f"lora_rank_{c}": args.lora_rank for c in ("q", "kv", "o", "mlp")}
+    with user_input():  # a rank above full rank: one line, before anything is built
+        check_one_rank(args.lora_rank, GPTConfig.from_preset(args.preset))
     torch.manual_seed(args.seed)
     van = GPT(GPTConfig.from_preset(args.preset))
-    with user_input():  # a rank above full rank: one line
+    with user_input():
         rec = from_vanilla(van, 2, "average", log=lambda *_: None, **(ranks if args.lora_rank else {}))
     van, rec = van.to(device, dtype).eval(), rec.to(device, dtype).eval()
     need, (avail, where) = 4 * van.kv_cache_bytes(args.slots, van.config.max_seq_len, dtype.itemsize), \

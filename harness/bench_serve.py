@@ -58,7 +58,7 @@ from harness.serve_requests import (chat_requests, chat_template, corpus_request
                                     jsonl_requests, parse_range, print_errors, synthetic_requests)
 from model import GPT, PRESETS, GPTConfig, kv_bytes
 from recursive import EXIT_RULES, RecursiveGPT, from_vanilla
-from svd_lora import max_ranks
+from svd_lora import check_one_rank, max_ranks
 
 # ----------------------------------------------------------------------------------------------------------------
 # The command
@@ -283,6 +283,9 @@ def build_models(args, device, dtype, B):
         return vanilla, None, None
     if rec is None:
         rank, top = 64 if args.lora_rank is None else args.lora_rank, max_ranks(vanilla.config)
+        if args.lora_rank is not None:
+            with user_input():
+                check_one_rank(args.lora_rank, vanilla.config)
         # the default rank is capped at each component's full rank (a small source); a rank typed is taken as typed
         ranks = {f"lora_rank_{c}": rank if args.lora_rank is not None else min(rank, top[c]) for c in top} if rank \
             else {}

@@ -25,6 +25,7 @@ import fcntl
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -314,7 +315,7 @@ def check_memory(need: dict, device, what: str, fix: str, per: str = "", at_leas
     parts), but DEVICE has Y GB available (source): FIX`. -> the bytes available, None where unknown (then nothing is
     checked)."""
     avail, source = available_memory(torch.device(device))
-    procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if torch.device(device).type == "cpu" else 1
+    procs = local_world_size() if torch.device(device).type == "cpu" else 1
     if avail is None or need["total"] * procs <= avail:
         return avail
     parts = ", ".join(f"{k} {gb(v)} GB" for k, v in need.items() if k != "total")
@@ -355,11 +356,13 @@ def regular_file(path, what: str, error=UsageError, missing: str | None = None) 
     comes (a hang), a device like /dev/zero never ends (memory runs out), a directory is not a file: each is
     `error` (the caller's class: CheckpointError, DataError, UsageError, ...) naming `what` and the path, before
     anything opens it. A missing path is `error` too, with `missing` as the reason when given, else FileNotFoundError
-    (the caller's own message decides). -> Path(path)"""
+    (the caller's own message decides); a link to a missing file is `error` saying so. -> Path(path)"""
     path = Path(path)
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
+        if os.path.islink(path):  # a dangling link: said as such, whatever the caller says of a missing file
+            raise error(f"{what} {path} is a symbolic link to {os.readlink(path)}, which does not exist") from None
         if missing is None:
             raise
         raise error(f"{what} {path} {missing}") from None
@@ -873,6 +876,40 @@ def run_child(cmd: list[str], on_line, stopped: str, failed) -> None:
         raise UsageError(failed(code))
 
 
+# Environment variables the commands read, checked like flags before the work (run_cli): each module that reads one
+# appends a function -> the problem in one line ("NAME=value ..."), or None; cli's own is LOCAL_WORLD_SIZE
+ENVIRONMENT_CHECKS: list = []
+LOCAL_WORLD_MAX = 4096  # processes of one machine under torchrun: far more than any machine runs
+
+
+def env_int(name: str, default: int, low: int = 0, high: int | None = None, what: str = "") -> int:
+    """An integer environment variable (torchrun's RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, ...): its default when unset,
+    else an integer in [low, high]; anything else a UsageError naming the variable (what: what it is)."""
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    value = int(text) if re.fullmatch(r"-?[0-9]{1,18}", text) else None  # ASCII digits: int() takes "٣" and "1_0"
+    if value is None or value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"in {low}..{high}"
+        raise UsageError(f"{name}={text!r}: expected an integer {bound}{f' ({what})' if what else ''}")
+    return value
+
+
+def local_world_size() -> int:
+    """LOCAL_WORLD_SIZE: the processes torchrun runs on this machine (1 without torchrun)."""
+    return env_int("LOCAL_WORLD_SIZE", 1, 1, LOCAL_WORLD_MAX, "the processes torchrun runs on this machine, each "
+                   "allocating as much: every memory check counts them")
+
+
+def check_environment():
+    """Every ENVIRONMENT_CHECKS function: the first problem found is a UsageError (one line, exit code 2)."""
+    local_world_size()
+    for check in ENVIRONMENT_CHECKS:
+        problem = check()
+        if problem:
+            raise UsageError(problem)
+
+
 def _said(e: BaseException, text: str) -> str:
     """The one line of an error or a stop: its text and the notes added to it on its way out (add_note)."""
     return one_line("; ".join([text, *getattr(e, "__notes__", ())]))
@@ -881,10 +918,12 @@ def _said(e: BaseException, text: str) -> str:
 def run_cli(fn, argv=None, expected=EXPECTED_ERRORS):
     """fn(argv) as a command: warnings one line each (`warning: ...`), an expected error `error: ...` on stderr and
     exit code 2, a Stopped run (or a Ctrl-C or SIGTERM that nothing handled) `stopped: ...` and exit code 130; output
-    cut short by its reader (a closed pipe) ends quietly with exit code 1."""
+    cut short by its reader (a closed pipe) ends quietly with exit code 1. The environment variables the loaded modules
+    read are checked first (check_environment)."""
     with warnings.catch_warnings(), _sigterm_interrupts():
         warnings.showwarning = lambda message, *a, **k: print(f"warning: {one_line(message)}", file=sys.stderr)
         try:
+            check_environment()
             return fn(argv)
         except expected as e:
             print(f"error: {_said(e, str(e))}", file=sys.stderr)

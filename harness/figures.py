@@ -42,7 +42,7 @@ import torch
 import serve
 from block_transformer import BlockConfig, BlockTransformer
 from double_decoder import DoubleConfig, DoubleDecoder
-from harness.cli import check_writable_dir, write_atomic
+from harness.cli import check_output_file, check_writable_dir, write_atomic
 from harness.serve_requests import synthetic_requests
 from model import GPT, GPTConfig, KVCache, LayerCache
 from plt import PLT, PLTConfig
@@ -458,6 +458,8 @@ def bench_figures(args) -> dict:
     out = Path(args.out)
     if pyplot is not None:
         check_writable_dir(out, "--out")
+        for name in FIGURES:  # a directory or a special file at a PNG's name: found now, not when it is drawn
+            check_output_file(out / f"{name}.png", "--out's figure")
     t0, records = time.perf_counter(), {}
     for name, (record, text, draw) in FIGURES.items():
         records[name] = record()

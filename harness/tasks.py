@@ -389,12 +389,17 @@ def read_results(path) -> dict[str, dict[int, dict]]:
     return results
 
 
+P_KEY = re.compile(r"0|[1-9][0-9]{0,5}")  # an accuracy's key: p written in ASCII digits as depth writes it ("12")
+
+
 def result_problem(r: dict) -> str | None:
-    """What keeps a line of a results file from being one of depth's records, or None."""
+    """What keeps a line of a results file from being one of depth's records, or None. Its accuracies' keys are p in
+    ASCII digits (str.isdigit would take "²" or an Arabic-Indic "١", which int() refuses or reads as another p)."""
     acc = r.get("acc")
     return fields_problem(r, {"row": str, "seed": int, "acc": dict}) or (
-        None if acc and all(str(k).isdigit() and isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1
-                            for k, v in acc.items()) else "its 'acc' is not {p: an accuracy in [0, 1]}")
+        None if acc and all(P_KEY.fullmatch(k) and isinstance(v, (int, float)) and not isinstance(v, bool)
+                            and 0 <= v <= 1 for k, v in acc.items())
+        else "its 'acc' is not {p: an accuracy in [0, 1]} (p in ASCII digits)")
 
 
 def slug(row: str) -> str:

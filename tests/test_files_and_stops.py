@@ -600,6 +600,12 @@ LEFTOVERS = [  # (what, command, argv, setup(monkeypatch, tmp_path) or None, the
     ("a link loop as --tokenizer gguf:", train.main, ["--tokenizer", "gguf:{loop}", "--out-dir", "{tmp}/o",
                                                       "--cache-dir", "{tmp}/c"], None,
      "GGUF file {loop} cannot be read (Too many levels of symbolic links)"),
+    ("bench figures: a directory at a PNG", bench.main, ["figures", "--out", "{tmp}/f"],
+     lambda mp, t: (t / "f" / "plt.png").mkdir(parents=True),
+     "--out's figure {tmp}/f/plt.png is a directory, not a regular file"),
+    ("serve.py --lora-rank past full rank", serve.main, ["--preset", "tiny", "--lora-rank", "100000"], None,
+     "--lora-rank 100000 exceeds the full rank of the kv projections of this model (min(out, in) = 64): give 64 or "
+     "less"),
 ]
 
 
@@ -614,6 +620,50 @@ def test_the_leftovers_are_one_line(tmp_path, capsys, monkeypatch, what, run, ar
     for guard in [(bench_train, "kd_models"), (bench_decode, "read_bandwidth"), (train, "make_optimizer")]:
         monkeypatch.setattr(*guard, lambda *a, **k: pytest.fail(f"{guard[1]} ran: the work started"))
     one_error_line(capsys, run, [fill(a) for a in argv], fill(match))
+
+
+def test_roofline_in_float16_runs_whatever_onednn_computes(monkeypatch, capsys):
+    """bench.py roofline --dtype float16 times the products this CPU computes in float16: oneDNN's only where it has
+    float16 (avx_ne_convert or avx512_fp16), never a RuntimeError from it; a forced product applies only there too."""
+    from harness import bench_decode
+
+    monkeypatch.setattr(bench_decode, "read_bandwidth", lambda *a, **k: 1e10)
+    monkeypatch.setattr(cpu_tuning, "LINEAR_PROBE_BYTES", 1 << 16)
+    bench.main(["roofline", "--dtype", "float16", "--preset", "tiny", "--rows", "1", "--batch", "1", "--repeats", "1"])
+    assert "batch   1: matmuls alone PLT-2 / vanilla" in capsys.readouterr().out
+    fp16 = torch.ops.mkldnn._is_mkldnn_fp16_supported()
+    assert ("dnn" in cpu_tuning.linear_candidates(torch.float16, 4)) == fp16
+    cpu_tuning.force_linear("dnn")
+    try:
+        assert (cpu_tuning.linear_product(torch.float16, 4, 8, 16) == "dnn") == fp16
+    finally:
+        cpu_tuning.force_linear(None)
+
+
+ENVIRONMENT = [  # (variable, value, command, argv, the message)
+    ("LOCAL_WORLD_SIZE", "abc", bench.main, ["decode", "--device", "cpu", "--preset", "tiny"],
+     "LOCAL_WORLD_SIZE='abc': expected an integer in 1..4096 (the processes torchrun runs on this machine"),
+    ("LOCAL_WORLD_SIZE", "0", bench.main, ["decode", "--device", "cpu", "--preset", "tiny", "--batch", "100000000"],
+     "LOCAL_WORLD_SIZE='0': expected an integer in 1..4096"),
+    ("LOCAL_WORLD_SIZE", "-1", serve.main, ["--preset", "tiny"], "LOCAL_WORLD_SIZE='-1': expected an integer"),
+    ("LOCAL_WORLD_SIZE", "\u0663", ev.main, ["loss", "--model", "m.pt"], "LOCAL_WORLD_SIZE='\u0663': expected an integer"),
+    ("LINEAR_PRODUCT", "nosuch", bench.main, ["decode", "--device", "cpu", "--preset", "tiny"],
+     "LINEAR_PRODUCT='nosuch' is not one of linear, mv, mm, xwt, dnn (the product every linear layer runs where it "
+     "applies); unset it for the measured choice"),
+]
+
+
+@pytest.mark.parametrize("var,value,run,argv,match", ENVIRONMENT, ids=[f"{r[0]}={r[1]!r}" for r in ENVIRONMENT])
+def test_environment_variables_are_checked_like_flags(capsys, monkeypatch, var, value, run, argv, match):
+    """Every environment variable a command reads is one line naming it before the work: LOCAL_WORLD_SIZE of 0 or
+    -1 would switch every memory check off (each process's need times 0), a word or another script's digits would
+    be a traceback; an unknown LINEAR_PRODUCT a KeyError at the first linear layer."""
+    from harness import bench_decode
+
+    monkeypatch.setenv(var, value)
+    monkeypatch.setattr(bench_decode, "read_bandwidth", lambda *a, **k: pytest.fail("the work started"))
+    monkeypatch.setattr(GPT, "__init__", lambda *a, **k: pytest.fail("a model was built"))
+    one_error_line(capsys, run, argv, match)
 
 
 def test_a_task_checkpoint_is_refused_as_init_from_on_text(tmp_path, corpus, capsys, task_ckpt, monkeypatch):
