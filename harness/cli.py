@@ -479,6 +479,12 @@ def _write_failed(e: BaseException, doing: str, path, tmp=None) -> str:
     return f"{doing} {path} failed ({type(e).__name__}: {one_line(e)}{full}){gone}"
 
 
+def temp_prefix(path: Path) -> str:
+    """The start of atomic_file's temporary names for path: ".NAME." (then mkstemp's 8 random characters and ".tmp"),
+    cut so that the whole fits NAME_MAX (a legal long NAME stays writable)."""
+    return os.fsdecode(os.fsencode(f".{path.name}.")[:max(1, fs_limits(path.parent)[0] - TMP_EXTRA + 2)])
+
+
 @contextlib.contextmanager
 def atomic_file(path, what: str, error=UsageError):
     """The one way a command writes a whole file: yields a binary file at a fresh temporary name in path's directory
@@ -491,9 +497,7 @@ def atomic_file(path, what: str, error=UsageError):
     path, tmp = Path(path), None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        # ".NAME." + 8 random characters + ".tmp", its prefix cut so that the whole fits NAME_MAX (a legal long NAME)
-        prefix = os.fsdecode(os.fsencode(f".{path.name}.")[:max(1, fs_limits(path.parent)[0] - TMP_EXTRA + 2)])
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=prefix, suffix=".tmp")
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=temp_prefix(path), suffix=".tmp")
         with open(fd, "wb") as f:
             os.fchmod(f.fileno(), 0o666 & ~_UMASK)  # mkstemp's 0600 -> what open() would give the file
             yield f
@@ -704,15 +708,18 @@ def _lock_kind(lock: Path) -> str | None:
     return None if stat.S_ISREG(mode) else next((name for test, name in _NOT_REGULAR if test(mode)), "not a file")
 
 
-def take_dir_lock(path: Path, flag: str) -> Path:
+def take_dir_lock(path: Path, flag: str, leftovers=()) -> Path:
     """Refuse a directory another live run writes: create path/LOCK_NAME exclusively with this process's owner line,
     or, when it exists, read its owner. A live owner is a UsageError naming the flag, the directory, the pid and the
     lock file (two runs in one directory would overwrite each other's checkpoints); a dead one's lock (kill -9, a
-    crash) is taken over with one warning; a link or special file there is a UsageError saying what it is. Takeovers
-    are serialised by a flock of the directory, so that two runs finding one stale lock never both take it. -> the
-    lock file, for release_dir_lock."""
+    crash) is taken over with one warning, and the temporary files atomic_file left there for the names `leftovers`
+    (a checkpoint being written when the owner was killed: ".ckpt.pt.XXXXXXXX.tmp", regular files only) are removed,
+    said in the same warning; a link or special file at the lock is a UsageError saying what it is. Takeovers are
+    serialised by a flock of the directory, so that two runs finding one stale lock never both take it. -> the lock
+    file, for release_dir_lock."""
     lock = path / LOCK_NAME
     me = f"{os.getpid()} {_process_start(os.getpid()) or '-'} {socket.gethostname()}\n"
+    taken = None  # the stale lock's owner this run took over, if it did
     for _ in range(5):
         try:
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
@@ -742,18 +749,44 @@ def take_dir_lock(path: Path, flag: str) -> Path:
                 if _lock_owner(lock) == owner:  # still the stale one: nobody took it over meanwhile
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(lock)
-                    warnings.warn(f"{flag} {path}: its lock file {lock} was left by "
-                                  f"{f'pid {owner[0]}' if owner else 'a run'}, which is no longer running (killed, "
-                                  f"crashed, or its directory was read-only when it ended): taken over by this run",
-                                  stacklevel=2)
+                    taken = [owner]
             finally:
                 os.close(dir_fd)  # releases the flock
             continue
         with os.fdopen(fd, "w") as f:
             f.write(me)
+        if taken is not None:
+            owner = taken[0]
+            removed = _remove_temporaries(path, leftovers)
+            warnings.warn(f"{flag} {path}: its lock file {lock} was left by {f'pid {owner[0]}' if owner else 'a run'}, "
+                          f"which is no longer running (killed, crashed, or its directory was read-only when it "
+                          f"ended): taken over by this run"
+                          + (f"; the temporary file{'s' * (len(removed) > 1)} it left ({', '.join(removed)}) removed"
+                             if removed else ""), stacklevel=2)
         return lock
     raise UsageError(f"{flag} {path}: its lock file {lock} keeps changing (other runs starting there?): give another "
                      f"{flag}")
+
+
+def _remove_temporaries(path: Path, names) -> list[str]:
+    """atomic_file's temporary files of the files `names` in directory path (a run killed while it wrote one): the
+    regular files named temp_prefix(NAME) + 8 of mkstemp's characters + ".tmp" -> the names removed. Nothing else is
+    touched (a link or a special file of that name is not a file this repository wrote)."""
+    removed = []
+    try:
+        entries = sorted(os.scandir(path), key=lambda e: e.name)
+    except OSError:
+        return removed
+    for name in names:
+        prefix = temp_prefix(path / name)
+        for entry in entries:
+            middle = entry.name[len(prefix):-len(".tmp")]
+            if entry.name.startswith(prefix) and entry.name.endswith(".tmp") and re.fullmatch(r"[a-z0-9_]{8}", middle) \
+                    and entry.is_file(follow_symlinks=False):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+                removed.append(entry.name)
+    return removed
 
 
 def release_dir_lock(lock: Path):
@@ -769,9 +802,9 @@ def release_dir_lock(lock: Path):
 _held_locks: list[Path] = []  # the locks hold_dir_lock took, innermost last
 
 
-def hold_dir_lock(path: Path, flag: str):
+def hold_dir_lock(path: Path, flag: str, leftovers=()):
     """take_dir_lock, held until the releasing_dir_locks() around this call ends."""
-    _held_locks.append(take_dir_lock(path, flag))
+    _held_locks.append(take_dir_lock(path, flag, leftovers))
 
 
 def _release_held(held: int, ending: BaseException | None):

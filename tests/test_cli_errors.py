@@ -186,7 +186,7 @@ def results_files(case):
     for name, text in [("empty.jsonl", "\n"), ("not_json.jsonl", good + "\n{oops\n"),
                        ("deep.jsonl", "[" * 100_000 + "]" * 100_000 + "\n"),
                        ("other.jsonl", json.dumps({"row": "plt-2", "seed": 0, "loss": 3.2}) + "\n"),
-                       ("super.jsonl", good + "\n" + json.dumps({"row": "a", "seed": 0, "acc": {"\u00b2": 1.0}}) + "\n"),
+                       ("super.jsonl", good + "\n" + json.dumps({"row": "a", "seed": 0, "acc": {"\u00b2": 1}}) + "\n"),
                        ("arabic.jsonl", json.dumps({"row": "a", "seed": 0, "acc": {"\u0661": 0.5}}) + "\n")]:
         (case.tmp / name).write_text(text)
 

@@ -646,7 +646,8 @@ ENVIRONMENT = [  # (variable, value, command, argv, the message)
     ("LOCAL_WORLD_SIZE", "0", bench.main, ["decode", "--device", "cpu", "--preset", "tiny", "--batch", "100000000"],
      "LOCAL_WORLD_SIZE='0': expected an integer in 1..4096"),
     ("LOCAL_WORLD_SIZE", "-1", serve.main, ["--preset", "tiny"], "LOCAL_WORLD_SIZE='-1': expected an integer"),
-    ("LOCAL_WORLD_SIZE", "\u0663", ev.main, ["loss", "--model", "m.pt"], "LOCAL_WORLD_SIZE='\u0663': expected an integer"),
+    ("LOCAL_WORLD_SIZE", "\u0663", ev.main, ["loss", "--model", "m.pt"],
+     "LOCAL_WORLD_SIZE='\u0663': expected an integer"),
     ("LINEAR_PRODUCT", "nosuch", bench.main, ["decode", "--device", "cpu", "--preset", "tiny"],
      "LINEAR_PRODUCT='nosuch' is not one of linear, mv, mm, xwt, dnn (the product every linear layer runs where it "
      "applies); unset it for the measured choice"),
@@ -715,6 +716,32 @@ def test_a_stale_lock_naming_a_live_pid_is_taken_over(tmp_path, corpus, capsys, 
                    f"longer running (killed, crashed, or its directory was read-only when it ended): taken over by "
                    f"this run"]
     assert not (out / "train.lock").exists() and (out / "ckpt.pt").is_file()
+
+
+def test_a_lock_taken_over_removes_the_temporary_files_its_killed_run_left(tmp_path):
+    """kill -9 while a checkpoint is written leaves its temporary file (".ckpt.pt.XXXXXXXX.tmp", empty or half
+    written) beside the stale lock; the run that takes the lock over removes it, and says so in its one warning.
+    Nothing else is touched: another name's temporary file, a name not of atomic_file's form, a link of that form."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "train.lock").write_text(f"999999999 1 {socket.gethostname()}\n")  # a pid no process has
+    left = [out / ".ckpt.pt.ab12cd_9.tmp", out / ".ckpt.pt.zzzzzzzz.tmp"]
+    for f in left:
+        f.write_bytes(b"")
+    kept = [out / n for n in (".ckpt.pt.short.tmp", ".curve.jsonl.abcdefgh.tmp", "ckpt.pt", ".ckpt.pt.ABCDEFGH.tmp")]
+    for f in kept:
+        f.write_bytes(b"x")
+    (tmp_path / "victim").write_text("keep")
+    (out / ".ckpt.pt.linklink.tmp").symlink_to(tmp_path / "victim")
+    with pytest.warns(UserWarning) as seen:
+        lock = cli.take_dir_lock(out, "--out-dir", ("ckpt.pt",))
+    cli.release_dir_lock(lock)
+    assert [str(w.message) for w in seen] == [
+        f"--out-dir {out}: its lock file {out / 'train.lock'} was left by pid 999999999, which is no longer running "
+        f"(killed, crashed, or its directory was read-only when it ended): taken over by this run; the temporary files "
+        f"it left (.ckpt.pt.ab12cd_9.tmp, .ckpt.pt.zzzzzzzz.tmp) removed"]
+    assert not any(f.exists() for f in left) and all(f.read_bytes() == b"x" for f in kept)
+    assert (out / ".ckpt.pt.linklink.tmp").is_symlink() and (tmp_path / "victim").read_text() == "keep"
 
 
 @pytest.mark.parametrize("kind", ["link", "dangling link", "fifo"])
