@@ -56,7 +56,7 @@ from harness.bench_decode import (BLOCK_SETTINGS, bench_archs, bench_block, benc
                                   bench_roofline)
 from harness.bench_kernels import bench_kernels
 from harness.bench_train import bench_ckpt, bench_kd, bench_train
-from harness.checkpoint import arch_table
+from harness.archs import arch_table
 from harness.cli import (DTYPES, ArgumentParser, UsageError, comma_list, number, one_of, path_arg, run_cli,
                          run_subcommand, threads_arg, user_input)
 from harness.cpu_tuning import LINEAR_PRODUCTS

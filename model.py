@@ -876,7 +876,6 @@ class ArchSpec:
     presets: dict
     add_args: Callable | None = None  # (argparse parser) -> None: flags of this architecture
     config_overrides: Callable | None = None  # (args, tok=None) -> config fields set by the flags (tok: train.py's)
-    convert: Callable | None = None  # (args, vanilla GPT, tok=None) -> model: --init-from a vanilla checkpoint
     prepare_batch: Callable | None = None  # (x, y, generator, config) -> (x, y, forward kwargs)
     train_defaults: dict = field(default_factory=dict)  # defaults of train.py flags, e.g. {"max_iters": 200}
     kd_ok: bool = True  # False when prepare_batch re-lays the inputs out, so teacher logits would not align

@@ -79,7 +79,7 @@ Run:
     python bench.py presets --arch plt                          # presets x variants: parameters, KV bytes, FLOPs
     python bench.py plt                                         # Table 3: decode latency vs vanilla and loop-2
     python bench.py plt --variants vanilla,loop,clp,kv_share,plt --batch 4,16 --preset small --device cuda
-    python bench.py figures                                     # Algorithm 1 drawn from PLTCache.trace (and the others)
+    python bench.py figures                                     # Algorithm 1 recorded from the decode forwards
     python -m pytest -q tests/test_plt.py
 """
 from __future__ import annotations
@@ -92,7 +92,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from graphs import mark_static
-from kernels import gated_swa, gated_swa_decode, plt_gate, ring_window_mask
+from kernels import gated_swa, gated_swa_decode, plt_gate
 from model import (GPT, ArchSpec, Attention, Block, GPTConfig, KVCache, attend, causal_mask_from_positions, kv_bytes,
                    lm_loss, make_norm, start_prefill)
 
@@ -171,11 +171,7 @@ class PLTCache:
     static  attend over the whole pre-allocated cache (masked) instead of its filled prefix: fixed shapes and no
             host sync per step, for torch.compile / CUDA graphs (kv's: kv.kv_len reads all max_len positions); every
             state tensor is marked static (graphs.mark_static), since the step writes each in place.
-    trace   None, or a list: a recording cache. Each layer of each CLP decode step with kv_share then appends what its
-            rows read (PLTAttention.record; `python bench.py figures` draws Algorithm 1 from it).
     """
-
-    trace = None
 
     def __init__(self, cfg: PLTConfig, batch, max_len, dtype, device, static=False):
         L, N, H, D = cfg.n_loops, cfg.n_layer, cfg.n_kv_head, cfg.hd
@@ -326,8 +322,6 @@ class PLTAttention(Attention):
             k, v = self.project_kv(x[:, :1], rope, lora_idx)  # (B, H_kv, 1, D)
             layer_kv.write(step.q_pos[:, None], k, v)
             ks, vs = layer_kv.read(step.kv_len)
-            if cache.trace is not None:
-                self.record(step, layer, L)
             return self.project_out(attend(q, ks, vs, mask=step.mask), lora_idx)
         k, v = self.project_kv(x, rope, lora_idx)  # (B, H_kv, L, D)
         layer_kv.write(step.q_pos[:, None], k[:, :, :1], v[:, :, :1])  # loop 1 first: the other rows see position i too
@@ -335,20 +329,9 @@ class PLTAttention(Attention):
         y_first = attend(q[:, :, :1], ks, vs, mask=step.mask)  # (B, H, 1, D)
         ring = cache.ring  # the windows of loops 2..L, one row each
         ring.write(layer, step.slot, k[:, :, 1:].transpose(1, 2), v[:, :, 1:].transpose(1, 2))
-        if cache.trace is not None:
-            self.record(step, layer, L, own=ring_window_mask(ring.pos, step.q_pos, self.window))
         y_later = gated_swa_decode(q[:, :, 1:].transpose(1, 2), ring.k[layer], ring.v[layer], ring.pos, ks, vs,
                                    step.q_pos, self.gate_w, self.gate_b, self.window)  # (B, L-1, H, D)
         return self.project_out(torch.cat([y_first, y_later.transpose(1, 2)], dim=2), lora_idx)
-
-    def record(self, step, layer, rows, own=None):
-        """A recording cache's entry (PLTCache.trace): what the `rows` rows of this decode step read in this layer,
-        at positions step.q_pos (B,): every row the shared cache's keys under step.mask -> shared (B, kv_len) bool;
-        rows >= 1 with G-SWA also their ring slots under the decode window rule -> own (B, W) bool, of the positions
-        ring_pos (B, W). Tensors as they are when the attention reads them."""
-        ring_pos = step.cache.ring.pos.clone() if own is not None else None
-        step.cache.trace.append(dict(layer=layer, rows=rows, q_pos=step.q_pos.clone(),
-                                     shared=step.mask[:, 0, 0].clone(), own=own, ring_pos=ring_pos))
 
     def loop_step(self, x, rope, step, layer, loop, lora_idx=None):
         """x (B, 1, C): loop `loop` (0-based) at position step.q_pos; the loops of a token run one after another."""
@@ -679,11 +662,6 @@ def config_overrides(args, tok=None) -> dict:
     return out
 
 
-def convert(args, gpt: GPT, tok=None) -> PLT:
-    """--init-from a vanilla checkpoint: the same weights looped (the paper's models are trained from scratch)."""
-    return PLT.from_vanilla(gpt, **config_overrides(args))
-
-
 def preset_rows(preset: str, options=None) -> list:
     """`python bench.py presets --arch plt`: every Table 2 row of the preset, the row `vanilla` (the same stack once)
     as the baseline in brackets (meta device: nothing is allocated). Decode latency: `python bench.py plt`."""
@@ -701,5 +679,5 @@ def preset_rows(preset: str, options=None) -> list:
 # its wall time under "Timings"). lr 4e-3 rather than train.py's 2e-3: at 800 steps it is better for both PLT-2 and the
 # 2-layer vanilla (RESULTS.md).
 ARCH_SPECS = [ArchSpec("plt", PLTConfig, PLT, PRESETS, add_args=add_args, config_overrides=config_overrides,
-                       convert=convert, train_defaults={"max_iters": 800, "lr": 4e-3}, preset_rows=preset_rows,
+                       train_defaults={"max_iters": 800, "lr": 4e-3}, preset_rows=preset_rows,
                        stack_passes=lambda cfg: cfg.n_loops)]

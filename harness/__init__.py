@@ -2,7 +2,11 @@
 harness -- what measures, checks and converts the models of this repository; the files at the root teach them.
 
     bench_*.py          the benchmarks behind `python bench.py X` (decode, plt, block, serve, train, kernels, gpu, ...)
-    checkpoint.py       the architecture table, checkpoint files, --init-from sources, --resume's flag reconciliation
+    archs.py            the architecture table: every architecture's spec, and which of train.py's flags it reads
+    checkpoint.py       checkpoint files (written atomically, read back verified) and the other model sources
+                        (hf:DIR, gguf:PATH)
+    run_flags.py        train.py's flags against a checkpoint (--resume, --init-from), the checks before a run starts
+    curve.py            train.py's recovery curve (--curve-at, OUT_DIR/curve.jsonl)
     cli.py, startup.py  the one error contract of every command (`error: ...` exit 2, `stopped: ...` exit 130), the
                         one safe write (a fresh temporary name, fsync, rename) and the one checked JSON reader
     memory.py           what a command will allocate, estimated before it allocates it (the memory checks)

@@ -11,7 +11,7 @@ import torch
 
 import bench
 import eval
-from harness import bench_common, bench_decode, bench_train
+from harness import bench_common, bench_decode, bench_train, serve_hooks
 from model import GPT, GPTConfig
 
 
@@ -77,7 +77,7 @@ def test_serve_profile_times_the_parts_of_a_step_and_leaves_the_model_as_it_was(
     reqs = serve_requests.synthetic_requests(6, 64, "6", "6", seed=0)
     thr = bench_serve.calibrate_threshold(rel, reqs, exit_rate=0.5, rule="gate")
     for threshold in (None, thr):
-        srv = serve.DepthWiseServer(rel, 3, threshold, "gate", hook=serve.Metrics())
+        srv = serve.DepthWiseServer(rel, 3, threshold, "gate", hook=serve_hooks.Metrics())
         before = [r.output for r in srv.run(reqs, clock="step")]
         shares = bench_serve.step_shares(srv, reqs)
         assert abs(sum(shares.values()) - 1) < 1e-9 and shares["shared block"] > 0 and shares["sampling"] > 0
@@ -142,7 +142,7 @@ def test_serve_profile_counts_only_the_decode_steps_and_restores_instance_attrib
     torch.manual_seed(0)
     rel = from_vanilla(GPT(GPTConfig.from_preset("tiny", vocab_size=64, max_seq_len=32)), n_loops=2,
                        init="average", log=lambda *_: None).eval()
-    srv = serve.DepthWiseServer(rel, 2, hook=serve.Metrics())
+    srv = serve.DepthWiseServer(rel, 2, hook=serve_hooks.Metrics())
     calls, inside = {"in": [], "out": []}, [False]  # the measured duration of each call, inside / outside steps
 
     def slow_sample(logits, reqs):

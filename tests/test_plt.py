@@ -491,14 +491,12 @@ def test_main_job_defaults_and_explicit_lr():
     """`python train.py --arch plt` runs the arch's defaults (800 steps at lr 4e-3); an explicit --lr wins; other
     archs keep train.py's 2e-3."""
     import train
-    from harness import checkpoint
-
     table = train.arch_table()
     ap = train.build_parser(table)
     for argv, lr, iters in ((["--arch", "plt"], 4e-3, 800), (["--arch", "plt", "--lr", "1e-3"], 1e-3, 800),
                             (["--arch", "vanilla"], 2e-3, 300)):
         args = ap.parse_args(argv)
-        checkpoint.resolve_defaults(args, table[args.arch])
+        train.resolve_defaults(args, table[args.arch])
         assert (args.lr, args.max_iters) == (lr, iters), argv
 
 
