@@ -119,9 +119,11 @@ class PHopTask:
     pause: int = 0
 
     def __post_init__(self):
-        if self.alphabet < 2 or self.length < 2 or self.pause < 0:
-            raise ValueError(f"p-hop needs an alphabet >= 2, a length >= 2 and pause >= 0 (got {self.alphabet}, "
-                             f"{self.length}, {self.pause})")
+        if not 2 <= self.alphabet <= MAX_ALPHABET or self.length < 2 or self.pause < 0:
+            raise ValueError(f"p-hop needs an alphabet in 2..{MAX_ALPHABET}, a length >= 2 and pause >= 0 (got "
+                             f"{self.alphabet}, {self.length}, {self.pause})")
+        if not self.hops or not all(isinstance(p, int) and 1 <= p <= MAX_P for p in self.hops):
+            raise ValueError(f"p-hop needs hops in 1..{MAX_P} (the vocabulary's markers), got {list(self.hops)}")
 
     @property
     def filler(self) -> int:
