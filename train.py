@@ -56,7 +56,7 @@ import plt
 import recursive
 from harness import tasks
 from harness.archs import add_arch_args, arch_table
-from harness.checkpoint import (keep_layers, load_checkpoint, load_optimizer_state, load_source_model,
+from harness.checkpoint import (CKPT_NAME, keep_layers, load_checkpoint, load_optimizer_state, load_source_model,
                                 model_from_checkpoint, run_checkpoint, run_tokenizer, save_checkpoint)
 from harness.cli import (DTYPES, ArgumentParser, CheckpointError, DefaultsHelpFormatter, Stopped, UsageError,
                          check_disk_space, check_step_memory, comma_list, hold_dir_lock, log, number, path_arg,
@@ -348,7 +348,7 @@ class Run:
 
     @property
     def ck_file(self) -> Path:
-        return self.args.out_dir / "ckpt.pt"
+        return self.args.out_dir / CKPT_NAME
 
 
 def setup_run(argv) -> Run:
@@ -361,7 +361,7 @@ def setup_run(argv) -> Run:
         resolve_defaults(args, spec)
     start_step, best_val, length_notes = check_run_args(args, resume_ck, given)
     if int(os.environ.get("RANK", "0")) == 0:  # one run per --out-dir (under torchrun rank 0 holds it)
-        hold_dir_lock(args.out_dir, "--out-dir")
+        hold_dir_lock(args.out_dir, "--out-dir", leftovers=[CKPT_NAME])  # kill -9's half-written checkpoint: removed
     ddp, rank, local_rank, world, device = setup_distributed(args.device)
     master = rank == 0
     curve_steps = check_curve(args, world)

@@ -50,6 +50,7 @@ from harness.memory import memory_sum, module_bytes
 # Checkpoints
 
 CKPT_FORMAT = "nano-efficient-inference/ckpt"
+CKPT_NAME = "ckpt.pt"  # a run's checkpoint in its --out-dir
 
 
 def run_checkpoint(model, optimizer, step, best_val, val_loss, tokenizer_spec, args) -> dict:

@@ -54,8 +54,8 @@ from pathlib import Path
 import torch
 
 from harness import tasks
-from harness.checkpoint import CheckpointError, _shown, check_resumable, load_checkpoint
-from harness.cli import UsageError, check_device, check_writable_dir, flag_name
+from harness.checkpoint import CKPT_NAME, CheckpointError, _shown, check_resumable, load_checkpoint
+from harness.cli import UsageError, check_device, check_writable_dir, flag_name, regular_file
 from harness.data import DEFAULT_BASE, Tokenizer
 from model import ArchSpec
 
@@ -192,7 +192,7 @@ def resume_run(ap, args, given, table) -> tuple[dict, list[str]]:
     """--resume: the checkpoint of the run in --out-dir (default out/ARCH), whole and resumable, and args <- its flags
     (restore_run_args) -> (the checkpoint, notes about flags taken from the command line)."""
     args.out_dir = args.out_dir or f"out/{args.arch}"
-    path = Path(args.out_dir) / "ckpt.pt"
+    path = Path(args.out_dir) / CKPT_NAME
     ck = check_resumable(load_checkpoint(path), path)
     if ck["arch"] not in table:
         raise CheckpointError(f"{path} holds a {ck['arch']!r} model, unknown here; known: {sorted(table)}")
@@ -369,6 +369,9 @@ def check_run_args(args, resume_ck, given) -> tuple[int, float, list[str]]:
     args.out_dir = Path(args.out_dir or f"out/{args.arch}")
     check_device(args.device)
     check_writable_dir(args.out_dir, "--out-dir")
+    ckpt = args.out_dir / CKPT_NAME  # where the checkpoints go: a directory or a special file there is found now
+    if os.path.lexists(ckpt) and not os.path.islink(ckpt):  # (a link there is replaced by the first checkpoint)
+        regular_file(ckpt, "--out-dir's checkpoint")
     if not tasks.is_task_source(args.data):
         check_writable_dir(Path(args.cache_dir), "--cache-dir")
     if resume_ck is None:

@@ -27,8 +27,8 @@ import bench
 import eval as ev
 import train
 from conftest import ROOT, fp16_missing, one_error_line, write_jsonl
-from harness import (archs, chat_template, checkpoint, cli, cpu_tuning, curve, data, hf, recovery, run_flags, serve_demo,
-                     serve_requests, tasks)
+from harness import (archs, chat_template, checkpoint, cli, cpu_tuning, curve, data, hf, recovery, run_flags,
+                     serve_demo, serve_requests, tasks)
 from model import GPT, GPTConfig
 from test_inputs import write_gguf
 
@@ -600,6 +600,9 @@ LEFTOVERS = [  # (what, command, argv, setup(monkeypatch, tmp_path) or None, the
     ("a link loop as --tokenizer gguf:", train.main, ["--tokenizer", "gguf:{loop}", "--out-dir", "{tmp}/o",
                                                       "--cache-dir", "{tmp}/c"], None,
      "GGUF file {loop} cannot be read (Too many levels of symbolic links)"),
+    ("train.py: a directory at OUT_DIR/ckpt.pt", train.main, ["--out-dir", "{tmp}/o", "--cache-dir", "{tmp}/c"],
+     lambda mp, t: (t / "o" / "ckpt.pt").mkdir(parents=True),
+     "--out-dir's checkpoint {tmp}/o/ckpt.pt is a directory, not a regular file"),
     ("bench figures: a directory at a PNG", bench.main, ["figures", "--out", "{tmp}/f"],
      lambda mp, t: (t / "f" / "plt.png").mkdir(parents=True),
      "--out's figure {tmp}/f/plt.png is a directory, not a regular file"),
@@ -742,6 +745,22 @@ def test_a_lock_taken_over_removes_the_temporary_files_its_killed_run_left(tmp_p
         f"it left (.ckpt.pt.ab12cd_9.tmp, .ckpt.pt.zzzzzzzz.tmp) removed"]
     assert not any(f.exists() for f in left) and all(f.read_bytes() == b"x" for f in kept)
     assert (out / ".ckpt.pt.linklink.tmp").is_symlink() and (tmp_path / "victim").read_text() == "keep"
+
+
+def test_the_run_after_kill_9_removes_the_checkpoint_it_was_writing(tmp_path, corpus, capsys):
+    """kill -9 during a save leaves the stale lock and the temporary checkpoint (".ckpt.pt.XXXXXXXX.tmp", here empty);
+    the --resume that takes the lock over removes it, says so, and ends with the directory as a run leaves it."""
+    train.main(run_args(corpus, tmp_path, "--max-iters", "1"))
+    out = tmp_path / "out"
+    (out / "train.lock").write_text(f"999999999 1 {socket.gethostname()}\n")  # what kill -9 leaves
+    (out / ".ckpt.pt.k9k9k9k9.tmp").write_bytes(b"")
+    capsys.readouterr()
+    train.main(["--resume", "--out-dir", str(out), "--cache-dir", str(tmp_path / "cache"), "--max-iters", "2"])
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("warning: --out-dir")]
+    assert len(err) == 1 and err[0].endswith("taken over by this run; the temporary file it left "
+                                             "(.ckpt.pt.k9k9k9k9.tmp) removed"), err
+    assert sorted(p.name for p in out.iterdir()) == ["ckpt.pt"]
+    assert torch.load(out / "ckpt.pt", weights_only=True)["step"] == 2
 
 
 @pytest.mark.parametrize("kind", ["link", "dangling link", "fifo"])
