@@ -97,7 +97,7 @@ def train(argv=None):
                 run.best_val, last_acc = min(run.best_val, val), tasks.accuracies(val_counts) or None
                 t0 = time.perf_counter()
             if run.curve is not None and step in run.curve["steps"] and step not in run.curve["done"]:
-                curve_point(run, step)
+                curve_point(run, step, between=lambda: stop_within_step(run, step))
             if step == args.max_iters:
                 break
             if step > run.start_step:
@@ -272,11 +272,13 @@ def stop_if_asked(run, step):
 
 
 def stop_within_step(run, step):
-    """Between two micro-batches of a step, or two batches of an evaluation: a stop asked for ends the run here, so a
-    long step (a large --grad-accum, --eval-iters) never delays it. Nothing of the unfinished step has touched the
-    weights or the optimizer yet (optimizer.step comes after the last micro-batch), so the checkpoint written is that
-    of the `step` whole steps done (stop_if_asked). Under DDP the ranks agree on a stop between steps only (a rank
-    leaving mid-step would hang the others' gradient all-reduce); a second signal stops at once there too."""
+    """Between two micro-batches of a step, or two batches of an evaluation (the validation's, or the --curve-at
+    point's): a stop asked for ends the run here, so a long step (a large --grad-accum, --eval-iters, --curve-tokens)
+    never delays it. Nothing of the unfinished step has touched the weights or the optimizer yet (optimizer.step comes
+    after the last micro-batch), so the checkpoint written is that of the `step` whole steps done (stop_if_asked); a
+    curve point not measured to its end is measured again by the resumed run. Under DDP the ranks agree on a stop
+    between steps only (a rank leaving mid-step would hang the others' gradient all-reduce); a second signal stops at
+    once there too."""
     if run.asked and not run.ddp:
         stop_if_asked(run, step)
 

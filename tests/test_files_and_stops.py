@@ -288,7 +288,7 @@ def test_a_long_step_stops_between_its_micro_batches(tmp_path, corpus, capsys, m
 def test_a_long_evaluation_stops_between_its_batches(tmp_path, corpus, capsys, monkeypatch):
     calls = _signal_in(monkeypatch, "batch_on_device", 2 + 2, [signal.SIGTERM])  # the second evaluation batch
     out = tmp_path / "out"
-    line = _stopped_line(capsys, run_args(corpus, tmp_path, "--max-iters", "2", "--eval-iters", "100000",
+    line = _stopped_line(capsys, run_args(corpus, tmp_path, "--max-iters", "2", "--eval-iters", "4096",
                                           "--eval-interval", "2"))
     assert line.startswith(f"stopped: SIGTERM after step 2: checkpoint {out / 'ckpt.pt'} (step 2) written")
     assert len(calls) == 4 and checkpoint.load_checkpoint(out / "ckpt.pt")["val_loss"] is None
@@ -305,6 +305,61 @@ def test_a_step_of_a_billion_micro_batches_is_refused_typed_or_saved(tmp_path, c
     monkeypatch.setattr(train, "batch_on_device", lambda *a: pytest.fail("a step ran"))
     one_error_line(capsys, train.main, ["--resume", "--out-dir", str(tmp_path / "out"), "--max-iters", "3"],
                    f"checkpoint {tmp_path / 'out' / 'ckpt.pt'}: its saved flags: {too_many}")
+
+
+def test_a_long_curve_evaluation_stops_between_its_batches(tmp_path, corpus, capsys, monkeypatch):
+    """A stop during a --curve-at point's evaluation (--curve-tokens of windows, one batch after another) ends the run
+    before the next batch, like the validation's: the checkpoint of the steps done, no curve point half measured."""
+    seen = []
+
+    def signalling(starts):  # SIGTERM as the second batch of the curve's evaluation is asked for
+        for k, i in enumerate(starts):
+            if k == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.01)  # the handler runs
+            seen.append(i)
+            yield i
+    real = curve.windows_loss
+    monkeypatch.setattr(curve, "windows_loss", lambda m, x, y, b, d, wrap: real(m, x, y, b, d,
+                                                                                wrap=lambda s: wrap(signalling(s))))
+    monkeypatch.setattr(curve, "CURVE_BATCH", 1)  # a batch per window: 32 batches
+    out = tmp_path / "out"
+    line = _stopped_line(capsys, run_args(corpus, tmp_path, "--max-iters", "2", "--curve-at", "0,64",
+                                          "--curve-tokens", "1024"))
+    assert line.startswith(f"stopped: SIGTERM after step 0: checkpoint {out / 'ckpt.pt'} (step 0) written")
+    assert len(seen) == 2 and not (out / "curve.jsonl").exists()  # the second batch was never computed
+
+
+PASSES = [  # (argv, the error line's text): typed; each bounds the passes one after another, not the tokens
+    (["--grad-accum", "100000", "--batch-size", "1", "--seq-len", "8"], "--grad-accum 100,000 micro-batches per "
+     "optimizer step, more than 4,096: they run one after another, a forward and backward pass each"),
+    (["--grad-accum", "2000000", "--batch-size", "1", "--seq-len", "8"], "--grad-accum 2,000,000 micro-batches"),
+    (["--eval-iters", "1000000000000"], "--eval-iters 1,000,000,000,000 validation batches per evaluation, more than "
+                                        "4,096: they run one after another"),
+]
+
+
+@pytest.mark.parametrize("argv,match", PASSES, ids=[" ".join(a[:2]) for a, _ in PASSES])
+def test_a_step_or_an_evaluation_of_too_many_passes_is_refused(tmp_path, corpus, capsys, monkeypatch, argv, match):
+    monkeypatch.setattr(train, "make_optimizer", lambda *a: pytest.fail("the run started"))
+    one_error_line(capsys, train.main, run_args(corpus, tmp_path, *argv), match)
+
+
+def test_a_saved_eval_iters_is_bounded_on_resume_like_a_typed_one(tmp_path, corpus, capsys, monkeypatch):
+    """--resume restores --eval-iters from the checkpoint: a saved 10^12 (an edited file) is refused naming the file;
+    typed now it is the typed value that is refused."""
+    train.main(run_args(corpus, tmp_path, "--max-iters", "1"))
+    capsys.readouterr()
+    path = tmp_path / "out" / "ckpt.pt"
+    ck = torch.load(path, weights_only=True)
+    ck["args"]["eval_iters"] = 10 ** 12
+    checkpoint.save_checkpoint(path, ck)
+    monkeypatch.setattr(train, "batch_on_device", lambda *a: pytest.fail("a step ran"))
+    resume = ["--resume", "--out-dir", str(tmp_path / "out"), "--max-iters", "3"]
+    one_error_line(capsys, train.main, resume, f"checkpoint {path}: its saved flags: --eval-iters 1,000,000,000,000 "
+                                               f"validation batches per evaluation, more than 4,096")
+    line = one_error_line(capsys, train.main, [*resume, "--eval-iters", "5000"], "--eval-iters 5,000 validation")
+    assert "its saved flags" not in line
 
 
 CHILD = """import os, signal, sys, time
