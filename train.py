@@ -40,7 +40,6 @@ import contextlib
 import functools
 import json
 import math
-import os
 import sys
 import time
 import warnings
@@ -63,6 +62,7 @@ from harness.cli import (DTYPES, ArgumentParser, CheckpointError, DefaultsHelpFo
                          releasing_dir_locks, run_cli, seed_arg, stop_signals, user_input)
 from harness.curve import check_curve, curve_point, setup_curve, tokens_per_step
 from harness.data import Tokenizer, load_data, padded_vocab, step_generator
+from harness.ddp import rendezvous, torchrun_env
 from harness.device import peak_flops, pick_device, pick_dtype
 from harness.memory import least_step_memory, step_memory
 from harness.run_flags import (check_run_args, given_flags, init_same_arch, recipe_overrides, resume_run, saved_flags,
@@ -356,15 +356,16 @@ class Run:
 def setup_run(argv) -> Run:
     """Flags (and --resume's), device, tokenizer, model, teacher, optimizer and data, in that order: every check that
     can fail comes before the corpus is tokenized and before the first step."""
+    procs = torchrun_env()  # torchrun's variables checked like flags: None for one process, else (rank, local, world)
     table = arch_table()
     ap, args, given, resume_ck, notes = parse_run_args(argv, table)
     spec = table[args.arch]
     with saved_flags(resume_ck):  # on --resume the flags are the checkpoint's: an error says so
         resolve_defaults(args, spec)
     start_step, best_val, length_notes = check_run_args(args, resume_ck, given)
-    if int(os.environ.get("RANK", "0")) == 0:  # one run per --out-dir (under torchrun rank 0 holds it)
+    if procs is None or procs[0] == 0:  # one run per --out-dir (under torchrun rank 0 holds it)
         hold_dir_lock(args.out_dir, "--out-dir", leftovers=[CKPT_NAME])  # kill -9's half-written checkpoint: removed
-    ddp, rank, local_rank, world, device = setup_distributed(args.device)
+    ddp, rank, local_rank, world, device = setup_distributed(args.device, procs)
     master = rank == 0
     curve_steps = check_curve(args, world)
     if master:
@@ -688,17 +689,20 @@ def resolve_defaults(args, spec):
 # Processes and what the run prints: DDP, the objective's header line, the closing sample
 
 
-def setup_distributed(device_flag):
-    """torchrun sets RANK/WORLD_SIZE: DDP with nccl on GPU, gloo on CPU. -> (ddp, rank, local_rank, world, device)"""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        rank, local, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
-        device = pick_device(device_flag)
-        if device.type == "cuda":
-            device = torch.device("cuda", local)
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        return True, rank, local, world, device
-    return False, 0, 0, 1, pick_device(device_flag)
+def setup_distributed(device_flag, procs):
+    """procs: torchrun_env()'s (rank, local_rank, world), None for one process. DDP with nccl on GPU, gloo on CPU,
+    after a rendezvous bounded in time that a stop interrupts (harness/ddp.py). -> (ddp, rank, local_rank, world,
+    device)"""
+    if procs is None:
+        return False, 0, 0, 1, pick_device(device_flag)
+    rank, local, world = procs
+    device = pick_device(device_flag)
+    if device.type == "cuda":
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=rendezvous(rank, world), rank=rank,
+                            world_size=world)
+    return True, rank, local, world, device
 
 
 def objective_line(args, cfg, teacher) -> tuple[str, bool, bool]:

@@ -698,31 +698,94 @@ def test_roofline_in_float16_runs_whatever_onednn_computes(monkeypatch, capsys):
         cpu_tuning.force_linear(None)
 
 
-ENVIRONMENT = [  # (variable, value, command, argv, the message)
-    ("LOCAL_WORLD_SIZE", "abc", bench.main, ["decode", "--device", "cpu", "--preset", "tiny"],
+TRAIN = ["--preset", "tiny", "--max-iters", "1", "--device", "cpu"]  # train.py's argv: {tmp}/o its --out-dir
+TORCHRUN = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+ENVIRONMENT = [  # (the variables set, command, argv, the message)
+    ({"LOCAL_WORLD_SIZE": "abc"}, bench.main, ["decode", "--device", "cpu", "--preset", "tiny"],
      "LOCAL_WORLD_SIZE='abc': expected an integer in 1..4096 (the processes torchrun runs on this machine"),
-    ("LOCAL_WORLD_SIZE", "0", bench.main, ["decode", "--device", "cpu", "--preset", "tiny", "--batch", "100000000"],
+    ({"LOCAL_WORLD_SIZE": "0"}, bench.main, ["decode", "--device", "cpu", "--preset", "tiny", "--batch", "100000000"],
      "LOCAL_WORLD_SIZE='0': expected an integer in 1..4096"),
-    ("LOCAL_WORLD_SIZE", "-1", serve_demo.main, ["--preset", "tiny"], "LOCAL_WORLD_SIZE='-1': expected an integer"),
-    ("LOCAL_WORLD_SIZE", "\u0663", ev.main, ["loss", "--model", "m.pt"],
+    ({"LOCAL_WORLD_SIZE": "-1"}, serve_demo.main, ["--preset", "tiny"], "LOCAL_WORLD_SIZE='-1': expected an integer"),
+    ({"LOCAL_WORLD_SIZE": "\u0663"}, ev.main, ["loss", "--model", "m.pt"],
      "LOCAL_WORLD_SIZE='\u0663': expected an integer"),
-    ("LINEAR_PRODUCT", "nosuch", bench.main, ["decode", "--device", "cpu", "--preset", "tiny"],
+    ({"LINEAR_PRODUCT": "nosuch"}, bench.main, ["decode", "--device", "cpu", "--preset", "tiny"],
      "LINEAR_PRODUCT='nosuch' is not one of linear, mv, mm, xwt, dnn (the product every linear layer runs where it "
      "applies); unset it for the measured choice"),
+    ({"RANK": "abc"}, train.main, TRAIN, "RANK='abc': expected an integer in 0..65535 (this process's rank; start "
+                                         "the processes with torchrun (python -m torch.distributed.run)"),
+    ({"WORLD_SIZE": "abc"}, train.main, TRAIN, "WORLD_SIZE='abc': expected an integer in 1..65536"),
+    ({"WORLD_SIZE": "2"}, train.main, TRAIN, "WORLD_SIZE=2 without RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT: start "
+                                             "the processes with torchrun"),
+    ({**TORCHRUN, "MASTER_ADDR": ""}, train.main, TRAIN, "WORLD_SIZE=2 without MASTER_ADDR"),
+    ({**TORCHRUN, "RANK": "2"}, train.main, TRAIN, "RANK=2 is not below WORLD_SIZE=2"),
+    ({"RANK": "1"}, train.main, TRAIN, "RANK=1 is not below WORLD_SIZE=1 (unset)"),
+    ({**TORCHRUN, "MASTER_PORT": "99999"}, train.main, TRAIN, "MASTER_PORT='99999': expected an integer in 1..65535"),
 ]
 
 
-@pytest.mark.parametrize("var,value,run,argv,match", ENVIRONMENT, ids=[f"{r[0]}={r[1]!r}" for r in ENVIRONMENT])
-def test_environment_variables_are_checked_like_flags(capsys, monkeypatch, var, value, run, argv, match):
+@pytest.mark.parametrize("env,run,argv,match", ENVIRONMENT, ids=[" ".join(f"{k}={v!r}" for k, v in r[0].items())
+                                                                 for r in ENVIRONMENT])
+def test_environment_variables_are_checked_like_flags(tmp_path, capsys, monkeypatch, env, run, argv, match):
     """Every environment variable a command reads is one line naming it before the work: LOCAL_WORLD_SIZE of 0 or
     -1 would switch every memory check off (each process's need times 0), a word or another script's digits would
-    be a traceback; an unknown LINEAR_PRODUCT a KeyError at the first linear layer."""
+    be a traceback; an unknown LINEAR_PRODUCT a KeyError at the first linear layer; torchrun's variables a traceback,
+    or a wait for processes that never come. Nothing is written."""
     from harness import bench_decode
 
-    monkeypatch.setenv(var, value)
+    for k in TORCHRUN:
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
     monkeypatch.setattr(bench_decode, "read_bandwidth", lambda *a, **k: pytest.fail("the work started"))
     monkeypatch.setattr(GPT, "__init__", lambda *a, **k: pytest.fail("a model was built"))
-    one_error_line(capsys, run, argv, match)
+    monkeypatch.setattr(train, "setup_distributed", lambda *a, **k: pytest.fail("the run's setup began"))
+    one_error_line(capsys, run, [*argv, "--out-dir", str(tmp_path / "o")] if run is train.main else argv, match)
+    assert list(tmp_path.iterdir()) == []
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_a_ddp_rendezvous_that_cannot_complete_is_one_error_in_bounded_time(tmp_path, capsys, monkeypatch, rank):
+    """WORLD_SIZE=2 with one process started: rank 0 waits for the other, rank 1 for a rank 0 that is not there; past
+    ddp.RENDEZVOUS_S (here 1 s) it is one line naming the address and what to check, and the lock is released."""
+    from harness import ddp
+
+    monkeypatch.setattr(ddp, "RENDEZVOUS_S", 1)
+    for k, v in {**TORCHRUN, "RANK": rank, "LOCAL_RANK": rank, "MASTER_PORT": str(_free_port())}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(train, "make_optimizer", lambda *a: pytest.fail("the run started"))
+    one_error_line(capsys, train.main, [*TRAIN, "--out-dir", str(tmp_path / "o")],
+                   f"the DDP rendezvous at 127.0.0.1:{os.environ['MASTER_PORT']} (rank {rank} of WORLD_SIZE=2) did "
+                   f"not complete in 1 s (Dist")
+    assert list((tmp_path / "o").iterdir()) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_stops_a_ddp_rendezvous_that_waits(tmp_path, sig):
+    """Rank 0 of two waiting for the other (a C++ wait no signal interrupts, in a thread of its own): SIGTERM or
+    Ctrl-C stops it at once, `stopped: ...` and exit code 130, the lock released. No clock: the wait is 300 s."""
+    env = {**os.environ, **TORCHRUN, "MASTER_PORT": str(_free_port())}
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *TRAIN, "--out-dir", str(tmp_path / "o")],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:
+            if line.startswith("ddp: rank 0 of 2 waits for the others"):
+                break
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130 and err.splitlines() == [
+        "stopped: terminated (SIGTERM)" if sig == signal.SIGTERM else "stopped: interrupted (Ctrl-C)"], err
+    assert list((tmp_path / "o").iterdir()) == []
 
 
 def test_a_task_checkpoint_is_refused_as_init_from_on_text(tmp_path, corpus, capsys, task_ckpt, monkeypatch):
