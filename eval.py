@@ -72,6 +72,7 @@ from harness.cli import (ArgumentParser, UsageError, append_line, check_output_f
 from harness.data import TokenData, first_tokens_windows, is_gguf_source, is_hf_source, prepare_corpus, step_generator
 from harness.device import pick_device
 from harness.memory import forward_memory, memory_sum
+from harness.quantize import int8_weights
 from model import IGNORE, windows_loss
 from svd_lora import COMPONENTS, max_ranks
 
@@ -136,6 +137,8 @@ def eval_loss(args):
     check_writable_dir(Path(args.cache_dir), "--cache-dir")
     with user_input():  # a bad source, conversion or layer list: one line
         model, label, spec = loss_model(args)
+        if args.int8:  # weight-only int8 products (harness/quantize.py): their quality cost against the fp model
+            model, label = int8_weights(model), label + " int8"
     if args.seq_len > model.config.max_seq_len:
         raise UsageError(f"--seq-len {args.seq_len} exceeds the model's context of {model.config.max_seq_len}")
     tok = text_tokenizer(spec, args.model)
@@ -542,6 +545,8 @@ def build_parser():
     p.add_argument("--seq-len", type=two, default=512, help="tokens per window")
     p.add_argument("--batch-size", type=pos, default=4, help="windows per forward pass")
     p.add_argument("--results", type=path_arg, default=None, help="append the row as one JSON line to this file")
+    p.add_argument("--int8", action="store_true", help="every product weight-only int8, per-channel scales "
+                                                       "(harness/quantize.py: the decode path's opt-in)")
     machine(p)
     p.set_defaults(fn=eval_loss)
 

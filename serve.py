@@ -157,7 +157,8 @@ class Server:
     start() (slots begin decoding on their first tokens), step() (one decode step over the slots -> per-slot results
     on the device) and finish_step() (the host's bookkeeping of those results). clock='wall' reads arrivals as
     seconds (sleeping while nothing has arrived), clock='step' as iterations (deterministic schedules for tests).
-    compile: None = on CUDA only; backend: compile_step's (tests: GraphCheck). hook: a Hook that watches every run
+    compile: None = on CUDA only (a command decides for a CPU: cpu_tuning.compiled_decode_faster); backend:
+    compile_step's (tests: GraphCheck). hook: a Hook that watches every run
     (default: none)."""
 
     name, prefill_exit = "server", None  # prefill_exit: the exit loop recorded for the token a prefill produces
@@ -179,7 +180,7 @@ class Server:
     def graph(self, fn):
         """fn compiled once per server (compile_step: one graph per step kind and slot count)."""
         if fn.__name__ not in self.graphs:
-            self.graphs[fn.__name__] = compile_step(fn, self.mode, self.backend)
+            self.graphs[fn.__name__] = compile_step(fn, self.mode, self.backend, self.device)
         return self.graphs[fn.__name__]
 
     def sample(self, logits, reqs) -> torch.Tensor:
@@ -509,9 +510,10 @@ def sequential_generate(model, r: Request, temperature=0.0, top_k=None, seed=0, 
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# python serve.py: the demo (harness/serve_demo.py) serves the same requests through every server above
+# python serve.py: the demo (harness/serve_demo.py) serves the same requests through every server above. It runs as
+# `python -m harness.serve_demo` would: the engine takes no name from the harness, which imports it.
 
 if __name__ == "__main__":
-    from harness import serve_demo
+    import runpy
 
-    serve_demo.main()
+    runpy.run_module("harness.serve_demo", run_name="__main__")

@@ -13,6 +13,7 @@ harness -- what measures, checks and converts the models of this repository; the
     memory.py           what a command will allocate, estimated before it allocates it (the memory checks)
     device.py           the device and dtype of --device / --dtype, known cards' peaks, the benchmarks' clock
     data.py, tasks.py   the tokenizer, corpora, token shards and batches; synthetic tasks that need depth
+    plt_forms.py        PLT's loop-input and gate forms (the paper's, the remedy, LoopCoder's) trained side by side
     hf.py               a local Hugging Face checkpoint or a GGUF file into model.GPT (`python -m harness.hf DIR`)
     serve_requests.py   the requests the serving benchmark serves (synthetic, corpus, JSONL, chat)
     chat_template.py    a model's chat template rendered in a bounded child process (CPU time, memory, output)

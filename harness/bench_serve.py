@@ -160,8 +160,10 @@ def make_servers(args, van, rec, rules, thresholds, dtype, device):
     if args.batch_memory_mb:
         slots = {"van": slots_for_memory(van, args.batch_memory_mb, van.config.max_seq_len, elem),
                  "rec": slots_for_memory(rec, args.batch_memory_mb, rec.config.max_seq_len, elem)}
+    flag = {"on": True, "off": False, "auto": None}.get(args.compile, device.type == "cuda")  # auto: measured
+    compiled = cpu_tuning.compiled_decode_faster(van, slots["van"], flag, keep=False)
     kw = dict(temperature=args.temperature, top_k=args.top_k, seed=args.seed, prefill_chunk=args.prefill_chunk,
-              compile=args.compile)
+              compile=compiled)
     servers = [serve.ContinuousServer(van, slots["van"], hook=Metrics(), **kw)]
     servers[0].name = "vanilla CSB"
     if args.static:
@@ -591,8 +593,10 @@ def add_args(p):
                         "smollm2-135m")
     g.add_argument("--context", type=pos, default=None,
                    help="KV positions per slot (default: the model's context; cap a pretrained model's 8k with it)")
-    g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="graph-captured decode steps (default: on CUDA only)")
+    g.add_argument("--compile", nargs="?", const="on", default=None, choices=["on", "off", "auto"],
+                   help="compiled decode steps: on, off, or auto (on a CPU: where measured faster, "
+                        "cpu_tuning.compiled_decode_faster); default: on CUDA only")
+    g.add_argument("--no-compile", dest="compile", action="store_const", const="off", help="eager decode steps")
     g = p.add_argument_group("requests")
     g.add_argument("--requests", type=request_count, default=48, help=f"requests (at most {MAX_REQUESTS:,})")
     g.add_argument("--prompts", default="synthetic", choices=["synthetic", "corpus", "chat"],

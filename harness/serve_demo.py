@@ -14,12 +14,12 @@ depth-wise schedule of the run with exits (Figure 3, as `python bench.py figures
 """
 from __future__ import annotations
 
-import argparse
 import math
 import time
 
 import torch
 
+from harness import cpu_tuning
 from harness.bench_common import med, per_round, spread
 from harness.bench_serve import SIMULATED_EXIT_RATE, exit_threshold_for
 from harness.cli import (DTYPES, ArgumentParser, UsageError, available_memory, check_device, check_dtype, number,
@@ -53,7 +53,10 @@ def demo_parser():
                     help="timed rounds, every server once per round, interleaved")
     ap.add_argument("--device", default="auto", help="auto (cuda > mps > cpu) | cpu | cuda | mps")
     ap.add_argument("--dtype", default="auto", choices=DTYPES, help="auto (bf16 on GPU, fp32 on CPU) | ...")
-    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, help="compiled steps (default: on CUDA)")
+    ap.add_argument("--compile", nargs="?", const="on", default=None, choices=["on", "off", "auto"],
+                    help="compiled steps: on, off, or auto (on a CPU: where measured faster, cpu_tuning.py); "
+                         "default: on CUDA only")
+    ap.add_argument("--no-compile", dest="compile", action="store_const", const="off", help="eager steps")
     ap.add_argument("--schedule", type=number(int, min=1), nargs="?", const=40, default=None, metavar="PASSES",
                     help="after the table, the depth-wise schedule of the run with exits: which request each slot "
                          "held and the loop it ran, for its first PASSES forward passes (default 40; Figure 3)")
@@ -94,7 +97,8 @@ def demo(argv=None):
     reqs = random_requests(args.requests, van.config.vocab_size, (8, 48), (8, 32), [0.0] * args.requests,
                            torch.Generator().manual_seed(args.seed))
     thr = exit_threshold_for(rec, [r.prompt for r in reqs[:8]], SIMULATED_EXIT_RATE)
-    kw = dict(slots=args.slots, compile=args.compile)
+    flag = {"on": True, "off": False, "auto": None}.get(args.compile, device.type == "cuda")  # auto: measured
+    kw = dict(slots=args.slots, compile=cpu_tuning.compiled_decode_faster(van, args.slots, flag, keep=False))
     servers = [ContinuousServer(van, **kw), ContinuousServer(van, static=True, **kw), DepthWiseServer(rec, **kw),
                DepthWiseServer(rec, exit_threshold=thr, exit_rule="softmax", **kw)]  # continuous first: the base
     print(f"device {device} dtype {dtype} | {args.preset}: vanilla {van.config.n_layer} layers, recursive B=2 "
@@ -137,10 +141,13 @@ def demo(argv=None):
 def main(argv=None):
     """The command: a mistake (a flag) is one line `error: ...` and exit code 2 (cli.run_cli); on a CPU the linear,
     attention and LoRA forms measured fastest here (cpu_tuning.py)."""
-    from harness import cpu_tuning
     from harness.cli import run_cli
 
     def run(argv):
         with cpu_tuning.switched_on():
             demo(argv)
     return run_cli(run, argv)
+
+
+if __name__ == "__main__":
+    main()

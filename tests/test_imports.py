@@ -28,9 +28,9 @@ def is_main_guard(node) -> bool:
 
 def imported_modules(path: Path) -> set[str]:
     """Module names a file imports anywhere it can be reached from an import of it (module level or inside functions,
-    not a main-guard block: `python serve.py` runs the demo of harness/serve_demo.py, which imports serve.py; importing
-    serve.py imports no demo): top-level names, and harness.X for a module of the harness package (`from harness
-    import X`, `from harness.X import ...`)."""
+    not a main-guard block: `python serve.py` runs harness/serve_demo.py as a module (runpy), which imports serve.py;
+    importing serve.py imports no demo): top-level names, and harness.X for a module of the harness package
+    (`from harness import X`, `from harness.X import ...`)."""
     names = set()
     tree = ast.parse(path.read_text())
     tree.body = [node for node in tree.body if not is_main_guard(node)]
