@@ -934,9 +934,22 @@ def local_world_size() -> int:
                    "allocating as much: every memory check counts them")
 
 
+def kernels_fallback_problem() -> str | None:
+    """KERNELS_FALLBACK (kernels.py's use_triton): 1 forces the PyTorch references, 0 or unset lets the Triton kernels
+    run; another value would silently mean 0."""
+    text = os.environ.get("KERNELS_FALLBACK")
+    if text in (None, "", "0", "1"):
+        return None
+    return (f"KERNELS_FALLBACK={text!r}: expected 1 (kernels.py runs its PyTorch references, never a Triton kernel) "
+            f"or 0 (unset: the kernels where they apply)")
+
+
 def check_environment():
     """Every ENVIRONMENT_CHECKS function: the first problem found is a UsageError (one line, exit code 2)."""
     local_world_size()
+    problem = kernels_fallback_problem()
+    if problem:
+        raise UsageError(problem)
     for check in ENVIRONMENT_CHECKS:
         problem = check()
         if problem:

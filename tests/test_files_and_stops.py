@@ -711,6 +711,8 @@ ENVIRONMENT = [  # (the variables set, command, argv, the message)
     ({"LINEAR_PRODUCT": "nosuch"}, bench.main, ["decode", "--device", "cpu", "--preset", "tiny"],
      "LINEAR_PRODUCT='nosuch' is not one of linear, mv, mm, xwt, dnn (the product every linear layer runs where it "
      "applies); unset it for the measured choice"),
+    ({"KERNELS_FALLBACK": "yes"}, serve_demo.main, ["--preset", "tiny"], "KERNELS_FALLBACK='yes': expected 1 "
+     "(kernels.py runs its PyTorch references, never a Triton kernel) or 0"),
     ({"RANK": "abc"}, train.main, TRAIN, "RANK='abc': expected an integer in 0..65535 (this process's rank; start "
                                          "the processes with torchrun (python -m torch.distributed.run)"),
     ({"WORLD_SIZE": "abc"}, train.main, TRAIN, "WORLD_SIZE='abc': expected an integer in 1..65536"),
