@@ -334,7 +334,6 @@ def copy_bandwidth(device, nbytes: int, repeats: int = 5) -> float:
     x = torch.ones(nbytes // 4, device=device)
     y = torch.empty_like(x)
     ts = rounds({"copy": lambda: y.copy_(x)}, repeats, device, warmup=2)["copy"]
-    del x, y
     return 2 * nbytes / min(ts)
 
 

@@ -561,7 +561,8 @@ def threshold(text: str) -> str:
 
 
 def request_count(text: str) -> int:
-    """--requests: an integer in [1, MAX_REQUESTS]; '1e8' is read as the integer it writes (and refused by the bound)."""
+    """--requests: an integer in [1, MAX_REQUESTS]; '1e8' is read as the integer it writes (and refused by the
+    bound)."""
     try:
         v = float(text)
         text = str(int(v)) if v.is_integer() else text

@@ -11,8 +11,8 @@ a PNG (OUT/<name>.png; docs/figures/ holds the ones this command made):
              static batching, continuous sequence-wise batching (both the vanilla model), continuous depth-wise
              batching without and with early exit (its recursive conversion), on one time axis in loop-steps: a
              vanilla pass runs every layer (as wide as the loops), a depth-wise pass one loop. Each server runs with a
-             serve_hooks.ScheduleTrace as its hook (serve.Hook): every forward pass, the request each slot held, the loop it
-             ran, where a token left.
+             serve_hooks.ScheduleTrace as its hook (serve.Hook): every forward pass, the request each slot held, the
+             loop it ran, where a token left.
   plt        Parallel Loop Transformer (Wu et al., arXiv:2510.24824), Algorithm 1 and Algorithm 3: the L rows of
              every decode forward, the keys each row read (the shared loop-1 cache; the loop's own window of w keys)
              and the gate that mixes the two attentions. A forward pre-hook on every layer's attention (on_calls)

@@ -44,7 +44,8 @@ one_of() {  # one_of NAME VALUE CHOICES...
     fail "$name=$value is not one of: $*"
 }
 in_range() {  # in_range NAME VALUE LOW HIGH WHAT: a plain decimal number LOW <= VALUE <= HIGH
-    [[ $2 =~ ^([0-9]+([.][0-9]*)?|[.][0-9]+)$ ]] && awk -v v="$2" -v lo="$3" -v hi="$4" 'BEGIN { exit !(v >= lo && v <= hi) }' \
+    [[ $2 =~ ^([0-9]+([.][0-9]*)?|[.][0-9]+)$ ]] \
+        && awk -v v="$2" -v lo="$3" -v hi="$4" 'BEGIN { exit !(v >= lo && v <= hi) }' \
         || fail "$1=$2: expected a number from $3 to $4 ($5)"
 }
 in_range SCALE "$SCALE" 0.1 100 "the factor of every step's time limit: 1 on CUDA, 3 on a CPU"
