@@ -357,6 +357,16 @@ def max_ranks(cfg) -> dict[str, int]:
     return {c: min(min(s) for s in shapes) for c, shapes in component_shapes(cfg).items()}
 
 
+def check_one_rank(rank: int, cfg, flag: str = "--lora-rank"):
+    """One LoRA rank for every component (serve.py's and bench.py serve's --lora-rank) is at most the smallest full
+    rank of cfg's projections; else a ValueError naming the flag (a command's one line)."""
+    top = max_ranks(cfg)
+    c = min(top, key=top.get)
+    if rank > top[c]:
+        raise ValueError(f"{flag} {rank} exceeds the full rank of the {c} projections of this model (min(out, in) = "
+                         f"{top[c]}): give {top[c]} or less")
+
+
 def lora_params(cfg, ranks: dict[str, int], n_loops: int, bias_delta: bool = False) -> int:
     """Parameters of the LoRA modules of one shared block: n_loops * r * (in + out) per projection."""
     n = 0

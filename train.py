@@ -40,7 +40,6 @@ import contextlib
 import functools
 import json
 import math
-import os
 import sys
 import time
 import warnings
@@ -56,13 +55,14 @@ import plt
 import recursive
 from harness import tasks
 from harness.archs import add_arch_args, arch_table
-from harness.checkpoint import (keep_layers, load_checkpoint, load_optimizer_state, load_source_model,
+from harness.checkpoint import (CKPT_NAME, keep_layers, load_checkpoint, load_optimizer_state, load_source_model,
                                 model_from_checkpoint, run_checkpoint, run_tokenizer, save_checkpoint)
 from harness.cli import (DTYPES, ArgumentParser, CheckpointError, DefaultsHelpFormatter, Stopped, UsageError,
                          check_disk_space, check_step_memory, comma_list, hold_dir_lock, log, number, path_arg,
                          releasing_dir_locks, run_cli, seed_arg, stop_signals, user_input)
 from harness.curve import check_curve, curve_point, setup_curve, tokens_per_step
 from harness.data import Tokenizer, load_data, padded_vocab, step_generator
+from harness.ddp import rendezvous, torchrun_env
 from harness.device import peak_flops, pick_device, pick_dtype
 from harness.memory import least_step_memory, step_memory
 from harness.run_flags import (check_run_args, given_flags, init_same_arch, recipe_overrides, resume_run, saved_flags,
@@ -97,7 +97,7 @@ def train(argv=None):
                 run.best_val, last_acc = min(run.best_val, val), tasks.accuracies(val_counts) or None
                 t0 = time.perf_counter()
             if run.curve is not None and step in run.curve["steps"] and step not in run.curve["done"]:
-                curve_point(run, step)
+                curve_point(run, step, between=lambda: stop_within_step(run, step))
             if step == args.max_iters:
                 break
             if step > run.start_step:
@@ -272,11 +272,13 @@ def stop_if_asked(run, step):
 
 
 def stop_within_step(run, step):
-    """Between two micro-batches of a step, or two batches of an evaluation: a stop asked for ends the run here, so a
-    long step (a large --grad-accum, --eval-iters) never delays it. Nothing of the unfinished step has touched the
-    weights or the optimizer yet (optimizer.step comes after the last micro-batch), so the checkpoint written is that
-    of the `step` whole steps done (stop_if_asked). Under DDP the ranks agree on a stop between steps only (a rank
-    leaving mid-step would hang the others' gradient all-reduce); a second signal stops at once there too."""
+    """Between two micro-batches of a step, or two batches of an evaluation (the validation's, or the --curve-at
+    point's): a stop asked for ends the run here, so a long step (a large --grad-accum, --eval-iters, --curve-tokens)
+    never delays it. Nothing of the unfinished step has touched the weights or the optimizer yet (optimizer.step comes
+    after the last micro-batch), so the checkpoint written is that of the `step` whole steps done (stop_if_asked); a
+    curve point not measured to its end is measured again by the resumed run. Under DDP the ranks agree on a stop
+    between steps only (a rank leaving mid-step would hang the others' gradient all-reduce); a second signal stops at
+    once there too."""
     if run.asked and not run.ddp:
         stop_if_asked(run, step)
 
@@ -348,21 +350,22 @@ class Run:
 
     @property
     def ck_file(self) -> Path:
-        return self.args.out_dir / "ckpt.pt"
+        return self.args.out_dir / CKPT_NAME
 
 
 def setup_run(argv) -> Run:
     """Flags (and --resume's), device, tokenizer, model, teacher, optimizer and data, in that order: every check that
     can fail comes before the corpus is tokenized and before the first step."""
+    procs = torchrun_env()  # torchrun's variables checked like flags: None for one process, else (rank, local, world)
     table = arch_table()
     ap, args, given, resume_ck, notes = parse_run_args(argv, table)
     spec = table[args.arch]
     with saved_flags(resume_ck):  # on --resume the flags are the checkpoint's: an error says so
         resolve_defaults(args, spec)
     start_step, best_val, length_notes = check_run_args(args, resume_ck, given)
-    if int(os.environ.get("RANK", "0")) == 0:  # one run per --out-dir (under torchrun rank 0 holds it)
-        hold_dir_lock(args.out_dir, "--out-dir")
-    ddp, rank, local_rank, world, device = setup_distributed(args.device)
+    if procs is None or procs[0] == 0:  # one run per --out-dir (under torchrun rank 0 holds it)
+        hold_dir_lock(args.out_dir, "--out-dir", leftovers=[CKPT_NAME])  # kill -9's half-written checkpoint: removed
+    ddp, rank, local_rank, world, device = setup_distributed(args.device, procs)
     master = rank == 0
     curve_steps = check_curve(args, world)
     if master:
@@ -686,17 +689,20 @@ def resolve_defaults(args, spec):
 # Processes and what the run prints: DDP, the objective's header line, the closing sample
 
 
-def setup_distributed(device_flag):
-    """torchrun sets RANK/WORLD_SIZE: DDP with nccl on GPU, gloo on CPU. -> (ddp, rank, local_rank, world, device)"""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        rank, local, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
-        device = pick_device(device_flag)
-        if device.type == "cuda":
-            device = torch.device("cuda", local)
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        return True, rank, local, world, device
-    return False, 0, 0, 1, pick_device(device_flag)
+def setup_distributed(device_flag, procs):
+    """procs: torchrun_env()'s (rank, local_rank, world), None for one process. DDP with nccl on GPU, gloo on CPU,
+    after a rendezvous bounded in time that a stop interrupts (harness/ddp.py). -> (ddp, rank, local_rank, world,
+    device)"""
+    if procs is None:
+        return False, 0, 0, 1, pick_device(device_flag)
+    rank, local, world = procs
+    device = pick_device(device_flag)
+    if device.type == "cuda":
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=rendezvous(rank, world), rank=rank,
+                            world_size=world)
+    return True, rank, local, world, device
 
 
 def objective_line(args, cfg, teacher) -> tuple[str, bool, bool]:

@@ -7,6 +7,7 @@ harness -- what measures, checks and converts the models of this repository; the
                         (hf:DIR, gguf:PATH)
     run_flags.py        train.py's flags against a checkpoint (--resume, --init-from), the checks before a run starts
     curve.py            train.py's recovery curve (--curve-at, OUT_DIR/curve.jsonl)
+    ddp.py              train.py under torchrun: its variables checked like flags, a rendezvous bounded in time
     cli.py, startup.py  the one error contract of every command (`error: ...` exit 2, `stopped: ...` exit 130), the
                         one safe write (a fresh temporary name, fsync, rename) and the one checked JSON reader
     memory.py           what a command will allocate, estimated before it allocates it (the memory checks)

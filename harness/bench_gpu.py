@@ -138,7 +138,8 @@ TARGETS = {  # this project's targets on one GPU and the papers' figures, printe
 
 
 class Clock:
-    """The overall deadline (--minutes from the start) and the current section's cap."""
+    """The overall deadline (--minutes from the start) and the current section's cap. Clock(math.inf): no caps (every
+    size, every round of --repeats; what the tests run, so that a slow machine only makes them slower)."""
 
     def __init__(self, minutes: float):
         self.t0 = time.perf_counter()
@@ -160,7 +161,7 @@ class Clock:
 
 def fit_repeats(cost: float, clock: Clock, want: int) -> int:
     """Rounds that fit what is left of the section's cap, each costing `cost` s: at most `want`, at least 1."""
-    return max(1, min(want, int(clock.left() / max(cost, 1e-9))))
+    return max(1, min(want, int(min(clock.left() / max(cost, 1e-9), want))))  # left() is inf without caps
 
 
 def capped_rounds(ctx, systems: dict, want: int, warmup: int = 1) -> tuple[dict, dict]:
@@ -333,7 +334,6 @@ def copy_bandwidth(device, nbytes: int, repeats: int = 5) -> float:
     x = torch.ones(nbytes // 4, device=device)
     y = torch.empty_like(x)
     ts = rounds({"copy": lambda: y.copy_(x)}, repeats, device, warmup=2)["copy"]
-    del x, y
     return 2 * nbytes / min(ts)
 
 

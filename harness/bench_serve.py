@@ -59,7 +59,7 @@ from harness.serve_requests import (MAX_REQUESTS, chat_requests, chat_template, 
                                     jsonl_requests, parse_range, print_errors, synthetic_requests)
 from model import GPT, PRESETS, GPTConfig, kv_bytes
 from recursive import EXIT_RULES, RecursiveGPT, from_vanilla
-from svd_lora import max_ranks
+from svd_lora import check_one_rank, max_ranks
 
 # ----------------------------------------------------------------------------------------------------------------
 # The command
@@ -286,6 +286,9 @@ def build_models(args, device, dtype, B):
         return vanilla, None, None
     if rec is None:
         rank, top = 64 if args.lora_rank is None else args.lora_rank, max_ranks(vanilla.config)
+        if args.lora_rank is not None:
+            with user_input():
+                check_one_rank(args.lora_rank, vanilla.config)
         # the default rank is capped at each component's full rank (a small source); a rank typed is taken as typed
         ranks = {f"lora_rank_{c}": rank if args.lora_rank is not None else min(rank, top[c]) for c in top} if rank \
             else {}
@@ -558,7 +561,8 @@ def threshold(text: str) -> str:
 
 
 def request_count(text: str) -> int:
-    """--requests: an integer in [1, MAX_REQUESTS]; '1e8' is read as the integer it writes (and refused by the bound)."""
+    """--requests: an integer in [1, MAX_REQUESTS]; '1e8' is read as the integer it writes (and refused by the
+    bound)."""
     try:
         v = float(text)
         text = str(int(v)) if v.is_integer() else text

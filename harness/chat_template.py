@@ -15,16 +15,20 @@ reads in one long call that no signal interrupts. So bench.py serve --prompts ch
     bounded too (a huge one is a single C call that allocates little and never ends).
 A rendering that fails any of them, or fails as a template (a syntax error, raise_exception, an undefined value, the
 sandbox), is a RenderError naming the reason, in one line: the caller makes it one request's error. The child goes
-on with the next conversation; one that ended (killed) is started again. The parent only waits in plain Python calls,
-so Ctrl-C and SIGTERM stop it at once, and the child is killed on its way out (close).
+on with the next conversation; one that ended (killed) is started again. The parent only waits in plain Python calls
+(poll, a second at a time), so Ctrl-C and SIGTERM stop it at once, and the child is killed on its way out (close). It
+never waits unboundedly: a child that takes no CPU time for STALL_S seconds without answering (stopped, or blocked)
+is killed and the rendering is a RenderError; a killed child is reaped within CLOSE_WAIT_S or left to the system.
 
     python -m pytest -q tests/test_inputs.py -k template     # a syntax error, a loop of 10^10 steps, 200 MB strings
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import operator
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -33,6 +37,8 @@ RENDER_CPU_S = 5  # CPU seconds of one rendering: a real chat template renders a
 RENDER_MEMORY = 512 << 20  # bytes of the child's address space (Python and jinja2 take ~30 MB of it)
 MAX_RENDERED_CHARS = 1_000_000  # characters of a rendered prompt: far more than any model's context holds
 MAX_POWER_BITS = 1 << 16  # bits of an integer a template may compute with **
+STALL_S = 10  # seconds the child may take no CPU time at all without answering before it is taken for hung
+CLOSE_WAIT_S = 10  # seconds to wait for a killed child to be reaped
 
 
 class RenderError(ValueError):
@@ -47,6 +53,7 @@ class ChatTemplate:
     def __init__(self, template: str):
         self.template = template
         self.proc = None
+        self._buffer = b""
 
     def __enter__(self):
         return self
@@ -55,37 +62,105 @@ class ChatTemplate:
         self.close()
 
     def close(self):
+        """Kill the child and reap it, waiting at most CLOSE_WAIT_S (a process that SIGKILL does not end at once is
+        left to the system: it can hold nothing of ours)."""
         if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
+            proc, self.proc, self._buffer = self.proc, None, b""
+            proc.kill()
+            for pipe in (proc.stdin, proc.stdout):
+                with contextlib.suppress(OSError):
+                    pipe.close()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=CLOSE_WAIT_S)
 
     def render(self, messages: list[dict]) -> str:
         if self.proc is None:
             self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__)], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, encoding="utf-8",
+                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, bufsize=0,
                                          start_new_session=True)  # a Ctrl-C at the terminal reaches the parent alone
             self._send({"template": self.template, "cpu_s": RENDER_CPU_S, "memory": RENDER_MEMORY,
                         "chars": MAX_RENDERED_CHARS})
         self._send(messages)
-        line = self.proc.stdout.readline()
-        if not line:  # the child ended: SIGXCPU past its CPU time (or killed); the next render starts another
-            code = self.proc.wait()
-            self.proc = None
-            why = f"used more than {RENDER_CPU_S} s of CPU time" if code == -signal.SIGXCPU else \
-                f"its renderer process ended ({signal.Signals(-code).name if code < 0 else f'exit code {code}'})"
+        line, why = self._read_line()
+        if line is None:  # the child ended (SIGXCPU past its CPU time, or killed) or stalled: the next starts another
+            self.close()
             raise RenderError(why)
-        reply = json.loads(line)
-        if "error" in reply:
-            raise RenderError(reply["error"])
-        return reply["text"]
+        try:
+            reply = json.loads(line)
+            text, error = reply.get("text"), reply.get("error")
+        except (ValueError, AttributeError):
+            text = error = None
+        if error is not None:
+            raise RenderError(str(error))
+        if not isinstance(text, str):
+            raise RenderError("its renderer process answered something else than a rendering")
+        return text
+
+    # The parent waits for the child in poll(): a plain Python call, so Ctrl-C and SIGTERM stop it at once; and a
+    # child that stops taking CPU time (stopped, or blocked on something) without answering is killed after STALL_S
+    # seconds of that. A child that is merely slow (a busy machine) keeps taking CPU time, and its RLIMIT_CPU bounds it.
+
+    def _stalled(self, ticks: list) -> bool:
+        """After one more second of waiting: has the child taken no CPU time for STALL_S seconds? (ticks: [the
+        child's CPU ticks when last seen to change, the seconds since].) Where /proc cannot say, a rendering may take
+        STALL_S x 10 seconds of waiting."""
+        now = _cpu_ticks(self.proc.pid)
+        if now is not None and now != ticks[0]:
+            ticks[:] = [now, 0]
+            return False
+        ticks[1] += 1
+        return ticks[1] >= (STALL_S if now is not None else STALL_S * 10)
 
     def _send(self, obj):
-        try:
-            self.proc.stdin.write(json.dumps(obj) + "\n")
-            self.proc.stdin.flush()
-        except BrokenPipeError:  # ended before it read the line: readline finds it gone and says why
-            pass
+        data, fd, ticks = (json.dumps(obj) + "\n").encode(), self.proc.stdin.fileno(), [None, 0]
+        while data:
+            if not _ready(fd, select.POLLOUT):
+                if self._stalled(ticks):
+                    return  # _read_line finds it stalled too, and says so
+                continue
+            try:
+                data = data[os.write(fd, data):]
+            except BrokenPipeError:  # ended before it read the line: _read_line finds it gone and says why
+                return
+
+    def _read_line(self) -> tuple[bytes | None, str | None]:
+        """(the child's next line, None), or (None, why there is none: it ended, or it stalled)."""
+        fd, ticks = self.proc.stdout.fileno(), [None, 0]
+        while b"\n" not in self._buffer:
+            if not _ready(fd, select.POLLIN):
+                if self._stalled(ticks):
+                    return None, f"its renderer process stopped answering (it took no CPU time for {STALL_S} s)"
+                continue
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:  # EOF: the child has ended
+                try:
+                    code = self.proc.wait(timeout=CLOSE_WAIT_S)
+                except subprocess.TimeoutExpired:
+                    return None, "its renderer process closed its output"
+                return None, f"used more than {RENDER_CPU_S} s of CPU time" if code == -signal.SIGXCPU else \
+                    f"its renderer process ended ({signal.Signals(-code).name if code < 0 else f'exit code {code}'})"
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return line, None
+
+
+def _ready(fd: int, event: int) -> bool:
+    """Is fd ready for event (POLLIN: something to read or its end; POLLOUT: room to write or a closed reader) within
+    one second?"""
+    poller = select.poll()
+    poller.register(fd, event)
+    return bool(poller.poll(1000))
+
+
+def _cpu_ticks(pid: int) -> int | None:
+    """The CPU time process pid has used (user + system, in clock ticks: fields 14 and 15 of /proc/PID/stat), or None
+    where /proc cannot say."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -50,6 +50,7 @@ from harness.memory import memory_sum, module_bytes
 # Checkpoints
 
 CKPT_FORMAT = "nano-efficient-inference/ckpt"
+CKPT_NAME = "ckpt.pt"  # a run's checkpoint in its --out-dir
 
 
 def run_checkpoint(model, optimizer, step, best_val, val_loss, tokenizer_spec, args) -> dict:
@@ -187,6 +188,11 @@ def tokenizer_spec_problem(spec) -> str | None:
         return f"tiktoken tokenizer spec has n {_shown(spec['n'])}, not None or an int >= 256"
     if spec["kind"] == "task" and not all(_is_int(p) for p in spec["hops"]):
         return f"task tokenizer spec has hops {_shown(spec['hops'])}, not a list of ints"
+    if spec["kind"] == "task":  # its values make a task (hops within the vocabulary's markers, ...), as typed ones do
+        try:
+            tasks.task_from_spec(spec)
+        except ValueError as e:
+            return f"task tokenizer spec: {e}"
     return None
 
 

@@ -25,6 +25,7 @@ import fcntl
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -314,7 +315,7 @@ def check_memory(need: dict, device, what: str, fix: str, per: str = "", at_leas
     parts), but DEVICE has Y GB available (source): FIX`. -> the bytes available, None where unknown (then nothing is
     checked)."""
     avail, source = available_memory(torch.device(device))
-    procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if torch.device(device).type == "cpu" else 1
+    procs = local_world_size() if torch.device(device).type == "cpu" else 1
     if avail is None or need["total"] * procs <= avail:
         return avail
     parts = ", ".join(f"{k} {gb(v)} GB" for k, v in need.items() if k != "total")
@@ -355,11 +356,13 @@ def regular_file(path, what: str, error=UsageError, missing: str | None = None) 
     comes (a hang), a device like /dev/zero never ends (memory runs out), a directory is not a file: each is
     `error` (the caller's class: CheckpointError, DataError, UsageError, ...) naming `what` and the path, before
     anything opens it. A missing path is `error` too, with `missing` as the reason when given, else FileNotFoundError
-    (the caller's own message decides). -> Path(path)"""
+    (the caller's own message decides); a link to a missing file is `error` saying so. -> Path(path)"""
     path = Path(path)
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
+        if os.path.islink(path):  # a dangling link: said as such, whatever the caller says of a missing file
+            raise error(f"{what} {path} is a symbolic link to {os.readlink(path)}, which does not exist") from None
         if missing is None:
             raise
         raise error(f"{what} {path} {missing}") from None
@@ -376,12 +379,58 @@ def flag_name(ap, dest) -> str:
                 "--" + dest.replace("_", "-"))
 
 
+# Path lengths. A name (a path component) has at most NAME_MAX bytes, a path at most PATH_MAX (255 and 4096 on Linux's
+# file systems: os.pathconf says); a path a command writes must leave room for what it writes there: a directory for
+# the names of its files (DIR_ROOM: ".ckpt.pt.XXXXXXXX.tmp", "samples-00001.txt", ...), a file for its temporary name
+# beside it (TMP_EXTRA bytes more, or NAME_MAX: atomic_file shortens the temporary name of a long one to fit).
+TMP_EXTRA = len(".") + len(".XXXXXXXX.tmp")  # atomic_file's ".NAME.XXXXXXXX.tmp" beside NAME
+DIR_ROOM = 64
+
+
+def fs_limits(path) -> tuple[int, int]:
+    """(NAME_MAX, PATH_MAX) of the file system path is on, or would be created on (its nearest existing ancestor's);
+    (255, 4096) where os.pathconf cannot say."""
+    p = os.path.abspath(path)
+    while True:
+        try:
+            return os.pathconf(p, "PC_NAME_MAX"), os.pathconf(p, "PC_PATH_MAX")
+        except (OSError, ValueError):
+            if os.path.dirname(p) == p:
+                return 255, 4096
+            p = os.path.dirname(p)
+
+
+def shown(path) -> str:
+    """A path for a message: a long one cut in its middle."""
+    text = str(path)
+    return text if len(text) <= 160 else f"{text[:80]}...{text[-60:]}"
+
+
+def path_length_problem(path, room: int) -> str | None:
+    """Why path cannot be written with `room` more bytes written under it (DIR_ROOM for a directory, TMP_EXTRA for a
+    file): a name of more bytes than NAME_MAX, or an absolute path that with room passes PATH_MAX; None if it fits."""
+    room_for = "the names of the files written in it" if room == DIR_ROOM else "its temporary name beside it"
+    name_max, path_max = fs_limits(path)
+    raw = os.fsencode(os.path.abspath(path))
+    longest = max(raw.split(b"/"), key=len)
+    if len(longest) > name_max:
+        return f"has a name of {len(longest):,} bytes, more than the {name_max} bytes a name may have on its file " \
+               f"system"
+    if len(raw) + room >= path_max:
+        return f"is a path of {len(raw):,} bytes: with {room_for} ({room} bytes), past the {path_max:,} bytes a " \
+               f"path may have (PATH_MAX)"
+    return None
+
+
 def check_writable_dir(path: Path, flag: str):
-    """--out-dir / --cache-dir: create the directory now and write a probe file in it, so that a file in the way or a
-    read-only file system is one line before any work, not a traceback after the training steps."""
-    if path.exists() and not path.is_dir():
-        raise UsageError(f"{flag} {path} is a file, not a directory")
+    """--out-dir / --cache-dir: create the directory now and write a probe file in it, so that a file in the way, a
+    read-only file system or too long a path is one line before any work, not a traceback after the training steps."""
+    problem = path_length_problem(path, DIR_ROOM)
+    if problem is not None:
+        raise UsageError(f"{flag} {shown(path)} {problem}")
     try:
+        if path.exists() and not path.is_dir():
+            raise UsageError(f"{flag} {path} is a file, not a directory")
         path.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(dir=path, prefix=".write-probe-")
         os.close(fd)
@@ -407,6 +456,9 @@ def check_output_file(path, flag: str):
     writes never follow one), its directory must exist, and a file must be creatable there (not a read-only file
     system, /proc, a directory without permission: check_writable_dir's probe). One line, nothing left behind."""
     path = Path(path)
+    problem = path_length_problem(path, TMP_EXTRA)
+    if problem is not None:
+        raise UsageError(f"{flag} {shown(path)} {problem}")
     if os.path.islink(path):
         raise UsageError(f"{flag} {path} is a symbolic link (to {os.readlink(path)}): results are never written "
                          f"through one; give the file itself")
@@ -427,18 +479,25 @@ def _write_failed(e: BaseException, doing: str, path, tmp=None) -> str:
     return f"{doing} {path} failed ({type(e).__name__}: {one_line(e)}{full}){gone}"
 
 
+def temp_prefix(path: Path) -> str:
+    """The start of atomic_file's temporary names for path: ".NAME." (then mkstemp's 8 random characters and ".tmp"),
+    cut so that the whole fits NAME_MAX (a legal long NAME stays writable)."""
+    return os.fsdecode(os.fsencode(f".{path.name}.")[:max(1, fs_limits(path.parent)[0] - TMP_EXTRA + 2)])
+
+
 @contextlib.contextmanager
 def atomic_file(path, what: str, error=UsageError):
     """The one way a command writes a whole file: yields a binary file at a fresh temporary name in path's directory
     (created if missing), then flushes, fsyncs and renames it over path. The temporary name is mkstemp's (created
     exclusively: a link or file planted at any name is never followed or overwritten) and the file gets the mode
-    open() would give; a link at path itself is replaced, never written through. A crash or a failure leaves path as
+    open() would give; a link at path itself is replaced, never written through; the temporary name of a name near
+    NAME_MAX is cut to fit. A crash or a failure leaves path as
     it was and no temporary file: an OSError (or torch's RuntimeError of a full disk) is `error` ("writing WHAT PATH
     failed (...)"), anything else (Ctrl-C, a bug) propagates after the cleanup."""
     path, tmp = Path(path), None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=temp_prefix(path), suffix=".tmp")
         with open(fd, "wb") as f:
             os.fchmod(f.fileno(), 0o666 & ~_UMASK)  # mkstemp's 0600 -> what open() would give the file
             yield f
@@ -499,13 +558,17 @@ def _json_depth(obj, limit: int) -> int:
 
 
 def _parse_json(text: str):
-    """json.loads -> (the object, None), or (None, why it is not JSON of this kind: '(JSONDecodeError): ...')."""
+    """json.loads -> (the object, None), or (None, why it is not JSON of this kind: '(JSONDecodeError): ...'), whatever
+    json.loads raises for the text (a syntax error, nesting past the parser, an integer of more digits than Python
+    converts)."""
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         return None, f"(JSONDecodeError): {e.msg} at line {e.lineno} column {e.colno}"
     except RecursionError:  # nested deeper than the parser goes
         return None, "(RecursionError): nested deeper than the JSON parser goes"
+    except ValueError as e:  # what else json.loads raises: an integer past Python's digit limit (5,000 digits)
+        return None, f"({type(e).__name__}): {one_line(e)[:160]}"
     if _json_depth(obj, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
         return None, f"(nested more than {MAX_JSON_DEPTH} levels deep)"
     return obj, None
@@ -645,15 +708,18 @@ def _lock_kind(lock: Path) -> str | None:
     return None if stat.S_ISREG(mode) else next((name for test, name in _NOT_REGULAR if test(mode)), "not a file")
 
 
-def take_dir_lock(path: Path, flag: str) -> Path:
+def take_dir_lock(path: Path, flag: str, leftovers=()) -> Path:
     """Refuse a directory another live run writes: create path/LOCK_NAME exclusively with this process's owner line,
     or, when it exists, read its owner. A live owner is a UsageError naming the flag, the directory, the pid and the
     lock file (two runs in one directory would overwrite each other's checkpoints); a dead one's lock (kill -9, a
-    crash) is taken over with one warning; a link or special file there is a UsageError saying what it is. Takeovers
-    are serialised by a flock of the directory, so that two runs finding one stale lock never both take it. -> the
-    lock file, for release_dir_lock."""
+    crash) is taken over with one warning, and the temporary files atomic_file left there for the names `leftovers`
+    (a checkpoint being written when the owner was killed: ".ckpt.pt.XXXXXXXX.tmp", regular files only) are removed,
+    said in the same warning; a link or special file at the lock is a UsageError saying what it is. Takeovers are
+    serialised by a flock of the directory, so that two runs finding one stale lock never both take it. -> the lock
+    file, for release_dir_lock."""
     lock = path / LOCK_NAME
     me = f"{os.getpid()} {_process_start(os.getpid()) or '-'} {socket.gethostname()}\n"
+    taken = None  # the stale lock's owner this run took over, if it did
     for _ in range(5):
         try:
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
@@ -683,18 +749,44 @@ def take_dir_lock(path: Path, flag: str) -> Path:
                 if _lock_owner(lock) == owner:  # still the stale one: nobody took it over meanwhile
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(lock)
-                    warnings.warn(f"{flag} {path}: its lock file {lock} was left by "
-                                  f"{f'pid {owner[0]}' if owner else 'a run'}, which is no longer running (killed, "
-                                  f"crashed, or its directory was read-only when it ended): taken over by this run",
-                                  stacklevel=2)
+                    taken = [owner]
             finally:
                 os.close(dir_fd)  # releases the flock
             continue
         with os.fdopen(fd, "w") as f:
             f.write(me)
+        if taken is not None:
+            owner = taken[0]
+            removed = _remove_temporaries(path, leftovers)
+            warnings.warn(f"{flag} {path}: its lock file {lock} was left by {f'pid {owner[0]}' if owner else 'a run'}, "
+                          f"which is no longer running (killed, crashed, or its directory was read-only when it "
+                          f"ended): taken over by this run"
+                          + (f"; the temporary file{'s' * (len(removed) > 1)} it left ({', '.join(removed)}) removed"
+                             if removed else ""), stacklevel=2)
         return lock
     raise UsageError(f"{flag} {path}: its lock file {lock} keeps changing (other runs starting there?): give another "
                      f"{flag}")
+
+
+def _remove_temporaries(path: Path, names) -> list[str]:
+    """atomic_file's temporary files of the files `names` in directory path (a run killed while it wrote one): the
+    regular files named temp_prefix(NAME) + 8 of mkstemp's characters + ".tmp" -> the names removed. Nothing else is
+    touched (a link or a special file of that name is not a file this repository wrote)."""
+    removed = []
+    try:
+        entries = sorted(os.scandir(path), key=lambda e: e.name)
+    except OSError:
+        return removed
+    for name in names:
+        prefix = temp_prefix(path / name)
+        for entry in entries:
+            middle = entry.name[len(prefix):-len(".tmp")]
+            if entry.name.startswith(prefix) and entry.name.endswith(".tmp") and re.fullmatch(r"[a-z0-9_]{8}", middle) \
+                    and entry.is_file(follow_symlinks=False):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+                removed.append(entry.name)
+    return removed
 
 
 def release_dir_lock(lock: Path):
@@ -710,9 +802,9 @@ def release_dir_lock(lock: Path):
 _held_locks: list[Path] = []  # the locks hold_dir_lock took, innermost last
 
 
-def hold_dir_lock(path: Path, flag: str):
+def hold_dir_lock(path: Path, flag: str, leftovers=()):
     """take_dir_lock, held until the releasing_dir_locks() around this call ends."""
-    _held_locks.append(take_dir_lock(path, flag))
+    _held_locks.append(take_dir_lock(path, flag, leftovers))
 
 
 def _release_held(held: int, ending: BaseException | None):
@@ -817,6 +909,53 @@ def run_child(cmd: list[str], on_line, stopped: str, failed) -> None:
         raise UsageError(failed(code))
 
 
+# Environment variables the commands read, checked like flags before the work (run_cli): each module that reads one
+# appends a function -> the problem in one line ("NAME=value ..."), or None; cli's own is LOCAL_WORLD_SIZE
+ENVIRONMENT_CHECKS: list = []
+LOCAL_WORLD_MAX = 4096  # processes of one machine under torchrun: far more than any machine runs
+
+
+def env_int(name: str, default: int, low: int = 0, high: int | None = None, what: str = "") -> int:
+    """An integer environment variable (torchrun's RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, ...): its default when unset,
+    else an integer in [low, high]; anything else a UsageError naming the variable (what: what it is)."""
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    value = int(text) if re.fullmatch(r"-?[0-9]{1,18}", text) else None  # ASCII digits: int() takes "٣" and "1_0"
+    if value is None or value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"in {low}..{high}"
+        raise UsageError(f"{name}={text!r}: expected an integer {bound}{f' ({what})' if what else ''}")
+    return value
+
+
+def local_world_size() -> int:
+    """LOCAL_WORLD_SIZE: the processes torchrun runs on this machine (1 without torchrun)."""
+    return env_int("LOCAL_WORLD_SIZE", 1, 1, LOCAL_WORLD_MAX, "the processes torchrun runs on this machine, each "
+                   "allocating as much: every memory check counts them")
+
+
+def kernels_fallback_problem() -> str | None:
+    """KERNELS_FALLBACK (kernels.py's use_triton): 1 forces the PyTorch references, 0 or unset lets the Triton kernels
+    run; another value would silently mean 0."""
+    text = os.environ.get("KERNELS_FALLBACK")
+    if text in (None, "", "0", "1"):
+        return None
+    return (f"KERNELS_FALLBACK={text!r}: expected 1 (kernels.py runs its PyTorch references, never a Triton kernel) "
+            f"or 0 (unset: the kernels where they apply)")
+
+
+def check_environment():
+    """Every ENVIRONMENT_CHECKS function: the first problem found is a UsageError (one line, exit code 2)."""
+    local_world_size()
+    problem = kernels_fallback_problem()
+    if problem:
+        raise UsageError(problem)
+    for check in ENVIRONMENT_CHECKS:
+        problem = check()
+        if problem:
+            raise UsageError(problem)
+
+
 def _said(e: BaseException, text: str) -> str:
     """The one line of an error or a stop: its text and the notes added to it on its way out (add_note)."""
     return one_line("; ".join([text, *getattr(e, "__notes__", ())]))
@@ -825,10 +964,12 @@ def _said(e: BaseException, text: str) -> str:
 def run_cli(fn, argv=None, expected=EXPECTED_ERRORS):
     """fn(argv) as a command: warnings one line each (`warning: ...`), an expected error `error: ...` on stderr and
     exit code 2, a Stopped run (or a Ctrl-C or SIGTERM that nothing handled) `stopped: ...` and exit code 130; output
-    cut short by its reader (a closed pipe) ends quietly with exit code 1."""
+    cut short by its reader (a closed pipe) ends quietly with exit code 1. The environment variables the loaded modules
+    read are checked first (check_environment)."""
     with warnings.catch_warnings(), _sigterm_interrupts():
         warnings.showwarning = lambda message, *a, **k: print(f"warning: {one_line(message)}", file=sys.stderr)
         try:
+            check_environment()
             return fn(argv)
         except expected as e:
             print(f"error: {_said(e, str(e))}", file=sys.stderr)

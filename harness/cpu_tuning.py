@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import json
 import os
 import platform
@@ -54,7 +55,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 import kernels
 import model
-from harness.cli import read_json, write_atomic
+from harness.cli import ENVIRONMENT_CHECKS, read_json, write_atomic
 from model import check
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -240,12 +241,26 @@ LINEAR_PRODUCTS = {  # name -> f(x (rows, in), W (out, in), the product's copy o
 _linear_choice: dict[tuple, str] = {}  # (dtype, rows, out, in) -> product name, for this process
 _linear_times: dict[tuple, dict[str, float]] = {}  # (dtype, bucket, out, in) -> product -> seconds, as measured
 _linear_forced: list[str | None] = [os.environ.get("LINEAR_PRODUCT") or None]  # force_linear() sets it
+
+
+def _linear_product_env() -> str | None:
+    """LINEAR_PRODUCT, checked like a flag before a command's work (cli.ENVIRONMENT_CHECKS): empty or unset, or a
+    product's name."""
+    name = os.environ.get("LINEAR_PRODUCT")
+    if name and name not in LINEAR_PRODUCTS:
+        return (f"LINEAR_PRODUCT={name!r} is not one of {', '.join(LINEAR_PRODUCTS)} (the product every linear layer "
+                f"runs where it applies); unset it for the measured choice")
+    return None
+
+
+ENVIRONMENT_CHECKS.append(_linear_product_env)
 _weight_copies = WeakIdKeyDictionary()  # weight -> product -> ((version, data_ptr), copy of the weight)
 
 
 def force_linear(name: str | None):
-    """Run product `name` wherever it applies ("mv": one row) instead of the measured choice; None: the measured
-    choice again. The environment variable LINEAR_PRODUCT=name does the same for a whole process."""
+    """Run product `name` wherever it applies (where it is a candidate: "mv" for one row, "dnn" where oneDNN computes
+    the dtype) instead of the measured choice; None: the measured choice again. The environment variable
+    LINEAR_PRODUCT=name does the same for a whole process."""
     check(name is None or name in LINEAR_PRODUCTS, f"{name!r} is not one of {sorted(LINEAR_PRODUCTS)}",
           "linear product")
     _linear_forced[0] = name
@@ -253,10 +268,19 @@ def force_linear(name: str | None):
 
 def linear_candidates(dtype, rows: int) -> list[str]:
     """The products timed for `rows` rows of dtype, F.linear first (a tie keeps it); "dnn" where torch has oneDNN
-    (and its bf16 support, for bf16)."""
-    dnn = torch.backends.mkldnn.is_available() and (dtype != torch.bfloat16
-                                                    or torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    return ["linear"] + ["mv"] * (rows == 1) + ["mm", "xwt"] + ["dnn"] * dnn
+    and oneDNN computes the dtype on this CPU (bf16; fp16 needs avx_ne_convert or avx512_fp16)."""
+    return ["linear"] + ["mv"] * (rows == 1) + ["mm", "xwt"] + ["dnn"] * _dnn_computes(dtype)
+
+
+@functools.cache
+def _dnn_computes(dtype) -> bool:
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if dtype == torch.float16:
+        return torch.ops.mkldnn._is_mkldnn_fp16_supported()
+    return True
 
 
 def pick_linear(times: dict[str, float]) -> str:
@@ -291,7 +315,7 @@ def linear_product(dtype, rows: int, out_f: int, in_f: int) -> str:
     """The product `linear` runs for rows x (out_f, in_f) in dtype: the forced one, else the measured choice of the
     row bucket (timed on first use by time_linear_products, picked by pick_linear)."""
     forced = _linear_forced[0]
-    if forced is not None and (forced != "mv" or rows == 1):
+    if forced is not None and forced in linear_candidates(dtype, rows):
         return forced
     key = (dtype, rows, out_f, in_f)
     name = _linear_choice.get(key)

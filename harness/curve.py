@@ -57,14 +57,22 @@ def setup_curve(args, steps, val_data, world, device, resume_ck, master) -> dict
     return {"steps": steps, "done": done, "x": x, "y": y, "file": path, "device": card}
 
 
-def curve_point(run, step):
+def curve_point(run, step, between=lambda: None):
     """--curve-at: the loss on the fixed evaluation set (data.first_tokens_windows; model.windows_loss, the number
     `python eval.py loss` gives the checkpoint: fp32 weights, no autocast) after `step` optimizer steps, logged and
-    appended to OUT_DIR/curve.jsonl with the tokens trained so far. A resumed run skips the steps already there."""
+    appended to OUT_DIR/curve.jsonl with the tokens trained so far. A resumed run skips the steps already there.
+    between() runs between two batches of the evaluation (train.py: a stop asked for ends the run there, so that the
+    evaluation of --curve-tokens never delays it)."""
     c = run.curve
     if run.master:
         run.raw_model.eval()
-        loss = windows_loss(run.raw_model, c["x"], c["y"], CURVE_BATCH, run.device)
+
+        def checked(starts):
+            for k, i in enumerate(starts):
+                if k:
+                    between()
+                yield i
+        loss = windows_loss(run.raw_model, c["x"], c["y"], CURVE_BATCH, run.device, wrap=checked)
         run.raw_model.train()
         tokens = step * run.tokens_per_step
         log(f"curve step {step} tokens {tokens} loss {loss:.4f}")

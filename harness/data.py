@@ -294,7 +294,7 @@ def iter_jsonl_docs(path: Path, stats: SkipStats, exclude_sets=()):
             continue
         try:
             obj = json.loads(line)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # a syntax error, an integer past the digit limit, nested too deep
             stats.add("malformed json", where)
             continue
         if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):

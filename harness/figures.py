@@ -11,8 +11,8 @@ a PNG (OUT/<name>.png; docs/figures/ holds the ones this command made):
              static batching, continuous sequence-wise batching (both the vanilla model), continuous depth-wise
              batching without and with early exit (its recursive conversion), on one time axis in loop-steps: a
              vanilla pass runs every layer (as wide as the loops), a depth-wise pass one loop. Each server runs with a
-             serve_hooks.ScheduleTrace as its hook (serve.Hook): every forward pass, the request each slot held, the loop it
-             ran, where a token left.
+             serve_hooks.ScheduleTrace as its hook (serve.Hook): every forward pass, the request each slot held, the
+             loop it ran, where a token left.
   plt        Parallel Loop Transformer (Wu et al., arXiv:2510.24824), Algorithm 1 and Algorithm 3: the L rows of
              every decode forward, the keys each row read (the shared loop-1 cache; the loop's own window of w keys)
              and the gate that mixes the two attentions. A forward pre-hook on every layer's attention (on_calls)
@@ -51,7 +51,7 @@ import serve
 from block_transformer import BlockConfig, BlockTransformer
 from double_decoder import DoubleConfig, DoubleDecoder, splits_to_blk
 from harness.bench_serve import exit_threshold_for
-from harness.cli import check_writable_dir, write_atomic
+from harness.cli import check_output_file, check_writable_dir, write_atomic
 from harness.serve_hooks import SCHEDULE_LEGEND, ScheduleTrace
 from harness.serve_requests import synthetic_requests
 from model import GPT, GPTConfig, KVCache, LayerCache
@@ -747,6 +747,8 @@ def bench_figures(args) -> dict:
     out = Path(args.out)
     if pyplot is not None:
         check_writable_dir(out, "--out")
+        for name in FIGURES:  # a directory or a special file at a PNG's name: found now, not when it is drawn
+            check_output_file(out / f"{name}.png", "--out's figure")
     t0, records = time.perf_counter(), {}
     for name, (record, text, draw) in FIGURES.items():
         records[name] = record()

@@ -39,9 +39,9 @@ import torch.nn.functional as F
 
 import graphs
 from harness.checkpoint import load_source_model, tokenizer_from_spec
-from harness.cli import (DTYPES, UsageError, append_line, atomic_file, check_output_file, check_writable_dir,
-                         comma_list, fields_problem, number, one_of, path_arg, read_json, run_child, seed_arg,
-                         user_input, write_atomic)
+from harness.cli import (DTYPES, MIN_TEMPERATURE, UsageError, append_line, atomic_file, check_output_file,
+                         check_writable_dir, comma_list, fields_problem, number, one_of, path_arg, read_json,
+                         run_child, seed_arg, user_input, write_atomic)
 from harness.curve import read_curve
 from harness.data import step_generator
 from harness.device import pick_device, pick_dtype
@@ -49,6 +49,9 @@ from svd_lora import max_ranks
 
 # ----------------------------------------------------------------------------------------------------------------
 # Text sampled from a model (samples): sequence-level distillation data
+
+SAMPLES_MAX_TOKENS = 10 ** 12  # --tokens: a thousand times what a recovery row mixes in
+SAMPLES_MIN_BYTES = 2  # the least a token takes in a shard (its text in JSON): what --out must have free per token
 
 
 @torch.no_grad()
@@ -81,11 +84,16 @@ def eval_samples(args):
         raise UsageError(f"--out {out} holds samples of other settings ({differ[0]} {manifest.get(differ[0])!r}, "
                          f"here {settings[differ[0]]!r}): give another --out or remove it")
     check_writable_dir(out, "--out")
+    have = sum(manifest["shards"].values())
+    need, free = (args.tokens - have) * SAMPLES_MIN_BYTES, shutil.disk_usage(out).free
+    if need > free:
+        raise UsageError(f"--tokens {args.tokens:,}: the shards of the {args.tokens - have:,} tokens to sample take at "
+                         f"least {need / 1e9:,.3g} GB ({SAMPLES_MIN_BYTES} bytes a token), but --out {out} has "
+                         f"{free / 1e9:,.3g} GB free")
     model = model.to(device=device, dtype=dtype).eval()
     compiled = args.compile if args.compile is not None else device.type == "cuda"
     if compiled:
         graphs.compile_decode(model, mode="reduce-overhead" if device.type == "cuda" else None)
-    have = sum(manifest["shards"].values())
     print(f"samples of {args.model} ({dtype}, {device}{', compiled decode' if compiled else ''}): {args.batch_size} x "
           f"{args.length} tokens per shard, first token uniform, {args.greedy_first} greedy, then sampled (temperature "
           f"{args.temperature:g}{f', top-k {args.top_k}' if args.top_k else ''}) -> {out}; {have:,} of {args.tokens:,} "
@@ -624,12 +632,14 @@ def add_parsers(sub, exits):
                                        "shards train.py reads: sequence-level distillation data")
     p.add_argument("--model", type=path_arg, required=True,
                    help="train.py checkpoint, hf:DIR, gguf:PATH or smollm2-135m")
-    p.add_argument("--tokens", type=number(float, min=1), required=True, help="tokens to have in --out (at least)")
+    p.add_argument("--tokens", type=number(float, min=1, max=SAMPLES_MAX_TOKENS), required=True,
+                   help="tokens to have in --out (at least)")
     p.add_argument("--out", type=path_arg, required=True, help="directory of the shards and manifest.json")
     p.add_argument("--length", type=two, default=512, help="tokens per sequence, the first one included")
     p.add_argument("--batch-size", type=pos, default=None, help="sequences per shard (default 256 on CUDA, else 8)")
     p.add_argument("--greedy-first", type=nonneg, default=4, help="greedy tokens after the first (LLM-QAT: 3-5)")
-    p.add_argument("--temperature", type=number(float, above=0), default=1.0, help="of the sampled tokens")
+    p.add_argument("--temperature", type=number(float, min=MIN_TEMPERATURE), default=1.0,  # logits / T: finite
+                   help="of the sampled tokens")
     p.add_argument("--top-k", type=pos, default=None, help="of the sampled tokens (default: the full softmax)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="compile the decode step (default: on CUDA, a CUDA graph per step)")

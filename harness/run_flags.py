@@ -32,8 +32,9 @@ A run's flags and its checkpoint (train.py's contract; the flags are reconciled 
     --resume --out-dir OUT_DIR` and exit code 130; a second one stops at once (a checkpoint being written is
     abandoned, the last good one stays), `stopped: SIGTERM again: ...`; before the first step (setup, tokenizing) it
     stops at once, `stopped: terminated (SIGTERM)`, exit code 130. A checkpoint write that fails (a full disk)
-    removes its temporary file and keeps the last good checkpoint. A step is at most MAX_STEP_TOKENS tokens, typed or
-    restored (a saved --grad-accum of 10^9 would be a step that never ends).
+    removes its temporary file and keeps the last good checkpoint. A step is at most MAX_STEP_TOKENS tokens and
+    MAX_PASSES micro-batches, an evaluation at most MAX_PASSES batches, typed or restored (a saved --grad-accum of 10^9
+    would be a step that never ends, a saved --eval-iters of 10^12 an evaluation).
   * Divergence: a non-finite loss or weight stops the run without writing its checkpoint (exit code 2). A finite
     validation loss more than a nat above the best of the run so far (of the run it resumes too), or a first one above
     ln(V) + 1 (a nat above a uniform guess over the V tokens) for a run from random weights, is one warning (once per
@@ -54,8 +55,8 @@ from pathlib import Path
 import torch
 
 from harness import tasks
-from harness.checkpoint import CheckpointError, _shown, check_resumable, load_checkpoint
-from harness.cli import UsageError, check_device, check_writable_dir, flag_name
+from harness.checkpoint import CKPT_NAME, CheckpointError, _shown, check_resumable, load_checkpoint
+from harness.cli import UsageError, check_device, check_writable_dir, flag_name, regular_file
 from harness.data import DEFAULT_BASE, Tokenizer
 from model import ArchSpec
 
@@ -192,7 +193,7 @@ def resume_run(ap, args, given, table) -> tuple[dict, list[str]]:
     """--resume: the checkpoint of the run in --out-dir (default out/ARCH), whole and resumable, and args <- its flags
     (restore_run_args) -> (the checkpoint, notes about flags taken from the command line)."""
     args.out_dir = args.out_dir or f"out/{args.arch}"
-    path = Path(args.out_dir) / "ckpt.pt"
+    path = Path(args.out_dir) / CKPT_NAME
     ck = check_resumable(load_checkpoint(path), path)
     if ck["arch"] not in table:
         raise CheckpointError(f"{path} holds a {ck['arch']!r} model, unknown here; known: {sorted(table)}")
@@ -338,15 +339,34 @@ def _consistent_with_checkpoint(ap, dest, args, saved, ck, table) -> bool:
 # --grad-accum of 10^9), and one step would never end: its micro-batches run one after another, each allocating only
 # --batch-size x --seq-len, so no memory estimate sees it.
 MAX_STEP_TOKENS = 2 ** 30
+# The passes one optimizer step or one evaluation makes one after another (--grad-accum micro-batches, --eval-iters
+# validation batches): each is a forward (and backward) pass of the whole model, a millisecond at the very least, so
+# the count alone bounds the time, whatever the tokens: 4,096 is 64M tokens a step at micro-batches of 8 x 2048, more
+# than a single process accumulates; 10^5 tiny micro-batches would be minutes a step, 10^12 batches an evaluation that
+# never ends (a stop still ends it between two of them).
+MAX_PASSES = 4096
 
 
 def check_step_tokens(args):
-    """One optimizer step of at most MAX_STEP_TOKENS tokens per process, typed or restored by --resume."""
+    """One optimizer step of at most MAX_STEP_TOKENS tokens and MAX_PASSES micro-batches per process, typed or restored
+    by --resume."""
     n = args.batch_size * args.seq_len * args.grad_accum
     if n > MAX_STEP_TOKENS:
         raise UsageError(f"--grad-accum {args.grad_accum} x --batch-size {args.batch_size} x --seq-len {args.seq_len} "
                          f"= {n:,} tokens per optimizer step, more than {MAX_STEP_TOKENS:,} (64 times the largest "
                          f"published pretraining batches): one step would not end; lower --grad-accum")
+    if args.grad_accum > MAX_PASSES:
+        raise UsageError(f"--grad-accum {args.grad_accum:,} micro-batches per optimizer step, more than "
+                         f"{MAX_PASSES:,}: they run one after another, a forward and backward pass each, so one step "
+                         f"would take minutes to hours; raise --batch-size and lower --grad-accum")
+
+
+def check_eval_batches(args):
+    """One evaluation of at most MAX_PASSES validation batches (--eval-iters), typed or restored by --resume."""
+    if args.eval_iters > MAX_PASSES:
+        raise UsageError(f"--eval-iters {args.eval_iters:,} validation batches per evaluation, more than "
+                         f"{MAX_PASSES:,}: they run one after another, so one evaluation would take minutes to hours "
+                         f"(or never end); lower --eval-iters")
 
 
 @contextlib.contextmanager
@@ -366,9 +386,14 @@ def check_run_args(args, resume_ck, given) -> tuple[int, float, list[str]]:
     best validation loss so far, notes about the resumed run's length)."""
     with saved_flags(resume_ck):
         check_step_tokens(args)
+    with saved_flags(resume_ck if "eval_iters" not in given else None):  # typed on --resume: the typed value's error
+        check_eval_batches(args)
     args.out_dir = Path(args.out_dir or f"out/{args.arch}")
     check_device(args.device)
     check_writable_dir(args.out_dir, "--out-dir")
+    ckpt = args.out_dir / CKPT_NAME  # where the checkpoints go: a directory or a special file there is found now
+    if os.path.lexists(ckpt) and not os.path.islink(ckpt):  # (a link there is replaced by the first checkpoint)
+        regular_file(ckpt, "--out-dir's checkpoint")
     if not tasks.is_task_source(args.data):
         check_writable_dir(Path(args.cache_dir), "--cache-dir")
     if resume_ck is None:

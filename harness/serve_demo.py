@@ -30,6 +30,7 @@ from harness.serve_requests import MAX_REQUESTS, random_requests
 from model import GPT, PRESETS, GPTConfig
 from recursive import from_vanilla
 from serve import ContinuousServer, DepthWiseServer
+from svd_lora import check_one_rank
 
 COLUMNS = """tokens        tokens generated in a round (the same requests for every server)
 tok/s         generated tokens / the round's wall time (admission, prefill and decode), median (min..max) of the rounds
@@ -81,9 +82,11 @@ def demo(argv=None):
     check_dtype(args.device, args.dtype)
     device = pick_device(args.device)
     dtype, ranks = pick_dtype(device, args.dtype), {f"lora_rank_{c}": args.lora_rank for c in ("q", "kv", "o", "mlp")}
+    with user_input():  # a rank above full rank: one line naming --lora-rank, before anything is built
+        check_one_rank(args.lora_rank, GPTConfig.from_preset(args.preset))
     torch.manual_seed(args.seed)
     van = GPT(GPTConfig.from_preset(args.preset))
-    with user_input():  # a rank above full rank: one line
+    with user_input():
         rec = from_vanilla(van, 2, "average", log=lambda *_: None, **(ranks if args.lora_rank else {}))
     van, rec = van.to(device, dtype).eval(), rec.to(device, dtype).eval()
     need, (avail, where) = 4 * van.kv_cache_bytes(args.slots, van.config.max_seq_len, dtype.itemsize), \

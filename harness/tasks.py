@@ -119,9 +119,11 @@ class PHopTask:
     pause: int = 0
 
     def __post_init__(self):
-        if self.alphabet < 2 or self.length < 2 or self.pause < 0:
-            raise ValueError(f"p-hop needs an alphabet >= 2, a length >= 2 and pause >= 0 (got {self.alphabet}, "
-                             f"{self.length}, {self.pause})")
+        if not 2 <= self.alphabet <= MAX_ALPHABET or self.length < 2 or self.pause < 0:
+            raise ValueError(f"p-hop needs an alphabet in 2..{MAX_ALPHABET}, a length >= 2 and pause >= 0 (got "
+                             f"{self.alphabet}, {self.length}, {self.pause})")
+        if not self.hops or not all(isinstance(p, int) and 1 <= p <= MAX_P for p in self.hops):
+            raise ValueError(f"p-hop needs hops in 1..{MAX_P} (the vocabulary's markers), got {list(self.hops)}")
 
     @property
     def filler(self) -> int:
@@ -389,12 +391,17 @@ def read_results(path) -> dict[str, dict[int, dict]]:
     return results
 
 
+P_KEY = re.compile(r"0|[1-9][0-9]{0,5}")  # an accuracy's key: p written in ASCII digits as depth writes it ("12")
+
+
 def result_problem(r: dict) -> str | None:
-    """What keeps a line of a results file from being one of depth's records, or None."""
+    """What keeps a line of a results file from being one of depth's records, or None. Its accuracies' keys are p in
+    ASCII digits (str.isdigit would take "²" or an Arabic-Indic "١", which int() refuses or reads as another p)."""
     acc = r.get("acc")
     return fields_problem(r, {"row": str, "seed": int, "acc": dict}) or (
-        None if acc and all(str(k).isdigit() and isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1
-                            for k, v in acc.items()) else "its 'acc' is not {p: an accuracy in [0, 1]}")
+        None if acc and all(P_KEY.fullmatch(k) and isinstance(v, (int, float)) and not isinstance(v, bool)
+                            and 0 <= v <= 1 for k, v in acc.items())
+        else "its 'acc' is not {p: an accuracy in [0, 1]} (p in ASCII digits)")
 
 
 def slug(row: str) -> str:

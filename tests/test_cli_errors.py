@@ -185,8 +185,15 @@ def results_files(case):
     good = json.dumps({"row": "plt-2", "seed": 0, "argv": [], "acc": {"1": 1.0, "2": 0.5}})
     for name, text in [("empty.jsonl", "\n"), ("not_json.jsonl", good + "\n{oops\n"),
                        ("deep.jsonl", "[" * 100_000 + "]" * 100_000 + "\n"),
-                       ("other.jsonl", json.dumps({"row": "plt-2", "seed": 0, "loss": 3.2}) + "\n")]:
+                       ("other.jsonl", json.dumps({"row": "plt-2", "seed": 0, "loss": 3.2}) + "\n"),
+                       ("super.jsonl", good + "\n" + json.dumps({"row": "a", "seed": 0, "acc": {"\u00b2": 1}}) + "\n"),
+                       ("arabic.jsonl", json.dumps({"row": "a", "seed": 0, "acc": {"\u0661": 0.5}}) + "\n")]:
         (case.tmp / name).write_text(text)
+
+
+def dangling_manifest(case):  # {tmp}/s/manifest.json: a link to a file that does not exist
+    (case.tmp / "s").mkdir()
+    (case.tmp / "s" / "manifest.json").symlink_to(case.tmp / "none")
 
 
 def trained_run(case):  # {d}/trained/ckpt.pt: a vanilla checkpoint of one step
@@ -315,7 +322,8 @@ SERVE = [
     ([BASE, "--exit-rate", "2"], "argument --exit-rate: must be <= 1, got 2"),
     ([BASE, "--rate", "0", "--arrival", "poisson"], "argument --rate: must be > 0"),
     ([BASE, "--batch-memory-mb", "0.001"], "does not hold the parameters and one slot"),
-    ([BASE, "--lora-rank", "1000"], "lora_rank_q=1000 exceeds"),
+    ([BASE, "--lora-rank", "1000"], "--lora-rank 1000 exceeds the full rank of the kv projections of this model (min("
+                                    "out, in) = 64): give 64 or less"),
     ([BASE, "--exit-threshold", "0.5,2"], "probabilities in (0, 1], got '2'"),
     ([BASE, "--loops", "3"], "--loops 3: the 4 layers of --preset tiny do not split into 3 loops"),
     (["--preset", "tiny", "--ckpt", "{d}/random.pt"], "checkpoint {d}/random.pt is corrupt"),
@@ -383,6 +391,10 @@ TASKS = [
      results_files, NO_RUN),
     (["table", "--results", "{tmp}/deep.jsonl"], "line 1 is not a JSON line (RecursionError)", results_files, NO_RUN),
     (["table", "--results", "{tmp}/other.jsonl"], "line 1 is not a result of tasks.py depth", results_files, NO_RUN),
+    (["table", "--results", "{tmp}/super.jsonl"], "line 2 is not a result of tasks.py depth ({\"row\": ..., \"seed\": "
+     "..., \"acc\": {p: accuracy in [0, 1]}}): its 'acc' is not {p: an accuracy in [0, 1]} (p in ASCII digits)",
+     results_files, NO_RUN),
+    (["table", "--results", "{tmp}/arabic.jsonl"], "line 1 is not a result of tasks.py depth", results_files, NO_RUN),
     *seeds("show"),
 ]
 
@@ -420,6 +432,16 @@ EVAL = [
                                                                                     "corrupt"),
     (["samples", "--model", "{d}/trained/ckpt.pt", "--tokens", "10", "--out", "{tmp}/s", "--length", "33"],
      "--length 33 exceeds the model's context of 32", trained_run),
+    (["samples", "--model", "m", "--tokens", "10", "--out", "x", "--temperature", "1e-50"],
+     "argument --temperature: must be >= 1e-06, got 1e-50"),
+    (["samples", "--model", "m", "--tokens", "1e15", "--out", "x"], "argument --tokens: must be <= 1000000000000, got "
+                                                                     "1e15"),
+    (["samples", "--model", "{d}/trained/ckpt.pt", "--tokens", "1e6", "--out", "{tmp}/s", "--length", "16"],
+     "--tokens 1,000,000: the shards of the 1,000,000 tokens to sample take at least 0.002 GB (2 bytes a token), but "
+     "--out {tmp}/s has 0.001 GB free", trained_run, one_mb_free, before(model_lib.GPT, "generate")),
+    (["samples", "--model", "{d}/trained/ckpt.pt", "--tokens", "10", "--out", "{tmp}/s", "--length", "16"],
+     "samples manifest {tmp}/s/manifest.json is a symbolic link to {tmp}/none, which does not exist", trained_run,
+     dangling_manifest),
 ]
 
 BENCH = [
@@ -715,6 +737,12 @@ MALFORMED = [  # (edit of a good checkpoint dict, the message after "checkpoint 
      ": its tokenizer spec a dict is not a dict with a 'kind'"),
     (lambda ck: ck.update(tokenizer={"kind": "tiktoken", "n": 512}),
      ": its tiktoken tokenizer spec has name None, not a non-empty str"),
+    (lambda ck: ck.update(tokenizer={"kind": "task", "name": "phop", "hops": [99], "alphabet": 4, "length": 16,
+                                     "pause": 0}),
+     ": its task tokenizer spec: p-hop needs hops in 1..8 (the vocabulary's markers), got [99]"),
+    (lambda ck: ck.update(tokenizer={"kind": "task", "name": "phop", "hops": [1], "alphabet": 10 ** 12,
+                                     "length": 16, "pause": 0}),
+     ": its task tokenizer spec: p-hop needs an alphabet in 2..65536"),
     (lambda ck: ck.update(args=None), " holds args None: not a dict of the run's flags"),
     (lambda ck: ck.update(args="--lr 1"), " holds args '--lr 1': not a dict of the run's flags"),
     (lambda ck: [ck.pop(k) for k in list(ck) if k != "format"],

@@ -27,8 +27,8 @@ import bench
 import eval as ev
 import train
 from conftest import ROOT, fp16_missing, one_error_line, write_jsonl
-from harness import (archs, chat_template, checkpoint, cli, cpu_tuning, curve, data, hf, recovery, run_flags, serve_requests,
-                     tasks)
+from harness import (archs, chat_template, checkpoint, cli, cpu_tuning, curve, data, hf, recovery, run_flags,
+                     serve_demo, serve_requests, tasks)
 from model import GPT, GPTConfig
 from test_inputs import write_gguf
 
@@ -180,6 +180,45 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary_one(tmp_path, monke
     assert [p.name for p in tmp_path.iterdir()] == ["meta.json"] and (tmp_path / "meta.json").read_text() == "old"
 
 
+LONG_PATHS = {"a name of 256 bytes": ("n" * 256, "has a name of 256 bytes, more than the 255 bytes a name may have"),
+              "a path past PATH_MAX": ("/".join(["d" * 200] * 21) + "/x", "bytes a path may have (PATH_MAX)")}
+LONG_OUTPUTS = [  # (the flag, command, argv: {p} the long path, {t} tmp_path)
+    ("train.py --out-dir", train.main, ["--out-dir", "{p}", "--cache-dir", "{t}/c"]),
+    ("train.py --cache-dir", train.main, ["--cache-dir", "{p}", "--out-dir", "{t}/o"]),
+    ("eval.py loss --results", ev.main, ["loss", "--model", "m.pt", "--results", "{p}", "--cache-dir", "{t}/c"]),
+    ("eval.py recovery --out-dir", ev.main, ["recovery", "--out-dir", "{p}", "--tokens", "2048"]),
+    ("bench.py gpu --json", bench.main, ["gpu", "--device", "cpu", "--preset", "tiny", "--json", "{p}"]),
+    ("bench.py figures --out", bench.main, ["figures", "--out", "{p}"]),
+    ("tasks.py depth --out", tasks.main, ["depth", "--out", "{p}"]),
+]
+LONG_ROWS = [(flag, run, argv, *LONG_PATHS[kind], kind) for flag, run, argv in LONG_OUTPUTS for kind in LONG_PATHS]
+
+
+@pytest.mark.parametrize("flag,run,argv,name,match,kind", LONG_ROWS, ids=[f"{r[0]} {r[5]}" for r in LONG_ROWS])
+def test_too_long_a_name_or_path_to_write_is_one_line_before_the_work(tmp_path, capsys, monkeypatch, flag, run, argv,
+                                                                      name, match, kind):
+    """An output path with a component past NAME_MAX, or a path that leaves no room for what is written in it (or
+    for its temporary name) within PATH_MAX, is one line naming the flag before any work; nothing is created."""
+    for d in ("c", "o"):
+        (tmp_path / d).mkdir()
+    monkeypatch.setattr(train, "make_optimizer", lambda *a: pytest.fail("the run started"))
+    before = sorted(tmp_path.rglob("*"))
+    fill = lambda a: a.replace("{p}", str(tmp_path / name)).replace("{t}", str(tmp_path))  # noqa: E731
+    line = one_error_line(capsys, run, [fill(a) for a in argv], match)
+    assert line.startswith(f"error: {flag.split()[-1]} ") and sorted(tmp_path.rglob("*")) == before
+
+
+@pytest.mark.parametrize("length", [241, 245, 255])
+def test_a_legal_long_name_is_written_its_temporary_name_cut_to_fit(tmp_path, planted, length):
+    """A name of up to NAME_MAX bytes is written: atomic_file's temporary name (".NAME.XXXXXXXX.tmp", 14 bytes more)
+    is cut to fit, and still never follows a link planted at it (planted: mkstemp's first name)."""
+    name = "m" * (length - 5) + ".json"
+    cli.write_atomic(tmp_path / name, '{"a": 1}')
+    checkpoint.save_checkpoint(tmp_path / ("c" * (length - 3) + ".pt"), {"format": checkpoint.CKPT_FORMAT})
+    assert (tmp_path / name).read_text() == '{"a": 1}' and planted.read_text() == "keep me"
+    assert sorted(p.name[:1] for p in tmp_path.iterdir() if not p.is_symlink()) == ["c", "m", "v"]  # no temporary
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # 2. Stops: a second signal stops at once; a long step stops between micro-batches and evaluation batches; a step
 # of 10^9 micro-batches is refused
@@ -249,7 +288,7 @@ def test_a_long_step_stops_between_its_micro_batches(tmp_path, corpus, capsys, m
 def test_a_long_evaluation_stops_between_its_batches(tmp_path, corpus, capsys, monkeypatch):
     calls = _signal_in(monkeypatch, "batch_on_device", 2 + 2, [signal.SIGTERM])  # the second evaluation batch
     out = tmp_path / "out"
-    line = _stopped_line(capsys, run_args(corpus, tmp_path, "--max-iters", "2", "--eval-iters", "100000",
+    line = _stopped_line(capsys, run_args(corpus, tmp_path, "--max-iters", "2", "--eval-iters", "4096",
                                           "--eval-interval", "2"))
     assert line.startswith(f"stopped: SIGTERM after step 2: checkpoint {out / 'ckpt.pt'} (step 2) written")
     assert len(calls) == 4 and checkpoint.load_checkpoint(out / "ckpt.pt")["val_loss"] is None
@@ -266,6 +305,61 @@ def test_a_step_of_a_billion_micro_batches_is_refused_typed_or_saved(tmp_path, c
     monkeypatch.setattr(train, "batch_on_device", lambda *a: pytest.fail("a step ran"))
     one_error_line(capsys, train.main, ["--resume", "--out-dir", str(tmp_path / "out"), "--max-iters", "3"],
                    f"checkpoint {tmp_path / 'out' / 'ckpt.pt'}: its saved flags: {too_many}")
+
+
+def test_a_long_curve_evaluation_stops_between_its_batches(tmp_path, corpus, capsys, monkeypatch):
+    """A stop during a --curve-at point's evaluation (--curve-tokens of windows, one batch after another) ends the run
+    before the next batch, like the validation's: the checkpoint of the steps done, no curve point half measured."""
+    seen = []
+
+    def signalling(starts):  # SIGTERM as the second batch of the curve's evaluation is asked for
+        for k, i in enumerate(starts):
+            if k == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.01)  # the handler runs
+            seen.append(i)
+            yield i
+    real = curve.windows_loss
+    monkeypatch.setattr(curve, "windows_loss", lambda m, x, y, b, d, wrap: real(m, x, y, b, d,
+                                                                                wrap=lambda s: wrap(signalling(s))))
+    monkeypatch.setattr(curve, "CURVE_BATCH", 1)  # a batch per window: 32 batches
+    out = tmp_path / "out"
+    line = _stopped_line(capsys, run_args(corpus, tmp_path, "--max-iters", "2", "--curve-at", "0,64",
+                                          "--curve-tokens", "1024"))
+    assert line.startswith(f"stopped: SIGTERM after step 0: checkpoint {out / 'ckpt.pt'} (step 0) written")
+    assert len(seen) == 2 and not (out / "curve.jsonl").exists()  # the second batch was never computed
+
+
+PASSES = [  # (argv, the error line's text): typed; each bounds the passes one after another, not the tokens
+    (["--grad-accum", "100000", "--batch-size", "1", "--seq-len", "8"], "--grad-accum 100,000 micro-batches per "
+     "optimizer step, more than 4,096: they run one after another, a forward and backward pass each"),
+    (["--grad-accum", "2000000", "--batch-size", "1", "--seq-len", "8"], "--grad-accum 2,000,000 micro-batches"),
+    (["--eval-iters", "1000000000000"], "--eval-iters 1,000,000,000,000 validation batches per evaluation, more than "
+                                        "4,096: they run one after another"),
+]
+
+
+@pytest.mark.parametrize("argv,match", PASSES, ids=[" ".join(a[:2]) for a, _ in PASSES])
+def test_a_step_or_an_evaluation_of_too_many_passes_is_refused(tmp_path, corpus, capsys, monkeypatch, argv, match):
+    monkeypatch.setattr(train, "make_optimizer", lambda *a: pytest.fail("the run started"))
+    one_error_line(capsys, train.main, run_args(corpus, tmp_path, *argv), match)
+
+
+def test_a_saved_eval_iters_is_bounded_on_resume_like_a_typed_one(tmp_path, corpus, capsys, monkeypatch):
+    """--resume restores --eval-iters from the checkpoint: a saved 10^12 (an edited file) is refused naming the file;
+    typed now it is the typed value that is refused."""
+    train.main(run_args(corpus, tmp_path, "--max-iters", "1"))
+    capsys.readouterr()
+    path = tmp_path / "out" / "ckpt.pt"
+    ck = torch.load(path, weights_only=True)
+    ck["args"]["eval_iters"] = 10 ** 12
+    checkpoint.save_checkpoint(path, ck)
+    monkeypatch.setattr(train, "batch_on_device", lambda *a: pytest.fail("a step ran"))
+    resume = ["--resume", "--out-dir", str(tmp_path / "out"), "--max-iters", "3"]
+    one_error_line(capsys, train.main, resume, f"checkpoint {path}: its saved flags: --eval-iters 1,000,000,000,000 "
+                                               f"validation batches per evaluation, more than 4,096")
+    line = one_error_line(capsys, train.main, [*resume, "--eval-iters", "5000"], "--eval-iters 5,000 validation")
+    assert "its saved flags" not in line
 
 
 CHILD = """import os, signal, sys, time
@@ -362,6 +456,52 @@ def test_sigterm_stops_a_rendering_at_once(monkeypatch):
     assert child.poll() is not None  # killed, and reaped
 
 
+@pytest.fixture
+def no_hang():
+    """A wait that never ends fails the test after 120 s instead of hanging it."""
+    def alarm(signum, frame):
+        raise AssertionError("hung: waited 120 s")
+
+    previous = signal.signal(signal.SIGALRM, alarm)
+    signal.alarm(120)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_renderer_that_stops_answering_is_killed_and_the_next_rendering_works(monkeypatch, no_hang):
+    """The parent never waits unboundedly on the child: one that takes no CPU time without answering (here stopped
+    with SIGSTOP) is killed after STALL_S seconds of that, the rendering is a RenderError saying so, the child is
+    reaped, and the next rendering starts another."""
+    monkeypatch.setattr(chat_template, "STALL_S", 2, raising=False)
+    with chat_template.ChatTemplate("{{ messages[0]['content'] }}!") as chat:
+        assert chat.render([{"role": "user", "content": "one"}]) == "one!"
+        stopped = chat.proc
+        os.kill(stopped.pid, signal.SIGSTOP)
+        with pytest.raises(chat_template.RenderError, match="stopped answering \\(it took no CPU time for 2 s\\)"):
+            chat.render([{"role": "user", "content": "two"}])
+        assert stopped.poll() == -signal.SIGKILL  # killed, and reaped
+        assert chat.render([{"role": "user", "content": "three"}]) == "three!" and chat.proc is not stopped
+        child = chat.proc
+    assert child.poll() is not None
+
+
+def test_many_short_renderings_beside_busy_processes(no_hang):
+    """Hundreds of renderings while two other processes keep both cores busy: every one renders (a slow child is not
+    a stalled one), and the child is gone after close."""
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        with chat_template.ChatTemplate("<{{ messages[0]['role'] }}>{{ messages[0]['content'] }}") as chat:
+            for i in range(300):
+                assert chat.render([{"role": "user", "content": f"q{i}"}]) == f"<user>q{i}"
+            child = chat.proc
+        assert child.poll() is not None
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # 4. Files read back: one reader, each damage one line naming the file (the CPU-tuning cache: measured again)
 
@@ -372,6 +512,7 @@ DAMAGES = [  # (what, the file's bytes or a special file, the reason)
     ("nested 100,000 deep", b"[" * 100_000 + b"]" * 100_000 + b"\n", "(RecursionError): nested deeper than the JSON"),
     ("nested 40 deep", b'{"a": ' + b"[" * 40 + b"]" * 40 + b"}\n", "(nested more than 32 levels deep)"),
     ("a list", b"[1, 2]\n", "holds a JSON list, not "),
+    ("a 5,000-digit integer", b'{"step": ' + b"9" * 5000 + b"}\n", "(ValueError): Exceeds the limit (4300 digits)"),
     ("a FIFO", "fifo", "is a FIFO (named pipe), not a regular file"),
     ("a directory", "dir", "is a directory, not a regular file"),
 ]
@@ -415,6 +556,18 @@ def test_a_damaged_file_read_back_is_one_error_naming_it(tmp_path, reader, damag
     msg = str(e.value)
     assert msg.startswith(f"{label} {path}") and reason.split(" (RecursionError")[0] in msg, msg
     assert "\n" not in msg
+
+
+def test_a_corpus_line_that_breaks_the_json_parser_is_a_skipped_document(tmp_path):
+    """A corpus line whose JSON json.loads refuses with another error than a syntax error (an integer past Python's
+    digit limit, nesting past the parser) is counted as malformed, as a syntax error is; the documents around it
+    are read."""
+    f = tmp_path / "a.jsonl"
+    f.write_bytes(b'{"text": "one"}\n{"text": "x", "n": ' + b"9" * 5000 + b'}\n' + b"[" * 100_000 + b"]" * 100_000
+                  + b'\n{"text": "two"}\n')
+    stats = data.SkipStats()
+    assert list(data.iter_jsonl_docs(f, stats, set())) == ["one", "two"]
+    assert stats.counts["malformed json"] == 2 and sum(stats.counts.values()) == 2
 
 
 def test_a_damaged_recovery_record_is_one_line_from_the_command(tmp_path, capsys):
@@ -502,6 +655,15 @@ LEFTOVERS = [  # (what, command, argv, setup(monkeypatch, tmp_path) or None, the
     ("a link loop as --tokenizer gguf:", train.main, ["--tokenizer", "gguf:{loop}", "--out-dir", "{tmp}/o",
                                                       "--cache-dir", "{tmp}/c"], None,
      "GGUF file {loop} cannot be read (Too many levels of symbolic links)"),
+    ("train.py: a directory at OUT_DIR/ckpt.pt", train.main, ["--out-dir", "{tmp}/o", "--cache-dir", "{tmp}/c"],
+     lambda mp, t: (t / "o" / "ckpt.pt").mkdir(parents=True),
+     "--out-dir's checkpoint {tmp}/o/ckpt.pt is a directory, not a regular file"),
+    ("bench figures: a directory at a PNG", bench.main, ["figures", "--out", "{tmp}/f"],
+     lambda mp, t: (t / "f" / "plt.png").mkdir(parents=True),
+     "--out's figure {tmp}/f/plt.png is a directory, not a regular file"),
+    ("serve.py --lora-rank past full rank", serve_demo.main, ["--preset", "tiny", "--lora-rank", "100000"], None,
+     "--lora-rank 100000 exceeds the full rank of the kv projections of this model (min(out, in) = 64): give 64 or "
+     "less"),
 ]
 
 
@@ -516,6 +678,116 @@ def test_the_leftovers_are_one_line(tmp_path, capsys, monkeypatch, what, run, ar
     for guard in [(bench_train, "kd_models"), (bench_decode, "read_bandwidth"), (train, "make_optimizer")]:
         monkeypatch.setattr(*guard, lambda *a, **k: pytest.fail(f"{guard[1]} ran: the work started"))
     one_error_line(capsys, run, [fill(a) for a in argv], fill(match))
+
+
+def test_roofline_in_float16_runs_whatever_onednn_computes(monkeypatch, capsys):
+    """bench.py roofline --dtype float16 times the products this CPU computes in float16: oneDNN's only where it has
+    float16 (avx_ne_convert or avx512_fp16), never a RuntimeError from it; a forced product applies only there too."""
+    from harness import bench_decode
+
+    monkeypatch.setattr(bench_decode, "read_bandwidth", lambda *a, **k: 1e10)
+    monkeypatch.setattr(cpu_tuning, "LINEAR_PROBE_BYTES", 1 << 16)
+    bench.main(["roofline", "--dtype", "float16", "--preset", "tiny", "--rows", "1", "--batch", "1", "--repeats", "1"])
+    assert "batch   1: matmuls alone PLT-2 / vanilla" in capsys.readouterr().out
+    fp16 = torch.ops.mkldnn._is_mkldnn_fp16_supported()
+    assert ("dnn" in cpu_tuning.linear_candidates(torch.float16, 4)) == fp16
+    cpu_tuning.force_linear("dnn")
+    try:
+        assert (cpu_tuning.linear_product(torch.float16, 4, 8, 16) == "dnn") == fp16
+    finally:
+        cpu_tuning.force_linear(None)
+
+
+TRAIN = ["--preset", "tiny", "--max-iters", "1", "--device", "cpu"]  # train.py's argv: {tmp}/o its --out-dir
+TORCHRUN = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+ENVIRONMENT = [  # (the variables set, command, argv, the message)
+    ({"LOCAL_WORLD_SIZE": "abc"}, bench.main, ["decode", "--device", "cpu", "--preset", "tiny"],
+     "LOCAL_WORLD_SIZE='abc': expected an integer in 1..4096 (the processes torchrun runs on this machine"),
+    ({"LOCAL_WORLD_SIZE": "0"}, bench.main, ["decode", "--device", "cpu", "--preset", "tiny", "--batch", "100000000"],
+     "LOCAL_WORLD_SIZE='0': expected an integer in 1..4096"),
+    ({"LOCAL_WORLD_SIZE": "-1"}, serve_demo.main, ["--preset", "tiny"], "LOCAL_WORLD_SIZE='-1': expected an integer"),
+    ({"LOCAL_WORLD_SIZE": "\u0663"}, ev.main, ["loss", "--model", "m.pt"],
+     "LOCAL_WORLD_SIZE='\u0663': expected an integer"),
+    ({"LINEAR_PRODUCT": "nosuch"}, bench.main, ["decode", "--device", "cpu", "--preset", "tiny"],
+     "LINEAR_PRODUCT='nosuch' is not one of linear, mv, mm, xwt, dnn (the product every linear layer runs where it "
+     "applies); unset it for the measured choice"),
+    ({"KERNELS_FALLBACK": "yes"}, serve_demo.main, ["--preset", "tiny"], "KERNELS_FALLBACK='yes': expected 1 "
+     "(kernels.py runs its PyTorch references, never a Triton kernel) or 0"),
+    ({"RANK": "abc"}, train.main, TRAIN, "RANK='abc': expected an integer in 0..65535 (this process's rank; start "
+                                         "the processes with torchrun (python -m torch.distributed.run)"),
+    ({"WORLD_SIZE": "abc"}, train.main, TRAIN, "WORLD_SIZE='abc': expected an integer in 1..65536"),
+    ({"WORLD_SIZE": "2"}, train.main, TRAIN, "WORLD_SIZE=2 without RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT: start "
+                                             "the processes with torchrun"),
+    ({**TORCHRUN, "MASTER_ADDR": ""}, train.main, TRAIN, "WORLD_SIZE=2 without MASTER_ADDR"),
+    ({**TORCHRUN, "RANK": "2"}, train.main, TRAIN, "RANK=2 is not below WORLD_SIZE=2"),
+    ({"RANK": "1"}, train.main, TRAIN, "RANK=1 is not below WORLD_SIZE=1 (unset)"),
+    ({**TORCHRUN, "MASTER_PORT": "99999"}, train.main, TRAIN, "MASTER_PORT='99999': expected an integer in 1..65535"),
+]
+
+
+@pytest.mark.parametrize("env,run,argv,match", ENVIRONMENT, ids=[" ".join(f"{k}={v!r}" for k, v in r[0].items())
+                                                                 for r in ENVIRONMENT])
+def test_environment_variables_are_checked_like_flags(tmp_path, capsys, monkeypatch, env, run, argv, match):
+    """Every environment variable a command reads is one line naming it before the work: LOCAL_WORLD_SIZE of 0 or
+    -1 would switch every memory check off (each process's need times 0), a word or another script's digits would
+    be a traceback; an unknown LINEAR_PRODUCT a KeyError at the first linear layer; torchrun's variables a traceback,
+    or a wait for processes that never come. Nothing is written."""
+    from harness import bench_decode
+
+    for k in TORCHRUN:
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(bench_decode, "read_bandwidth", lambda *a, **k: pytest.fail("the work started"))
+    monkeypatch.setattr(GPT, "__init__", lambda *a, **k: pytest.fail("a model was built"))
+    monkeypatch.setattr(train, "setup_distributed", lambda *a, **k: pytest.fail("the run's setup began"))
+    one_error_line(capsys, run, [*argv, "--out-dir", str(tmp_path / "o")] if run is train.main else argv, match)
+    assert list(tmp_path.iterdir()) == []
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_a_ddp_rendezvous_that_cannot_complete_is_one_error_in_bounded_time(tmp_path, capsys, monkeypatch, rank):
+    """WORLD_SIZE=2 with one process started: rank 0 waits for the other, rank 1 for a rank 0 that is not there; past
+    ddp.RENDEZVOUS_S (here 1 s) it is one line naming the address and what to check, and the lock is released."""
+    from harness import ddp
+
+    monkeypatch.setattr(ddp, "RENDEZVOUS_S", 1)
+    for k, v in {**TORCHRUN, "RANK": rank, "LOCAL_RANK": rank, "MASTER_PORT": str(_free_port())}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(train, "make_optimizer", lambda *a: pytest.fail("the run started"))
+    one_error_line(capsys, train.main, [*TRAIN, "--out-dir", str(tmp_path / "o")],
+                   f"the DDP rendezvous at 127.0.0.1:{os.environ['MASTER_PORT']} (rank {rank} of WORLD_SIZE=2) did "
+                   f"not complete in 1 s (Dist")
+    assert list((tmp_path / "o").iterdir()) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_stops_a_ddp_rendezvous_that_waits(tmp_path, sig):
+    """Rank 0 of two waiting for the other (a C++ wait no signal interrupts, in a thread of its own): SIGTERM or
+    Ctrl-C stops it at once, `stopped: ...` and exit code 130, the lock released. No clock: the wait is 300 s."""
+    env = {**os.environ, **TORCHRUN, "MASTER_PORT": str(_free_port())}
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *TRAIN, "--out-dir", str(tmp_path / "o")],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:
+            if line.startswith("ddp: rank 0 of 2 waits for the others"):
+                break
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130 and err.splitlines() == [
+        "stopped: terminated (SIGTERM)" if sig == signal.SIGTERM else "stopped: interrupted (Ctrl-C)"], err
+    assert list((tmp_path / "o").iterdir()) == []
 
 
 def test_a_task_checkpoint_is_refused_as_init_from_on_text(tmp_path, corpus, capsys, task_ckpt, monkeypatch):
@@ -567,6 +839,48 @@ def test_a_stale_lock_naming_a_live_pid_is_taken_over(tmp_path, corpus, capsys, 
                    f"longer running (killed, crashed, or its directory was read-only when it ended): taken over by "
                    f"this run"]
     assert not (out / "train.lock").exists() and (out / "ckpt.pt").is_file()
+
+
+def test_a_lock_taken_over_removes_the_temporary_files_its_killed_run_left(tmp_path):
+    """kill -9 while a checkpoint is written leaves its temporary file (".ckpt.pt.XXXXXXXX.tmp", empty or half
+    written) beside the stale lock; the run that takes the lock over removes it, and says so in its one warning.
+    Nothing else is touched: another name's temporary file, a name not of atomic_file's form, a link of that form."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "train.lock").write_text(f"999999999 1 {socket.gethostname()}\n")  # a pid no process has
+    left = [out / ".ckpt.pt.ab12cd_9.tmp", out / ".ckpt.pt.zzzzzzzz.tmp"]
+    for f in left:
+        f.write_bytes(b"")
+    kept = [out / n for n in (".ckpt.pt.short.tmp", ".curve.jsonl.abcdefgh.tmp", "ckpt.pt", ".ckpt.pt.ABCDEFGH.tmp")]
+    for f in kept:
+        f.write_bytes(b"x")
+    (tmp_path / "victim").write_text("keep")
+    (out / ".ckpt.pt.linklink.tmp").symlink_to(tmp_path / "victim")
+    with pytest.warns(UserWarning) as seen:
+        lock = cli.take_dir_lock(out, "--out-dir", ("ckpt.pt",))
+    cli.release_dir_lock(lock)
+    assert [str(w.message) for w in seen] == [
+        f"--out-dir {out}: its lock file {out / 'train.lock'} was left by pid 999999999, which is no longer running "
+        f"(killed, crashed, or its directory was read-only when it ended): taken over by this run; the temporary files "
+        f"it left (.ckpt.pt.ab12cd_9.tmp, .ckpt.pt.zzzzzzzz.tmp) removed"]
+    assert not any(f.exists() for f in left) and all(f.read_bytes() == b"x" for f in kept)
+    assert (out / ".ckpt.pt.linklink.tmp").is_symlink() and (tmp_path / "victim").read_text() == "keep"
+
+
+def test_the_run_after_kill_9_removes_the_checkpoint_it_was_writing(tmp_path, corpus, capsys):
+    """kill -9 during a save leaves the stale lock and the temporary checkpoint (".ckpt.pt.XXXXXXXX.tmp", here empty);
+    the --resume that takes the lock over removes it, says so, and ends with the directory as a run leaves it."""
+    train.main(run_args(corpus, tmp_path, "--max-iters", "1"))
+    out = tmp_path / "out"
+    (out / "train.lock").write_text(f"999999999 1 {socket.gethostname()}\n")  # what kill -9 leaves
+    (out / ".ckpt.pt.k9k9k9k9.tmp").write_bytes(b"")
+    capsys.readouterr()
+    train.main(["--resume", "--out-dir", str(out), "--cache-dir", str(tmp_path / "cache"), "--max-iters", "2"])
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("warning: --out-dir")]
+    assert len(err) == 1 and err[0].endswith("taken over by this run; the temporary file it left "
+                                             "(.ckpt.pt.k9k9k9k9.tmp) removed"), err
+    assert sorted(p.name for p in out.iterdir()) == ["ckpt.pt"]
+    assert torch.load(out / "ckpt.pt", weights_only=True)["step"] == 2
 
 
 @pytest.mark.parametrize("kind", ["link", "dangling link", "fifo"])
