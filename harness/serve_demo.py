@@ -11,10 +11,14 @@ After a warm-up, which also says how long the rest will take, the servers run --
 moment of the machine falls on every server of a round alike, so each round's ratio to continuous batching holds on a
 loaded machine too, and the table prints the median and the range over the rounds. --schedule then prints the
 depth-wise schedule of the run with exits (Figure 3, as `python bench.py figures` draws it).
+On a CPU whose cores are already busy, torch's threads would wait on each other behind the other jobs (a 13x slower
+demo beside a two-process training job on two cores, measured): the demo then takes the cores left free, at least one
+(busy_threads; --threads chooses).
 """
 from __future__ import annotations
 
 import math
+import os
 import time
 
 import torch
@@ -60,8 +64,16 @@ def demo_parser():
     ap.add_argument("--schedule", type=number(int, min=1), nargs="?", const=40, default=None, metavar="PASSES",
                     help="after the table, the depth-wise schedule of the run with exits: which request each slot "
                          "held and the loop it ran, for its first PASSES forward passes (default 40; Figure 3)")
+    ap.add_argument("--threads", type=number(int, min=1, max=4096), default=None,
+                    help="CPU threads (default: torch's, fewer when other jobs keep the cores busy: busy_threads)")
     ap.add_argument("--seed", type=seed_arg, default=1337)
     return ap
+
+
+def busy_threads(threads: int, load: float, cores: int) -> int:
+    """The CPU threads for a run on `cores` cores that other jobs keep `load` busy (the 1-minute load average): torch's
+    `threads` where that many cores are free, else the free cores, at least one."""
+    return max(1, min(threads, math.floor(cores - load + 0.5)))
 
 
 def round_row(srv, metrics: Metrics, out) -> dict:
@@ -81,6 +93,11 @@ def demo(argv=None):
     check_device(args.device)
     check_dtype(args.device, args.dtype)
     device = pick_device(args.device)
+    threads = args.threads
+    if device.type == "cpu":
+        if threads is None:
+            threads = busy_threads(torch.get_num_threads(), os.getloadavg()[0], os.cpu_count() or 1)
+        torch.set_num_threads(threads)
     dtype, ranks = pick_dtype(device, args.dtype), {f"lora_rank_{c}": args.lora_rank for c in ("q", "kv", "o", "mlp")}
     with user_input():  # a rank above full rank: one line naming --lora-rank, before anything is built
         check_one_rank(args.lora_rank, GPTConfig.from_preset(args.preset))
@@ -104,7 +121,8 @@ def demo(argv=None):
     print(f"device {device} dtype {dtype} | {args.preset}: vanilla {van.config.n_layer} layers, recursive B=2 "
           f"(Average tying, LoRA rank {args.lora_rank}) | {args.requests} requests of 8-48 + 8-32 tokens, {args.slots} "
           f"slots | exits SIMULATED (random weights): a max-softmax threshold makes {SIMULATED_EXIT_RATE:.0%} of "
-          f"prompt tokens leave at loop 1 | steps {'compiled' if servers[0].compiled else 'eager'}")
+          f"prompt tokens leave at loop 1 | steps {'compiled' if servers[0].compiled else 'eager'}"
+          + (f" | {threads} threads (load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)" if threads else ""))
 
     t0 = time.perf_counter()
     warm = reqs[:args.slots]
@@ -144,8 +162,12 @@ def main(argv=None):
     from harness.cli import run_cli
 
     def run(argv):
-        with cpu_tuning.switched_on():
-            demo(argv)
+        threads = torch.get_num_threads()
+        try:
+            with cpu_tuning.switched_on():
+                demo(argv)
+        finally:  # the caller's threads again (demo may take fewer)
+            torch.set_num_threads(threads)
     return run_cli(run, argv)
 
 

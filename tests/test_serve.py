@@ -510,6 +510,28 @@ def test_demo_serves_every_system_and_prints_its_table(capsys, monkeypatch):
     assert [line.split()[0] for line in legend.splitlines()] == ["tokens", "tok/s", "loaded", "step", "exit", "x"]
 
 
+@pytest.mark.parametrize("threads, load, cores, want", [
+    (2, 0.1, 2, 2),   # idle: torch's threads
+    (2, 0.6, 2, 1),   # one core's worth of other work (rounded): the free core
+    (2, 2.1, 2, 1),   # both cores busy (a two-process training job): one thread, never zero
+    (2, 7.0, 2, 1),
+    (8, 3.2, 8, 5),   # five cores free of eight
+    (4, 0.0, 16, 4),  # never more than torch's
+])
+def test_demo_threads_on_a_busy_cpu(threads, load, cores, want):
+    """busy_threads: the cores the other jobs leave free (cores - load, rounded), at most torch's threads, at least 1."""
+    assert serve_demo.busy_threads(threads, load, cores) == want
+
+
+def test_demo_threads_flag_and_the_callers_threads_kept(capsys):
+    """--threads N runs the demo on N threads and says so in its header; the caller's thread count is restored."""
+    before = torch.get_num_threads()
+    serve_demo.main(["--preset", "tiny", "--requests", "3", "--slots", "3", "--rounds", "1", "--dtype", "float32",
+                     "--device", "cpu", "--threads", "1"])
+    assert " | 1 threads (load " in capsys.readouterr().out
+    assert torch.get_num_threads() == before
+
+
 def test_demo_schedule_prints_figure_3_of_its_run(capsys):
     """`python serve.py --schedule N`: after the table, the first N forward passes of the depth-wise server with exits
     on the same requests, one line per slot (a ScheduleTrace): every slot starts with its prompt's prefill pass,
