@@ -519,7 +519,7 @@ def test_demo_serves_every_system_and_prints_its_table(capsys, monkeypatch):
     (4, 0.0, 16, 4),  # never more than torch's
 ])
 def test_demo_threads_on_a_busy_cpu(threads, load, cores, want):
-    """busy_threads: the cores the other jobs leave free (cores - load, rounded), at most torch's threads, at least 1."""
+    """busy_threads: the cores other jobs leave free (cores - load, rounded), at most torch's threads, at least 1."""
     assert serve_demo.busy_threads(threads, load, cores) == want
 
 
