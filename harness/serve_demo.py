@@ -13,7 +13,7 @@ loaded machine too, and the table prints the median and the range over the round
 depth-wise schedule of the run with exits (Figure 3, as `python bench.py figures` draws it).
 On a CPU whose cores are already busy, torch's threads would wait on each other behind the other jobs (a 13x slower
 demo beside a two-process training job on two cores, measured): the demo then takes the cores left free, at least one
-(busy_threads; --threads chooses).
+(busy_cores, busy_threads; --threads chooses).
 """
 from __future__ import annotations
 
@@ -71,9 +71,23 @@ def demo_parser():
 
 
 def busy_threads(threads: int, load: float, cores: int) -> int:
-    """The CPU threads for a run on `cores` cores that other jobs keep `load` busy (the 1-minute load average): torch's
-    `threads` where that many cores are free, else the free cores, at least one."""
+    """The CPU threads for a run on `cores` cores that other jobs keep `load` cores busy: torch's `threads` where that
+    many cores are free, else the free cores (rounded), at least one."""
     return max(1, min(threads, math.floor(cores - load + 0.5)))
+
+
+def busy_cores(window_s: float = 0.3) -> float:
+    """How many cores other processes keep busy now: Linux's CPU counters (/proc/stat) over `window_s` seconds, in which
+    this process sleeps; elsewhere the 1-minute load average (which lags a job that just ended by a minute)."""
+    def ticks():
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return v[3] + v[4], sum(v)  # idle + iowait, all
+    try:
+        (idle0, all0), _, (idle1, all1) = ticks(), time.sleep(window_s), ticks()
+    except (OSError, ValueError, IndexError):
+        return os.getloadavg()[0]
+    return (os.cpu_count() or 1) * (1 - (idle1 - idle0) / max(all1 - all0, 1))
 
 
 def round_row(srv, metrics: Metrics, out) -> dict:
@@ -93,10 +107,11 @@ def demo(argv=None):
     check_device(args.device)
     check_dtype(args.device, args.dtype)
     device = pick_device(args.device)
-    threads = args.threads
+    threads, busy = args.threads, None
     if device.type == "cpu":
         if threads is None:
-            threads = busy_threads(torch.get_num_threads(), os.getloadavg()[0], os.cpu_count() or 1)
+            busy = busy_cores()
+            threads = busy_threads(torch.get_num_threads(), busy, os.cpu_count() or 1)
         torch.set_num_threads(threads)
     dtype, ranks = pick_dtype(device, args.dtype), {f"lora_rank_{c}": args.lora_rank for c in ("q", "kv", "o", "mlp")}
     with user_input():  # a rank above full rank: one line naming --lora-rank, before anything is built
@@ -122,7 +137,8 @@ def demo(argv=None):
           f"(Average tying, LoRA rank {args.lora_rank}) | {args.requests} requests of 8-48 + 8-32 tokens, {args.slots} "
           f"slots | exits SIMULATED (random weights): a max-softmax threshold makes {SIMULATED_EXIT_RATE:.0%} of "
           f"prompt tokens leave at loop 1 | steps {'compiled' if servers[0].compiled else 'eager'}"
-          + (f" | {threads} threads (load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)" if threads else ""))
+          + (f" | threads {threads} ({busy:.1f} of {os.cpu_count()} cores busy before the start)" if busy is not None
+             else f" | threads {threads}" if threads else ""))
 
     t0 = time.perf_counter()
     warm = reqs[:args.slots]

@@ -523,12 +523,27 @@ def test_demo_threads_on_a_busy_cpu(threads, load, cores, want):
     assert serve_demo.busy_threads(threads, load, cores) == want
 
 
+def test_busy_cores_reads_the_cpu_counters(monkeypatch, tmp_path):
+    """busy_cores: the share of non-idle ticks between two reads of /proc/stat's cpu line, times the cores."""
+    lines = iter(["cpu  100 0 100 800 0 0 0 0 0 0\n", "cpu  250 0 250 1000 0 0 0 0 0 0\n"])  # 300 busy of 500 ticks
+
+    def fake_open(path, *a, **k):
+        assert path == "/proc/stat"
+        f = tmp_path / "stat"
+        f.write_text(next(lines))
+        return open(f)
+    monkeypatch.setattr(serve_demo, "open", fake_open, raising=False)
+    monkeypatch.setattr(serve_demo.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(serve_demo.time, "sleep", lambda s: None)
+    assert serve_demo.busy_cores() == pytest.approx(2 * 300 / 500)
+
+
 def test_demo_threads_flag_and_the_callers_threads_kept(capsys):
     """--threads N runs the demo on N threads and says so in its header; the caller's thread count is restored."""
     before = torch.get_num_threads()
     serve_demo.main(["--preset", "tiny", "--requests", "3", "--slots", "3", "--rounds", "1", "--dtype", "float32",
                      "--device", "cpu", "--threads", "1"])
-    assert " | 1 threads (load " in capsys.readouterr().out
+    assert " | threads 1\n" in capsys.readouterr().out
     assert torch.get_num_threads() == before
 
 
