@@ -38,6 +38,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -166,6 +167,7 @@ class Run:
     argv: list[str]  # train.py's flags, without --out-dir and --cache-dir
     key: str  # sha1 of what decides the result: train.py's flags, the source's key, the score
     out: Path  # train.py's --out-dir
+    tag: str = ""  # "[i/N]" in the progress lines
 
     @property
     def ckpt(self) -> Path:
@@ -312,8 +314,18 @@ class ChildRunner:
     seconds before the next run takes it). A Ctrl-C or SIGTERM is passed on to the child once (train.py finishes its
     step and writes its checkpoint), then raised again here when the child has ended."""
 
-    def __init__(self, lock: str | None, pause: float, echo=print):
-        self.lock, self.pause, self.echo = lock, pause, echo
+    def __init__(self, lock: str | None, pause: float, echo=print, threads: int | None = None):
+        self.lock, self.pause, self.echo, self.threads = lock, pause, echo, threads
+        self.live = set()  # the children running now (several with --parallel)
+        self.env = {**os.environ, "TQDM_DISABLE": "1"}  # no progress bars in the logs
+        if threads:
+            self.env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+
+    def interrupt(self, e: BaseException):
+        """A Ctrl-C or SIGTERM that reached this process while other threads wait on children: passed on to each."""
+        for proc in list(self.live):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT)
 
     @contextlib.contextmanager
     def held(self):
@@ -338,8 +350,8 @@ class ChildRunner:
             f.write(f"$ {shlex.join(cmd)}\n")
             f.flush()
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                    start_new_session=True, errors="replace",
-                                    env={**os.environ, "TQDM_DISABLE": "1"})  # no progress bars in the logs
+                                    start_new_session=True, errors="replace", env=self.env)
+            self.live.add(proc)
             while True:
                 try:
                     for line in proc.stdout:
@@ -352,6 +364,7 @@ class ChildRunner:
                     if proc.poll() is None and interrupted is None:
                         proc.send_signal(signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT)
                     interrupted = interrupted or e
+        self.live.discard(proc)
         if interrupted is not None:
             raise interrupted
         return code, lines
@@ -417,13 +430,13 @@ def rank_value(comp: Comparison, rec: dict) -> float:
     return -rec["score"] if comp.score == "acc" else rec["score"]
 
 
-def cpu_line() -> str:
+def cpu_line(threads: int | None = None) -> str:
     name = platform.processor() or platform.machine()
     with contextlib.suppress(OSError):
         with open("/proc/cpuinfo") as f:
             name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), name)
     import torch
-    return f"{name}, {os.cpu_count()} cores, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    return f"{name}, {os.cpu_count()} cores, {threads or torch.get_num_threads()} threads a run, torch {torch.__version__}"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -431,10 +444,11 @@ def cpu_line() -> str:
 
 
 def sweep(comp: Comparison, out: Path, runner, cache_dir: str = "data_cache", steps: int | None = None,
-          reuse: list[Path] = (), lock: str | None = None, echo=print) -> dict[str, dict]:
+          reuse: list[Path] = (), lock: str | None = None, echo=print, parallel: int = 1) -> dict[str, dict]:
     """Every run of the comparison that has no result in OUT/results.jsonl, in order (sources, the grid, each side's
-    best at the other seeds), each result appended as the run ends; the table and plot rewritten after each.
-    -> the results {key: record}."""
+    best at the other seeds), each result appended as the run ends; the table and plot rewritten after each group.
+    parallel > 1: that many runs at once under one hold of the CPU lock (the grid's runs, then the seeds'; the
+    sources one by one). -> the results {key: record}."""
     steps = steps or comp.steps
     results_file = out / "results.jsonl"
     results = read_results(results_file)
@@ -445,36 +459,52 @@ def sweep(comp: Comparison, out: Path, runner, cache_dir: str = "data_cache", st
     n_total, t_start, timings = total_runs(comp), time.time(), []
     i = 0
 
-    def do(run: Run, layout: Run | None):
+    def todo(run: Run) -> bool:
+        """Numbers the run; False where its result is recorded here or copied from a --reuse sweep."""
         nonlocal i
         i += 1
         rec = results.get(run.key)
         if rec is not None and rec["status"] in ("done", "failed"):
             echo(f"[{i}/{n_total}] {describe(run)}: recorded -> {score_text(comp, rec)}")
-            return
+            return False
         if run.key in reused and (run.kind != "source" or Path(reused[run.key]["ckpt"]).is_file()):
             rec = {**reused[run.key], "reused_from": str(reuse_dir_of(run.key, reuse))}
             append_line(results_file, json.dumps(rec))
             results[run.key] = rec
             echo(f"[{i}/{n_total}] {describe(run)}: reused from {rec['reused_from']} -> {score_text(comp, rec)}")
-            return
-        rec = execute(comp, run, rec, runner, cache_dir, layout, results_file, lock, echo, f"[{i}/{n_total}]")
+            return False
+        run.tag = f"[{i}/{n_total}]"
+        return True
+
+    def work(run: Run, layout: Run | None, t0: float):
+        rec = execute(comp, run, results.get(run.key), runner, cache_dir, layout, results_file, lock, echo, run.tag,
+                      t0)
         results[run.key] = rec
         if rec.get("wall_s"):
             timings.append(rec["wall_s"])
-        left = n_total - i
-        eta = f"; ~{fmt_minutes(statistics.mean(timings) * left)} of runs left ({left} runs)" if timings and left \
-            else ""
-        echo(f"[{i}/{n_total}] -> {score_text(comp, rec)} | {fmt_minutes(rec.get('wall_s', 0))}; sweep "
+        left = n_total - int(run.tag[1:].split("/")[0])
+        eta = (f"; ~{fmt_minutes(statistics.mean(timings) * left / parallel)} of runs left ({left} runs)"
+               if timings and left else "")
+        echo(f"{run.tag} -> {score_text(comp, rec)} | {fmt_minutes(rec.get('wall_s', 0))}; sweep "
              f"{fmt_minutes(time.time() - t_start)} in{eta}")
-        write_report(comp, out, steps, results, png=False)  # the PNG once at the end: matplotlib takes a while
+
+    def phase(runs: list[Run], layout: Run | None, size: int):
+        """The runs without a result, `size` at a time, each group under one hold of the CPU lock."""
+        runs = [r for r in runs if todo(r)]
+        for k in range(0, len(runs), size):
+            group, t0 = runs[k:k + size], time.time()
+            with runner.held():
+                if len(group) == 1:
+                    work(group[0], layout, t0)
+                else:
+                    together(runner, [lambda r=r: work(r, layout, t0) for r in group])
+            write_report(comp, out, steps, results, png=False)  # the PNG once at the end: matplotlib takes a while
 
     check_writable_dir(out, "--out")
     check_output_file(results_file, "--out's results file")
     (out / "logs").mkdir(exist_ok=True)
     for name in comp.sources:  # in order: a source's flags name the checkpoints of the ones before it
-        run = source_runs(comp, out, results)[name]
-        do(run, None)
+        phase([source_runs(comp, out, results)[name]], None, 1)
         run = source_runs(comp, out, results)[name]
         if results[run.key]["status"] != "done" or not run.ckpt.is_file():
             raise UsageError(f"the source {run.name} did not train: {results[run.key].get('error', '')} (log "
@@ -482,13 +512,40 @@ def sweep(comp: Comparison, out: Path, runner, cache_dir: str = "data_cache", st
     sources = source_runs(comp, out, results)
     grid = grid_runs(comp, out, steps, sources)
     layout = sources.get("layout")
-    for run in grid:
-        do(run, layout)
+    phase(grid, layout, parallel)
     best = best_per_side(comp, grid, results)
-    for run in seed_runs(comp, best, out, steps, sources):
-        do(run, layout)
+    phase(seed_runs(comp, best, out, steps, sources), layout, parallel)
     write_report(comp, out, steps, results)
     return results
+
+
+def together(runner, jobs: list):
+    """jobs (each a function: one run) in threads at once; the first error of any is raised after all have ended. A
+    Ctrl-C or SIGTERM (this thread's) is passed on to every child, then raised when all have ended."""
+    errors = []
+
+    def guard(job):
+        try:
+            job()
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread below
+            errors.append(e)
+
+    threads = [threading.Thread(target=guard, args=(job,)) for job in jobs]
+    for t in threads:
+        t.start()
+    try:
+        for t in threads:
+            while t.is_alive():
+                t.join(0.5)
+    except KeyboardInterrupt as e:
+        runner_interrupt = getattr(runner, "interrupt", None)
+        if runner_interrupt is not None:
+            runner_interrupt(e)
+        for t in threads:
+            t.join()
+        raise
+    if errors:
+        raise errors[0]
 
 
 def reuse_dir_of(key: str, reuse) -> Path | None:
@@ -524,8 +581,9 @@ def fmt_minutes(s: float) -> str:
     return f"{s // 3600} h {s % 3600 // 60:02d} min" if s >= 3600 else f"{s // 60} min {s % 60:02d} s"
 
 
-def execute(comp, run: Run, rec, runner, cache_dir, layout, results_file, lock, echo, tag) -> dict:
-    """One run: train (or resume, or only score where its training is recorded), score, record. -> its record."""
+def execute(comp, run: Run, rec, runner, cache_dir, layout, results_file, lock, echo, tag, t0) -> dict:
+    """One run: train (or resume, or only score where its training is recorded), score, record; t0: when its group
+    asked for the CPU lock. -> its record."""
     log = results_file.parent / "logs" / f"{run.name}.log"
     base = {"comparison": comp.name, "key": run.key, "kind": run.kind, "name": run.name, "side": run.side,
             "lr": run.lr, "wd": run.wd, "seed": run.seed, "argv": run.argv, "ckpt": str(run.ckpt)}
@@ -534,59 +592,58 @@ def execute(comp, run: Run, rec, runner, cache_dir, layout, results_file, lock, 
     scmd = score_cmd(comp, run, cache_dir, layout)
     echo(f"{tag} {describe(run)}: {shown(train_cmd(run, cache_dir), lock)}"
          + (f" && {shown(scmd, lock)}" if scmd else "") + f"  (log {rel(log)})")
-    t0 = time.time()
-    with runner.held():
-        t1 = time.time()
-        if rec is not None and rec["status"] == "trained" and run.ckpt.is_file():
-            val, acc, train_s = rec.get("val"), rec.get("acc"), rec.get("train_s", 0.0)
-        else:
-            resume = run.ckpt.is_file()
-            code, lines = runner.run(resume_cmd(run, cache_dir) if resume else train_cmd(run, cache_dir), log)
+    t1 = time.time()
+    # the caller holds the CPU lock (sweep: one hold per group of --parallel runs)
+    if rec is not None and rec["status"] == "trained" and run.ckpt.is_file():
+        val, acc, train_s = rec.get("val"), rec.get("acc"), rec.get("train_s", 0.0)
+    else:
+        resume = run.ckpt.is_file()
+        code, lines = runner.run(resume_cmd(run, cache_dir) if resume else train_cmd(run, cache_dir), log)
+        val, acc = parse_val(lines)
+        if resume and (code != 0 or val is None):  # a checkpoint it cannot continue: start again
+            echo(f"    {run.name}: its checkpoint did not resume (exit code {code}); training it again")
+            run.ckpt.unlink()
+            code, lines = runner.run(train_cmd(run, cache_dir), log)
             val, acc = parse_val(lines)
-            if resume and (code != 0 or val is None):  # a checkpoint it cannot continue: start again
-                echo(f"    {run.name}: its checkpoint did not resume (exit code {code}); training it again")
-                run.ckpt.unlink()
-                code, lines = runner.run(train_cmd(run, cache_dir), log)
-                val, acc = parse_val(lines)
-            if code == 130 or code == -signal.SIGINT:
-                raise Stopped(f"run {run.name} was stopped; its checkpoint is in {run.out}: the same command "
-                              f"resumes the sweep there")
-            if code == 2 or (code == 0 and val is None) or (val is not None and not math.isfinite(val)):
-                error = next((ln.strip() for ln in reversed(lines) if ln.startswith("error:")),
-                             f"exit code {code}, no val line")
-                failed = {**base, "status": "failed", "error": error[:300], "wall_s": time.time() - t1}
-                append_line(results_file, json.dumps(failed))
-                return failed
-            if code != 0:
-                raise UsageError(f"run {run.name} failed with exit code {code} (log {log}); the same command "
-                                 f"tries it again")
-            train_s = time.time() - t1
-            if scmd is not None:  # its training is kept if the evaluation is stopped
-                append_line(results_file, json.dumps({**base, "status": "trained", "val": val, "acc": acc,
-                                                      "train_s": train_s}))
-        if scmd is None:
-            score, extras = (None, {}) if run.kind == "source" else parse_score(comp, run, [], val, acc)
-        else:
-            code, lines = runner.run(scmd, log)
-            if code in (130, -signal.SIGINT):
-                raise Stopped(f"the evaluation of {run.name} was stopped: the same command resumes the sweep there")
-            score, extras = parse_score(comp, run, lines, val, acc)
-            if code != 0 or score is None:
-                raise UsageError(f"the evaluation of {run.name} failed (exit code {code}; log {log}): "
-                                 + next((ln.strip() for ln in reversed(lines) if ln.startswith("error:")), ""))
-        if score is None and run.kind != "source":
-            failed = {**base, "status": "failed", "error": "no score in its output", "wall_s": time.time() - t1}
+        if code == 130 or code == -signal.SIGINT:
+            raise Stopped(f"run {run.name} was stopped; its checkpoint is in {run.out}: the same command "
+                          f"resumes the sweep there")
+        if code == 2 or (code == 0 and val is None) or (val is not None and not math.isfinite(val)):
+            error = next((ln.strip() for ln in reversed(lines) if ln.startswith("error:")),
+                         f"exit code {code}, no val line")
+            failed = {**base, "status": "failed", "error": error[:300], "wall_s": time.time() - t1}
             append_line(results_file, json.dumps(failed))
             return failed
-        done = {**base, "status": "done", "val": val, "acc": acc, "score": score, "extras": extras,
-                "train_s": train_s, "wall_s": time.time() - t1, "waited_s": t1 - t0, "cpu": runner_cpu(runner),
-                "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
-        append_line(results_file, json.dumps(done))
-        return done
+        if code != 0:
+            raise UsageError(f"run {run.name} failed with exit code {code} (log {log}); the same command "
+                             f"tries it again")
+        train_s = time.time() - t1
+        if scmd is not None:  # its training is kept if the evaluation is stopped
+            append_line(results_file, json.dumps({**base, "status": "trained", "val": val, "acc": acc,
+                                                  "train_s": train_s}))
+    if scmd is None:
+        score, extras = (None, {}) if run.kind == "source" else parse_score(comp, run, [], val, acc)
+    else:
+        code, lines = runner.run(scmd, log)
+        if code in (130, -signal.SIGINT):
+            raise Stopped(f"the evaluation of {run.name} was stopped: the same command resumes the sweep there")
+        score, extras = parse_score(comp, run, lines, val, acc)
+        if code != 0 or score is None:
+            raise UsageError(f"the evaluation of {run.name} failed (exit code {code}; log {log}): "
+                             + next((ln.strip() for ln in reversed(lines) if ln.startswith("error:")), ""))
+    if score is None and run.kind != "source":
+        failed = {**base, "status": "failed", "error": "no score in its output", "wall_s": time.time() - t1}
+        append_line(results_file, json.dumps(failed))
+        return failed
+    done = {**base, "status": "done", "val": val, "acc": acc, "score": score, "extras": extras,
+            "train_s": train_s, "wall_s": time.time() - t1, "waited_s": t1 - t0, "cpu": runner_cpu(runner),
+            "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
+    append_line(results_file, json.dumps(done))
+    return done
 
 
 def runner_cpu(runner) -> str:
-    return getattr(runner, "cpu", None) or cpu_line()
+    return getattr(runner, "cpu", None) or cpu_line(getattr(runner, "threads", None))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -811,6 +868,9 @@ def add_args(p):
     p.add_argument("--pause", type=number(float, min=0), default=3.0,
                    help="seconds between releasing the lock and taking it again")
     p.add_argument("--cache-dir", type=path_arg, default="data_cache", help="token cache of the runs")
+    p.add_argument("--parallel", type=pos, default=1,
+                   help="runs at once under one hold of the lock, one thread each (2 on two cores: small models "
+                        "gain little from a second thread, and the sweep waits for the lock half as often)")
 
 
 def main(args) -> dict | None:
@@ -832,7 +892,9 @@ def main(args) -> dict | None:
         return None
     reuse = [Path(d.strip()) for d in (args.reuse or "").split(",") if d.strip()]
     lock = None if args.no_lock else args.lock
-    results = sweep(comp, out, ChildRunner(lock, args.pause), args.cache_dir, steps, reuse, lock)
+    threads = 1 if args.parallel > 1 else None  # several runs at once: one thread each
+    results = sweep(comp, out, ChildRunner(lock, args.pause, threads=threads), args.cache_dir, steps, reuse, lock,
+                    parallel=args.parallel)
     print(table(comp, out, steps, results))
     print(f"table: {out / 'table.md'}, plot: {out / 'plot.txt'}" + (f", {out / 'plot.png'}" if (out / "plot.png")
                                                                   .is_file() else ""))

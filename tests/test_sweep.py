@@ -295,3 +295,34 @@ def test_dry_run_prints_every_command(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.count("python train.py") == 1 + 6 and "then: relaxed's best grid setting again at seeds 2, 3" in out
     assert not (tmp_path / "results.jsonl").exists()
+
+
+class CountingRunner(FakeRunner):
+    """FakeRunner that counts its holds of the lock and the runs in each."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.holds = []
+
+    @contextlib.contextmanager
+    def held(self):
+        self.holds.append(len(self.train))
+        try:
+            yield
+        finally:
+            self.holds[-1] = len(self.train) - self.holds[-1]
+
+
+def test_parallel_runs_share_a_hold_of_the_lock_and_give_the_same_results(tmp_path):
+    one, two = FakeRunner(), CountingRunner()
+    a = run_sweep("relaxed", tmp_path / "one", one)
+    b = run_sweep("relaxed", tmp_path / "two", two, parallel=2)
+    assert two.holds == [1, 2, 2, 2, 2, 2]  # the source alone, then the 6 grid runs and the 4 seed runs in pairs
+    assert {r["name"]: r["score"] for r in a.values()} == {r["name"]: r["score"] for r in b.values()}
+    stopped = CountingRunner(stop_at=4)  # a child of the second pair is stopped: the sweep stops after the pair
+    with pytest.raises(Stopped):
+        run_sweep("relaxed", tmp_path / "three", stopped, parallel=2)
+    assert len(stopped.train) == 5 and stopped.holds == [1, 2, 2]
+    again = FakeRunner()
+    run_sweep("relaxed", tmp_path / "three", again, parallel=2)
+    assert len(again.train) == 11 - 4 and sum("--resume" in c for c in again.train) == 1
