@@ -497,7 +497,7 @@ def sweep(comp: Comparison, out: Path, runner, cache_dir: str = "data_cache", st
                 if len(group) == 1:
                     work(group[0], layout, t0)
                 else:
-                    together(runner, [lambda r=r: work(r, layout, t0) for r in group])
+                    together(runner, [lambda r=r, t0=t0: work(r, layout, t0) for r in group])
             write_report(comp, out, steps, results, png=False)  # the PNG once at the end: matplotlib takes a while
 
     check_writable_dir(out, "--out")
