@@ -9,6 +9,7 @@ import math
 import os
 import re
 import sys
+import threading
 
 import pytest
 
@@ -38,6 +39,7 @@ class FakeRunner:
     def __init__(self, stop_at=None, fail=lambda cmd: False, stop_eval_at=None):
         self.train, self.evals, self.stop_at, self.fail, self.stop_eval_at = [], [], stop_at, fail, stop_eval_at
         self.cpu = "fake CPU"
+        self.mutex = threading.Lock()
 
     @contextlib.contextmanager
     def held(self):
@@ -46,7 +48,9 @@ class FakeRunner:
     def run(self, cmd, log):
         script = os.path.basename(cmd[1])
         if script == "train.py":
-            self.train.append(cmd)
+            with self.mutex:  # two runs at once (--parallel): each call gets its own number
+                self.train.append(cmd)
+                number = len(self.train)
             out = flag(cmd, "--out-dir")
             os.makedirs(out, exist_ok=True)
             if "--resume" in cmd:
@@ -57,7 +61,7 @@ class FakeRunner:
                     json.dump(cmd, f)
             with open(os.path.join(out, "ckpt.pt"), "w") as f:
                 f.write("checkpoint")
-            if len(self.train) == self.stop_at:
+            if number == self.stop_at:
                 return 130, ["stopped: SIGTERM after step 10\n"]
             if self.fail(cmd):
                 return 2, ["error: non-finite loss nan at step 12; stopping without writing a checkpoint\n"]
@@ -66,8 +70,10 @@ class FakeRunner:
                 acc = " ".join(f"p{p} {min(1.0, 1 / loss + 0.1 * (4 - p)):.3f}" for p in range(1, 5))
                 return 0, [f"step 800 loss {loss:.4f}\n", f"val step 800 loss {loss:.4f} ppl 50.0 acc {acc}\n"]
             return 0, [f"val step {flag(cmd, '--max-iters')} loss {loss:.4f} ppl 50.0\n"]
-        self.evals.append(cmd)
-        if len(self.evals) == self.stop_eval_at:
+        with self.mutex:
+            self.evals.append(cmd)
+            number = len(self.evals)
+        if number == self.stop_eval_at:
             return 130, ["stopped: interrupted (Ctrl-C)\n"]
         ck = score_ckpt(cmd)
         with open(os.path.join(os.path.dirname(ck), "args.json")) as f:
