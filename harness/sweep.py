@@ -436,7 +436,8 @@ def cpu_line(threads: int | None = None) -> str:
         with open("/proc/cpuinfo") as f:
             name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), name)
     import torch
-    return f"{name}, {os.cpu_count()} cores, {threads or torch.get_num_threads()} threads a run, torch {torch.__version__}"
+    threads = threads or torch.get_num_threads()
+    return f"{name}, {os.cpu_count()} cores, {threads} threads a run, torch {torch.__version__}"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -760,7 +761,8 @@ def table(comp: Comparison, out: Path, steps: int, results: dict[str, dict]) -> 
             continue
         diffs = [ra[s] - rb[s] for s in common]
         full = len(common) == len(comp.seeds)
-        lines.append(f"- {a} − {b}, each at its best setting: **{statistics.mean(ra.values()) - statistics.mean(rb.values()):+.3f}**"
+        gap = statistics.mean(ra.values()) - statistics.mean(rb.values())
+        lines.append(f"- {a} − {b}, each at its best setting: **{gap:+.3f}**"
                      f" (mean over seeds; per seed {', '.join(f'{d:+.3f}' for d in diffs)}"
                      + ("" if full else f"; {len(common)} of {len(comp.seeds)} seeds so far") + ")"
                      + (" -- higher is better" if comp.score == "acc" else " -- negative: a is better"))

@@ -24,7 +24,8 @@ def flag(cmd, name, default=None):
 
 def fake_loss(cmd) -> float:
     """Lowest at lr 2e-3 / wd 0.1 for vanilla, at lr 4e-3 / wd 0.5 for everything else; seeds move it a little."""
-    lr, wd, seed = float(flag(cmd, "--lr", 2e-3)), float(flag(cmd, "--weight-decay", 0.1)), int(flag(cmd, "--seed", 1337))
+    lr, wd = float(flag(cmd, "--lr", 2e-3)), float(flag(cmd, "--weight-decay", 0.1))
+    seed = int(flag(cmd, "--seed", 1337))
     arch = flag(cmd, "--arch")
     best_lr, best_wd = (2e-3, 0.1) if arch == "vanilla" else (4e-3, 0.5)
     return 4.0 + 0.1 * math.log2(lr / best_lr) ** 2 + abs(wd - best_wd) + (0.0 if arch == "vanilla" else 0.05) \
@@ -230,7 +231,8 @@ def test_table(tmp_path):
     row = next(ln for ln in text.splitlines() if ln.startswith("| double | 0.004 | 0.5 |"))
     means = {}
     for arch, lr, wd in (("vanilla", "0.002", "0.1"), ("double", "0.004", "0.5")):
-        v = [fake_loss(["--arch", arch, "--lr", lr, "--weight-decay", wd, "--seed", s]) - 0.01 for s in ("1337", "2", "3")]
+        v = [fake_loss(["--arch", arch, "--lr", lr, "--weight-decay", wd, "--seed", s]) - 0.01
+             for s in ("1337", "2", "3")]
         means[arch] = sum(v) / 3
         if arch == "double":
             assert f"{means[arch]:.3f} ± {(max(v) - min(v)) / 2:.3f}" in row
