@@ -22,6 +22,7 @@ linear products, attention and LoRA forms measured fastest on this CPU (decode -
 
 Run:
     python bench.py decode                       # vanilla decode: tok/s, bandwidth vs this machine's, vs transformers
+    python bench.py decode --weights smollm2-135m --dtype bfloat16   # eager/compiled/int8 vs transformers, llama.cpp
     python bench.py decode --dtype bfloat16 --batch 1,8
     python bench.py train --nanogpt DIR          # training tok/s vs nanoGPT's model.py (a checkout you provide)
     python bench.py train --nanogpt DIR --profile   # ... and one step of each by operator group
@@ -52,11 +53,11 @@ import double_decoder as dd
 import plt
 from harness import bench_gpu, bench_serve, figures
 from harness.bench_common import describe
-from harness.bench_decode import (BLOCK_SETTINGS, bench_archs, bench_block, bench_decode, bench_double, bench_plt,
-                                  bench_roofline)
+from harness.bench_decode import (BLOCK_SETTINGS, DECODE_SYSTEMS, bench_archs, bench_block, bench_decode, bench_double,
+                                  bench_plt, bench_roofline)
 from harness.bench_kernels import bench_kernels
 from harness.bench_train import bench_ckpt, bench_kd, bench_train
-from harness.checkpoint import arch_table
+from harness.archs import arch_table
 from harness.cli import (DTYPES, ArgumentParser, UsageError, comma_list, number, one_of, path_arg, run_cli,
                          run_subcommand, threads_arg, user_input)
 from harness.cpu_tuning import LINEAR_PRODUCTS
@@ -121,8 +122,11 @@ def build_parser():
     p = sub.add_parser("decode", help="vanilla decode vs the machine's bandwidth and transformers' generate")
     common(p)
     generation(p, "float32,bfloat16", "1", 128, 64)
-    p.add_argument("--no-hf", dest="hf", action="store_false", help="skip the transformers comparison")
-    p.add_argument("--compile", action="store_true", help="ours: graphs.compile_decode (static cache, compiled step)")
+    p.add_argument("--weights", default="random", help="random (the --preset's shape) | smollm2-135m | gguf:PATH (a "
+                   "GGUF file of the Llama family: its shape and weights; llama.cpp runs the same file)")
+    p.add_argument("--systems", type=comma_list(one_of(list(DECODE_SYSTEMS))), default=",".join(DECODE_SYSTEMS),
+                   help="comma list of: eager (ours, cpu_tuning's forms), compiled (graphs.compile_decode), int8 "
+                        "(harness/quantize.py, compiled), transformers, llama.cpp (node-llama-cpp, a GGUF file)")
     p.add_argument("--linear", type=comma_list(one_of(["auto", *LINEAR_PRODUCTS])), default="auto",
                    help="comma list of cpu_tuning's linear products to time, each forced in turn: "
                    "auto (the measured choice), linear, mv, mm, xwt, dnn")

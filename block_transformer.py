@@ -691,19 +691,6 @@ def config_overrides(args, tok=None) -> dict:
     return o
 
 
-def convert(args, vanilla: GPT, tok=None) -> BlockTransformer:
-    """--init-from a vanilla checkpoint (Appendix N); tok: train.py's tokenizer."""
-    if tok is not None and vanilla.config.vocab_size <= tok.n_vocab:
-        raise ValueError(f"the vanilla vocabulary ({vanilla.config.vocab_size} rows) has no spare row above the "
-                         f"tokenizer's {tok.n_vocab} ids for the pad token")
-    if args.block_embedder == "lookup" or args.block_context == "summation":
-        raise ValueError("uptraining from a vanilla model (--init-from) uses the lookup_proj embedder and prefix "
-                         "decoding (Appendix N); drop --block-embedder lookup / --block-context summation")
-    return from_vanilla(vanilla, block_len=args.block_len or 4, prefix_len=args.block_prefix_len or 2,
-                        max_seq_len=args.seq_len, eot_id=tok.eot if tok is not None else None,
-                        random_pad=not args.block_no_random_pad)
-
-
 def preset_rows(preset: str, options=None) -> list:
     """The row `python bench.py presets --arch block` prints for one preset (meta device): the Block Transformer,
     labelled with its block / token decoder layers, L_B and P, beside its vanilla counterpart (the two decoders'
@@ -727,7 +714,7 @@ def stack_params(cfg: BlockConfig, layers) -> int:
 
 
 ARCH_SPECS = [ArchSpec("block", BlockConfig, BlockTransformer, PRESETS, add_args=add_args,
-                       config_overrides=config_overrides, convert=convert, prepare_batch=prepare_batch, kd_ok=False,
+                       config_overrides=config_overrides, prepare_batch=prepare_batch, kd_ok=False,
                        # so that `python train.py --arch block` alone takes about five minutes on two CPU cores
                        # (its wall time: RESULTS.md, Timings)
                        train_defaults={"max_iters": 1000}, preset_rows=preset_rows, stack_params=stack_params)]

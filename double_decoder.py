@@ -50,7 +50,7 @@ Run:
     python train.py --arch double --objective prefixlm        # the prefix-LM objective of section 4
     python eval.py double-eval out/double/ckpt.pt --sample "def " --rollover 16   # generate, folding every 16 tokens
     python bench.py double --preset small --threads 1 --batch 1 --prompt-len 128   # TTFT, per token, KV vs decoder-only
-    python bench.py figures                                   # Figure 2's mask of generation, from DoubleCache.trace
+    python bench.py figures                                   # Figure 2: the masks of training and generation
     python -m pytest -q tests/test_double_decoder.py
 """
 from __future__ import annotations
@@ -191,11 +191,7 @@ class DoubleCache:
 
     static: every step reads all max_len cross keys and all max_block self keys (masked), so its shapes never change,
     and every tensor a step writes is marked static (KVCache, graphs.mark_static): what a captured step needs.
-    trace: None, or a list: a recording cache. Each generation step (gen_step) then appends the masks its queries
-    attend under (`python bench.py figures` draws the doubly-causal mask of generation from it).
     """
-
-    trace = None
 
     def __init__(self, cfg: DoubleConfig, batch: int, max_len: int, max_block: int, keep_context: bool, dtype, device,
                  static=False):
@@ -437,10 +433,6 @@ class DoubleDecoder(GPT):
         # is the latent of position j, an earlier block's if j < ctx_len, else no block's (NO_BLOCK: never seen)
         c_blk = torch.where(c_idx < ctx_len, CONTEXT_BLOCK, NO_BLOCK)  # (B, S2)
         ids = DualIds(q_pos, block_ids(n, CURRENT_BLOCK), ctx_len + s_idx, block_ids(S1, CURRENT_BLOCK), c_blk)
-        if cache.trace is not None:  # the masks of every generation layer (kernels.dual_masks, as dual_attention)
-            m_self, m_cross = kernels.dual_masks(ids.q_pos, ids.q_blk, ids.s_pos, ids.s_blk, ids.c_blk)
-            cache.trace.append(dict(q_pos=q_pos.clone(), self_pos=ids.s_pos.clone(), cross_pos=c_idx.clone(),
-                                    self=m_self[:, 0], cross=m_cross[:, 0]))  # (B, n, S1), (B, n, S2)
         step = DualStep(cache.self_kv, cache.cross, self_idx, S1, S2)
         rope = self.rope(q_pos)
         x = self.embed(tok)

@@ -15,13 +15,19 @@ model.py's decode steps and every architecture's `graph_steps`):
 
 Two ways to record one:
   * compile_step: torch.compile(fullgraph=True), mode "reduce-overhead" on CUDA: inductor fuses the step's kernels,
-    then records them (tens of seconds per graph);
+    then records them (tens of seconds per graph). On a CPU there is no graph to replay, but the same cost is there:
+    a batch-1 step of a small model is ~20 small operators per layer, each a dispatch and a thread fork-join, and its
+    products multiply one row by weights in their stored layout. Inductor's C++ backend fuses the pointwise operators
+    into a few loops and, with the weights frozen into the graph as constants (CPU_OPTIONS: inductor's freezing),
+    runs every product on a copy of its weight prepacked in oneDNN's blocked layout. Whether that beats the eager
+    step depends on the CPU, the model and the batch: the commands decide by measurement (harness/cpu_tuning.py,
+    compiled_decode_faster), never by a rule;
   * CapturedStep: torch.cuda.CUDAGraph of the eager step as it is (about a second): the stock kernels, replayed with
     one launch; only the token ids are copied in, the weights and the caches are read where they are.
 compile_decode(model, mode) records every step kind of a model and gives its generate() the static caches.
 
 Run:
-    python bench.py decode --compile            # eager vs graphed decode on this machine
+    python bench.py decode                      # eager vs compiled (and int8) decode on this machine
     python bench.py gpu --only decode           # (one GPU) the graphed decode vs eager and transformers
 """
 from __future__ import annotations
@@ -64,10 +70,18 @@ def graph_mode(mode: str | None, device, backend=None) -> str | None:
     return "reduce-overhead" if torch.device(device).type == "cuda" and backend is None else None
 
 
-def compile_step(fn, mode: str | None = None, backend=None):
+# inductor's options for a CPU decode step (torch.compile(options=...)): freezing folds the weights into the graph as
+# constants, so that each product runs on a prepacked oneDNN copy of its weight (the eager weights stay for the
+# prefill: the weight bytes are held twice, as cpu_tuning's "dnn" copies are). A frozen graph does not see later
+# changes of the weights: compile after loading or converting a model.
+CPU_OPTIONS = {"freezing": True}
+
+
+def compile_step(fn, mode: str | None = None, backend=None, device=None):
     """torch.compile for a graph-safe step: the whole step is one graph (fullgraph: a graph break is an error) with
     static shapes (one graph per input shape, e.g. per batch bucket); on CUDA mode='reduce-overhead' records it as a
-    CUDA graph. `backend` (default inductor) is for tests: tests/graph_check.py's GraphCheck traces and counts graphs.
+    CUDA graph; on a CPU (`device`) inductor's C++ backend with CPU_OPTIONS. `backend` (default inductor) is for
+    tests: tests/graph_check.py's GraphCheck traces and counts graphs.
 
     Dynamo keeps its graphs per code object, with a recompile limit for each. A step decorated in torch (no_grad) would
     share one code object with every other such step, so each compiled step gets a code object of its own, and the
@@ -77,7 +91,9 @@ def compile_step(fn, mode: str | None = None, backend=None):
 
     step.__code__ = step.__code__.replace()  # a copy: a cache of this step's graphs alone
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(BATCH_BUCKETS))
-    return torch.compile(step, mode=mode, backend=backend or "inductor", fullgraph=True, dynamic=False)
+    cpu = backend is None and mode is None and device is not None and torch.device(device).type == "cpu"
+    return torch.compile(step, mode=mode, backend=backend or "inductor", fullgraph=True, dynamic=False,
+                         options=dict(CPU_OPTIONS) if cpu else None)
 
 
 class CapturedStep:
@@ -205,7 +221,7 @@ def compile_decode(model, mode: str | None = "auto", backend=None):
     """Record every step kind of `model` (model.graph_steps: GPT's decode_step, or an architecture's kinds) and give
     its generate() static caches, one per batch bucket (model.graph_caches, StaticCaches). mode 'capture': each step
     a CapturedStep (CUDA graphs of the eager kernels); otherwise compile_step with that mode ('auto': 'reduce-overhead'
-    on CUDA, torch.compile's default elsewhere) and `backend`.
+    on CUDA, inductor's C++ backend with CPU_OPTIONS on a CPU) and `backend`.
     The prefill stays eager (its shapes change with every prompt). -> model"""
     model.static_cache = True
     model.graph_caches = StaticCaches(model)
@@ -213,6 +229,25 @@ def compile_decode(model, mode: str | None = "auto", backend=None):
     for name in model.graph_steps:
         fn = getattr(model, name)
         setattr(model, name, CapturedStep(fn) if mode == "capture" else
-                compile_step(fn, graph_mode(mode, device, backend), backend))
+                compile_step(fn, graph_mode(mode, device, backend), backend, device))
     model.decode_step = getattr(model, model.graph_decode)
     return model
+
+
+def uncompile_decode(model):
+    """compile_decode undone: the model's own (eager) steps and dynamic caches again. -> model"""
+    for k in (*model.graph_steps, "decode_step", "static_cache", "graph_caches"):
+        model.__dict__.pop(k, None)
+    return model
+
+
+@contextlib.contextmanager
+def eager_decode(model):
+    """compile_decode undone for a with block: the model's own (eager) steps and dynamic caches; its compiled steps
+    and static caches come back after it (what measures one against the other: cpu_tuning.compiled_decode_faster)."""
+    names = (*model.graph_steps, "decode_step", "static_cache", "graph_caches")
+    saved = {k: model.__dict__.pop(k) for k in names if k in model.__dict__}
+    try:
+        yield model
+    finally:
+        model.__dict__.update(saved)

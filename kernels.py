@@ -578,28 +578,32 @@ def plt_gate(q, gate_w, gate_b):
     return torch.sigmoid(torch.einsum("bhtd,hd->bht", q.to(acc), gate_w.to(acc)) + gate_b.to(acc)[None, :, None])
 
 
-def gate_mix(q, gate_w, gate_b, y_local, y_global):
+def gate_mix(q, gate_w, gate_b, y_local, y_global, gate=None):
     """G-SWA's mix, the PLT paper's convention: g * y_local + (1 - g) * y_global with g = plt_gate(q), in fp32.
-    q (B, H, T, D); y_local, y_global (B, H, T, D) -> (B, H, T, D) fp32 (callers cast back to q's dtype)."""
-    g = plt_gate(q, gate_w, gate_b)[..., None]
+    q (B, H, T, D); y_local, y_global (B, H, T, D) -> (B, H, T, D) fp32 (callers cast back to q's dtype).
+    gate (B, H, T), optional: g computed by the caller (plt.py's gate from the residual stream); gate_w and gate_b
+    are then not read (None)."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    g = (plt_gate(q, gate_w, gate_b) if gate is None else gate.to(acc))[..., None]
     return g * y_local.to(g.dtype) + (1 - g) * y_global.to(g.dtype)
 
 
-def gated_swa_ref(q, k, v, k_shared, v_shared, gate_w, gate_b, window, scale=None):
+def gated_swa_ref(q, k, v, k_shared, v_shared, gate_w, gate_b, window, scale=None, *, gate=None):
     """Reference, prefill/training form. q (B, H, T, D) queries of a non-first loop; k, v (B, H_kv, T, D) that loop's
     own keys/values; k_shared, v_shared (B, H_kv, T, D) the first loop's keys/values at the same positions.
 
     y_local = attention over own keys j with i - window < j <= i; y_global = causal attention over the shared keys;
-    g = plt_gate(q); out = g * y_local + (1 - g) * y_global (the PLT paper's convention). -> (B, H, T, D)
+    g = plt_gate(q), or the caller's `gate` (B, H, T) where given (gate_w, gate_b None then);
+    out = g * y_local + (1 - g) * y_global (the PLT paper's convention). -> (B, H, T, D)
     """
     T = q.size(2)
     causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
     y_local, _ = attention_lse_ref(q, k, v, swa_mask(T, window, q.device), scale)
     y_global, _ = attention_lse_ref(q, k_shared, v_shared, causal, scale)
-    return gate_mix(q, gate_w, gate_b, y_local, y_global).to(q.dtype)
+    return gate_mix(q, gate_w, gate_b, y_local, y_global, gate).to(q.dtype)
 
 
-def gated_swa_sdpa(q, k, v, k_shared, v_shared, gate_w, gate_b, window, scale=None):
+def gated_swa_sdpa(q, k, v, k_shared, v_shared, gate_w, gate_b, window, scale=None, *, gate=None):
     """The training path: gated_swa_ref's math on torch's fused attention (same contract, differentiable).
 
     y_local is SDPA with the banded bool mask swa_mask, y_global is SDPA with is_causal; GQA through enable_gqa (K/V
@@ -612,7 +616,7 @@ def gated_swa_sdpa(q, k, v, k_shared, v_shared, gate_w, gate_b, window, scale=No
     y_local = F.scaled_dot_product_attention(q, k, v, attn_mask=swa_mask(T, window, q.device), scale=scale,
                                              enable_gqa=gqa)
     y_global = F.scaled_dot_product_attention(q, k_shared, v_shared, is_causal=True, scale=scale, enable_gqa=gqa)
-    return gate_mix(q, gate_w, gate_b, y_local, y_global).to(q.dtype)
+    return gate_mix(q, gate_w, gate_b, y_local, y_global, gate).to(q.dtype)
 
 
 # Prefill kernel: one program computes, for its row tile, y_local (interval [t - window + 1, t] over the loop's own
@@ -630,15 +634,15 @@ def _gate_mix(q, y_local, y_global, gw_ptr, gb_ptr, h, row_ok, offs_d, d_ok, str
 
 
 @_jit
-def _gated_swa_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, gw_ptr, gb_ptr, o_ptr,
+def _gated_swa_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, gw_ptr, gb_ptr, g_ptr, o_ptr,
                       stride_qb, stride_qh, stride_qt, stride_qd, stride_kb, stride_kh, stride_kt, stride_kd,
                       stride_vb, stride_vh, stride_vt, stride_vd, stride_ksb, stride_ksh, stride_kst, stride_ksd,
                       stride_vsb, stride_vsh, stride_vst, stride_vsd, stride_gwh, stride_gwd, stride_gb,
-                      stride_ob, stride_oh, stride_ot, stride_od,
+                      stride_gateb, stride_gateh, stride_gatet, stride_ob, stride_oh, stride_ot, stride_od,
                       H_KV, T, D, WINDOW, qk_scale,
                       G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                      DOT_PREC: tl.constexpr):
-    """Grid (query tiles, B * H_kv)."""
+                      DOT_PREC: tl.constexpr, GATE_GIVEN: tl.constexpr):
+    """Grid (query tiles, B * H_kv). GATE_GIVEN: g is read from g_ptr (B, H, T) instead of computed from q."""
     pid_m, pid_bk = tl.program_id(0), tl.program_id(1)
     b, hk = (pid_bk // H_KV).to(tl.int64), pid_bk % H_KV
     t, h, row_ok = _query_rows(pid_m, hk, T, G, BLOCK_M)
@@ -659,51 +663,73 @@ def _gated_swa_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, gw_ptr, gb_ptr, o_ptr
     # the reference rounds both branch outputs to the input dtype before the fp32 mix; do the same
     y_local = y_local.to(o_ptr.dtype.element_ty).to(tl.float32)
     y_global = y_global.to(o_ptr.dtype.element_ty).to(tl.float32)
-    out = _gate_mix(q, y_local, y_global, gw_ptr, gb_ptr, h, row_ok, offs_d, d_ok, stride_gwh, stride_gwd, stride_gb)
+    if GATE_GIVEN:
+        g = tl.load(g_ptr + b * stride_gateb + h * stride_gateh + t * stride_gatet, mask=row_ok, other=0.0)
+        out = g[:, None] * y_local + (1.0 - g[:, None]) * y_global
+    else:
+        out = _gate_mix(q, y_local, y_global, gw_ptr, gb_ptr, h, row_ok, offs_d, d_ok, stride_gwh, stride_gwd,
+                        stride_gb)
     tl.store(_row_ptrs(o_ptr + b * stride_ob, t, h, stride_ot, stride_oh, offs_d, stride_od),
              out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-def _check_gate(name, gate_w, gate_b, H, D, window):
-    if gate_w.shape != (H, D) or gate_b.shape != (H,):
-        raise ValueError(f"{name}: gate_w must be ({H}, {D}) and gate_b ({H},); got {tuple(gate_w.shape)}, "
-                         f"{tuple(gate_b.shape)}")
+def _check_gate(name, gate_w, gate_b, H, D, window, gate=None, gate_shape=None):
+    if gate is not None:
+        if tuple(gate.shape) != tuple(gate_shape):
+            raise ValueError(f"{name}: gate must be {tuple(gate_shape)}; got {tuple(gate.shape)}")
+    elif gate_w is None or gate_b is None or gate_w.shape != (H, D) or gate_b.shape != (H,):
+        raise ValueError(f"{name}: gate_w must be ({H}, {D}) and gate_b ({H},); got "
+                         f"{None if gate_w is None else tuple(gate_w.shape)}, "
+                         f"{None if gate_b is None else tuple(gate_b.shape)}")
     if int(window) < 1:
         raise ValueError(f"{name}: window must be >= 1, got {window}")
 
 
-def gated_swa_triton(q, k, v, k_shared, v_shared, gate_w, gate_b, window, scale=None, *, block_m=None, block_n=None):
+def gated_swa_triton(q, k, v, k_shared, v_shared, gate_w, gate_b, window, scale=None, *, gate=None, block_m=None,
+                     block_n=None):
     """Triton kernel: same contract as gated_swa_ref. block_m / block_n override the tile sizes (tests)."""
     B, H, H_kv, T, D = _check_attention("gated_swa", q, k, v)
     if k.size(2) != T or k_shared.shape != k.shape or v_shared.shape != k.shape:
         raise ValueError(f"gated_swa: k, v, k_shared, v_shared must all be {(B, H_kv, T, D)}; got {tuple(k.shape)}, "
                          f"{tuple(k_shared.shape)}, {tuple(v_shared.shape)}")
-    _check_gate("gated_swa", gate_w, gate_b, H, D, window)
+    _check_gate("gated_swa", gate_w, gate_b, H, D, window, gate, (B, H, T))
     out = torch.empty(B, H, T, D, dtype=q.dtype, device=q.device)
     if B * H * T == 0:
         return out
     G = H // H_kv
     BM, BN, BD, warps, stages = _attn_config(D, q.dtype, T, G, block_m, block_n, two_outputs=True)
     scale = scale if scale is not None else 1.0 / math.sqrt(D)
+    gw, gb, g, g_strides = _gate_args(gate_w, gate_b, gate)
     _gated_swa_kernel[(_cdiv(T, BM // G), B * H_kv)](
-        q, k, v, k_shared, v_shared, gate_w, gate_b, out, *q.stride(), *k.stride(), *v.stride(), *k_shared.stride(),
-        *v_shared.stride(), *gate_w.stride(), gate_b.stride(0), *out.stride(), H_kv, T, D, int(window), scale * LOG2E,
-        G=G, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, DOT_PREC=_dot_precision(q.dtype), num_warps=warps, num_stages=stages)
+        q, k, v, k_shared, v_shared, gw, gb, g, out, *q.stride(), *k.stride(), *v.stride(), *k_shared.stride(),
+        *v_shared.stride(), *gw.stride(), gb.stride(0), *g_strides, *out.stride(), H_kv, T, D,
+        int(window), scale * LOG2E, G=G, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, DOT_PREC=_dot_precision(q.dtype),
+        GATE_GIVEN=gate is not None, num_warps=warps, num_stages=stages)
     return out
 
 
-def gated_swa(q, k, v, k_shared, v_shared, gate_w, gate_b, window, scale=None):
+def _gate_args(gate_w, gate_b, gate):
+    """The kernels' gate arguments -> (gate_w, gate_b, gate in fp32, gate's 3 strides), a dummy for the unused side."""
+    if gate is None:
+        return gate_w, gate_b, gate_w, (0, 0, 0)
+    g = gate.float()
+    dummy = g.new_zeros(1, 1)
+    return dummy, dummy[0], g, g.stride()
+
+
+def gated_swa(q, k, v, k_shared, v_shared, gate_w, gate_b, window, scale=None, *, gate=None):
     """Dispatch (contract of gated_swa_ref): the Triton kernel where use_triton allows it (CUDA, no gradient needed),
     otherwise gated_swa_sdpa, the differentiable path (training on any device, and everything on CPU).
     gated_swa_ref stays the readable reference the tests compare both against."""
-    if use_triton(q, k, v, k_shared, v_shared, gate_w, gate_b) and _kernel_fits(q, k, v, k_shared, v_shared,
-                                                                               head_dim=q.size(-1)):
-        return gated_swa_triton(q, k, v, k_shared, v_shared, gate_w, gate_b, window, scale)
-    return gated_swa_sdpa(q, k, v, k_shared, v_shared, gate_w, gate_b, window, scale)
+    gates = (gate,) if gate is not None else (gate_w, gate_b)
+    if use_triton(q, k, v, k_shared, v_shared, *gates) and _kernel_fits(q, k, v, k_shared, v_shared,
+                                                                        head_dim=q.size(-1)):
+        return gated_swa_triton(q, k, v, k_shared, v_shared, gate_w, gate_b, window, scale, gate=gate)
+    return gated_swa_sdpa(q, k, v, k_shared, v_shared, gate_w, gate_b, window, scale, gate=gate)
 
 
 def _gated_swa_decode(attend, q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b, window,
-                      scale):
+                      scale, gate=None):
     """The decode form's math with `attend(q, k, v, mask, scale) -> y` as the attention (GQA inside it)."""
     B, L1, H, D = q.shape
     qq = q.reshape(B * L1, H, 1, D)
@@ -714,20 +740,23 @@ def _gated_swa_decode(attend, q, k_ring, v_ring, ring_pos, k_shared, v_shared, q
     # (B, H, L1, D): the loops share the shared keys and the mask
     y_global = attend(q.transpose(1, 2), k_shared, v_shared, glob_ok[:, None, None, :], scale)
     y_global = y_global.transpose(1, 2).reshape(B * L1, H, 1, D)
-    return gate_mix(qq, gate_w, gate_b, y_local, y_global).reshape(B, L1, H, D).to(q.dtype)
+    g = gate.reshape(B * L1, H, 1) if gate is not None else None
+    return gate_mix(qq, gate_w, gate_b, y_local, y_global, g).reshape(B, L1, H, D).to(q.dtype)
 
 
-def gated_swa_decode_ref(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b, window, scale=None):
+def gated_swa_decode_ref(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b, window, scale=None,
+                         *, gate=None):
     """Reference, decode form: the L1 = L - 1 non-first loops of B sequences, one query each, all at position q_pos.
 
     q (B, L1, H, D); k_ring, v_ring (B, L1, H_kv, W, D) each loop's ring buffer of its last W = window keys/values;
     ring_pos (B, W) long, the position held by each slot (-1 = empty; the same for every loop); k_shared, v_shared
     (B, H_kv, S, D) the first loop's cache, which already holds position q_pos; q_pos (B,) long.
     Local keys: slots with q_pos - window < ring_pos <= q_pos. Global keys: shared positions j <= q_pos.
+    gate (B, L1, H), optional: g given by the caller instead of plt_gate(q) (gate_w, gate_b None then).
     -> (B, L1, H, D)
     """
     return _gated_swa_decode(lambda q, k, v, m, s: attention_lse_ref(q, k, v, m, s)[0], q, k_ring, v_ring, ring_pos,
-                             k_shared, v_shared, q_pos, gate_w, gate_b, window, scale)
+                             k_shared, v_shared, q_pos, gate_w, gate_b, window, scale, gate)
 
 
 # At CPU inference the tuned attention: cpu_tuning.enable() puts here its attend(q, k, v, mask=, scale=), the form of
@@ -737,7 +766,7 @@ cpu_decode_attend = None
 
 
 def gated_swa_decode_sdpa(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b, window,
-                          scale=None):
+                          scale=None, *, gate=None):
     """The CPU decode path: gated_swa_decode_ref's math (same contract) on torch's fused attention, two SDPA calls
     (the rings with their slot mask, the shared cache with j <= q_pos) with GQA through enable_gqa, then the same
     gate and fp32 mix. The reference's explicit softmax with log-sum-exp costs ~30 small ops per layer and step.
@@ -748,7 +777,7 @@ def gated_swa_decode_sdpa(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.size(1) != k.size(1))
 
     return _gated_swa_decode(sdpa, q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b, window,
-                             scale)
+                             scale, gate)
 
 
 # Decode kernels (flash-decoding). The expensive read is the shared cache, which every loop and every query head
@@ -825,11 +854,14 @@ def _gswa_decode_partial_kernel(q_ptr, kr_ptr, vr_ptr, rpos_ptr, ks_ptr, vs_ptr,
 
 
 @_jit
-def _gswa_decode_combine_kernel(q_ptr, gw_ptr, gb_ptr, ml_ptr, acc_ptr, o_ptr,
+def _gswa_decode_combine_kernel(q_ptr, gw_ptr, gb_ptr, g_ptr, ml_ptr, acc_ptr, o_ptr,
                                 stride_qb, stride_ql, stride_qh, stride_qd, stride_gwh, stride_gwd, stride_gb,
+                                stride_gateb, stride_gatel, stride_gateh,
                                 stride_ob, stride_ol, stride_oh, stride_od, H_KV, L1, D, NSPLIT,
-                                G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Grid (B * H_kv,): merge the shared-key splits (one softmax), normalize the ring part, gate and mix."""
+                                G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                                GATE_GIVEN: tl.constexpr):
+    """Grid (B * H_kv,): merge the shared-key splits (one softmax), normalize the ring part, gate and mix.
+    GATE_GIVEN: g is read from g_ptr (B, L1, H) instead of computed from q."""
     pid = tl.program_id(0)
     b, hk = (pid // H_KV).to(tl.int64), pid % H_KV
     r = tl.arange(0, BLOCK_M)
@@ -856,15 +888,20 @@ def _gswa_decode_combine_kernel(q_ptr, gw_ptr, gb_ptr, ml_ptr, acc_ptr, o_ptr,
     y_local = acc_loc / tl.where(l_loc == 0.0, 1.0, l_loc)[:, None]
     y_local = y_local.to(o_ptr.dtype.element_ty).to(tl.float32)  # rounded like the reference's branch outputs
     y_global = y_global.to(o_ptr.dtype.element_ty).to(tl.float32)
-    q = tl.load(_row_ptrs(q_ptr + b * stride_qb, loop, h, stride_ql, stride_qh, offs_d, stride_qd),
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    out = _gate_mix(q, y_local, y_global, gw_ptr, gb_ptr, h, row_ok, offs_d, d_ok, stride_gwh, stride_gwd, stride_gb)
+    if GATE_GIVEN:
+        g = tl.load(g_ptr + b * stride_gateb + loop * stride_gatel + h * stride_gateh, mask=row_ok, other=0.0)
+        out = g[:, None] * y_local + (1.0 - g[:, None]) * y_global
+    else:
+        q = tl.load(_row_ptrs(q_ptr + b * stride_qb, loop, h, stride_ql, stride_qh, offs_d, stride_qd),
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        out = _gate_mix(q, y_local, y_global, gw_ptr, gb_ptr, h, row_ok, offs_d, d_ok, stride_gwh, stride_gwd,
+                        stride_gb)
     tl.store(_row_ptrs(o_ptr + b * stride_ob, loop, h, stride_ol, stride_oh, offs_d, stride_od),
              out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 def gated_swa_decode_triton(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b, window,
-                            scale=None, *, num_splits=None, block_n=None):
+                            scale=None, *, gate=None, num_splits=None, block_n=None):
     """Triton kernels: same contract as gated_swa_decode_ref. num_splits / block_n override the heuristics (tests)."""
     if q.dim() != 4 or k_ring.dim() != 5 or k_ring.shape != v_ring.shape or k_shared.dim() != 4 \
             or k_shared.shape != v_shared.shape:
@@ -882,7 +919,7 @@ def gated_swa_decode_triton(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_p
         raise ValueError(f"gated_swa_decode: {H} query heads is not a multiple of {H_kv} K/V heads")
     if D > MAX_HEAD_DIM:
         raise ValueError(f"gated_swa_decode kernel: head dim {D} > {MAX_HEAD_DIM}; use the reference")
-    _check_gate("gated_swa_decode", gate_w, gate_b, H, D, window)
+    _check_gate("gated_swa_decode", gate_w, gate_b, H, D, window, gate, (B, L1, H))
     out = torch.empty(B, L1, H, D, dtype=q.dtype, device=q.device)
     if B * L1 * H == 0:
         return out
@@ -903,36 +940,45 @@ def gated_swa_decode_triton(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_p
         *v_ring.stride(), *ring_pos.stride(), *k_shared.stride(), *v_shared.stride(), q_pos.stride(0),
         H_kv, L1, W, S, D, int(window), chunk, num_splits, scale * LOG2E,
         G=G, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, DOT_PREC=prec, num_warps=4, num_stages=stages)
+    gw, gb, g, g_strides = _gate_args(gate_w, gate_b, gate)
     _gswa_decode_combine_kernel[(B * H_kv,)](
-        q, gate_w, gate_b, ml, acc, out, *q.stride(), *gate_w.stride(), gate_b.stride(0), *out.stride(),
-        H_kv, L1, D, num_splits, G=G, BLOCK_M=BM, BLOCK_D=BD, num_warps=4)
+        q, gw, gb, g, ml, acc, out, *q.stride(), *gw.stride(), gb.stride(0), *g_strides,
+        *out.stride(), H_kv, L1, D, num_splits, G=G, BLOCK_M=BM, BLOCK_D=BD, GATE_GIVEN=gate is not None,
+        num_warps=4)
     return out
 
 
 @torch.library.custom_op("nano_inference::gated_swa_decode", mutates_args=())
 def _gated_swa_decode_op(q: torch.Tensor, k_ring: torch.Tensor, v_ring: torch.Tensor, ring_pos: torch.Tensor,
-                         k_shared: torch.Tensor, v_shared: torch.Tensor, q_pos: torch.Tensor, gate_w: torch.Tensor,
-                         gate_b: torch.Tensor, window: int, scale: float | None) -> torch.Tensor:
+                         k_shared: torch.Tensor, v_shared: torch.Tensor, q_pos: torch.Tensor,
+                         gate_w: torch.Tensor | None, gate_b: torch.Tensor | None, window: int, scale: float | None,
+                         gate: torch.Tensor | None) -> torch.Tensor:
     """gated_swa_decode_triton as one opaque operator of a compiled graph (PLT's compiled decode step): dynamo does
     not trace the launch code, and a CUDA graph captures the two launches like any other kernel."""
     return gated_swa_decode_triton(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b, window,
-                                   scale)
+                                   scale, gate=gate)
 
 
 @_gated_swa_decode_op.register_fake
-def _(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b, window, scale):
+def _(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b, window, scale, gate):
     return torch.empty_like(q)
 
 
-def gated_swa_decode(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b, window, scale=None):
+def gated_swa_decode(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b, window, scale=None, *,
+                     gate=None):
     """Dispatch (contract of gated_swa_decode_ref): the Triton kernels where use_triton allows it (inside a compiled
     step through their operator, _gated_swa_decode_op), otherwise gated_swa_decode_sdpa; the reference stays what
     the tests compare both against."""
-    if use_triton(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b) and \
+    gates = (gate,) if gate is not None else (gate_w, gate_b)
+    if use_triton(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, *gates) and \
             _kernel_fits(q, k_ring, v_ring, k_shared, v_shared, head_dim=q.size(-1)):
-        launch = _gated_swa_decode_op if torch.compiler.is_compiling() else gated_swa_decode_triton
-        return launch(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b, window, scale)
-    return gated_swa_decode_sdpa(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b, window, scale)
+        if torch.compiler.is_compiling():
+            return _gated_swa_decode_op(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b, window,
+                                        scale, gate)
+        return gated_swa_decode_triton(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b, window,
+                                       scale, gate=gate)
+    return gated_swa_decode_sdpa(q, k_ring, v_ring, ring_pos, k_shared, v_shared, q_pos, gate_w, gate_b, window, scale,
+                                 gate=gate)
 
 
 # ----------------------------------------------------------------------------------------------------------------

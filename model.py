@@ -447,6 +447,7 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self.all_rows = torch.arange(batch, device=device)
+        self.layer_ids, self.heads = torch.arange(n_layer, device=device), torch.arange(n_kv_head, device=device)
         self.static = static
         if static:  # a recorded step writes k, v and lengths in place: they keep their addresses (graphs.mark_static)
             for t in (self.k, self.v, self.lengths):
@@ -509,10 +510,13 @@ class LayerCache:
         self.cache, self.layer, self.rows = cache, layer, rows
 
     def _index(self, pos):
-        # advanced indices around the head slice -> the indexed view has shape (B, T, H_kv, D)
-        if isinstance(self.layer, torch.Tensor):
-            return self.layer[:, None], self.rows[:, None], slice(None), pos
-        return self.layer, self.rows[:, None], slice(None), pos
+        """(layer, row, head, position) index tensors of these rows' entries at positions pos (B, T): indexing the
+        cache with them gives (B, T, H_kv, D). Every dimension but the last is a tensor, so that a write is one
+        index_put_ on the whole cache -- in place in a compiled step too, where a write through a view of one layer
+        is copied back into the whole cache at every layer (torch.compile's functionalization)."""
+        c = self.cache
+        layer = self.layer if isinstance(self.layer, torch.Tensor) else c.layer_ids[self.layer]  # (B,) or a 0-d view
+        return layer.reshape(-1, 1, 1), self.rows[:, None, None], c.heads[None, None], pos[:, :, None]
 
     def write(self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, where: torch.Tensor | None = None):
         """k, v (B, H_kv, T, D) go to positions pos (B, T) of this layer of these rows. where (B,) bool: only those
@@ -523,8 +527,8 @@ class LayerCache:
         if where is not None:
             keep = where[:, None, None, None]
             k, v = torch.where(keep, k, self.cache.k[idx]), torch.where(keep, v, self.cache.v[idx])
-        self.cache.k[idx] = k
-        self.cache.v[idx] = v
+        self.cache.k.index_put_(idx, k)
+        self.cache.v.index_put_(idx, v)
 
     def read(self, kv_len: int):
         """-> k, v (B, H_kv, kv_len, D): a view when the layer is one int and the rows are all rows, else a gather:
@@ -876,7 +880,6 @@ class ArchSpec:
     presets: dict
     add_args: Callable | None = None  # (argparse parser) -> None: flags of this architecture
     config_overrides: Callable | None = None  # (args, tok=None) -> config fields set by the flags (tok: train.py's)
-    convert: Callable | None = None  # (args, vanilla GPT, tok=None) -> model: --init-from a vanilla checkpoint
     prepare_batch: Callable | None = None  # (x, y, generator, config) -> (x, y, forward kwargs)
     train_defaults: dict = field(default_factory=dict)  # defaults of train.py flags, e.g. {"max_iters": 200}
     kd_ok: bool = True  # False when prepare_batch re-lays the inputs out, so teacher logits would not align

@@ -30,7 +30,8 @@ Conventions of this file (where the paper, public code and libraries differ):
   * H^(l) is the output of the last block of loop l BEFORE the final norm (the residual stream); the final norm is
     part of the classifier head, as in model.GPT.head. That is what is shifted and added to E.
   * Window: query i sees its own keys j with i - w < j <= i, exactly w keys including itself (kernels.swa_mask;
-    vLLM's convention; FlexAttention examples use w + 1 keys).
+    the paper's "the w most recent KV entries"; vLLM's convention; FlexAttention examples and flash-attn's
+    window_size=(w, 0) use w + 1 keys: window_keys="w+1" below).
   * Gate: g = sigmoid(<q_h, w_h> + b_h) per head from the query after RoPE (kernels.plt_gate), and the paper's mix
     g * y_local + (1 - g) * y_global. LoopCoder puts g on the global branch; its gate maps to this one by negating
     w_h and b_h. The gate starts at w_h = 0, b_h = 0, i.e. g = 0.5, an even mix: neither branch is favoured at the
@@ -45,6 +46,33 @@ default "shared" normalises the two summands with one learned pair of RMSNorms f
 n_E(E) + n_H(shift_right(H)); "per_loop" gives each loop its own pair. Training and decode_step both go through
 PLT.clp_input, so decoding still equals the forward exactly; tests/test_plt.py also trains a CLP model briefly and
 checks that its logits at i depend on token i. The measurements behind it: RESULTS.md, "The loop input".
+
+Production forms: IQuest's LoopCoder-V2 (7B, 2 loops, window 64; its public serving code in vLLM, SGLang and MLX)
+runs G-SWA and first-loop KV sharing with four departures from the paper, each a config field here whose default is
+the paper's form (flags in add_args; RESULTS.md, "The loop input", trains each against the paper's and "shared"):
+
+    field (flag)                            the paper (default)              LoopCoder's form
+    loop_emb_scale, loop_hidden_scale       E + shift_right(H)               a * E + b * shift_right(H), a and b
+      (--plt-emb-scale, --plt-hidden-scale)                                  scalars (plt_emb_scale, plt_hidden_scale)
+    learn_loop_scales (--plt-learn-scales)  a = b = 1, fixed                 a, b learned (one pair, from the values
+                                                                             above)
+    loop_final_norm (--plt-loop-final-norm) loop l+1 reads H^(l)             it reads norm(H^(l)), the head's shared
+                                                                             final norm (plt_normalize_per_loop)
+    gate_input (--plt-gate)                 "query": g_h = sigmoid(<q_h,     "residual": g_h = sigmoid(<n(x), w_h> +
+                                            w_h> + b_h), q after RoPE        b_h), x the block's input before its
+                                            (Algorithm 3's f_gate(Q))        attention norm, n a norm of the layer's
+                                                                             own (plt_gate_use_hidden_states)
+    window_keys (--plt-window-keys)         "w": keys i-w < j <= i           "w+1": keys i-w <= j <= i (flash-attn
+                                                                             window_size=(w, 0), LoopCoder's training)
+
+The full input of loop l >= 2 at position i is a * n_E(e_i) + b * n_H(S(h^(l-1)_(i-1))) with S the final norm or the
+identity (loop_state) and n_E, n_H the loop_input_norm pair or identities (clp_input); LoopCoder's is loop_input_norm
+"none", loop_final_norm on and its a, b. The residual gate keeps this file's orientation (g on the local branch; start
+at g = 0.5). With "w+1" the rings hold w + 1 slots, so decoding still equals the forward exactly, and Table 1's
+(L-1) w d becomes (L-1)(w+1) d. Every form goes through the same clp_input / loop_state / PLTAttention code in
+training and in decode_step (tests/test_plt.py checks each formula against its own writing-out, and decode == forward
+for each). LoopCoder itself decodes its loops one after another (no CLP); here a and b apply where E is added (CLP
+rows), loop_final_norm, the gate and the window to every row that has a next loop, a gate or a window.
 
 Decoding (Algorithm 1): `prefill` runs the training forward on the prompt and keeps K_share/V_share (one KV cache
 layer per stack layer), each non-first loop's last w keys/values (ring buffers: slot = position % w), and each
@@ -62,7 +90,8 @@ Kernels: G-SWA goes through kernels.gated_swa (a whole sequence: training forwar
 kernels.gated_swa_decode (one query per non-first-loop row against its ring buffer and the shared cache). They run
 the Triton kernels on CUDA when nothing needs a gradient (prefill, decoding, evaluation) and the reference's math on
 SDPA otherwise (training, CPU: kernels.gated_swa_sdpa / gated_swa_decode_sdpa); all follow the conventions above
-(gate from q after RoPE, per-head gate_w (H, D) and gate_b (H,), exactly w keys). tests/test_plt.py forces the
+(gate from q after RoPE, per-head gate_w (H, D) and gate_b (H,), or the residual gate's values passed in as `gate`;
+a window of `window` keys, which PLTAttention sets to w or w + 1). tests/test_plt.py forces the
 Triton path on CPU (TRITON_INTERPRET=1) and checks it against the reference. Loop 1 and the non-G-SWA variants
 attend through model.attend, the two attentions of gated_swa_decode's CPU path through SDPA; a command that switches
 cpu_tuning.py on puts the decode form it measured fastest behind both (model.tuned_ops, kernels.cpu_decode_attend).
@@ -75,11 +104,14 @@ Run:
     python train.py --arch plt                                  # PLT-2 tiny on the default corpus
     python train.py --arch plt --plt-variant loop               # a Table 2 row: vanilla|loop|clp|kv_share|plt
     python train.py --arch plt --loops 3 --plt-window 32        # PLT-3, window 32
+    python train.py --arch plt --plt-loop-norm none --plt-emb-scale 0.707 --plt-hidden-scale 0.053 --plt-loop-final-norm
+                    --plt-gate residual --plt-window-keys w+1   # LoopCoder-V2's forms (one command line)
+    python -m harness.plt_forms run                             # the loop-input / gate forms side by side (RESULTS)
     python train.py --arch plt --init-from out/vanilla/ckpt.pt  # uptrain a vanilla checkpoint into a PLT
     python bench.py presets --arch plt                          # presets x variants: parameters, KV bytes, FLOPs
     python bench.py plt                                         # Table 3: decode latency vs vanilla and loop-2
     python bench.py plt --variants vanilla,loop,clp,kv_share,plt --batch 4,16 --preset small --device cuda
-    python bench.py figures                                     # Algorithm 1 drawn from PLTCache.trace (and the others)
+    python bench.py figures                                     # Algorithm 1 recorded from the decode forwards
     python -m pytest -q tests/test_plt.py
 """
 from __future__ import annotations
@@ -92,7 +124,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from graphs import mark_static
-from kernels import gated_swa, gated_swa_decode, plt_gate, ring_window_mask
+from kernels import gated_swa, gated_swa_decode, plt_gate
 from model import (GPT, ArchSpec, Attention, Block, GPTConfig, KVCache, attend, causal_mask_from_positions, kv_bytes,
                    lm_loss, make_norm, start_prefill)
 
@@ -171,11 +203,7 @@ class PLTCache:
     static  attend over the whole pre-allocated cache (masked) instead of its filled prefix: fixed shapes and no
             host sync per step, for torch.compile / CUDA graphs (kv's: kv.kv_len reads all max_len positions); every
             state tensor is marked static (graphs.mark_static), since the step writes each in place.
-    trace   None, or a list: a recording cache. Each layer of each CLP decode step with kv_share then appends what its
-            rows read (PLTAttention.record; `python bench.py figures` draws Algorithm 1 from it).
     """
-
-    trace = None
 
     def __init__(self, cfg: PLTConfig, batch, max_len, dtype, device, static=False):
         L, N, H, D = cfg.n_loops, cfg.n_layer, cfg.n_kv_head, cfg.hd
@@ -187,7 +215,7 @@ class PLTCache:
             self.kv = KVCache(N, batch * L, max_len, H, D, dtype, device, static)
         else:
             self.kv = KVCache(L * N, batch, max_len, H, D, dtype, device, static)
-        w = min(cfg.window, max_len)
+        w = min(cfg.attn_window, max_len)
         self.ring = RingKV(N, batch, L - 1, H, w, D, dtype, device) if cfg.uses_gswa else None
         self.hidden = torch.zeros(batch, L - 1, cfg.n_embd, dtype=dtype, device=device) if self.parallel else None
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
@@ -269,12 +297,33 @@ class PLTAttention(Attention):
 
     def __init__(self, cfg: PLTConfig):
         super().__init__(cfg)
-        self.window = cfg.window
+        self.window = cfg.attn_window  # keys of the window: w, or w + 1 with window_keys="w+1"
         self.gswa = cfg.uses_gswa
-        if self.gswa:  # f_gate: one scalar per head from q_h; starts at g = 0.5 (see the module docstring)
-            self.gate_w = nn.Parameter(torch.zeros(cfg.n_head, cfg.hd))
+        self.gate_from_residual = self.gswa and cfg.gate_input == "residual"
+        if self.gswa:  # f_gate: one scalar per head; starts at g = 0.5 (see the module docstring)
+            if self.gate_from_residual:  # from RMSNorm(x) of the block's input x: w_h is (C,), the norm its own
+                self.gate_norm = make_norm(cfg)
+                self.gate_w = nn.Parameter(torch.zeros(cfg.n_head, cfg.n_embd))
+            else:  # from q_h after RoPE (Algorithm 3's f_gate(Q))
+                self.gate_w = nn.Parameter(torch.zeros(cfg.n_head, cfg.hd))
             self.gate_b = nn.Parameter(torch.zeros(cfg.n_head))
         self.gate_mean = None  # mean g of the last training forward (a logged metric)
+
+    def residual_gate(self, residual):
+        """gate_input="residual": residual (B, T, C), the block's input before its attention norm -> g (B, H, T) fp32,
+        g_h = sigmoid(<n(x), w_h> + b_h) with n this layer's own norm (LoopCoder's plt_gate_use_hidden_states)."""
+        acc = torch.promote_types(residual.dtype, torch.float32)  # as kernels.plt_gate: fp32 or wider
+        x = self.gate_norm(residual).to(acc)
+        return torch.sigmoid(torch.einsum("btc,hc->bht", x, self.gate_w.to(acc)) + self.gate_b.to(acc)[:, None])
+
+    def gate_args(self, residual):
+        """(gate_w, gate_b, gate) for kernels.gated_swa*: the query gate's weights, or the residual gate's values
+        (B, H, T) for a residual (B, T, C)."""
+        if not self.gate_from_residual:
+            return self.gate_w, self.gate_b, None
+        if residual is None:
+            raise ValueError("gate_input='residual' needs the block's input: call the block with residual=x")
+        return None, None, self.residual_gate(residual)
 
     def forward(self, x, rope, lora_idx=None, mode="seq", **kw):
         if mode == "seq":
@@ -285,8 +334,9 @@ class PLTAttention(Attention):
             return self.loop_step(x, rope, lora_idx=lora_idx, **kw)
         raise ValueError(f"unknown PLTAttention mode {mode!r}")
 
-    def seq_attention(self, x, rope, shared=None, own_kv=None, lora_idx=None):
-        """x (B, T, C) of one loop at positions 0..T-1.
+    def seq_attention(self, x, rope, shared=None, own_kv=None, lora_idx=None, residual=None):
+        """x (B, T, C) of one loop at positions 0..T-1; residual (B, T, C) the block's input before its norm (read by
+        the residual gate only).
 
         shared None: causal attention over the loop's own K/V (loop 1; every loop without kv_share).
         shared = (K_share, V_share) (B, H_kv, T, D): a loop >= 2 with kv_share; global attention over them, gated with
@@ -301,16 +351,18 @@ class PLTAttention(Attention):
             y = attend(q, *shared, is_causal=True)
         else:  # row (5): g * SWA(q, k, v, w) + (1 - g) * Attn(q, K_share, V_share)
             k, v = self.project_kv(x, rope, lora_idx)
-            y = gated_swa(q, k, v, *shared, self.gate_w, self.gate_b, self.window)
+            gate_w, gate_b, gate = self.gate_args(residual)
+            y = gated_swa(q, k, v, *shared, gate_w, gate_b, self.window, gate=gate)
             if self.training:
                 with torch.no_grad():
-                    self.gate_mean = plt_gate(q, self.gate_w, self.gate_b).mean()
+                    self.gate_mean = (plt_gate(q, gate_w, gate_b) if gate is None else gate).mean()
         if own_kv is not None:
             own_kv.append((k, v))
         return self.project_out(y, lora_idx)  # (B, T, C)
 
-    def clp_step(self, x, rope, step, layer, lora_idx=None):
-        """x (B, L, C): row l is loop l+1 at position step.q_pos (B,) of each sequence; rope broadcasts over rows."""
+    def clp_step(self, x, rope, step, layer, lora_idx=None, residual=None):
+        """x (B, L, C): row l is loop l+1 at position step.q_pos (B,) of each sequence; rope broadcasts over rows.
+        residual (B, L, C): the block's input (the residual gate's)."""
         cache = step.cache
         B, L, _ = x.shape
         q = self.project_q(x, rope, lora_idx)  # (B, H, L, D): the L loops sit on the time axis
@@ -326,8 +378,6 @@ class PLTAttention(Attention):
             k, v = self.project_kv(x[:, :1], rope, lora_idx)  # (B, H_kv, 1, D)
             layer_kv.write(step.q_pos[:, None], k, v)
             ks, vs = layer_kv.read(step.kv_len)
-            if cache.trace is not None:
-                self.record(step, layer, L)
             return self.project_out(attend(q, ks, vs, mask=step.mask), lora_idx)
         k, v = self.project_kv(x, rope, lora_idx)  # (B, H_kv, L, D)
         layer_kv.write(step.q_pos[:, None], k[:, :, :1], v[:, :, :1])  # loop 1 first: the other rows see position i too
@@ -335,23 +385,15 @@ class PLTAttention(Attention):
         y_first = attend(q[:, :, :1], ks, vs, mask=step.mask)  # (B, H, 1, D)
         ring = cache.ring  # the windows of loops 2..L, one row each
         ring.write(layer, step.slot, k[:, :, 1:].transpose(1, 2), v[:, :, 1:].transpose(1, 2))
-        if cache.trace is not None:
-            self.record(step, layer, L, own=ring_window_mask(ring.pos, step.q_pos, self.window))
+        gate_w, gate_b, gate = self.gate_args(None if residual is None else residual[:, 1:])
         y_later = gated_swa_decode(q[:, :, 1:].transpose(1, 2), ring.k[layer], ring.v[layer], ring.pos, ks, vs,
-                                   step.q_pos, self.gate_w, self.gate_b, self.window)  # (B, L-1, H, D)
+                                   step.q_pos, gate_w, gate_b, self.window,
+                                   gate=None if gate is None else gate.transpose(1, 2))  # (B, L-1, H, D)
         return self.project_out(torch.cat([y_first, y_later.transpose(1, 2)], dim=2), lora_idx)
 
-    def record(self, step, layer, rows, own=None):
-        """A recording cache's entry (PLTCache.trace): what the `rows` rows of this decode step read in this layer,
-        at positions step.q_pos (B,): every row the shared cache's keys under step.mask -> shared (B, kv_len) bool;
-        rows >= 1 with G-SWA also their ring slots under the decode window rule -> own (B, W) bool, of the positions
-        ring_pos (B, W). Tensors as they are when the attention reads them."""
-        ring_pos = step.cache.ring.pos.clone() if own is not None else None
-        step.cache.trace.append(dict(layer=layer, rows=rows, q_pos=step.q_pos.clone(),
-                                     shared=step.mask[:, 0, 0].clone(), own=own, ring_pos=ring_pos))
-
-    def loop_step(self, x, rope, step, layer, loop, lora_idx=None):
-        """x (B, 1, C): loop `loop` (0-based) at position step.q_pos; the loops of a token run one after another."""
+    def loop_step(self, x, rope, step, layer, loop, lora_idx=None, residual=None):
+        """x (B, 1, C): loop `loop` (0-based) at position step.q_pos; the loops of a token run one after another.
+        residual (B, 1, C): the block's input (the residual gate's)."""
         cache = step.cache
         q = self.project_q(x, rope, lora_idx)  # (B, H, 1, D)
         if loop == 0 or not cache.shares_kv:  # a full cache of its own
@@ -366,8 +408,10 @@ class PLTAttention(Attention):
         k, v = self.project_kv(x, rope, lora_idx)
         ring, this_loop = cache.ring, slice(loop - 1, loop)  # this loop's ring, kept as a dimension of 1
         ring.write(layer, step.slot, k[:, :, 0], v[:, :, 0], loop=loop - 1)
+        gate_w, gate_b, gate = self.gate_args(residual)
         y = gated_swa_decode(q.transpose(1, 2), ring.k[layer, :, this_loop], ring.v[layer, :, this_loop], ring.pos, ks,
-                             vs, step.q_pos, self.gate_w, self.gate_b, self.window)  # (B, 1, H, D)
+                             vs, step.q_pos, gate_w, gate_b, self.window,
+                             gate=None if gate is None else gate.transpose(1, 2))  # (B, 1, H, D)
         return self.project_out(y.transpose(1, 2), lora_idx)
 
 
@@ -388,6 +432,9 @@ class PLT(GPT):
         # the loop-input norms (n_E, n_H) of loop_input_norm; they start at weight 1: E and H^(l-1) at unit rms each
         self.loop_norms = nn.ModuleList(nn.ModuleList([make_norm(cfg), make_norm(cfg)])
                                         for _ in range(cfg.n_loop_norm_pairs))
+        # learn_loop_scales: (a, b) of a * E + b * shift_right(H) as one learned pair, from the configured values
+        self.loop_scales = (nn.Parameter(torch.tensor([cfg.loop_emb_scale, cfg.loop_hidden_scale]))
+                            if cfg.learn_loop_scales and cfg.parallel else None)
         self.metrics = {}
 
     def make_blocks(self, cfg: PLTConfig) -> nn.ModuleList:
@@ -398,18 +445,37 @@ class PLT(GPT):
 
     def loop_input(self, e, h, loop):
         """Input of loop `loop` (0-based, >= 1) from the embeddings e and H^(loop) of the loop before, (B, T, C):
-        clp_input(E, shift_right(H)) with CLP, else H itself (the sequential looped transformer)."""
+        clp_input(E, shift_right(S(H))) with CLP, else S(H) itself (the sequential looped transformer); S is
+        loop_state (the identity, or the final norm)."""
+        h = self.loop_state(h)
         return self.clp_input(e, shift_right(h), loop) if self.config.clp else h
 
+    def loop_state(self, h):
+        """What the next loop reads of a loop's output H (B, T, C): H itself (the paper), or with loop_final_norm the
+        shared final norm of the head, norm(H) (LoopCoder's plt_normalize_per_loop)."""
+        return self.norm(h) if self.config.loop_final_norm else h
+
     def clp_input(self, e, h_prev, loop):
-        """e (B, T, C) embeddings at positions i, h_prev (B, T, C) the previous loop's hidden state at positions i - 1
-        -> the input of loop `loop` (0-based, >= 1) at i: e + h_prev (the paper), or n_E(e) + n_H(h_prev).
+        """e (B, T, C) embeddings at positions i, h_prev (B, T, C) the previous loop's state S(H) at positions i - 1
+        -> the input of loop `loop` (0-based, >= 1) at i: a * n_E(e) + b * n_H(h_prev), where n_E, n_H are the
+        loop-input norms (identities with loop_input_norm="none") and a, b the scales (fixed or learned). The paper:
+        e + h_prev.
 
         Training (shift_right) and decode_step (the cached h^(l)_(i-1)) both call this, so they compute the same."""
-        if not self.loop_norms:
-            return e + h_prev
-        norm_e, norm_h = self.loop_norms[0 if len(self.loop_norms) == 1 else loop - 1]
-        return norm_e(e) + norm_h(h_prev)
+        e_part, h_part = self.clp_summands(e, h_prev, loop)
+        return e_part + h_part
+
+    def clp_summands(self, e, h_prev, loop):
+        """The two summands of clp_input: (a * n_E(e), b * n_H(h_prev))."""
+        c = self.config
+        if self.loop_norms:
+            norm_e, norm_h = self.loop_norms[0 if len(self.loop_norms) == 1 else loop - 1]
+            e, h_prev = norm_e(e), norm_h(h_prev)
+        if self.loop_scales is not None:
+            return self.loop_scales[0] * e, self.loop_scales[1] * h_prev
+        if (c.loop_emb_scale, c.loop_hidden_scale) != (1, 1):
+            return c.loop_emb_scale * e, c.loop_hidden_scale * h_prev
+        return e, h_prev
 
     def run_loop(self, x, rope, shared=None, own_kv=None):
         """One pass of the N-layer stack over a whole sequence x (B, T, C) -> H (B, T, C), before the final norm.
@@ -417,8 +483,8 @@ class PLT(GPT):
         shared: per layer (K_share, V_share) for a loop >= 2 with kv_share, else None; own_kv: a list that receives
         per layer the loop's own (k, v) (None where it computes none).
         """
-        for j, block in enumerate(self.blocks):
-            x = block(x, rope, mode="seq", shared=None if shared is None else shared[j], own_kv=own_kv)
+        for j, block in enumerate(self.blocks):  # residual: the block's input, for the residual gate
+            x = block(x, rope, mode="seq", shared=None if shared is None else shared[j], own_kv=own_kv, residual=x)
         return x
 
     def hidden_states(self, idx, keep_kv=False):
@@ -500,22 +566,26 @@ class PLT(GPT):
     def decode_step(self, tok, cache: PLTCache):
         """One new token per row tok (B,) at position cache.lengths -> logits (B, V) of the next token.
 
-        CLP: one forward of the stack on rows (B, L, C) = e_i, e_i + h^(1)_(i-1), ..., e_i + h^(L-1)_(i-1).
-        Sequential (clp=False): L forwards, loop l+1 reading loop l's output.
+        CLP: one forward of the stack on rows (B, L, C) = e_i, e_i + h^(1)_(i-1), ..., e_i + h^(L-1)_(i-1) (each
+        through clp_input and loop_state, as in training). Sequential (clp=False): L forwards, loop l+1 reading loop
+        l's output (through loop_state).
         """
         step = self.start_step(cache)
         rope = self.rope(step.q_pos[:, None])  # (B, 1, 1, rot): all rows of a sequence share the position
         e = self.embed(tok[:, None])  # (B, 1, C)
         if cache.parallel:  # (B, L, C): row 0 gets e_i alone, row l the input of loop l+1 from h^(l)_(i-1)
-            x = torch.cat([e] + [self.clp_input(e, cache.hidden[:, l - 1:l], l) for l in range(1, cache.n_loops)], 1)
+            x = torch.cat([e] + [self.clp_input(e, self.loop_state(cache.hidden[:, l - 1:l]), l)
+                                 for l in range(1, cache.n_loops)], 1)
             for j, block in enumerate(self.blocks):
-                x = block(x, rope, mode="clp_step", step=step, layer=j)
+                x = block(x, rope, mode="clp_step", step=step, layer=j, residual=x)
             cache.hidden.copy_(x[:, :-1])  # h^(1..L-1)_i for the next step
         else:
             x = e
             for loop in range(self.config.n_loops):
+                if loop:
+                    x = self.loop_input(e, x, loop)
                 for j, block in enumerate(self.blocks):
-                    x = block(x, rope, mode="loop_step", step=step, layer=j, loop=loop)
+                    x = block(x, rope, mode="loop_step", step=step, layer=j, loop=loop, residual=x)
         cache.lengths += 1
         return self.head(x[:, -1:])[:, 0]
 
@@ -532,7 +602,7 @@ class PLT(GPT):
             return c.n_loops * full
         if not c.uses_gswa:
             return full
-        return full + (c.n_loops - 1) * kv_bytes(c.n_layer, batch, min(c.window, seq_len), c.n_kv_head, c.hd,
+        return full + (c.n_loops - 1) * kv_bytes(c.n_layer, batch, min(c.attn_window, seq_len), c.n_kv_head, c.hd,
                                                  dtype_bytes)
 
     def flops_per_token(self, seq_len: int, training: bool = True) -> float:
@@ -540,7 +610,7 @@ class PLT(GPT):
         (its own or K_share), G-SWA loops over min(w, seq_len) more. 1/3 of it for a forward pass alone."""
         c = self.config
         body, head = self.num_params(non_embedding=True), c.n_embd * c.vocab_size
-        keys = c.n_loops * seq_len + (c.n_loops - 1) * min(c.window, seq_len) * c.uses_gswa
+        keys = c.n_loops * seq_len + (c.n_loops - 1) * min(c.attn_window, seq_len) * c.uses_gswa
         f = 6 * (c.n_loops * body + head) + 12 * c.n_layer * c.n_head * c.hd * keys
         return f if training else f / 3
 
@@ -554,7 +624,8 @@ class PLT(GPT):
         p = gpt.lm_head.weight
         model = cls(cfg).to(device=p.device, dtype=p.dtype)
         missing, unexpected = model.load_state_dict(gpt.state_dict(), strict=False)
-        if unexpected or any(not (k.endswith(("gate_w", "gate_b")) or k.startswith("loop_norms.")) for k in missing):
+        new = ("gate_w", "gate_b", "gate_norm.weight", "gate_norm.bias")  # the gates; loop_norms, loop_scales below
+        if unexpected or any(not (k.endswith(new) or k.startswith(("loop_norms.", "loop_scales"))) for k in missing):
             raise ValueError(f"vanilla weights do not fit the PLT: missing {missing}, unexpected {unexpected}")
         return model
 
@@ -564,6 +635,8 @@ class PLT(GPT):
 
 
 LOOP_INPUT_NORMS = ("none", "shared", "per_loop")
+GATE_INPUTS = ("query", "residual")
+WINDOW_KEYS = ("w", "w+1")
 
 
 @dataclass
@@ -577,6 +650,14 @@ class PLTConfig(GPTConfig):
     # "shared" normalises both summands with learned norms, n_E(E) + n_H(shift_right(H)), one pair for every loop
     # >= 2; "per_loop" gives each loop >= 2 its own pair. Used only where E is added (clp with n_loops > 1).
     loop_input_norm: str = "shared"
+    # The production forms (IQuest's LoopCoder-V2, its public serving code; the module docstring). Each default is the
+    # paper's form.
+    loop_emb_scale: float = 1.0  # a of the CLP loop input a * E + b * shift_right(H) (the paper: 1)
+    loop_hidden_scale: float = 1.0  # b (the paper: 1)
+    learn_loop_scales: bool = False  # a and b learned: one pair for every loop >= 2, starting at the values above
+    loop_final_norm: bool = False  # the next loop reads norm(H^(l)) through the head's final norm (LoopCoder)
+    gate_input: str = "query"  # G-SWA's gate from q after RoPE (Algorithm 3), or "residual": from norm(block input)
+    window_keys: str = "w"  # G-SWA's window: "w" keys (the paper), or "w+1" (i-w..i: LoopCoder's training window)
 
     def validate(self):
         super().validate()
@@ -584,11 +665,16 @@ class PLTConfig(GPTConfig):
         for name in ("n_loops", "window"):  # never a bool (True is an int to Python)
             need(self.is_int(getattr(self, name)) and getattr(self, name) >= 1,
                  f"{name}={getattr(self, name)!r} must be an int >= 1", field=name)
-        for name in ("clp", "kv_share", "gswa"):
+        for name in ("clp", "kv_share", "gswa", "learn_loop_scales", "loop_final_norm"):
             need(isinstance(getattr(self, name), bool), f"{name}={getattr(self, name)!r} must be True or False",
                  field=name)
-        need(self.loop_input_norm in LOOP_INPUT_NORMS,
-             f"loop_input_norm={self.loop_input_norm!r} must be one of {LOOP_INPUT_NORMS}")
+        for name in ("loop_emb_scale", "loop_hidden_scale"):
+            need(self.is_number(getattr(self, name)) and getattr(self, name) >= 0,
+                 f"{name}={getattr(self, name)!r} must be a finite number >= 0", field=name)
+        for name, allowed in (("loop_input_norm", LOOP_INPUT_NORMS), ("gate_input", GATE_INPUTS),
+                              ("window_keys", WINDOW_KEYS)):
+            need(getattr(self, name) in allowed, f"{name}={getattr(self, name)!r} must be one of {allowed}",
+                 field=name)
         need(not (self.gswa and not self.kv_share),
              "gswa=True needs kv_share=True: G-SWA (Algorithm 3) mixes a window over a loop's own K/V with global "
              "attention over the first loop's shared K/V; without kv_share there is no shared K/V to mix with")
@@ -605,6 +691,10 @@ class PLTConfig(GPTConfig):
     @property
     def parallel(self) -> bool:  # CLP decoding: one forward of L rows per token
         return self.clp and self.n_loops > 1
+
+    @property
+    def attn_window(self) -> int:  # keys in G-SWA's window (and slots of a ring): w, or w + 1
+        return self.window + (self.window_keys == "w+1")
 
     @property
     def n_loop_norm_pairs(self) -> int:  # (n_E, n_H) pairs of the CLP loop input
@@ -668,20 +758,35 @@ def add_args(ap: argparse.ArgumentParser):
     g.add_argument("--plt-loop-norm", default=None, choices=LOOP_INPUT_NORMS,
                    help="CLP loop input: none = the paper's E + shift_right(H); shared / per_loop = learned norms on "
                         "both summands (default shared; see plt.py)")
+    # LoopCoder-V2's forms (plt.py's docstring); unset = the paper's
+    g.add_argument("--plt-emb-scale", type=float, default=None,
+                   help="a of the CLP loop input a*E + b*shift_right(H) (default 1, the paper)").bounds = {"min": 0}
+    g.add_argument("--plt-hidden-scale", type=float, default=None,
+                   help="b of the CLP loop input a*E + b*shift_right(H) (default 1, the paper)").bounds = {"min": 0}
+    g.add_argument("--plt-learn-scales", action="store_true", default=None,
+                   help="learn a and b (one pair, starting at --plt-emb-scale / --plt-hidden-scale)")
+    g.add_argument("--plt-loop-final-norm", action="store_true", default=None,
+                   help="the next loop reads the previous loop's state through the shared final norm (LoopCoder's "
+                        "plt_normalize_per_loop)")
+    g.add_argument("--plt-gate", default=None, choices=GATE_INPUTS,
+                   help="G-SWA gate from the query (default, Algorithm 3) or from the normed pre-attention residual "
+                        "(LoopCoder's plt_gate_use_hidden_states)")
+    g.add_argument("--plt-window-keys", default=None, choices=WINDOW_KEYS,
+                   help="G-SWA window of w keys (default, the paper) or w+1 (i-w..i, LoopCoder's training window)")
+
+
+# flag dest -> PLTConfig field, for the flags that set one field each
+FLAG_FIELDS = {"plt_window": "window", "plt_loop_norm": "loop_input_norm", "plt_emb_scale": "loop_emb_scale",
+               "plt_hidden_scale": "loop_hidden_scale", "plt_learn_scales": "learn_loop_scales",
+               "plt_loop_final_norm": "loop_final_norm", "plt_gate": "gate_input", "plt_window_keys": "window_keys"}
 
 
 def config_overrides(args, tok=None) -> dict:
     out = variant_fields(args.plt_variant or "plt", getattr(args, "loops", None))
-    if args.plt_window is not None:
-        out["window"] = args.plt_window
-    if getattr(args, "plt_loop_norm", None) is not None:
-        out["loop_input_norm"] = args.plt_loop_norm
+    for dest, field in FLAG_FIELDS.items():
+        if getattr(args, dest, None) is not None:
+            out[field] = getattr(args, dest)
     return out
-
-
-def convert(args, gpt: GPT, tok=None) -> PLT:
-    """--init-from a vanilla checkpoint: the same weights looped (the paper's models are trained from scratch)."""
-    return PLT.from_vanilla(gpt, **config_overrides(args))
 
 
 def preset_rows(preset: str, options=None) -> list:
@@ -701,5 +806,5 @@ def preset_rows(preset: str, options=None) -> list:
 # its wall time under "Timings"). lr 4e-3 rather than train.py's 2e-3: at 800 steps it is better for both PLT-2 and the
 # 2-layer vanilla (RESULTS.md).
 ARCH_SPECS = [ArchSpec("plt", PLTConfig, PLT, PRESETS, add_args=add_args, config_overrides=config_overrides,
-                       convert=convert, train_defaults={"max_iters": 800, "lr": 4e-3}, preset_rows=preset_rows,
+                       train_defaults={"max_iters": 800, "lr": 4e-3}, preset_rows=preset_rows,
                        stack_passes=lambda cfg: cfg.n_loops)]

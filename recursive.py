@@ -813,21 +813,6 @@ def config_overrides(args, relaxed: bool) -> dict:
     return o
 
 
-def convert(args, vanilla: GPT, relaxed: bool) -> RecursiveGPT:
-    """train.py --init-from: the vanilla source + the flags (and the preset's default ranks) -> converted model."""
-    o = config_overrides(args, relaxed)
-    preset = (RELAXED_PRESETS if relaxed else RECURSIVE_PRESETS).get(args.preset, RECURSIVE_PRESETS["tiny"])
-    o.setdefault("n_loops", preset["n_loops"])
-    if relaxed:  # ranks not given: the preset's rank, capped at this source's full rank
-        top = max_ranks(vanilla.config)
-        for c in COMPONENTS:
-            o.setdefault(f"lora_rank_{c}", min(preset.get(f"lora_rank_{c}", 0), top[c]))
-    o["max_seq_len"] = max(getattr(args, "seq_len", 0) or 0, vanilla.config.max_seq_len)
-    init = args.init or ("average" if relaxed else "stepwise")
-    n_loops = o.pop("n_loops")
-    return from_vanilla(vanilla, n_loops=n_loops, init=init, lora_init=args.lora_init or "svd", **o)
-
-
 # So that `python train.py --arch recursive|relaxed` alone takes about as long as vanilla's 300 steps on two CPU
 # cores: a recursive step costs about a vanilla one (same effective depth), a relaxed step a little more (the LoRA
 # matmuls), so relaxed runs fewer steps. RESULTS.md (Timings) has the wall times of these commands.
@@ -871,7 +856,6 @@ def stack_params(cfg: RecursiveConfig, layers) -> int:
 def _spec(name, presets, relaxed):
     return ArchSpec(name, RecursiveConfig, RecursiveGPT, presets, add_args=add_args,
                     config_overrides=lambda args, tok=None: config_overrides(args, relaxed),
-                    convert=lambda args, src, tok=None: convert(args, src, relaxed),
                     train_defaults=TRAIN_DEFAULTS[name],
                     preset_rows=lambda preset, options=None: preset_rows(preset, options, relaxed),
                     stack_params=stack_params, stack_passes=lambda cfg: cfg.n_loops)

@@ -1,6 +1,6 @@
 """
 serve.py -- a lean serving engine on one device: continuous batching for the vanilla model, continuous depth-wise
-batching with early exit for Recursive Transformers, and a demo that serves the same requests through both.
+batching with early exit for Recursive Transformers.
 
 Paper: "Relaxed Recursive Transformers: Effective Parameter Sharing with Layer-wise LoRA" (Bae et al.,
 arXiv:2410.20672), section 2.4 (Continuous Depth-wise Batching and Early-Exiting, Figure 3), section 3.8, Appendix K.
@@ -8,16 +8,14 @@ The paper simulates depth-wise batching from measured per-token times and oracle
 real, with confidence-based exits and state propagation.
 
 The engine (nanochat's engine.py and gpt-fast's generate.py are its models):
-  * Requests: a Request is prompt token ids + max_new_tokens + an arrival time, and what serving records on it (the
-    tokens, the loop each one left at, their times, an error). A request the model cannot serve (request_problem:
-    an empty prompt, an id outside the vocabulary, more tokens than the context) gets an error of its own; the
-    others are served.
+  * Requests: prompt token ids + max_new_tokens + an arrival time, and what serving records (tokens, the loop each
+    left at, times, an error). One the model cannot serve (Request.problem: an empty prompt, an id outside the
+    vocabulary, more tokens than the context) gets an error of its own; the others are served.
   * Slots: a server has `slots` rows of one pre-allocated KV cache and of its state tensors, allocated once. A request
     is admitted into a free slot, prefilled and decoded there, and frees it when done; the queue refills it at once.
   * Prefill, batched and chunked: each iteration runs ONE chunk (`prefill_chunk` tokens) of every prompt still being
-    prefilled, in one batch, straight into the slots' cache rows (model.prefill_chunk): a long prompt delays the
-    others' decode steps by a chunk per iteration, not by its whole length. A prompt's last chunk samples its first
-    token.
+    prefilled, in one batch, into the slots' cache rows (model.prefill_chunk): a long prompt delays the others' decode
+    steps by a chunk per iteration, not by its whole length. A prompt's last chunk samples its first token.
   * ContinuousServer (vanilla; continuous sequence-wise batching, Orca/vLLM): a step is ONE GPT.decode_step over all
     slots, each at its own position. Rows with no token in flight run along (static shapes) and keep their position:
     0 when free, the next prompt position (which the next chunk overwrites) while prefilling. static=True: static
@@ -33,25 +31,19 @@ The engine (nanochat's engine.py and gpt-fast's generate.py are its models):
     graphs.compile_step: one graph per step kind, a CUDA graph on CUDA, greedy sampling and the next state inside it.
     A graph cannot skip work per row: rows with nothing to do run along, their writes masked. Same tokens either way.
   * One device-to-host transfer per iteration: the first tokens of the prompts finished in it and the step's tokens,
-    exit flags and loops, in one tensor; then the host records them and frees finished slots.
+    exit flags and loops, in one tensor; the host records them and frees finished slots.
   * Sampling: greedy (argmax), or with ONE seeded torch.Generator per request (request_generator(seed, rid)): a
     request's output does not depend on the schedule, it equals model.generate on it alone with that generator
     (sequential_generate, the reference of every test). The compiled depth-wise step draws for every live row and
     keeps a draw only where the row leaves (the generator's state is put back elsewhere): still one transfer.
   * One hook watches a run (Hook; none by default, and then nothing is recorded): it hears each prefill pass and each
-    decode step with what the engine knows of it anyway. Metrics is the hook of the serving benchmark and of the demo's
-    table (wall time, step times, occupancy, keys read, the loaded server's throughput); ScheduleTrace records Figure
-    3 from the run itself -- which request each slot held, the loop it ran, where tokens left -- and prints it as a
-    grid (`python serve.py --schedule`; drawn by `python bench.py figures`).
-The comparison harness (checkpoints, request sources and files, exit calibration, metric tables, memory sizing,
---json) is harness/bench_serve.py: `python bench.py serve`.
+    decode step with what the engine knows of it anyway (harness/serve_hooks.py: Metrics, and ScheduleTrace, Figure 3).
+The harness measures and feeds the engine: the demo (serve_demo.py), `python bench.py serve` (bench_serve.py) and the
+requests it reads (serve_requests.py: synthetic, corpus, chat, JSONL files).
 
 Run:
-    python serve.py                    # demo: base preset, random weights, simulated exits: the serving table
-    python serve.py --preset tiny      # the same at 0.8M parameters, where per-operator overhead eats the bargain
-    python serve.py --preset tiny --schedule   # ... and the depth-wise schedule of the run (Figure 3, as text)
-    python bench.py serve --help       # the serving benchmark: checkpoints, request files, exit rules, --json
-    python -m pytest -q tests/test_serve.py
+    python serve.py                    # the demo: small preset, random weights, simulated exits: the serving table
+    python serve.py --preset tiny --schedule   # 0.8M parameters, and the depth-wise schedule of the run (Figure 3)
 """
 from __future__ import annotations
 
@@ -61,19 +53,16 @@ if __name__ == "__main__":  # Ctrl-C or SIGTERM during the imports below: `stopp
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from graphs import compile_step, graph_mode, mark_static
-from model import GPT, PRESETS, GPTConfig, sample_next
+from model import GPT, sample_next
 from recursive import RecursiveGPT
 
 # ----------------------------------------------------------------------------------------------------------------
 # Requests: what a server is asked, what it records on them, what it refuses
-
-# The most requests one run takes: each keeps its prompt, outputs and token times in Python lists (a few KB).
-MAX_REQUESTS = 100_000
 
 
 @dataclass
@@ -83,10 +72,7 @@ class Request:
     max_new_tokens: int
     arrival: float = 0.0  # seconds after the start (clock='wall') or decode steps (clock='step')
     error: str | None = None
-    invalid: str | None = None  # a reason found while reading the request (bad JSONL line, a failed chat template)
-    invalid_kind: str = "bad request line"  # the short reason of `invalid`
     error_kind: str | None = None  # the short reason of `error` (the summaries count requests by it)
-    source: str | None = None  # where the request came from ("reqs.jsonl:3"), named in its error
     finished: bool = False
     output: list = field(default_factory=list)  # generated ids
     exits: list = field(default_factory=list)  # 0-based loop that produced each generated token (None: vanilla)
@@ -101,60 +87,39 @@ class Request:
         return self.error is not None or self.finished
 
     def fresh(self) -> "Request":
-        """The same request, not yet served (prompt, length, arrival and any reading error kept)."""
-        return Request(self.rid, list(self.prompt) if isinstance(self.prompt, list) else self.prompt,
-                       self.max_new_tokens, self.arrival, invalid=self.invalid,
-                       invalid_kind=self.invalid_kind, source=self.source)
+        """The same request, not yet served (its prompt, length and arrival, and any field a subclass adds)."""
+        return replace(self, prompt=list(self.prompt) if isinstance(self.prompt, list) else self.prompt, error=None,
+                       error_kind=None, finished=False, output=[], exits=[], t_arrive=None, t_first=None,
+                       t_done=None, token_times=[], gen=None)
+
+    def problem(self, vocab_size: int, max_seq_len: int) -> tuple[str, str] | None:
+        """(short reason, clear message) why a model of this vocabulary and context cannot serve this request, or
+        None. (A request read from a file can be wrong in more ways: harness/serve_requests.py's ReadRequest.)"""
+        if self.max_new_tokens < 1:
+            return "bad max_new_tokens", f"max_new_tokens={self.max_new_tokens!r} must be a positive integer"
+        if not self.prompt:
+            return "empty prompt", "empty prompt: a request needs at least one prompt token"
+        bad = [t for t in self.prompt if not 0 <= t < vocab_size]
+        if bad:
+            return "token id outside vocabulary", (f"prompt token id {bad[0]} is outside the vocabulary [0, "
+                                                   f"{vocab_size})")
+        if len(self.prompt) >= max_seq_len:
+            return "prompt longer than context", (f"prompt of {len(self.prompt)} tokens is longer than the context "
+                                                  f"({max_seq_len} positions, one kept for a new token)")
+        if len(self.prompt) + self.max_new_tokens > max_seq_len:
+            return "prompt + output longer than context", (
+                f"prompt of {len(self.prompt)} tokens + max_new_tokens={self.max_new_tokens} exceeds the context of "
+                f"{max_seq_len} positions")
+        return None
 
     def refuse(self, kind: str, message: str):
-        """This request is not served: its error, naming where it came from (unless the message names its file)."""
-        named = self.source and self.source.rsplit(":", 1)[0] in message
-        self.error_kind, self.error = kind, f"{self.source}: {message}" if self.source and not named else message
-        self.t_done = time.perf_counter()
-
-
-def request_problem(r: Request, vocab_size: int, max_seq_len: int) -> tuple[str, str] | None:
-    """(short reason, clear message) why this request cannot be served by a model of this vocabulary and context,
-    or None."""
-    if r.invalid:
-        return r.invalid_kind, r.invalid
-    if not isinstance(r.max_new_tokens, int) or isinstance(r.max_new_tokens, bool) or r.max_new_tokens <= 0:
-        return "bad max_new_tokens", f"max_new_tokens={r.max_new_tokens!r} must be a positive integer"
-    if not isinstance(r.prompt, list):
-        return "prompt ids not a list", "prompt_ids must be a list of token ids"
-    if not r.prompt:
-        return "empty prompt", "empty prompt: a request needs at least one prompt token"
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in r.prompt):
-        return "prompt ids not integers", "prompt ids must be integers"
-    bad = [t for t in r.prompt if not 0 <= t < vocab_size]
-    if bad:
-        return "token id outside vocabulary", f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
-    if len(r.prompt) >= max_seq_len:
-        return "prompt longer than context", (f"prompt of {len(r.prompt)} tokens is longer than the context "
-                                              f"({max_seq_len} positions, one kept for a new token)")
-    if len(r.prompt) + r.max_new_tokens > max_seq_len:
-        return "prompt + output longer than context", (
-            f"prompt of {len(r.prompt)} tokens + max_new_tokens={r.max_new_tokens} exceeds the context of "
-            f"{max_seq_len} positions")
-    return None
+        """This request is not served: its error."""
+        self.error_kind, self.error, self.t_done = kind, message, time.perf_counter()
 
 
 def request_generator(seed: int, rid: int, device="cpu") -> torch.Generator:
     """The sampling generator of request rid: outputs do not depend on the schedule."""
     return torch.Generator(device=device).manual_seed((seed * 1_000_003 + rid) % 2 ** 64)  # what torch takes
-
-
-def random_requests(n: int, vocab_size: int, prompt_len: tuple[int, int], gen_len: tuple[int, int], arrivals,
-                    gen: torch.Generator) -> list[Request]:
-    """n requests of random token ids (never the last vocabulary row, which some architectures use as a pad), prompt
-    and output lengths uniform in the (lo, hi) ranges (both included), arriving at `arrivals` (n times), drawn from
-    `gen`: the demo's requests, and bench.py serve's synthetic ones (harness/serve_requests.py)."""
-    out = []
-    for i in range(n):
-        T = int(torch.randint(prompt_len[0], prompt_len[1] + 1, (1,), generator=gen))
-        G = int(torch.randint(gen_len[0], gen_len[1] + 1, (1,), generator=gen))
-        out.append(Request(i, torch.randint(0, vocab_size - 1, (T,), generator=gen).tolist(), G, arrivals[i]))
-    return out
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -192,7 +157,8 @@ class Server:
     start() (slots begin decoding on their first tokens), step() (one decode step over the slots -> per-slot results
     on the device) and finish_step() (the host's bookkeeping of those results). clock='wall' reads arrivals as
     seconds (sleeping while nothing has arrived), clock='step' as iterations (deterministic schedules for tests).
-    compile: None = on CUDA only; backend: compile_step's (tests: GraphCheck). hook: a Hook that watches every run
+    compile: None = on CUDA only (a command decides for a CPU: cpu_tuning.compiled_decode_faster); backend:
+    compile_step's (tests: GraphCheck). hook: a Hook that watches every run
     (default: none)."""
 
     name, prefill_exit = "server", None  # prefill_exit: the exit loop recorded for the token a prefill produces
@@ -214,7 +180,7 @@ class Server:
     def graph(self, fn):
         """fn compiled once per server (compile_step: one graph per step kind and slot count)."""
         if fn.__name__ not in self.graphs:
-            self.graphs[fn.__name__] = compile_step(fn, self.mode, self.backend)
+            self.graphs[fn.__name__] = compile_step(fn, self.mode, self.backend, self.device)
         return self.graphs[fn.__name__]
 
     def sample(self, logits, reqs) -> torch.Tensor:
@@ -343,7 +309,7 @@ class Server:
             while head < seen and room:
                 r = reqs[head]
                 head += 1
-                problem = request_problem(r, self.cfg.vocab_size, self.cfg.max_seq_len)
+                problem = r.problem(self.cfg.vocab_size, self.cfg.max_seq_len)
                 if problem is None:
                     self.place(r)
                     room -= 1
@@ -544,189 +510,10 @@ def sequential_generate(model, r: Request, temperature=0.0, top_k=None, seed=0, 
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Hooks: the metrics of a run, and its schedule (Figure 3)
-
-
-class Metrics(Hook):
-    """The numbers of `python bench.py serve` (harness/bench_serve.py: summarize) and of the demo's table: the run's
-    wall time (t_start, t_end) and, per decode step, its time, live slots, keys read and tokens emitted; the steps
-    with every slot busy are also summed apart (full_time, full_tokens: the throughput of a loaded server, free of
-    the tail of the drain). server.n_steps counts the steps."""
-
-    def start(self, server):
-        self.t_start, self.t_end = time.perf_counter(), None
-        self.step_time = self.occupancy = self.full_time = 0.0
-        self.kv_read = self.full_tokens = 0
-
-    def stepped(self, server, live, cols, emitted, kv_len, seconds):
-        self.step_time += seconds
-        self.occupancy += len(live) / server.slots
-        self.kv_read += (server.slots if server.every_slot else len(live)) * kv_len
-        if len(live) == server.slots:
-            self.full_time += seconds
-            self.full_tokens += len(emitted)
-
-    def end(self, server):
-        self.t_end = time.perf_counter()
-
-
-class ScheduleTrace(Hook):
-    """Figure 3 of the paper, recorded from a run: every forward pass of the model in order, a prefill pass or a
-    decode step, with a cell per slot: None for a free slot, else (request id, what the slot ran, whether a token
-    left in this pass). What: None the slot holds a request but is not in this pass, 'p' a prompt chunk, an int the
-    loop (0-based) of a depth-wise row, 'all' every layer (vanilla). passes: [(kind, [cell per slot])]; `text()`
-    prints them as a grid."""
-
-    def start(self, server):
-        self.server_name, self.slots, self.passes = server.name, server.slots, []
-
-    def record(self, server, kind, ran: dict, emitted):
-        """One pass: ran {slot: what it ran}, emitted the slots whose token left."""
-        self.passes.append((kind, [None if r is None else (r.rid, ran.get(s), s in emitted)
-                                   for s, r in enumerate(server.req)]))
-
-    def prefilled(self, server, slots, chunk, started):
-        self.record(server, "prefill", dict.fromkeys(slots, "p"), started)
-
-    def stepped(self, server, live, cols, emitted, kv_len, seconds):
-        loops = cols[2] if len(cols) == 3 else None  # the depth-wise step's loop of each row
-        self.record(server, "decode", {s: "all" if loops is None else loops[s] for s in live}, emitted)
-
-    def text(self, first: int = 0, last: int | None = None) -> str:
-        """The passes first..last as a grid (SCHEDULE_LEGEND), one line per slot."""
-        cols = self.passes[first:last]
-        head, step = "", sum(kind == "decode" for kind, _ in self.passes[:first])
-        for kind, _ in cols:
-            step += kind == "decode"
-            head += " pf" if kind == "prefill" else f"{step % 100:3d}"
-        lines = [f"{self.server_name}: forward passes {first + 1}..{first + len(cols)} of {len(self.passes)} "
-                 f"(pf = a prefill pass, n = decode step n)", f"{'pass':7s}{head}"]
-        for s in range(self.slots):
-            row = ""
-            for _, cells in cols:
-                if cells[s] is None or cells[s][1] is None:
-                    row += "  ." if cells[s] is None else "   "
-                    continue
-                rid, what, emitted = cells[s]
-                letter = chr(ord("a") + rid % 26)
-                row += " " + (letter.upper() if emitted else letter) + ("p" if what == "p" else "#" if what == "all"
-                                                                         else str(what + 1))
-            lines.append(f"slot {s:<2d}{row}")
-        return "\n".join(lines)
-
-
-SCHEDULE_LEGEND = ("a cell = the request's letter (a = request 0, b = 1, ...) + what its slot ran: the loop (1, 2, ...)\n"
-                   "of a depth-wise row, # all layers (vanilla), p a prompt chunk; UPPERCASE = a token left in that pass;\n"
-                   "blank = the slot holds a request that is not in this pass; . = a free slot")
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The demo: python serve.py. Only the demo reads a command line (harness/cli.py) and tunes the CPU (cpu_tuning.py).
-
-
-DEMO_EXIT_RATE = 0.633  # the share of tokens the demo makes exit at loop 1: a trained tiny model's oracle share
-
-
-@torch.no_grad()
-def exit_threshold_for(model: RecursiveGPT, prompts, exit_rate: float = 0.5, rule: str | None = None) -> float:
-    """A threshold at which about `exit_rate` of the tokens leave after the first loop under the exit rule (default
-    config.exit_rule), measured on the tokens of `prompts` (lists of token ids): loop-0 states do not depend on the
-    deeper loops, so this is what decoding sees at loop 0. Random weights give flat softmaxes where a fixed 0.9 would
-    never exit: the demo and bench.py serve simulate exits at a chosen share with it."""
-    scores = []
-    for p in prompts:
-        idx = torch.tensor([p], device=model.lm_head.weight.device)
-        x, h = model.embed(idx)[0][:, None], model.loop_hidden(idx)[0][0][:, None]  # (T, 1, C): loop 0's in/out
-        loops = torch.zeros(len(p), dtype=torch.long, device=idx.device)
-        scores.append(model.exit_score(x, h, loops, rule or model.config.exit_rule)[0].cpu())
-    return float(torch.quantile(torch.cat(scores), 1.0 - exit_rate))
-
-
-def demo_parser():
-    """The demo's flags (a cli.ArgumentParser: a bad value is one line `error: ...`)."""
-    import argparse
-
-    from harness.cli import DTYPES, ArgumentParser, number, seed_arg
-
-    ap = ArgumentParser(description="serve.py's demo: the same requests through every server, random weights, exits "
-                                    "simulated (the serving benchmark, with checkpoints: python bench.py serve)")
-    ap.add_argument("--preset", default="base", choices=sorted(PRESETS), help="model.py preset (default base: 125M)")
-    ap.add_argument("--lora-rank", type=number(int, min=0), default=0, help="relaxed LoRA rank (0: recursive, B=2)")
-    ap.add_argument("--requests", type=number(int, min=1, max=MAX_REQUESTS), default=32, help="requests, all at once")
-    ap.add_argument("--slots", type=number(int, min=1), default=16, help="batch slots of every server")
-    ap.add_argument("--device", default="auto", help="auto (cuda > mps > cpu) | cpu | cuda | mps")
-    ap.add_argument("--dtype", default="auto", choices=DTYPES, help="auto (bf16 on GPU, fp32 on CPU) | ...")
-    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, help="compiled steps (default: on CUDA)")
-    ap.add_argument("--schedule", type=number(int, min=1), nargs="?", const=40, default=None, metavar="PASSES",
-                    help="after the table, the depth-wise schedule of the run with exits: which request each slot "
-                         "held and the loop it ran, for its first PASSES forward passes (default 40; Figure 3)")
-    ap.add_argument("--seed", type=seed_arg, default=1337)
-    return ap
-
-
-def demo(argv=None):
-    """Vanilla static and continuous batching, depth-wise batching without and with exits -> the serving table (and
-    with --schedule the depth-wise schedule of the run with exits)."""
-    from harness.cli import UsageError, available_memory, check_device, check_dtype, user_input
-    from harness.device import pick_device, pick_dtype
-    from recursive import from_vanilla
-
-    args = demo_parser().parse_args(argv)
-    check_device(args.device)
-    check_dtype(args.device, args.dtype)
-    device = pick_device(args.device)
-    dtype, ranks = pick_dtype(device, args.dtype), {f"lora_rank_{c}": args.lora_rank for c in ("q", "kv", "o", "mlp")}
-    torch.manual_seed(args.seed)
-    van = GPT(GPTConfig.from_preset(args.preset))
-    with user_input():  # a rank above full rank: one line
-        rec = from_vanilla(van, 2, "average", log=lambda *_: None, **(ranks if args.lora_rank else {}))
-    van, rec = van.to(device, dtype).eval(), rec.to(device, dtype).eval()
-    need, (avail, where) = 4 * van.kv_cache_bytes(args.slots, van.config.max_seq_len, dtype.itemsize), \
-        available_memory(device)
-    if avail is not None and need > avail:
-        raise UsageError(f"--slots {args.slots:,}: the servers' KV caches need {need / 1e9:.3g} GB, {device} has "
-                         f"{avail / 1e9:.3g} GB available ({where}); lower it")
-    reqs = random_requests(args.requests, van.config.vocab_size, (8, 48), (8, 32), [0.0] * args.requests,
-                           torch.Generator().manual_seed(args.seed))
-    thr = exit_threshold_for(rec, [r.prompt for r in reqs[:8]], DEMO_EXIT_RATE)
-    kw = dict(slots=args.slots, compile=args.compile)
-    servers = [ContinuousServer(van, **kw), ContinuousServer(van, static=True, **kw), DepthWiseServer(rec, **kw),
-               DepthWiseServer(rec, exit_threshold=thr, exit_rule="softmax", **kw)]  # continuous first: the base
-    print(f"device {device} dtype {dtype} | {args.preset}: vanilla {van.config.n_layer} layers, recursive B=2 "
-          f"(Average tying, LoRA rank {args.lora_rank}) | {args.requests} requests of 8-48 + 8-32 tokens, {args.slots} "
-          f"slots | exits SIMULATED (random weights): a max-softmax threshold {thr:.3g} makes {DEMO_EXIT_RATE:.0%} of "
-          f"prompt tokens leave at loop 1 | steps {'compiled' if servers[0].compiled else 'eager'}\n")
-    print(f"{'system':30s} {'tokens':>7s} {'tok/s':>8s} {'loaded tok/s':>12s} {'step ms':>8s} {'exit loop':>9s} "
-          f"{'x continuous':>12s}")
-    base = None
-    for srv in servers:
-        srv.run(reqs[:4], clock="step")  # warm-up: allocator, compile
-        srv.hook = m = Metrics()
-        out = srv.run(reqs)
-        tokens, exits = sum(len(r.output) for r in out), [e + 1 for r in out for e in r.exits[1:] if e is not None]
-        tps = tokens / (m.t_end - m.t_start)
-        base, loaded = base or tps, m.full_tokens / m.full_time if m.full_time else math.nan
-        print(f"{srv.name:30s} {tokens:7d} {tps:8.1f} {loaded:12.1f} {1e3 * m.step_time / max(srv.n_steps, 1):8.2f} "
-              f"{sum(exits) / max(len(exits), 1) or math.nan:9.2f} {tps / base:12.2f}")
-    if args.schedule:  # the schedule does not depend on the clock: every request is there at the start
-        srv = servers[-1]
-        srv.hook = trace = ScheduleTrace()
-        srv.run(reqs, clock="step")
-        print(f"\nFigure 3 (continuous depth-wise batching), traced from the run above:\n{SCHEDULE_LEGEND}\n"
-              f"{trace.text(last=args.schedule)}")
-
-
-def main(argv=None):
-    """The command: a mistake (a flag) is one line `error: ...` and exit code 2 (cli.run_cli); on a CPU the linear,
-    attention and LoRA forms measured fastest here (cpu_tuning.py)."""
-    from harness import cpu_tuning
-    from harness.cli import run_cli
-
-    def run(argv):
-        with cpu_tuning.switched_on():
-            demo(argv)
-    return run_cli(run, argv)
-
+# python serve.py: the demo (harness/serve_demo.py) serves the same requests through every server above. It runs as
+# `python -m harness.serve_demo` would: the engine takes no name from the harness, which imports it.
 
 if __name__ == "__main__":
-    main()
+    import runpy
+
+    runpy.run_module("harness.serve_demo", run_name="__main__")

@@ -2,15 +2,17 @@
 train.py -- pretraining and uptraining for every architecture of this repository.
 
 The training loop first (AdamW with warmup + cosine, knowledge distillation, an evaluation and a checkpoint every
---eval-interval steps, single process or DDP under torchrun), then what it calls: the run's setup, the schedule, the
-flags. Elsewhere: data.py (the tokenizer, the corpus: `--data stdlib` is the offline default, the batches), tasks.py
-(`--data task:phop`), checkpoint.py (the architecture table, the checkpoint files, how --resume and --init-from treat
-the flags, the flags' defaults, the models a run starts from, --curve-at's file), model.py (a step's memory estimate),
-cli.py (the error contract, the log, the --out-dir lock, the checks made before the first step).
+--eval-interval steps, single process or DDP under torchrun), then the run's setup and how its model comes to be
+(build_models: resumed, converted from a vanilla model by its paper's own conversion, or new from a preset), the
+schedule, the flags and their defaults. What a reader can skip is in harness/: data.py (the tokenizer, the corpus:
+`--data stdlib` is the offline default, the batches), tasks.py (`--data task:phop`), checkpoint.py (the checkpoint
+files, read back verified; hf:DIR and gguf:PATH sources), run_flags.py (how --resume and --init-from treat the flags,
+the checks made before the first step), archs.py (the architecture table), curve.py (--curve-at's file), memory.py (a
+step's memory estimate), cli.py (the error contract, the log, the --out-dir lock).
 
 Runs (their wall times on 2 CPU cores: RESULTS.md, Timings):
     python train.py --arch vanilla                                  # the baseline, on the offline default corpus
-    python train.py --arch plt                                      # any arch of checkpoint.arch_table()
+    python train.py --arch plt                                      # any arch of archs.arch_table()
     python train.py --arch relaxed --init-from out/vanilla/ckpt.pt --loops 2 --init average \\
         --teacher out/vanilla/ckpt.pt --kd fkl                      # uptraining: convert, then distill
     python train.py --resume --out-dir out/relaxed                  # continue a run with its own flags
@@ -35,6 +37,7 @@ if __name__ == "__main__":  # Ctrl-C or SIGTERM during the imports below: `stopp
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
@@ -48,17 +51,25 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+import block_transformer
+import plt
+import recursive
 from harness import tasks
-from harness.checkpoint import (add_arch_args, arch_table, build_models, check_curve, check_run_args, curve_point,
-                                given_flags, load_optimizer_state, resume_run, run_checkpoint, save_checkpoint,
-                                setup_curve, tokens_per_step, warn_inapplicable)
-from harness.cli import (DTYPES, ArgumentParser, CheckpointError, DefaultsHelpFormatter, Stopped, check_disk_space,
-                         check_step_memory, comma_list, hold_dir_lock, log, number, path_arg, releasing_dir_locks,
-                         run_cli, seed_arg, stop_signals, user_input)
-from harness.data import Tokenizer, load_data, step_generator
+from harness.archs import add_arch_args, arch_table
+from harness.checkpoint import (keep_layers, load_checkpoint, load_optimizer_state, load_source_model,
+                                model_from_checkpoint, run_checkpoint, run_tokenizer, save_checkpoint)
+from harness.cli import (DTYPES, ArgumentParser, CheckpointError, DefaultsHelpFormatter, Stopped, UsageError,
+                         check_disk_space, check_step_memory, comma_list, hold_dir_lock, log, number, path_arg,
+                         releasing_dir_locks, run_cli, seed_arg, stop_signals, user_input)
+from harness.curve import check_curve, curve_point, setup_curve, tokens_per_step
+from harness.data import Tokenizer, load_data, padded_vocab, step_generator
 from harness.device import peak_flops, pick_device, pick_dtype
 from harness.memory import least_step_memory, step_memory
-from model import ArchSpec, distill_loss, lm_loss, make_optimizer
+from harness.run_flags import (check_run_args, given_flags, init_same_arch, recipe_overrides, resume_run, saved_flags,
+                               warn_inapplicable)
+from model import GPT, ArchSpec, distill_loss, lm_loss, make_optimizer
+from plt import PLT
+from svd_lora import COMPONENTS, max_ranks
 
 # ----------------------------------------------------------------------------------------------------------------
 # The training loop
@@ -315,7 +326,7 @@ class Run:
     ddp: bool
     rank: int
     world: int
-    tokens_per_step: int  # checkpoint.tokens_per_step, after build_models (a task sets --seq-len there)
+    tokens_per_step: int  # curve.tokens_per_step, after build_models (a task sets --seq-len there)
     raw_model: torch.nn.Module
     model: torch.nn.Module
     teacher: torch.nn.Module | None
@@ -346,7 +357,9 @@ def setup_run(argv) -> Run:
     table = arch_table()
     ap, args, given, resume_ck, notes = parse_run_args(argv, table)
     spec = table[args.arch]
-    start_step, best_val, length_notes = check_run_args(args, spec, resume_ck, given)
+    with saved_flags(resume_ck):  # on --resume the flags are the checkpoint's: an error says so
+        resolve_defaults(args, spec)
+    start_step, best_val, length_notes = check_run_args(args, resume_ck, given)
     if int(os.environ.get("RANK", "0")) == 0:  # one run per --out-dir (under torchrun rank 0 holds it)
         hold_dir_lock(args.out_dir, "--out-dir")
     ddp, rank, local_rank, world, device = setup_distributed(args.device)
@@ -412,7 +425,7 @@ def setup_run(argv) -> Run:
 
 
 def parse_run_args(argv, table):
-    """The flags; with --resume, the run's own flags restored from its checkpoint (checkpoint.resume_run) -> (parser,
+    """The flags; with --resume, the run's own flags restored from its checkpoint (run_flags.resume_run) -> (parser,
     args, the flags typed, the checkpoint to resume or None, notes about flags taken from the command line)."""
     ap = build_parser(table)
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -420,6 +433,124 @@ def parse_run_args(argv, table):
     given = given_flags(ap, argv)
     resume_ck, notes = resume_run(ap, args, given, table) if args.resume else (None, [])
     return ap, args, given, resume_ck, notes
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The model of a run: resumed, started from another model's weights, or new
+
+
+def build_models(args, spec: ArchSpec, table, ap, given, resume_ck, dtype, device, master):
+    """The run's tokenizer, model and teacher -> (tok, task or None, model, teacher or None).
+
+    A run's model comes to be in one of three ways:
+      1. --resume: the model of the run's checkpoint, its config and weights (setup_run then loads the optimizer's
+         state into a new AdamW);
+      2. --init-from SOURCE, a train.py checkpoint, hf:DIR (a local Hugging Face checkpoint) or gguf:PATH: a model of
+         this architecture keeps its weights and takes the training-recipe flags typed now (run_flags.init_same_arch:
+         the early-exit post-training of the Relaxed Recursive Transformers paper, Appendix J); a vanilla model, after
+         --keep-layers picks its layers, goes through its paper's own conversion (convert, below);
+      3. otherwise a new model of the preset, shaped by the flags, with random weights.
+    What can fail is checked before anything is built: the tokenizer against the data, the step's memory, and the
+    flags' config fields (spec.config_overrides) whichever way the model is made."""
+    task = tasks.task_from_args(args) if tasks.is_task_source(args.data) else None
+    if task is not None and "seq_len" not in given and resume_ck is None:
+        args.seq_len = -(-task.seq_len // 8) * 8  # a multiple of 8: block models need whole blocks
+    load = functools.cache(load_checkpoint)  # a checkpoint in several roles (--init-from's tokenizer and weights,
+    # --teacher the same file) is read and verified once; each model is built from it (load_state_dict copies)
+    tok = run_tokenizer(args, resume_ck, task, load)
+    if task is None and isinstance(tok, tasks.TaskTokenizer):  # --init-from a task's checkpoint, on text
+        raise UsageError(f"--init-from {args.init_from} was trained on the synthetic task {tok.spec['name']!r}: its "
+                         f"tokenizer reads no text, and --data {args.data} is a text corpus; give --data "
+                         f"task:{tok.spec['name']}, or start from a model trained on text")
+    check_step_memory(least_step_memory(args.batch_size, args.seq_len, padded_vocab(tok.n_vocab), dtype), device, args,
+                      at_least=True)
+
+    if resume_ck is not None:  # 1. --resume
+        model = model_from_checkpoint(resume_ck, table)
+    else:
+        fields = dict(vocab_size=padded_vocab(tok.n_vocab), max_seq_len=args.seq_len)
+        if spec.config_overrides is not None:  # the flags' config fields, checked however the model is made
+            fields.update(spec.config_overrides(args, tok=tok))
+        if args.init_from:  # 2. --init-from
+            src, src_arch, _ = load_source_model(args.init_from, table, load)
+            if args.keep_layers:
+                if src_arch != "vanilla":
+                    raise UsageError(f"--keep-layers takes layers of a vanilla model; {args.init_from} holds a "
+                                     f"{src_arch} one")
+                src = keep_layers(src, args.keep_layers)
+                log(f"init from {args.init_from}: keeping layers {args.keep_layers} ({src.config.n_layer} layers)",
+                    master)
+            if src_arch == args.arch:
+                model, line = init_same_arch(src, spec, recipe_overrides(args, spec, ap, given), args.seq_len,
+                                             args.init_from)
+                log(line, master)
+            elif src_arch != "vanilla" or args.arch not in CONVERSIONS:
+                why = "conversion starts from a vanilla model" if args.arch in CONVERSIONS else "no conversion exists"
+                raise UsageError(f"cannot initialise a {args.arch} model from a {src_arch} checkpoint ({why})")
+            else:
+                log(f"init from {args.init_from}: converting vanilla -> {args.arch}", master)
+                model = convert(args, src, tok)
+        else:  # 3. new, from the preset
+            model = spec.model_cls(spec.make_config(args.preset, **fields))
+    if args.teacher != args.init_from:
+        load.cache_clear()  # kept only for a teacher that is the same file
+    if task is not None:
+        task = tok.task  # on resume: the checkpoint's task
+        task.check_seq_len(args.seq_len)
+    if model.config.vocab_size < tok.n_vocab:
+        raise UsageError(f"model vocabulary {model.config.vocab_size} is smaller than the tokenizer's {tok.n_vocab}")
+    teacher = load_teacher(args, spec, tok, table, load) if args.teacher else None
+    return tok, task, model, teacher
+
+
+CONVERSIONS = ("recursive", "relaxed", "block", "plt")  # the architectures a vanilla model converts into
+
+
+def convert(args, src: GPT, tok) -> torch.nn.Module:
+    """--init-from a vanilla model: the paper's own conversion, its arguments from the flags."""
+    if args.arch in ("recursive", "relaxed"):
+        # Relaxed Recursive Transformers, section 2.2 / 3.1: the N layers tied into N / B shared ones looped B times
+        # (--loops; --init stepwise, average or lower); relaxed: one LoRA per loop, initialised by the truncated SVD
+        # of what tying took from each layer (--lora-rank, --lora-init)
+        relaxed = args.arch == "relaxed"
+        fields = recursive.config_overrides(args, relaxed)
+        presets = recursive.RELAXED_PRESETS if relaxed else recursive.RECURSIVE_PRESETS
+        preset = presets.get(args.preset, recursive.RECURSIVE_PRESETS["tiny"])
+        n_loops = fields.pop("n_loops", preset["n_loops"])
+        if relaxed:  # ranks not given: the preset's rank, capped at this source's full rank
+            top = max_ranks(src.config)
+            for c in COMPONENTS:
+                fields.setdefault(f"lora_rank_{c}", min(preset.get(f"lora_rank_{c}", 0), top[c]))
+        fields["max_seq_len"] = max(args.seq_len, src.config.max_seq_len)
+        return recursive.from_vanilla(src, n_loops=n_loops, init=args.init or ("average" if relaxed else "stepwise"),
+                                      lora_init=args.lora_init or "svd", **fields)
+    if args.arch == "block":
+        # Block Transformer, Appendix N: the lower half of the layers becomes the block decoder, the upper half the
+        # token decoder; the embedder a mean of the block's token embeddings, the prefix projection P identities
+        if src.config.vocab_size <= tok.n_vocab:
+            raise ValueError(f"the vanilla vocabulary ({src.config.vocab_size} rows) has no spare row above the "
+                             f"tokenizer's {tok.n_vocab} ids for the pad token")
+        if args.block_embedder == "lookup" or args.block_context == "summation":
+            raise ValueError("uptraining from a vanilla model (--init-from) uses the lookup_proj embedder and prefix "
+                             "decoding (Appendix N); drop --block-embedder lookup / --block-context summation")
+        return block_transformer.from_vanilla(src, block_len=args.block_len or 4, prefix_len=args.block_prefix_len or 2,
+                                              max_seq_len=args.seq_len, eot_id=tok.eot,
+                                              random_pad=not args.block_no_random_pad)
+    # Parallel Loop Transformer: the same weights looped (the paper's models are trained from scratch)
+    return PLT.from_vanilla(src, **plt.config_overrides(args))
+
+
+def load_teacher(args, spec: ArchSpec, tok, table, load=load_checkpoint):
+    """--teacher: the model (a checkpoint, hf:DIR, gguf:PATH), refused for an architecture whose batches are re-laid out
+    or when its tokenizer is not the run's."""
+    if not spec.kd_ok:
+        raise UsageError(f"--teacher is not supported for --arch {args.arch}: its training inputs are re-laid "
+                         f"out, so teacher and student logits would not align")
+    teacher, _, t_tok = load_source_model(args.teacher, table, load)
+    if t_tok != tok.spec:
+        raise UsageError(f"teacher {args.teacher} uses tokenizer {t_tok}, this run uses {tok.spec}: they must be the "
+                         f"same")
+    return teacher
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -520,6 +651,35 @@ def build_parser(table) -> ArgumentParser:
     tasks.add_args(ap)
     add_arch_args(ap, table, shared={"loops": {"recursive", "relaxed", "plt"}})
     return ap
+
+
+def resolve_defaults(args, spec):
+    """The flags left unset (None) <- the architecture's train_defaults, then train.py's; the combinations that
+    cannot work are UsageErrors."""
+    for k, v in spec.train_defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    args.max_iters = args.max_iters if args.max_iters is not None else 300
+    args.lr = args.lr if args.lr is not None else 2e-3
+    args.eval_interval = args.eval_interval or max(1, args.max_iters // 4)
+    args.warmup_iters = args.warmup_iters if args.warmup_iters is not None else min(200, args.max_iters // 10)
+    args.lr_decay_iters = args.lr_decay_iters or args.max_iters
+    args.min_lr = args.min_lr if args.min_lr is not None else args.lr / 10
+    if args.min_lr > args.lr:
+        raise UsageError(f"--min-lr {args.min_lr} is above --lr {args.lr}")
+    if args.kd != "none" and not args.teacher:
+        raise UsageError("--kd needs --teacher")
+    if args.keep_layers and not args.init_from:
+        raise UsageError("--keep-layers needs --init-from (the model whose layers are kept)")
+    if args.teacher and args.kd == "none":
+        args.kd = "fkl"
+    if args.mix_weight is not None and not args.mix_data:
+        raise UsageError("--mix-weight needs --mix-data (the corpus it mixes in)")
+    if args.mix_data and args.mix_weight is None:
+        args.mix_weight = 0.5
+    if tasks.is_task_source(args.data) and (args.mix_data or args.curve_at):
+        raise UsageError(f"--{'mix-data' if args.mix_data else 'curve-at'} reads a text corpus; --data {args.data} is "
+                         f"a synthetic task")
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -7,9 +7,16 @@ throughput at the largest batch of a memory budget (`block`).
 """
 from __future__ import annotations
 
+import contextlib
+import copy
+import json
 import math
+import shutil
+import subprocess
+import tempfile
 import time
 from functools import partial
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -21,75 +28,185 @@ import double_decoder as dd
 import graphs
 import plt
 from harness import cpu_tuning
-from harness.bench_common import (BANDWIDTH_PROBE, check_bench_memory, check_context, header, hf_generate, hf_llama,
+from harness.bench_common import (BANDWIDTH_PROBE, check_bench_memory, check_context, header, hf_generate, hf_twin,
                                   kv_of, med, per_round, ratio, read_bandwidth, rounds, spread)
 from harness.cli import UsageError, user_input
 from harness.cpu_tuning import LINEAR_PROBE_BYTES, cpu_key, force_linear, linear_report
 from harness.device import pick_device, pick_dtype, sync, timeit
+from harness.hf import from_gguf, gguf_config, gguf_file, read_gguf
 from harness.memory import forward_memory, memory_sum, model_memory, module_bytes, param_bytes
-from model import GPT, PRESETS, GPTConfig, sample_next
+from harness.quantize import int8_weights
+from model import GPT, PRESETS, GPTConfig, RotaryEmbedding, sample_next
 from recursive import RecursiveConfig, RecursiveGPT
 
 # ----------------------------------------------------------------------------------------------------------------
 # Vanilla decode: this repository vs transformers' LlamaForCausalLM.generate, and vs the machine's bandwidth
 
 
+DECODE_SYSTEMS = ("eager", "compiled", "int8", "transformers", "llama.cpp")  # bench.py decode --systems
+
+
 @torch.no_grad()
 @cpu_tuning.switched_on()
 def bench_decode(args):
+    """Vanilla decode on this machine, every system in the same interleaved rounds (a warm-up first: the compiles):
+    ours eager (cpu_tuning's forms; --linear forces products), ours compiled (graphs.compile_decode: inductor's C++
+    backend, frozen weights), ours int8 (harness/quantize.py, compiled), transformers' LlamaForCausalLM.generate with
+    the same weights, and llama.cpp on the same GGUF file (--weights smollm2-135m or gguf:PATH; batch 1). Each system
+    generates 1 and --new-tokens tokens per round: the decode time per token is the difference over the tokens
+    between (the prefill is in both). Beside each: the weight bytes a decode step reads and the share of the
+    machine's probed read bandwidth they take at that speed."""
     device = pick_device(args.device)
-    cfg = GPTConfig.from_preset(args.preset)
     P, N = args.prompt_len, args.new_tokens
+    systems = args.systems.split(",")
     products = args.linear.split(",")  # "auto" = cpu_tuning's measured choice, else a forced product
+    path = None if args.weights == "random" else (gguf_file(args.weights) or Path(args.weights))
+    with user_input():
+        cfg = GPTConfig.from_preset(args.preset) if path is None else gguf_config(read_gguf(path))
     check_context(P + N, cfg.max_seq_len, f"--prompt-len {P} + --new-tokens {N}")
-    top, twins = max(int(b) for b in args.batch.split(",")), 2 if args.hf else 1  # ours and transformers' model
+    top = max(int(b) for b in args.batch.split(","))
+    # ours, its weight copies, a compiled copy and its frozen weights, transformers', int8 ones (a quarter or half)
+    copies = 2 + 2 * ("compiled" in systems) + ("transformers" in systems) + ("int8" in systems)
     for dtype in [pick_dtype(device, d) for d in args.dtype.split(",")]:
         elem = dtype.itemsize
         check_bench_memory(device, f"bench.py decode in {dtype} at --batch {top}", {"bandwidth probe": BANDWIDTH_PROBE},
-                           *[model_memory(cfg, elem)] * twins, {"prompts": top * P * 8},
-                           {"KV caches of generate": twins * kv_of(cfg, top, P + N, elem)},
+                           {"models and their weight copies": copies * model_memory(cfg, elem)["total"]},
+                           {"prompts": top * P * 8}, {"KV caches of generate": 4 * kv_of(cfg, top, P + N, elem)},
                            forward_memory(cfg, top, P, elem, logits_rows=top), fix="lower --batch or --prompt-len")
     bw = read_bandwidth(device)
-    for dtype in [pick_dtype(device, d) for d in args.dtype.split(",")]:
-        torch.manual_seed(0)
-        ours = GPT(cfg).to(device=device, dtype=dtype).eval()
-        if args.compile:
-            graphs.compile_decode(ours)
-        hf = hf_llama(cfg, dtype) if args.hf else None
-        if hf is not None:
-            hf.to(device)
-        wbytes = param_bytes(ours)
-        header("vanilla decode", device, dtype, f"compiled decode step {args.compile} | preset {args.preset}: "
-               f"{cfg.n_layer} layers, d {cfg.n_embd}, "
-               f"{wbytes / 1e6:.0f} MB of weights | prompt {P}, {N} new tokens, greedy | median (min..max) of "
-               f"{args.repeats} interleaved rounds after 1 warm-up")
-        print(f"   read bandwidth of this machine (1 GiB streaming sum): {bw / 1e9:.1f} GB/s -> a batch-1 decode "
-              f"step cannot take less than {wbytes / bw * 1e3:.1f} ms ({bw / wbytes:.1f} tok/s)")
-        for B in [int(b) for b in args.batch.split(",")]:
-            idx = torch.randint(0, cfg.vocab_size - 1, (B, P), device=device)
-            systems = {decode_name(p): partial(forced_generate, ours, p, idx, N) for p in products}
-            if hf is not None:
-                systems["transformers: LlamaForCausalLM.generate"] = partial(hf_generate, hf, idx, N)
-            pre = rounds({"prefill": lambda: ours.generate(idx, 1)}, args.repeats, device)["prefill"]
-            res = rounds(systems, args.repeats, device)
-            for p in products:
-                name = decode_name(p)
-                t_dec = [t - med(pre) for t in res[name]]  # the decode steps alone
-                print(f"   batch {B}, {name}: {spread([B * N / t for t in res[name]])} tok/s end to end; "
-                      f"decode alone {med(t_dec) / (N - 1) * 1e3:.2f} ms/step = "
-                      f"{B * (N - 1) / med(t_dec):.1f} tok/s, {wbytes / (med(t_dec) / (N - 1)) / 1e9:.1f} GB/s of "
-                      f"weights = {wbytes / (med(t_dec) / (N - 1)) / bw:.0%} of the measured bandwidth")
-                if hf is not None:
-                    hname = "transformers: LlamaForCausalLM.generate"
-                    print(f"            transformers {spread([B * N / t for t in res[hname]])} tok/s end to end -> "
-                          f"ours / transformers = {ratio(res[hname], res[name])}x (per-round ratios)")
-        if device.type == "cpu":
-            print_linear_choices(dtype)
+    llama = LlamaCpp.start(path, P + N) if "llama.cpp" in systems else None
+    try:
+        for dtype in [pick_dtype(device, d) for d in args.dtype.split(",")]:
+            decode_rows(args, device, dtype, cfg, path, systems, products, bw, llama)
+    finally:
+        if isinstance(llama, LlamaCpp):
+            llama.close()
     force_linear(None)
 
 
+def decode_rows(args, device, dtype, cfg, path, systems, products, bw, llama):
+    """One dtype of bench_decode: the models, the rounds at each batch, the table."""
+    P, N = args.prompt_len, args.new_tokens
+    torch.manual_seed(0)
+    with user_input():
+        ours = (GPT(cfg) if path is None else from_gguf(path, dtype=dtype)).to(device=device, dtype=dtype).eval()
+    models = {}  # row name -> (fn(idx, n) -> tokens, weight bytes a decode step reads)
+    for p in products if "eager" in systems else []:
+        models[decode_name(p)] = (partial(forced_generate, ours, p), read_bytes(ours))
+    if "compiled" in systems:
+        models["ours compiled"] = (graphs.compile_decode(copy.deepcopy(ours)).generate, read_bytes(ours))
+    if "int8" in systems:
+        q = graphs.compile_decode(int8_weights(copy.deepcopy(ours)))
+        models["ours int8 compiled"] = (q.generate, read_bytes(q))
+    skipped = []
+    if "transformers" in systems:
+        try:
+            hf = hf_twin(ours).to(dtype).eval()
+            models["transformers"] = (partial(hf_generate, hf), read_bytes(ours))
+        except ImportError:
+            skipped.append("transformers: not installed (pip install transformers)")
+    wbytes = read_bytes(ours)
+    what = f"preset {args.preset}" if path is None else f"weights {path.name}"
+    header("vanilla decode", device, dtype, f"{what}: {cfg.n_layer} layers, d {cfg.n_embd}, {wbytes / 1e6:.0f} MB of "
+           f"weights read per token | prompt {P}, {N} new tokens, greedy | median (min..max) of {args.repeats} "
+           f"interleaved rounds after 1 warm-up; decode = (generate {N} - generate 1) / {N - 1}")
+    print(f"   read bandwidth of this machine (1 GiB streaming sum): {bw / 1e9:.1f} GB/s -> a batch-1 decode step "
+          f"cannot take less than {wbytes / bw * 1e3:.1f} ms ({bw / wbytes:.1f} tok/s) in {dtype}")
+    for B in [int(b) for b in args.batch.split(",")]:
+        idx = torch.randint(0, cfg.vocab_size - 1, (B, P), device=device)
+        rows = dict(models)
+        if isinstance(llama, LlamaCpp) and B == 1:
+            rows[f"llama.cpp ({llama.quant})"] = (llama.generate, llama.nbytes)
+        elif llama is not None:
+            skipped.append(f"llama.cpp: {llama if isinstance(llama, str) else 'batch 1 only'}")
+        timed = {f"{name}/{n}": partial(fn, idx, n) for name, (fn, _) in rows.items() for n in (1, N)}
+        res = rounds(timed, args.repeats, device)
+        step = {name: [positive((a - b) / (N - 1)) for a, b in zip(res[f"{name}/{N}"], res[f"{name}/1"])]
+                for name in rows}
+        print(f"   batch {B}:")
+        for name, (_, nbytes) in rows.items():
+            t = med(step[name])
+            print(f"      {name:34s} decode {spread(step[name], 1e3, '.2f')} ms/token = {B / t:6.1f} tok/s | "
+                  f"{nbytes / 1e6:5.0f} MB/token = {nbytes / t / 1e9:5.1f} GB/s = {nbytes / t / bw:4.0%} of the "
+                  f"probe | end to end {spread([B * N / x for x in res[f'{name}/{N}']])} tok/s")
+        for name in [r for r in rows if r.startswith("ours")]:
+            for peer in [r for r in rows if not r.startswith("ours")]:
+                print(f"      {name} / {peer}: decode speed {ratio(step[peer], step[name])}x (per-round ratios)")
+        for line in dict.fromkeys(skipped):
+            print(f"      skipped {line}")
+    if device.type == "cpu" and "eager" in systems:
+        print_linear_choices(dtype)
+
+
+def read_bytes(model) -> int:
+    """Bytes a batch-1 decode step of `model` reads from its weights: every product's weight (the int8 weights and
+    scales of a converted model) and the norms; the embedding table only as a head tied to it (a lookup reads one
+    row); no RoPE table."""
+    seen, n = set(), 0
+    for mod in model.modules():
+        if mod is getattr(model, "tok_emb", None) or isinstance(mod, RotaryEmbedding):
+            continue
+        for t in [*mod.parameters(recurse=False), *mod.buffers(recurse=False)]:
+            if id(t) not in seen:
+                seen.add(id(t))
+                n += t.numel() * t.element_size()
+    return n
+
+
+class LlamaCpp:
+    """llama.cpp decoding a GGUF file (node-llama-cpp's prebuilt CPU binary, harness/llama_cpp/decode.mjs) in a node
+    process that stays up for the whole benchmark: generate(idx, n) sends the prompt's token ids, it evaluates them
+    from an empty context and decodes n tokens greedily, on as many threads as torch uses. start() returns the
+    running process, or a one-line reason why there is none (no GGUF file, node or the package not installed, the
+    binary failing to load): the benchmark prints it and skips the row."""
+
+    SCRIPT = Path(__file__).parent / "llama_cpp" / "decode.mjs"
+    INSTALL = "npm install --prefix harness/llama_cpp --omit=optional @node-llama-cpp/linux-x64@3.22.1"
+
+    @classmethod
+    def start(cls, path, positions: int):
+        if path is None:
+            return "random weights have no GGUF file (--weights smollm2-135m or gguf:PATH)"
+        node = shutil.which("node")
+        if node is None:
+            return "node is not installed (Node.js >= 20, then: " + cls.INSTALL + ")"
+        if not (cls.SCRIPT.parent / "node_modules" / "node-llama-cpp").is_dir():
+            return "node-llama-cpp is not installed: " + cls.INSTALL
+        self = cls()
+        self.log = tempfile.TemporaryFile(mode="w+")  # node's stderr: read when it fails to start (never a full pipe)
+        self.proc = subprocess.Popen([node, str(cls.SCRIPT), str(path), str(torch.get_num_threads()),
+                                      str(-(-positions // 64) * 64)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log, text=True, cwd=cls.SCRIPT.parent)
+        line = self.proc.stdout.readline()
+        if not line.startswith("{"):
+            self.close()
+            self.log.seek(0)
+            err = self.log.read().strip().splitlines()
+            return f"node-llama-cpp did not start: {err[-1] if err else 'no output'}"
+        reader = read_gguf(path)
+        types = sorted({t.tensor_type.name for t in reader.tensors if len(t.shape) == 2})
+        self.quant, self.nbytes = "/".join(types), sum(int(t.n_bytes) for t in reader.tensors)
+        return self
+
+    def generate(self, idx, n: int):
+        self.proc.stdin.write(json.dumps({"prompt": idx[0].tolist(), "n": n}) + "\n")
+        self.proc.stdin.flush()
+        out = json.loads(self.proc.stdout.readline())
+        if len(out["tokens"]) != n:  # an end-of-generation token stops llama.cpp's evaluation: a shorter run
+            raise RuntimeError(f"llama.cpp generated {len(out['tokens'])} of {n} tokens")
+        return out
+
+    def close(self):
+        with contextlib.suppress(Exception):
+            self.proc.stdin.write(json.dumps({"quit": True}) + "\n")
+            self.proc.stdin.close()
+            self.proc.wait(timeout=10)
+        if self.proc.poll() is None:
+            self.proc.kill()
+
+
 def decode_name(product: str) -> str:
-    return "ours: GPT.generate" + ("" if product == "auto" else f" [linear: {product}]")
+    return "ours eager" + ("" if product == "auto" else f" [linear: {product}]")
 
 
 def forced_generate(model, product: str, idx, new_tokens: int):

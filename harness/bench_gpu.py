@@ -15,7 +15,8 @@ Sections, in the order a run brings them (the targets first; --only picks some):
           attends over). --profile: the kernel table of one eager and one graphed step at batch 1 (torch.profiler).
   serve   serve.py's servers on the same requests at 64 and 16 slots: continuous batching of the vanilla model,
           depth-wise batching of its recursive conversion (B = 2, Average tying) without and with exits (SIMULATED at
-          the oracle share serve.DEMO_EXIT_RATE: bench_serve.calibrate_threshold, as `bench.py serve --exit-rate`),
+          the oracle share bench_serve.SIMULATED_EXIT_RATE: bench_serve.calibrate_threshold, as `bench.py serve
+          --exit-rate`),
           the continuous server's graphed step alone (bare), and transformers' continuous batching
           (LlamaForCausalLM.generate_batch, one manager per slot count, destroyed after it, its memory capped).
   plt     PLT-2 / vanilla / loop-2 per-token latency at batch 1/4/16 (bench.py plt's generation_times).
@@ -81,6 +82,7 @@ from harness.cli import (DTYPES, check_output_file, check_writable_dir, comma_li
                          threads_arg, write_atomic)
 from harness.device import peak_flops, pick_device, pick_dtype, sync
 from harness.memory import forward_memory, memory_sum, model_memory, param_bytes
+from harness.serve_hooks import Metrics
 from harness.serve_requests import parse_range, synthetic_requests
 from model import GPT, PRESETS, GPTConfig
 from recursive import from_vanilla
@@ -526,18 +528,19 @@ def section_serve(ctx: Ctx, rows: list):
         logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)  # "persistent_manager=True" notes
     print(f"   vanilla {cfg.n_layer} layers vs recursive B=2 (Average tying, no LoRA) | context {S_ctx} per slot | "
           f"requests: prompts {sz.serve_prompt}, {sz.serve_gen} new tokens, greedy, all at once, {sz.serve_waves:g} x "
-          f"slots | exits SIMULATED: a max-softmax threshold makes {serve.DEMO_EXIT_RATE:.1%} of prompt tokens leave "
+          f"slots | exits SIMULATED: a max-softmax threshold makes {bench_serve.SIMULATED_EXIT_RATE:.1%} of prompt "
+          f"tokens leave "
           f"at loop 1 (the oracle share) | steps: {label} | bare step: the continuous server's graphed step alone")
     for S in sz.serve_slots:
         if ctx.capped(rows, f"slots {S}", slots=S):
             continue
         reqs = synthetic_requests(max(S + 1, round(sz.serve_waves * S)), cfg.vocab_size, sz.serve_prompt,
                                   sz.serve_gen, "all", seed=0)
-        thr = bench_serve.calibrate_threshold(rec, reqs, serve.DEMO_EXIT_RATE, rule="softmax")
+        thr = bench_serve.calibrate_threshold(rec, reqs, bench_serve.SIMULATED_EXIT_RATE, rule="softmax")
         servers = [continuous(ctx, van, S, backend), serve.DepthWiseServer(rec, S, **compile_kw),
                    serve.DepthWiseServer(rec, S, exit_threshold=thr, exit_rule="softmax", **compile_kw)]
         for srv, name in zip(servers, ("continuous", "depth-wise, no exit", "depth-wise + exit")):
-            srv.name, srv.hook = name, serve.Metrics()  # what bench_serve.summarize reads
+            srv.name, srv.hook = name, Metrics()  # what bench_serve.summarize reads
         bench_serve.check_cache_memory({s.name: s.model for s in servers}, {s.name: s.slots for s in servers},
                                        dt.itemsize, dev, f"bench.py gpu serve at {S} slots")
         t0 = time.perf_counter()

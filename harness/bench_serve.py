@@ -20,11 +20,11 @@ slots (a step runs N/B layers; a token needs E[loops] steps).
   * Exits: the threshold of each exit rule (--rules) is calibrated so that --exit-rate of the prompt tokens leave at
     loop 1 (SIMULATED exits on random weights: the rate measured on a trained checkpoint by `python eval.py exits`),
     or given (--exit-threshold, a comma list: one server per rule and threshold).
-  * Metrics (each server's hook is a serve.Metrics): generated tok/s (all tokens / wall time from the first arrival
-    to the last token), loaded tok/s (tokens emitted in the decode steps with every slot busy / those steps' time:
-    what a server with a queue sustains), TTFT, per-token latency p50/p99, mean exit loop (1-based), slot occupancy,
-    step time, agreement of the greedy text with CSB's and with the no-exit server's, and on CUDA the bytes a decode
-    step reads (parameters + KV) per second against the device's peak.
+  * Metrics (each server's hook is a serve_hooks.Metrics): generated tok/s (all tokens / wall time from the first
+    arrival to the last token), loaded tok/s (tokens emitted in the decode steps with every slot busy / those steps'
+    time: what a server with a queue sustains), TTFT, per-token latency p50/p99, mean exit loop (1-based), slot
+    occupancy, step time, agreement of the greedy text with CSB's and with the no-exit server's, and on CUDA the bytes
+    a decode step reads (parameters + KV) per second against the device's peak.
   * Memory: --batch-memory-mb gives each system the slots that fit that many MiB of weights + full-context KV (Table
     K.3/K.4's memory-limited setting: smaller shared weights buy slots); every server's cache is checked against the
     memory available before any is allocated.
@@ -54,7 +54,8 @@ from harness.cli import (DTYPES, UsageError, available_memory, check_device, che
 from harness.data import Tokenizer
 from harness.device import peak_bandwidth, pick_device, pick_dtype
 from harness.memory import param_bytes
-from harness.serve_requests import (chat_requests, chat_template, corpus_requests, error_counts,
+from harness.serve_hooks import Metrics
+from harness.serve_requests import (MAX_REQUESTS, chat_requests, chat_template, corpus_requests, error_counts,
                                     jsonl_requests, parse_range, print_errors, synthetic_requests)
 from model import GPT, PRESETS, GPTConfig, kv_bytes
 from recursive import EXIT_RULES, RecursiveGPT, from_vanilla
@@ -159,17 +160,19 @@ def make_servers(args, van, rec, rules, thresholds, dtype, device):
     if args.batch_memory_mb:
         slots = {"van": slots_for_memory(van, args.batch_memory_mb, van.config.max_seq_len, elem),
                  "rec": slots_for_memory(rec, args.batch_memory_mb, rec.config.max_seq_len, elem)}
+    flag = {"on": True, "off": False, "auto": None}.get(args.compile, device.type == "cuda")  # auto: measured
+    compiled = cpu_tuning.compiled_decode_faster(van, slots["van"], flag, keep=False)
     kw = dict(temperature=args.temperature, top_k=args.top_k, seed=args.seed, prefill_chunk=args.prefill_chunk,
-              compile=args.compile)
-    servers = [serve.ContinuousServer(van, slots["van"], hook=serve.Metrics(), **kw)]
+              compile=compiled)
+    servers = [serve.ContinuousServer(van, slots["van"], hook=Metrics(), **kw)]
     servers[0].name = "vanilla CSB"
     if args.static:
-        servers.append(serve.ContinuousServer(van, slots["van"], static=True, hook=serve.Metrics(), **kw))
-    servers.append(serve.DepthWiseServer(rec, slots["rec"], hook=serve.Metrics(), **kw))
+        servers.append(serve.ContinuousServer(van, slots["van"], static=True, hook=Metrics(), **kw))
+    servers.append(serve.DepthWiseServer(rec, slots["rec"], hook=Metrics(), **kw))
     servers[-1].name = "depth-wise, no exit"
     for rule in rules:
         for t in thresholds[rule]:
-            servers.append(serve.DepthWiseServer(rec, slots["rec"], t, rule, hook=serve.Metrics(), **kw))
+            servers.append(serve.DepthWiseServer(rec, slots["rec"], t, rule, hook=Metrics(), **kw))
             servers[-1].name = f"depth-wise + exit ({rule}{'' if args.exit_threshold == 'auto' else f'>={t:g}'})"
     check_cache_memory({s.name: s.model for s in servers}, {s.name: s.slots for s in servers}, elem, device,
                        f"--batch-memory-mb {args.batch_memory_mb:g} (slots {slots['van']:,} vanilla, "
@@ -336,13 +339,33 @@ class NoValidRequest(ValueError):
     pass
 
 
+# The share of tokens serve.py's demo and bench.py gpu make leave at loop 1: the oracle share of a trained tiny relaxed
+# checkpoint (RESULTS.md, Exit rules).
+SIMULATED_EXIT_RATE = 0.633
+
+
+@torch.no_grad()
+def exit_threshold_for(model: RecursiveGPT, prompts, exit_rate: float = 0.5, rule: str | None = None) -> float:
+    """A threshold at which about `exit_rate` of the tokens leave after the first loop under the exit rule (default
+    config.exit_rule), measured on the tokens of `prompts` (lists of token ids): loop-0 states do not depend on the
+    deeper loops, so this is what decoding sees at loop 0. Random weights give flat softmaxes where a fixed 0.9 would
+    never exit: serve.py's demo, bench.py serve and the figures simulate exits at a chosen share with it."""
+    scores = []
+    for p in prompts:
+        idx = torch.tensor([p], device=model.lm_head.weight.device)
+        x, h = model.embed(idx)[0][:, None], model.loop_hidden(idx)[0][0][:, None]  # (T, 1, C): loop 0's in/out
+        loops = torch.zeros(len(p), dtype=torch.long, device=idx.device)
+        scores.append(model.exit_score(x, h, loops, rule or model.config.exit_rule)[0].cpu())
+    return float(torch.quantile(torch.cat(scores), 1.0 - exit_rate))
+
+
 def calibrate_threshold(model: RecursiveGPT, reqs, exit_rate=0.5, n=8, rule=None) -> float:
-    """serve.exit_threshold_for on the prompts of the first n valid requests."""
+    """exit_threshold_for on the prompts of the first n valid requests."""
     cfg = model.config
-    prompts = [r.prompt for r in reqs if serve.request_problem(r, cfg.vocab_size, cfg.max_seq_len) is None][:n]
+    prompts = [r.prompt for r in reqs if r.problem(cfg.vocab_size, cfg.max_seq_len) is None][:n]
     if not prompts:
         raise NoValidRequest("no valid request to calibrate the exit threshold on")
-    return serve.exit_threshold_for(model, prompts, exit_rate, rule)
+    return exit_threshold_for(model, prompts, exit_rate, rule)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -406,7 +429,7 @@ def step_bytes(server) -> int:
 
 def summarize(server, reqs, peak_bw=None) -> dict:
     """The row of a server's run of `reqs` (the requests it returned), from the requests' records and the server's
-    hook, a serve.Metrics."""
+    hook, a serve_hooks.Metrics."""
     m = server.hook
     ok = [r for r in reqs if r.error is None]
     n_tok = sum(len(r.output) for r in ok)
@@ -465,9 +488,9 @@ STEP_PARTS = (("loop_step", "shared block"), ("exit_score", "exit score"), ("pro
 
 
 def step_shares(srv, reqs) -> dict[str, float]:
-    """Run srv (built with a serve.Metrics hook) once with its step's parts timed -> {part: share of the decode steps'
-    time}. Only calls made inside srv.step count (admission also samples, outside the steps), and a part called by
-    another part is not counted again; host-side wall time, the CPU runs every op synchronously (an eager step: a
+    """Run srv (built with a serve_hooks.Metrics hook) once with its step's parts timed -> {part: share of the decode
+    steps' time}. Only calls made inside srv.step count (admission also samples, outside the steps), and a part called
+    by another part is not counted again; host-side wall time, the CPU runs every op synchronously (an eager step: a
     compiled one is one graph). The instances are left as they were."""
     spent = dict.fromkeys([label for _, label in STEP_PARTS], 0.0)
     depth = [0]  # 1 inside srv.step, 2 inside one of its parts
@@ -541,7 +564,7 @@ def request_count(text: str) -> int:
         text = str(int(v)) if v.is_integer() else text
     except (ValueError, OverflowError):
         pass
-    return number(int, min=1, max=serve.MAX_REQUESTS)(text)
+    return number(int, min=1, max=MAX_REQUESTS)(text)
 
 
 def add_args(p):
@@ -567,10 +590,12 @@ def add_args(p):
                         "smollm2-135m")
     g.add_argument("--context", type=pos, default=None,
                    help="KV positions per slot (default: the model's context; cap a pretrained model's 8k with it)")
-    g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="graph-captured decode steps (default: on CUDA only)")
+    g.add_argument("--compile", nargs="?", const="on", default=None, choices=["on", "off", "auto"],
+                   help="compiled decode steps: on, off, or auto (on a CPU: where measured faster, "
+                        "cpu_tuning.compiled_decode_faster); default: on CUDA only")
+    g.add_argument("--no-compile", dest="compile", action="store_const", const="off", help="eager decode steps")
     g = p.add_argument_group("requests")
-    g.add_argument("--requests", type=request_count, default=48, help=f"requests (at most {serve.MAX_REQUESTS:,})")
+    g.add_argument("--requests", type=request_count, default=48, help=f"requests (at most {MAX_REQUESTS:,})")
     g.add_argument("--prompts", default="synthetic", choices=["synthetic", "corpus", "chat"],
                    help="prompt token source: random ids, validation corpus windows, or those windows as a chat "
                         "question in the tokenizer's chat template (a GGUF file's)")

@@ -21,6 +21,10 @@ candidate forms once per shape on random tensors and keeps the fastest; enable()
     module, so its CPU bf16-autocast runs take SDPA in bf16; the choice stays here for a training loop that wants it.
   * kernels.multi_lora's CPU inference form (kernels.cpu_lora_form): all adapters stacked into one masked LoRA, or one
     adapter's rows at a time, per (dtype, row bucket, shapes) (lora_form).
+  * the decode step itself: eager (with the forms above) or compiled by graphs.compile_decode (inductor's C++ backend,
+    frozen weights), per model shape, dtype and batch bucket (compiled_decode_faster): a measurement, kept on disk
+    beside the linear products' (the same file, key and re-timing rule), never a rule written down for one CPU.
+    `bench.py decode`, `serve.py` and `bench.py serve` ask it for their CPU runs unless a flag says on or off.
 
 Every candidate computes the same math in another summation order: results agree to rounding, and
 tests/test_cpu_tuning.py checks each one against its plain counterpart. Timing goes through one rule, `fastest`
@@ -324,6 +328,17 @@ def recorded_times(entry, names, dtype, bucket: int, out_f: int, in_f: int) -> d
     (one pass, time_linear_products), within LINEAR_FAR_OFF of its record either way. Else None: measure every
     candidate again (a record taken under load, or before the machine changed, is far off; one without its time is
     from before records had one)."""
+    times = young_record(entry, names)
+    if times is None:
+        return None
+    pick = pick_linear(times)
+    now = time_linear_products(dtype, bucket, out_f, in_f, [pick], repeats=1)[pick]
+    return times if times[pick] / LINEAR_FAR_OFF <= now <= times[pick] * LINEAR_FAR_OFF else None
+
+
+def young_record(entry, names) -> dict[str, float] | None:
+    """The times of a disk-cache record ({"times": {candidate: seconds}, "measured": unix time}) when it holds times
+    of exactly these candidates, each > 0, taken less than LINEAR_CACHE_DAYS ago; else None."""
     if not isinstance(entry, dict) or not isinstance(entry.get("times"), dict):
         return None
     times, measured = entry["times"], entry.get("measured")
@@ -331,9 +346,7 @@ def recorded_times(entry, names, dtype, bucket: int, out_f: int, in_f: int) -> d
         return None
     if not isinstance(measured, (int, float)) or not 0 <= time.time() - measured < LINEAR_CACHE_DAYS * 86400:
         return None
-    pick = pick_linear(times)
-    now = time_linear_products(dtype, bucket, out_f, in_f, [pick], repeats=1)[pick]
-    return times if times[pick] / LINEAR_FAR_OFF <= now <= times[pick] * LINEAR_FAR_OFF else None
+    return times
 
 
 def weight_copy(weight: torch.Tensor, name: str) -> torch.Tensor:
@@ -386,6 +399,98 @@ def lora_form(x, A, B, timer=None) -> str:
 
         _lora_form[key] = fastest(timer or run, tuple(kernels.LORA_FORMS), rounds=5)
     return _lora_form[key]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The decode step: eager or compiled
+
+DECODE_PROMPT, DECODE_TOKENS = 16, 17  # the generation compiled_decode_faster times: prompt tokens, new tokens
+DECODE_GAIN = 1.10  # the compiled step (tens of seconds of compiling, a second copy of the weights) must win by 10%
+
+
+def decode_key(model, batch: int) -> str:
+    """What a decode choice holds for besides the machine (cpu_key): the model's class, its config (hashed), whether
+    its products are int8 (harness/quantize.py), its dtype and the batch bucket (graphs.batch_bucket)."""
+    import hashlib
+
+    import graphs
+
+    cfg = hashlib.sha1(repr(sorted(vars(model.config).items())).encode()).hexdigest()[:12]
+    int8 = any(type(m).__name__ == "Int8Linear" for m in model.modules())
+    dtype = str(model.lm_head.weight.dtype).removeprefix("torch.")
+    return f"decode {type(model).__name__} {cfg}{' int8' if int8 else ''} {dtype} {graphs.batch_bucket(batch)} rows"
+
+
+def decode_step_time(model, batch: int, compiled: bool, rounds: int = 1) -> float:
+    """Seconds per new token of model.generate at `batch` rows (DECODE_PROMPT prompt tokens, DECODE_TOKENS new ones,
+    greedy), with its compiled step (graphs.compile_decode applied) or its eager one (graphs.eager_decode), the
+    median of `rounds` timed runs. The prefill is the same eager code in both and the difference is the decode."""
+    import graphs
+
+    torch.manual_seed(0)
+    idx = torch.randint(0, model.config.vocab_size, (batch, DECODE_PROMPT), device=model.lm_head.weight.device)
+    times = []
+    with contextlib.nullcontext() if compiled else graphs.eager_decode(model):
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            model.generate(idx, DECODE_TOKENS)
+            times.append((time.perf_counter() - t0) / DECODE_TOKENS)
+    return sorted(times)[len(times) // 2]
+
+
+def compiled_decode_faster(model, batch: int, flag: bool | None = None, timer=None, keep: bool = True) -> bool:
+    """Whether `model` decodes `batch` rows with graphs.compile_decode's compiled step on this machine; the model is
+    left compiled when it does (the graphs compiled for the measurement are the ones used), eager otherwise.
+    keep=False: the model is left eager either way, and a record on disk is taken as it is, not timed again (a
+    server compiles steps of its own: serve.py, bench.py serve).
+
+    flag True / False: as told (a command's --compile / --no-compile). None (`auto`): compiled on CUDA; on a CPU
+    by measurement, never by a rule: generate() timed with the eager step (this module's forms) and with the
+    compiled one, a warm-up each (the compile), then 3 interleaved rounds, median (decode_step_time); compiled when
+    it wins by DECODE_GAIN. The times are kept on disk beside the linear products' (LINEAR_CACHE, under cpu_key and
+    decode_key: the model's shape and dtype and the batch bucket); a later process times the recorded pick once and
+    measures both again when that is far off the record or the record is old (LINEAR_FAR_OFF, LINEAR_CACHE_DAYS).
+    `timer(model, batch, compiled) -> seconds per token` replaces decode_step_time (tests)."""
+    import graphs
+
+    device = model.lm_head.weight.device
+    if flag is None and device.type != "cpu":
+        flag = device.type == "cuda"
+    if flag is not None:
+        if flag and keep and model.graph_caches is None:
+            graphs.compile_decode(model)
+        return flag
+    timer = timer or (lambda m, b, c, rounds=1: decode_step_time(m, b, c, rounds))
+    names = ("eager", "compiled")
+    path, mkey, skey = os.environ.get("LINEAR_CHOICE_CACHE", LINEAR_CACHE), cpu_key(), decode_key(model, batch)
+    entry = _read_cache(path).get(mkey, {}).get(skey) if path else None
+    times = young_record(entry, names)
+    if times is not None and keep:
+        pick = "compiled" if times["compiled"] * DECODE_GAIN < times["eager"] else "eager"
+        if pick == "compiled":
+            graphs.compile_decode(model)
+            timer(model, batch, True)  # the compile
+        now = timer(model, batch, pick == "compiled")
+        if not times[pick] / LINEAR_FAR_OFF <= now <= times[pick] * LINEAR_FAR_OFF:
+            times = None
+    if times is None:
+        if model.graph_caches is None:
+            graphs.compile_decode(model)
+        for compiled in (False, True):
+            timer(model, batch, compiled)  # the warm-up: the compile, the eager forms' measurements
+        runs = {k: [] for k in names}
+        for _ in range(3):
+            for k in names:
+                runs[k].append(timer(model, batch, k == "compiled"))
+        times = {k: sorted(v)[1] for k, v in runs.items()}
+        if path:
+            disk = _read_cache(path)
+            disk.setdefault(mkey, {})[skey] = {"times": times, "measured": time.time()}
+            _write_cache(path, disk)
+    faster = times["compiled"] * DECODE_GAIN < times["eager"]
+    if not (faster and keep):
+        graphs.uncompile_decode(model)
+    return faster
 
 
 # ----------------------------------------------------------------------------------------------------------------

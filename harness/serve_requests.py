@@ -1,7 +1,9 @@
 """
 serve_requests.py -- where the requests of the serving benchmark come from, and the tables of their errors.
 
-  * Requests are serve.py's own (Request, request_problem: what the engine refuses and why; MAX_REQUESTS).
+  * Requests: serve.py's Request (what the engine serves and refuses), read as a ReadRequest here: it also remembers
+    where it came from (a file:line) and why reading it failed, and is refused for it by the engine like a request
+    it cannot serve. At most MAX_REQUESTS per run.
   * Sources: synthetic (all at once, or Poisson at a rate, seeded; lengths uniform in "a:b" ranges), windows of the
     validation corpus (data.prepare_corpus / TokenData), those windows asked about in the model's chat template
     (chat_requests), or a JSONL file of
@@ -9,7 +11,7 @@ serve_requests.py -- where the requests of the serving benchmark come from, and 
   * Validation: a bad JSONL line (not UTF-8, not JSON, a "prompt" that is not a string, an arrival that is not a
     number of seconds in [0, MAX_ARRIVAL_S]) becomes a request marked invalid, which the server refuses with its own
     error naming the file:line, as it refuses an empty prompt, ids outside the vocabulary or a request longer than the
-    context (serve.request_problem); the others are served. A file that is not a regular file (a FIFO, a device),
+    context (ReadRequest.problem); the others are served. A file that is not a regular file (a FIFO, a device),
     cannot be read, or holds more than MAX_REQUESTS requests, is one UsageError; a line with both "prompt" and
     "prompt_ids" is that request's error (which one was meant is not known). A chat template runs bounded in a child
     process (chat_template.py): one that does not render a first question is one UsageError, one that fails on a
@@ -24,13 +26,49 @@ import os
 
 import torch
 
+from dataclasses import dataclass
+
 from harness.chat_template import ChatTemplate, RenderError
 from harness.cli import UsageError, one_line, regular_file
 from harness.data import TokenData, prepare_corpus, step_generator
-from serve import MAX_REQUESTS, Request, random_requests
+from serve import Request
 
 # ----------------------------------------------------------------------------------------------------------------
-# Reading requests: validation, arrivals, synthetic, corpus and JSONL requests
+# A request as read, and what it can get wrong
+
+# The most requests one run takes: each keeps its prompt, outputs and token times in Python lists (a few KB).
+MAX_REQUESTS = 100_000
+
+
+@dataclass
+class ReadRequest(Request):
+    """A request read from a file, a corpus or a chat template: where it came from, named in its error, and why
+    reading it failed (then the engine refuses it with that error, as it refuses a request it cannot serve)."""
+    invalid: str | None = None  # a reason found while reading the request (bad JSONL line, a failed chat template)
+    invalid_kind: str = "bad request line"  # the short reason of `invalid`
+    source: str | None = None  # where the request came from ("reqs.jsonl:3"), named in its error
+
+    def problem(self, vocab_size: int, max_seq_len: int) -> tuple[str, str] | None:
+        """The reading error first, then what a file can give that the engine never makes itself (values of the wrong
+        type), then the engine's own reasons (serve.Request.problem)."""
+        if self.invalid:
+            return self.invalid_kind, self.invalid
+        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool):
+            return "bad max_new_tokens", f"max_new_tokens={self.max_new_tokens!r} must be a positive integer"
+        if not isinstance(self.prompt, list):
+            return "prompt ids not a list", "prompt_ids must be a list of token ids"
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.prompt):
+            return "prompt ids not integers", "prompt ids must be integers"
+        return super().problem(vocab_size, max_seq_len)
+
+    def refuse(self, kind: str, message: str):
+        """The error names where the request came from (unless the message names its file already)."""
+        named = self.source and self.source.rsplit(":", 1)[0] in message
+        super().refuse(kind, f"{self.source}: {message}" if self.source and not named else message)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reading requests: arrivals, synthetic, corpus and JSONL requests
 
 # A request arriving later than MAX_ARRIVAL_S seconds after the start (a file's arrival, or Poisson arrivals at a tiny
 # --rate) would keep every server idle that long: an error, not a wait.
@@ -62,9 +100,22 @@ def arrival_times(n: int, process: str, rate: float, gen: torch.Generator) -> li
     raise ValueError(f"unknown arrival process {process!r}; choose all or poisson")
 
 
+def random_requests(n: int, vocab_size: int, prompt_len: tuple[int, int], gen_len: tuple[int, int], arrivals,
+                    gen: torch.Generator) -> list[ReadRequest]:
+    """n requests of random token ids (never the last vocabulary row, which some architectures use as a pad), prompt
+    and output lengths uniform in the (lo, hi) ranges (both included), arriving at `arrivals` (n times), drawn from
+    `gen`: serve.py's demo's requests, and bench.py serve's synthetic ones."""
+    out = []
+    for i in range(n):
+        T = int(torch.randint(prompt_len[0], prompt_len[1] + 1, (1,), generator=gen))
+        G = int(torch.randint(gen_len[0], gen_len[1] + 1, (1,), generator=gen))
+        out.append(ReadRequest(i, torch.randint(0, vocab_size - 1, (T,), generator=gen).tolist(), G, arrivals[i]))
+    return out
+
+
 def synthetic_requests(n, vocab_size, prompt_len="8:48", gen_len="8:64", arrival="all", rate=10.0, seed=0):
-    """n requests with random token ids (serve.random_requests), lengths uniform in the "a:b" ranges, arriving all
-    at once or Poisson at `rate`."""
+    """n requests with random token ids (random_requests), lengths uniform in the "a:b" ranges, arriving all at once
+    or Poisson at `rate`."""
     g = torch.Generator().manual_seed(seed)
     times = arrival_times(n, arrival, rate, g)
     return random_requests(n, vocab_size, parse_range(prompt_len), parse_range(gen_len), times, g)
@@ -103,7 +154,7 @@ def chat_requests(n, tok, template, data="stdlib", cache_dir="data_cache", promp
     sends it. The template runs sandboxed, bounded in CPU time, memory and output (chat_template.ChatTemplate). It is
     tried first on a question about `pass`, before the corpus is read: a template that fails there (a syntax error,
     raise_exception, a loop that does not end, strings beyond its memory) is one UsageError naming `source`; one that
-    fails only on some window makes that request's error (request_problem: "chat template"). The prompt is longer
+    fails only on some window makes that request's error (ReadRequest.problem: "chat template"). The prompt is longer
     than the window by the template's tokens."""
     with ChatTemplate(template) as chat:
         try:
@@ -152,7 +203,7 @@ def jsonl_requests(path, tok=None, default_gen=32, arrival="all", rate=10.0, see
     times = arrival_times(len(lines), arrival, rate, torch.Generator().manual_seed(seed))
     reqs = []
     for i, (lineno, raw) in enumerate(lines):
-        r = Request(i, [], default_gen, times[i], source=f"{path}:{lineno}")
+        r = ReadRequest(i, [], default_gen, times[i], source=f"{path}:{lineno}")
         try:
             try:
                 ln = raw.decode("utf-8")

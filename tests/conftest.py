@@ -14,6 +14,11 @@ if not torch.cuda.is_available():
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
     os.environ.get("TMPDIR", "/tmp"), f"torchinductor-tests-{torch.backends.cpu.get_cpu_capability().lower()}"))
 
+# The CPU forms measured fastest (harness/cpu_tuning.py) are kept in a file under ~/.cache; the tests keep theirs beside
+# inductor's, so a test run never writes into the user's home (tests/test_cpu_tuning.py sets its own per test).
+os.makedirs(os.environ["TORCHINDUCTOR_CACHE_DIR"], exist_ok=True)
+os.environ.setdefault("LINEAR_CHOICE_CACHE", os.path.join(os.environ["TORCHINDUCTOR_CACHE_DIR"], "linear_choice.json"))
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 

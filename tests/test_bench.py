@@ -11,7 +11,7 @@ import torch
 
 import bench
 import eval
-from harness import bench_common, bench_decode, bench_train
+from harness import bench_common, bench_decode, bench_train, serve_hooks
 from model import GPT, GPTConfig
 
 
@@ -27,10 +27,27 @@ def test_kernels_bench_runs_on_cpu(capsys):
 
 
 def test_decode_bench_reports_bandwidth_and_ratio(capsys):
+    """Eager and int8 rows beside transformers (the compiled rows cost an inductor compile: test_graphs.py compiles);
+    llama.cpp is skipped with its reason for random weights."""
     bench.main(["decode", "--device", "cpu", "--preset", "tiny", "--dtype", "float32", "--repeats", "1",
-                "--prompt-len", "8", "--new-tokens", "4"])
+                "--prompt-len", "8", "--new-tokens", "4", "--systems", "eager,transformers,llama.cpp"])
     out = capsys.readouterr().out
-    assert "read bandwidth of this machine" in out and "ours / transformers" in out and "tok/s" in out
+    assert "read bandwidth of this machine" in out and "ours eager / transformers: decode speed" in out
+    assert "% of the probe" in out and "skipped llama.cpp: random weights have no GGUF file" in out
+
+
+def test_decode_bytes_per_token_count_the_tied_head_once_and_int8_as_bytes():
+    """What a decode step reads: every product and norm, a tied head once (the embedding table is not read besides),
+    an int8 model's int8 weights and scales."""
+    from harness.quantize import int8_bytes, int8_weights
+    from model import GPT, GPTConfig
+
+    m = GPT(GPTConfig.from_preset("tiny"))
+    c = m.config
+    layer = 2 * c.n_embd * c.n_embd + 2 * c.n_embd * c.n_kv_head * c.hd + 3 * c.n_embd * c.mlp_hidden + 2 * c.n_embd
+    assert bench_decode.read_bytes(m) == 4 * (c.n_layer * layer + c.vocab_size * c.n_embd + c.n_embd)
+    q = int8_weights(m)
+    assert bench_decode.read_bytes(q) == int8_bytes(q) + 4 * (c.n_layer * 2 * c.n_embd + c.n_embd)
 
 
 def test_archs_table_runs_every_architecture(capsys):
@@ -77,7 +94,7 @@ def test_serve_profile_times_the_parts_of_a_step_and_leaves_the_model_as_it_was(
     reqs = serve_requests.synthetic_requests(6, 64, "6", "6", seed=0)
     thr = bench_serve.calibrate_threshold(rel, reqs, exit_rate=0.5, rule="gate")
     for threshold in (None, thr):
-        srv = serve.DepthWiseServer(rel, 3, threshold, "gate", hook=serve.Metrics())
+        srv = serve.DepthWiseServer(rel, 3, threshold, "gate", hook=serve_hooks.Metrics())
         before = [r.output for r in srv.run(reqs, clock="step")]
         shares = bench_serve.step_shares(srv, reqs)
         assert abs(sum(shares.values()) - 1) < 1e-9 and shares["shared block"] > 0 and shares["sampling"] > 0
@@ -142,7 +159,7 @@ def test_serve_profile_counts_only_the_decode_steps_and_restores_instance_attrib
     torch.manual_seed(0)
     rel = from_vanilla(GPT(GPTConfig.from_preset("tiny", vocab_size=64, max_seq_len=32)), n_loops=2,
                        init="average", log=lambda *_: None).eval()
-    srv = serve.DepthWiseServer(rel, 2, hook=serve.Metrics())
+    srv = serve.DepthWiseServer(rel, 2, hook=serve_hooks.Metrics())
     calls, inside = {"in": [], "out": []}, [False]  # the measured duration of each call, inside / outside steps
 
     def slow_sample(logits, reqs):
@@ -223,6 +240,7 @@ BENCH_MISTAKES = [  # (argv, the message); {d}: the ckpts directory
     (["decode", "--preset", "huge"], "argument --preset: invalid choice: 'huge'"),
     (["decode", "--dtype", "float32,fp8"], "argument --dtype: 'fp8' is not one of auto, float32"),
     (["decode", "--linear", "bogus"], "argument --linear: 'bogus' is not one of auto, linear"),
+    (["decode", "--systems", "eager,vllm"], "argument --systems: 'vllm' is not one of eager, compiled"),
     (["decode", "--device", "nope"], "--device 'nope' is not a device"),
     (["plt", "--preset", "huge"], "argument --preset: invalid choice: 'huge'"),
     (["plt", "--variants", "vanilla,warp"], "argument --variants: 'warp' is not one of vanilla"),

@@ -462,19 +462,23 @@ def test_halves_config_reuses_gptconfig():
 
 
 def test_hooks_use_the_tokenizer_train_passes():
-    """config_overrides / convert take train.py's tokenizer (tok=) instead of rebuilding it from the arguments."""
+    """config_overrides and train.py's conversion take train.py's tokenizer (tok=) instead of rebuilding it from the
+    arguments."""
+    import train
+
     class Tok:
         eot, n_vocab = 7, 60
 
-    args = argparse.Namespace(block_len=None, block_prefix_len=None, block_embedder=None, block_context=None,
-                              block_no_random_pad=False, vocab_size=None, tokenizer=None, init_from=None,
+    args = argparse.Namespace(arch="block", block_len=None, block_prefix_len=None, block_embedder=None,
+                              block_context=None, block_no_random_pad=False, vocab_size=None, tokenizer=None,
+                              init_from=None,
                               seq_len=32)
     assert bt.config_overrides(args, tok=Tok()) == {"eot_id": 7}  # rebuilt from these args it would be 4096
     v = GPT(GPTConfig(n_layer=2, n_embd=32, mlp_hidden=48, vocab_size=V, max_seq_len=32))
-    assert bt.convert(args, v, tok=Tok()).config.eot_id == 7
+    assert train.convert(args, v, Tok()).config.eot_id == 7
     Tok.n_vocab = V
     with pytest.raises(ValueError, match="no spare row"):
-        bt.convert(args, v, tok=Tok())
+        train.convert(args, v, Tok())
 
 
 def test_random_padding_source_positions_name_the_same_targets():

@@ -19,7 +19,7 @@ import serve
 import train
 from conftest import ROOT, command, write_jsonl
 from conftest import one_error_line as _one_error_line  # the name test_bench and test_serve import
-from harness import checkpoint, cli, data, hf, memory, tasks
+from harness import archs, checkpoint, cli, data, hf, memory, run_flags, tasks
 
 
 @pytest.fixture(scope="module")
@@ -481,7 +481,7 @@ def test_architecture_flags_register_on_a_plain_argparse_parser():
     import argparse
 
     ap = argparse.ArgumentParser()
-    for add_args in {spec.add_args for spec in checkpoint.arch_table().values()} - {None}:
+    for add_args in {spec.add_args for spec in archs.arch_table().values()} - {None}:
         add_args(ap)
     args = ap.parse_args(["--exit-threshold", "0.5", "--exit-coef", "0.2", "--ctx-lr", "0.25", "--plt-window", "8"])
     assert (args.exit_threshold, args.exit_coef, args.ctx_lr, args.plt_window) == (0.5, 0.2, 0.25, 8)
@@ -804,12 +804,12 @@ def test_the_largest_seed_works_where_seeds_are_derived(capsys):
 
 
 def test_task_flags_without_a_task_are_named_in_the_warning():
-    table = checkpoint.arch_table()
+    table = archs.arch_table()
     argv = ["--task-p", "2", "--task-pause", "1", "--kd-weight", "2"]
     ap = train.build_parser(table)
     args = ap.parse_args(argv)
     with pytest.warns(UserWarning) as seen:
-        checkpoint.warn_inapplicable(ap, args, checkpoint.given_flags(ap, argv))
+        run_flags.warn_inapplicable(ap, args, run_flags.given_flags(ap, argv))
     assert [str(w.message) for w in seen] == [
         "flags that do not apply to --arch vanilla are ignored: --kd-weight (needs --teacher), --task-p (needs --data "
         "task:phop), --task-pause (needs --data task:phop)"]

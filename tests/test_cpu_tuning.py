@@ -222,9 +222,9 @@ def test_decode_bench_prints_the_choice_and_each_forced_product(monkeypatch, cap
 
     monkeypatch.setattr(cpu_tuning, "LINEAR_PROBE_BYTES", 1 << 20)
     bench.main(["decode", "--device", "cpu", "--preset", "tiny", "--dtype", "float32", "--repeats", "1",
-                "--prompt-len", "8", "--new-tokens", "3", "--no-hf", "--linear", "auto,dnn"])
+                "--prompt-len", "8", "--new-tokens", "3", "--systems", "eager", "--linear", "auto,dnn"])
     out = capsys.readouterr().out
-    assert "ours: GPT.generate:" in out and "ours: GPT.generate [linear: dnn]:" in out
+    assert "ours eager  " in out and "ours eager [linear: dnn] " in out
     assert "cpu_tuning's linear product per (rows, out x in)" in out and "rows   1    4160 x 128" in out
     assert "weight copies alive" in out and cpu_tuning._linear_forced == [None]
     # the benchmark switched the tuning off again
@@ -465,3 +465,33 @@ def test_fastest_keeps_the_default_unless_beaten_by_the_gain():
     assert fastest({"a": 1.0, "b": 0.5}.__getitem__, ("a", "b")) == "b"
     assert fastest({"a": 1.0, "b": 0.95}.__getitem__, ("a", "b"), gain=1.10) == "a"
     assert fastest({"a": 1.0, "b": 2.0}.__getitem__, ("a", "b")) == "a"
+
+
+@pytest.mark.parametrize("eager, compiled, want", [(2.0, 1.0, True), (1.0, 2.0, False), (1.05, 1.0, False)])
+def test_the_compiled_decode_is_kept_only_where_it_measured_faster(monkeypatch, eager, compiled, want):
+    """compiled_decode_faster (auto): the fake timer's seconds per token decide (compiled only with a 10% lead), the
+    model is left compiled or eager accordingly, and the times land on disk under this machine's key; a new process
+    reads them back and times the recorded pick once instead of measuring both; --compile / --no-compile as told."""
+    import graphs
+
+    calls = []
+
+    def timer(m, batch, is_compiled):
+        calls.append(is_compiled)
+        return compiled if is_compiled else eager
+
+    m = GPT(GPTConfig.from_preset("tiny")).eval()
+    assert cpu_tuning.compiled_decode_faster(m, 3, timer=timer) is want
+    assert (m.graph_caches is not None) is want and len(calls) == 2 + 2 * 3  # a warm-up each, 3 rounds
+    disk = cpu_tuning._read_cache(str(cpu_tuning.os.environ["LINEAR_CHOICE_CACHE"]))
+    assert disk[cpu_tuning.cpu_key()][cpu_tuning.decode_key(m, 3)]["times"] == {"eager": eager, "compiled": compiled}
+    assert cpu_tuning.decode_key(m, 3).endswith("float32 4 rows")  # the batch bucket
+    calls.clear()
+    fresh = GPT(GPTConfig.from_preset("tiny")).eval()
+    assert cpu_tuning.compiled_decode_faster(fresh, 4, timer=timer) is want
+    assert calls == ([True, True] if want else [False])  # the compile, then the pick timed once
+    plain = GPT(GPTConfig.from_preset("tiny")).eval()
+    assert cpu_tuning.compiled_decode_faster(plain, 1, flag=True) and plain.graph_caches is not None
+    assert not cpu_tuning.compiled_decode_faster(plain, 1, flag=False)
+    graphs.uncompile_decode(plain)
+    assert plain.graph_caches is None and not plain.static_cache and "decode_step" not in vars(plain)

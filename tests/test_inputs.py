@@ -27,7 +27,7 @@ import bench
 import eval as ev
 import serve
 from conftest import ROOT, command, fp16_missing, one_error_line, write_jsonl
-from harness import bench_decode, bench_train, checkpoint, cli, data, hf, serve_requests, tasks
+from harness import archs, bench_decode, bench_train, checkpoint, cli, data, hf, serve_demo, serve_requests, tasks
 from model import GPT, GPTConfig
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -605,7 +605,7 @@ EVAL_BENCH = [  # (what, command, argv, setup(monkeypatch) or None, the message)
     ("fp16 on a CPU without it", bench.main, ["decode", "--preset", "tiny", "--dtype", "float32,float16", "--device",
                                               "cpu"], _fp16_missing,
      "--dtype float16: this machine's torch cannot compute torch.float16 on cpu (RuntimeError: \"rms_norm_cpu\" not"),
-    ("fp16 on a CPU without it (serve)", serve.main, ["--dtype", "fp16", "--device", "cpu"], _fp16_missing,
+    ("fp16 on a CPU without it (serve)", serve_demo.main, ["--dtype", "fp16", "--device", "cpu"], _fp16_missing,
      "--dtype fp16: this machine's torch cannot compute torch.float16 on cpu"),
     ("fp16 on a CPU without it (hf.py)", hf.main, ["{d}/hf", "--dtype", "float16", "--device", "cpu"], _fp16_missing,
      "--dtype float16: this machine's torch cannot compute torch.float16 on cpu"),
@@ -628,7 +628,7 @@ def eval_files(files):
     torch.manual_seed(0)
     write_ckpt(files / "rec.pt", files, model=recursive.from_vanilla(GPT(CFG), n_loops=2, init="average",
                                                                       log=lambda s: None), arch="recursive")
-    spec = checkpoint.arch_table()["block"]
+    spec = archs.arch_table()["block"]
     block = bt.BlockTransformer(spec.make_config("tiny", vocab_size=576, max_seq_len=64))
     write_ckpt(files / "block.pt", files, model=block, arch="block")
     write_ckpt(files / "task.pt", files, tokenizer=TASK)
@@ -677,7 +677,7 @@ def _required(argv):
             ("hf",): ["some/dir"]}.get(tuple(argv), [])
 
 
-PARSERS = {"eval": ev.build_parser, "bench": bench.build_parser, "serve": serve.demo_parser,
+PARSERS = {"eval": ev.build_parser, "bench": bench.build_parser, "serve": serve_demo.demo_parser,
            "tasks": tasks.build_parser}
 EMPTY_VALUES = [(cmd, prefix[1:] if prefix[:1] == [cmd] else prefix, flag)
                 for cmd, build in PARSERS.items() for prefix, flag in _value_flags(build(), [cmd])]
@@ -687,7 +687,7 @@ EMPTY_VALUES += [("hf", [], flag) for flag in ("--prompt", "--max-new-tokens", "
 @pytest.mark.parametrize("cmd,sub,flag", EMPTY_VALUES, ids=[" ".join([c, *s, f]) for c, s, f in EMPTY_VALUES])
 def test_an_empty_value_is_an_error_for_every_flag(capsys, monkeypatch, cmd, sub, flag):
     """`--flag ''` (an unset shell variable) is one line naming the flag, before anything runs."""
-    run = {"eval": ev.main, "bench": bench.main, "serve": serve.main, "tasks": tasks.main, "hf": hf.main}[cmd]
+    run = {"eval": ev.main, "bench": bench.main, "serve": serve_demo.main, "tasks": tasks.main, "hf": hf.main}[cmd]
     for name in ("loss_model", "load_run", "load_checkpoint"):
         monkeypatch.setattr(ev, name, lambda *a, **k: pytest.fail("eval.py started"))
     monkeypatch.setattr(serve, "GPT", lambda *a, **k: pytest.fail("serve.py started"))
@@ -749,7 +749,7 @@ SIGNALS = [  # (command, argv, the function that does the work, the signal)
     ("hf.py", hf.main, ["some/dir"], (hf, "hf_dir")),
     ("eval.py", ev.main, ["loss", "--model", "m", "--cache-dir", "{tmp}"], (ev, "loss_model")),
     ("bench.py", bench.main, ["presets"], (bench, "bench_presets")),
-    ("serve.py", serve.main, [], (serve, "demo")),
+    ("serve.py", serve_demo.main, [], (serve_demo, "demo")),
     ("tasks.py", tasks.main, ["show"], (tasks, "show")),
 ]
 SIGNAL_ROWS = [(*row, sig) for row in SIGNALS for sig in (signal.SIGTERM, signal.SIGINT)]
@@ -914,7 +914,7 @@ def test_skipped_documents_are_counted_as_documents(tmp_path):
 def _train_actions():
     import train
 
-    ap = train.build_parser(checkpoint.arch_table())
+    ap = train.build_parser(archs.arch_table())
     return [(a.option_strings[0], a) for a in ap._actions if a.option_strings and a.help], ap
 
 
@@ -946,7 +946,7 @@ def test_model_memory_from_the_config_is_the_built_models_weights(arch, preset):
     from harness.memory import model_memory, param_bytes
     from model import kv_bytes
 
-    spec = checkpoint.arch_table()[arch]
+    spec = archs.arch_table()[arch]
     cfg = spec.make_config(preset)
     with torch.device("meta"):
         m = spec.model_cls(cfg)

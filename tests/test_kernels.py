@@ -159,8 +159,8 @@ def blocks_from_lengths(lengths):
 # gated sliding-window attention (PLT)
 
 
-def gated_swa_by_hand(q, k, v, ks, vs, gw, gb, window, scale):
-    """Independent reference in fp64: explicit loops over heads and queries."""
+def gated_swa_by_hand(q, k, v, ks, vs, gw, gb, window, scale, gate=None):
+    """Independent reference in fp64: explicit loops over heads and queries. gate (B, H, T): g given, not from q."""
     q, k, v, ks, vs, gw, gb = (x.double() for x in (q, k, v, ks, vs, gw, gb))
     B, H, T, D = q.shape
     G = H // k.size(1)
@@ -171,7 +171,7 @@ def gated_swa_by_hand(q, k, v, ks, vs, gw, gb, window, scale):
                 lo = max(0, i - window + 1)
                 pl = torch.softmax(k[b, h // G, lo:i + 1] @ q[b, h, i] * scale, 0)
                 pg = torch.softmax(ks[b, h // G, :i + 1] @ q[b, h, i] * scale, 0)
-                g = torch.sigmoid(q[b, h, i] @ gw[h] + gb[h])
+                g = torch.sigmoid(q[b, h, i] @ gw[h] + gb[h]) if gate is None else gate[b, h, i].double()
                 out[b, h, i] = g * (pl @ v[b, h // G, lo:i + 1]) + (1 - g) * (pg @ vs[b, h // G, :i + 1])
     return out
 
@@ -183,8 +183,32 @@ def gswa_inputs(B, H, Hkv, T, D):
 
 def test_gated_swa_ref_matches_hand_written_mix():
     args = gswa_inputs(1, 4, 2, 9, 6)
+    gate = torch.rand(1, 4, 9)  # a gate given by the caller (plt.py's residual gate): gate_w, gate_b not read
     for window in (1, 3, 20):
         close(K.gated_swa_ref(*args, window).double(), gated_swa_by_hand(*args, window, 6 ** -0.5))
+        close(K.gated_swa_ref(*args[:5], None, None, window, gate=gate).double(),
+              gated_swa_by_hand(*args, window, 6 ** -0.5, gate=gate))
+
+
+@pytest.mark.parametrize("H,Hkv,T,window", [(4, 2, 23, 5), (3, 3, 40, 1)])
+def test_gated_swa_with_a_given_gate(H, Hkv, T, window):
+    """gate= (B, H, T) replaces the gate from q on every path: the SDPA training path (output and gradients, the
+    gate's included) and the Triton kernel equal the reference with that gate."""
+    q, k, v, ks, vs, _, _ = gswa_inputs(2, H, Hkv, T, 20)
+    gate = torch.rand(2, H, T)
+    ref = K.gated_swa_ref(q, k, v, ks, vs, None, None, window, gate=gate)
+    close(tri(K.gated_swa_triton, q, k, v, ks, vs, None, None, window, gate=gate.to(DEV), block_m=16, block_n=16),
+          ref)
+    args = [a.requires_grad_(True) for a in (q, k, v, ks, vs, gate)]
+    fast = K.gated_swa_sdpa(*args[:5], None, None, window, gate=args[5])
+    ref = K.gated_swa_ref(*args[:5], None, None, window, gate=args[5])
+    close(fast, ref)
+    grad_out = torch.randn_like(ref)
+    for gf, gr in zip(torch.autograd.grad(fast, args, grad_out), torch.autograd.grad(ref, args, grad_out)):
+        close(gf, gr)
+    with pytest.raises(ValueError, match="gate must be"):
+        tri(K.gated_swa_triton, q.detach(), k.detach(), v.detach(), ks.detach(), vs.detach(), None, None, window,
+            gate=gate[:, :1].detach().to(DEV))
 
 
 @pytest.mark.parametrize("H,Hkv,T,window", [
@@ -281,6 +305,19 @@ def test_gated_swa_decode_matches_prefill_last_row(H, Hkv, L1, window, W, monkey
     for splits in (None, 1, 3):
         close(tri(K.gated_swa_decode_triton, q_dec, k_ring, v_ring, ring_pos, ks, vs, q_pos, gw, gb, window,
                                         num_splits=splits, block_n=16), ref)
+    # a gate given by the caller (B, L1, H): every decode path == the prefill reference's last row with that gate
+    gate = torch.rand(B, L1, H)
+    ref = K.gated_swa_decode_ref(q_dec, k_ring, v_ring, ring_pos, ks, vs, q_pos, None, None, window, gate=gate)
+    for b in range(B):
+        p = int(q_pos[b]) + 1
+        for l in range(L1):
+            g = gate[b:b + 1, l, :, None].expand(1, H, p)  # the same g at every position: the last row reads its own
+            full = K.gated_swa_ref(q[b:b + 1, l, :, :p], k_loop[b:b + 1, l, :, :p], v_loop[b:b + 1, l, :, :p],
+                                   ks[b:b + 1, :, :p], vs[b:b + 1, :, :p], None, None, window, gate=g)
+            close(ref[b, l], full[0, :, -1])
+    close(K.gated_swa_decode_sdpa(q_dec, k_ring, v_ring, ring_pos, ks, vs, q_pos, None, None, window, gate=gate), ref)
+    close(tri(K.gated_swa_decode_triton, q_dec, k_ring, v_ring, ring_pos, ks, vs, q_pos, None, None, window,
+              gate=gate.to(DEV), num_splits=3, block_n=16), ref)
 
 
 def test_gated_swa_decode_bad_input():

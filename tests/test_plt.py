@@ -1,5 +1,7 @@
 """Tests of plt.py (Parallel Loop Transformer): staggered cached decoding equals the training forward, L=1 is the
 vanilla model, the shift breaks same-position dependence, the window and the caches hold what is documented."""
+import json
+
 import pytest
 import torch
 
@@ -7,6 +9,15 @@ import graphs
 from model import GPT, GPTConfig
 from plt import (LOOP_INPUT_NORMS, PLT, PLTAttention, PLTConfig, VARIANTS, config_overrides, shift_right,
                  variant_fields)
+
+# LoopCoder-V2's forms (plt.py's docstring), one at a time and all together
+FORMS = {"scales": dict(loop_emb_scale=0.7, loop_hidden_scale=0.05),
+         "learned_scales": dict(learn_loop_scales=True, loop_emb_scale=0.7, loop_hidden_scale=0.3),
+         "final_norm": dict(loop_final_norm=True),
+         "residual_gate": dict(gate_input="residual"),
+         "w+1": dict(window_keys="w+1"),
+         "loopcoder": dict(loop_input_norm="none", loop_emb_scale=0.7, loop_hidden_scale=0.05, loop_final_norm=True,
+                           gate_input="residual", window_keys="w+1")}
 
 SHAPE = dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, mlp_hidden=64, vocab_size=61, max_seq_len=32)
 W = 4  # a small window, so that prompts of 2 and 7 tokens are shorter and longer than it and decoding wraps the ring
@@ -69,6 +80,147 @@ def full_logit_scale(model, idx):
     return model(idx)[0].std().item()
 
 
+@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("variant,n_loops", [("plt", 2), ("plt", 3), ("clp", 3), ("loop", 3), ("seq_gswa", 2)])
+@pytest.mark.parametrize("prompt_len", [2, 7])
+def test_decode_matches_forward_in_each_production_form(form, variant, n_loops, prompt_len):
+    """Every LoopCoder form decodes exactly like its training forward (CLP and sequential, prompts shorter and
+    longer than the window, the ring wrapping). In fp64, where exact means ~1e-15 (the norms' fp32 inside can round
+    a value the other way: 1e-6 allows that and nothing else)."""
+    model = make(n_loops, variant, **FORMS[form]).double()
+    idx = torch.randint(SHAPE["vocab_size"], (2, T))
+    errs, cache = decode_errors(model, idx, prompt_len)
+    assert errs.max() < 1e-6, errs
+    assert full_logit_scale(model, idx) > 1.0
+    if model.config.uses_gswa:
+        assert cache.ring.window == W + (FORMS[form].get("window_keys") == "w+1")
+
+
+def loop_io(model, idx):
+    """The input of each loop (block 0's input) and its output H^(l) (the last block's output) in model(idx)."""
+    ins, outs, L = [], [], model.config.n_loops
+    h1 = model.blocks[0].register_forward_pre_hook(lambda m, a: ins.append(a[0]))
+    h2 = model.blocks[-1].register_forward_hook(lambda m, a, o: outs.append(o))
+    logits = model(idx)[0]
+    h1.remove()
+    h2.remove()
+    assert len(ins) == len(outs) == L
+    return ins, outs, logits
+
+
+def rms_by_hand(x, weight, eps):
+    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+@pytest.mark.parametrize("form", ["paper", "scales", "learned_scales", "final_norm", "loopcoder"])
+def test_loop_input_formula(form):
+    """The input of loop l >= 2 in the training forward, written out here: a * E + b * [0, S(H^(l-1))_0..T-2] with
+    a = b = 1 (the paper), the configured or learned a, b, and S the final RMSNorm (loop_final_norm) or identity."""
+    fields = {**FORMS.get(form, {}), "loop_input_norm": "none"}
+    model = make(3, "plt", **fields)
+    if model.loop_scales is not None:
+        with torch.no_grad():
+            model.loop_scales.copy_(torch.tensor([0.3, 1.7]))  # learned values, away from the initial ones
+    a, b = (0.3, 1.7) if fields.get("learn_loop_scales") else (fields.get("loop_emb_scale", 1.0),
+                                                               fields.get("loop_hidden_scale", 1.0))
+    idx = torch.randint(SHAPE["vocab_size"], (2, 9))
+    ins, outs, _ = loop_io(model, idx)
+    e = ins[0]  # loop 1 reads E alone
+    for l in (1, 2):
+        h = outs[l - 1]
+        if fields.get("loop_final_norm"):
+            h = rms_by_hand(h, model.norm.weight, model.config.norm_eps)
+        shifted = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], dim=1)
+        torch.testing.assert_close(ins[l], a * e + b * shifted, rtol=0, atol=1e-5)
+    if model.loop_scales is not None:  # learned: both get a gradient
+        model(idx)[0].square().mean().backward()
+        assert model.loop_scales.grad.abs().min() > 0
+
+
+def test_final_norm_is_the_heads_norm():
+    """loop_final_norm uses the head's own final norm (shared weights), no new parameter; the last loop's H goes
+    through it once, in the head."""
+    base = make(2, "plt", loop_final_norm=False, loop_input_norm="none")
+    normed = make(2, "plt", loop_final_norm=True, loop_input_norm="none")
+    assert base.num_params() == normed.num_params()
+    normed.load_state_dict(base.state_dict())
+    with torch.no_grad():
+        normed.norm.weight.mul_(2.0)  # the shared norm's scale reaches loop 2's input ...
+    idx = torch.randint(SHAPE["vocab_size"], (1, 6))
+    ins1, _, _ = loop_io(normed, idx)
+    with torch.no_grad():
+        normed.norm.weight.mul_(0.5)
+    ins2, _, _ = loop_io(normed, idx)
+    e = ins1[0]
+    torch.testing.assert_close(ins1[1] - e, 2 * (ins2[1] - e), rtol=0, atol=1e-5)  # ... linearly
+
+
+def attention_by_hand(attn, xn, residual, rope, shared, keys):
+    """PLTAttention's G-SWA output written out: per head h and query i, softmax over own keys j in the window
+    (i - j < keys) and over shared keys j <= i, the gate g = sigmoid(<RMSNorm(x_i), w_h> + b_h) from the residual x,
+    g * local + (1 - g) * global, then o_proj. The projections are the attention's own (project_q / project_kv)."""
+    q, (k, v) = attn.project_q(xn, rope, None), attn.project_kv(xn, rope, None)  # (B, H, T, D), (B, H_kv, T, D)
+    ks, vs = shared
+    B, H, n, D = q.shape
+    G = H // k.size(1)
+    gate = torch.sigmoid(rms_by_hand(residual, attn.gate_norm.weight, attn.gate_norm.eps) @ attn.gate_w.T
+                         + attn.gate_b)  # (B, T, H)
+    y = torch.zeros_like(q)
+    for bb in range(B):
+        for h in range(H):
+            for i in range(n):
+                lo = max(0, i - keys + 1)
+                pl = torch.softmax(k[bb, h // G, lo:i + 1] @ q[bb, h, i] / D ** 0.5, 0)
+                pg = torch.softmax(ks[bb, h // G, :i + 1] @ q[bb, h, i] / D ** 0.5, 0)
+                g = gate[bb, i, h]
+                y[bb, h, i] = g * (pl @ v[bb, h // G, lo:i + 1]) + (1 - g) * (pg @ vs[bb, h // G, :i + 1])
+    return attn.o_proj(y.transpose(1, 2).reshape(B, n, H * D)), gate
+
+
+@pytest.mark.parametrize("window_keys", ["w", "w+1"])
+def test_residual_gate_formula(window_keys):
+    """gate_input="residual": the G-SWA output against attention_by_hand (the gate from the block's input before
+    the attention norm, one RMSNorm of the layer's own), in the training form; the logged gate mean is that g's."""
+    from model import RotaryEmbedding
+
+    cfg = PLTConfig(**SHAPE, n_loops=2, window=W, gate_input="residual", window_keys=window_keys)
+    attn = randomize(PLTAttention(cfg))
+    assert attn.gate_w.shape == (SHAPE["n_head"], SHAPE["n_embd"]) and attn.gate_norm.weight.shape == (SHAPE["n_embd"],)
+    n = 9
+    rope = RotaryEmbedding(cfg.rot_dim, n)(torch.arange(n))
+    residual = torch.randn(2, n, SHAPE["n_embd"]) * 3
+    xn = torch.randn(2, n, SHAPE["n_embd"])  # stands for attn_norm(residual): the gate must not read it
+    shared = (torch.randn(2, 2, n, cfg.hd), torch.randn(2, 2, n, cfg.hd))
+    expect, gate = attention_by_hand(attn, xn, residual, rope, shared, cfg.attn_window)
+    attn.train()
+    torch.testing.assert_close(attn(xn, rope, shared=shared, residual=residual), expect, rtol=0, atol=1e-5)
+    torch.testing.assert_close(attn.gate_mean, gate.mean(), rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="residual"):
+        attn(xn, rope, shared=shared)
+
+
+@pytest.mark.parametrize("window_keys", ["w", "w+1"])
+def test_gswa_window_keys(window_keys):
+    """In a G-SWA loop, y_i depends on the loop's own input at j iff i - w < j <= i ("w"), i - w <= j <= i ("w+1")
+    (shared K/V held fixed)."""
+    cfg = PLTConfig(**SHAPE, n_loops=2, window=W, window_keys=window_keys)
+    attn = randomize(PLTAttention(cfg))
+    from model import RotaryEmbedding
+
+    n = 11
+    rope = RotaryEmbedding(cfg.rot_dim, n)(torch.arange(n))
+    x = torch.randn(1, n, SHAPE["n_embd"])
+    shared = (torch.randn(1, 2, n, cfg.hd), torch.randn(1, 2, n, cfg.hd))
+    y = attn(x, rope, shared=shared)
+    lo = W - 1 if window_keys == "w" else W  # the oldest own key i - lo
+    for j in range(n):
+        x2 = x.clone()
+        x2[0, j] += 1.0
+        changed = (attn(x2, rope, shared=shared) - y).abs().amax(-1)[0] > 1e-6  # (n,)
+        expect = torch.tensor([(i - lo <= j <= i) for i in range(n)])
+        assert torch.equal(changed, expect), (j, changed)
+
+
 @pytest.mark.parametrize("variant", ["plt", "clp", "loop"])
 def test_decode_ragged_prompts(variant):
     """Right-padded prompts of different lengths (one shorter, one longer than w) decode like their own forward."""
@@ -105,15 +257,16 @@ def test_clp_decodes_in_one_forward_per_token():
 # -- the Triton kernels on the decode and prefill paths -------------------------------------------------------------
 
 
+@pytest.mark.parametrize("form", ["paper", "loopcoder"])  # loopcoder: the residual gate's values into the kernels
 @pytest.mark.parametrize("variant,n_loops", [("plt", 3), ("seq_gswa", 2)])
-def test_decode_through_triton_kernels(monkeypatch, variant, n_loops):
+def test_decode_through_triton_kernels(monkeypatch, variant, n_loops, form):
     """PLT's prefill (kernels.gated_swa) and decode (kernels.gated_swa_decode) forced onto the Triton kernels
     (TRITON_INTERPRET=1 on CPU, set by conftest) give the reference path's logits, which equal the forward's."""
     import kernels
 
     if kernels.triton is None:
         pytest.skip("Triton is not installed; the reference path is tested by test_decode_matches_forward")
-    model = make(n_loops, variant)
+    model = make(n_loops, variant, **FORMS.get(form, {}))
     idx = torch.randint(SHAPE["vocab_size"], (2, 10))
     lengths = torch.tensor([3, 7])  # shorter and longer than W = 4: row 0's ring wraps while decoding
 
@@ -153,8 +306,9 @@ def test_decode_through_triton_kernels(monkeypatch, variant, n_loops):
 # -- the compiled decode step: one graph that CUDA graphs can capture ----------------------------------------------
 
 
-@pytest.mark.parametrize("variant", ["plt", "clp", "loop", "seq_gswa"])
-def test_compiled_decode_is_one_graph_that_cuda_graphs_can_capture(variant):
+@pytest.mark.parametrize("variant,form", [("plt", "paper"), ("clp", "paper"), ("loop", "paper"), ("seq_gswa", "paper"),
+                                          ("plt", "loopcoder"), ("seq_gswa", "loopcoder")])
+def test_compiled_decode_is_one_graph_that_cuda_graphs_can_capture(variant, form):
     """compile_decode on a static PLTCache: one graph for every decode step of the CLP step (plt: the rings of G-SWA;
     clp: a full cache per loop) and of the sequential loop baseline (loop; seq_gswa: with rings), across ring wraps
     (12 new tokens after 5, W = 4), none more in a second generation of the same shape, every state tensor the step
@@ -162,21 +316,22 @@ def test_compiled_decode_is_one_graph_that_cuda_graphs_can_capture(variant):
     tokens equal the eager ones."""
     from graph_check import check_compiled_generate
 
-    model = make(2, variant)
+    model = make(2, variant, **FORMS.get(form, {}))
     idx = torch.randint(SHAPE["vocab_size"], (2, 5))
     check_compiled_generate(model, idx, 12, graphs=1)
 
 
-def test_compiled_decode_through_the_triton_operator(monkeypatch):
+@pytest.mark.parametrize("form", ["paper", "loopcoder"])
+def test_compiled_decode_through_the_triton_operator(monkeypatch, form):
     """On a GPU G-SWA's decode runs the Triton kernels: inside a compiled step through one opaque operator
     (kernels._gated_swa_decode_op), so the step stays one graph. Forced here onto the interpreted kernels: one graph,
-    the operator in it, the eager tokens."""
+    the operator in it, the eager tokens (loopcoder: the residual gate's values passed to the operator)."""
     import kernels
     from graph_check import GraphCheck
 
     if kernels.triton is None:
         pytest.skip("Triton is not installed")
-    model = make(3, "plt")
+    model = make(3, "plt", **FORMS.get(form, {}))
     idx = torch.randint(SHAPE["vocab_size"], (2, 5))
     ref = model.generate(idx, 8)
     monkeypatch.setattr(kernels, "_all_cuda", lambda tensors: True)
@@ -281,29 +436,12 @@ def test_shift_right():
 # -- the window ------------------------------------------------------------------------------------------------------
 
 
-def test_gswa_window_is_w_keys_including_current():
-    """In a G-SWA loop, y_i depends on the loop's own input at j iff i - w < j <= i (shared K/V held fixed)."""
-    cfg = PLTConfig(**SHAPE, n_loops=2, window=W)
-    attn = randomize(PLTAttention(cfg))
-    from model import RotaryEmbedding
-
-    n = 11
-    rope = RotaryEmbedding(cfg.rot_dim, n)(torch.arange(n))
-    x = torch.randn(1, n, SHAPE["n_embd"])
-    shared = (torch.randn(1, 2, n, cfg.hd), torch.randn(1, 2, n, cfg.hd))
-    y = attn(x, rope, shared=shared)
-    for j in range(n):
-        x2 = x.clone()
-        x2[0, j] += 1.0
-        changed = (attn(x2, rope, shared=shared) - y).abs().amax(-1)[0] > 1e-6  # (n,)
-        expect = torch.tensor([(i - W < j <= i) for i in range(n)])
-        assert torch.equal(changed, expect), (j, changed)
-
-
-def test_ring_holds_last_w_positions():
-    """After prefill and decoding, each ring holds exactly positions max(0, n-w)..n-1 (slot = position % w), and
-    their K/V are the loop's own K/V of the training forward at those positions."""
-    model = make(3, "plt")
+@pytest.mark.parametrize("window_keys", ["w", "w+1"])
+def test_ring_holds_last_w_positions(window_keys):
+    """After prefill and decoding, each ring holds exactly positions max(0, n-w)..n-1 (slot = position % w; w + 1
+    for window_keys="w+1"), and their K/V are the loop's own K/V of the training forward at those positions."""
+    model = make(3, "plt", window_keys=window_keys)
+    W = model.config.attn_window
     idx = torch.randint(SHAPE["vocab_size"], (2, T))
     lengths = torch.tensor([2, 7])
     for steps in (0, 1, T - 7):  # the longer row fills the cache; the shorter one wraps its ring
@@ -333,14 +471,17 @@ def test_ring_holds_last_w_positions():
 @pytest.mark.parametrize("variant", ["vanilla"] + list(VARIANTS)[1:])
 @pytest.mark.parametrize("n_loops", [2, 3])
 @pytest.mark.parametrize("seq_len", [3, 20])
-def test_kv_cache_bytes(variant, n_loops, seq_len):
-    cfg = PLTConfig(**SHAPE, window=W, **variant_fields(variant, None if variant == "vanilla" else n_loops))
+@pytest.mark.parametrize("window_keys", ["w", "w+1"])
+def test_kv_cache_bytes(variant, n_loops, seq_len, window_keys):
+    cfg = PLTConfig(**SHAPE, window=W, window_keys=window_keys,
+                    **variant_fields(variant, None if variant == "vanilla" else n_loops))
     model = PLT(cfg)
+    W_ = W + (window_keys == "w+1")
     B, N, d = 3, SHAPE["n_layer"], SHAPE["n_kv_head"] * cfg.hd
     nd = 2 * B * N * seq_len * d  # K and V of one full cache, in elements
     L = cfg.n_loops
     expect = {"vanilla": nd, "loop": L * nd, "clp": L * nd, "kv_share": nd,
-              "plt": nd + 2 * B * N * (L - 1) * min(W, seq_len) * d}[variant]
+              "plt": nd + 2 * B * N * (L - 1) * min(W_, seq_len) * d}[variant]
     assert model.kv_cache_bytes(B, seq_len, dtype_bytes=4) == 4 * expect
     assert model.new_cache(B, seq_len).nbytes() == 4 * expect  # fp32 tensors actually allocated
     bf16 = model.new_cache(B, seq_len, dtype=torch.bfloat16)
@@ -363,6 +504,11 @@ def test_config_errors():
         variant_fields("vanilla", 2)
     with pytest.raises(ValueError, match="bad GPTConfig"):
         PLTConfig(**{**SHAPE, "n_kv_head": 3})
+    for field, bad in (("loop_emb_scale", -0.5), ("loop_hidden_scale", float("nan")), ("loop_emb_scale", True),
+                       ("learn_loop_scales", 1), ("loop_final_norm", "yes"), ("gate_input", "key"),
+                       ("window_keys", "w+2")):
+        with pytest.raises(ValueError, match=field):
+            PLTConfig(**SHAPE, **{field: bad})
 
 
 def test_runtime_errors():
@@ -404,6 +550,26 @@ def test_flag_overrides():
     assert config_overrides(A) == dict(clp=True, kv_share=True, gswa=True)
 
 
+def test_production_form_flags():
+    """train.py's flags of the LoopCoder forms set their fields; the scales are checked as they are parsed."""
+    import train
+
+    table = train.arch_table()
+    ap = train.build_parser(table)
+    args = ap.parse_args(["--arch", "plt", "--plt-emb-scale", "0.7", "--plt-hidden-scale", "0.05",
+                          "--plt-learn-scales", "--plt-loop-final-norm", "--plt-gate", "residual",
+                          "--plt-window-keys", "w+1", "--plt-loop-norm", "none"])
+    train.resolve_defaults(args, table["plt"])
+    assert config_overrides(args) == dict(clp=True, kv_share=True, gswa=True, loop_input_norm="none",
+                                          loop_emb_scale=0.7, loop_hidden_scale=0.05, learn_loop_scales=True,
+                                          loop_final_norm=True, gate_input="residual", window_keys="w+1")
+    from harness.cli import UsageError
+
+    for flag in ("--plt-emb-scale", "--plt-hidden-scale"):
+        with pytest.raises(UsageError, match=f"argument {flag}: must be >= 0, got -1"):
+            ap.parse_args(["--arch", "plt", flag, "-1"])
+
+
 @pytest.mark.parametrize("variant", ["plt"])  # the other rows' flags: test_flag_overrides
 def test_train_runs(tmp_path, variant):
     import train
@@ -421,6 +587,43 @@ def test_train_runs(tmp_path, variant):
     model = checkpoint.model_from_checkpoint(ck)
     assert isinstance(model, PLT) and model.config.n_loops == 2 and model.config.window == 8
     assert model.config.clp == (variant == "plt") and model.config.gswa == (variant == "plt")
+
+
+def test_plt_forms_probe_and_table(tmp_path, capsys):
+    """harness/plt_forms: the probe of a trained checkpoint (the paper's raw sum: rms(E) over rms(H^(1)) shifted,
+    written out here on the same validation windows; the logit moves; learned a, b) and the table it feeds."""
+    import eval as ev
+    import train
+    from conftest import write_jsonl
+    from harness import plt_forms
+
+    texts = [f"def f{i}(x):\n    return x * {i} + {i % 7}\n" * 3 for i in range(40)]
+    data = write_jsonl(tmp_path / "corpus.jsonl", texts)
+    cache = str(tmp_path / "cache")
+    for name, flags in (("paper", ["--plt-loop-norm", "none"]), ("learned", ["--plt-learn-scales"])):
+        train.train(["--arch", "plt", "--data", str(data), "--cache-dir", cache, "--out-dir", str(tmp_path / name),
+                     "--max-iters", "2", "--batch-size", "2", "--seq-len", "32", "--eval-iters", "1",
+                     "--sample-tokens", "0", "--device", "cpu", "--vocab-size", "300", *flags])
+    got = plt_forms.probe(tmp_path / "paper" / "ckpt.pt", cache)
+    ck, model, tok = ev.load_run(tmp_path / "paper" / "ckpt.pt", "cpu")
+    ratios = []
+    for x, _ in ev.val_windows(ck, tok, plt_forms.N_WINDOWS, 2, 32, 0, "cpu", cache):
+        with torch.no_grad():
+            e, h1 = model.embed(x), model.hidden_states(x)[0][0]
+        ratios.append(float(e[:, 1:].pow(2).mean().sqrt() / h1[:, :-1].pow(2).mean().sqrt()))
+    assert abs(got["e_share"] - sum(ratios) / len(ratios)) < 1e-5, (got, ratios)
+    assert got["own"] > 0 and got["prev"] > 0 and got["scales"] is None
+    learned = plt_forms.probe(tmp_path / "learned" / "ckpt.pt", cache)["scales"]
+    assert len(learned) == 2 and learned != [1.0, 1.0]  # trained two steps away from their start
+    results = tmp_path / "results.jsonl"
+    results.write_text("".join(json.dumps(dict(row=r, seed=s, steps=2, val=v, e_share=0.5, own=1.0, prev=0.5,
+                                               scales=None)) + "\n"
+                               for r, s, v in (("paper", 0, 7.0), ("paper", 1, 7.2), ("shared", 0, 6.0))))
+    capsys.readouterr()  # the training runs' output
+    plt_forms.main(["table", "--results", str(results)])
+    out = capsys.readouterr().out.splitlines()
+    assert out[2] == "| 2 | paper | 7.100 ± 0.100 | 0.500 ± 0.000 | 1.00 ± 0.00 / 0.50 ± 0.00 | - | 0,1 |", out
+    assert out[3].startswith("| 2 | shared | 6.000 ± 0.000 |")
 
 
 # -- training: the CLP loop input keeps token i visible at position i --------------------------------------------
@@ -491,14 +694,12 @@ def test_main_job_defaults_and_explicit_lr():
     """`python train.py --arch plt` runs the arch's defaults (800 steps at lr 4e-3); an explicit --lr wins; other
     archs keep train.py's 2e-3."""
     import train
-    from harness import checkpoint
-
     table = train.arch_table()
     ap = train.build_parser(table)
     for argv, lr, iters in ((["--arch", "plt"], 4e-3, 800), (["--arch", "plt", "--lr", "1e-3"], 1e-3, 800),
                             (["--arch", "vanilla"], 2e-3, 300)):
         args = ap.parse_args(argv)
-        checkpoint.resolve_defaults(args, table[args.arch])
+        train.resolve_defaults(args, table[args.arch])
         assert (args.lr, args.max_iters) == (lr, iters), argv
 
 

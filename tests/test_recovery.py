@@ -11,7 +11,7 @@ import torch
 import eval as ev
 import train
 from conftest import write_jsonl
-from harness import checkpoint, cli
+from harness import checkpoint, cli, recovery
 from model import GPT, GPTConfig
 
 
@@ -37,7 +37,7 @@ def test_every_row_is_a_conversion_train_py_builds(source, tmp_path):
     d, src, common = source
     args = ev.build_parser().parse_args(["recovery", "--lora-rank", "4"])
     n_params = {}
-    for row, (label, flags) in ev.recovery_rows(4, {"q": 32, "kv": 32, "o": 32, "mlp": 32}, args, tmp_path).items():
+    for row, (label, flags) in recovery.recovery_rows(4, {"q": 32, "kv": 32, "o": 32, "mlp": 32}, args, tmp_path).items():
         if row == "a+samples":
             write_jsonl(tmp_path / "samples" / "s.jsonl", ["return self value"] * 20)
         train.train([*flags, "--init-from", src, "--teacher", src, "--max-iters", "1", "--eval-iters", "1",
@@ -62,7 +62,7 @@ def test_recovery_command_builds_the_curves_in_calls_then_serves_real_exits(sour
             str(out), "--batch-size", "2", "--seq-len", "32", "--eval-tokens", "256", "--device", "cpu"]
     ev.main([*base, "--minutes", "0.002", "--rows", "a,b"])
     text = capsys.readouterr().out
-    settings, rows, _ = ev.read_recovery(out / "recovery.jsonl")
+    settings, rows, _ = recovery.read_recovery(out / "recovery.jsonl")
     budget = settings["tokens"]
     assert budget % 64 == 0 and budget >= 64 and set(rows) == {"a", "b"}
     for r in "ab":
@@ -85,7 +85,7 @@ def test_recovery_command_builds_the_curves_in_calls_then_serves_real_exits(sour
     assert (out / "rows" / "a" / "ckpt.pt").stat().st_mtime_ns == kept  # in the results already: not retrained
     manifest = json.loads((out / "samples" / "manifest.json").read_text())
     assert sum(manifest["shards"].values()) >= budget // 2  # share 0.5 of the budget, each sample seen about once
-    settings, rows, exits = ev.read_recovery(out / "recovery.jsonl")
+    settings, rows, exits = recovery.read_recovery(out / "recovery.jsonl")
     assert set(rows) == {"a", "b", "a+samples"} and rows["a+samples"]["points"][-1][0] == budget
     assert "(a) with teacher samples - (a) on" in text
     assert exits["row"] in ("a", "a+samples") and [p["threshold"] for p in exits["gate"]] == [0.5, 0.9]
@@ -129,12 +129,12 @@ def test_generate_is_greedy_for_the_first_tokens_then_samples():
 
 def test_crossing_says_where_a_row_ends_below_its_baseline():
     t = [0, 1000, 10000, 100000]
-    assert ev.crossing(t, [0.5, 0.2, -0.1, -0.2]) == "crosses below between 1k and 10k tokens and stays below"
-    assert ev.crossing(t, [-0.1, -0.2, -0.1, -0.3]) == "below at every point"
-    assert ev.crossing(t, [0.6, 0.5, -0.1, 0.2]) == "not below at the end: +0.600 at 0 -> +0.200 at 100k (below " \
+    assert recovery.crossing(t, [0.5, 0.2, -0.1, -0.2]) == "crosses below between 1k and 10k tokens and stays below"
+    assert recovery.crossing(t, [-0.1, -0.2, -0.1, -0.3]) == "below at every point"
+    assert recovery.crossing(t, [0.6, 0.5, -0.1, 0.2]) == "not below at the end: +0.600 at 0 -> +0.200 at 100k (below " \
                                                    "at 10k only)"
-    assert ev.curve_points(40000, None) == [0, 10000, 30000, 40000]
-    assert ev.curve_points(10 ** 7, None)[-3:] == [1000000, 3000000, 10 ** 7]
+    assert recovery.curve_points(40000, None) == [0, 10000, 30000, 40000]
+    assert recovery.curve_points(10 ** 7, None)[-3:] == [1000000, 3000000, 10 ** 7]
 
 
 def test_a_sigterm_to_recovery_is_passed_on_to_the_run_it_started(tmp_path):
@@ -151,7 +151,7 @@ def test_a_sigterm_to_recovery_is_passed_on_to_the_run_it_started(tmp_path):
 
     try:
         with cli._sigterm_interrupts(), pytest.raises(cli.Terminated):
-            ev.run_script(str(child), [], keep=on_line)
+            recovery.run_script(str(child), [], keep=on_line)
         with pytest.raises(ProcessLookupError):  # stopped and reaped
             os.kill(pids[0], 0)
     finally:

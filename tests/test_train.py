@@ -12,7 +12,7 @@ import torch
 import model as model_lib
 import train
 from conftest import ROOT, write_jsonl
-from harness import checkpoint, cli, data, memory
+from harness import archs, checkpoint, cli, curve, data, memory
 
 # ---- a small real corpus: a few standard-library files as SlimPajama-style documents ----------------------------
 
@@ -345,7 +345,7 @@ def test_init_from_and_teacher_of_one_checkpoint_read_it_once(tmp_path, corpus, 
     """--init-from CKPT --teacher CKPT and no tokenizer flag (CKPT's tokenizer): three roles, one read of the file
     (CRC-32, torch.load, checks)."""
     read, real = [], checkpoint.load_checkpoint
-    monkeypatch.setattr(checkpoint, "load_checkpoint", lambda path: (read.append(str(path)), real(path))[1])
+    monkeypatch.setattr(train, "load_checkpoint", lambda path: (read.append(str(path)), real(path))[1])
     argv = base_args(corpus, tmp_path, "--max-iters", "1", "--init-from", teacher, "--teacher", teacher, "--kd", "jsd")
     i = argv.index("--vocab-size")
     train.train(argv[:i] + argv[i + 2:])
@@ -512,7 +512,7 @@ def test_nan_validation_loss_is_never_written(tmp_path, corpus, monkeypatch):
 def test_step_memory_estimate_matches_the_activations_of_a_full_batch(arch):
     import contextlib
 
-    table = checkpoint.arch_table()
+    table = archs.arch_table()
     spec = table[arch]
     T = 192
     model = spec.model_cls(spec.make_config("tiny", vocab_size=576, max_seq_len=T))
@@ -574,7 +574,7 @@ def test_cpu_optimizer_is_the_fused_adamw_and_steps_like_the_per_tensor_loop():
 
 
 def _curve(run_dir):
-    return checkpoint.read_curve(run_dir / "out" / "curve.jsonl")
+    return curve.read_curve(run_dir / "out" / "curve.jsonl")
 
 
 def test_curve_points_are_the_eval_loss_of_the_fixed_set_and_survive_a_resume(tmp_path, corpus, monkeypatch, capsys):
