@@ -437,7 +437,8 @@ def cpu_line(threads: int | None = None) -> str:
             name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), name)
     import torch
     threads = threads or torch.get_num_threads()
-    return f"{name}, {os.cpu_count()} cores, {threads} threads a run, torch {torch.__version__}"
+    per_run = f"{threads} thread{'s' if threads != 1 else ''} a run"
+    return f"{name}, {os.cpu_count()} cores, {per_run}, torch {torch.__version__}"
 
 
 # ----------------------------------------------------------------------------------------------------------------
