@@ -19,6 +19,7 @@ harness -- what measures, checks and converts the models of this repository; the
     chat_template.py    a model's chat template rendered in a bounded child process (CPU time, memory, output)
     cpu_tuning.py       the CPU forms of linear, attention and LoRA measured fastest on this machine
     figures.py          each paper's central figure traced from the code (`python bench.py figures`)
+    sweep.py            each quality comparison with both sides tuned on one budget (`python eval.py sweep NAME`)
     kernels_aot.py      kernels.py's Triton kernels compiled ahead of time for sm_80 / sm_90 without a GPU
 
 Run its commands from the repository root (`python -m harness.hf ...`, `python -m harness.tasks ...`): the modules

@@ -17,7 +17,7 @@ def test_serve_bench_hf_and_eval_reach_no_train():
 def test_eval_docstring_names_each_command():
     """Every subcommand of eval.py's parser stands in its docstring as a runnable line `python eval.py <command>`."""
     sub = next(a for a in eval.build_parser()._actions if a.dest == "what")
-    assert set(sub.choices) == {"loss", "exits", "energy", "double-eval", "block", "recovery", "samples"}
+    assert set(sub.choices) == {"loss", "exits", "energy", "double-eval", "block", "recovery", "samples", "sweep"}
     doc = ast.get_docstring(ast.parse((ROOT / "eval.py").read_text()))
     for command in sub.choices:
         assert f"python eval.py {command} " in doc, command
