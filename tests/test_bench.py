@@ -256,7 +256,7 @@ BENCH_MISTAKES = [  # (argv, the message); {d}: the ckpts directory
     (["serve", "--exit-rate", "2"], "argument --exit-rate: must be <= 1, got 2"),
     (["serve", "--batch-memory-mb", "0"], "argument --batch-memory-mb: must be > 0, got 0"),
     (["serve", "--preset", "tiny", "--dtype", "float32", "--loops", "2", "--lora-rank", "1000"],
-     "lora_rank_q=1000 exceeds"),
+     "--lora-rank 1000 exceeds the full rank"),
     (["serve", "--preset", "tiny", "--dtype", "float32", "--loops", "2", "--lora-rank", "0", "--rules", "softmax",
       "--requests", "2", "--slots", "100000000"], "--slots 100,000,000: the servers' KV caches need"),
     (["block", "--preset", "huge"], "argument --preset: invalid choice: 'huge'"),
