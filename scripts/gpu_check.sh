@@ -97,11 +97,12 @@ finish() {  # finish CODE: the output flushed (tee gone), then exit
 # waits for it, so the trap runs as the signal comes, not when the command ends.
 stopping=""
 running=""
+passed=""  # the pid the stop was passed on to
 on_signal() {
     if [ -z "$stopping" ]; then
         stopping=$1
         echo "$1: stopping${running:+ the current command (at most 10 s more)}, then the script"
-        [ -n "$running" ] && kill -s "$1" -- "$running" 2> /dev/null
+        [ -n "$running" ] && passed=$running && kill -s "$1" -- "$running" 2> /dev/null
     elif [ -n "$running" ]; then
         kill -s KILL -- "-$running" 2> /dev/null
     fi
@@ -115,6 +116,11 @@ bounded() {
     [ -n "$stopping" ] && return 130
     timeout -k 10 "$secs" "$@" 3>&- &
     running=$!
+    # a signal between the fork and the line above found no command to pass the stop on to: pass it now
+    if [ -n "$stopping" ] && [ "$passed" != "$running" ]; then
+        passed=$running
+        kill -s "$stopping" -- "$running" 2> /dev/null
+    fi
     while :; do
         wait "$running"
         rc=$?
