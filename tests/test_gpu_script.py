@@ -216,6 +216,12 @@ def _fake_step(pid: int) -> bool:
     return _alive(pid) and (b"fake-python" in cmd or cmd.startswith(b"sleep\0"))
 
 
+def _default_signals():
+    """In the child before exec: SIGINT and SIGTERM at their defaults, as under a terminal."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def _wait_for(path: Path, proc) -> list[int]:
     for _ in range(WAIT_S * 20):
         if path.exists():
@@ -237,9 +243,11 @@ def test_a_signal_stops_the_step_and_the_script_with_nothing_left_running(checko
     status.txt keeps the decode step's line and says where it stopped."""
     co, env = checkout
     pids = Path(env["FAKE_PIDS"])
+    # a terminal's defaults: a runner that started pytest in the background hands its children SIGINT ignored, and a
+    # signal ignored when bash starts cannot be trapped
     proc = subprocess.Popen(["bash", str(co / "scripts/gpu_check.sh")], env={**env, "FAKE_HANG_AT": "serve",
                             "FAKE_HOW": how}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_default_signals)
     step = []
     try:
         step = _wait_for(pids, proc)

@@ -597,8 +597,8 @@ def test_curve_points_are_the_eval_loss_of_the_fixed_set_and_survive_a_resume(tm
     assert curve[0]["loss"] > curve[-1]["loss"]
     asked, real_point = [], train.curve_point
     monkeypatch.setattr(train, "stop_signals", lambda at_once: contextlib.nullcontext(asked))
-    monkeypatch.setattr(train, "curve_point", lambda run, step: (real_point(run, step), step == 2 and asked.append(
-        "SIGINT")))
+    monkeypatch.setattr(train, "curve_point", lambda run, step, between: (real_point(run, step, between),
+                                                                        step == 2 and asked.append("SIGINT")))
     with pytest.raises(cli.Stopped, match="after step 2"):
         train.train(base_args(corpus, tmp_path / "b", *flags))
     monkeypatch.undo()
