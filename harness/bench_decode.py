@@ -589,24 +589,33 @@ def generation_bytes(model, prompt, new) -> int:
     return model.generation_cache(1, prompt, new).nbytes()
 
 
+def search_window(P: int, G: int, n_tokens: int) -> tuple[int, int]:
+    """(timed decode steps per batch, context they start at) of search_batch: at most n_tokens steps, at the setting's
+    mean context P + G // 2 where n untimed and n timed steps still fit the setting's P + G positions."""
+    n = min(n_tokens, (G - 1) // 2)
+    return n, min(P + G // 2, P + G - 1 - 2 * n)
+
+
 def search_batch(model, P, G, top, n_tokens, device, buckets_only: bool = False, stop=None) -> tuple[int, dict]:
     """The batch search: at batch 1, 2, 4, ... and `top` (the largest batch the memory budget allows; buckets_only:
     only the batches a graphed model runs unpadded, graphs.batch_bucket(B) == B), the decode throughput
-    at the setting's mean context: a prefill of P + G // 2 random tokens and one decode step (untimed), then n_tokens
-    timed decode steps (greedy) -> (the batch with the most decode tokens/s, {batch: tokens/s}). It only selects the
-    batch (a short run at the start of a long generation would hide what a long context costs); the reported
-    throughput is then timed on the full setting. stop() (optional), asked before each batch after the first: True
-    ends the search there (a capped run), with the batches measured so far."""
-    n = min(n_tokens, G - 2)
-    ctx = min(P + G // 2, P + G - 2 - n)
+    at the setting's mean context (search_window): a prefill of about P + G // 2 random tokens and n decode steps
+    (untimed: every step kind runs once -- a Block Transformer's steps differ within a block -- and cpu_tuning measures
+    each new shape's CPU form, seconds at a large batch, before the clock starts), then n timed decode steps (greedy)
+    -> (the batch with the most decode tokens/s, {batch: tokens/s}). It only selects the batch (a short run at the
+    start of a long generation would hide what a long context costs); the reported throughput is then timed on the
+    full setting. stop() (optional), asked before each batch after the first: True ends the search there (a capped
+    run), with the batches measured so far."""
+    n, ctx = search_window(P, G, n_tokens)
     found = {}
     batches = {2 ** i for i in range(top.bit_length())} | {top}
     for B in sorted(b for b in batches if not buckets_only or graphs.batch_bucket(b) == b):
         if found and stop is not None and stop():
             break
-        cache = model.generation_cache(B, ctx, n + 2)
+        cache = model.generation_cache(B, ctx, 2 * n + 1)
         tok = sample_next(model.prefill(torch.randint(0, model.config.vocab_size - 1, (B, ctx), device=device), cache))
-        tok = sample_next(model.decode_step(tok, cache))
+        for _ in range(n):
+            tok = sample_next(model.decode_step(tok, cache))
         sync(device)
         t0 = time.perf_counter()
         for _ in range(n):
@@ -616,27 +625,42 @@ def search_batch(model, P, G, top, n_tokens, device, buckets_only: bool = False,
     return max(found, key=found.get), found
 
 
-# operator groups of a decode profile: (name, operators, inclusive time?) -- attention counts with its children (its
-# math fallback copies K/V and runs bmm), the others by their own time
-PROFILE_GROUPS = (("matmul", ("aten::mm", "aten::addmm", "aten::mv", "aten::addmv_"), False),
-                  ("attention", ("aten::scaled_dot_product_attention",), True),
+# operator groups of a decode profile: (name, operators, inclusive time?) -- attention counts with its children (SDPA's
+# math fallback copies K/V and runs bmm; cpu_tuning's grouped form is two bmm), the others by their own time. The
+# matmuls are the kernels of every CPU product cpu_tuning picks (F.linear, mm, the transposed copy: aten::mm or addmm;
+# torch.mv: aten::addmv_; oneDNN's layout: mkldnn::_linear_pointwise), one event per product.
+PROFILE_GROUPS = (("matmul", ("aten::mm", "aten::addmm", "aten::addmv_", "mkldnn::_linear_pointwise"), False),
+                  ("attention", ("aten::scaled_dot_product_attention", cpu_tuning.GROUPED_EVENT), True),
                   ("argmax (sampling)", ("aten::argmax",), False))
 
 
+def profile_groups(events) -> dict[str, dict]:
+    """A profile's key_averages -> {group of PROFILE_GROUPS: {"calls", "us" (its time), "flops"}} and "total" (the
+    operators' own time, us)."""
+    out = {}
+    for g, names, incl in PROFILE_GROUPS:
+        es = [e for e in events if e.key in names]
+        out[g] = {"calls": sum(e.count for e in es), "flops": sum(e.flops for e in es),
+                  "us": sum(e.cpu_time_total if incl else e.self_cpu_time_total for e in es)}
+    out["total"] = sum(e.self_cpu_time_total for e in events)
+    return out
+
+
 def profile_generate(model, idx, n_tokens) -> str:
-    """One generate(idx, n_tokens) under torch.profiler -> where its time goes: matmuls (with their achieved
-    GFLOP/s), attention, the argmax of greedy sampling and everything else, per token step."""
+    """One generate(idx, n_tokens) under torch.profiler -> where its time goes: matmuls (with the GFLOP/s of those the
+    profiler counts flops for: aten::mm and addmm), attention, the argmax of greedy sampling and everything else, per
+    token step."""
     with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
         model.generate(idx, n_tokens)
     events = prof.key_averages()
-    total = sum(e.self_cpu_time_total for e in events)
-    group = {g: [e for e in events if e.key in names] for g, names, _ in PROFILE_GROUPS}
-    times = {g: sum(e.cpu_time_total if incl else e.self_cpu_time_total for e in group[g])
-             for g, _, incl in PROFILE_GROUPS}
-    gflops = sum(e.flops for e in group["matmul"]) / max(times["matmul"], 1) / 1e3  # flops per us -> GFLOP/s
-    parts = [f"{g} {t / total:.0%}" + (f" ({gflops:.0f} GFLOP/s)" if g == "matmul" else "") for g, t in times.items()]
+    groups = profile_groups(events)
+    total = groups.pop("total")
+    counted = sum(e.self_cpu_time_total for e in events if e.key in ("aten::mm", "aten::addmm"))
+    gflops = groups["matmul"]["flops"] / max(counted, 1) / 1e3  # flops per us -> GFLOP/s
+    parts = [f"{g} {d['us'] / total:.0%}" + (f" ({gflops:.0f} GFLOP/s)" if g == "matmul" and counted else "")
+             for g, d in groups.items()]
     return (f"{total / n_tokens / 1e3:.1f} ms of operators per token step: " + ", ".join(parts)
-            + f", other {1 - sum(times.values()) / total:.0%}")
+            + f", other {1 - sum(d['us'] for d in groups.values()) / total:.0%}")
 
 
 @torch.no_grad()
@@ -684,15 +708,17 @@ def bench_block(args):
                            max((forward_memory(m.config, top[k], P, dtype.itemsize, logits_rows=top[k])
                                 for k, m in models.items()), key=lambda est: est["total"]),
                            {"generation caches (--budget-mib)": budget}, fix="lower --budget-mib")
-        n_search = min(G - 2, args.search_tokens)  # no search below 3 generated tokens
+        n_search = search_window(P, G, args.search_tokens)[0]  # no search below 3 generated tokens
         best = {}
         for k, m in models.items():
             best[k], found = (search_batch(m, P, G, top[k], n_search, device) if n_search > 0 else (top[k], {}))
             if found:
-                print(f"   batch search, {k} (decode tok/s at context {min(P + G // 2, P + G - 2 - n_search)}): "
+                print(f"   batch search, {k} (decode tok/s at context {search_window(P, G, n_search)[1]}): "
                       + ", ".join(f"{B}: {t:.0f}" for B, t in found.items()) + f" -> batch {best[k]}")
+        # each system warmed up by the whole setting, untimed: cpu_tuning measures a new shape's CPU form on its first
+        # use (the decode attention's once per key-count bucket), and none of that may fall in a timed round
         systems, batch = block_systems(models, {k: sorted({1, best[k], *[x for x in args.batches if x <= top[k]]})
-                                                for k in models}, P, G, device, warmup_tokens=min(G, 2))
+                                                for k in models}, P, G, device, warmup_tokens=G)
         res = rounds(systems, args.repeats, device, warmup=0)
         tput, at_best, at_one = block_ratios(res, batch, best, G)
         print(f"   {'model':8s} {'batch':>5s} {'caches MiB':>10s} {'ms/token step':>14s} {'tok/s':>26s}")
@@ -708,5 +734,4 @@ def bench_block(args):
         if args.profile:
             for k, m in models.items():
                 idx = torch.randint(0, m.config.vocab_size - 1, (best[k], P), device=device)
-                print(f"   profile, {k} batch {best[k]}, {min(G, 64)} new tokens: "
-                      f"{profile_generate(m, idx, min(G, 64))}")
+                print(f"   profile, {k} batch {best[k]}, the setting's {G} new tokens: {profile_generate(m, idx, G)}")

@@ -123,6 +123,9 @@ def attend(q, k, v, mask=None, is_causal=False, scale=None):
             return y.to(q.dtype)
     if (q.device.type == "cpu" and not torch.is_grad_enabled() and not causal and q.size(2) <= DECODE_QUERIES
             and not torch.compiler.is_compiling() and decode_attention(q, k, mask) == "grouped"):
+        if torch.autograd._profiler_enabled():  # one named event in a profile (bench.py block --profile)
+            with torch.profiler.record_function(GROUPED_EVENT):
+                return attend_grouped(q, k, v, mask, scale)
         return attend_grouped(q, k, v, mask, scale)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
 
@@ -135,6 +138,7 @@ TUNED = SimpleNamespace(linear=linear, attend=attend)  # what enable() puts into
 
 
 DECODE_QUERIES = 16  # attend measures SDPA against attend_grouped for at most this many queries per row
+GROUPED_EVENT = "cpu_tuning::attend_grouped"  # the profiler event of attend's grouped form (its matmuls are bmm)
 _decode_choice: dict[tuple, str] = {}  # (shapes with keys rounded up to a power of two, dtype, mask) -> the form
 
 

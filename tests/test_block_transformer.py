@@ -449,6 +449,80 @@ def test_bench_block_runs_one_setting_alone(capsys):
     assert f"best batch: {top} -> block / vanilla" in out
 
 
+def test_bench_block_times_no_first_use_choice(monkeypatch, capsys):
+    """cpu_tuning measures a shape's CPU form on its first use (each projection's per row bucket, the decode attention's
+    per batch and key-count bucket: seconds at a large batch). The batch search runs its window of decode steps once
+    untimed (every step kind of a block) and the rounds warm up on the whole setting, so no measurement falls inside
+    a timed window: the search's clock or a timed round."""
+    import types
+    import bench
+    from harness import bench_decode
+
+    log = []
+    monkeypatch.setenv("LINEAR_CHOICE_CACHE", "")  # every choice measured in this process, none read from disk
+    for cache in ("_linear_choice", "_linear_times", "_decode_choice"):
+        monkeypatch.setattr(cpu_tuning, cache, {})
+    for name in ("fastest", "time_linear_products"):
+        real = getattr(cpu_tuning, name)
+        monkeypatch.setattr(cpu_tuning, name, lambda *a, real=real, **k: log.append("measure") or real(*a, **k))
+    ticks = iter(range(1, 10 ** 9))
+    monkeypatch.setattr(bench_decode, "time", types.SimpleNamespace(perf_counter=lambda: log.append("clock") or
+                                                                    next(ticks)))
+    real_rounds = bench_decode.rounds
+
+    def rounds(*a, **k):
+        log.append("rounds")
+        try:
+            return real_rounds(*a, **k)
+        finally:
+            log.append("end")
+    monkeypatch.setattr(bench_decode, "rounds", rounds)
+    bench.main(["block", "--preset", "tiny", "--scale", str(1 / 32), "--budget-mib", "1", "--repeats", "1",
+                "--dtype", "float32", "--device", "cpu", "--setting", "decode-heavy", "--search-tokens", "4"])
+    assert "batch search, block" in capsys.readouterr().out
+    assert log.count("measure") > 0 and log.count("clock") > 2 and log.count("rounds") == 1
+    timed, clocks = False, 0
+    for x in log:
+        if x in ("clock", "rounds", "end"):
+            clocks += x == "clock"
+            timed = x == "rounds" or (x == "clock" and clocks % 2 == 1)
+        assert not (timed and x == "measure"), log
+
+
+def test_block_profile_groups_count_every_product_and_attention(monkeypatch):
+    """bench.py block --profile: every projection lands in the matmul group whichever CPU product cpu_tuning runs it
+    with (F.linear, torch.mv, mm, the transposed copy, oneDNN's layout), one event per product, and every attention
+    call in the attention group, SDPA or cpu_tuning's grouped decode form."""
+    from torch.profiler import ProfilerActivity, profile
+    from harness import bench_decode
+
+    m = GPT(GPTConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, mlp_hidden=64, vocab_size=V, max_seq_len=64)).eval()
+    idx = torch.randint(0, V, (1, 5))  # one row: torch.mv applies to the decode steps
+    calls = {"linear": 0, "attend": 0}
+    for op in calls:
+        real = getattr(cpu_tuning.TUNED, op)
+        monkeypatch.setattr(cpu_tuning.TUNED, op, lambda *a, op=op, real=real, **k: calls.__setitem__(op, calls[op] + 1)
+                            or real(*a, **k))
+    products = [p for p in cpu_tuning.LINEAR_PRODUCTS if p != "dnn" or torch.backends.mkldnn.is_available()]
+    for product in products:
+        for form in ("sdpa", "grouped"):
+            monkeypatch.setattr(cpu_tuning, "decode_attention", lambda q, k, mask, timer=None, form=form: form)
+            cpu_tuning.force_linear(product)
+            try:
+                with torch.no_grad(), cpu_tuning.switched_on():
+                    m.generate(idx, 3)  # weight copies made, outside the profile
+                    calls.update(linear=0, attend=0)
+                    with profile(activities=[ProfilerActivity.CPU]) as prof:
+                        m.generate(idx, 3)
+            finally:
+                cpu_tuning.force_linear(None)
+            groups = bench_decode.profile_groups(prof.key_averages())
+            assert calls["attend"] == 2 * 3 and calls["linear"] > 0, calls  # 2 layers x 3 forward passes
+            assert groups["attention"]["calls"] == calls["attend"], (product, form, groups)
+            assert groups["matmul"]["calls"] == calls["linear"], (product, form, groups)
+            assert 0 < groups["attention"]["us"] + groups["matmul"]["us"] <= groups["total"] * 1.01
+
+
 def test_halves_config_reuses_gptconfig():
     c = BlockConfig(**bt.halves(6, 4, 2, 64, 96, vocab_size=V, max_seq_len=32))
     assert isinstance(c, GPTConfig)
