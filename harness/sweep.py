@@ -5,10 +5,13 @@ sweep.py -- fair quality comparisons: both sides of each quality claim of RESULT
 A comparison (COMPARISONS) is two or three sides, each a train.py recipe, one protocol they share (steps, batch,
 schedule, evaluation) and one grid per side: learning rates, and for the double decoder learning rate x weight decay.
 Order of a sweep: the shared sources (a vanilla checkpoint that uptraining starts from) are trained once; every grid
-point of every side runs at the first seed; then each side's best grid setting runs again at the other seeds (three
-in all). A run is `python train.py ...` in a child process, then its score (`python eval.py ...` on its checkpoint,
-or its own `val` line on a task), both under the CPU lock (flock(2) on --lock, what `flock ~/.cpu.lock CMD` takes),
-released after the run and re-taken after --pause seconds so that other jobs on the machine get their turn.
+point of every side runs at the first seed; a side whose best learning rate lies at an edge of its grid gets the
+next one beyond that edge (x2 or /2, at every weight decay; Comparison.extend times at most), since a best at the
+edge says the side's optimum may lie outside the grid; then each side's best grid setting runs again at the other
+seeds (three in all). A run is `python train.py ...` in a child process, then its score (`python eval.py ...` on
+its checkpoint, or its own `val` line on a task), both under the CPU lock (flock(2) on --lock, what `flock
+~/.cpu.lock CMD` takes), released after the run and re-taken after --pause seconds so that other jobs on the machine
+get their turn.
 
 Results: one JSON line per run appended to OUT/results.jsonl as it ends (cli.append_line; read back through
 cli.read_json: a damaged line is one `error: ...` line). A run whose result is there is skipped when the sweep is
@@ -76,6 +79,7 @@ class Comparison:
     contrasts: tuple[tuple[str, str], ...]  # (a, b): the table reports a - b
     seeds: tuple[int, ...] = (1337, 2, 3)  # the grid at seeds[0]; each side's best again at the others
     sources: dict = field(default_factory=dict)  # name -> train.py flags (their own --max-iters), trained once
+    extend: int = 1  # times a side's lr grid grows by one step (x2 or /2) beyond the edge its best lies on
 
     def recipe_flags(self, steps: int) -> list[str]:
         return ["--max-iters", str(steps), "--eval-interval", str(steps), "--sample-tokens", "0", *self.recipe]
@@ -216,9 +220,30 @@ def side_run(comp: Comparison, side: Side, lr: float, wd: float, seed: int, kind
     return Run(kind, name, side.name, lr, wd, seed, argv, key, out / "runs" / name)
 
 
-def grid_runs(comp: Comparison, out: Path, steps: int, sources: dict[str, Run]) -> list[Run]:
-    return [side_run(comp, side, lr, wd, comp.seeds[0], "grid", out, steps, sources)
-            for side in comp.sides for lr in side.lrs for wd in side.wds]
+def grid_runs(comp: Comparison, out: Path, steps: int, sources: dict[str, Run],
+              results: dict[str, dict] | None = None) -> list[Run]:
+    """Every side's grid at the first seed: its learning rates (side_lrs: extended as far as the results decide) x
+    its weight decays."""
+    return [run for side in comp.sides for run in side_grid(comp, side, side_lrs(comp, side, out, steps, sources,
+                                                                                 results), out, steps, sources)]
+
+
+def side_grid(comp, side, lrs, out, steps, sources) -> list[Run]:
+    return [side_run(comp, side, lr, wd, comp.seeds[0], "grid", out, steps, sources) for lr in lrs for wd in side.wds]
+
+
+def side_lrs(comp: Comparison, side: Side, out: Path, steps: int, sources: dict[str, Run],
+             results: dict[str, dict] | None) -> list[float]:
+    """The side's learning rates: its grid's, and once all of them have a result and the best lies at the lowest or
+    highest, the next one beyond that edge (/2 or x2), up to comp.extend times."""
+    lrs = sorted(side.lrs)
+    for _ in range(comp.extend if results is not None and len(lrs) > 1 else 0):
+        runs = side_grid(comp, side, lrs, out, steps, sources)
+        best = best_of(comp, runs, results)
+        if best is None or lrs[0] < best.lr < lrs[-1]:
+            break
+        lrs = [lrs[0] / 2, *lrs] if best.lr == lrs[0] else [*lrs, lrs[-1] * 2]
+    return lrs
 
 
 def seed_runs(comp: Comparison, best: dict[str, Run], out: Path, steps: int, sources: dict[str, Run]) -> list[Run]:
@@ -227,8 +252,10 @@ def seed_runs(comp: Comparison, best: dict[str, Run], out: Path, steps: int, sou
             for side in comp.sides if side.name in best for seed in comp.seeds[1:]]
 
 
-def total_runs(comp: Comparison) -> int:
-    return len(comp.sources) + sum(len(s.lrs) * len(s.wds) + len(comp.seeds) - 1 for s in comp.sides)
+def total_runs(comp: Comparison, grid: list[Run] | None = None) -> int:
+    """Sources + grid + seeds: the grid as planned so far (grid; default: no learning rate beyond the edges yet)."""
+    n_grid = len(grid) if grid is not None else sum(len(s.lrs) * len(s.wds) for s in comp.sides)
+    return len(comp.sources) + n_grid + len(comp.sides) * (len(comp.seeds) - 1)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -406,7 +433,7 @@ def results_of(comp: Comparison, out: Path, steps: int, results: dict[str, dict]
                ) -> tuple[dict[str, Run], list[Run], dict[str, Run], list[Run]]:
     """The plan as far as the results decide it -> (sources, grid runs, each side's best grid run, seed runs)."""
     sources = source_runs(comp, out, results)
-    grid = grid_runs(comp, out, steps, sources)
+    grid = grid_runs(comp, out, steps, sources, results)
     best = best_per_side(comp, grid, results)
     return sources, grid, best, seed_runs(comp, best, out, steps, sources)
 
@@ -416,14 +443,19 @@ def best_per_side(comp: Comparison, grid: list[Run], results: dict[str, dict]) -
     last. Higher is better for acc, lower for the losses."""
     best = {}
     for side in comp.sides:
-        runs = [r for r in grid if r.side == side.name]
-        recs = [results.get(r.key) for r in runs]
-        if any(rec is None or rec["status"] not in ("done", "failed") for rec in recs):
-            continue
-        scored = [(rank_value(comp, rec), i) for i, rec in enumerate(recs) if rec["status"] == "done"]
-        if scored:
-            best[side.name] = runs[min(scored)[1]]
+        run = best_of(comp, [r for r in grid if r.side == side.name], results)
+        if run is not None:
+            best[side.name] = run
     return best
+
+
+def best_of(comp: Comparison, runs: list[Run], results: dict[str, dict]) -> Run | None:
+    """The best of runs once all have a result (finished or failed; failed rank last), else None."""
+    recs = [results.get(r.key) for r in runs]
+    if not runs or any(rec is None or rec["status"] not in ("done", "failed") for rec in recs):
+        return None
+    scored = [(rank_value(comp, rec), i) for i, rec in enumerate(recs) if rec["status"] == "done"]
+    return runs[min(scored)[1]] if scored else None
 
 
 def rank_value(comp: Comparison, rec: dict) -> float:
@@ -512,9 +544,18 @@ def sweep(comp: Comparison, out: Path, runner, cache_dir: str = "data_cache", st
             raise UsageError(f"the source {run.name} did not train: {results[run.key].get('error', '')} (log "
                              f"{out / 'logs' / (run.name + '.log')})")
     sources = source_runs(comp, out, results)
-    grid = grid_runs(comp, out, steps, sources)
     layout = sources.get("layout")
-    phase(grid, layout, parallel)
+    planned: set[str] = set()
+    while True:  # the grid, then each learning rate beyond an edge that a side's best lies on (side_lrs)
+        grid = grid_runs(comp, out, steps, sources, results)
+        new = [r for r in grid if r.key not in planned]
+        if not new:
+            break
+        if planned:
+            echo(f"    a best learning rate at the edge of its side's grid: {len(new)} more grid runs")
+        planned |= {r.key for r in new}
+        n_total = total_runs(comp, grid)
+        phase(new, layout, parallel)
     best = best_per_side(comp, grid, results)
     phase(seed_runs(comp, best, out, steps, sources), layout, parallel)
     write_report(comp, out, steps, results)
@@ -663,21 +704,27 @@ def side_results(comp: Comparison, steps: int, out: Path, results: dict[str, dic
     return grid, best, per_seed
 
 
+def ran_lrs(grid: list[Run], side: Side) -> list[float]:
+    """The side's learning rates in the grid as planned (its own and any beyond an edge), lowest first."""
+    return sorted({r.lr for r in grid if r.side == side.name})
+
+
 def mean_spread(values: list[float]) -> str:
     if not values:
         return "-"
     return f"{statistics.mean(values):.3f} ± {(max(values) - min(values)) / 2:.3f}"
 
 
-def edge_note(side: Side, run: Run) -> str:
+def edge_note(side: Side, run: Run, lrs: list[float]) -> str:
+    """Where the best lies on an edge of what the side ran (lrs: its learning rates, extended or not)."""
     notes = []
-    for what, grid, v in (("lr", side.lrs, run.lr), ("weight decay", side.wds, run.wd)):
+    for what, grid, v in (("lr", lrs, run.lr), ("weight decay", side.wds, run.wd)):
         if len(grid) > 1 and v in (min(grid), max(grid)):
             notes.append(f"{what} {_g(v)} is at the {'lower' if v == min(grid) else 'upper'} edge of the grid")
     return "; ".join(notes)
 
 
-def budget_line(comp: Comparison, steps: int, results: dict[str, dict], keys: set[str]) -> str:
+def budget_line(comp: Comparison, steps: int, results: dict[str, dict], keys: set[str], n_total: int) -> str:
     argv = comp.recipe_flags(steps)
     if comp.score == "acc":
         per_step, what = f"{argv[argv.index('--batch-size') + 1]} sequences", "p-hop"
@@ -687,9 +734,13 @@ def budget_line(comp: Comparison, steps: int, results: dict[str, dict], keys: se
     recs = [results[k] for k in keys if k in results and results[k]["status"] in ("done", "failed")]
     spent = sum(r.get("wall_s") or 0 for r in recs if "reused_from" not in r)
     cpus = sorted({r["cpu"] for r in recs if r.get("cpu")})
+    extend = (f" (a side whose best learning rate lies at an edge of its grid runs the next one beyond it, x2 or /2, "
+              f"at every weight decay{'' if comp.extend == 1 else f', up to {comp.extend} times'})"
+              if comp.extend else "")
     return (f"Budget per run: {steps} steps x {per_step} ({what}), warmup {min(200, steps // 10)} steps then cosine "
-            f"to lr / 10, the same for every side and seed; grid at seed {comp.seeds[0]}, each side's best again at "
-            f"seeds {', '.join(map(str, comp.seeds[1:]))}. {len(recs)} of {total_runs(comp)} runs recorded"
+            f"to lr / 10, the same for every side and seed; grid at seed {comp.seeds[0]}{extend}, each side's best "
+            f"again at seeds {', '.join(map(str, comp.seeds[1:]))}. {len(recs)} of {n_total} runs "
+            f"recorded"
             + (f" ({sum('reused_from' in r for r in recs)} copied from an identical run of another sweep)"
                if any("reused_from" in r for r in recs) else "")
             + f", {fmt_minutes(spent)} of training and evaluation" + (f" on {'; '.join(cpus)}" if cpus else "")
@@ -701,7 +752,7 @@ def table(comp: Comparison, out: Path, steps: int, results: dict[str, dict]) -> 
     _, _, per_seed = side_results(comp, steps, out, results)
     keys = {r.key for r in [*sources.values(), *grid, *seeds]}
     lines = [f"## {comp.name}: {comp.title}", "", f"RESULTS.md: {comp.section}. Score: {SCORES[comp.score]}.", "",
-             budget_line(comp, steps, results, keys), "",
+             budget_line(comp, steps, results, keys, total_runs(comp, grid)), "",
              f"Rerun: `python eval.py sweep {comp.name}" + (f" --steps {steps}" if steps != comp.steps else "")
              + " --out DIR` (resumes where DIR's results.jsonl stops); the table: the same with `--table`.", ""]
     if comp.sources:
@@ -718,7 +769,7 @@ def table(comp: Comparison, out: Path, steps: int, results: dict[str, dict]) -> 
     lines.append("|---|---|" + "---|" * len(wds))
     by_setting = {(r.side, r.lr, r.wd): r for r in grid}
     for side in comp.sides:
-        for lr in side.lrs:
+        for lr in ran_lrs(grid, side):
             cells = []
             for wd in wds:
                 run = by_setting.get((side.name, lr, wd))
@@ -751,7 +802,8 @@ def table(comp: Comparison, out: Path, steps: int, results: dict[str, dict]) -> 
         ex = [mean_spread([recs[s]["extras"][k] for s in comp.seeds if s in recs and k in recs[s]["extras"]])
               for k in extra_names]
         lines.append(f"| {side.name} | {_g(run.lr)} | {_g(run.wd)} | " + " | ".join(cells) +
-                     f" | **{mean_spread(scores)}** | " + "".join(f"{e} | " for e in ex) + f"{edge_note(side, run)} |")
+                     f" | **{mean_spread(scores)}** | " + "".join(f"{e} | " for e in ex)
+                     + f"{edge_note(side, run, ran_lrs(grid, side))} |")
     lines.append("")
     for a, b in comp.contrasts:
         ra, rb = {r["seed"]: r["score"] for r in per_seed.get(a, [])}, {r["seed"]: r["score"] for r in
@@ -789,7 +841,7 @@ def text_plot(comp: Comparison, out: Path, steps: int, results: dict[str, dict],
     for side in comp.sides:
         lines.append(f"{side.name}")
         for wd in side.wds:
-            for lr in side.lrs:
+            for lr in ran_lrs(grid, side):
                 run = next(r for r in grid if r.side == side.name and r.lr == lr and r.wd == wd)
                 rec = results.get(run.key)
                 cell = (f"|{bar(rec['score'])}| {rec['score']:.4f}" if rec and rec["status"] == "done"
@@ -907,7 +959,7 @@ def main(args) -> dict | None:
 def plan_text(comp: Comparison, out: Path, steps: int, results: dict[str, dict], args, lock) -> str:
     sources, grid, best, seeds = results_of(comp, out, steps, results)
     layout = sources.get("layout")
-    lines = [f"{comp.name}: {comp.title}", f"{total_runs(comp)} runs; score: {SCORES[comp.score]}"]
+    lines = [f"{comp.name}: {comp.title}", f"{total_runs(comp, grid)} runs; score: {SCORES[comp.score]}"]
     n = 0
     for run in [*sources.values(), *grid, *seeds]:
         n += 1
@@ -915,6 +967,9 @@ def plan_text(comp: Comparison, out: Path, steps: int, results: dict[str, dict],
         scmd = score_cmd(comp, run, args.cache_dir, layout)
         lines.append(f"[{n}] ({state}) {describe(run)}: {shown(train_cmd(run, args.cache_dir), lock)}"
                      + (f" && {shown(scmd, lock)}" if scmd else ""))
+    if comp.extend:
+        lines.append("then: a side whose best learning rate lies at an edge of its grid runs the next one beyond it "
+                     "(x2 or /2) at every weight decay" + (f", up to {comp.extend} times" if comp.extend > 1 else ""))
     for side in comp.sides:
         if side.name not in best:
             lines.append(f"then: {side.name}'s best grid setting again at seeds "

@@ -3,6 +3,7 @@ running a recorded run again, a damaged results line as one error line, the best
 A fake runner stands in for train.py and eval.py: it writes a checkpoint file and prints the lines the sweep reads,
 with a loss that is a known function of the run's flags."""
 import contextlib
+import dataclasses
 import fcntl
 import json
 import math
@@ -37,8 +38,9 @@ class FakeRunner:
     the train.py call (1-based) that ends as a stopped run (exit code 130, its checkpoint written); fail: a predicate
     of the command for runs that train.py refuses (exit code 2)."""
 
-    def __init__(self, stop_at=None, fail=lambda cmd: False, stop_eval_at=None):
+    def __init__(self, stop_at=None, fail=lambda cmd: False, stop_eval_at=None, loss=None):
         self.train, self.evals, self.stop_at, self.fail, self.stop_eval_at = [], [], stop_at, fail, stop_eval_at
+        self.loss = loss or fake_loss
         self.cpu = "fake CPU"
         self.mutex = threading.Lock()
 
@@ -66,7 +68,7 @@ class FakeRunner:
                 return 130, ["stopped: SIGTERM after step 10\n"]
             if self.fail(cmd):
                 return 2, ["error: non-finite loss nan at step 12; stopping without writing a checkpoint\n"]
-            loss = fake_loss(cmd)
+            loss = self.loss(cmd)
             if flag(cmd, "--data") == "task:phop":
                 acc = " ".join(f"p{p} {min(1.0, 1 / loss + 0.1 * (4 - p)):.3f}" for p in range(1, 5))
                 return 0, [f"step 800 loss {loss:.4f}\n", f"val step 800 loss {loss:.4f} ppl 50.0 acc {acc}\n"]
@@ -78,7 +80,7 @@ class FakeRunner:
             return 130, ["stopped: interrupted (Ctrl-C)\n"]
         ck = score_ckpt(cmd)
         with open(os.path.join(os.path.dirname(ck), "args.json")) as f:
-            loss = fake_loss(json.load(f)) - 0.01
+            loss = self.loss(json.load(f)) - 0.01
         if cmd[2] == "loss":
             return 0, [f"{ck} [plt step 800]: 1.0M parameters | 307,200 tokens | loss {loss:.4f} ppl 50.00\n"]
         if cmd[2] == "double-eval":
@@ -106,8 +108,11 @@ def test_grid_then_each_sides_best_at_the_other_seeds(tmp_path):
     side_of = {"vanilla": "decoder-only", "double": "double"}
     runs = [(side_of[flag(c, "--arch")], float(flag(c, "--lr")), float(flag(c, "--weight-decay")),
              int(flag(c, "--seed"))) for c in runner.train]
-    assert len(runs) == 3 * 3 * 2 + 2 * 2 == sweep.total_runs(comp)
-    assert {(s, lr, wd) for s, lr, wd, seed in runs if seed == 1337} == grid_of(comp)  # the whole 3 x 3 grid per side
+    # the whole 3 x 3 grid per side; the double decoder's best lr (4e-3) lies at the grid's upper edge: 8e-3 runs too,
+    # at every weight decay, and is worse (the best stays)
+    beyond = {("double", 8e-3, wd) for wd in (0.0, 0.1, 0.5)}
+    assert len(runs) == 3 * 3 * 2 + 3 + 2 * 2 == sweep.total_runs(comp) + 3
+    assert {(s, lr, wd) for s, lr, wd, seed in runs if seed == 1337} == grid_of(comp) | beyond
     assert sorted(r for r in runs if r[3] != 1337) == [("decoder-only", 2e-3, 0.1, 2), ("decoder-only", 2e-3, 0.1, 3),
                                                         ("double", 4e-3, 0.5, 2), ("double", 4e-3, 0.5, 3)]
     assert len(runner.evals) == len(runs)  # every run scored once, by double-eval
@@ -117,6 +122,41 @@ def test_grid_then_each_sides_best_at_the_other_seeds(tmp_path):
     lines = (tmp_path / "results.jsonl").read_text().splitlines()
     assert sum(json.loads(ln)["status"] == "done" for ln in lines) == len(runs)
     assert (tmp_path / "table.md").is_file() and (tmp_path / "plot.txt").is_file()
+
+
+def loss_at(best: dict):
+    """A fake loss lowest at best[arch] = (lr, wd)."""
+    def loss(cmd):
+        lr, wd = float(flag(cmd, "--lr", 2e-3)), float(flag(cmd, "--weight-decay", 0.1))
+        b_lr, b_wd = best[flag(cmd, "--arch")]
+        return 4.0 + 0.1 * math.log2(lr / b_lr) ** 2 + abs(wd - b_wd) + 0.001 * (int(flag(cmd, "--seed", 1337)) % 7)
+    return loss
+
+
+@pytest.mark.parametrize("extend", [0, 1, 3])
+def test_a_best_at_an_edge_of_the_grid_runs_the_learning_rates_beyond_it(tmp_path, extend):
+    """decoder-only's optimum lies below the grid (lr 5e-4), the double decoder's above it (1.6e-2): each side's grid
+    grows one learning rate at a time beyond the edge its best lies on, `extend` times at most; the seeds run at the
+    best of the grown grid; the table shows the grown grid and says where the best still lies at an edge."""
+    comp = dataclasses.replace(sweep.COMPARISONS["double-tiny"], extend=extend)
+    runner = FakeRunner(loss=loss_at({"vanilla": (5e-4, 0.1), "double": (1.6e-2, 0.0)}))
+    sweep.sweep(comp, tmp_path, runner, echo=lambda s: None)
+    ran = {}
+    for c in runner.train:
+        ran.setdefault(int(flag(c, "--seed")), set()).add((flag(c, "--arch"), float(flag(c, "--lr")),
+                                                           float(flag(c, "--weight-decay"))))
+    lrs = {a: sorted({lr for arch, lr, _ in ran[1337] if arch == a}) for a in ("vanilla", "double")}
+    want_double = [1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2][:3 + extend]  # 3.2e-2 is worse than 1.6e-2: it stops there
+    want_vanilla = [2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3][2 - min(extend, 2):]  # 2.5e-4 is worse than 5e-4: it stops there
+    assert lrs == {"vanilla": want_vanilla, "double": want_double}
+    assert all(len([x for x in ran[1337] if x[0] == a and x[1] == lr]) == 3 for a in lrs for lr in lrs[a])  # every wd
+    best = {"vanilla": max(want_vanilla[0], 5e-4), "double": min(want_double[-1], 1.6e-2)}
+    assert ran[2] == ran[3] == {("vanilla", best["vanilla"], 0.1), ("double", best["double"], 0.0)}
+    text = (tmp_path / "table.md").read_text()
+    assert f"| double | {sweep._g(want_double[-1])} |" in text
+    row = next(ln for ln in text.splitlines() if ln.startswith(f"| double | {sweep._g(best['double'])} | 0 |"))
+    assert ("lr" in row and "upper edge" in row) == (extend < 3)  # 1.6e-2 lies inside the grid grown 3 times
+    assert f"{len(runner.train)} of {len(runner.train)} runs recorded" in text
 
 
 def test_a_stopped_sweep_resumes_and_runs_no_recorded_run_again(tmp_path):
@@ -131,10 +171,10 @@ def test_a_stopped_sweep_resumes_and_runs_no_recorded_run_again(tmp_path):
     run_sweep("double-tiny", tmp_path, second)
     again = [flag(c, "--out-dir") for c in second.train]
     assert not set(again) & done_dirs  # no recorded run trained again
-    assert len(second.train) == 22 - 4
+    assert len(second.train) == 25 - 4  # 18 grid runs, 3 beyond the double decoder's edge, 4 seed runs
     assert second.train[0][2] == "--resume" and again[0] == stopped_dir  # the stopped run continues from its ckpt
     results = sweep.read_results(tmp_path / "results.jsonl")
-    assert sum(r["status"] == "done" for r in results.values()) == 22
+    assert sum(r["status"] == "done" for r in results.values()) == 25
     third = FakeRunner()
     run_sweep("double-tiny", tmp_path, third)  # everything recorded: nothing runs
     assert third.train == [] and third.evals == []
@@ -147,7 +187,9 @@ def test_a_run_trained_but_not_scored_is_only_scored(tmp_path):
     assert len(first.train) == 3
     second = FakeRunner()
     run_sweep("looped-corpus", tmp_path, second)
-    assert len(second.train) == 15 - 3  # the third run's training is recorded: not trained again
+    # 15 runs and vanilla-4 at lr 1e-3 (its best, 2e-3, lies at the grid's lower edge); the third run's training is
+    # recorded: not trained again
+    assert len(second.train) == 16 - 3
     assert score_ckpt(second.evals[0]) == score_ckpt(first.evals[2])
 
 
@@ -157,7 +199,7 @@ def test_a_failed_run_is_recorded_ranks_last_and_is_not_rerun(tmp_path):
     results = run_sweep("looped-corpus", tmp_path, runner)
     failed = [r for r in results.values() if r["status"] == "failed"]
     assert len(failed) == 1 and failed[0]["error"].startswith("error: non-finite loss")
-    assert len(runner.train) == 15 and len(runner.evals) == 14  # a failed run is not scored
+    assert len(runner.train) == 16 and len(runner.evals) == 15  # a failed run is not scored
     again = FakeRunner()
     run_sweep("looped-corpus", tmp_path, again)
     assert again.train == []
@@ -236,12 +278,14 @@ def test_table(tmp_path):
         means[arch] = sum(v) / 3
         if arch == "double":
             assert f"{means[arch]:.3f} ± {(max(v) - min(v)) / 2:.3f}" in row
-    assert "lr 0.004 is at the upper edge of the grid" in row and "weight decay 0.5 is at the upper edge" in row
+    # lr 0.004 lay at the grid's upper edge: 0.008 ran beyond it (at every wd) and lost, so only the wd edge is said
+    assert "| double | 0.008 |" in text and "| decoder-only | 0.008 |" not in text
+    assert "lr 0.004" not in row and "weight decay 0.5 is at the upper edge" in row
     dec_row = next(ln for ln in text.splitlines() if ln.startswith("| decoder-only | 0.002 | 0.1 |"))
     assert "edge" not in dec_row
     assert f"double − decoder-only, each at its best setting: **{means['double'] - means['vanilla']:+.3f}**" in text
     assert "Budget per run: 300 steps x 16 x 256 tokens (1.23M tokens)" in text
-    assert "22 of 22 runs recorded" in text and "fake CPU" in text
+    assert "25 of 25 runs recorded" in text and "fake CPU" in text
     assert "python eval.py sweep double-tiny" in text
     plot = (tmp_path / "plot.txt").read_text()
     assert plot.count("<- best") == 2 and "best, seed 3" in plot
@@ -325,7 +369,9 @@ def test_parallel_runs_share_a_hold_of_the_lock_and_give_the_same_results(tmp_pa
     one, two = FakeRunner(), CountingRunner()
     a = run_sweep("relaxed", tmp_path / "one", one)
     b = run_sweep("relaxed", tmp_path / "two", two, parallel=2)
-    assert two.holds == [1, 2, 2, 2, 2, 2]  # the source alone, then the 6 grid runs and the 4 seed runs in pairs
+    # the source alone, then in pairs: the 6 grid runs, lr 8e-3 of both sides (each side's best, 4e-3, lay at the
+    # grid's upper edge) and the 4 seed runs
+    assert two.holds == [1, 2, 2, 2, 2, 2, 2]
     assert {r["name"]: r["score"] for r in a.values()} == {r["name"]: r["score"] for r in b.values()}
     stopped = CountingRunner(stop_at=4)  # a child of the second pair is stopped: the sweep stops after the pair
     with pytest.raises(Stopped):
@@ -333,4 +379,4 @@ def test_parallel_runs_share_a_hold_of_the_lock_and_give_the_same_results(tmp_pa
     assert len(stopped.train) == 5 and stopped.holds == [1, 2, 2]
     again = FakeRunner()
     run_sweep("relaxed", tmp_path / "three", again, parallel=2)
-    assert len(again.train) == 11 - 4 and sum("--resume" in c for c in again.train) == 1
+    assert len(again.train) == 13 - 4 and sum("--resume" in c for c in again.train) == 1  # 11 runs + 2 beyond the edge
