@@ -143,6 +143,8 @@ def eval_loss(args):
     check_writable_dir(Path(args.cache_dir), "--cache-dir")
     with user_input():  # a bad source, conversion or layer list: one line
         model, label, spec = loss_model(args)
+        # counted before an int8 conversion: its weights are buffers, not parameters, and count the same
+        params, non_emb = model.num_params(False), model.num_params(True)
         if args.int8:  # weight-only int8 products (harness/quantize.py): their quality cost against the fp model
             model, label = int8_weights(model), label + " int8"
     if args.seq_len > model.config.max_seq_len:
@@ -159,7 +161,7 @@ def eval_loss(args):
     x, y = first_tokens_windows(val, args.tokens, args.seq_len, f"the validation split of {args.data}")
     loss = windows_loss(model, x, y, args.batch_size, device, lambda b: tqdm(b, desc="eval", leave=False))
     n = y.numel()
-    row = dict(model=args.model, label=label, params=model.num_params(False), non_emb=model.num_params(True),
+    row = dict(model=args.model, label=label, params=params, non_emb=non_emb,
                tokens=n, loss=loss, data=args.data, seq_len=args.seq_len)
     print(f"{args.model} [{label}]: {row['params'] / 1e6:.1f}M parameters ({row['non_emb'] / 1e6:.1f}M non-embedding)"
           f" | {n:,} tokens of the {args.data} validation split ({len(x)} windows of {args.seq_len}) | "

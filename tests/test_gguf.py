@@ -372,6 +372,7 @@ def test_eval_loss_rows_of_a_pretrained_source(tmp_path, tiny, capsys):
     assert [r["label"] for r in rows] == ["pretrained", "relaxed B=2 init average rank full",
                                           "recursive B=2 init lower", "layers lower:1", "pretrained int8"]
     assert 0 < abs(int8["loss"] - orig["loss"]) < 0.05  # int8 products in use, near the fp loss
+    assert (int8["params"], int8["non_emb"]) == (orig["params"], orig["non_emb"])  # int8 weights count the same
     assert all(r["tokens"] == 64 for r in rows)  # 4 windows of 16, the same tokens for every row
     assert abs(full["loss"] - orig["loss"]) < 1e-4  # full rank is the source (eq. 5)
     assert rec["params"] < orig["params"] and rec["loss"] != orig["loss"]
