@@ -233,7 +233,8 @@ def build_parser():
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="float32 | bfloat16 | auto")
     p.add_argument("--repeats", type=pos, default=3, help="interleaved timed rounds (median and min..max)")
     machine(p)
-    p.add_argument("--profile", action="store_true", help="also profile one generate per model at its best batch")
+    p.add_argument("--profile", action="store_true", help="also profile 64 decode steps per model at its best batch "
+                   "and the setting's mean context (where a step's time goes)")
     p.set_defaults(fn=bench_block)
 
     p = sub.add_parser("presets", help="every preset of an architecture: parameters, KV bytes, FLOPs per token, "
@@ -251,8 +252,8 @@ def build_parser():
     figures.add_args(p)
 
     p = sub.add_parser("kernels", help="(CUDA) Triton kernels vs their references and stock PyTorch")
-    p.add_argument("--only", default="", help="comma list of: lora, gswa, gswa_decode, dual (default: all); with --aot: "
-                                              "substrings of the case names, e.g. lora/tiny,bfloat16")
+    p.add_argument("--only", default="", help="comma list of: lora, gswa, gswa_decode, dual (default: all); with "
+                                              "--aot: substrings of the case names, e.g. lora/tiny,bfloat16")
     p.add_argument("--aot", action="store_true",
                    help="compile every kernel ahead of time for GPU targets (no GPU needed): shared memory, registers")
     p.add_argument("--aot-targets", type=comma_list(pos), default="80,90",

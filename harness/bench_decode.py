@@ -646,12 +646,23 @@ def profile_groups(events) -> dict[str, dict]:
     return out
 
 
-def profile_generate(model, idx, n_tokens) -> str:
-    """One generate(idx, n_tokens) under torch.profiler -> where its time goes: matmuls (with the GFLOP/s of those the
-    profiler counts flops for: aten::mm and addmm), attention, the argmax of greedy sampling and everything else, per
-    token step."""
+PROFILE_STEPS = 64  # decode steps bench.py block --profile records (16 blocks of the t3-19m pair's L_B 4)
+
+
+def profile_decode(model, P: int, G: int, batch: int, n_tokens: int, device) -> str:
+    """n_tokens decode steps (greedy) of `batch` rows at the setting's mean context under torch.profiler, after the
+    same prefill and untimed steps as search_batch (search_window) -> where a decode step's time goes: matmuls (with
+    the GFLOP/s of those the profiler counts flops for: aten::mm and addmm), attention, the argmax of greedy sampling
+    and everything else, per token step. A window at the mean context, not the whole generation: the profiler keeps
+    every event, and a 2,048-token generation at batch 158 outgrew a 23 GB machine's memory."""
+    n, ctx = search_window(P, G, n_tokens)
+    cache = model.generation_cache(batch, ctx, 2 * n + 1)
+    tok = sample_next(model.prefill(torch.randint(0, model.config.vocab_size - 1, (batch, ctx), device=device), cache))
+    for _ in range(n):  # untimed: every step kind once, and cpu_tuning's first-use measurements
+        tok = sample_next(model.decode_step(tok, cache))
     with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
-        model.generate(idx, n_tokens)
+        for _ in range(n):
+            tok = sample_next(model.decode_step(tok, cache))
     events = prof.key_averages()
     groups = profile_groups(events)
     total = groups.pop("total")
@@ -659,8 +670,8 @@ def profile_generate(model, idx, n_tokens) -> str:
     gflops = groups["matmul"]["flops"] / max(counted, 1) / 1e3  # flops per us -> GFLOP/s
     parts = [f"{g} {d['us'] / total:.0%}" + (f" ({gflops:.0f} GFLOP/s)" if g == "matmul" and counted else "")
              for g, d in groups.items()]
-    return (f"{total / n_tokens / 1e3:.1f} ms of operators per token step: " + ", ".join(parts)
-            + f", other {1 - sum(d['us'] for d in groups.values()) / total:.0%}")
+    return (f"{n} decode steps at context {ctx}: {total / n / 1e3:.1f} ms of operators per token step: "
+            + ", ".join(parts) + f", other {1 - sum(d['us'] for d in groups.values()) / total:.0%}")
 
 
 @torch.no_grad()
@@ -731,7 +742,6 @@ def bench_block(args):
                "paper: 10-20x at equal perplexity (abstract); no Table 2 pair for this preset")
         print(f"   best batch: vanilla {best['vanilla']}, block {best['block']} -> block / vanilla = "
               f"{spread(at_best, fmt='.2f')}x (per round) | {ref} | at batch 1: {spread(at_one, fmt='.2f')}x")
-        if args.profile:
+        if args.profile and G >= 3:
             for k, m in models.items():
-                idx = torch.randint(0, m.config.vocab_size - 1, (best[k], P), device=device)
-                print(f"   profile, {k} batch {best[k]}, the setting's {G} new tokens: {profile_generate(m, idx, G)}")
+                print(f"   profile, {k} batch {best[k]}, {profile_decode(m, P, G, best[k], PROFILE_STEPS, device)}")

@@ -115,7 +115,8 @@ def bench_kernels(args):
     dtype = pick_dtype(dev, args.dtype)
     cuda = dev.type == "cuda"
     gpu = torch.cuda.get_device_name(dev) if cuda else "CPU"
-    print(f"device {gpu}  dtype {dtype}  torch {torch.__version__}  triton {K.triton.__version__ if K.triton else None}")
+    triton = K.triton.__version__ if K.triton else None
+    print(f"device {gpu}  dtype {dtype}  torch {torch.__version__}  triton {triton}")
     if not cuda:
         print("Triton kernels need CUDA: timing the references and stock alternatives only, at small shapes. "
               "CPU figures say nothing about the GPU targets; do not record them.")

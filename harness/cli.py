@@ -519,6 +519,16 @@ def write_atomic(path, data: str | bytes, what: str = "file", error=UsageError):
         f.write(data.encode() if isinstance(data, str) else data)
 
 
+def save_png(fig, path, what: str = "plot", dpi: int = 120):
+    """A matplotlib figure laid out (tight_layout), written as a PNG through atomic_file, then closed -> path."""
+    import matplotlib.pyplot as plt
+    fig.tight_layout()
+    with atomic_file(path, what) as f:
+        fig.savefig(f, format="png", dpi=dpi)
+    plt.close(fig)
+    return path
+
+
 def append_line(path, line: str, what: str = "results file", error=UsageError):
     """One line appended to a results file, created if missing: opened without following a link (O_NOFOLLOW) and
     without waiting for a reader (O_NONBLOCK: a FIFO is refused, never a hang), it must be a regular file; the line

@@ -39,9 +39,9 @@ import torch.nn.functional as F
 
 import graphs
 from harness.checkpoint import load_source_model, tokenizer_from_spec
-from harness.cli import (DTYPES, MIN_TEMPERATURE, UsageError, append_line, atomic_file, check_output_file,
+from harness.cli import (DTYPES, MIN_TEMPERATURE, UsageError, append_line, check_output_file,
                          check_writable_dir, comma_list, fields_problem, number, one_of, path_arg, read_json,
-                         run_child, seed_arg, user_input, write_atomic)
+                         run_child, save_png, seed_arg, user_input, write_atomic)
 from harness.curve import read_curve
 from harness.data import step_generator
 from harness.device import pick_device, pick_dtype
@@ -467,11 +467,7 @@ def recovery_plot(settings, done, path: Path) -> Path | None:
     ax.set_title(f"Recovery of {settings['source']} conversions")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    with atomic_file(path, "plot") as f:
-        fig.savefig(f, format="png", dpi=120)
-    plt.close(fig)
-    return path
+    return save_png(fig, path)
 
 
 def exits_stage(args, settings, done, common, out) -> dict:

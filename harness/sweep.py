@@ -47,8 +47,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness import tasks
-from harness.cli import (Stopped, Terminated, UsageError, append_line, atomic_file, check_output_file,
-                         check_writable_dir, comma_list, fields_problem, number, path_arg, read_json, write_atomic)
+from harness.cli import (Stopped, Terminated, UsageError, append_line, check_output_file,
+                         check_writable_dir, comma_list, fields_problem, number, path_arg, read_json, save_png,
+                         write_atomic)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -883,11 +884,7 @@ def png_plot(comp: Comparison, out: Path, steps: int, results: dict[str, dict], 
     ax.grid(True, which="both", alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    with atomic_file(path, "plot") as f:
-        fig.savefig(f, format="png", dpi=120)
-    plt.close(fig)
-    return path
+    return save_png(fig, path)
 
 
 def write_report(comp: Comparison, out: Path, steps: int, results: dict[str, dict], png: bool = True

@@ -1,5 +1,6 @@
 """Shared test setup: CPU, fp32, deterministic; the Triton interpreter when no GPU is present."""
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -23,6 +24,20 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import pytest  # noqa: E402
+
+
+@pytest.fixture
+def no_hang():
+    """A read or wait that never ends (a FIFO without a writer, /dev/zero, a child that stopped answering) fails the
+    test after 120 s instead of hanging it; a test that merely runs slowly on a busy machine stays far below that."""
+    def alarm(signum, frame):
+        raise AssertionError("hung: waited 120 s (a read or wait that never ends)")
+
+    previous = signal.signal(signal.SIGALRM, alarm)
+    signal.alarm(120)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.fixture(autouse=True)

