@@ -492,7 +492,7 @@ def sweep(comp: Comparison, out: Path, runner, cache_dir: str = "data_cache", st
         reused.update({k: r for k, r in read_results(Path(d) / "results.jsonl", missing_ok=False).items()
                        if r["status"] in ("done", "failed")})
     n_total, t_start, timings = total_runs(comp), time.time(), []
-    i = 0
+    i, queued = 0, set()  # runs numbered so far; keys of those numbered to run and not yet finished
 
     def todo(run: Run) -> bool:
         """Numbers the run; False where its result is recorded here or copied from a --reuse sweep."""
@@ -509,6 +509,7 @@ def sweep(comp: Comparison, out: Path, runner, cache_dir: str = "data_cache", st
             echo(f"[{i}/{n_total}] {describe(run)}: reused from {rec['reused_from']} -> {score_text(comp, rec)}")
             return False
         run.tag = f"[{i}/{n_total}]"
+        queued.add(run.key)
         return True
 
     def work(run: Run, layout: Run | None, t0: float):
@@ -517,8 +518,9 @@ def sweep(comp: Comparison, out: Path, runner, cache_dir: str = "data_cache", st
         results[run.key] = rec
         if rec.get("wall_s"):
             timings.append(rec["wall_s"])
-        left = n_total - int(run.tag[1:].split("/")[0])
-        eta = (f"; ~{fmt_minutes(statistics.mean(timings) * left / parallel)} of runs left ({left} runs)"
+        queued.discard(run.key)
+        left = len(queued)  # the phase's runs still to run (a later phase's are not known yet: the seeds wait for
+        eta = (f"; ~{fmt_minutes(statistics.mean(timings) * left / parallel)} for the {left} runs queued"  # the grid)
                if timings and left else "")
         echo(f"{run.tag} -> {score_text(comp, rec)} | {fmt_minutes(rec.get('wall_s', 0))}; sweep "
              f"{fmt_minutes(time.time() - t_start)} in{eta}")

@@ -159,6 +159,29 @@ def test_a_best_at_an_edge_of_the_grid_runs_the_learning_rates_beyond_it(tmp_pat
     assert f"{len(runner.train)} of {len(runner.train)} runs recorded" in text
 
 
+def test_the_runs_left_count_what_is_still_to_run(tmp_path):
+    """The progress line's count of queued runs is the runs still to run, not the run's place in the plan: a sweep
+    whose only missing record is its third run has nothing queued once that run ends."""
+    comp = dataclasses.replace(sweep.COMPARISONS["double-tiny"], extend=0)
+    sweep.sweep(comp, tmp_path, FakeRunner(), echo=lambda s: None)
+    path = tmp_path / "results.jsonl"
+    third = sweep.grid_runs(comp, tmp_path, comp.steps, {})[2]
+    path.write_text("".join(ln + "\n" for ln in path.read_text().splitlines() if json.loads(ln)["key"] != third.key))
+    (third.out / "ckpt.pt").unlink()
+    lines, runner = [], FakeRunner()
+    sweep.sweep(comp, tmp_path, runner, echo=lines.append)
+    assert len(runner.train) == 1
+    done = [ln for ln in lines if ln.startswith("[3/22] -> ")]
+    assert len(done) == 1 and "queued" not in done[0], lines
+    lines = []
+    path.write_text("".join(ln + "\n" for ln in path.read_text().splitlines()
+                            if json.loads(ln)["kind"] != "seed"))  # the four seed runs to run again, after the grid
+    sweep.sweep(comp, tmp_path, FakeRunner(), echo=lines.append)
+    left = [int(re.search(r"for the (\d+) runs queued", ln).group(1)) if "queued" in ln else 0 for ln in lines
+            if re.match(r"\[\d+/22\] -> ", ln)]
+    assert left == [3, 2, 1, 0], lines
+
+
 def test_a_stopped_sweep_resumes_and_runs_no_recorded_run_again(tmp_path):
     first = FakeRunner(stop_at=5)
     with pytest.raises(Stopped):
