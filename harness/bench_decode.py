@@ -596,26 +596,33 @@ def search_window(P: int, G: int, n_tokens: int) -> tuple[int, int]:
     return n, min(P + G // 2, P + G - 1 - 2 * n)
 
 
+def warm_window(model, B: int, P: int, G: int, n_tokens: int, device):
+    """The start of a decode window of B rows at the setting's mean context (search_window): a prefill of random
+    tokens and n decode steps, untimed (every step kind runs once -- a Block Transformer's steps differ within a
+    block -- and cpu_tuning measures each new shape's CPU form) -> (cache, the last token, n): room for n more steps."""
+    n, ctx = search_window(P, G, n_tokens)
+    cache = model.generation_cache(B, ctx, 2 * n + 1)
+    tok = sample_next(model.prefill(torch.randint(0, model.config.vocab_size - 1, (B, ctx), device=device), cache))
+    for _ in range(n):
+        tok = sample_next(model.decode_step(tok, cache))
+    return cache, tok, n
+
+
 def search_batch(model, P, G, top, n_tokens, device, buckets_only: bool = False, stop=None) -> tuple[int, dict]:
     """The batch search: at batch 1, 2, 4, ... and `top` (the largest batch the memory budget allows; buckets_only:
-    only the batches a graphed model runs unpadded, graphs.batch_bucket(B) == B), the decode throughput
-    at the setting's mean context (search_window): a prefill of about P + G // 2 random tokens and n decode steps
-    (untimed: every step kind runs once -- a Block Transformer's steps differ within a block -- and cpu_tuning measures
-    each new shape's CPU form, seconds at a large batch, before the clock starts), then n timed decode steps (greedy)
-    -> (the batch with the most decode tokens/s, {batch: tokens/s}). It only selects the batch (a short run at the
-    start of a long generation would hide what a long context costs); the reported throughput is then timed on the
-    full setting. stop() (optional), asked before each batch after the first: True ends the search there (a capped
-    run), with the batches measured so far."""
-    n, ctx = search_window(P, G, n_tokens)
+    only the batches a graphed model runs unpadded, graphs.batch_bucket(B) == B), the decode throughput at the
+    setting's mean context: warm_window's prefill and n untimed decode steps (cpu_tuning's measurements of new shapes,
+    seconds at a large batch, happen before the clock starts), then n timed decode steps (greedy) -> (the batch with
+    the most decode tokens/s, {batch: tokens/s}). It only selects the batch (a short run at the start of a long
+    generation would hide what a long context costs); the reported throughput is then timed on the full setting.
+    stop() (optional), asked before each batch after the first: True ends the search there (a capped run), with the
+    batches measured so far."""
     found = {}
     batches = {2 ** i for i in range(top.bit_length())} | {top}
     for B in sorted(b for b in batches if not buckets_only or graphs.batch_bucket(b) == b):
         if found and stop is not None and stop():
             break
-        cache = model.generation_cache(B, ctx, 2 * n + 1)
-        tok = sample_next(model.prefill(torch.randint(0, model.config.vocab_size - 1, (B, ctx), device=device), cache))
-        for _ in range(n):
-            tok = sample_next(model.decode_step(tok, cache))
+        cache, tok, n = warm_window(model, B, P, G, n_tokens, device)
         sync(device)
         t0 = time.perf_counter()
         for _ in range(n):
@@ -651,15 +658,12 @@ PROFILE_STEPS = 64  # decode steps bench.py block --profile records (16 blocks o
 
 def profile_decode(model, P: int, G: int, batch: int, n_tokens: int, device) -> str:
     """n_tokens decode steps (greedy) of `batch` rows at the setting's mean context under torch.profiler, after the
-    same prefill and untimed steps as search_batch (search_window) -> where a decode step's time goes: matmuls (with
+    same prefill and untimed steps as search_batch (warm_window) -> where a decode step's time goes: matmuls (with
     the GFLOP/s of those the profiler counts flops for: aten::mm and addmm), attention, the argmax of greedy sampling
     and everything else, per token step. A window at the mean context, not the whole generation: the profiler keeps
     every event, and a 2,048-token generation at batch 158 outgrew a 23 GB machine's memory."""
-    n, ctx = search_window(P, G, n_tokens)
-    cache = model.generation_cache(batch, ctx, 2 * n + 1)
-    tok = sample_next(model.prefill(torch.randint(0, model.config.vocab_size - 1, (batch, ctx), device=device), cache))
-    for _ in range(n):  # untimed: every step kind once, and cpu_tuning's first-use measurements
-        tok = sample_next(model.decode_step(tok, cache))
+    ctx = search_window(P, G, n_tokens)[1]
+    cache, tok, n = warm_window(model, batch, P, G, n_tokens, device)
     with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
         for _ in range(n):
             tok = sample_next(model.decode_step(tok, cache))

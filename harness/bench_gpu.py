@@ -75,7 +75,8 @@ from harness import bench_serve
 from harness.bench_common import (check_bench_memory, device_name, hf_generate, hf_llama, json_safe, kv_of, med,
                                   per_round, rounds, spread)
 from harness.bench_decode import (block_lengths, block_pair, block_pair_memory, block_ratios, block_systems,
-                                  generation_bytes, generation_times, search_batch)
+                                  generation_bytes, generation_times, search_batch,
+                                  search_window)
 from harness.bench_train import (check_nanogpt, optimizer_for, param_counts, train_batch, train_memory, train_models,
                                  train_step)
 from harness.cli import (DTYPES, check_output_file, check_writable_dir, comma_list, number, one_of, path_arg,
@@ -687,7 +688,7 @@ def section_block(ctx: Ctx, rows: list):
     top = {k: budget // generation_bytes(m, P, G) for k, m in models.items()}
     if min(top.values()) < 1:
         raise ValueError(f"a model does not fit {sz.block_budget_mib} MiB of caches at batch 1")
-    n_search = min(G - 2, sz.block_search)
+    n_search = search_window(P, G, sz.block_search)[0]
     best = {}
     for k, m in models.items():  # the batch search runs the eager steps: one graph per batch would not fit the time
         t0, cut = time.perf_counter(), []  # each model's search takes at most a quarter of the section's cap

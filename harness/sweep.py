@@ -519,8 +519,9 @@ def sweep(comp: Comparison, out: Path, runner, cache_dir: str = "data_cache", st
         if rec.get("wall_s"):
             timings.append(rec["wall_s"])
         queued.discard(run.key)
-        left = len(queued)  # the phase's runs still to run (a later phase's are not known yet: the seeds wait for
-        eta = (f"; ~{fmt_minutes(statistics.mean(timings) * left / parallel)} for the {left} runs queued"  # the grid)
+        # the phase's runs still to run (a later phase's are not known yet: the seeds wait for the grid)
+        left = len(queued)
+        eta = (f"; ~{fmt_minutes(statistics.mean(timings) * left / parallel)} for the {left} runs queued"
                if timings and left else "")
         echo(f"{run.tag} -> {score_text(comp, rec)} | {fmt_minutes(rec.get('wall_s', 0))}; sweep "
              f"{fmt_minutes(time.time() - t_start)} in{eta}")
@@ -727,6 +728,12 @@ def edge_note(side: Side, run: Run, lrs: list[float]) -> str:
     return "; ".join(notes)
 
 
+def extend_rule(comp: Comparison) -> str:
+    """The grid's extension (side_lrs) in words, for the table and the plan."""
+    return ("a side whose best learning rate lies at an edge of its grid runs the next one beyond it, x2 or /2, at "
+            "every weight decay" + (f", up to {comp.extend} times" if comp.extend > 1 else ""))
+
+
 def budget_line(comp: Comparison, steps: int, results: dict[str, dict], keys: set[str], n_total: int) -> str:
     argv = comp.recipe_flags(steps)
     if comp.score == "acc":
@@ -737,9 +744,7 @@ def budget_line(comp: Comparison, steps: int, results: dict[str, dict], keys: se
     recs = [results[k] for k in keys if k in results and results[k]["status"] in ("done", "failed")]
     spent = sum(r.get("wall_s") or 0 for r in recs if "reused_from" not in r)
     cpus = sorted({r["cpu"] for r in recs if r.get("cpu")})
-    extend = (f" (a side whose best learning rate lies at an edge of its grid runs the next one beyond it, x2 or /2, "
-              f"at every weight decay{'' if comp.extend == 1 else f', up to {comp.extend} times'})"
-              if comp.extend else "")
+    extend = f" ({extend_rule(comp)})" if comp.extend else ""
     return (f"Budget per run: {steps} steps x {per_step} ({what}), warmup {min(200, steps // 10)} steps then cosine "
             f"to lr / 10, the same for every side and seed; grid at seed {comp.seeds[0]}{extend}, each side's best "
             f"again at seeds {', '.join(map(str, comp.seeds[1:]))}. {len(recs)} of {n_total} runs "
@@ -967,8 +972,7 @@ def plan_text(comp: Comparison, out: Path, steps: int, results: dict[str, dict],
         lines.append(f"[{n}] ({state}) {describe(run)}: {shown(train_cmd(run, args.cache_dir), lock)}"
                      + (f" && {shown(scmd, lock)}" if scmd else ""))
     if comp.extend:
-        lines.append("then: a side whose best learning rate lies at an edge of its grid runs the next one beyond it "
-                     "(x2 or /2) at every weight decay" + (f", up to {comp.extend} times" if comp.extend > 1 else ""))
+        lines.append(f"then: {extend_rule(comp)}")
     for side in comp.sides:
         if side.name not in best:
             lines.append(f"then: {side.name}'s best grid setting again at seeds "
