@@ -1,10 +1,17 @@
-"""Shared test setup: CPU, fp32, deterministic; the Triton interpreter when no GPU is present."""
+"""Shared test setup: CPU, fp32, deterministic, one thread; the Triton interpreter when no GPU is present."""
 import os
 import signal
 import sys
 from pathlib import Path
 
-import torch
+# One intra-op thread, in this process and the commands the tests start: the tests' tensors are tiny, and threads only
+# add synchronisation there -- on a 2-core machine that other jobs keep busy, two threads per process made the suite
+# several times slower. OMP_NUM_THREADS=N before pytest keeps N.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # Triton reads TRITON_INTERPRET when a kernel is defined, so set it before any test imports kernels.py.
 if not torch.cuda.is_available():

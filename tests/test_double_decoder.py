@@ -22,15 +22,6 @@ from model import GPT, IGNORE
 V = 61
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny matmuls: intra-op threads only add synchronisation (on a shared 2-core machine, 100x slower)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def tiny_cfg(**kw):
     base = dict(ctx_layers=2, gen_layers=1, n_head=4, n_kv_head=2, n_embd=32, mlp_hidden=64, max_seq_len=64,
                 vocab_size=V)
