@@ -75,8 +75,7 @@ from harness import bench_serve
 from harness.bench_common import (check_bench_memory, device_name, hf_generate, hf_llama, json_safe, kv_of, med,
                                   per_round, rounds, spread)
 from harness.bench_decode import (block_lengths, block_pair, block_pair_memory, block_ratios, block_systems,
-                                  generation_bytes, generation_times, search_batch,
-                                  search_window)
+                                  generation_bytes, generation_times, search_batch, search_window)
 from harness.bench_train import (check_nanogpt, optimizer_for, param_counts, train_batch, train_memory, train_models,
                                  train_step)
 from harness.cli import (DTYPES, check_output_file, check_writable_dir, comma_list, number, one_of, path_arg,
