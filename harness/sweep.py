@@ -628,6 +628,12 @@ def fmt_minutes(s: float) -> str:
     return f"{s // 3600} h {s % 3600 // 60:02d} min" if s >= 3600 else f"{s // 60} min {s % 60:02d} s"
 
 
+def was_stopped(code: int) -> bool:
+    """A child's exit code that says it was stopped (cli's `stopped: ...`, 130, or killed by SIGINT), not that it
+    failed: the sweep stops too, and the run's checkpoint stays for the resume."""
+    return code == 130 or code == -signal.SIGINT
+
+
 def execute(comp, run: Run, rec, runner, cache_dir, layout, results_file, lock, echo, tag, t0) -> dict:
     """One run: train (or resume, or only score where its training is recorded), score, record; t0: when its group
     asked for the CPU lock. -> its record."""
@@ -647,12 +653,12 @@ def execute(comp, run: Run, rec, runner, cache_dir, layout, results_file, lock, 
         resume = run.ckpt.is_file()
         code, lines = runner.run(resume_cmd(run, cache_dir) if resume else train_cmd(run, cache_dir), log)
         val, acc = parse_val(lines)
-        if resume and (code != 0 or val is None):  # a checkpoint it cannot continue: start again
+        if resume and not was_stopped(code) and (code != 0 or val is None):  # a checkpoint it cannot continue
             echo(f"    {run.name}: its checkpoint did not resume (exit code {code}); training it again")
             run.ckpt.unlink()
             code, lines = runner.run(train_cmd(run, cache_dir), log)
             val, acc = parse_val(lines)
-        if code == 130 or code == -signal.SIGINT:
+        if was_stopped(code):
             raise Stopped(f"run {run.name} was stopped; its checkpoint is in {run.out}: the same command "
                           f"resumes the sweep there")
         if code == 2 or (code == 0 and val is None) or (val is not None and not math.isfinite(val)):
@@ -672,7 +678,7 @@ def execute(comp, run: Run, rec, runner, cache_dir, layout, results_file, lock, 
         score, extras = (None, {}) if run.kind == "source" else parse_score(comp, run, [], val, acc)
     else:
         code, lines = runner.run(scmd, log)
-        if code in (130, -signal.SIGINT):
+        if was_stopped(code):
             raise Stopped(f"the evaluation of {run.name} was stopped: the same command resumes the sweep there")
         score, extras = parse_score(comp, run, lines, val, acc)
         if code != 0 or score is None:

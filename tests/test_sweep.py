@@ -203,6 +203,18 @@ def test_a_stopped_sweep_resumes_and_runs_no_recorded_run_again(tmp_path):
     assert third.train == [] and third.evals == []
 
 
+def test_a_resumed_run_stopped_again_stops_the_sweep_and_keeps_its_checkpoint(tmp_path):
+    """A stop that reaches a resuming run (exit code 130) is a stop, not a checkpoint that cannot continue: the sweep
+    stops at once, the checkpoint stays, and nothing is trained from scratch."""
+    with pytest.raises(Stopped):
+        run_sweep("double-tiny", tmp_path, FakeRunner(stop_at=2))
+    again = FakeRunner(stop_at=1)
+    with pytest.raises(Stopped):
+        run_sweep("double-tiny", tmp_path, again)
+    assert len(again.train) == 1 and again.train[0][2] == "--resume", again.train
+    assert os.path.isfile(os.path.join(flag(again.train[0], "--out-dir"), "ckpt.pt"))
+
+
 def test_a_run_trained_but_not_scored_is_only_scored(tmp_path):
     first = FakeRunner(stop_eval_at=3)
     with pytest.raises(Stopped):
