@@ -434,7 +434,7 @@ class PLT(GPT):
                                         for _ in range(cfg.n_loop_norm_pairs))
         # learn_loop_scales: (a, b) of a * E + b * shift_right(H) as one learned pair, from the configured values
         self.loop_scales = (nn.Parameter(torch.tensor([cfg.loop_emb_scale, cfg.loop_hidden_scale]))
-                            if cfg.learn_loop_scales and cfg.parallel else None)
+                            if cfg.learn_loop_scales and cfg.adds_embedding else None)
         self.metrics = {}
 
     def make_blocks(self, cfg: PLTConfig) -> nn.ModuleList:
@@ -445,10 +445,13 @@ class PLT(GPT):
 
     def loop_input(self, e, h, loop):
         """Input of loop `loop` (0-based, >= 1) from the embeddings e and H^(loop) of the loop before, (B, T, C):
-        clp_input(E, shift_right(S(H))) with CLP, else S(H) itself (the sequential looped transformer); S is
-        loop_state (the identity, or the final norm)."""
+        clp_input(E, shift_right(S(H))) with CLP, else S(H) itself (the sequential looped transformer), or with
+        loop_embed clp_input(E, S(H)) at the same position (the ablation between the two); S is loop_state (the
+        identity, or the final norm)."""
         h = self.loop_state(h)
-        return self.clp_input(e, shift_right(h), loop) if self.config.clp else h
+        if self.config.clp:
+            return self.clp_input(e, shift_right(h), loop)
+        return self.clp_input(e, h, loop) if self.config.loop_embed else h
 
     def loop_state(self, h):
         """What the next loop reads of a loop's output H (B, T, C): H itself (the paper), or with loop_final_norm the
@@ -457,9 +460,9 @@ class PLT(GPT):
 
     def clp_input(self, e, h_prev, loop):
         """e (B, T, C) embeddings at positions i, h_prev (B, T, C) the previous loop's state S(H) at positions i - 1
-        -> the input of loop `loop` (0-based, >= 1) at i: a * n_E(e) + b * n_H(h_prev), where n_E, n_H are the
-        loop-input norms (identities with loop_input_norm="none") and a, b the scales (fixed or learned). The paper:
-        e + h_prev.
+        (at i with loop_embed) -> the input of loop `loop` (0-based, >= 1) at i: a * n_E(e) + b * n_H(h_prev), where
+        n_E, n_H are the loop-input norms (identities with loop_input_norm="none") and a, b the scales (fixed or
+        learned). The paper: e + h_prev.
 
         Training (shift_right) and decode_step (the cached h^(l)_(i-1)) both call this, so they compute the same."""
         e_part, h_part = self.clp_summands(e, h_prev, loop)
@@ -648,7 +651,7 @@ class PLTConfig(GPTConfig):
     gswa: bool = True  # loops >= 2 add a gated sliding window over their own K/V (needs kv_share)
     # CLP loop input (a deviation, see the module docstring): "none" is the paper's raw sum E + shift_right(H);
     # "shared" normalises both summands with learned norms, n_E(E) + n_H(shift_right(H)), one pair for every loop
-    # >= 2; "per_loop" gives each loop >= 2 its own pair. Used only where E is added (clp with n_loops > 1).
+    # >= 2; "per_loop" gives each loop >= 2 its own pair. Used only where E is added (clp or loop_embed, n_loops > 1).
     loop_input_norm: str = "shared"
     # The production forms (IQuest's LoopCoder-V2, its public serving code; the module docstring). Each default is the
     # paper's form.
@@ -656,6 +659,9 @@ class PLTConfig(GPTConfig):
     loop_hidden_scale: float = 1.0  # b (the paper: 1)
     learn_loop_scales: bool = False  # a and b learned: one pair for every loop >= 2, starting at the values above
     loop_final_norm: bool = False  # the next loop reads norm(H^(l)) through the head's final norm (LoopCoder)
+    # An ablation, not a row of Table 2: the sequential loop (clp=False) re-injects the token's embedding, loop l+1
+    # reading a * n_E(e_i) + b * n_H(h^(l)_i): CLP's input at the same position, without the shift (RESULTS.md).
+    loop_embed: bool = False
     gate_input: str = "query"  # G-SWA's gate from q after RoPE (Algorithm 3), or "residual": from norm(block input)
     window_keys: str = "w"  # G-SWA's window: "w" keys (the paper), or "w+1" (i-w..i: LoopCoder's training window)
 
@@ -665,7 +671,7 @@ class PLTConfig(GPTConfig):
         for name in ("n_loops", "window"):  # never a bool (True is an int to Python)
             need(self.is_int(getattr(self, name)) and getattr(self, name) >= 1,
                  f"{name}={getattr(self, name)!r} must be an int >= 1", field=name)
-        for name in ("clp", "kv_share", "gswa", "learn_loop_scales", "loop_final_norm"):
+        for name in ("clp", "kv_share", "gswa", "learn_loop_scales", "loop_final_norm", "loop_embed"):
             need(isinstance(getattr(self, name), bool), f"{name}={getattr(self, name)!r} must be True or False",
                  field=name)
         for name in ("loop_emb_scale", "loop_hidden_scale"):
@@ -678,6 +684,9 @@ class PLTConfig(GPTConfig):
         need(not (self.gswa and not self.kv_share),
              "gswa=True needs kv_share=True: G-SWA (Algorithm 3) mixes a window over a loop's own K/V with global "
              "attention over the first loop's shared K/V; without kv_share there is no shared K/V to mix with")
+        need(not (self.loop_embed and self.clp),
+             "loop_embed=True needs clp=False: it adds E to the sequential loop's input, and CLP's input already "
+             "has it (use --plt-variant loop)", field="loop_embed")
 
     # what is actually active (with one loop there is nothing to share or gate)
     @property
@@ -697,8 +706,12 @@ class PLTConfig(GPTConfig):
         return self.window + (self.window_keys == "w+1")
 
     @property
-    def n_loop_norm_pairs(self) -> int:  # (n_E, n_H) pairs of the CLP loop input
-        if not self.parallel or self.loop_input_norm == "none":
+    def adds_embedding(self) -> bool:  # loops >= 2 read E again (CLP, or the sequential loop with loop_embed)
+        return (self.clp or self.loop_embed) and self.n_loops > 1
+
+    @property
+    def n_loop_norm_pairs(self) -> int:  # (n_E, n_H) pairs of the loop input where E is added
+        if not self.adds_embedding or self.loop_input_norm == "none":
             return 0
         return 1 if self.loop_input_norm == "shared" else self.n_loops - 1
 
@@ -768,6 +781,9 @@ def add_args(ap: argparse.ArgumentParser):
     g.add_argument("--plt-loop-final-norm", action="store_true", default=None,
                    help="the next loop reads the previous loop's state through the shared final norm (LoopCoder's "
                         "plt_normalize_per_loop)")
+    g.add_argument("--plt-loop-embed", action="store_true", default=None,
+                   help="with --plt-variant loop: loop l+1 also reads the token's embedding, n_E(E) + n_H(H^(l)) at "
+                        "the same position (CLP's input without the shift; an ablation)")
     g.add_argument("--plt-gate", default=None, choices=GATE_INPUTS,
                    help="G-SWA gate from the query (default, Algorithm 3) or from the normed pre-attention residual "
                         "(LoopCoder's plt_gate_use_hidden_states)")
@@ -778,7 +794,8 @@ def add_args(ap: argparse.ArgumentParser):
 # flag dest -> PLTConfig field, for the flags that set one field each
 FLAG_FIELDS = {"plt_window": "window", "plt_loop_norm": "loop_input_norm", "plt_emb_scale": "loop_emb_scale",
                "plt_hidden_scale": "loop_hidden_scale", "plt_learn_scales": "learn_loop_scales",
-               "plt_loop_final_norm": "loop_final_norm", "plt_gate": "gate_input", "plt_window_keys": "window_keys"}
+               "plt_loop_final_norm": "loop_final_norm", "plt_loop_embed": "loop_embed", "plt_gate": "gate_input",
+               "plt_window_keys": "window_keys"}
 
 
 def config_overrides(args, tok=None) -> dict:

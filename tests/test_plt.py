@@ -22,9 +22,11 @@ FORMS = {"scales": dict(loop_emb_scale=0.7, loop_hidden_scale=0.05),
 SHAPE = dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, mlp_hidden=64, vocab_size=61, max_seq_len=32)
 W = 4  # a small window, so that prompts of 2 and 7 tokens are shorter and longer than it and decoding wraps the ring
 T = 11
-# (clp, kv_share, gswa): the rows of Table 2 beyond vanilla, plus LoopCoder's sequential kv_share (+ gswa)
+# (clp, kv_share, gswa): the rows of Table 2 beyond vanilla, plus LoopCoder's sequential kv_share (+ gswa), and the
+# sequential loop that re-injects the embedding (loop_embed, an ablation)
 SWITCHES = {"loop": (False, False, False), "clp": (True, False, False), "kv_share": (True, True, False),
-            "plt": (True, True, True), "seq_share": (False, True, False), "seq_gswa": (False, True, True)}
+            "plt": (True, True, True), "seq_share": (False, True, False), "seq_gswa": (False, True, True),
+            "loop_embed": (False, False, False)}
 
 
 def randomize(model, std=0.25):
@@ -40,6 +42,7 @@ def randomize(model, std=0.25):
 
 def make(n_loops=2, variant="plt", window=W, **kw):
     clp, kv_share, gswa = SWITCHES[variant]
+    kw = {"loop_embed": variant == "loop_embed", **kw}
     cfg = PLTConfig(**{**SHAPE, **kw}, n_loops=n_loops, window=window, clp=clp, kv_share=kv_share, gswa=gswa)
     return randomize(PLT(cfg))
 
@@ -81,7 +84,8 @@ def full_logit_scale(model, idx):
 
 
 @pytest.mark.parametrize("form", list(FORMS))
-@pytest.mark.parametrize("variant,n_loops", [("plt", 2), ("plt", 3), ("clp", 3), ("loop", 3), ("seq_gswa", 2)])
+@pytest.mark.parametrize("variant,n_loops", [("plt", 2), ("plt", 3), ("clp", 3), ("loop", 3), ("seq_gswa", 2),
+                                             ("loop_embed", 3)])
 @pytest.mark.parametrize("prompt_len", [2, 7])
 def test_decode_matches_forward_in_each_production_form(form, variant, n_loops, prompt_len):
     """Every LoopCoder form decodes exactly like its training forward (CLP and sequential, prompts shorter and
@@ -112,12 +116,14 @@ def rms_by_hand(x, weight, eps):
     return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
+@pytest.mark.parametrize("variant", ["plt", "loop_embed"])
 @pytest.mark.parametrize("form", ["paper", "scales", "learned_scales", "final_norm", "loopcoder"])
-def test_loop_input_formula(form):
+def test_loop_input_formula(form, variant):
     """The input of loop l >= 2 in the training forward, written out here: a * E + b * [0, S(H^(l-1))_0..T-2] with
-    a = b = 1 (the paper), the configured or learned a, b, and S the final RMSNorm (loop_final_norm) or identity."""
+    a = b = 1 (the paper), the configured or learned a, b, and S the final RMSNorm (loop_final_norm) or identity;
+    with loop_embed (the sequential loop) a * E + b * S(H^(l-1)), not shifted."""
     fields = {**FORMS.get(form, {}), "loop_input_norm": "none"}
-    model = make(3, "plt", **fields)
+    model = make(3, variant, **fields)
     if model.loop_scales is not None:
         with torch.no_grad():
             model.loop_scales.copy_(torch.tensor([0.3, 1.7]))  # learned values, away from the initial ones
@@ -130,8 +136,8 @@ def test_loop_input_formula(form):
         h = outs[l - 1]
         if fields.get("loop_final_norm"):
             h = rms_by_hand(h, model.norm.weight, model.config.norm_eps)
-        shifted = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], dim=1)
-        torch.testing.assert_close(ins[l], a * e + b * shifted, rtol=0, atol=1e-5)
+        prev = h if variant == "loop_embed" else torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], dim=1)
+        torch.testing.assert_close(ins[l], a * e + b * prev, rtol=0, atol=1e-5)
     if model.loop_scales is not None:  # learned: both get a gradient
         model(idx)[0].square().mean().backward()
         assert model.loop_scales.grad.abs().min() > 0
@@ -379,7 +385,7 @@ def test_from_vanilla_with_loops():
 # -- the shift removes same-position dependence ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("variant", ["clp", "kv_share", "plt", "loop"])
+@pytest.mark.parametrize("variant", ["clp", "kv_share", "plt", "loop", "loop_embed"])
 @pytest.mark.parametrize("norm", ["none", "shared"])
 def test_shift_breaks_same_position_dependence(variant, norm):
     """d H^(2)_i / d H^(1)_j is zero for j >= i with CLP (only earlier positions feed loop 2), nonzero at j = i
@@ -398,7 +404,7 @@ def test_shift_breaks_same_position_dependence(variant, norm):
     i = 5
     (grad,) = torch.autograd.grad(h2[0, i].sum(), h1_leaf)
     per_pos = grad[0].abs().sum(-1)  # (n,)
-    if variant == "loop":
+    if variant in ("loop", "loop_embed"):
         assert per_pos[i] > 1e-3
     else:
         assert torch.all(per_pos[i:] == 0)
@@ -408,6 +414,7 @@ def test_shift_breaks_same_position_dependence(variant, norm):
 @pytest.mark.parametrize("variant,norm,n_loops,pairs", [
     ("clp", "none", 3, 0), ("clp", "shared", 3, 1), ("plt", "per_loop", 3, 2), ("clp", "per_loop", 2, 1),
     ("loop", "shared", 3, 0),  # no CLP: loop l >= 2 reads H alone, nothing to normalise
+    ("loop_embed", "shared", 3, 1), ("loop_embed", "per_loop", 3, 2), ("loop_embed", "none", 2, 0),  # E re-injected
 ])
 def test_loop_input_norms(variant, norm, n_loops, pairs):
     """loop_input_norm builds the documented (n_E, n_H) pairs; each pair gets a gradient (per_loop: loop l uses pair
@@ -424,6 +431,8 @@ def test_loop_input_norms(variant, norm, n_loops, pairs):
         a, b = model.loop_input(e, h, loop), model.loop_input(e, 50 * h, loop)
         if pairs:  # the same input at any scale of H (up to the norm's eps)
             torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
+        elif variant == "loop_embed":  # the raw sum at the same position
+            torch.testing.assert_close(b - a, 49 * h)
         elif variant != "loop":  # the paper's raw sum: H^(l-1) at 50x swamps E
             torch.testing.assert_close(b - a, 49 * shift_right(h))
 
@@ -498,6 +507,8 @@ def test_config_errors():
         PLTConfig(**SHAPE, n_loops=0)
     with pytest.raises(ValueError, match="gswa=True needs kv_share"):
         PLTConfig(**SHAPE, kv_share=False, gswa=True)
+    with pytest.raises(ValueError, match="loop_embed=True needs clp=False"):
+        PLTConfig(**SHAPE, loop_embed=True)
     with pytest.raises(ValueError, match="unknown PLT variant"):
         variant_fields("nope")
     with pytest.raises(ValueError, match="vanilla"):
@@ -505,7 +516,7 @@ def test_config_errors():
     with pytest.raises(ValueError, match="bad GPTConfig"):
         PLTConfig(**{**SHAPE, "n_kv_head": 3})
     for field, bad in (("loop_emb_scale", -0.5), ("loop_hidden_scale", float("nan")), ("loop_emb_scale", True),
-                       ("learn_loop_scales", 1), ("loop_final_norm", "yes"), ("gate_input", "key"),
+                       ("learn_loop_scales", 1), ("loop_final_norm", "yes"), ("loop_embed", 1), ("gate_input", "key"),
                        ("window_keys", "w+2")):
         with pytest.raises(ValueError, match=field):
             PLTConfig(**SHAPE, **{field: bad})
@@ -563,6 +574,9 @@ def test_production_form_flags():
     assert config_overrides(args) == dict(clp=True, kv_share=True, gswa=True, loop_input_norm="none",
                                           loop_emb_scale=0.7, loop_hidden_scale=0.05, learn_loop_scales=True,
                                           loop_final_norm=True, gate_input="residual", window_keys="w+1")
+    args = ap.parse_args(["--arch", "plt", "--plt-variant", "loop", "--plt-loop-embed"])
+    train.resolve_defaults(args, table["plt"])
+    assert config_overrides(args) == dict(clp=False, kv_share=False, gswa=False, loop_embed=True)
     from harness.cli import UsageError
 
     for flag in ("--plt-emb-scale", "--plt-hidden-scale"):
