@@ -72,7 +72,12 @@ at g = 0.5). With "w+1" the rings hold w + 1 slots, so decoding still equals the
 (L-1) w d becomes (L-1)(w+1) d. Every form goes through the same clp_input / loop_state / PLTAttention code in
 training and in decode_step (tests/test_plt.py checks each formula against its own writing-out, and decode == forward
 for each). LoopCoder itself decodes its loops one after another (no CLP); here a and b apply where E is added (CLP
-rows), loop_final_norm, the gate and the window to every row that has a next loop, a gate or a window.
+rows, loop_embed), loop_final_norm, the gate and the window to every row that has a next loop, a gate or a window.
+
+One ablation, neither the paper's nor LoopCoder's: loop_embed (--plt-loop-embed, with --plt-variant loop) gives the
+sequential loop CLP's input at the same position, a * n_E(e_i) + b * n_H(S(h^(l-1)_i)), no shift. It separates the two
+things CLP changes in loop 2's input, the token's embedding read again and the previous position's state (RESULTS.md,
+"Table 2 at CPU scale").
 
 Decoding (Algorithm 1): `prefill` runs the training forward on the prompt and keeps K_share/V_share (one KV cache
 layer per stack layer), each non-first loop's last w keys/values (ring buffers: slot = position % w), and each
