@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import signal
 import threading
 
 import torch.distributed as dist
@@ -70,7 +71,8 @@ def rendezvous(rank: int, world: int, seconds: float | None = None):
 
     thread = threading.Thread(target=meet, name="ddp-rendezvous", daemon=True)
     with _quiet_stderr():
-        thread.start()
+        with _signals_held():  # a signal handled inside start() breaks threading's own lock: after it, not during
+            thread.start()
         while thread.is_alive():
             thread.join(0.25)
     if "error" in out:
@@ -79,6 +81,22 @@ def rendezvous(rank: int, world: int, seconds: float | None = None):
                          f"{seconds:g} s ({type(e).__name__}: {one_line(e)[:200]}): did every process start, with the "
                          f"same MASTER_ADDR and MASTER_PORT?") from None
     return out["store"]
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """Ctrl-C and SIGTERM held back for the block, then handled as they would have been. Thread.start() waits on a
+    Condition, and the exception a handler raises inside that wait leaves its lock released twice (RuntimeError:
+    release unlocked lock, a traceback where `stopped: ...` belongs). The new thread inherits the mask, so the signals
+    go to this thread; where pthread_sigmask is missing (Windows) nothing is held."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 @contextlib.contextmanager

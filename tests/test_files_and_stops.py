@@ -754,6 +754,45 @@ def test_a_ddp_rendezvous_that_cannot_complete_is_one_error_in_bounded_time(tmp_
     assert list((tmp_path / "o").iterdir()) == []
 
 
+class _Stopped(Exception):
+    pass
+
+
+def _stop(signum, frame):
+    raise _Stopped(signum)
+
+
+@pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="no signal masks on this platform")
+def test_a_signal_while_the_rendezvous_thread_starts_is_handled_after_the_start(monkeypatch):
+    """SIGTERM arriving inside Thread.start() (which waits on a Condition) would raise inside threading's own lock and
+    leave it broken (RuntimeError: release unlocked lock, a traceback where `stopped: ...` belongs). rendezvous holds
+    Ctrl-C and SIGTERM back while the thread starts: a SIGTERM sent from inside start() is pending there, then handled,
+    once, as soon as start() has returned; afterwards nothing is held."""
+    from harness import ddp
+
+    held, real_start = [], threading.Thread.start
+
+    def start(self):
+        if self.name == "ddp-rendezvous":
+            held.append(signal.pthread_sigmask(signal.SIG_BLOCK, []))
+            signal.raise_signal(signal.SIGTERM)  # held: pending until start() returns
+            held.append(signal.sigpending())
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    old = signal.signal(signal.SIGTERM, _stop)
+    try:
+        with pytest.raises(_Stopped):
+            ddp.rendezvous(1, 2, seconds=1)
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert {signal.SIGINT, signal.SIGTERM} <= held[0] and signal.SIGTERM in held[1]
+    assert not {signal.SIGINT, signal.SIGTERM} & signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    assert signal.SIGTERM not in signal.sigpending()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_stops_a_ddp_rendezvous_that_waits(tmp_path, sig):
