@@ -774,13 +774,15 @@ def add_args(ap: argparse.ArgumentParser):
                    help="row of Table 2: vanilla (L=1) | loop (sequential) | clp | kv_share | plt (default: plt)")
     g.add_argument("--plt-window", type=int, default=None, help="G-SWA window w in keys, current included (64)")
     g.add_argument("--plt-loop-norm", default=None, choices=LOOP_INPUT_NORMS,
-                   help="CLP loop input: none = the paper's E + shift_right(H); shared / per_loop = learned norms on "
-                        "both summands (default shared; see plt.py)")
+                   help="CLP loop input (and --plt-loop-embed's): none = the paper's E + shift_right(H); shared / "
+                        "per_loop = learned norms on both summands (default shared; see plt.py)")
     # LoopCoder-V2's forms (plt.py's docstring); unset = the paper's
     g.add_argument("--plt-emb-scale", type=float, default=None,
-                   help="a of the CLP loop input a*E + b*shift_right(H) (default 1, the paper)").bounds = {"min": 0}
+                   help="a of the CLP loop input a*E + b*shift_right(H), and of --plt-loop-embed's (default 1, "
+                        "the paper)").bounds = {"min": 0}
     g.add_argument("--plt-hidden-scale", type=float, default=None,
-                   help="b of the CLP loop input a*E + b*shift_right(H) (default 1, the paper)").bounds = {"min": 0}
+                   help="b of the CLP loop input a*E + b*shift_right(H), and of --plt-loop-embed's (default 1, "
+                        "the paper)").bounds = {"min": 0}
     g.add_argument("--plt-learn-scales", action="store_true", default=None,
                    help="learn a and b (one pair, starting at --plt-emb-scale / --plt-hidden-scale)")
     g.add_argument("--plt-loop-final-norm", action="store_true", default=None,
